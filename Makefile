@@ -1,0 +1,39 @@
+# Two commands do all set-up on a fresh machine: `make run` and `make test`.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(VENV)/bin/pip
+STAMP := $(VENV)/.installed
+MODEL ?= smollm2-135m-instruct
+PROMPT ?= What is the capital of France? Answer in one sentence.
+
+.PHONY: run test test-all bench lint clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	# the CPU build of torch lies on this machine's disk; a bare `torch` would download a CUDA build
+	$(PIP) install -q torch==2.13.0
+	$(PIP) install -q -e '.[dev]'
+	touch $(STAMP)
+
+run: $(STAMP)
+	$(VENV)/bin/lmplug models pull $(MODEL)
+	$(VENV)/bin/lmplug generate --chat --temperature 0 --max-tokens 64 --stats "$(PROMPT)"
+
+test: $(STAMP)
+	TRITON_INTERPRET=1 $(PY) -m pytest -q -m "not slow"
+
+test-all: $(STAMP)
+	$(VENV)/bin/lmplug models pull $(MODEL)
+	TRITON_INTERPRET=1 $(PY) -m pytest -q
+
+bench: $(STAMP)
+	$(VENV)/bin/lmplug models pull $(MODEL)
+	$(PY) benchmarks/bench_vs_hf.py
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check core plugins tests benchmarks
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,30 @@
+"""lmplug: an LLM inference engine in which every optimization is a plugin."""
+
+from lmplug.hookspecs import hookimpl, hookspec
+from lmplug.interfaces import (
+    AttentionBackend,
+    BackendOptions,
+    Capabilities,
+    Drafter,
+    KVCacheBackend,
+    KVLayerView,
+    MoEBackend,
+    QuantMethod,
+    Scheduler,
+    StepContext,
+)
+from lmplug.plugins import API_VERSION
+from lmplug.errors import ConfigError, LmplugError, ModelLoadError, PluginError
+from lmplug.config import EngineConfig
+from lmplug.engine.params import SamplingParams
+from lmplug.engine.outputs import CompletionOutput, RequestOutput
+from lmplug.llm import LLM
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "API_VERSION", "LLM", "AttentionBackend", "BackendOptions", "Capabilities", "CompletionOutput",
+    "ConfigError", "Drafter", "EngineConfig", "KVCacheBackend", "KVLayerView", "LmplugError",
+    "ModelLoadError", "MoEBackend", "PluginError", "QuantMethod", "RequestOutput", "SamplingParams",
+    "Scheduler", "StepContext", "hookimpl", "hookspec",
+]

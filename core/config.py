@@ -1,0 +1,212 @@
+"""``EngineConfig``: the YAML file users write, validated entirely at load time.
+
+Each plugin section names a backend (``backend:``, or ``method:`` for quant
+and speculative) and its options; the options are validated by that
+backend's pydantic ``Options`` model, so unknown keys and bad values fail
+here, with the file, the key, the value and what is allowed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from lmplug.errors import ConfigError
+from lmplug.interfaces import BackendInfo, BackendOptions
+from lmplug.plugins import Registry, get_registry
+
+DEFAULT_CONFIG = Path(__file__).parent / "configs" / "default.yaml"
+
+# config section -> (plugin family, key that names the backend)
+SECTIONS: dict[str, tuple[str, str]] = {
+    "kvcache": ("kvcache", "backend"),
+    "attention": ("attention", "backend"),
+    "scheduler": ("scheduler", "backend"),
+    "quant": ("quant", "method"),
+    "speculative": ("drafter", "method"),
+    "moe": ("moe", "backend"),
+}
+OPTIONAL_SECTIONS = {"quant", "speculative", "moe"}  # absent = feature off / not an MoE model
+
+
+class EngineConfig(BaseModel):
+    """Everything one engine is built from."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    model: str = Field(description="model name in the cache, HF folder, or .gguf file")
+    tokenizer: str | None = Field(default=None, description="tokenizer folder/file if not the model's")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    max_model_len: int | None = Field(default=None, ge=1, description="context limit; default: the model's")
+    seed: int = 0
+    attention: dict[str, Any] = Field(default_factory=lambda: {"backend": "auto"})
+    kvcache: dict[str, Any] = Field(default_factory=lambda: {"backend": "auto"})
+    scheduler: dict[str, Any] = Field(default_factory=lambda: {"backend": "auto"})
+    moe: dict[str, Any] | None = None
+    quant: dict[str, Any] | None = None
+    speculative: dict[str, Any] | None = None
+
+    # -- construction --------------------------------------------------------------
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], *, source: str = "config") -> EngineConfig:
+        try:
+            return cls.model_validate(data)
+        except ValidationError as exc:
+            raise ConfigError(_explain(exc, source)) from None
+
+    @classmethod
+    def from_yaml(cls, path: str | Path, **overrides: Any) -> EngineConfig:
+        path = Path(path)
+        try:
+            text = path.read_text()
+        except OSError as exc:
+            raise ConfigError(f"cannot read config file {path}: {exc.strerror}") from None
+        try:
+            data = yaml.safe_load(text) or {}
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"{path}: not valid YAML: {exc}") from None
+        if not isinstance(data, dict):
+            raise ConfigError(f"{path}: expected a mapping of options at the top level, got {type(data).__name__}")
+        return cls.from_dict(merge(data, overrides), source=str(path))
+
+    @classmethod
+    def default(cls, **overrides: Any) -> EngineConfig:
+        return cls.from_yaml(DEFAULT_CONFIG, **overrides)
+
+
+def merge(base: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
+    """Overrides win; plugin sections merge key by key (a new backend name drops old options)."""
+    out = dict(base)
+    for key, value in overrides.items():
+        if value is None and key not in OPTIONAL_SECTIONS:
+            continue
+        if key in SECTIONS and isinstance(value, str):
+            value = {SECTIONS[key][1]: value}
+        old = out.get(key)
+        if key in SECTIONS and isinstance(value, dict) and isinstance(old, dict):
+            name_key = SECTIONS[key][1]
+            if name_key in value and value[name_key] != old.get(name_key):
+                old = {}
+            value = {**old, **value}
+        out[key] = value
+    return out
+
+
+def _explain(exc: ValidationError, source: str) -> str:
+    lines = [f"{source}: invalid configuration"]
+    for err in exc.errors():
+        key = ".".join(str(p) for p in err["loc"]) or "(top level)"
+        if err["type"] == "extra_forbidden":
+            lines.append(f"  {key}: unknown option")
+        else:
+            lines.append(f"  {key}: {err['msg']} (got {err.get('input')!r})")
+    return "\n".join(lines)
+
+
+# -- choosing backends ------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ResolvedBackend:
+    info: BackendInfo
+    options: BackendOptions
+
+    @property
+    def name(self) -> str:
+        return self.info.name
+
+    @property
+    def cls(self) -> type:
+        return self.info.cls
+
+
+@dataclass(frozen=True)
+class ResolvedConfig:
+    """The config with every section's backend chosen and its options validated."""
+
+    config: EngineConfig
+    device: str
+    dtype: str
+    backends: dict[str, ResolvedBackend]  # section -> backend (optional sections only when set)
+
+
+def resolve(config: EngineConfig, *, device: str, dtype: str,
+            registry: Registry | None = None, source: str = "config") -> ResolvedConfig:
+    """Choose every backend and validate its options. Raises ``ConfigError``."""
+    registry = registry or get_registry()
+    chosen: dict[str, ResolvedBackend] = {}
+    for section, (family, name_key) in SECTIONS.items():
+        raw = getattr(config, section)
+        if raw is None:
+            continue
+        raw = dict(raw)
+        name = raw.pop(name_key, "auto" if section in ("kvcache", "attention", "scheduler", "moe") else None)
+        if name is None:
+            raise ConfigError(f"{source}: {section}: missing `{name_key}` (which {family} to use)")
+        info = _choose(registry, section, family, name, device, dtype, chosen, source)
+        try:
+            options = info.cls.Options(**raw)
+        except ValidationError as exc:
+            raise ConfigError(_explain_section(exc, source, section, info)) from None
+        chosen[section] = ResolvedBackend(info, options)
+    _check_layouts(chosen, source)
+    return ResolvedConfig(config, device, dtype, chosen)
+
+
+def _choose(registry: Registry, section: str, family: str, name: str, device: str, dtype: str,
+            chosen: dict[str, ResolvedBackend], source: str) -> BackendInfo:
+    if name != "auto":
+        try:
+            info = registry.get(family, name)
+        except Exception as exc:
+            raise ConfigError(f"{source}: {section}: {exc}") from None
+        caps = info.cls.capabilities
+        if not caps.fits(device, dtype):
+            raise ConfigError(f"{source}: {section}: {family} backend {name!r} does not run on "
+                              f"device {device!r} with dtype {dtype!r} ({caps.describe()})")
+        return info
+    candidates = [i for i in registry.backends(family).values() if i.cls.capabilities.fits(device, dtype)]
+    if section == "attention" and "kvcache" in chosen:
+        layout = _layout_of(chosen["kvcache"].info)
+        candidates = [i for i in candidates if layout in i.cls.capabilities.kv_layouts]
+    if not candidates:
+        available = ", ".join(sorted(registry.backends(family))) or "none installed"
+        raise ConfigError(f"{source}: {section}: no {family} backend fits device {device!r} and "
+                          f"dtype {dtype!r} (installed: {available})")
+    return max(candidates, key=lambda i: (i.cls.capabilities.priority, i.name))
+
+
+def _layout_of(info: BackendInfo) -> str:
+    layouts = info.cls.capabilities.kv_layouts
+    return next(iter(layouts)) if len(layouts) == 1 else ""
+
+
+def _check_layouts(chosen: dict[str, ResolvedBackend], source: str) -> None:
+    if "attention" not in chosen or "kvcache" not in chosen:
+        return
+    att, kv = chosen["attention"].info, chosen["kvcache"].info
+    provided = kv.cls.capabilities.kv_layouts
+    if not provided & att.cls.capabilities.kv_layouts:
+        raise ConfigError(
+            f"{source}: attention backend {att.name!r} (plugin {att.plugin}) reads KV layouts "
+            f"{sorted(att.cls.capabilities.kv_layouts)}, but kvcache backend {kv.name!r} "
+            f"(plugin {kv.plugin}) provides {sorted(provided)}; choose a matching pair")
+
+
+def _explain_section(exc: ValidationError, source: str, section: str, info: BackendInfo) -> str:
+    fields = info.cls.Options.model_fields
+    allowed = ", ".join(fields) or "none"
+    lines = [f"{source}: {section}: invalid options for {info.family} backend {info.name!r} "
+             f"(plugin {info.plugin})"]
+    for err in exc.errors():
+        key = ".".join(str(p) for p in err["loc"])
+        if err["type"] == "extra_forbidden":
+            lines.append(f"  {section}.{key}: unknown option (allowed: {allowed})")
+        else:
+            lines.append(f"  {section}.{key}: {err['msg']} (got {err.get('input')!r})")
+    return "\n".join(lines)

@@ -1,0 +1,222 @@
+"""``LLMEngine``: schedule -> execute -> sample -> update, one step at a time."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence as Seq
+
+import torch
+
+from lmplug.config import ResolvedConfig
+from lmplug.engine.build import EngineParts, build_engine_parts
+from lmplug.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from lmplug.engine.params import SamplingParams
+from lmplug.engine.sampler import sample, top_logprobs
+from lmplug.engine.sequence import Sequence, SequenceStatus
+from lmplug.engine.stopping import check_stop
+from lmplug.errors import ConfigError
+from lmplug.plugins import Registry, get_registry
+
+logger = logging.getLogger(__name__)
+
+
+class _Request:
+    def __init__(self, request_id: str, prompt: str | None, prompt_ids: list[int], seqs: list[Sequence],
+                 detokenizers: list) -> None:
+        self.request_id = request_id
+        self.prompt = prompt
+        self.prompt_ids = prompt_ids
+        self.seqs = seqs
+        self.detokenizers = detokenizers
+        self.sent_tokens = [0] * len(seqs)  # streaming: tokens already reported per sequence
+        self.sent_text = [0] * len(seqs)
+
+    @property
+    def finished(self) -> bool:
+        return all(s.is_finished for s in self.seqs)
+
+
+class LLMEngine:
+    def __init__(self, resolved: ResolvedConfig, registry: Registry | None = None) -> None:
+        self.registry = registry or get_registry()
+        self.resolved = resolved
+        self.config = resolved.config
+        self.registry.hook.lmplug_configure(config=self.config)
+        parts: EngineParts = build_engine_parts(resolved)
+        self.parts = parts
+        self.model_config = parts.model_config
+        self.tokenizer = parts.tokenizer
+        self.kv = parts.kv
+        self.scheduler = parts.scheduler
+        self.runner = parts.runner
+        self.max_model_len = parts.max_model_len
+        self.eos_token_ids = parts.eos_token_ids
+        self._requests: dict[str, _Request] = {}
+        self._seed_rng = torch.Generator().manual_seed(self.config.seed)
+        self._observe_steps = bool(self.registry.hook.lmplug_step_finished.get_hookimpls())
+        self.last_stats: dict = {}
+        self.registry.hook.lmplug_engine_started(engine=self)
+
+    # -- requests --------------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt: str | Seq[int], params: SamplingParams | None = None,
+                    *, priority: int = 0) -> None:
+        params = params or SamplingParams()
+        if request_id in self._requests:
+            raise ConfigError(f"request id {request_id!r} is already in use")
+        text, ids = self._tokenize(prompt)
+        if not ids:
+            raise ConfigError(f"request {request_id!r}: the prompt is empty")
+        if len(ids) >= self.max_model_len:
+            raise ConfigError(f"request {request_id!r}: prompt of {len(ids)} tokens does not fit "
+                              f"max_model_len={self.max_model_len} (it needs room for at least one new token)")
+        vocab = self.model_config.vocab_size
+        if min(ids) < 0 or max(ids) >= vocab:
+            raise ConfigError(f"request {request_id!r}: prompt token ids must be in [0, {vocab})")
+        seqs, detoks = [], []
+        for i in range(params.n):
+            gen = torch.Generator()
+            seed = params.seed + i if params.seed is not None else int(
+                torch.randint(0, 2**62, (1,), generator=self._seed_rng))
+            gen.manual_seed(seed)
+            seq = Sequence(request_id, ids, params, index=i, priority=priority, generator=gen)
+            seqs.append(seq)
+            detoks.append(self._detokenizer(ids, params))
+        self._requests[request_id] = _Request(request_id, text, ids, seqs, detoks)
+        for seq in seqs:
+            self.scheduler.add(seq)
+
+    def abort_request(self, request_id: str) -> None:
+        req = self._requests.pop(request_id, None)
+        self.scheduler.abort(request_id)
+        if req is not None:
+            for seq in req.seqs:
+                if not seq.is_finished:
+                    seq.status, seq.finish_reason = SequenceStatus.FINISHED, "abort"
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # -- the step ----------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Run one step; return an output for every request that made progress."""
+        started = time.perf_counter()
+        plan = self.scheduler.schedule()
+        if not plan.scheduled:
+            return []
+        result = self.runner.execute(plan.scheduled)
+        finished = self._postprocess(plan.scheduled, result)
+        self.scheduler.update(finished)
+        outputs = self._collect_outputs(plan.scheduled)
+        self._report(plan, started)
+        return outputs
+
+    def _postprocess(self, scheduled, result) -> list[Sequence]:
+        for item in scheduled:
+            item.seq.num_computed_tokens += item.num_new_tokens
+        for seq_id, (first, logits) in result.prompt_logits.items():
+            seq = next(s.seq for s in scheduled if s.seq.seq_id == seq_id)
+            self._record_prompt_logprobs(seq, first, logits)
+        if result.logits is None:
+            return []
+        seqs = [item.seq for item in result.sample_rows]
+        tokens = sample(result.logits, seqs)
+        want = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
+        if want:
+            k = max(seqs[i].params.logprobs for i in want)
+            rows = top_logprobs(result.logits[want], torch.tensor([tokens[i] for i in want]), k)
+            for i, row in zip(want, rows):
+                seqs[i].logprobs.append(self._trim(row, seqs[i].params.logprobs, tokens[i]))
+        now = time.perf_counter()
+        finished = []
+        for seq, token in zip(seqs, tokens):
+            seq.token_ids.append(token)
+            if seq.first_token_time is None:
+                seq.first_token_time = now
+            req = self._requests[seq.request_id]
+            detok = req.detokenizers[seq.index]
+            if detok is not None:
+                detok.add([token])
+                seq.text = detok.text
+            if check_stop(seq, token, self.eos_token_ids, self.max_model_len):
+                seq.status = SequenceStatus.FINISHED
+                seq.finish_time = now
+                finished.append(seq)
+        return finished
+
+    def _record_prompt_logprobs(self, seq: Sequence, first: int, logits: torch.Tensor) -> None:
+        k = seq.params.prompt_logprobs
+        if first == 0:
+            seq.prompt_logprobs.append(None)  # nothing predicts the first prompt token
+        # logits at position p predict token p + 1; stop at the end of the prompt
+        upto = min(first + logits.shape[0], seq.num_prompt_tokens - 1)
+        if upto <= first:
+            return
+        targets = torch.tensor(seq.token_ids[first + 1:upto + 1])
+        rows = top_logprobs(logits[:upto - first], targets, k)
+        for row, tok in zip(rows, targets.tolist()):
+            seq.prompt_logprobs.append(self._trim(row, k, tok))
+
+    @staticmethod
+    def _trim(row: dict, k: int, chosen: int) -> dict:
+        kept = {tid: lp for tid, lp in row.items() if lp.rank <= k or tid == chosen}
+        return kept
+
+    def _collect_outputs(self, scheduled) -> list[RequestOutput]:
+        seen, outputs = set(), []
+        for item in scheduled:
+            rid = item.seq.request_id
+            if rid in seen or rid not in self._requests:
+                continue
+            seen.add(rid)
+            req = self._requests[rid]
+            out = self._make_output(req)
+            if out.finished:
+                del self._requests[rid]
+                self.registry.hook.lmplug_request_finished(engine=self, output=out)
+            outputs.append(out)
+        return outputs
+
+    def _make_output(self, req: _Request) -> RequestOutput:
+        completions, delta_text, delta_ids = [], "", []
+        for i, seq in enumerate(req.seqs):
+            text = seq.text
+            completions.append(CompletionOutput(
+                index=seq.index, text=text, token_ids=seq.output_token_ids,
+                logprobs=seq.logprobs if seq.params.logprobs is not None else None,
+                finish_reason=seq.finish_reason, stop_reason=seq.stop_reason))
+            if i == 0:
+                delta_ids = seq.output_token_ids[req.sent_tokens[0]:]
+                delta_text = text[req.sent_text[0]:]
+            req.sent_tokens[i], req.sent_text[i] = seq.num_output_tokens, len(text)
+        first = req.seqs[0]
+        metrics = RequestMetrics(first.arrival_time, first.first_token_time, first.finish_time)
+        return RequestOutput(
+            request_id=req.request_id, prompt=req.prompt, prompt_token_ids=req.prompt_ids,
+            outputs=completions, finished=req.finished,
+            prompt_logprobs=first.prompt_logprobs if first.params.prompt_logprobs is not None else None,
+            metrics=metrics, delta_text=delta_text, delta_token_ids=delta_ids)
+
+    def _report(self, plan, started: float) -> None:
+        decode = sum(1 for s in plan.scheduled if s.num_new_tokens == 1 and not s.seq.is_prefill)
+        self.last_stats = {
+            "num_running": self.scheduler.num_running, "num_waiting": self.scheduler.num_waiting,
+            "num_prefill_tokens": plan.num_tokens - decode, "num_decode_tokens": decode,
+            "kv_usage": self.kv.usage, "step_time_s": time.perf_counter() - started,
+        }
+        if self._observe_steps:
+            self.registry.hook.lmplug_step_finished(engine=self, stats=self.last_stats)
+
+    # -- text ------------------------------------------------------------------------------------
+    def _tokenize(self, prompt: str | Seq[int]) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ConfigError("this model has no tokenizer; pass prompt token ids instead of text")
+            return prompt, self.tokenizer.encode(prompt)
+        return None, [int(t) for t in prompt]
+
+    def _detokenizer(self, prompt_ids: list[int], params: SamplingParams):
+        if self.tokenizer is None:
+            return None
+        from lmplug.loading.tokenizer import IncrementalDetokenizer
+        return IncrementalDetokenizer(self.tokenizer, prompt_ids, skip_special_tokens=params.skip_special_tokens)

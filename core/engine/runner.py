@@ -1,0 +1,82 @@
+"""The model runner: one forward over the step's flattened tokens, then logits where needed."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from lmplug.interfaces.kvcache import KVCacheBackend
+from lmplug.interfaces.scheduler import ScheduledSeq
+from lmplug.interfaces.step import StepContext
+
+
+@dataclass
+class StepResult:
+    sample_rows: list[ScheduledSeq]  # sequences that caught up and get a new token
+    logits: torch.Tensor | None  # [len(sample_rows), V]
+    prompt_logits: dict[int, tuple[int, torch.Tensor]]  # seq_id -> (first position, logits [n, V])
+
+
+class ModelRunner:
+    def __init__(self, model: torch.nn.Module, kv: KVCacheBackend, device: torch.device) -> None:
+        self.model = model
+        self.kv = kv
+        self.device = device
+        model.bind_kv([kv.layer_view(i) for i in range(model.config.num_layers)])
+
+    def build_context(self, batch: list[ScheduledSeq]) -> tuple[torch.Tensor, StepContext]:
+        """Flatten the batch (decodes first) into input ids and the per-step record."""
+        bs = self.kv.block_size
+        ids: list[int] = []
+        positions: list[int] = []
+        query_lens, seq_lens, tables = [], [], []
+        slots: list[int] = []
+        for item in batch:
+            seq, n = item.seq, item.num_new_tokens
+            start = seq.num_computed_tokens
+            table = self.kv.block_table(seq)
+            ids.extend(seq.token_ids[start:start + n])
+            positions.extend(range(start, start + n))
+            slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
+            query_lens.append(n)
+            seq_lens.append(start + n)
+            tables.append(table)
+        width = max(len(t) for t in tables)
+        block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+        ql = torch.tensor(query_lens, dtype=torch.int32)
+        cu = torch.zeros(len(batch) + 1, dtype=torch.int32)
+        torch.cumsum(ql, 0, out=cu[1:])
+        num_decodes = 0
+        while (num_decodes < len(batch) and query_lens[num_decodes] == 1
+               and seq_lens[num_decodes] > 1):
+            num_decodes += 1
+        dev = self.device
+        ctx = StepContext(
+            positions=torch.tensor(positions, dtype=torch.int64, device=dev),
+            query_lens=ql.to(dev), seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+            cu_query_lens=cu.to(dev), slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
+            block_tables=block_tables.to(dev), query_lens_cpu=query_lens, seq_lens_cpu=seq_lens,
+            num_decodes=num_decodes)
+        return torch.tensor(ids, dtype=torch.int64, device=dev), ctx
+
+    @torch.inference_mode()
+    def execute(self, batch: list[ScheduledSeq]) -> StepResult:
+        batch = sorted(batch, key=lambda s: not (s.num_new_tokens == 1 and s.seq.num_computed_tokens > 0))
+        input_ids, ctx = self.build_context(batch)
+        hidden = self.model(input_ids, ctx.positions, ctx)  # [T, h]
+        ends = ctx.cu_query_lens[1:].tolist()
+        sample_rows, rows = [], []
+        prompt_logits = {}
+        for item, end in zip(batch, ends):
+            seq = item.seq
+            start = end - item.num_new_tokens
+            if seq.params.prompt_logprobs is not None and seq.num_computed_tokens < seq.num_prompt_tokens:
+                # logits at prompt positions predict the next prompt token
+                prompt_logits[seq.seq_id] = (seq.num_computed_tokens,
+                                             self.model.compute_logits(hidden[start:end]))
+            if seq.num_computed_tokens + item.num_new_tokens == seq.num_tokens:
+                sample_rows.append(item)
+                rows.append(end - 1)
+        logits = self.model.compute_logits(hidden[rows]) if rows else None
+        return StepResult(sample_rows, logits, prompt_logits)

@@ -1,0 +1,96 @@
+"""Every hook lmplug calls, grouped by phase.
+
+Registration hooks run once, when the plugin manager builds its registry;
+they return backend *classes*. Lifecycle hooks let plugins observe the
+engine. Hot paths never go through a hook call: the engine calls the chosen
+backend objects directly.
+
+A plugin is a module (or object) exposed under the entry-point group
+``lmplug.plugins``. It must define ``LMPLUG_API_VERSION`` (an int, the core
+API major version it targets) and implement any of the hooks below,
+decorated with ``lmplug.hookimpl``.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import pluggy
+
+if TYPE_CHECKING:
+    from lmplug.config import EngineConfig
+
+hookspec = pluggy.HookspecMarker("lmplug")
+hookimpl = pluggy.HookimplMarker("lmplug")
+
+
+# -- registration: called once each when the registry is built ---------------
+
+
+@hookspec
+def lmplug_register_attention_backends() -> list[type]:
+    """Return ``AttentionBackend`` subclasses this plugin provides (may be empty)."""
+
+
+@hookspec
+def lmplug_register_kvcache_backends() -> list[type]:
+    """Return ``KVCacheBackend`` subclasses this plugin provides."""
+
+
+@hookspec
+def lmplug_register_schedulers() -> list[type]:
+    """Return ``Scheduler`` subclasses this plugin provides."""
+
+
+@hookspec
+def lmplug_register_quant_methods() -> list[type]:
+    """Return ``QuantMethod`` subclasses this plugin provides."""
+
+
+@hookspec
+def lmplug_register_drafters() -> list[type]:
+    """Return ``Drafter`` subclasses this plugin provides."""
+
+
+@hookspec
+def lmplug_register_moe_backends() -> list[type]:
+    """Return ``MoEBackend`` subclasses this plugin provides."""
+
+
+# -- lifecycle: observation points ---------------------------------------------
+
+
+@hookspec
+def lmplug_configure(config: EngineConfig) -> None:
+    """Called once with the validated config, before any backend is built.
+
+    Raising here aborts start-up with the plugin's message.
+    """
+
+
+@hookspec
+def lmplug_engine_started(engine: Any) -> None:
+    """Called once when an ``LLMEngine`` has built its model and backends."""
+
+
+@hookspec
+def lmplug_step_finished(engine: Any, stats: dict) -> None:
+    """Called after every engine step with that step's statistics
+    (``num_running``, ``num_waiting``, ``num_prefill_tokens``,
+    ``num_decode_tokens``, ``kv_usage``, ``step_time_s``). Only called when some
+    plugin implements it."""
+
+
+@hookspec
+def lmplug_request_finished(engine: Any, output: Any) -> None:
+    """Called once per finished request with its final ``RequestOutput``."""
+
+
+REGISTRATION_HOOKS: dict[str, str] = {
+    "attention": "lmplug_register_attention_backends",
+    "kvcache": "lmplug_register_kvcache_backends",
+    "scheduler": "lmplug_register_schedulers",
+    "quant": "lmplug_register_quant_methods",
+    "drafter": "lmplug_register_drafters",
+    "moe": "lmplug_register_moe_backends",
+}

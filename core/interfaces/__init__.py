@@ -1,0 +1,32 @@
+"""One small ABC per extension point, plus the records they share."""
+
+from lmplug.interfaces.attention import AttentionBackend, KVLayerView
+from lmplug.interfaces.common import BackendInfo, BackendOptions, Capabilities
+from lmplug.interfaces.drafter import DraftProposal, Drafter
+from lmplug.interfaces.kvcache import KVCacheBackend, KVCacheSpec
+from lmplug.interfaces.moe import MoEBackend
+from lmplug.interfaces.quant import QuantMethod
+from lmplug.interfaces.scheduler import (
+    ScheduledSeq,
+    Scheduler,
+    SchedulerLimits,
+    SchedulerOptions,
+    SchedulerOutput,
+)
+from lmplug.interfaces.step import StepContext
+
+# family name -> base class; the registry and config use these names.
+FAMILIES: dict[str, type] = {
+    "attention": AttentionBackend,
+    "kvcache": KVCacheBackend,
+    "scheduler": Scheduler,
+    "quant": QuantMethod,
+    "drafter": Drafter,
+    "moe": MoEBackend,
+}
+
+__all__ = [
+    "FAMILIES", "AttentionBackend", "BackendInfo", "BackendOptions", "Capabilities", "DraftProposal",
+    "Drafter", "KVCacheBackend", "KVCacheSpec", "KVLayerView", "MoEBackend", "QuantMethod",
+    "ScheduledSeq", "Scheduler", "SchedulerLimits", "SchedulerOptions", "SchedulerOutput", "StepContext",
+]

@@ -1,0 +1,53 @@
+"""Pieces shared by every extension point: capabilities and options."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pydantic import BaseModel, ConfigDict
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What a backend can do, declared once as data (not as ``supports_*`` methods).
+
+    ``priority`` orders candidates when the config says ``backend: auto``; the
+    highest-priority backend whose capabilities fit the device, dtype and the
+    other chosen backends wins.
+    """
+
+    devices: frozenset[str] = frozenset({"cpu"})
+    dtypes: frozenset[str] = frozenset({"float32", "bfloat16", "float16"})
+    # KV layouts: for a kvcache backend the one it provides; for attention the ones it reads.
+    kv_layouts: frozenset[str] = frozenset()
+    # Free-form feature names, e.g. "sliding_window", "mla", "prefix_caching", "preemption".
+    features: frozenset[str] = frozenset()
+    priority: int = 0
+
+    def fits(self, device: str, dtype: str) -> bool:
+        return device in self.devices and dtype in self.dtypes
+
+    def describe(self) -> str:
+        parts = [f"devices={','.join(sorted(self.devices))}", f"dtypes={','.join(sorted(self.dtypes))}"]
+        if self.kv_layouts:
+            parts.append(f"kv_layouts={','.join(sorted(self.kv_layouts))}")
+        if self.features:
+            parts.append(f"features={','.join(sorted(self.features))}")
+        return " ".join(parts)
+
+
+class BackendOptions(BaseModel):
+    """Base of every backend's YAML section. Unknown keys are rejected."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+@dataclass(frozen=True)
+class BackendInfo:
+    """A registered backend: its family, name, class and where it came from."""
+
+    family: str
+    name: str
+    cls: type
+    plugin: str
+    distribution: str = field(default="?")

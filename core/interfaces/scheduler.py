@@ -1,0 +1,90 @@
+"""Schedulers: decide which sequences run this step and how many tokens each computes."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, ClassVar
+
+from pydantic import Field
+
+from lmplug.interfaces.common import BackendOptions, Capabilities
+from lmplug.interfaces.kvcache import KVCacheBackend
+
+if TYPE_CHECKING:
+    from lmplug.engine.sequence import Sequence
+
+
+class SchedulerOptions(BackendOptions):
+    """Limits every scheduler honours; backends subclass this for their own options."""
+
+    max_num_seqs: int = Field(default=8, ge=1, description="sequences in one step")
+    max_num_batched_tokens: int = Field(default=2048, ge=1, description="new tokens in one step")
+
+
+@dataclass(frozen=True)
+class SchedulerLimits:
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+
+
+@dataclass
+class ScheduledSeq:
+    seq: Sequence
+    num_new_tokens: int  # tokens token_ids[num_computed : num_computed + num_new_tokens]
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledSeq] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+
+class Scheduler(ABC):
+    """Policy apart from accounting: the scheduler owns the queues and asks the
+    KV backend (``can_allocate`` / ``allocate`` / ``free``) whether things fit.
+
+    A sequence whose ``num_computed_tokens`` reaches ``len(token_ids)`` after
+    a step gets a new token sampled; the engine then calls ``update``.
+    """
+
+    name: ClassVar[str]
+    capabilities: ClassVar[Capabilities]
+    Options: ClassVar[type[BackendOptions]] = SchedulerOptions
+
+    def __init__(self, options: SchedulerOptions, kv: KVCacheBackend, limits: SchedulerLimits) -> None:
+        self.options = options
+        self.kv = kv
+        self.limits = limits
+
+    @abstractmethod
+    def add(self, seq: Sequence) -> None:
+        """Queue a new sequence."""
+
+    @abstractmethod
+    def schedule(self) -> SchedulerOutput:
+        """Pick this step's work within the limits and the KV cache."""
+
+    @abstractmethod
+    def update(self, finished: list[Sequence]) -> None:
+        """Called after each step with the sequences that finished in it."""
+
+    @abstractmethod
+    def abort(self, request_id: str) -> list[Sequence]:
+        """Drop every sequence of ``request_id`` and free its KV; returns them."""
+
+    @property
+    @abstractmethod
+    def num_waiting(self) -> int: ...
+
+    @property
+    @abstractmethod
+    def num_running(self) -> int: ...
+
+    def has_unfinished(self) -> bool:
+        return self.num_waiting + self.num_running > 0

@@ -1,0 +1,48 @@
+"""The per-step record every attention backend reads (built once per step by the runner)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class StepContext:
+    """Where the step's flattened tokens sit and what each sequence attends to.
+
+    Sequences are ordered decodes first (``query_len == 1`` and some context
+    cached), so kernels can take a fast path over ``[:num_decodes]``.
+
+    Shapes: T = tokens in this step, B = sequences in this step.
+    """
+
+    positions: torch.Tensor  # [T] int64, position of each new token in its sequence
+    query_lens: torch.Tensor  # [B] int32, new tokens per sequence
+    seq_lens: torch.Tensor  # [B] int32, context length after this step (cached + new)
+    cu_query_lens: torch.Tensor  # [B+1] int32, prefix sums of query_lens
+    slot_mapping: torch.Tensor  # [T] int64, cache slot each new token's K/V goes to
+    block_tables: torch.Tensor  # [B, max_blocks] int32, cache blocks of each sequence
+    query_lens_cpu: list[int]  # host copies, for decisions made in Python
+    seq_lens_cpu: list[int]
+    num_decodes: int
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.query_lens_cpu)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.positions.shape[0])
+
+    @property
+    def max_query_len(self) -> int:
+        return max(self.query_lens_cpu, default=0)
+
+    @property
+    def max_seq_len(self) -> int:
+        return max(self.seq_lens_cpu, default=0)
+
+    @property
+    def is_decode_only(self) -> bool:
+        return self.num_decodes == self.num_seqs

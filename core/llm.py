@@ -1,0 +1,120 @@
+"""``LLM``: the Python API, shaped like the ones users know (vLLM's ``LLM.generate``)."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+from lmplug.config import EngineConfig, resolve
+from lmplug.engine.build import pick_device, pick_dtype
+from lmplug.engine.engine import LLMEngine
+from lmplug.engine.outputs import RequestOutput
+from lmplug.engine.params import SamplingParams
+from lmplug.errors import ConfigError
+
+Prompt = str | Sequence[int] | dict
+
+
+class LLM:
+    """Load a model and generate.
+
+    ``LLM("smollm2-135m-instruct", dtype="float32")`` starts from the embedded
+    default config with overrides; ``LLM(config="my.yaml")`` or
+    ``LLM(config=EngineConfig(...))`` takes a whole config.
+
+    >>> llm = LLM("smollm2-135m-instruct")                       # doctest: +SKIP
+    >>> llm.generate("The capital of France is", SamplingParams(temperature=0))[0].text  # doctest: +SKIP
+    """
+
+    def __init__(self, model: str | None = None, *, config: str | Path | EngineConfig | dict | None = None,
+                 **overrides: Any) -> None:
+        if model is not None:
+            overrides["model"] = model
+        if isinstance(config, EngineConfig):
+            cfg = EngineConfig.from_dict({**config.model_dump(), **overrides})
+            source = "config"
+        elif isinstance(config, dict):
+            cfg, source = EngineConfig.from_dict({**config, **overrides}), "config"
+        elif config is not None:
+            cfg, source = EngineConfig.from_yaml(config, **overrides), str(config)
+        else:
+            cfg, source = EngineConfig.default(**overrides), "default config"
+        device = pick_device(cfg.device)
+        resolved = resolve(cfg, device=device, dtype=pick_dtype(cfg.dtype, device), source=source)
+        self.engine = LLMEngine(resolved)
+        self._ids = itertools.count()
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(self, prompts: Prompt | list[Prompt], params: SamplingParams | list[SamplingParams] | None = None,
+                 *, use_tqdm: bool = False) -> list[RequestOutput]:
+        """Run every prompt to completion; outputs in the order of ``prompts``.
+
+        A prompt is a string, a list of token ids, or ``{"prompt_token_ids": [...]}``.
+        """
+        prompts = self._as_list(prompts)
+        params_list = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
+        if len(params_list) != len(prompts):
+            raise ConfigError(f"got {len(prompts)} prompts but {len(params_list)} SamplingParams")
+        ids = [self._add(p, sp) for p, sp in zip(prompts, params_list)]
+        done: dict[str, RequestOutput] = {}
+        try:
+            while self.engine.has_unfinished_requests():
+                for out in self.engine.step():
+                    if out.finished:
+                        done[out.request_id] = out
+        except BaseException:
+            for rid in ids:
+                self.engine.abort_request(rid)
+            raise
+        return [done[rid] for rid in ids]
+
+    def stream(self, prompt: Prompt, params: SamplingParams | None = None) -> Iterator[RequestOutput]:
+        """Yield outputs as tokens arrive; each has ``delta_text`` / ``delta_token_ids``."""
+        rid = self._add(prompt, params or SamplingParams())
+        try:
+            while True:
+                for out in self.engine.step():
+                    if out.request_id == rid:
+                        yield out
+                        if out.finished:
+                            return
+        finally:
+            self.engine.abort_request(rid)
+
+    def chat(self, messages: list[dict] | list[list[dict]], params: SamplingParams | None = None,
+             **template_kwargs: Any) -> list[RequestOutput]:
+        """Apply the model's chat template and generate; one conversation or a list of them."""
+        convs = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [self.apply_chat_template(c, **template_kwargs) for c in convs]
+        return self.generate(prompts, params)
+
+    def apply_chat_template(self, messages: list[dict], **kwargs: Any) -> list[int]:
+        if self.tokenizer is None:
+            raise ConfigError("this model has no tokenizer, so it has no chat template")
+        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, **kwargs)
+        # the template already holds the special tokens (BOS included)
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def _as_list(self, prompts) -> list:
+        if isinstance(prompts, (str, dict)):
+            return [prompts]
+        if prompts and isinstance(prompts[0], int):
+            return [prompts]
+        return list(prompts)
+
+    def _add(self, prompt: Prompt, params: SamplingParams) -> str:
+        rid = str(next(self._ids))
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                prompt = prompt["prompt_token_ids"]
+            elif "prompt" in prompt:
+                prompt = prompt["prompt"]
+            else:
+                raise ConfigError("a dict prompt needs 'prompt' or 'prompt_token_ids'")
+        self.engine.add_request(rid, prompt, params)
+        return rid

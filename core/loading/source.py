@@ -1,0 +1,30 @@
+"""``ModelSource``: what every checkpoint reader hands the model builder.
+
+Readers (HF folders, GGUF files) differ in file format but all produce the
+same thing: an HF-style ``config.json`` dict, tensors under HF names
+(``model.layers.0.self_attn.q_proj.weight`` ...), in HF layout (GGUF's Q/K
+row permutation undone, quantized blocks dequantized), and a tokenizer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from lmplug.loading.tokenizer import Tokenizer
+
+
+@dataclass
+class ModelSource:
+    path: Path
+    format: str  # "hf" or "gguf"
+    hf_config: dict  # config.json contents (model_type, hidden_size, ...)
+    tensor_names: list[str]  # every tensor the checkpoint holds, HF names
+    iter_tensors: Callable[[], Iterator[tuple[str, torch.Tensor]]]  # yields (HF name, tensor), lazily
+    tokenizer: Tokenizer | None = None
+    generation_config: dict = field(default_factory=dict)  # eos_token_id etc. when present

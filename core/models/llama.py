@@ -1,0 +1,144 @@
+"""The Llama family: Llama 2/3, Mistral, Qwen2, Qwen3 (one decoder, flags from ``ModelConfig``).
+
+A layer asks its attention backend for attention and its linear layers'
+quant method for matmuls; it does not know which ones it got.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from lmplug.interfaces.attention import AttentionBackend, KVLayerView
+from lmplug.interfaces.quant import QuantMethod
+from lmplug.interfaces.step import StepContext
+from lmplug.models.config import ModelConfig
+from lmplug.models.layers import Linear, RMSNorm
+from lmplug.models.rope import RotaryEmbedding
+
+
+class Attention(torch.nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int, dtype: torch.dtype, quant: QuantMethod,
+                 backend: AttentionBackend) -> None:
+        super().__init__()
+        self.layer = layer
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_size = cfg.num_heads * cfg.head_dim
+        self.kv_size = cfg.num_kv_heads * cfg.head_dim
+        self.qkv_proj = Linear(cfg.hidden_size, {"q_proj": self.q_size, "k_proj": self.kv_size,
+                                                 "v_proj": self.kv_size},
+                               bias=cfg.attention_bias, dtype=dtype, quant=quant)
+        self.o_proj = Linear(self.q_size, {"o_proj": cfg.hidden_size}, bias=cfg.o_bias, dtype=dtype, quant=quant)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
+        self.backend = backend
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding,
+                kv: KVLayerView, ctx: StepContext) -> torch.Tensor:
+        qkv = self.qkv_proj(x)  # [T, (H + 2 Hkv) D]
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)  # [T, H, D]
+        k = k.view(-1, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = rope(positions, q, k)
+        out = self.backend.forward(self.layer, q, k, v, kv, ctx)  # [T, H, D]
+        return self.o_proj(out.reshape(-1, self.q_size))
+
+
+class MLP(torch.nn.Module):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, quant: QuantMethod) -> None:
+        super().__init__()
+        if cfg.hidden_act not in ("silu", "swish"):
+            from lmplug.errors import ModelLoadError
+            raise ModelLoadError(f"hidden_act {cfg.hidden_act!r} is not supported; supported: silu")
+        self.intermediate = cfg.intermediate_size
+        self.gate_up_proj = Linear(cfg.hidden_size, {"gate_proj": cfg.intermediate_size,
+                                                     "up_proj": cfg.intermediate_size},
+                                   bias=cfg.mlp_bias, dtype=dtype, quant=quant)
+        self.down_proj = Linear(cfg.intermediate_size, {"down_proj": cfg.hidden_size},
+                                bias=cfg.mlp_bias, dtype=dtype, quant=quant)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(torch.nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int, dtype: torch.dtype, quant: QuantMethod,
+                 backend: AttentionBackend) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.self_attn = Attention(cfg, layer, dtype, quant, backend)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.mlp = MLP(cfg, dtype, quant)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding,
+                kv: KVLayerView, ctx: StepContext) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), positions, rope, kv, ctx)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaForCausalLM(torch.nn.Module):
+    """Decoder over flattened tokens: ``forward(input_ids [T], positions [T]) -> hidden [T, h]``."""
+
+    # checkpoint name (after "model.layers.N.") -> (module path in the layer, shard)
+    STACKED = {
+        "self_attn.q_proj": ("self_attn.qkv_proj", "q_proj"),
+        "self_attn.k_proj": ("self_attn.qkv_proj", "k_proj"),
+        "self_attn.v_proj": ("self_attn.qkv_proj", "v_proj"),
+        "self_attn.o_proj": ("self_attn.o_proj", "o_proj"),
+        "mlp.gate_proj": ("mlp.gate_up_proj", "gate_proj"),
+        "mlp.up_proj": ("mlp.gate_up_proj", "up_proj"),
+        "mlp.down_proj": ("mlp.down_proj", "down_proj"),
+    }
+
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, quant: QuantMethod,
+                 attention: AttentionBackend, max_model_len: int) -> None:
+        super().__init__()
+        self.config = cfg
+        self.embed_tokens = torch.nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
+        self.embed_tokens.weight.requires_grad_(False)
+        self.layers = torch.nn.ModuleList(
+            DecoderLayer(cfg, i, dtype, quant, attention) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.lm_head = (None if cfg.tie_word_embeddings else
+                        torch.nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype),
+                                           requires_grad=False))
+        self.rope = RotaryEmbedding(cfg.head_dim, max(max_model_len, cfg.max_position_embeddings),
+                                    cfg.rope_theta, cfg.rope_scaling, dtype)
+        self.kv_views: list[KVLayerView] = []
+
+    def bind_kv(self, views: list[KVLayerView]) -> None:
+        self.kv_views = views
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)  # [T, h]
+        for layer, kv in zip(self.layers, self.kv_views):
+            x = layer(x, positions, self.rope, kv, ctx)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        head = self.embed_tokens.weight if self.lm_head is None else self.lm_head
+        return F.linear(hidden, head)  # [N, V]
+
+    def weight_target(self, name: str) -> tuple[str, str | None] | None:
+        """Map a checkpoint (HF) tensor name to (parameter path, shard) or None to skip it."""
+        if name.startswith("model.layers."):
+            rest = name[len("model.layers."):]
+            idx, _, tail = rest.partition(".")
+            module, _, param = tail.rpartition(".")
+            if module in self.STACKED:
+                path, shard = self.STACKED[module]
+                return f"layers.{idx}.{path}.{param}", shard
+            if "rotary_emb" in module:
+                return None
+            return f"layers.{idx}.{tail}", None
+        if name == "model.embed_tokens.weight":
+            return "embed_tokens.weight", None
+        if name == "model.norm.weight":
+            return "norm.weight", None
+        if name == "lm_head.weight":
+            return (None if self.lm_head is None else ("lm_head", None))
+        return name, None

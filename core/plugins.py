@@ -1,0 +1,181 @@
+"""The plugin manager: finds plugins through entry points and keeps the backend registry.
+
+First-party plugins are found exactly like third-party ones, through the
+entry-point group ``lmplug.plugins``. Environment:
+
+- ``LMPLUG_PLUGINS=a,b``: load only these entry points (by entry-point or
+  distribution name);
+- ``LMPLUG_DISABLE_PLUGIN_AUTOLOAD=1``: load no entry point except those
+  named in ``LMPLUG_PLUGINS``.
+
+A plugin that fails to import, or targets another core API version, is
+reported (``Registry.failures``, a warning, and in "unknown backend"
+errors) and the others still load.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import importlib_metadata
+import pluggy
+
+from lmplug import hookspecs
+from lmplug.errors import PluginError
+from lmplug.interfaces import FAMILIES, BackendInfo, BackendOptions, Capabilities
+
+logger = logging.getLogger(__name__)
+
+API_VERSION = 1
+ENTRY_POINT_GROUP = "lmplug.plugins"
+ENV_ALLOWLIST = "LMPLUG_PLUGINS"
+ENV_DISABLE_AUTOLOAD = "LMPLUG_DISABLE_PLUGIN_AUTOLOAD"
+
+
+@dataclass(frozen=True)
+class PluginFailure:
+    plugin: str
+    distribution: str
+    error: str
+
+    def __str__(self) -> str:
+        return f"plugin {self.plugin!r} (distribution {self.distribution}): {self.error}"
+
+
+class Registry:
+    """name -> backend class, per extension point, built from the loaded plugins."""
+
+    def __init__(self, *, autoload: bool = True) -> None:
+        self.pm = pluggy.PluginManager("lmplug")
+        self.pm.add_hookspecs(hookspecs)
+        self.failures: list[PluginFailure] = []
+        self._distributions: dict[str, str] = {}  # plugin name -> distribution
+        self._backends: dict[str, dict[str, BackendInfo]] | None = None
+        if autoload:
+            self.load_entry_points()
+
+    # -- loading ------------------------------------------------------------------
+    def load_entry_points(self) -> None:
+        allow = {s.strip() for s in os.environ.get(ENV_ALLOWLIST, "").split(",") if s.strip()}
+        disabled = os.environ.get(ENV_DISABLE_AUTOLOAD, "").lower() not in ("", "0", "false", "no")
+        for ep in importlib_metadata.entry_points(group=ENTRY_POINT_GROUP):
+            dist = f"{ep.dist.name} {ep.dist.version}" if ep.dist else "?"
+            dist_name = ep.dist.name if ep.dist else ""
+            if allow and ep.name not in allow and dist_name not in allow:
+                continue
+            if disabled and not allow:
+                continue
+            if self.pm.get_plugin(ep.name) is not None:
+                continue
+            try:
+                plugin = ep.load()
+            except Exception as exc:  # a broken plugin must not take the others down
+                self._fail(ep.name, dist, f"failed to import {ep.value!r}: {type(exc).__name__}: {exc}")
+                continue
+            self.register(plugin, name=ep.name, distribution=dist)
+
+    def register(self, plugin: Any, *, name: str, distribution: str = "<in-process>") -> bool:
+        """Register one plugin object after checking the API version it targets."""
+        version = getattr(plugin, "LMPLUG_API_VERSION", None)
+        if version is None:
+            self._fail(name, distribution, "does not declare LMPLUG_API_VERSION "
+                       f"(this core implements API version {API_VERSION})")
+            return False
+        if version != API_VERSION:
+            self._fail(name, distribution, f"targets lmplug API version {version}, "
+                       f"but this core implements API version {API_VERSION}")
+            return False
+        try:
+            self.pm.register(plugin, name=name)
+        except Exception as exc:
+            self._fail(name, distribution, f"could not be registered: {exc}")
+            return False
+        self._distributions[name] = distribution
+        self._backends = None
+        return True
+
+    def _fail(self, plugin: str, distribution: str, error: str) -> None:
+        failure = PluginFailure(plugin, distribution, error)
+        self.failures.append(failure)
+        logger.warning("lmplug: %s", failure)
+
+    # -- the registry -----------------------------------------------------------------
+    @property
+    def hook(self):
+        return self.pm.hook
+
+    def backends(self, family: str) -> dict[str, BackendInfo]:
+        if family not in FAMILIES:
+            raise PluginError(f"unknown plugin family {family!r}; families: {', '.join(FAMILIES)}")
+        if self._backends is None:
+            self._backends = self._build()
+        return self._backends[family]
+
+    def get(self, family: str, name: str) -> BackendInfo:
+        table = self.backends(family)
+        if name in table:
+            return table[name]
+        available = ", ".join(sorted(table)) or "none"
+        msg = f"unknown {family} backend {name!r}; available: {available}"
+        if self.failures:
+            msg += ". Plugins that failed to load: " + "; ".join(map(str, self.failures))
+        raise PluginError(msg)
+
+    def _build(self) -> dict[str, dict[str, BackendInfo]]:
+        table: dict[str, dict[str, BackendInfo]] = {f: {} for f in FAMILIES}
+        for family, hook_name in hookspecs.REGISTRATION_HOOKS.items():
+            for impl in getattr(self.pm.hook, hook_name).get_hookimpls():
+                dist = self._distributions.get(impl.plugin_name, "?")
+                try:
+                    classes = impl.function() or []
+                except Exception as exc:
+                    self._fail(impl.plugin_name, dist, f"{hook_name} raised {type(exc).__name__}: {exc}")
+                    continue
+                for cls in classes:
+                    problem = _check_backend_class(family, cls)
+                    if problem:
+                        self._fail(impl.plugin_name, dist, problem)
+                        continue
+                    info = BackendInfo(family, cls.name, cls, impl.plugin_name, dist)
+                    if cls.name in table[family]:
+                        other = table[family][cls.name]
+                        raise PluginError(
+                            f"two {family} backends are named {cls.name!r}: one from plugin "
+                            f"{other.plugin!r} (distribution {other.distribution}), one from plugin "
+                            f"{impl.plugin_name!r} (distribution {dist}); uninstall one or rename it")
+                    table[family][cls.name] = info
+        return table
+
+
+def _check_backend_class(family: str, cls: Any) -> str | None:
+    base = FAMILIES[family]
+    if not (isinstance(cls, type) and issubclass(cls, base)):
+        return f"returned {cls!r} for {family}, which is not a subclass of {base.__name__}"
+    if not isinstance(getattr(cls, "name", None), str) or not cls.name:
+        return f"{family} backend {cls.__name__} has no `name`"
+    if not isinstance(getattr(cls, "capabilities", None), Capabilities):
+        return f"{family} backend {cls.name!r} has no `capabilities` (a Capabilities record)"
+    options = getattr(cls, "Options", None)
+    if not (isinstance(options, type) and issubclass(options, BackendOptions)):
+        return f"{family} backend {cls.name!r}: `Options` must subclass lmplug.BackendOptions"
+    return None
+
+
+_registry: Registry | None = None
+
+
+def get_registry() -> Registry:
+    """The process-wide registry, built on first use."""
+    global _registry
+    if _registry is None:
+        _registry = Registry()
+    return _registry
+
+
+def reset_registry() -> None:
+    """Forget the process-wide registry (tests; after installing a plugin at run time)."""
+    global _registry
+    _registry = None

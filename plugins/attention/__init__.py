@@ -1,0 +1,12 @@
+"""First-party attention backends. Registered through the ``lmplug.plugins`` entry point."""
+
+from lmplug import hookimpl
+
+LMPLUG_API_VERSION = 1
+
+
+@hookimpl
+def lmplug_register_attention_backends() -> list[type]:
+    from lmplug_attention.sdpa import SdpaAttention
+
+    return [SdpaAttention]

@@ -1,0 +1,86 @@
+"""``sdpa``: the PyTorch reference attention, the CPU default and the ground truth.
+
+Writes the step's K/V into the cache through the slot mapping, then runs
+``torch.nn.functional.scaled_dot_product_attention`` per sequence over its
+cached context. Reads both the contiguous and the paged layout (a sequence's
+blocks are gathered through its block table). GQA without repeating K/V:
+decode queries are grouped per KV head; prefill uses SDPA's ``enable_gqa``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from lmplug.interfaces import AttentionBackend, Capabilities, KVLayerView, StepContext
+
+
+class SdpaAttention(AttentionBackend):
+    name = "sdpa"
+    capabilities = Capabilities(
+        devices=frozenset({"cpu", "cuda"}),
+        kv_layouts=frozenset({"contiguous", "paged"}),
+        features=frozenset({"sliding_window"}),
+        priority=10,
+    )
+
+    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                kv: KVLayerView, ctx: StepContext) -> torch.Tensor:
+        write_kv(kv, k, v, ctx.slot_mapping)
+        out = torch.empty_like(q)
+        bs = kv.block_size
+        start = 0
+        for i, (qlen, seq_len) in enumerate(zip(ctx.query_lens_cpu, ctx.seq_lens_cpu)):
+            ctx_k, ctx_v = context_kv(kv, ctx.block_tables[i], seq_len, bs)
+            qi = q[start:start + qlen]
+            if qlen == 1 and self.sliding_window is None:
+                out[start] = self._decode(qi[0], ctx_k, ctx_v)
+            else:
+                out[start:start + qlen] = self._prefill(qi, ctx_k, ctx_v, seq_len)
+            start += qlen
+        return out
+
+    def _decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        # q: [H, D] -> [Hkv, G, D]; k, v: [S, Hkv, D] -> [Hkv, S, D]; no mask: all S keys are visible
+        hkv = self.num_kv_heads
+        qg = q.view(hkv, -1, self.head_dim)
+        o = F.scaled_dot_product_attention(qg, k.transpose(0, 1), v.transpose(0, 1), scale=self.scale)
+        return o.reshape(-1, self.head_dim)
+
+    def _prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_len: int) -> torch.Tensor:
+        # q: [L, H, D] are the last L positions of a context of seq_len keys
+        qlen = q.shape[0]
+        mask = causal_mask(qlen, seq_len, self.sliding_window, q.device)
+        o = F.scaled_dot_product_attention(
+            q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+            attn_mask=mask, is_causal=False, scale=self.scale, enable_gqa=True)
+        return o.transpose(0, 1)
+
+
+def write_kv(kv: KVLayerView, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Store the step's K/V: slot s is row s of the cache flattened to [slots, Hkv, D]."""
+    kv.k_cache.view(-1, *k.shape[1:]).index_copy_(0, slot_mapping, k)
+    kv.v_cache.view(-1, *v.shape[1:]).index_copy_(0, slot_mapping, v)
+
+
+def context_kv(kv: KVLayerView, block_table: torch.Tensor, seq_len: int,
+               block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """One sequence's cached K and V, [seq_len, Hkv, D] each (a view when it fits one block)."""
+    if seq_len <= block_size:
+        b = int(block_table[0])
+        return kv.k_cache[b, :seq_len], kv.v_cache[b, :seq_len]
+    num_blocks = -(-seq_len // block_size)
+    blocks = block_table[:num_blocks].long()
+    k = kv.k_cache.index_select(0, blocks).flatten(0, 1)[:seq_len]
+    v = kv.v_cache.index_select(0, blocks).flatten(0, 1)[:seq_len]
+    return k, v
+
+
+def causal_mask(qlen: int, seq_len: int, window: int | None, device: torch.device) -> torch.Tensor:
+    """[qlen, seq_len] bool, True = attend. Query i sits at position seq_len - qlen + i."""
+    q_pos = torch.arange(seq_len - qlen, seq_len, device=device).unsqueeze(1)
+    k_pos = torch.arange(seq_len, device=device).unsqueeze(0)
+    mask = k_pos <= q_pos
+    if window is not None:
+        mask &= k_pos > q_pos - window
+    return mask

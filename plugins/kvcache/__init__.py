@@ -1,0 +1,12 @@
+"""First-party KV storage backends. Registered through the ``lmplug.plugins`` entry point."""
+
+from lmplug import hookimpl
+
+LMPLUG_API_VERSION = 1
+
+
+@hookimpl
+def lmplug_register_kvcache_backends() -> list[type]:
+    from lmplug_kvcache.contiguous import ContiguousKVCache
+
+    return [ContiguousKVCache]

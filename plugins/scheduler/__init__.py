@@ -1,0 +1,12 @@
+"""First-party schedulers. Registered through the ``lmplug.plugins`` entry point."""
+
+from lmplug import hookimpl
+
+LMPLUG_API_VERSION = 1
+
+
+@hookimpl
+def lmplug_register_schedulers() -> list[type]:
+    from lmplug_scheduler.static import StaticScheduler
+
+    return [StaticScheduler]

@@ -1,0 +1,86 @@
+"""``static``: first-come first-served batches that run to completion.
+
+The baseline for continuous batching: a batch is admitted only when the
+previous one has fully finished, so short requests wait for the longest one.
+Prompts are computed in chunks within the token budget, then the whole batch
+decodes together.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from lmplug.engine.sequence import Sequence, SequenceStatus
+from lmplug.interfaces import Capabilities, ScheduledSeq, Scheduler, SchedulerOutput
+
+
+class StaticScheduler(Scheduler):
+    name = "static"
+    capabilities = Capabilities(devices=frozenset({"cpu", "cuda"}), priority=10)
+
+    def __init__(self, options, kv, limits) -> None:
+        super().__init__(options, kv, limits)
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def schedule(self) -> SchedulerOutput:
+        if not self.running:
+            self._admit()
+        budget = self.limits.max_num_batched_tokens
+        out = SchedulerOutput()
+        for seq in self.running:
+            if budget == 0:
+                break
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            self.kv.allocate(seq, seq.num_computed_tokens + n)
+            out.scheduled.append(ScheduledSeq(seq, n))
+            budget -= n
+        return out
+
+    def _admit(self) -> None:
+        while self.waiting and len(self.running) < self.limits.max_num_seqs:
+            seq = self.waiting[0]
+            # a batch must be able to run to completion without preemption
+            if not self.kv.can_allocate(seq, self._final_len(seq)):
+                if not self.running:
+                    raise RuntimeError(f"KV cache backend {self.kv.name!r} cannot hold sequence "
+                                       f"{seq.seq_id} of request {seq.request_id!r} even alone")
+                break
+            self.waiting.popleft()
+            self.kv.allocate(seq, 0)
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+
+    def _final_len(self, seq: Sequence) -> int:
+        max_new = seq.params.max_tokens or self.limits.max_model_len
+        return min(seq.num_prompt_tokens + max_new, self.limits.max_model_len)
+
+    def update(self, finished: list[Sequence]) -> None:
+        if not finished:
+            return
+        done = {s.seq_id for s in finished}
+        for seq in finished:
+            self.kv.free(seq)
+        self.running = [s for s in self.running if s.seq_id not in done]
+
+    def abort(self, request_id: str) -> list[Sequence]:
+        dropped = [s for s in self.running if s.request_id == request_id]
+        dropped += [s for s in self.waiting if s.request_id == request_id]
+        for seq in dropped:
+            self.kv.free(seq)
+            seq.status = SequenceStatus.FINISHED
+            seq.finish_reason = seq.finish_reason or "abort"
+        self.running = [s for s in self.running if s.request_id != request_id]
+        self.waiting = deque(s for s in self.waiting if s.request_id != request_id)
+        return dropped
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)

@@ -1,0 +1,3 @@
+"""First-party speculative plugins (backends arrive with their own issues)."""
+
+LMPLUG_API_VERSION = 1
