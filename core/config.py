@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
 from lmplug.errors import ConfigError
 from lmplug.interfaces import BackendInfo, BackendOptions
@@ -50,6 +50,14 @@ class EngineConfig(BaseModel):
     moe: dict[str, Any] | None = None
     quant: dict[str, Any] | None = None
     speculative: dict[str, Any] | None = None
+
+    @field_validator(*SECTIONS, mode="before")
+    @classmethod
+    def _name_only(cls, value: Any, info: ValidationInfo) -> Any:
+        """``attention: sdpa`` is short for ``attention: {backend: sdpa}``."""
+        if isinstance(value, str):
+            return {SECTIONS[info.field_name][1]: value}
+        return value
 
     # -- construction --------------------------------------------------------------
     @classmethod
@@ -102,7 +110,7 @@ def _explain(exc: ValidationError, source: str) -> str:
     for err in exc.errors():
         key = ".".join(str(p) for p in err["loc"]) or "(top level)"
         if err["type"] == "extra_forbidden":
-            lines.append(f"  {key}: unknown option")
+            lines.append(f"  {key}: unknown option (allowed: {', '.join(EngineConfig.model_fields)})")
         else:
             lines.append(f"  {key}: {err['msg']} (got {err.get('input')!r})")
     return "\n".join(lines)

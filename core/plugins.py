@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -60,15 +61,20 @@ class Registry:
     # -- loading ------------------------------------------------------------------
     def load_entry_points(self) -> None:
         allow = {s.strip() for s in os.environ.get(ENV_ALLOWLIST, "").split(",") if s.strip()}
+        allow_dists = {_normalize(s) for s in allow}
         disabled = os.environ.get(ENV_DISABLE_AUTOLOAD, "").lower() not in ("", "0", "false", "no")
         for ep in importlib_metadata.entry_points(group=ENTRY_POINT_GROUP):
             dist = f"{ep.dist.name} {ep.dist.version}" if ep.dist else "?"
-            dist_name = ep.dist.name if ep.dist else ""
-            if allow and ep.name not in allow and dist_name not in allow:
+            dist_name = _normalize(ep.dist.name) if ep.dist else ""
+            if allow and ep.name not in allow and dist_name not in allow_dists:
                 continue
             if disabled and not allow:
                 continue
             if self.pm.get_plugin(ep.name) is not None:
+                other = self._distributions.get(ep.name, "?")
+                if other != dist:  # the same distribution seen again is fine; a clash is not
+                    self._fail(ep.name, dist, f"not loaded: the entry-point name {ep.name!r} is already "
+                               f"taken by distribution {other}; rename one of the entry points")
                 continue
             try:
                 plugin = ep.load()
@@ -93,12 +99,23 @@ class Registry:
         except Exception as exc:
             self._fail(name, distribution, f"could not be registered: {exc}")
             return False
+        # pluggy accepts any `lmplug_*` method; a misspelt hook would silently never run
+        unknown = sorted(hc.name for hc in self.pm.get_hookcallers(plugin) or []
+                         if hc.spec is None and not all(i.optionalhook for i in hc.get_hookimpls()
+                                                        if i.plugin is plugin))
+        if unknown:
+            self.pm.unregister(plugin)
+            self._fail(name, distribution, f"implements unknown hook(s) {', '.join(unknown)} "
+                       "(mark hooks of newer API versions `@hookimpl(optionalhook=True)`)")
+            return False
         self._distributions[name] = distribution
         self._backends = None
         return True
 
     def _fail(self, plugin: str, distribution: str, error: str) -> None:
         failure = PluginFailure(plugin, distribution, error)
+        if failure in self.failures:  # e.g. found again when the backend table is rebuilt
+            return
         self.failures.append(failure)
         logger.warning("lmplug: %s", failure)
 
@@ -134,6 +151,10 @@ class Registry:
                 except Exception as exc:
                     self._fail(impl.plugin_name, dist, f"{hook_name} raised {type(exc).__name__}: {exc}")
                     continue
+                if not isinstance(classes, (list, tuple)):
+                    self._fail(impl.plugin_name, dist, f"{hook_name} must return a list of backend "
+                               f"classes, got {classes!r}")
+                    continue
                 for cls in classes:
                     problem = _check_backend_class(family, cls)
                     if problem:
@@ -148,6 +169,11 @@ class Registry:
                             f"{impl.plugin_name!r} (distribution {dist}); uninstall one or rename it")
                     table[family][cls.name] = info
         return table
+
+
+def _normalize(dist_name: str) -> str:
+    """PEP 503 name normalization: ``Foo.Bar_baz`` and ``foo-bar-baz`` are one distribution."""
+    return re.sub(r"[-_.]+", "-", dist_name).lower()
 
 
 def _check_backend_class(family: str, cls: Any) -> str | None:

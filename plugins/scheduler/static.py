@@ -26,6 +26,11 @@ class StaticScheduler(Scheduler):
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
 
+    def add_running(self, seq: Sequence) -> None:
+        """A forked sibling joins the running batch (it already holds its prompt's KV)."""
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+
     def schedule(self) -> SchedulerOutput:
         if not self.running:
             self._admit()
@@ -50,7 +55,10 @@ class StaticScheduler(Scheduler):
                                        f"{seq.seq_id} of request {seq.request_id!r} even alone")
                 break
             self.waiting.popleft()
-            self.kv.allocate(seq, 0)
+            cached = self.kv.allocate(seq, seq.num_tokens)
+            # a prefix-cache hit skips computing those tokens; the last one is always
+            # computed so that its logits exist to sample from
+            seq.num_computed_tokens = min(cached, seq.num_tokens - 1)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
 

@@ -1,0 +1,163 @@
+"""``lmplug bench``: batch-1 decode speed, TTFT and load time, optionally beside HF transformers.
+
+Both engines run in this one process on the same prompt token ids, greedy,
+alternating repeats, so a noisy shared machine affects both alike; the
+report gives medians and the lmplug / transformers ratio. The memory floor
+is the weight bytes read per decode token divided by the measured copy
+bandwidth of this machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class Run:
+    load_s: float
+    ttft_s: list[float] = field(default_factory=list)
+    tpot_s: list[float] = field(default_factory=list)
+    tokens: list[int] | None = None
+
+    @property
+    def decode_tps(self) -> float:
+        return 1.0 / statistics.median(self.tpot_s)
+
+    @property
+    def ttft_ms(self) -> float:
+        return 1000 * statistics.median(self.ttft_s)
+
+
+def copy_bandwidth_gbs(size_mb: int = 256, repeats: int = 5) -> float:
+    """Bytes moved (read + write) per second by a large tensor copy."""
+    src = torch.ones(size_mb * 2**20 // 4)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - t)
+    return 2 * src.numel() * 4 / best / 1e9
+
+
+def weight_bytes_per_token(model: torch.nn.Module) -> int:
+    """Bytes of weights a batch-1 decode step reads: every matrix once, one embedding row."""
+    total = 0
+    for name, p in model.named_parameters():
+        if name == "embed_tokens.weight":
+            tied = getattr(model, "lm_head", None) is None
+            total += p.numel() * p.element_size() if tied else p.shape[1] * p.element_size()
+        else:
+            total += p.numel() * p.element_size()
+    return total
+
+
+def _prompt_ids(vocab: int, n: int) -> list[int]:
+    g = torch.Generator().manual_seed(1234)
+    return torch.randint(100, min(vocab, 30000), (n,), generator=g).tolist()
+
+
+def bench_lmplug(overrides: dict, prompt: list[int] | None, args: argparse.Namespace) -> tuple[Run, object]:
+    from lmplug.engine.params import SamplingParams
+    from lmplug.llm import LLM
+
+    started = time.perf_counter()
+    llm = LLM(config=args.config, **overrides)
+    run = Run(load_s=time.perf_counter() - started)
+    return run, llm
+
+
+def time_lmplug(llm, run: Run, prompt: list[int], args: argparse.Namespace) -> None:
+    from lmplug.engine.params import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=args.new_tokens, ignore_eos=True)
+    t0 = time.perf_counter()
+    stamps = []
+    tokens: list[int] = []
+    for out in llm.stream(prompt, params):
+        stamps.extend([time.perf_counter()] * len(out.delta_token_ids))
+        tokens = out.token_ids
+    run.ttft_s.append(stamps[0] - t0)
+    run.tpot_s.append((stamps[-1] - stamps[0]) / (len(stamps) - 1))
+    run.tokens = tokens
+
+
+def bench_hf(path, args: argparse.Namespace) -> tuple[Run, object]:
+    from transformers import AutoModelForCausalLM
+
+    started = time.perf_counter()
+    kwargs = {"dtype": torch.float32}
+    if str(path).endswith(".gguf"):
+        model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, **kwargs)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(str(path), **kwargs)
+    model.eval()
+    return Run(load_s=time.perf_counter() - started), model
+
+
+def time_hf(model, run: Run, prompt: list[int], args: argparse.Namespace) -> None:
+    from transformers.generation.streamers import BaseStreamer
+
+    class Stamps(BaseStreamer):
+        def __init__(self) -> None:
+            self.times: list[float] = []
+            self.calls = 0
+
+        def put(self, value) -> None:
+            self.calls += 1
+            if self.calls > 1:  # the first call carries the prompt
+                self.times.append(time.perf_counter())
+
+        def end(self) -> None:
+            pass
+
+    streamer = Stamps()
+    ids = torch.tensor([prompt])
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                             max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens,
+                             streamer=streamer, pad_token_id=0)
+    run.ttft_s.append(streamer.times[0] - t0)
+    run.tpot_s.append((streamer.times[-1] - streamer.times[0]) / (len(streamer.times) - 1))
+    run.tokens = out[0, len(prompt):].tolist()
+
+
+def run_bench(args: argparse.Namespace, overrides: dict) -> int:
+    from lmplug.loading.cache import resolve_model
+
+    run, llm = bench_lmplug(overrides, None, args)
+    engine = llm.engine
+    prompt = _prompt_ids(engine.model_config.vocab_size, args.prompt_tokens)
+    hf_run = hf_model = None
+    if args.compare_hf:
+        hf_run, hf_model = bench_hf(resolve_model(engine.config.model), args)
+    for _ in range(args.repeats):
+        time_lmplug(llm, run, prompt, args)
+        if hf_model is not None:
+            time_hf(hf_model, hf_run, prompt, args)
+    bw = copy_bandwidth_gbs()
+    wbytes = weight_bytes_per_token(engine.parts.model)
+    floor_s = wbytes / (bw * 1e9)
+    print(f"model {engine.config.model} | dtype {engine.resolved.dtype} | threads {torch.get_num_threads()} | "
+          f"prompt {args.prompt_tokens} tokens, {args.new_tokens} new, {args.repeats} repeats (medians)")
+    print(f"backends: " + ", ".join(f"{k}={v.name}" for k, v in engine.resolved.backends.items()))
+    print(f"{'engine':<14}{'load s':>9}{'TTFT ms':>10}{'decode tok/s':>14}{'% of floor':>12}")
+    rows = [("lmplug", run)] + ([("transformers", hf_run)] if hf_run else [])
+    for name, r in rows:
+        print(f"{name:<14}{r.load_s:>9.2f}{r.ttft_ms:>10.1f}{r.decode_tps:>14.2f}"
+              f"{100 * floor_s * r.decode_tps:>11.1f}%")
+    print(f"memory floor: {wbytes / 1e6:.0f} MB of weights per token / {bw:.1f} GB/s copy bandwidth = "
+          f"{floor_s * 1000:.1f} ms/token ({1 / floor_s:.1f} tok/s)")
+    if hf_run:
+        same = run.tokens == hf_run.tokens
+        print(f"lmplug / transformers: decode {run.decode_tps / hf_run.decode_tps:.2f}x, "
+              f"TTFT {hf_run.ttft_ms / run.ttft_ms:.2f}x faster, load {hf_run.load_s / run.load_s:.1f}x faster; "
+              f"greedy tokens identical: {same}")
+    return 0

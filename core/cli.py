@@ -1,0 +1,250 @@
+"""``lmplug generate | chat | plugins | models | bench``."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+from typing import Any
+
+from lmplug.errors import LmplugError
+
+DEFAULT_CHAT_SYSTEM = None
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose > 1 else logging.INFO if args.verbose else logging.WARNING,
+                        format="%(levelname)s %(name)s: %(message)s")
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    try:
+        return args.func(args) or 0
+    except LmplugError as exc:
+        print(f"lmplug: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("", file=sys.stderr)
+        return 130
+
+
+# -- argument groups shared by the commands that build an engine ------------------------------
+
+
+def _engine_args(p: argparse.ArgumentParser, model_positional: bool = False) -> None:
+    g = p.add_argument_group("engine (flags override --config)")
+    g.add_argument("--config", "-c", help="YAML config file (default: the embedded default config)")
+    if not model_positional:
+        g.add_argument("--model", "-m", help="model name in the cache, HF folder, or .gguf file")
+    g.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"])
+    g.add_argument("--device", choices=["auto", "cpu", "cuda"])
+    g.add_argument("--max-model-len", type=int)
+    g.add_argument("--attention", help="attention backend name")
+    g.add_argument("--kvcache", help="kvcache backend name")
+    g.add_argument("--scheduler", help="scheduler backend name")
+    g.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="any config key, dotted for plugin options (e.g. scheduler.max_num_seqs=4); repeatable")
+
+
+def _sampling_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("sampling")
+    g.add_argument("--max-tokens", type=int, default=256)
+    g.add_argument("--temperature", type=float, default=0.7)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--min-p", type=float, default=0.0)
+    g.add_argument("--seed", type=int)
+    g.add_argument("--stop", action="append", default=[], help="stop string; repeatable")
+    g.add_argument("--ignore-eos", action="store_true")
+
+
+def _overrides(args: argparse.Namespace) -> dict[str, Any]:
+    import yaml
+
+    out: dict[str, Any] = {}
+    for key in ("model", "dtype", "device", "max_model_len", "attention", "kvcache", "scheduler"):
+        value = getattr(args, key, None)
+        if value is not None:
+            out[key] = value
+    for item in args.set:
+        key, sep, raw = item.partition("=")
+        if not sep:
+            raise LmplugError(f"--set {item!r}: expected KEY=VALUE")
+        value = yaml.safe_load(raw)
+        head, _, rest = key.partition(".")
+        if rest:
+            section = out.get(head)
+            section = {"backend": section} if isinstance(section, str) else dict(section or {})
+            section[rest] = value
+            out[head] = section
+        else:
+            out[head] = value
+    return out
+
+
+def _build_llm(args: argparse.Namespace):
+    from lmplug.llm import LLM
+
+    started = time.perf_counter()
+    llm = LLM(config=args.config, **_overrides(args))
+    args._load_time = time.perf_counter() - started
+    return llm
+
+
+def _params(args: argparse.Namespace):
+    from lmplug.engine.params import SamplingParams
+
+    return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
+                          top_p=args.top_p, min_p=args.min_p, seed=args.seed, stop=args.stop or None,
+                          ignore_eos=args.ignore_eos)
+
+
+# -- commands ----------------------------------------------------------------------------------
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    llm = _build_llm(args)
+    params = _params(args)
+    prompts = args.prompt or [sys.stdin.read()]
+    for prompt in prompts:
+        if args.chat:
+            prompt = llm.apply_chat_template([{"role": "user", "content": prompt}])
+        started = time.perf_counter()
+        first = last = None
+        final = None
+        for out in llm.stream(prompt, params):
+            now = time.perf_counter()
+            if first is None and out.delta_token_ids:
+                first = now
+            last = now
+            print(out.delta_text, end="", flush=True)
+            final = out
+        print()
+        if args.stats and final is not None:
+            _print_stats(len(final.token_ids), started, first, last, args._load_time)
+    return 0
+
+
+def _print_stats(n: int, started: float, first: float | None, last: float | None, load: float) -> None:
+    ttft = (first - started) if first else float("nan")
+    tpot = (last - first) / (n - 1) if first and last and n > 1 else float("nan")
+    total = (last - started) if last else float("nan")
+    print(f"\n[lmplug] load {load:.2f} s | {n} tokens | TTFT {ttft * 1000:.1f} ms | "
+          f"TPOT {tpot * 1000:.1f} ms | {1 / tpot if tpot == tpot and tpot > 0 else float('nan'):.1f} tokens/s "
+          f"decode | {n / total if total == total and total > 0 else float('nan'):.1f} tokens/s overall",
+          file=sys.stderr)
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    llm = _build_llm(args)
+    params = _params(args)
+    messages: list[dict] = []
+    if args.system:
+        messages.append({"role": "system", "content": args.system})
+    print("lmplug chat: type a message; /reset clears the history, /exit or Ctrl-D quits.", file=sys.stderr)
+    while True:
+        try:
+            line = input("you> ")
+        except EOFError:
+            print(file=sys.stderr)
+            return 0
+        if line.strip() in ("/exit", "/quit"):
+            return 0
+        if line.strip() == "/reset":
+            messages = messages[:1] if args.system else []
+            continue
+        if not line.strip():
+            continue
+        messages.append({"role": "user", "content": line})
+        print("assistant> ", end="", flush=True)
+        reply = ""
+        for out in llm.stream(llm.apply_chat_template(messages), params):
+            print(out.delta_text, end="", flush=True)
+            reply = out.text
+        print()
+        messages.append({"role": "assistant", "content": reply})
+
+
+def cmd_plugins(args: argparse.Namespace) -> int:
+    from lmplug.interfaces import FAMILIES
+    from lmplug.plugins import get_registry
+
+    registry = get_registry()
+    rows = []
+    for family in FAMILIES:
+        for name, info in sorted(registry.backends(family).items()):
+            rows.append((family, name, info.distribution, info.cls.capabilities.describe()))
+    widths = [max(len(r[i]) for r in rows + [("family", "name", "distribution", "")]) for i in range(3)]
+    print(f"{'family':<{widths[0]}}  {'name':<{widths[1]}}  {'distribution':<{widths[2]}}  capabilities")
+    for fam, name, dist, caps in rows:
+        print(f"{fam:<{widths[0]}}  {name:<{widths[1]}}  {dist:<{widths[2]}}  {caps}")
+    for failure in registry.failures:
+        print(f"FAILED  {failure}", file=sys.stderr)
+    return 1 if registry.failures else 0
+
+
+def cmd_models(args: argparse.Namespace) -> int:
+    from lmplug.loading import cache
+
+    if args.action == "pull":
+        path = cache.pull(args.name)
+        print(path)
+    else:
+        models = cache.list_models()
+        if not models:
+            print(f"no models in {cache.cache_dir()}; try: lmplug models pull smollm2-135m-instruct")
+        for name, path, size in models:
+            print(f"{name:<28} {size / 1e6:8.1f} MB  {path}")
+    return 0
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from lmplug.bench import run_bench
+
+    return run_bench(args, _overrides(args))
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="lmplug", description="An LLM inference engine in which every "
+                                "optimization is a plugin.")
+    p.add_argument("-v", "--verbose", action="count", default=0, help="more logging (-vv for debug)")
+    sub = p.add_subparsers(metavar="COMMAND")
+
+    g = sub.add_parser("generate", help="generate text for prompts (streams to stdout)")
+    g.add_argument("prompt", nargs="*", help="prompts (default: read one from stdin)")
+    g.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
+    g.add_argument("--stats", action="store_true", help="print load time, TTFT, TPOT and tokens/s to stderr")
+    _engine_args(g)
+    _sampling_args(g)
+    g.set_defaults(func=cmd_generate)
+
+    c = sub.add_parser("chat", help="interactive chat, streaming tokens")
+    c.add_argument("--system", help="system prompt")
+    _engine_args(c)
+    _sampling_args(c)
+    c.set_defaults(func=cmd_chat)
+
+    pl = sub.add_parser("plugins", help="list installed backends: family, name, distribution, capabilities")
+    pl.set_defaults(func=cmd_plugins)
+
+    m = sub.add_parser("models", help="the model cache ($LMPLUG_CACHE or ~/.cache/lmplug)")
+    m.add_argument("action", choices=["pull", "list"])
+    m.add_argument("name", nargs="?", default="smollm2-135m-instruct")
+    m.set_defaults(func=cmd_models)
+
+    b = sub.add_parser("bench", help="batch-1 decode tokens/s, TTFT and load time (optionally vs HF transformers)")
+    b.add_argument("--prompt-tokens", type=int, default=128)
+    b.add_argument("--new-tokens", type=int, default=64)
+    b.add_argument("--repeats", type=int, default=3)
+    b.add_argument("--batch-size", type=int, default=1)
+    b.add_argument("--compare-hf", action="store_true", help="also run HF transformers on the same model")
+    _engine_args(b)
+    b.set_defaults(func=cmd_bench)
+    return p
+
+
+if __name__ == "__main__":
+    sys.exit(main())
