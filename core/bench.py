@@ -63,8 +63,7 @@ def _prompt_ids(vocab: int, n: int) -> list[int]:
     return torch.randint(100, min(vocab, 30000), (n,), generator=g).tolist()
 
 
-def bench_lmplug(overrides: dict, prompt: list[int] | None, args: argparse.Namespace) -> tuple[Run, object]:
-    from lmplug.engine.params import SamplingParams
+def bench_lmplug(overrides: dict, args: argparse.Namespace) -> tuple[Run, object]:
     from lmplug.llm import LLM
 
     started = time.perf_counter()
@@ -132,7 +131,9 @@ def time_hf(model, run: Run, prompt: list[int], args: argparse.Namespace) -> Non
 def run_bench(args: argparse.Namespace, overrides: dict) -> int:
     from lmplug.loading.cache import resolve_model
 
-    run, llm = bench_lmplug(overrides, None, args)
+    if args.num_requests:
+        return run_throughput(args, overrides)
+    run, llm = bench_lmplug(overrides, args)
     engine = llm.engine
     prompt = _prompt_ids(engine.model_config.vocab_size, args.prompt_tokens)
     hf_run = hf_model = None
@@ -161,3 +162,46 @@ def run_bench(args: argparse.Namespace, overrides: dict) -> int:
               f"TTFT {hf_run.ttft_ms / run.ttft_ms:.2f}x faster, load {hf_run.load_s / run.load_s:.1f}x faster; "
               f"greedy tokens identical: {same}")
     return 0
+
+
+# -- many requests at once: throughput and per-step engine statistics ----------------------------
+
+
+def workload(vocab: int, num_requests: int, seed: int = 0) -> list[tuple[list[int], int]]:
+    """Requests of mixed prompt and output lengths (prompt ids, max_tokens), like a chat service."""
+    import random
+
+    rng = random.Random(seed)
+    return [([rng.randrange(100, min(vocab, 30000)) for _ in range(rng.randint(16, 256))], rng.choice([8, 16, 32, 128]))
+            for _ in range(num_requests)]
+
+
+def run_throughput(args: argparse.Namespace, overrides: dict) -> int:
+    from lmplug.engine.params import SamplingParams
+    from lmplug.llm import LLM
+
+    llm = LLM(config=args.config, **overrides)
+    engine = llm.engine
+    requests = workload(engine.model_config.vocab_size, args.num_requests)
+    for i, (ids, max_tokens) in enumerate(requests):
+        engine.add_request(str(i), ids, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
+    steps, generated, started = [], 0, time.perf_counter()
+    while engine.has_unfinished_requests():
+        outs = engine.step()
+        generated += sum(len(o.delta_token_ids) for o in outs)
+        steps.append(dict(engine.last_stats))
+    elapsed = time.perf_counter() - started
+    print_throughput(engine, requests, steps, generated, elapsed)
+    return 0
+
+
+def print_throughput(engine, requests, steps: list[dict], generated: int, elapsed: float) -> None:
+    mean = lambda key: statistics.mean(s[key] for s in steps)  # noqa: E731
+    prompt_tokens = sum(len(ids) for ids, _ in requests)
+    print("backends: " + ", ".join(f"{k}={v.name}" for k, v in engine.resolved.backends.items()))
+    print(f"{len(requests)} requests, {prompt_tokens} prompt + {generated} generated tokens in {elapsed:.1f} s: "
+          f"{generated / elapsed:.1f} generated tokens/s, {(prompt_tokens + generated) / elapsed:.1f} total tokens/s")
+    print(f"{len(steps)} steps: running {mean('num_running'):.1f}, waiting {mean('num_waiting'):.1f}, "
+          f"prefill tokens {mean('num_prefill_tokens'):.1f}, decode tokens {mean('num_decode_tokens'):.1f}, "
+          f"KV use {100 * mean('kv_usage'):.0f}% (mean per step); peak KV use "
+          f"{100 * max(s['kv_usage'] for s in steps):.0f}%")

@@ -241,6 +241,9 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--repeats", type=int, default=3)
     b.add_argument("--batch-size", type=int, default=1)
     b.add_argument("--compare-hf", action="store_true", help="also run HF transformers on the same model")
+    b.add_argument("--num-requests", type=int, default=0,
+                   help="throughput mode: submit this many mixed-length requests at once and report "
+                        "tokens/s and per-step engine statistics")
     _engine_args(b)
     b.set_defaults(func=cmd_bench)
     return p

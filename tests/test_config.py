@@ -466,16 +466,16 @@ def test_no_backend_fits_device():
 def test_unknown_backend_lists_available(registry):
     with pytest.raises(ConfigError) as exc:
         resolve(
-            cfg(attention={"backend": "flash"}),
+            cfg(attention={"backend": "no_such_backend"}),
             device="cpu",
             dtype="float32",
             registry=registry,
             source="my.yaml",
         )
     msg = str(exc.value)
-    assert "my.yaml" in msg and "attention" in msg and "'flash'" in msg
+    assert "my.yaml" in msg and "attention" in msg and "'no_such_backend'" in msg
     assert f"available: {', '.join(sorted(registry.backends('attention')))}" in msg
-    assert "cuda_only, exotic_only, half_only, mid" in msg
+    assert all(name in msg for name in ("cuda_only", "exotic_only", "half_only", "mid"))
 
 
 def test_layout_mismatch(registry):

@@ -53,6 +53,8 @@ def build_engine_parts(resolved: ResolvedConfig) -> EngineParts:
     cfg = resolved.config
     started = time.perf_counter()
     source = open_source(resolve_model(cfg.model))
+    # an unsupported architecture is the error to report, not the config keys it lacks
+    arch = architecture_for(source.hf_config.get("model_type"))
     model_config = ModelConfig.from_hf(source.hf_config)
     dtype = DTYPES[resolved.dtype]
     device = torch.device(resolved.device)
@@ -64,7 +66,6 @@ def build_engine_parts(resolved: ResolvedConfig) -> EngineParts:
         num_kv_heads=model_config.num_kv_heads, head_dim=model_config.head_dim,
         scale=model_config.head_dim ** -0.5, sliding_window=model_config.sliding_window)
     quant = Unquantized()
-    arch = architecture_for(model_config.model_type)
     with torch.device(device):
         model = arch(model_config, dtype, quant, attention, max_model_len)
     _load_with_progress(model, source)

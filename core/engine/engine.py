@@ -16,6 +16,7 @@ from lmplug.engine.sampler import sample, top_logprobs
 from lmplug.engine.sequence import Sequence, SequenceStatus
 from lmplug.engine.stopping import check_stop
 from lmplug.errors import ConfigError
+from lmplug.interfaces import Scheduler
 from lmplug.plugins import Registry, get_registry
 
 logger = logging.getLogger(__name__)
@@ -31,6 +32,7 @@ class _Request:
         self.detokenizers = detokenizers
         self.sent_tokens = [0] * len(seqs)  # streaming: tokens already reported per sequence
         self.sent_text = [0] * len(seqs)
+        self.pending_forks: list[Sequence] = []  # siblings forked from seqs[0] at its first token
 
     @property
     def finished(self) -> bool:
@@ -55,6 +57,9 @@ class LLMEngine:
         self._requests: dict[str, _Request] = {}
         self._seed_rng = torch.Generator().manual_seed(self.config.seed)
         self._observe_steps = bool(self.registry.hook.lmplug_step_finished.get_hookimpls())
+        # n > 1 shares the prompt's KV when the cache can fork and the scheduler takes forks
+        self._can_fork = ("fork" in self.kv.capabilities.features
+                          and type(self.scheduler).add_running is not Scheduler.add_running)
         self.last_stats: dict = {}
         self.registry.hook.lmplug_engine_started(engine=self)
 
@@ -82,7 +87,11 @@ class LLMEngine:
             seq = Sequence(request_id, ids, params, index=i, priority=priority, generator=gen)
             seqs.append(seq)
             detoks.append(self._detokenizer(ids, params))
-        self._requests[request_id] = _Request(request_id, text, ids, seqs, detoks)
+        req = _Request(request_id, text, ids, seqs, detoks)
+        self._requests[request_id] = req
+        if self._can_fork:
+            req.pending_forks = seqs[1:]
+            seqs = seqs[:1]
         for seq in seqs:
             self.scheduler.add(seq)
 
@@ -120,11 +129,13 @@ class LLMEngine:
         if result.logits is None:
             return []
         seqs = [item.seq for item in result.sample_rows]
-        tokens = sample(result.logits, seqs)
+        logits, forked = self._fork_siblings(seqs, result.logits)
+        seqs = seqs + forked
+        tokens = sample(logits, seqs)
         want = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
         if want:
             k = max(seqs[i].params.logprobs for i in want)
-            rows = top_logprobs(result.logits[want], torch.tensor([tokens[i] for i in want]), k)
+            rows = top_logprobs(logits[want], torch.tensor([tokens[i] for i in want]), k)
             for i, row in zip(want, rows):
                 seqs[i].logprobs.append(self._trim(row, seqs[i].params.logprobs, tokens[i]))
         now = time.perf_counter()
@@ -139,21 +150,56 @@ class LLMEngine:
                 detok.add([token])
                 seq.text = detok.text
             if check_stop(seq, token, self.eos_token_ids, self.max_model_len):
+                if detok is not None and not isinstance(seq.stop_reason, str):
+                    detok.flush()  # a character cut short by the end still shows
+                    seq.text = detok.text
                 seq.status = SequenceStatus.FINISHED
                 seq.finish_time = now
                 finished.append(seq)
-        return finished
+        for seq in forked:
+            if seq.is_finished:
+                self.kv.free(seq)  # never reached the scheduler, so it cannot free it
+            else:
+                self.scheduler.add_running(seq)
+        return [s for s in finished if s not in forked]
+
+    def _fork_siblings(self, seqs: list[Sequence],
+                       logits: torch.Tensor) -> tuple[torch.Tensor, list[Sequence]]:
+        """Fork the waiting siblings of every sequence about to sample its first token.
+
+        A child shares its parent's prompt KV (``kv.fork``) and samples its own
+        first token, with its own generator, from the parent's logits row.
+        Returns the logits with those rows repeated for the children, and the children.
+        """
+        rows, forked = [], []
+        for i, parent in enumerate(seqs):
+            req = self._requests[parent.request_id]
+            if not req.pending_forks:
+                continue
+            for child in req.pending_forks:
+                child.num_computed_tokens = parent.num_computed_tokens
+                self.kv.fork(parent, child)
+                rows.append(i)
+                forked.append(child)
+            req.pending_forks = []
+        if not forked:
+            return logits, []
+        return torch.cat([logits, logits[rows]]), forked
 
     def _record_prompt_logprobs(self, seq: Sequence, first: int, logits: torch.Tensor) -> None:
+        """Logits at prompt position p predict token p + 1; entry 0 is None (nothing predicts it).
+
+        Entries already recorded (before a preemption made the sequence recompute) are kept.
+        """
         k = seq.params.prompt_logprobs
-        if first == 0:
-            seq.prompt_logprobs.append(None)  # nothing predicts the first prompt token
-        # logits at position p predict token p + 1; stop at the end of the prompt
+        if not seq.prompt_logprobs:
+            seq.prompt_logprobs.append(None)
+        start = max(first, len(seq.prompt_logprobs) - 1)
         upto = min(first + logits.shape[0], seq.num_prompt_tokens - 1)
-        if upto <= first:
+        if upto <= start:
             return
-        targets = torch.tensor(seq.token_ids[first + 1:upto + 1])
-        rows = top_logprobs(logits[:upto - first], targets, k)
+        targets = torch.tensor(seq.token_ids[start + 1:upto + 1])
+        rows = top_logprobs(logits[start - first:upto - first], targets, k)
         for row, tok in zip(rows, targets.tolist()):
             seq.prompt_logprobs.append(self._trim(row, k, tok))
 
@@ -181,6 +227,11 @@ class LLMEngine:
         completions, delta_text, delta_ids = [], "", []
         for i, seq in enumerate(req.seqs):
             text = seq.text
+            if not seq.is_finished and seq.params.stop:
+                # hold back what may be the start of a stop string: once it completes, the text
+                # is cut before it, and a streamed delta cannot be taken back
+                hold = max(len(s) for s in seq.params.stop) - 1
+                text = text[:max(len(text) - hold, req.sent_text[i])]
             completions.append(CompletionOutput(
                 index=seq.index, text=text, token_ids=seq.output_token_ids,
                 logprobs=seq.logprobs if seq.params.logprobs is not None else None,

@@ -32,11 +32,11 @@ class SamplingParams:
         _check(isinstance(self.n, int) and self.n >= 1, "n", self.n, "an integer >= 1")
         _check(self.max_tokens is None or (isinstance(self.max_tokens, int) and self.max_tokens >= 1),
                "max_tokens", self.max_tokens, "an integer >= 1 (or None)")
-        _check(self.temperature >= 0, "temperature", self.temperature, "a number >= 0 (0 = greedy)")
+        _check(_is_number(self.temperature) and self.temperature >= 0, "temperature", self.temperature, "a number >= 0 (0 = greedy)")
         _check(isinstance(self.top_k, int) and (self.top_k >= 0 or self.top_k == -1), "top_k", self.top_k,
                "0 or -1 (off) or a positive integer")
-        _check(0 < self.top_p <= 1, "top_p", self.top_p, "a number in (0, 1]")
-        _check(0 <= self.min_p <= 1, "min_p", self.min_p, "a number in [0, 1]")
+        _check(_is_number(self.top_p) and 0 < self.top_p <= 1, "top_p", self.top_p, "a number in (0, 1]")
+        _check(_is_number(self.min_p) and 0 <= self.min_p <= 1, "min_p", self.min_p, "a number in [0, 1]")
         _check(self.seed is None or isinstance(self.seed, int), "seed", self.seed, "an integer or None")
         _check(all(isinstance(s, str) and s for s in self.stop), "stop", self.stop, "non-empty strings")
         _check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
@@ -53,6 +53,10 @@ class SamplingParams:
     @property
     def needs_filtering(self) -> bool:
         return self.top_k > 0 or self.top_p < 1 or self.min_p > 0
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def _check(ok: bool, name: str, value: object, expected: str) -> None:

@@ -71,7 +71,7 @@ class ModelRunner:
         for item, end in zip(batch, ends):
             seq = item.seq
             start = end - item.num_new_tokens
-            if seq.params.prompt_logprobs is not None and seq.num_computed_tokens < seq.num_prompt_tokens:
+            if seq.wants_prompt_logprobs:
                 # logits at prompt positions predict the next prompt token
                 prompt_logits[seq.seq_id] = (seq.num_computed_tokens,
                                              self.model.compute_logits(hidden[start:end]))

@@ -26,7 +26,8 @@ def apply_filters(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
     probs = sorted_logits.softmax(-1)
     # top-p: keep the smallest prefix whose mass reaches p (always the first token)
     mass_before = probs.cumsum(-1) - probs
-    drop = mass_before >= top_p.unsqueeze(1)
+    # (rows with top_p == 1 skip it: in float32 the cumulative sum can pass 1.0 before the tail)
+    drop = (mass_before >= top_p.unsqueeze(1)) & (top_p < 1).unsqueeze(1)
     drop[:, 0] = False
     sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     # min-p: drop tokens below min_p x the top token's probability

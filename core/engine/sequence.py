@@ -81,6 +81,22 @@ class Sequence:
     def is_prefill(self) -> bool:
         return self.num_computed_tokens < self.num_prompt_tokens
 
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """Prompt logprobs were asked for and some are still to be computed."""
+        return (self.params.prompt_logprobs is not None and self.num_computed_tokens < self.num_prompt_tokens
+                and len(self.prompt_logprobs) < self.num_prompt_tokens)
+
+    def skip_cached(self, num_cached: int) -> None:
+        """Start computing after a prefix-cache hit of ``num_cached`` tokens.
+
+        The last token is always computed (its logits give the next token), and a
+        request that wants prompt logprobs computes its whole prompt.
+        """
+        if self.params.prompt_logprobs is not None:
+            num_cached = 0
+        self.num_computed_tokens = min(num_cached, self.num_tokens - 1)
+
     def __repr__(self) -> str:
         return (f"Sequence(id={self.seq_id}, request={self.request_id!r}, tokens={self.num_tokens}, "
                 f"computed={self.num_computed_tokens}, {self.status.value})")

@@ -76,6 +76,7 @@ class KVCacheBackend(ABC):
 
         Returns how many leading tokens already have their K/V stored (a prefix
         cache hit on first allocation; 0 for backends without prefix caching).
+        A hit never covers the last token, whose logits must be computed.
         """
 
     @abstractmethod
@@ -92,7 +93,12 @@ class KVCacheBackend(ABC):
         """Fraction of the pool in use, 0..1."""
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
-        """Let ``child`` share ``parent``'s stored tokens (copy-on-write backends)."""
+        """Let ``child`` share ``parent``'s stored tokens (copy-on-write backends).
+
+        Backends that implement it list ``"fork"`` in ``capabilities.features``;
+        the engine then runs ``n > 1`` samples as forks of the first sequence.
+        A later ``allocate`` that would write into a shared block copies it first.
+        """
         raise NotImplementedError(f"kvcache backend {self.name!r} cannot fork sequences")
 
     @property

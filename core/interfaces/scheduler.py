@@ -66,6 +66,22 @@ class Scheduler(ABC):
     def add(self, seq: Sequence) -> None:
         """Queue a new sequence."""
 
+    def add_running(self, seq: Sequence) -> None:
+        """Take a sequence that already holds KV straight into the running set.
+
+        Used for ``SamplingParams.n > 1`` when the KV backend can fork: the
+        engine queues only a request's first sequence; when it samples its first
+        token, the engine creates the siblings with ``kv.fork(parent, child)``
+        (they share the prompt's blocks), gives each its own first token and
+        hands them here. Such a sequence has ``num_computed_tokens ==
+        num_prompt_tokens`` and one token to compute; the scheduler must neither
+        re-admit it nor allocate its prompt again (its next ``kv.allocate``
+        grows it, copying a shared partial block), and may preempt it like any
+        running sequence. A scheduler that does not override this makes the
+        engine fall back to ``n`` independent sequences.
+        """
+        raise NotImplementedError(f"scheduler {self.name!r} cannot take forked sequences")
+
     @abstractmethod
     def schedule(self) -> SchedulerOutput:
         """Pick this step's work within the limits and the KV cache."""

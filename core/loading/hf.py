@@ -45,11 +45,14 @@ def load_hf_dir(path: Path) -> ModelSource:
 
 def _read_json(path: Path) -> dict:
     try:
-        return json.loads(path.read_text())
+        data = json.loads(path.read_text())
     except FileNotFoundError:
         raise ModelLoadError(f"{path} is missing (an HF model folder needs config.json and safetensors)") from None
     except json.JSONDecodeError as exc:
         raise ModelLoadError(f"{path}: not valid JSON ({exc})") from None
+    if not isinstance(data, dict):
+        raise ModelLoadError(f"{path}: expected a JSON object, got {type(data).__name__}")
+    return data
 
 
 def _weight_files(path: Path) -> list[Path]:

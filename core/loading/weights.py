@@ -16,7 +16,7 @@ logger = logging.getLogger(__name__)
 def load_weights(model: torch.nn.Module, source: ModelSource, progress=None) -> None:
     params = dict(model.named_parameters())
     modules = dict(model.named_modules())
-    expected = {_key(name, shard, modules) for name, shard in _expected(model, modules)}
+    expected = {_key(name, shard, modules): (name, shard) for name, shard in _expected(model, modules)}
     loaded: set[str] = set()
     for name, tensor in source.iter_tensors():
         target = model.weight_target(name)
@@ -40,8 +40,11 @@ def load_weights(model: torch.nn.Module, source: ModelSource, progress=None) -> 
                                  f"the model expects {tuple(dest.shape)}")
         dest.copy_(tensor)
         loaded.add(_key(path, shard, modules))
-    missing = sorted(expected - loaded)
+    missing = sorted(set(expected) - loaded)
     if missing:
+        # name what the checkpoint lacks in its own (HF) names, not our fused parameter paths
+        describe = getattr(model, "checkpoint_name", None)
+        missing = [describe(*expected[k]) if describe else k for k in missing]
         shown = ", ".join(missing[:8]) + (" ..." if len(missing) > 8 else "")
         raise ModelLoadError(f"{source.path}: {len(missing)} tensors missing from the checkpoint: {shown}")
     for module in model.modules():

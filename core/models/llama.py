@@ -123,6 +123,22 @@ class LlamaForCausalLM(torch.nn.Module):
         head = self.embed_tokens.weight if self.lm_head is None else self.lm_head
         return F.linear(hidden, head)  # [N, V]
 
+    def checkpoint_name(self, path: str, shard: str | None) -> str:
+        """The checkpoint (HF) tensor name that fills parameter ``path`` (shard ``shard``):
+        the inverse of ``weight_target``, for error messages."""
+        if path.startswith("layers."):
+            idx, _, tail = path[len("layers."):].partition(".")
+            module, _, param = tail.rpartition(".")
+            for hf_module, (target, target_shard) in self.STACKED.items():
+                if target == module and target_shard == shard:
+                    return f"model.layers.{idx}.{hf_module}.{param}"
+            return f"model.layers.{idx}.{tail}"
+        if path in ("embed_tokens.weight", "norm.weight"):
+            return f"model.{path}"
+        if path == "lm_head":
+            return "lm_head.weight"
+        return path
+
     def weight_target(self, name: str) -> tuple[str, str | None] | None:
         """Map a checkpoint (HF) tensor name to (parameter path, shard) or None to skip it."""
         if name.startswith("model.layers."):

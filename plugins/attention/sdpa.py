@@ -50,10 +50,12 @@ class SdpaAttention(AttentionBackend):
     def _prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_len: int) -> torch.Tensor:
         # q: [L, H, D] are the last L positions of a context of seq_len keys
         qlen = q.shape[0]
-        mask = causal_mask(qlen, seq_len, self.sliding_window, q.device)
+        # a whole prompt without a window is plain causal attention: no mask to build
+        plain = qlen == seq_len and self.sliding_window is None
+        mask = None if plain else causal_mask(qlen, seq_len, self.sliding_window, q.device)
         o = F.scaled_dot_product_attention(
             q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
-            attn_mask=mask, is_causal=False, scale=self.scale, enable_gqa=True)
+            attn_mask=mask, is_causal=plain, scale=self.scale, enable_gqa=True)
         return o.transpose(0, 1)
 
 

@@ -8,5 +8,6 @@ LMPLUG_API_VERSION = 1
 @hookimpl
 def lmplug_register_kvcache_backends() -> list[type]:
     from lmplug_kvcache.contiguous import ContiguousKVCache
+    from lmplug_kvcache.paged import PagedKVCache
 
-    return [ContiguousKVCache]
+    return [ContiguousKVCache, PagedKVCache]

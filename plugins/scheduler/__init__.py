@@ -7,6 +7,7 @@ LMPLUG_API_VERSION = 1
 
 @hookimpl
 def lmplug_register_schedulers() -> list[type]:
+    from lmplug_scheduler.continuous import ContinuousScheduler
     from lmplug_scheduler.static import StaticScheduler
 
-    return [StaticScheduler]
+    return [StaticScheduler, ContinuousScheduler]

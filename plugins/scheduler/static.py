@@ -56,9 +56,7 @@ class StaticScheduler(Scheduler):
                 break
             self.waiting.popleft()
             cached = self.kv.allocate(seq, seq.num_tokens)
-            # a prefix-cache hit skips computing those tokens; the last one is always
-            # computed so that its logits exist to sample from
-            seq.num_computed_tokens = min(cached, seq.num_tokens - 1)
+            seq.skip_cached(cached)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
 

@@ -1,0 +1,227 @@
+"""KV memory: contiguous (a max_model_len row per sequence) vs paged (blocks as tokens arrive).
+
+    python benchmarks/bench_kv_memory.py [--model smollm2-135m-instruct] [--kv-gb 1.0]
+                                         [--requests 400] [--skip-model]
+
+On the demo model's KV shape (or a same-shape stand-in when it is not
+cached), for one fixed KV budget:
+
+1. capacity: how many requests of a realistic mixed-length workload (fixed
+   seed) fit at once, at their final lengths;
+2. a run of the whole workload, one token per running sequence per step:
+   mean concurrent sequences, steps to finish, and utilization = KV bytes
+   holding live tokens / KV bytes handed to sequences (averaged over steps).
+   Admission: contiguous needs a free row; paged needs blocks for the prompt,
+   and a sequence that cannot grow preempts the newest one (recomputed later),
+   as a continuous-batching scheduler would;
+3. ``n = 4`` sampling on the real model: KV blocks after the prompt and after
+   the first token, against ``n = 1`` (the siblings fork the prompt's blocks).
+
+Parts 1–2 use the real KV backends' accounting on the ``meta`` device (no
+memory, no model compute), so they take seconds; part 3 loads the model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+import time
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+
+from lmplug.engine.params import SamplingParams
+from lmplug.engine.sequence import Sequence
+from lmplug.errors import LmplugError
+from lmplug.interfaces import KVCacheSpec
+from lmplug_kvcache.contiguous import ContiguousKVCache, ContiguousOptions
+from lmplug_kvcache.paged import PagedKVCache, PagedOptions
+
+DEMO_SHAPE = {"num_layers": 30, "num_kv_heads": 3, "head_dim": 64}  # SmolLM2-135M
+
+
+@dataclass
+class Request:
+    prompt_len: int
+    output_len: int
+
+    @property
+    def final_len(self) -> int:
+        return self.prompt_len + self.output_len
+
+
+def workload(num: int, max_model_len: int, seed: int) -> list[Request]:
+    """Chat-like lengths: log-normal prompts (median 256), uniform outputs 16..512."""
+    g = torch.Generator().manual_seed(seed)
+    prompts = torch.exp(torch.randn(num, generator=g) * 0.8 + math.log(256)).clamp(16, 1536).long()
+    outputs = torch.randint(16, 513, (num,), generator=g)
+    return [Request(int(p), int(min(o, max_model_len - p))) for p, o in zip(prompts, outputs)]
+
+
+def kv_shape(model: str) -> tuple[dict, str]:
+    try:
+        from lmplug.loading import open_source
+        from lmplug.loading.cache import resolve_model
+        from lmplug.models import ModelConfig
+
+        cfg = ModelConfig.from_hf(open_source(resolve_model(model)).hf_config)
+        return {"num_layers": cfg.num_layers, "num_kv_heads": cfg.num_kv_heads,
+                "head_dim": cfg.head_dim}, model
+    except (LmplugError, OSError) as exc:  # not cached: the same shape stands in
+        return DEMO_SHAPE, f"SmolLM2-135M shape ({model} unavailable: {type(exc).__name__})"
+
+
+def make_backends(shape: dict, args) -> tuple[ContiguousKVCache, PagedKVCache]:
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]
+    spec = KVCacheSpec(**shape, dtype=dtype, device=torch.device("meta"),
+                       max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs)
+    budget_tokens = int(args.kv_gb * 2**30) // spec.bytes_per_token
+    rows = budget_tokens // args.max_model_len
+    contiguous = ContiguousKVCache(ContiguousOptions(max_num_seqs=max(rows, 1)), spec)
+    paged = PagedKVCache(PagedOptions(block_size=args.block_size,
+                                      num_blocks=budget_tokens // args.block_size), spec)
+    return contiguous, paged
+
+
+def new_seq(i: int, req: Request) -> Sequence:
+    return Sequence(str(i), [1] * req.prompt_len, SamplingParams(max_tokens=req.output_len))
+
+
+def capacity(kv, requests: list[Request]) -> int:
+    """Requests that fit together at their final lengths, admitted in order."""
+    held = []
+    for i, req in enumerate(requests):
+        seq = new_seq(i, req)
+        seq.token_ids += [1] * req.output_len
+        if not kv.can_allocate(seq, req.final_len):
+            break
+        kv.allocate(seq, req.final_len)
+        held.append(seq)
+    for seq in held:
+        kv.free(seq)
+    return len(held)
+
+
+@dataclass
+class RunStats:
+    mean_running: float
+    steps: int
+    utilization: float  # live token bytes / bytes handed to sequences
+    preemptions: int
+
+
+def allocated_tokens(kv, running: list[Sequence]) -> int:
+    if isinstance(kv, PagedKVCache):
+        return kv.blocks.num_used_blocks * kv.block_size
+    return len(running) * kv.spec.max_model_len
+
+
+def preempt(kv, seq: Sequence, waiting: deque) -> None:
+    """Free a sequence and queue it first again; on re-admission its tokens so far are recomputed."""
+    kv.free(seq)
+    seq.num_computed_tokens = 0
+    waiting.appendleft(seq)
+
+
+def run(kv, requests: list[Request], max_num_seqs: int) -> RunStats:
+    waiting = deque(new_seq(i, r) for i, r in enumerate(requests))
+    running: list[Sequence] = []
+    steps, preemptions, concurrency, utilization = 0, 0, [], []
+    while waiting or running:
+        while (waiting and len(running) < max_num_seqs
+               and kv.can_allocate(waiting[0], waiting[0].num_tokens + 1)):
+            seq = waiting.popleft()
+            kv.allocate(seq, seq.num_tokens)
+            seq.num_computed_tokens = seq.num_tokens
+            running.append(seq)
+        for seq in running.copy():  # one decode token each; grow, preempting the newest if needed
+            if seq not in running:
+                continue
+            while not kv.can_allocate(seq, seq.num_tokens + 1):
+                victim = running.pop()
+                preempt(kv, victim, waiting)
+                preemptions += 1
+                if victim is seq:
+                    break
+            else:
+                seq.token_ids.append(1)
+                kv.allocate(seq, seq.num_tokens)
+                seq.num_computed_tokens = seq.num_tokens
+        steps += 1
+        concurrency.append(len(running))
+        utilization.append(sum(s.num_tokens for s in running) / max(allocated_tokens(kv, running), 1))
+        for seq in [s for s in running if s.num_output_tokens >= s.params.max_tokens]:
+            running.remove(seq)
+            kv.free(seq)
+    return RunStats(statistics.mean(concurrency), steps, statistics.mean(utilization), preemptions)
+
+
+def n_sampling_blocks(model: str, block_size: int, prompt_len: int) -> dict[int, tuple[int, int]]:
+    """Used KV blocks after the prompt step and after the first decode step, for n = 1 and n = 4."""
+    from lmplug import LLM
+
+    llm = LLM(model, device="cpu", dtype="float32", max_model_len=2048,
+              kvcache={"backend": "paged", "block_size": block_size, "num_blocks": 256})
+    prompt = torch.randint(100, 20000, (prompt_len,), generator=torch.Generator().manual_seed(0)).tolist()
+    used = {}
+    for n in (1, 4):
+        engine = llm.engine
+        engine.add_request(f"n{n}", prompt, SamplingParams(n=n, temperature=1.0, max_tokens=4, seed=0))
+        engine.step()
+        after_prompt = engine.kv.blocks.num_used_blocks
+        engine.step()
+        used[n] = (after_prompt, engine.kv.blocks.num_used_blocks)
+        while engine.has_unfinished_requests():
+            engine.step()
+    return used
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="smollm2-135m-instruct")
+    p.add_argument("--kv-gb", type=float, default=1.0, help="the KV budget both caches get (GiB)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--max-model-len", type=int, default=2048)
+    p.add_argument("--max-num-seqs", type=int, default=256, help="scheduler cap (set high: memory binds)")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--requests", type=int, default=400)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--prompt-len", type=int, default=200, help="prompt of the n = 4 measurement")
+    p.add_argument("--skip-model", action="store_true", help="accounting only; do not load the model")
+    args = p.parse_args()
+
+    started = time.perf_counter()
+    shape, source = kv_shape(args.model)
+    contiguous, paged = make_backends(shape, args)
+    requests = workload(args.requests, args.max_model_len, args.seed)
+    lens = [r.final_len for r in requests]
+    print(f"KV shape: {source}, {args.dtype}: {paged.bytes_per_token} bytes/token; budget {args.kv_gb} GiB "
+          f"= {paged.num_tokens} tokens; max_model_len {args.max_model_len}; block_size {args.block_size}")
+    print(f"workload: {len(requests)} requests, seed {args.seed}, final length mean "
+          f"{statistics.mean(lens):.0f}, median {statistics.median(lens):.0f}, max {max(lens)}\n")
+    backends = {"contiguous": contiguous, "paged": paged}
+    fit = {name: capacity(kv, requests) for name, kv in backends.items()}
+    stats = {name: run(kv, requests, args.max_num_seqs) for name, kv in backends.items()}
+    print(f"{'KV cache':<12}{'fit at once':>12}{'mean running':>14}{'steps':>8}{'utilization':>13}"
+          f"{'preempted':>11}")
+    for name, s in stats.items():
+        print(f"{name:<12}{fit[name]:>12}{s.mean_running:>14.1f}{s.steps:>8}{s.utilization:>12.1%}"
+              f"{s.preemptions:>11}")
+    print(f"paged / contiguous: {fit['paged'] / fit['contiguous']:.2f}x requests fit, "
+          f"{stats['paged'].mean_running / stats['contiguous'].mean_running:.2f}x mean running, "
+          f"{stats['contiguous'].steps / stats['paged'].steps:.2f}x fewer steps")
+    if not args.skip_model:
+        used = n_sampling_blocks(args.model, args.block_size, args.prompt_len)
+        print(f"\nn = 4 sampling, {args.prompt_len}-token prompt (KV blocks in use; n = 4 without sharing "
+              f"would hold 4x n = 1):")
+        for n, (after_prompt, after_first) in used.items():
+            print(f"  n = {n}: {after_prompt} after the prompt, {after_first} after the first token")
+        print(f"  n = 4 / n = 1: {used[4][0] / used[1][0]:.2f}x after the prompt, "
+              f"{used[4][1] / used[1][1]:.2f}x after the first token")
+    print(f"\n({time.perf_counter() - started:.1f} s)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,87 @@
+"""``flash``: FlashAttention-2 style Triton kernels over the contiguous and the paged KV layouts.
+
+Per layer and step: store the new K/V at ``ctx.slot_mapping`` (``index_copy_``),
+then one decode call for the decode sequences (ordered first in the step:
+flash decoding, split-K on long contexts) and one varlen prefill call for the
+rest. A prefill whose sequences have nothing cached reads K/V straight from
+the step's packed tensors; chunked prefills and prefix-cache hits read their
+whole context through the block tables. Kernels: ``flash_prefill_kernels.py``
+and ``flash_decode_kernels.py``; the PyTorch twins are in ``flash_ref.py``.
+
+Runs on CUDA. Under ``TRITON_INTERPRET=1`` (tests, the conformance suite) it
+also claims the CPU, with a priority below ``sdpa`` so that ``backend: auto``
+never picks interpreted kernels; name it to use it there.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from lmplug_attention.sdpa import write_kv
+from pydantic import Field
+
+from lmplug.interfaces import (
+    AttentionBackend,
+    BackendOptions,
+    Capabilities,
+    KVLayerView,
+    StepContext,
+)
+
+# read once, as triton does when it is first imported
+_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+MAX_SPLITS = 64  # flash_decode_kernels.MAX_SPLITS; the kernels (and triton) load with the backend
+
+
+class FlashAttentionOptions(BackendOptions):
+    num_splits: int | None = Field(
+        default=None, ge=1, le=MAX_SPLITS,
+        description="decode split-K partitions per sequence; None: chosen from context length and "
+                    "batch size, 1: never split")
+
+
+class FlashAttention(AttentionBackend):
+    name = "flash"
+    capabilities = Capabilities(
+        devices=frozenset({"cuda", "cpu"} if _INTERPRETED else {"cuda"}),
+        kv_layouts=frozenset({"contiguous", "paged"}),
+        features=frozenset({"sliding_window"}),
+        priority=1 if _INTERPRETED else 30,  # above sdpa (10) and paged (20) on CUDA
+    )
+    Options = FlashAttentionOptions
+
+    def __init__(self, options: FlashAttentionOptions, **kwargs) -> None:
+        super().__init__(options, **kwargs)
+        from lmplug_attention import flash_decode_kernels, flash_prefill_kernels
+
+        self._decode = flash_decode_kernels.flash_decode_with_kvcache
+        self._prefill = flash_prefill_kernels.flash_prefill_with_kvcache
+        self._varlen = flash_prefill_kernels.flash_varlen_attention
+
+    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                kv: KVLayerView, ctx: StepContext) -> torch.Tensor:
+        write_kv(kv, k, v, ctx.slot_mapping)
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        num_decodes = ctx.num_decodes
+        window = self.sliding_window
+        if num_decodes:
+            # decodes own one query row each, so rows [0, num_decodes) are theirs
+            self._decode(
+                q[:num_decodes], kv.k_cache, kv.v_cache, ctx.block_tables[:num_decodes],
+                ctx.seq_lens[:num_decodes], self.scale, sliding_window=window,
+                max_seq_len=max(ctx.seq_lens_cpu[:num_decodes]), num_splits=self.options.num_splits,
+                out=out[:num_decodes])
+        if num_decodes == ctx.num_seqs:
+            return out
+        prefill_lens = ctx.query_lens_cpu[num_decodes:]
+        if prefill_lens == ctx.seq_lens_cpu[num_decodes:]:
+            # nothing cached before this step: the keys are exactly the step's packed k, v
+            self._varlen(q, k, v, ctx.cu_query_lens, self.scale, sliding_window=window,
+                         max_seqlen=max(prefill_lens), first_seq=num_decodes, out=out)
+        else:
+            self._prefill(
+                q, kv.k_cache, kv.v_cache, ctx.block_tables, ctx.cu_query_lens, ctx.seq_lens,
+                self.scale, sliding_window=window, max_query_len=max(prefill_lens),
+                first_seq=num_decodes, out=out)
+        return out

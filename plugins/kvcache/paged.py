@@ -1,0 +1,165 @@
+"""``paged``: a pool of fixed-size KV blocks shared by all sequences (PagedAttention's layout).
+
+A sequence holds only the blocks its tokens fill, so memory follows the
+tokens actually stored instead of ``max_model_len`` per sequence. The pool
+is one tensor ``[layers, 2 (K, V), num_blocks, block_size, Hkv, D]``; layer
+``l``'s view is ``pool[l, 0]`` / ``pool[l, 1]``, the ``[num_blocks,
+block_size, Hkv, D]`` shape every attention backend reads. The accounting
+(free list, refcounts, prefix hashes, LRU of cached blocks) lives in
+``block_manager.py``; this file owns the tensors, the pool sizing and the
+copies that copy-on-write asks for.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from pydantic import Field, field_validator
+
+from lmplug.errors import ConfigError
+from lmplug.interfaces import BackendOptions, Capabilities, KVCacheBackend, KVCacheSpec, KVLayerView
+from lmplug_kvcache.block_manager import BlockManager
+
+logger = logging.getLogger(__name__)
+
+CPU_MEMORY_FRACTION = 0.2  # of MemAvailable: the CPU also holds the weights and activations
+CUDA_MEMORY_FRACTION = 0.9  # of the memory left free after the weights are loaded
+
+
+class PagedOptions(BackendOptions):
+    block_size: int = Field(default=16, ge=1, le=1024, description="tokens per block, a power of two")
+    memory_gb: float | None = Field(default=None, gt=0, description="KV pool size in GiB")
+    memory_fraction: float | None = Field(
+        default=None, gt=0, le=1,
+        description=f"share of free memory for the pool when memory_gb is unset (default: "
+                    f"{CUDA_MEMORY_FRACTION} on CUDA; {CPU_MEMORY_FRACTION} of MemAvailable on CPU, "
+                    f"capped at max_num_seqs x max_model_len tokens)")
+    prefix_caching: bool = Field(default=False, description="reuse the K/V of full blocks of shared prefixes")
+    num_blocks: int | None = Field(default=None, ge=1, description="pool size in blocks (overrides memory_*)")
+
+    @field_validator("block_size")
+    @classmethod
+    def _power_of_two(cls, value: int) -> int:
+        if value & (value - 1):
+            raise ValueError(f"block_size must be a power of two (1, 2, 4, ..., 16, 32, ...), got {value}")
+        return value
+
+
+class PagedKVCache(KVCacheBackend):
+    name = "paged"
+    capabilities = Capabilities(devices=frozenset({"cpu", "cuda"}), kv_layouts=frozenset({"paged"}),
+                                features=frozenset({"fork", "prefix_caching"}), priority=5)
+    Options = PagedOptions
+
+    def __init__(self, options: PagedOptions, spec: KVCacheSpec) -> None:
+        super().__init__(options, spec)
+        self.num_blocks = pool_blocks(options, spec)
+        shape = (spec.num_layers, 2, self.num_blocks, options.block_size, spec.num_kv_heads, spec.head_dim)
+        # zeros, not empty: attention masks unused slots, but 0 x NaN garbage would still be NaN
+        self._pool = torch.zeros(shape, dtype=spec.dtype, device=spec.device)
+        self._views = [KVLayerView(self._pool[i, 0], self._pool[i, 1], "paged")
+                       for i in range(spec.num_layers)]
+        self.blocks = BlockManager(self.num_blocks, options.block_size,
+                                   enable_prefix_caching=options.prefix_caching)
+        logger.info("paged KV cache: %d bytes/token, %d blocks of %d tokens = %d tokens (%.2f GiB)%s",
+                    spec.bytes_per_token, self.num_blocks, options.block_size,
+                    self.num_tokens, self.memory_bytes / 2**30,
+                    ", prefix caching on" if options.prefix_caching else "")
+
+    # -- layout -----------------------------------------------------------------------------
+    @property
+    def layout(self) -> str:
+        return "paged"
+
+    @property
+    def block_size(self) -> int:
+        return self.options.block_size
+
+    @property
+    def num_tokens(self) -> int:
+        """Token slots in the pool."""
+        return self.num_blocks * self.block_size
+
+    @property
+    def memory_bytes(self) -> int:
+        return self._pool.numel() * self._pool.element_size()
+
+    def layer_view(self, layer: int) -> KVLayerView:
+        return self._views[layer]
+
+    # -- accounting -------------------------------------------------------------------------
+    def can_allocate(self, seq, num_tokens: int) -> bool:
+        if num_tokens > self.spec.max_model_len:
+            return False
+        return self.blocks.can_allocate(seq.seq_id, seq.token_ids, num_tokens, seq.num_computed_tokens)
+
+    def allocate(self, seq, num_tokens: int) -> int:
+        alloc = self.blocks.allocate(seq.seq_id, seq.token_ids, num_tokens, seq.num_computed_tokens)
+        if alloc.copies:
+            self._copy_blocks(alloc.copies)
+        return alloc.num_cached_tokens
+
+    def free(self, seq) -> None:
+        self.blocks.free(seq.seq_id, seq.token_ids, seq.num_computed_tokens)
+
+    def fork(self, parent, child) -> None:
+        self.blocks.fork(parent.seq_id, child.seq_id)
+
+    def block_table(self, seq) -> list[int]:
+        return self.blocks.block_table(seq.seq_id)
+
+    @property
+    def usage(self) -> float:
+        return self.blocks.num_used_blocks / self.num_blocks
+
+    def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """Copy whole blocks (every layer, K and V) before a sequence writes into its own copy."""
+        src = torch.tensor([s for s, _ in copies], device=self._pool.device)
+        dst = torch.tensor([d for _, d in copies], device=self._pool.device)
+        self._pool[:, :, dst] = self._pool[:, :, src]
+
+
+def pool_blocks(options: PagedOptions, spec: KVCacheSpec) -> int:
+    """How many blocks the pool gets: ``num_blocks``, else ``memory_gb``, else a share of free memory."""
+    if options.num_blocks is not None:
+        return options.num_blocks
+    block_bytes = spec.bytes_per_token * options.block_size
+    if options.memory_gb is not None:
+        budget, what = options.memory_gb * 2**30, f"memory_gb={options.memory_gb}"
+    else:
+        budget, what = _default_budget(options, spec), "memory_fraction"
+    num_blocks = int(budget // block_bytes)
+    if num_blocks < 1:
+        raise ConfigError(f"kvcache: paged: {what} gives {budget / 2**30:.3f} GiB, less than one block "
+                          f"of {options.block_size} tokens ({block_bytes} bytes); raise memory_gb or "
+                          f"memory_fraction, or set num_blocks")
+    per_seq = -(-spec.max_model_len // options.block_size)
+    if num_blocks < per_seq:
+        logger.warning("paged KV cache: %d blocks hold %d tokens, fewer than max_model_len=%d",
+                       num_blocks, num_blocks * options.block_size, spec.max_model_len)
+    return num_blocks
+
+
+def _default_budget(options: PagedOptions, spec: KVCacheSpec) -> float:
+    if spec.device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(spec.device)
+        return (options.memory_fraction or CUDA_MEMORY_FRACTION) * free
+    budget = (options.memory_fraction or CPU_MEMORY_FRACTION) * _mem_available()
+    if options.memory_fraction is None:
+        # by default never more than every sequence at full length would need
+        budget = min(budget, spec.max_num_seqs * spec.max_model_len * spec.bytes_per_token)
+    return budget
+
+
+def _mem_available() -> int:
+    """MemAvailable from /proc/meminfo in bytes (what Linux can hand out without swapping)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    raise ConfigError("kvcache: paged: cannot read MemAvailable from /proc/meminfo; "
+                      "set memory_gb or num_blocks")

@@ -1,0 +1,194 @@
+"""``continuous``: iteration-level scheduling with chunked prefill and preemption.
+
+Every step: running sequences first (decodes, then unfinished prompt chunks),
+then waiting ones are admitted while the token budget
+(``max_num_batched_tokens``), the sequence limit (``max_num_seqs``) and the
+KV cache allow. A finished sequence leaves at once, so the batch stays full.
+
+Chunked prefill: a prompt longer than what is left of the budget is split;
+its chunks share steps with the running decodes, which therefore never stall
+behind a long prompt.
+
+Preemption by recomputation: when the KV cache cannot grow a running
+sequence, the lowest-priority one (the newest under FCFS) gives back all its
+blocks and returns to the front of the queue with ``num_computed_tokens =
+0``; later it recomputes its prompt and the tokens it already generated in
+one prefill, so its output does not change.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections.abc import Iterable
+from typing import Literal
+
+from pydantic import Field
+
+from lmplug.engine.sequence import Sequence, SequenceStatus
+from lmplug.interfaces import Capabilities, ScheduledSeq, Scheduler, SchedulerOptions, SchedulerOutput
+
+
+class ContinuousOptions(SchedulerOptions):
+    policy: Literal["fcfs", "priority"] = Field(
+        default="fcfs", description="fcfs: arrival order; priority: lower `priority` value first, then arrival")
+    chunked_prefill: bool = Field(default=True, description="split long prompts across steps")
+
+
+class _Waiting:
+    """The waiting queue, ordered by (priority, arrival) or by arrival alone."""
+
+    def __init__(self, by_priority: bool) -> None:
+        self._by_priority = by_priority
+        self._heap: list[tuple[tuple, Sequence]] = []
+        self._tie = itertools.count()
+
+    def push(self, seq: Sequence) -> None:
+        # A preempted sequence keeps its place: it arrived before (FCFS admits in arrival
+        # order) or ranks above (priority) everything that is still waiting.
+        rank = (seq.priority, seq.arrival_time) if self._by_priority else (seq.arrival_time,)
+        heapq.heappush(self._heap, ((*rank, next(self._tie)), seq))
+
+    def peek(self) -> Sequence:
+        return self._heap[0][1]
+
+    def pop(self) -> Sequence:
+        return heapq.heappop(self._heap)[1]
+
+    def remove(self, request_id: str) -> list[Sequence]:
+        gone = [s for _, s in self._heap if s.request_id == request_id]
+        if gone:
+            self._heap = [(k, s) for k, s in self._heap if s.request_id != request_id]
+            heapq.heapify(self._heap)
+        return gone
+
+    def __len__(self) -> int:
+        return len(self._heap)
+
+    def __iter__(self) -> Iterable[Sequence]:
+        return (s for _, s in self._heap)
+
+
+class ContinuousScheduler(Scheduler):
+    name = "continuous"
+    capabilities = Capabilities(devices=frozenset({"cpu", "cuda"}),
+                                features=frozenset({"chunked_prefill", "preemption", "priority"}), priority=20)
+    Options = ContinuousOptions
+
+    def __init__(self, options: ContinuousOptions, kv, limits) -> None:
+        super().__init__(options, kv, limits)
+        self.waiting = _Waiting(options.policy == "priority")
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.push(seq)
+
+    def add_running(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+
+    # -- the step -------------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.limits.max_num_batched_tokens
+        # decodes first: they are cheap and waiting for them is what users feel
+        for seq in sorted(self.running, key=lambda s: s.is_prefill):
+            if budget == 0:
+                break
+            if seq not in self.running:  # preempted earlier in this loop
+                continue
+            n = self._chunk(seq, budget)
+            if n == 0:
+                continue
+            if not self._make_room(seq, seq.num_computed_tokens + n, out):
+                continue  # seq itself was preempted
+            self.kv.allocate(seq, seq.num_computed_tokens + n)
+            out.scheduled.append(ScheduledSeq(seq, n))
+            budget -= n
+        if not out.preempted:
+            budget = self._admit(out, budget)
+        return out
+
+    def _chunk(self, seq: Sequence, budget: int) -> int:
+        remaining = seq.num_tokens - seq.num_computed_tokens
+        if remaining <= budget:
+            return remaining
+        return budget if self.options.chunked_prefill else 0
+
+    def _make_room(self, seq: Sequence, num_tokens: int, out: SchedulerOutput) -> bool:
+        """Preempt victims until ``seq`` can grow to ``num_tokens``; False if ``seq`` itself went."""
+        while not self.kv.can_allocate(seq, num_tokens):
+            victim = self._victim()
+            self._preempt(victim, out)
+            if victim is seq:
+                return False
+        return True
+
+    def _victim(self) -> Sequence:
+        if self.options.policy == "priority":
+            return max(self.running, key=lambda s: (s.priority, s.arrival_time))
+        return max(self.running, key=lambda s: s.arrival_time)
+
+    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        self.running.remove(seq)
+        out.scheduled = [s for s in out.scheduled if s.seq is not seq]
+        self.kv.free(seq)
+        seq.num_computed_tokens = 0
+        seq.status = SequenceStatus.WAITING
+        self.waiting.push(seq)
+        out.preempted.append(seq)
+        self.num_preemptions += 1
+
+    def _admit(self, out: SchedulerOutput, budget: int) -> int:
+        while len(self.waiting) and budget > 0 and len(self.running) < self.limits.max_num_seqs:
+            seq = self.waiting.peek()
+            first = min(seq.num_tokens, budget)
+            if not self.options.chunked_prefill and seq.num_tokens > budget:
+                break
+            if not self.kv.can_allocate(seq, first):
+                if not self.running and not out.scheduled:
+                    raise RuntimeError(f"KV cache backend {self.kv.name!r} cannot hold {first} tokens of "
+                                       f"request {seq.request_id!r} even with nothing else running")
+                break
+            self.waiting.pop()
+            cached = self.kv.allocate(seq, first)
+            seq.skip_cached(cached)
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if seq.num_computed_tokens + n > first:
+                if self.kv.can_allocate(seq, seq.num_computed_tokens + n):
+                    self.kv.allocate(seq, seq.num_computed_tokens + n)
+                else:
+                    n = max(first - seq.num_computed_tokens, 0)
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            if n > 0:
+                out.scheduled.append(ScheduledSeq(seq, n))
+                budget -= n
+        return budget
+
+    # -- bookkeeping -----------------------------------------------------------------------------
+    def update(self, finished: list[Sequence]) -> None:
+        if not finished:
+            return
+        done = {s.seq_id for s in finished}
+        for seq in finished:
+            self.kv.free(seq)
+        self.running = [s for s in self.running if s.seq_id not in done]
+
+    def abort(self, request_id: str) -> list[Sequence]:
+        dropped = [s for s in self.running if s.request_id == request_id] + self.waiting.remove(request_id)
+        self.running = [s for s in self.running if s.request_id != request_id]
+        for seq in dropped:
+            self.kv.free(seq)
+            seq.status = SequenceStatus.FINISHED
+            seq.finish_reason = seq.finish_reason or "abort"
+        return dropped
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
