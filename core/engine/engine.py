@@ -146,8 +146,8 @@ class LLMEngine:
                 seq.first_token_time = now
             req = self._requests[seq.request_id]
             detok = req.detokenizers[seq.index]
-            if detok is not None:
-                detok.add([token])
+            if detok is not None and not self._is_stop_token(seq, token):
+                detok.add([token])  # a stop token ends the text; it is not part of it
                 seq.text = detok.text
             if check_stop(seq, token, self.eos_token_ids, self.max_model_len):
                 if detok is not None and not isinstance(seq.stop_reason, str):
@@ -185,6 +185,12 @@ class LLMEngine:
         if not forked:
             return logits, []
         return torch.cat([logits, logits[rows]]), forked
+
+    def _is_stop_token(self, seq: Sequence, token: int) -> bool:
+        params = seq.params
+        if params.include_stop_str_in_output:
+            return False
+        return token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids)
 
     def _record_prompt_logprobs(self, seq: Sequence, first: int, logits: torch.Tensor) -> None:
         """Logits at prompt position p predict token p + 1; entry 0 is None (nothing predicts it).
