@@ -173,6 +173,8 @@ def cmd_plugins(args: argparse.Namespace) -> int:
     from lmplug.plugins import get_registry
 
     registry = get_registry()
+    if args.check:
+        return _check_backend(registry, args.check, args.option)
     rows = []
     for family in FAMILIES:
         for name, info in sorted(registry.backends(family).items()):
@@ -184,6 +186,20 @@ def cmd_plugins(args: argparse.Namespace) -> int:
     for failure in registry.failures:
         print(f"FAILED  {failure}", file=sys.stderr)
     return 1 if registry.failures else 0
+
+
+def _check_backend(registry, name: str, options: list[str]) -> int:
+    """Run the conformance suite on one installed backend (``[FAMILY:]NAME``)."""
+    from lmplug.interfaces import FAMILIES
+    from lmplug.testing.runner import check, parse_options
+
+    family, _, backend = name.rpartition(":")
+    families = [family] if family else [f for f in FAMILIES if backend in registry.backends(f)]
+    if len(families) != 1:
+        where = ", ".join(f"{f}:{backend}" for f in families) if families else "none"
+        raise LmplugError(f"--check {name!r}: expected one installed backend, found {where}; "
+                          "name it as FAMILY:NAME (see `lmplug plugins`)")
+    return check(families[0], backend, parse_options(options), [])
 
 
 def cmd_models(args: argparse.Namespace) -> int:
@@ -228,6 +244,9 @@ def _parser() -> argparse.ArgumentParser:
     c.set_defaults(func=cmd_chat)
 
     pl = sub.add_parser("plugins", help="list installed backends: family, name, distribution, capabilities")
+    pl.add_argument("--check", metavar="[FAMILY:]NAME", help="run the conformance suite on this backend")
+    pl.add_argument("-o", "--option", action="append", default=[], metavar="KEY=VALUE",
+                    help="a backend option for --check (repeatable)")
     pl.set_defaults(func=cmd_plugins)
 
     m = sub.add_parser("models", help="the model cache ($LMPLUG_CACHE or ~/.cache/lmplug)")

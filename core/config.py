@@ -40,16 +40,17 @@ class EngineConfig(BaseModel):
 
     model: str = Field(description="model name in the cache, HF folder, or .gguf file")
     tokenizer: str | None = Field(default=None, description="tokenizer folder/file if not the model's")
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    device: Literal["auto", "cpu", "cuda"] = "auto"
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        default="auto", description="weights and activations; auto: float32 on CPU, bfloat16 on CUDA")
+    device: Literal["auto", "cpu", "cuda"] = Field(default="auto", description="auto: cuda when available")
     max_model_len: int | None = Field(default=None, ge=1, description="context limit; default: the model's")
-    seed: int = 0
-    attention: dict[str, Any] = Field(default_factory=lambda: {"backend": "auto"})
-    kvcache: dict[str, Any] = Field(default_factory=lambda: {"backend": "auto"})
-    scheduler: dict[str, Any] = Field(default_factory=lambda: {"backend": "auto"})
-    moe: dict[str, Any] | None = None
-    quant: dict[str, Any] | None = None
-    speculative: dict[str, Any] | None = None
+    seed: int = Field(default=0, description="seeds requests that give no seed of their own")
+    attention: dict[str, Any] = Field(default_factory=lambda: {"backend": "auto"}, description="see below")
+    kvcache: dict[str, Any] = Field(default_factory=lambda: {"backend": "auto"}, description="see below")
+    scheduler: dict[str, Any] = Field(default_factory=lambda: {"backend": "auto"}, description="see below")
+    moe: dict[str, Any] | None = Field(default=None, description="MoE models only; see below")
+    quant: dict[str, Any] | None = Field(default=None, description="absent: the checkpoint's own format")
+    speculative: dict[str, Any] | None = Field(default=None, description="absent: no speculative decoding")
 
     @field_validator(*SECTIONS, mode="before")
     @classmethod

@@ -88,3 +88,11 @@ def test_chat_reads_turns_from_stdin(demo_gguf):
                stdin="What is the capital of France?\n/exit\n")
     assert proc.returncode == 0, proc.stderr
     assert "assistant>" in proc.stdout and "Paris" in proc.stdout
+
+
+def test_plugins_check_runs_the_conformance_suite():
+    proc = run("plugins", "--check", "scheduler:static")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "lmplug conformance: scheduler backend 'static'" in proc.stdout
+    ambiguous = run("plugins", "--check", "paged")
+    assert ambiguous.returncode == 2 and "attention:paged, kvcache:paged" in ambiguous.stderr

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from lmplug.config import ResolvedConfig
+from lmplug.errors import ConfigError
 from lmplug.engine.runner import ModelRunner
 from lmplug.interfaces import KVCacheBackend, KVCacheSpec, Scheduler, SchedulerLimits
 from lmplug.loading import open_source
@@ -61,6 +62,7 @@ def build_engine_parts(resolved: ResolvedConfig) -> EngineParts:
     max_model_len = cfg.max_model_len or model_config.max_position_embeddings
     backends = resolved.backends
 
+    _check_window_support(model_config, backends["attention"])
     attention = backends["attention"].cls(
         backends["attention"].options, num_heads=model_config.num_heads,
         num_kv_heads=model_config.num_kv_heads, head_dim=model_config.head_dim,
@@ -74,7 +76,8 @@ def build_engine_parts(resolved: ResolvedConfig) -> EngineParts:
     sched_opts = backends["scheduler"].options
     spec = KVCacheSpec(num_layers=model_config.num_layers, num_kv_heads=model_config.num_kv_heads,
                        head_dim=model_config.head_dim, dtype=dtype, device=device,
-                       max_model_len=max_model_len, max_num_seqs=sched_opts.max_num_seqs)
+                       max_model_len=max_model_len, max_num_seqs=sched_opts.max_num_seqs,
+                       sliding_window=model_config.sliding_window)
     kv = backends["kvcache"].cls(backends["kvcache"].options, spec)
     limits = SchedulerLimits(sched_opts.max_num_seqs, sched_opts.max_num_batched_tokens, max_model_len)
     scheduler = backends["scheduler"].cls(sched_opts, kv, limits)
@@ -84,6 +87,14 @@ def build_engine_parts(resolved: ResolvedConfig) -> EngineParts:
                 model_config.model_type, model_config.num_layers, load_time, kv.name, kv.bytes_per_token)
     return EngineParts(model_config, model, source.tokenizer, kv, scheduler, runner, max_model_len,
                        _eos_ids(source), load_time)
+
+
+def _check_window_support(model_config: ModelConfig, attention) -> None:
+    if model_config.sliding_window and "sliding_window" not in attention.cls.capabilities.features:
+        raise ConfigError(f"attention: backend {attention.name!r} does not support sliding-window "
+                          f"attention, which this {model_config.model_type} model uses "
+                          f"(window {model_config.sliding_window}); choose one that lists the "
+                          "'sliding_window' feature (`lmplug plugins`)")
 
 
 def _load_with_progress(model: torch.nn.Module, source) -> None:

@@ -26,6 +26,9 @@ class KVCacheSpec:
     device: torch.device
     max_model_len: int
     max_num_seqs: int
+    # attention sees only the last `sliding_window` keys; backends listing the
+    # "sliding_window" feature release what falls out of it
+    sliding_window: int | None = None
 
     @property
     def bytes_per_token(self) -> int:

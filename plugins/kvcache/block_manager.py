@@ -19,6 +19,12 @@ writes the K/V, so registration waits for the next ``allocate`` or the
 ``free`` of that sequence. A block whose hash is already held by another block
 stays unregistered and is freed normally.
 
+Sliding window: with ``sliding_window=W`` no future query sees a key at a
+position <= ``num_computed_tokens - W``, so leading blocks that lie wholly
+below that are released as the sequence grows (its table keeps their ids in
+place, so positions still map to ``table[p // block_size]``; attention never
+reads them). Memory per sequence then stays bounded by the window.
+
 Copy-on-write: ``fork`` lets a child share all of its parent's blocks. When a
 sequence is about to write into a block it shares, it gets a fresh block; if
 that block already holds computed tokens the caller must copy it first (the
@@ -46,6 +52,12 @@ class Allocation:
 class _SeqBlocks:
     table: list[int] = field(default_factory=list)
     hashes: list[int] = field(default_factory=list)  # chain hashes of the leading registered blocks
+    num_dropped: int = 0  # leading blocks released because they left the sliding window
+
+    @property
+    def held(self) -> list[int]:
+        """The blocks this sequence still references."""
+        return self.table[self.num_dropped:]
 
 
 def chain_hash(prev_hash: int | None, tokens: Sequence[int]) -> int:
@@ -54,13 +66,15 @@ def chain_hash(prev_hash: int | None, tokens: Sequence[int]) -> int:
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, *, enable_prefix_caching: bool = False) -> None:
+    def __init__(self, num_blocks: int, block_size: int, *, enable_prefix_caching: bool = False,
+                 sliding_window: int | None = None) -> None:
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"BlockManager needs num_blocks >= 1 and block_size >= 1, "
                              f"got {num_blocks} and {block_size}")
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.sliding_window = sliding_window
         self._ref_counts = [0] * num_blocks
         self._free: deque[int] = deque(range(num_blocks))
         self._cached: OrderedDict[int, None] = OrderedDict()  # LRU first
@@ -127,6 +141,7 @@ class BlockManager:
             num_computed = max(num_computed, num_cached)
         else:
             self._register_computed(seq, token_ids, num_computed)
+            self._drop_out_of_window(seq, num_computed)
         copies = self._unshare_write_blocks(seq, num_computed, num_tokens)
         while len(seq.table) * self.block_size < num_tokens:
             seq.table.append(self._take_fresh())
@@ -137,9 +152,9 @@ class BlockManager:
         if child_id in self._seqs:
             raise ValueError(f"BlockManager.fork: sequence {child_id} already holds blocks")
         parent = self._seqs[parent_id]
-        for block in parent.table:
+        for block in parent.held:
             self._ref_counts[block] += 1
-        self._seqs[child_id] = _SeqBlocks(list(parent.table), list(parent.hashes))
+        self._seqs[child_id] = _SeqBlocks(list(parent.table), list(parent.hashes), parent.num_dropped)
 
     def free(self, seq_id: int, token_ids: Sequence[int] = (), num_computed: int = 0) -> None:
         """Drop ``seq_id``'s references; its computed full blocks stay cached (prefix caching).
@@ -151,7 +166,7 @@ class BlockManager:
         if seq is None:
             return
         self._register_computed(seq, token_ids, num_computed)
-        for block in reversed(seq.table):
+        for block in reversed(seq.held):
             self._release(block)
 
     # -- internals ------------------------------------------------------------------------
@@ -203,6 +218,17 @@ class BlockManager:
             if self._block_hash[block] is None and h not in self._hash_to_block:
                 self._block_hash[block] = h
                 self._hash_to_block[h] = block
+
+    def _drop_out_of_window(self, seq: _SeqBlocks, num_computed: int) -> None:
+        """Release leading blocks that no query from position ``num_computed`` on can see."""
+        if self.sliding_window is None:
+            return
+        # a query at position p sees keys p - W + 1 .. p; block i ends at (i + 1) * bs - 1
+        dead = max(0, (num_computed - self.sliding_window + 1) // self.block_size)
+        dead = min(dead, len(seq.table))
+        while seq.num_dropped < dead:
+            self._release(seq.table[seq.num_dropped])
+            seq.num_dropped += 1
 
     def _shared_write_blocks(self, seq: _SeqBlocks, num_computed: int, num_tokens: int) -> list[int]:
         """Indices into the table of shared blocks that tokens [num_computed, num_tokens) write."""

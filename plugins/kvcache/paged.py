@@ -49,7 +49,7 @@ class PagedOptions(BackendOptions):
 class PagedKVCache(KVCacheBackend):
     name = "paged"
     capabilities = Capabilities(devices=frozenset({"cpu", "cuda"}), kv_layouts=frozenset({"paged"}),
-                                features=frozenset({"fork", "prefix_caching"}), priority=5)
+                                features=frozenset({"fork", "prefix_caching", "sliding_window"}), priority=5)
     Options = PagedOptions
 
     def __init__(self, options: PagedOptions, spec: KVCacheSpec) -> None:
@@ -61,7 +61,8 @@ class PagedKVCache(KVCacheBackend):
         self._views = [KVLayerView(self._pool[i, 0], self._pool[i, 1], "paged")
                        for i in range(spec.num_layers)]
         self.blocks = BlockManager(self.num_blocks, options.block_size,
-                                   enable_prefix_caching=options.prefix_caching)
+                                   enable_prefix_caching=options.prefix_caching,
+                                   sliding_window=spec.sliding_window)
         logger.info("paged KV cache: %d bytes/token, %d blocks of %d tokens = %d tokens (%.2f GiB)%s",
                     spec.bytes_per_token, self.num_blocks, options.block_size,
                     self.num_tokens, self.memory_bytes / 2**30,

@@ -1,0 +1,65 @@
+"""The conformance suite for plugin authors: one base test class per extension point.
+
+Subclass the family's class in a test module, name the backend, and run pytest::
+
+    from lmplug.testing import AttentionConformance
+
+    class TestMyAttention(AttentionConformance):
+        backend = "mine"
+
+The pytest plugin (``lmplug.testing.pytest_plugin``, registered under
+``pytest11``) is loaded automatically wherever lmplug is installed. The
+guide is ``docs/plugins.md``; ``python -m lmplug.testing FAMILY NAME``
+runs the suite on one installed backend without a test file.
+
+The classes are imported on first use, so that loading the pytest plugin
+does not import hypothesis (or anything else) before pytest has set up.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+_EXPORTS = {
+    "AttentionConformance": "lmplug.testing.attention",
+    "BATCH_SPECS": "lmplug.testing.batches",
+    "BatchSpec": "lmplug.testing.batches",
+    "Conformance": "lmplug.testing.base",
+    "DrafterConformance": "lmplug.testing.drafter",
+    "KVCacheConformance": "lmplug.testing.kvcache",
+    "MoEConformance": "lmplug.testing.moe",
+    "QuantConformance": "lmplug.testing.quant",
+    "SchedulerConformance": "lmplug.testing.scheduler",
+}
+
+__all__ = [
+    "BATCH_SPECS",
+    "AttentionConformance",
+    "BatchSpec",
+    "Conformance",
+    "DrafterConformance",
+    "KVCacheConformance",
+    "MoEConformance",
+    "QuantConformance",
+    "SchedulerConformance",
+]
+
+if TYPE_CHECKING:
+    from lmplug.testing.attention import AttentionConformance as AttentionConformance
+    from lmplug.testing.base import Conformance as Conformance
+    from lmplug.testing.batches import BATCH_SPECS as BATCH_SPECS
+    from lmplug.testing.batches import BatchSpec as BatchSpec
+    from lmplug.testing.drafter import DrafterConformance as DrafterConformance
+    from lmplug.testing.kvcache import KVCacheConformance as KVCacheConformance
+    from lmplug.testing.moe import MoEConformance as MoEConformance
+    from lmplug.testing.quant import QuantConformance as QuantConformance
+    from lmplug.testing.scheduler import SchedulerConformance as SchedulerConformance
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'lmplug.testing' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_EXPORTS[name]), name)
+    globals()[name] = value
+    return value
