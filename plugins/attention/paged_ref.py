@@ -38,8 +38,10 @@ def gather_context(cache: torch.Tensor, block_tables: torch.Tensor, num_tokens: 
     block_size = cache.shape[1]
     num_blocks = -(-num_tokens // block_size)
     tables = block_tables[:, :num_blocks].long()
-    # one index_select over whole blocks for the whole batch
-    blocks = cache.index_select(0, tables.reshape(-1))  # [B * num_blocks, bs, Hkv, D]
+    # one gather of whole blocks for the whole batch; embedding's row gather is several
+    # times faster on CPU than index_select over a 4-d tensor
+    rows = F.embedding(tables.reshape(-1), cache.reshape(cache.shape[0], -1))
+    blocks = rows.view(-1, *cache.shape[1:])  # [B * num_blocks, bs, Hkv, D]
     return blocks.view(tables.shape[0], num_blocks * block_size, *cache.shape[2:])[:, :num_tokens]
 
 

@@ -1,0 +1,132 @@
+"""Serving throughput on one seeded workload: lmplug continuous vs lmplug static vs HF transformers.
+
+    python benchmarks/bench_throughput.py [--model smollm2-135m-instruct] [--num-requests 64]
+
+All requests arrive at once (seeded: prompts 16-512 tokens, outputs 16-256
+tokens, greedy, EOS ignored so every engine produces exactly the asked
+lengths). Engines run one after another in this process, so their figures are
+comparable side by side. transformers runs `generate` on padded batches of
+`--batch-size` requests in arrival order; a batch runs until its longest
+request is done, and only the tokens each request asked for count as output.
+Reports output tokens/s, and TTFT and TPOT p50/p99 per request.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import time
+
+import torch
+
+from lmplug import LLM, SamplingParams
+from lmplug.loading.cache import resolve_model
+
+
+def workload(n: int, vocab: int, seed: int = 0) -> list[tuple[list[int], int]]:
+    rng = random.Random(seed)
+    return [([rng.randrange(100, min(vocab, 30000)) for _ in range(rng.randint(16, 512))], rng.randint(16, 256))
+            for _ in range(n)]
+
+
+def pct(values: list[float], q: float) -> float:
+    values = sorted(values)
+    return values[min(len(values) - 1, int(q * len(values)))]
+
+
+def report(name: str, elapsed: float, ttft: list[float], tpot: list[float], out_tokens: int) -> dict:
+    row = {"engine": name, "tok/s": out_tokens / elapsed, "TTFT p50": pct(ttft, 0.5), "TTFT p99": pct(ttft, 0.99),
+           "TPOT p50": pct(tpot, 0.5), "TPOT p99": pct(tpot, 0.99), "time": elapsed}
+    print(f"{name:<22}{row['tok/s']:>9.1f}{row['TTFT p50']:>10.2f}{row['TTFT p99']:>10.2f}"
+          f"{1000 * row['TPOT p50']:>10.1f}{1000 * row['TPOT p99']:>10.1f}{elapsed:>9.1f}", flush=True)
+    return row
+
+
+def run_lmplug(model: str, requests, scheduler: str, max_num_seqs: int, budget: int) -> tuple:
+    llm = LLM(model, dtype="float32", max_model_len=1024, scheduler={
+        "backend": scheduler, "max_num_seqs": max_num_seqs, "max_num_batched_tokens": budget},
+        kvcache={"backend": "paged", "block_size": 16, "memory_gb": 2.0})
+    engine = llm.engine
+    start = time.perf_counter()
+    for i, (ids, n) in enumerate(requests):
+        engine.add_request(str(i), ids, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+    elapsed = time.perf_counter() - start
+    ttft = [o.metrics.first_token_time - start for o in done.values()]
+    tpot = [(o.metrics.finish_time - o.metrics.first_token_time) / max(1, len(o.token_ids) - 1)
+            for o in done.values()]
+    return elapsed, ttft, tpot, sum(len(o.token_ids) for o in done.values())
+
+
+def run_hf(path, requests, batch_size: int) -> tuple:
+    from transformers import AutoModelForCausalLM
+    from transformers.generation.streamers import BaseStreamer
+
+    kwargs = {"dtype": torch.float32}
+    if str(path).endswith(".gguf"):
+        hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, **kwargs).eval()
+    else:
+        hf = AutoModelForCausalLM.from_pretrained(str(path), **kwargs).eval()
+
+    class Stamps(BaseStreamer):
+        def __init__(self) -> None:
+            self.times: list[float] = []
+
+        def put(self, value) -> None:
+            self.times.append(time.perf_counter())
+
+        def end(self) -> None:
+            pass
+
+    ttft, tpot, out_tokens = [], [], 0
+    start = time.perf_counter()
+    for b in range(0, len(requests), batch_size):
+        batch = requests[b:b + batch_size]
+        width = max(len(ids) for ids, _ in batch)
+        ids = torch.tensor([[0] * (width - len(p)) + p for p, _ in batch])  # left padding
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p, _ in batch])
+        longest = max(n for _, n in batch)
+        streamer = Stamps()
+        with torch.inference_mode():
+            hf.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=longest,
+                        min_new_tokens=longest, streamer=streamer, pad_token_id=0)
+        steps = streamer.times[1:]  # the first call carries the prompt
+        for _, n in batch:
+            ttft.append(steps[0] - start)
+            tpot.append((steps[n - 1] - steps[0]) / max(1, n - 1))
+            out_tokens += n
+    return time.perf_counter() - start, ttft, tpot, out_tokens
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--model", default="smollm2-135m-instruct")
+    p.add_argument("--num-requests", type=int, default=64)
+    p.add_argument("--max-num-seqs", type=int, default=16)
+    p.add_argument("--max-num-batched-tokens", type=int, default=1024)
+    p.add_argument("--batch-size", type=int, default=8, help="transformers' padded batch size")
+    p.add_argument("--skip-hf", action="store_true")
+    a = p.parse_args()
+    path = resolve_model(a.model)
+    requests = workload(a.num_requests, 49152)
+    print(f"{a.num_requests} requests, {sum(len(r) for r, _ in requests)} prompt tokens, "
+          f"{sum(n for _, n in requests)} output tokens; threads {torch.get_num_threads()}")
+    print(f"{'engine':<22}{'tok/s':>9}{'TTFT p50':>10}{'TTFT p99':>10}{'TPOT p50':>10}{'TPOT p99':>10}{'time s':>9}")
+    print(f"{'':<22}{'(output)':>9}{'(s)':>10}{'(s)':>10}{'(ms)':>10}{'(ms)':>10}")
+    rows = [report("lmplug continuous", *run_lmplug(str(path), requests, "continuous", a.max_num_seqs,
+                                                    a.max_num_batched_tokens)),
+            report("lmplug static", *run_lmplug(str(path), requests, "static", a.max_num_seqs,
+                                                a.max_num_batched_tokens))]
+    if not a.skip_hf:
+        rows.append(report(f"transformers (batch {a.batch_size})", *run_hf(path, requests, a.batch_size)))
+    base = rows[0]["tok/s"]
+    print("continuous / other: " + ", ".join(f"{r['engine']} {base / r['tok/s']:.2f}x" for r in rows[1:]))
+
+
+if __name__ == "__main__":
+    main()
