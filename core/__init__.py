@@ -10,6 +10,7 @@ from lmplug.interfaces import (
     KVLayerView,
     MoEBackend,
     QuantMethod,
+    RoutingConfig,
     Scheduler,
     StepContext,
 )
@@ -25,6 +26,6 @@ __version__ = "0.1.0"
 __all__ = [
     "API_VERSION", "LLM", "AttentionBackend", "BackendOptions", "Capabilities", "CompletionOutput",
     "ConfigError", "Drafter", "EngineConfig", "KVCacheBackend", "KVLayerView", "LmplugError",
-    "ModelLoadError", "MoEBackend", "PluginError", "QuantMethod", "RequestOutput", "SamplingParams",
+    "ModelLoadError", "MoEBackend", "PluginError", "QuantMethod", "RequestOutput", "RoutingConfig", "SamplingParams",
     "Scheduler", "StepContext", "hookimpl", "hookspec",
 ]

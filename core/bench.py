@@ -145,6 +145,9 @@ def run_bench(args: argparse.Namespace, overrides: dict) -> int:
             time_hf(hf_model, hf_run, prompt, args)
     bw = copy_bandwidth_gbs()
     wbytes = weight_bytes_per_token(engine.parts.model)
+    counts = getattr(engine.parts.model, "parameter_counts", lambda: None)()  # MoE: (total, active)
+    if counts is not None:  # a batch-1 decode token reads only its top-k experts
+        wbytes -= (counts[0] - counts[1]) * next(engine.parts.model.parameters()).element_size()
     floor_s = wbytes / (bw * 1e9)
     print(f"model {engine.config.model} | dtype {engine.resolved.dtype} | threads {torch.get_num_threads()} | "
           f"prompt {args.prompt_tokens} tokens, {args.new_tokens} new, {args.repeats} repeats (medians)")
@@ -154,8 +157,11 @@ def run_bench(args: argparse.Namespace, overrides: dict) -> int:
     for name, r in rows:
         print(f"{name:<14}{r.load_s:>9.2f}{r.ttft_ms:>10.1f}{r.decode_tps:>14.2f}"
               f"{100 * floor_s * r.decode_tps:>11.1f}%")
+    if counts is not None:
+        print(f"parameters: {counts[0] / 1e6:,.2f} M total, {counts[1] / 1e6:,.2f} M active per token (MoE)")
     print(f"memory floor: {wbytes / 1e6:.0f} MB of weights per token / {bw:.1f} GB/s copy bandwidth = "
           f"{floor_s * 1000:.1f} ms/token ({1 / floor_s:.1f} tok/s)")
+    print_speculative(engine)
     if hf_run:
         same = run.tokens == hf_run.tokens
         print(f"lmplug / transformers: decode {run.decode_tps / hf_run.decode_tps:.2f}x, "
@@ -205,3 +211,16 @@ def print_throughput(engine, requests, steps: list[dict], generated: int, elapse
           f"prefill tokens {mean('num_prefill_tokens'):.1f}, decode tokens {mean('num_decode_tokens'):.1f}, "
           f"KV use {100 * mean('kv_usage'):.0f}% (mean per step); peak KV use "
           f"{100 * max(s['kv_usage'] for s in steps):.0f}%")
+    print_speculative(engine)
+
+
+def print_speculative(engine) -> None:
+    """Acceptance over the whole run, when a drafter is configured."""
+    spec = engine.speculator
+    if spec is None:
+        return
+    rate = spec.num_accepted / spec.num_drafted if spec.num_drafted else 0.0
+    mean = spec.num_accepted / spec.num_verified if spec.num_verified else 0.0
+    print(f"speculative {engine.resolved.backends['speculative'].name} (k={spec.num_tokens}): "
+          f"{spec.num_drafted} drafted, {spec.num_accepted} accepted ({100 * rate:.0f}%), "
+          f"{mean:.2f} accepted + 1 per verification")

@@ -1,4 +1,4 @@
-"""``lmplug generate | chat | plugins | models | bench``."""
+"""``lmplug generate | chat | serve | plugins | models | bench``."""
 
 from __future__ import annotations
 
@@ -168,6 +168,12 @@ def cmd_chat(args: argparse.Namespace) -> int:
         messages.append({"role": "assistant", "content": reply})
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    from lmplug.serve.server import serve_from_args
+
+    return serve_from_args(args, _build_llm(args))
+
+
 def cmd_plugins(args: argparse.Namespace) -> int:
     from lmplug.interfaces import FAMILIES
     from lmplug.plugins import get_registry
@@ -200,6 +206,25 @@ def _check_backend(registry, name: str, options: list[str]) -> int:
         raise LmplugError(f"--check {name!r}: expected one installed backend, found {where}; "
                           "name it as FAMILY:NAME (see `lmplug plugins`)")
     return check(families[0], backend, parse_options(options), [])
+
+
+def cmd_train_drafter(args: argparse.Namespace) -> int:
+    import yaml
+
+    from lmplug.plugins import get_registry
+
+    options = {}
+    for pair in args.option:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise LmplugError(f"-o {pair!r}: expected KEY=VALUE")
+        options[key] = yaml.safe_load(value)
+    info = get_registry().get("drafter", args.method)
+    try:
+        info.cls.train(args.model, args.out, options)
+    except NotImplementedError as exc:
+        raise LmplugError(str(exc)) from None
+    return 0
 
 
 def cmd_models(args: argparse.Namespace) -> int:
@@ -243,11 +268,32 @@ def _parser() -> argparse.ArgumentParser:
     _sampling_args(c)
     c.set_defaults(func=cmd_chat)
 
+    s = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (/v1/chat/completions, /v1/completions)")
+    s.add_argument("model", nargs="?", help="model name in the cache, HF folder, or .gguf file")
+    s.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1 (default: $LMPLUG_API_KEY)")
+    s.add_argument("--served-model-name", help="the model id clients send (default: the config's model)")
+    s.add_argument("--max-body-bytes", type=int, default=1 << 20, help="larger request bodies get a 413")
+    s.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="seconds in-flight requests may finish on shutdown before they are cut")
+    _engine_args(s, model_positional=True)
+    s.set_defaults(func=cmd_serve)
+
     pl = sub.add_parser("plugins", help="list installed backends: family, name, distribution, capabilities")
     pl.add_argument("--check", metavar="[FAMILY:]NAME", help="run the conformance suite on this backend")
     pl.add_argument("-o", "--option", action="append", default=[], metavar="KEY=VALUE",
                     help="a backend option for --check (repeatable)")
     pl.set_defaults(func=cmd_plugins)
+
+    t = sub.add_parser("train-drafter", help="train a drafter's weights (e.g. Medusa heads) on text the "
+                                             "model generates itself, and save them in the published format")
+    t.add_argument("--method", required=True, help="drafter name, e.g. medusa")
+    t.add_argument("model", help="the target: model name in the cache, HF folder, or .gguf file")
+    t.add_argument("out", help="output folder")
+    t.add_argument("-o", "--option", action="append", default=[], metavar="KEY=VALUE",
+                   help="a training option, e.g. num_heads=3, epochs=2, num_prompts=48 (repeatable)")
+    t.set_defaults(func=cmd_train_drafter)
 
     m = sub.add_parser("models", help="the model cache ($LMPLUG_CACHE or ~/.cache/lmplug)")
     m.add_argument("action", choices=["pull", "list"])

@@ -141,7 +141,10 @@ class ResolvedConfig:
     config: EngineConfig
     device: str
     dtype: str
-    backends: dict[str, ResolvedBackend]  # section -> backend (optional sections only when set)
+    # section -> backend: optional sections only when set, except `moe`, which the engine
+    # build adds (`auto`) for a mixture-of-experts model, once the model is known
+    backends: dict[str, ResolvedBackend]
+    source: str = "config"  # where the config came from, for error messages
 
 
 def resolve(config: EngineConfig, *, device: str, dtype: str,
@@ -149,22 +152,30 @@ def resolve(config: EngineConfig, *, device: str, dtype: str,
     """Choose every backend and validate its options. Raises ``ConfigError``."""
     registry = registry or get_registry()
     chosen: dict[str, ResolvedBackend] = {}
-    for section, (family, name_key) in SECTIONS.items():
-        raw = getattr(config, section)
-        if raw is None:
-            continue
-        raw = dict(raw)
-        name = raw.pop(name_key, "auto" if section in ("kvcache", "attention", "scheduler", "moe") else None)
-        if name is None:
-            raise ConfigError(f"{source}: {section}: missing `{name_key}` (which {family} to use)")
-        info = _choose(registry, section, family, name, device, dtype, chosen, source)
-        try:
-            options = info.cls.Options(**raw)
-        except ValidationError as exc:
-            raise ConfigError(_explain_section(exc, source, section, info)) from None
-        chosen[section] = ResolvedBackend(info, options)
+    for section in SECTIONS:
+        if getattr(config, section) is not None:
+            chosen[section] = resolve_section(config, section, device=device, dtype=dtype,
+                                              registry=registry, chosen=chosen, source=source)
     _check_layouts(chosen, source)
-    return ResolvedConfig(config, device, dtype, chosen)
+    return ResolvedConfig(config, device, dtype, chosen, source)
+
+
+def resolve_section(config: EngineConfig, section: str, *, device: str, dtype: str,
+                    registry: Registry | None = None, chosen: dict[str, ResolvedBackend] | None = None,
+                    source: str = "config") -> ResolvedBackend:
+    """Choose one section's backend and validate its options; an absent section is ``auto``
+    (how the engine resolves ``moe`` for an MoE model). Raises ``ConfigError``."""
+    family, name_key = SECTIONS[section]
+    raw = dict(getattr(config, section) or {name_key: "auto"})
+    name = raw.pop(name_key, "auto" if section in ("kvcache", "attention", "scheduler", "moe") else None)
+    if name is None:
+        raise ConfigError(f"{source}: {section}: missing `{name_key}` (which {family} to use)")
+    info = _choose(registry or get_registry(), section, family, name, device, dtype, chosen or {}, source)
+    try:
+        options = info.cls.Options(**raw)
+    except ValidationError as exc:
+        raise ConfigError(_explain_section(exc, source, section, info)) from None
+    return ResolvedBackend(info, options)
 
 
 def _choose(registry: Registry, section: str, family: str, name: str, device: str, dtype: str,

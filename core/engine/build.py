@@ -7,15 +7,26 @@ import time
 from dataclasses import dataclass
 
 import torch
+from pydantic import ValidationError
 
-from lmplug.config import ResolvedConfig
-from lmplug.errors import ConfigError
+from lmplug.config import ResolvedBackend, ResolvedConfig, resolve_section
+from lmplug.errors import ConfigError, ModelLoadError, PluginError
 from lmplug.engine.runner import ModelRunner
-from lmplug.interfaces import KVCacheBackend, KVCacheSpec, Scheduler, SchedulerLimits
+from lmplug.interfaces import (
+    Drafter,
+    DraftTarget,
+    KVCacheBackend,
+    KVCacheSpec,
+    MoEBackend,
+    QuantMethod,
+    Scheduler,
+    SchedulerLimits,
+)
 from lmplug.loading import open_source
 from lmplug.loading.weights import load_weights
 from lmplug.models import ModelConfig, architecture_for
 from lmplug.models.layers import Unquantized
+from lmplug.plugins import get_registry
 
 logger = logging.getLogger(__name__)
 
@@ -33,6 +44,7 @@ class EngineParts:
     max_model_len: int
     eos_token_ids: frozenset[int]
     load_time_s: float
+    drafter: Drafter | None = None  # speculative decoding, when configured
 
 
 def pick_device(name: str) -> str:
@@ -63,30 +75,37 @@ def build_engine_parts(resolved: ResolvedConfig) -> EngineParts:
     backends = resolved.backends
 
     _check_window_support(model_config, backends["attention"])
+    kv_shape, scale = _attention_kv_shape(resolved, model_config)
     attention = backends["attention"].cls(
         backends["attention"].options, num_heads=model_config.num_heads,
-        num_kv_heads=model_config.num_kv_heads, head_dim=model_config.head_dim,
-        scale=model_config.head_dim ** -0.5, sliding_window=model_config.sliding_window)
-    quant = Unquantized()
+        num_kv_heads=kv_shape["num_kv_heads"], head_dim=kv_shape["head_dim"],
+        scale=scale, sliding_window=model_config.sliding_window)
+    quant = _quant_method(resolved, source)
+    moe = _moe_backend(resolved, model_config)
+    extra = {"moe": moe} if moe is not None else {}
     with torch.device(device):
-        model = arch(model_config, dtype, quant, attention, max_model_len)
+        model = arch(model_config, dtype, quant, attention, max_model_len, **extra)
     _load_with_progress(model, source)
     model.eval()
 
     sched_opts = backends["scheduler"].options
-    spec = KVCacheSpec(num_layers=model_config.num_layers, num_kv_heads=model_config.num_kv_heads,
-                       head_dim=model_config.head_dim, dtype=dtype, device=device,
+    spec = KVCacheSpec(num_layers=model_config.num_layers, **kv_shape, dtype=dtype, device=device,
                        max_model_len=max_model_len, max_num_seqs=sched_opts.max_num_seqs,
                        sliding_window=model_config.sliding_window)
     kv = backends["kvcache"].cls(backends["kvcache"].options, spec)
     limits = SchedulerLimits(sched_opts.max_num_seqs, sched_opts.max_num_batched_tokens, max_model_len)
     scheduler = backends["scheduler"].cls(sched_opts, kv, limits)
     runner = ModelRunner(model, kv, device)
+    drafter = None
+    if "speculative" in backends:
+        drafter = backends["speculative"].cls(backends["speculative"].options)
+        drafter.setup(DraftTarget(model, model_config, kv, source.tokenizer, device, dtype,
+                                  max_model_len, sched_opts.max_num_seqs))
     load_time = time.perf_counter() - started
     logger.info("loaded %s (%s, %d layers) in %.2f s; KV: %s, %d bytes/token", source.path,
                 model_config.model_type, model_config.num_layers, load_time, kv.name, kv.bytes_per_token)
     return EngineParts(model_config, model, source.tokenizer, kv, scheduler, runner, max_model_len,
-                       _eos_ids(source), load_time)
+                       _eos_ids(source), load_time, drafter)
 
 
 def _check_window_support(model_config: ModelConfig, attention) -> None:
@@ -95,6 +114,89 @@ def _check_window_support(model_config: ModelConfig, attention) -> None:
                           f"attention, which this {model_config.model_type} model uses "
                           f"(window {model_config.sliding_window}); choose one that lists the "
                           "'sliding_window' feature (`lmplug plugins`)")
+
+
+def _attention_kv_shape(resolved: ResolvedConfig, model_config: ModelConfig) -> tuple[dict, float]:
+    """What the KV cache stores per token (``KVCacheSpec`` fields) and the softmax scale.
+
+    Checks first that the attention backend fits the model: an MLA model (DeepSeek-V2/V3) needs
+    a backend listing the "mla" feature (`auto` becomes `mla`), and such a backend runs MLA
+    models only. MLA caches one latent row per token and layer (``num_kv_heads`` 1, ``head_dim``
+    = kv_lora_rank + rope dims, no V)."""
+    chosen = resolved.backends["attention"]
+    mla = model_config.mla
+    if mla is not None and "mla" not in chosen.cls.capabilities.features \
+            and (resolved.config.attention or {}).get("backend", "auto") == "auto":
+        config = resolved.config.model_copy(update={"attention": {"backend": "mla"}})
+        chosen = resolve_section(config, "attention", device=resolved.device, dtype=resolved.dtype,
+                                 chosen=resolved.backends, source=resolved.source)
+        resolved.backends["attention"] = chosen
+    if (mla is not None) != ("mla" in chosen.cls.capabilities.features):
+        kind = ("uses multi-head latent attention (MLA); choose an attention backend with the 'mla' "
+                "feature, e.g. `attention: mla`" if mla is not None else
+                "uses ordinary attention, which it cannot run; choose e.g. `attention: auto`")
+        raise ConfigError(f"attention: backend {chosen.name!r} (plugin {chosen.info.plugin}) does not "
+                          f"fit model_type {model_config.model_type!r}: the model {kind}")
+    if mla is None:
+        shape = {"num_kv_heads": model_config.num_kv_heads, "head_dim": model_config.head_dim}
+        return shape, model_config.head_dim ** -0.5
+    return {"num_kv_heads": 1, "head_dim": mla.latent_dim, "latent": True}, mla.softmax_scale
+
+
+def _quant_method(resolved: ResolvedConfig, source) -> QuantMethod:
+    """The quant method: the config's `quant:` section wins; else the checkpoint's
+    `quantization_config` (`quant_method` names a registered method, options read by its
+    ``from_checkpoint_config``); else plain weights. When both name the same method, the
+    checkpoint's options are the base and the section's keys override them."""
+    chosen = resolved.backends.get("quant")
+    ckpt = source.hf_config.get("quantization_config") or None
+    if chosen is None and ckpt is None:
+        return Unquantized()
+    if ckpt is not None and (chosen is None or chosen.name == str(ckpt.get("quant_method")).lower()):
+        chosen = _checkpoint_quant(resolved, source, ckpt, chosen)
+        resolved.backends["quant"] = chosen  # reported with the other backends
+    return chosen.cls(chosen.options)
+
+
+def _checkpoint_quant(resolved: ResolvedConfig, source, ckpt: dict,
+                      explicit: ResolvedBackend | None) -> ResolvedBackend:
+    where = f"{source.path}: config.json quantization_config"
+    name = str(ckpt.get("quant_method")).lower()
+    try:
+        info = explicit.info if explicit else get_registry().get("quant", str(name))
+    except PluginError as exc:
+        raise ModelLoadError(f"{where}: quant_method {name!r} is not available ({exc})") from None
+    if not info.cls.capabilities.fits(resolved.device, resolved.dtype):
+        raise ConfigError(f"{where}: quant method {info.name!r} does not run on device "
+                          f"{resolved.device!r} with dtype {resolved.dtype!r} "
+                          f"({info.cls.capabilities.describe()})")
+    overrides = {k: v for k, v in (resolved.config.quant or {}).items() if k != "method"}
+    try:
+        base = info.cls.from_checkpoint_config(dict(ckpt)).model_dump(exclude_unset=True)
+        options = info.cls.Options(**{**base, **overrides})
+    except ValidationError as exc:
+        problems = "; ".join(f"{'.'.join(map(str, e['loc'])) or '(options)'}: {e['msg']} "
+                             f"(got {e.get('input')!r})" for e in exc.errors())
+        raise ModelLoadError(f"{where}: not usable by quant method {info.name!r} "
+                             f"(plugin {info.plugin}): {problems}") from None
+    return ResolvedBackend(info, options)
+
+
+def _moe_backend(resolved: ResolvedConfig, model_config: ModelConfig) -> MoEBackend | None:
+    """The moe backend of an MoE model. The section is resolved here, once the model is known:
+    without a `moe` section an MoE model gets `auto`, and a dense model ignores one."""
+    chosen = resolved.backends.get("moe")
+    if model_config.moe is None:
+        if chosen is not None:
+            logger.warning("%s: moe: ignored, a %s model has no mixture-of-experts layers",
+                           resolved.source, model_config.model_type)
+            del resolved.backends["moe"]  # not reported as in use
+        return None
+    if chosen is None:
+        chosen = resolve_section(resolved.config, "moe", device=resolved.device, dtype=resolved.dtype,
+                                 source=resolved.source)
+        resolved.backends["moe"] = chosen  # reported with the other backends (`lmplug bench`)
+    return chosen.cls(chosen.options)
 
 
 def _load_with_progress(model: torch.nn.Module, source) -> None:

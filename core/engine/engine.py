@@ -14,6 +14,7 @@ from lmplug.engine.outputs import CompletionOutput, RequestMetrics, RequestOutpu
 from lmplug.engine.params import SamplingParams
 from lmplug.engine.sampler import sample, top_logprobs
 from lmplug.engine.sequence import Sequence, SequenceStatus
+from lmplug.engine.speculative import Speculator
 from lmplug.engine.stopping import check_stop
 from lmplug.errors import ConfigError
 from lmplug.interfaces import Scheduler
@@ -54,6 +55,9 @@ class LLMEngine:
         self.runner = parts.runner
         self.max_model_len = parts.max_model_len
         self.eos_token_ids = parts.eos_token_ids
+        self.speculator = None if parts.drafter is None else Speculator(
+            parts.drafter, parts.drafter.options.num_tokens, self.kv, self.max_model_len)
+        self.runner.keep_hidden = parts.drafter is not None and parts.drafter.uses_hidden_states
         self._requests: dict[str, _Request] = {}
         self._seed_rng = torch.Generator().manual_seed(self.config.seed)
         self._observe_steps = bool(self.registry.hook.lmplug_step_finished.get_hookimpls())
@@ -102,6 +106,8 @@ class LLMEngine:
             for seq in req.seqs:
                 if not seq.is_finished:
                     seq.status, seq.finish_reason = SequenceStatus.FINISHED, "abort"
+                if self.speculator is not None:
+                    self.speculator.release(seq)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -110,15 +116,30 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Run one step; return an output for every request that made progress."""
         started = time.perf_counter()
+        drafted = self._propose_drafts()
         plan = self.scheduler.schedule()
+        if drafted:
+            self.speculator.drop_unscheduled(plan.scheduled, drafted)
         if not plan.scheduled:
             return []
+        # decode tokens (drafts included): those of sequences already past their prompt
+        num_decode = sum(s.num_new_tokens for s in plan.scheduled if not s.seq.is_prefill)
         result = self.runner.execute(plan.scheduled)
         finished = self._postprocess(plan.scheduled, result)
         self.scheduler.update(finished)
         outputs = self._collect_outputs(plan.scheduled)
-        self._report(plan, started)
+        self._report(plan, started, num_decode)
         return outputs
+
+    def _propose_drafts(self) -> list[Sequence]:
+        """Speculative decoding: drafts appended to every running decode sequence."""
+        if self.speculator is None:
+            return []
+        decoding = [s for req in self._requests.values() for s in req.seqs
+                    if s.status is SequenceStatus.RUNNING and not s.is_prefill
+                    and s.num_computed_tokens == s.num_tokens - 1]
+        self.speculator.propose(decoding)
+        return decoding
 
     def _postprocess(self, scheduled, result) -> list[Sequence]:
         for item in scheduled:
@@ -129,23 +150,68 @@ class LLMEngine:
         if result.logits is None:
             return []
         seqs = [item.seq for item in result.sample_rows]
-        logits, forked = self._fork_siblings(seqs, result.logits)
+        logits, hidden, num_rows = result.logits, result.hidden, result.num_rows
+        forked, parent_rows = self._fork_siblings(seqs, num_rows)
+        if forked:  # the children's rows are copies of their parents' last rows
+            logits = torch.cat([logits, logits[parent_rows]])
+            hidden = None if hidden is None else torch.cat([hidden, hidden[parent_rows]])
+            num_rows = num_rows + [1] * len(forked)
         seqs = seqs + forked
-        tokens = sample(logits, seqs)
-        want = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
-        if want:
-            k = max(seqs[i].params.logprobs for i in want)
-            rows = top_logprobs(logits[want], torch.tensor([tokens[i] for i in want]), k)
-            for i, row in zip(want, rows):
-                seqs[i].logprobs.append(self._trim(row, seqs[i].params.logprobs, tokens[i]))
+        emitted, rows = self._next_tokens(logits, num_rows, seqs, hidden)
+        logprobs = self._token_logprobs(logits, seqs, emitted, rows)
         now = time.perf_counter()
         finished = []
-        for seq, token in zip(seqs, tokens):
+        for seq, tokens, lps in zip(seqs, emitted, logprobs):
+            if self._append_tokens(seq, tokens, lps, now):
+                finished.append(seq)
+            if self.speculator is not None:
+                self.speculator.rollback(seq)
+                if seq.is_finished:
+                    self.speculator.release(seq)
+        if self.speculator is not None:
+            self.speculator.observe(seqs)
+        for seq in forked:
+            if seq.is_finished:
+                self.kv.free(seq)  # never reached the scheduler, so it cannot free it
+            else:
+                self.scheduler.add_running(seq)
+        return [s for s in finished if s not in forked]
+
+    def _next_tokens(self, logits: torch.Tensor, num_rows: list[int], seqs: list[Sequence],
+                     hidden: torch.Tensor | None) -> tuple[list[list[int]], list[list[int]]]:
+        """Per sequence: the tokens to append and the logits row each came from.
+
+        Without speculation one sampled token each; with it, the verified drafts plus one.
+        """
+        if self.speculator is not None:
+            return self.speculator.verify(logits, num_rows, seqs, hidden)
+        tokens = sample(logits, seqs)
+        return [[t] for t in tokens], [[i] for i in range(len(tokens))]
+
+    def _token_logprobs(self, logits: torch.Tensor, seqs: list[Sequence], emitted: list[list[int]],
+                        rows: list[list[int]]) -> list[list[dict] | None]:
+        want = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
+        out: list[list[dict] | None] = [None] * len(seqs)
+        if not want:
+            return out
+        k = max(seqs[i].params.logprobs for i in want)
+        flat_rows = [r for i in want for r in rows[i]]
+        chosen = torch.tensor([t for i in want for t in emitted[i]])
+        entries = iter(top_logprobs(logits[flat_rows], chosen, k))
+        for i in want:
+            out[i] = [self._trim(next(entries), seqs[i].params.logprobs, t) for t in emitted[i]]
+        return out
+
+    def _append_tokens(self, seq: Sequence, tokens: list[int], logprobs: list[dict] | None,
+                       now: float) -> bool:
+        """Append ``tokens`` in order; the first that ends ``seq`` drops the rest. True if it ended."""
+        if seq.first_token_time is None:
+            seq.first_token_time = now
+        detok = self._requests[seq.request_id].detokenizers[seq.index]
+        for j, token in enumerate(tokens):
             seq.token_ids.append(token)
-            if seq.first_token_time is None:
-                seq.first_token_time = now
-            req = self._requests[seq.request_id]
-            detok = req.detokenizers[seq.index]
+            if logprobs is not None:
+                seq.logprobs.append(logprobs[j])
             if detok is not None and not self._is_stop_token(seq, token):
                 detok.add([token])  # a stop token ends the text; it is not part of it
                 seq.text = detok.text
@@ -155,22 +221,17 @@ class LLMEngine:
                     seq.text = detok.text
                 seq.status = SequenceStatus.FINISHED
                 seq.finish_time = now
-                finished.append(seq)
-        for seq in forked:
-            if seq.is_finished:
-                self.kv.free(seq)  # never reached the scheduler, so it cannot free it
-            else:
-                self.scheduler.add_running(seq)
-        return [s for s in finished if s not in forked]
+                return True
+        return False
 
-    def _fork_siblings(self, seqs: list[Sequence],
-                       logits: torch.Tensor) -> tuple[torch.Tensor, list[Sequence]]:
+    def _fork_siblings(self, seqs: list[Sequence], num_rows: list[int]) -> tuple[list[Sequence], list[int]]:
         """Fork the waiting siblings of every sequence about to sample its first token.
 
         A child shares its parent's prompt KV (``kv.fork``) and samples its own
-        first token, with its own generator, from the parent's logits row.
-        Returns the logits with those rows repeated for the children, and the children.
+        first token, with its own generator, from the parent's (last) logits row.
+        Returns the children and, for each, that row's index.
         """
+        last_rows = torch.tensor(num_rows).cumsum(0).sub(1).tolist()
         rows, forked = [], []
         for i, parent in enumerate(seqs):
             req = self._requests[parent.request_id]
@@ -179,12 +240,10 @@ class LLMEngine:
             for child in req.pending_forks:
                 child.num_computed_tokens = parent.num_computed_tokens
                 self.kv.fork(parent, child)
-                rows.append(i)
+                rows.append(last_rows[i])
                 forked.append(child)
             req.pending_forks = []
-        if not forked:
-            return logits, []
-        return torch.cat([logits, logits[rows]]), forked
+        return forked, rows
 
     def _is_stop_token(self, seq: Sequence, token: int) -> bool:
         params = seq.params
@@ -247,20 +306,22 @@ class LLMEngine:
                 delta_text = text[req.sent_text[0]:]
             req.sent_tokens[i], req.sent_text[i] = seq.num_output_tokens, len(text)
         first = req.seqs[0]
-        metrics = RequestMetrics(first.arrival_time, first.first_token_time, first.finish_time)
+        metrics = RequestMetrics(first.arrival_time, first.first_token_time, first.finish_time,
+                                 sum(s.num_drafted for s in req.seqs), sum(s.num_accepted for s in req.seqs))
         return RequestOutput(
             request_id=req.request_id, prompt=req.prompt, prompt_token_ids=req.prompt_ids,
             outputs=completions, finished=req.finished,
             prompt_logprobs=first.prompt_logprobs if first.params.prompt_logprobs is not None else None,
             metrics=metrics, delta_text=delta_text, delta_token_ids=delta_ids)
 
-    def _report(self, plan, started: float) -> None:
-        decode = sum(1 for s in plan.scheduled if s.num_new_tokens == 1 and not s.seq.is_prefill)
+    def _report(self, plan, started: float, decode: int) -> None:
         self.last_stats = {
             "num_running": self.scheduler.num_running, "num_waiting": self.scheduler.num_waiting,
             "num_prefill_tokens": plan.num_tokens - decode, "num_decode_tokens": decode,
             "kv_usage": self.kv.usage, "step_time_s": time.perf_counter() - started,
         }
+        if self.speculator is not None:
+            self.last_stats.update(self.speculator.stats())
         if self._observe_steps:
             self.registry.hook.lmplug_step_finished(engine=self, stats=self.last_stats)
 

@@ -26,6 +26,13 @@ class RequestMetrics:
     arrival_time: float
     first_token_time: float | None = None
     finish_time: float | None = None
+    # speculative decoding, over the request's sequences: draft tokens verified, and accepted
+    num_drafted_tokens: int = 0
+    num_accepted_tokens: int = 0
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        return self.num_accepted_tokens / self.num_drafted_tokens if self.num_drafted_tokens else None
 
     @property
     def ttft(self) -> float | None:

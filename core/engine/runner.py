@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -14,8 +14,11 @@ from lmplug.interfaces.step import StepContext
 @dataclass
 class StepResult:
     sample_rows: list[ScheduledSeq]  # sequences that caught up and get a new token
-    logits: torch.Tensor | None  # [len(sample_rows), V]
+    logits: torch.Tensor | None  # [sum(num_rows), V], each sequence's rows consecutive
     prompt_logits: dict[int, tuple[int, torch.Tensor]]  # seq_id -> (first position, logits [n, V])
+    # rows per sample_rows entry: 1 + its draft tokens (the last accepted token and every draft)
+    num_rows: list[int] = field(default_factory=list)
+    hidden: torch.Tensor | None = None  # [sum(num_rows), h], the rows behind `logits` (keep_hidden)
 
 
 class ModelRunner:
@@ -23,6 +26,7 @@ class ModelRunner:
         self.model = model
         self.kv = kv
         self.device = device
+        self.keep_hidden = False  # return the final hidden states behind the logits (Medusa, EAGLE)
         model.bind_kv([kv.layer_view(i) for i in range(model.config.num_layers)])
 
     def build_context(self, batch: list[ScheduledSeq]) -> tuple[torch.Tensor, StepContext]:
@@ -66,7 +70,7 @@ class ModelRunner:
         input_ids, ctx = self.build_context(batch)
         hidden = self.model(input_ids, ctx.positions, ctx)  # [T, h]
         ends = ctx.cu_query_lens[1:].tolist()
-        sample_rows, rows = [], []
+        sample_rows, rows, num_rows = [], [], []
         prompt_logits = {}
         for item, end in zip(batch, ends):
             seq = item.seq
@@ -76,7 +80,12 @@ class ModelRunner:
                 prompt_logits[seq.seq_id] = (seq.num_computed_tokens,
                                              self.model.compute_logits(hidden[start:end]))
             if seq.num_computed_tokens + item.num_new_tokens == seq.num_tokens:
+                n = 1 + seq.num_draft_tokens  # speculative: the drafts are verified from these rows
                 sample_rows.append(item)
-                rows.append(end - 1)
-        logits = self.model.compute_logits(hidden[rows]) if rows else None
-        return StepResult(sample_rows, logits, prompt_logits)
+                rows.extend(range(end - n, end))
+                num_rows.append(n)
+        if not rows:
+            return StepResult(sample_rows, None, prompt_logits, num_rows)
+        hidden = hidden[rows]
+        logits = self.model.compute_logits(hidden)
+        return StepResult(sample_rows, logits, prompt_logits, num_rows, hidden if self.keep_hidden else None)

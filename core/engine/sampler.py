@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from lmplug.engine.params import SamplingParams
 from lmplug.engine.sequence import Logprob, Sequence
 
 
@@ -37,29 +38,46 @@ def apply_filters(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
     return torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
 
 
+def processed_logits(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Temperature, then top-k / top-p / min-p, row by row: logits [N, V] -> [N, V] float32.
+
+    Greedy rows (temperature 0) are left at temperature 1; callers take their argmax.
+    The speculative verifier and sampling drafters use this too, so the target and the
+    draft distributions are shaped by the same rules.
+    """
+    logits = logits.float()
+    temps = torch.tensor([p.temperature or 1.0 for p in params], device=logits.device)
+    scaled = logits / temps.unsqueeze(1)
+    if any(p.needs_filtering for p in params):
+        dev = logits.device
+        scaled = apply_filters(
+            scaled,
+            torch.tensor([max(p.top_k, 0) for p in params], device=dev),
+            torch.tensor([p.top_p for p in params], device=dev),
+            torch.tensor([p.min_p for p in params], device=dev))
+    return scaled
+
+
 def sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
     """logits [N, V] (one row per sequence) -> next token id per sequence."""
     logits = logits.float()
     if all(s.params.is_greedy for s in seqs):
         return logits.argmax(-1).tolist()
-    temps = torch.tensor([s.params.temperature or 1.0 for s in seqs], device=logits.device)
-    scaled = logits / temps.unsqueeze(1)
-    if any(s.params.needs_filtering for s in seqs):
-        dev = logits.device
-        scaled = apply_filters(
-            scaled,
-            torch.tensor([max(s.params.top_k, 0) for s in seqs], device=dev),
-            torch.tensor([s.params.top_p for s in seqs], device=dev),
-            torch.tensor([s.params.min_p for s in seqs], device=dev))
-    probs = scaled.softmax(-1)
+    probs = processed_logits(logits, [s.params for s in seqs]).softmax(-1)
     out = []
     for i, seq in enumerate(seqs):
         if seq.params.is_greedy:
             out.append(int(logits[i].argmax()))
             continue
-        noise = torch.empty_like(probs[i]).exponential_(generator=seq.generator)
-        out.append(int((probs[i] / noise).argmax()))
+        out.append(draw(probs[i], seq.generator))
     return out
+
+
+def draw(probs: torch.Tensor, generator: torch.Generator | None) -> int:
+    """One token from the distribution ``probs`` [V] (need not be normalised):
+    ``argmax(p / E)`` with ``E ~ Exp(1)`` picks token i with probability p_i / sum(p)."""
+    noise = torch.empty_like(probs).exponential_(generator=generator)
+    return int((probs / noise).argmax())
 
 
 def top_logprobs(logits: torch.Tensor, chosen: torch.Tensor, k: int) -> list[dict[int, Logprob]]:

@@ -56,6 +56,11 @@ class Sequence:
         self.logprobs: list[dict[int, Logprob]] = []
         self.prompt_logprobs: list[dict[int, Logprob] | None] = []
         self.text = ""
+        # speculative decoding: the last num_draft_tokens of token_ids are proposals awaiting
+        # verification (appended before scheduling, removed when the step is verified)
+        self.num_draft_tokens = 0
+        self.num_drafted = 0  # proposals verified over the sequence's life
+        self.num_accepted = 0  # of those, accepted
 
     @property
     def num_tokens(self) -> int:

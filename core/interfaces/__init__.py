@@ -1,10 +1,10 @@
 """One small ABC per extension point, plus the records they share."""
 
-from lmplug.interfaces.attention import AttentionBackend, KVLayerView
+from lmplug.interfaces.attention import AttentionBackend, KVLayerView, MLAAttentionBackend
 from lmplug.interfaces.common import BackendInfo, BackendOptions, Capabilities
-from lmplug.interfaces.drafter import DraftProposal, Drafter
+from lmplug.interfaces.drafter import DraftProposal, Drafter, DrafterOptions, DraftTarget
 from lmplug.interfaces.kvcache import KVCacheBackend, KVCacheSpec
-from lmplug.interfaces.moe import MoEBackend
+from lmplug.interfaces.moe import MoEBackend, RoutingConfig
 from lmplug.interfaces.quant import QuantMethod
 from lmplug.interfaces.scheduler import (
     ScheduledSeq,
@@ -27,6 +27,8 @@ FAMILIES: dict[str, type] = {
 
 __all__ = [
     "FAMILIES", "AttentionBackend", "BackendInfo", "BackendOptions", "Capabilities", "DraftProposal",
-    "Drafter", "KVCacheBackend", "KVCacheSpec", "KVLayerView", "MoEBackend", "QuantMethod",
+    "Drafter", "DrafterOptions", "DraftTarget", "KVCacheBackend", "KVCacheSpec", "KVLayerView",
+    "MLAAttentionBackend", "MoEBackend", "QuantMethod",
+    "RoutingConfig",
     "ScheduledSeq", "Scheduler", "SchedulerLimits", "SchedulerOptions", "SchedulerOutput", "StepContext",
 ]

@@ -38,6 +38,35 @@ class AttentionBackend(ABC):
         """q: [T, H, D]; k, v: [T, Hkv, D] (the step's new tokens). Returns [T, H, D]."""
 
 
+class MLAAttentionBackend(AttentionBackend):
+    """Attention for multi-head latent attention models (DeepSeek-V2/V3); lists the "mla" feature.
+
+    Built with ``num_kv_heads=1`` and ``head_dim = kv_lora_rank + rope dims``: the KV cache holds,
+    per token and layer, one row ``[latent | k_pe]`` shared by all heads, in ``kv.k_cache``
+    (``kv.v_cache`` is empty: the latent layout stores no V). The model calls ``forward_mla``
+    instead of ``forward`` and hands over the layer's ``kv_b_proj`` split per head, so a backend
+    can expand the latent to per-head K/V (prefill) or fold the matrices into the query and the
+    output and attend over the latent itself (the absorbed decode).
+    """
+
+    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                kv: KVLayerView, ctx: StepContext) -> torch.Tensor:
+        raise TypeError(f"attention backend {self.name!r} serves MLA models only; they call forward_mla")
+
+    @abstractmethod
+    def forward_mla(self, layer: int, q_nope: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor,
+                    k_pe: torch.Tensor, w_uk: torch.Tensor, w_uv: torch.Tensor, kv: KVLayerView,
+                    ctx: StepContext) -> torch.Tensor:
+        """Write ``[latent | k_pe]`` of the step's tokens at ``ctx.slot_mapping``, attend causally.
+
+        q_nope: [T, H, nope]; q_pe: [T, H, rope] (RoPE applied); latent: [T, R] (after
+        kv_a_layernorm); k_pe: [T, rope] (RoPE applied); w_uk: [H, nope, R] and w_uv: [H, V, R],
+        ``kv_b_proj.weight`` viewed per head (key rows, then value rows). Per head h the keys
+        are ``[latent @ w_uk[h].T | k_pe]`` and the values ``latent @ w_uv[h].T``; the softmax
+        scale is ``self.scale``. Returns [T, H, V].
+        """
+
+
 class KVLayerView:
     """One layer's K and V storage, as the KV backend hands it to attention.
 

@@ -1,33 +1,116 @@
-"""Drafters propose tokens for speculative decoding; the core's verifier accepts or rejects."""
+"""Drafters propose tokens for speculative decoding; the core's verifier accepts or rejects.
+
+Life of a drafter in an engine:
+
+1. built from its options (``speculative: {method: NAME, num_tokens: k, ...}``), then
+   ``setup(target)`` once, after the target model is loaded: a drafter that runs a model
+   (its own, or part of the target's) builds it here;
+2. every step, before scheduling, ``propose(seqs, k)`` for the running decode sequences.
+   Each ``seq.token_ids`` ends with the last accepted token (its K/V not yet computed).
+   The engine appends the proposals tentatively, the target scores them in one forward,
+   and the verifier keeps the longest acceptable prefix plus one target token;
+3. ``observe(seqs, hidden)`` after each step, only for drafters that set
+   ``uses_hidden_states`` (heads that draft from the target's hidden states);
+4. ``release(seq)`` when a sequence finishes or is aborted.
+
+A drafter that keeps per-sequence state (a draft KV cache) must follow rejections by
+itself: on the next ``propose`` the sequence's tokens may differ from what it drafted
+(compare against ``seq.token_ids``; the conformance suite checks this).
+"""
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
+from pydantic import Field
 
 from lmplug.interfaces.common import BackendOptions, Capabilities
 
 if TYPE_CHECKING:
     from lmplug.engine.sequence import Sequence
+    from lmplug.interfaces.kvcache import KVCacheBackend
+    from lmplug.models.config import ModelConfig
+
+
+class DrafterOptions(BackendOptions):
+    """Options every drafter takes; backends subclass this for their own."""
+
+    num_tokens: int = Field(default=4, ge=1, le=64, description="tokens proposed per step (k)")
+
+
+@dataclass(frozen=True)
+class DraftTarget:
+    """What a drafter may use of the engine it serves, handed to ``Drafter.setup``.
+
+    ``model`` is the target ``torch.nn.Module`` (``forward(input_ids, positions, ctx) ->
+    hidden``, ``compute_logits(hidden)``); ``kv`` the target's KV backend, whose class and
+    options a drafter may reuse for its own cache (so the target's attention backend can
+    read it). A drafter must not write into the target's cache.
+    """
+
+    model: torch.nn.Module
+    model_config: ModelConfig
+    kv: KVCacheBackend
+    tokenizer: Any | None
+    device: torch.device
+    dtype: torch.dtype
+    max_model_len: int
+    max_num_seqs: int
 
 
 @dataclass
 class DraftProposal:
-    token_ids: list[list[int]]  # per sequence, up to k proposed tokens
-    probs: list[torch.Tensor] | None = None  # per sequence [k, vocab] draft distributions (sampling)
+    """Per sequence, up to ``k`` proposed tokens and, when they were sampled, the draft
+    distributions they were drawn from (``probs[i]``: ``[len(token_ids[i]), vocab]``).
+
+    ``probs=None`` (or a ``None`` entry) means the proposal is a deterministic function of
+    the sequence (n-gram lookup, greedy drafting): the verifier treats each draft
+    distribution as a point mass on the proposed token, which keeps sampling exact.
+    """
+
+    token_ids: list[list[int]]
+    probs: list[torch.Tensor | None] | None = None
+
+    def probs_of(self, i: int) -> torch.Tensor | None:
+        return None if self.probs is None else self.probs[i]
 
 
 class Drafter(ABC):
     name: ClassVar[str]
     capabilities: ClassVar[Capabilities]
-    Options: ClassVar[type[BackendOptions]] = BackendOptions
+    Options: ClassVar[type[BackendOptions]] = DrafterOptions
+    # True: the engine calls ``observe`` after every step with the target's hidden states
+    uses_hidden_states: ClassVar[bool] = False
 
     def __init__(self, options: BackendOptions) -> None:
         self.options = options
 
+    def setup(self, target: DraftTarget) -> None:
+        """Called once at build time with the target; drafters that run a model build it here."""
+
     @abstractmethod
     def propose(self, seqs: list[Sequence], num_tokens: int) -> DraftProposal:
-        """Propose up to ``num_tokens`` next tokens for each sequence."""
+        """Propose up to ``num_tokens`` next tokens for each sequence (fewer, or none, is fine).
+
+        A sampling drafter draws with ``seq.generator`` after applying the request's
+        temperature / top-k / top-p / min-p (``lmplug.engine.sampler.processed_logits``)
+        and returns those distributions in ``probs``.
+        """
+
+    def observe(self, seqs: list[Sequence], hidden: torch.Tensor) -> None:
+        """With ``uses_hidden_states``: after each step, for every sequence that got tokens, the
+        target's final (normed) hidden state [B, h] at its last computed position, the one
+        whose logits chose its last token ``seq.token_ids[-1]`` (Medusa and EAGLE draft from it).
+        """
+
+    def release(self, seq: Sequence) -> None:
+        """``seq`` finished or was aborted: drop whatever is kept for it."""
+
+    @classmethod
+    def train(cls, model: str, out: str, options: dict) -> None:
+        """Train this drafter's weights for ``model`` and save them under ``out`` in the
+        format its options load (``lmplug train-drafter --method NAME MODEL OUT``)."""
+        raise NotImplementedError(f"drafter {cls.name!r} has nothing to train")

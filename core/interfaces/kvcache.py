@@ -29,12 +29,20 @@ class KVCacheSpec:
     # attention sees only the last `sliding_window` keys; backends listing the
     # "sliding_window" feature release what falls out of it
     sliding_window: int | None = None
+    # MLA: one "K" row per token and layer (num_kv_heads=1, head_dim = kv_lora_rank + rope dims)
+    # holds the latent and the shared RoPE key; there is no V, and backends allocate none
+    latent: bool = False
+
+    @property
+    def num_kv_tensors(self) -> int:
+        """Tensors stored per layer: K and V, or the latent alone."""
+        return 1 if self.latent else 2
 
     @property
     def bytes_per_token(self) -> int:
-        """K and V for every layer: 2 x layers x kv_heads x head_dim x dtype bytes."""
+        """Every layer's K and V (or latent): tensors x layers x kv_heads x head_dim x dtype bytes."""
         elem = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * elem
+        return self.num_kv_tensors * self.num_layers * self.num_kv_heads * self.head_dim * elem
 
 
 class KVCacheBackend(ABC):
@@ -85,6 +93,16 @@ class KVCacheBackend(ABC):
     @abstractmethod
     def free(self, seq: Sequence) -> None:
         """Return everything ``seq`` holds. Freeing an unknown sequence is a no-op."""
+
+    def truncate(self, seq: Sequence, num_tokens: int) -> None:
+        """Keep storage for ``seq``'s first ``num_tokens`` tokens only (speculative decoding:
+        the K/V past them belong to rejected draft tokens).
+
+        Backends that hand out storage per block release blocks wholly past ``num_tokens``;
+        those slots were never computed for accepted tokens, so they must not enter a prefix
+        cache. The default keeps everything: stale slots are overwritten when the sequence
+        computes those positions again (the contiguous layout).
+        """
 
     @abstractmethod
     def block_table(self, seq: Sequence) -> list[int]:

@@ -17,6 +17,12 @@ class QuantMethod(ABC):
     the loader copies checkpoint tensors into them by name,
     ``process_weights_after_loading`` repacks once, and ``apply`` computes
     ``y = x W^T (+ b)``. The same object can quantize offline.
+
+    A fused layer (q/k/v, gate/up) concatenates several checkpoint tensors
+    along its *output* features; the loader hands each one to ``load_shard``
+    with the shard's output offset and size. Where a tensor keeps its output
+    axis, and how many output features one stored element packs, is the
+    method's business (``shard_layout``): the loader knows no format.
     """
 
     name: ClassVar[str]
@@ -38,5 +44,45 @@ class QuantMethod(ABC):
     @abstractmethod
     def apply(self, layer: torch.nn.Module, x: torch.Tensor) -> torch.Tensor: ...
 
+    def shard_layout(self, layer: torch.nn.Module, param_name: str) -> tuple[int, int] | None:
+        """``(axis, pack)``: the axis of parameter ``param_name`` along which output features lie
+        and how many output features one element on that axis holds (1: unpacked). None: the
+        tensor has no output axis (e.g. GPTQ's ``g_idx``); every shard carries all of it and
+        the shards must agree. Default: output features are rows (``weight [out, in]``, ``bias``)."""
+        return 0, 1
+
+    def load_shard(self, layer: torch.nn.Module, param_name: str, tensor: torch.Tensor,
+                   shard_offset: int, shard_size: int) -> None:
+        """Copy checkpoint ``tensor`` into the slice of ``layer.<param_name>`` that holds output
+        features ``[shard_offset, shard_offset + shard_size)``. Raises ``ValueError`` with a
+        sentence saying what does not fit; the loader adds the file and tensor name."""
+        param = getattr(layer, param_name).data
+        layout = self.shard_layout(layer, param_name)
+        if layout is None:
+            _load_replicated(layer, param_name, param, tensor)
+            return
+        axis, pack = layout
+        if shard_offset % pack or shard_size % pack:
+            raise ValueError(f"covers output features [{shard_offset}, {shard_offset + shard_size}), "
+                             f"which do not split into whole packed elements of {pack} features")
+        dest = param.narrow(axis, shard_offset // pack, shard_size // pack)
+        _check_shape(dest, tensor)
+        dest.copy_(tensor)
+
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
         """Repack loaded tensors once (default: nothing to do)."""
+
+
+def _check_shape(dest: torch.Tensor, tensor: torch.Tensor) -> None:
+    if tuple(dest.shape) != tuple(tensor.shape):
+        raise ValueError(f"has shape {tuple(tensor.shape)}, the model expects {tuple(dest.shape)}")
+
+
+def _load_replicated(layer: torch.nn.Module, name: str, param: torch.Tensor, tensor: torch.Tensor) -> None:
+    _check_shape(param, tensor)
+    loaded = layer.__dict__.setdefault("_lmplug_replicated_loaded", set())
+    if name in loaded and not torch.equal(param, tensor.to(param.dtype)):
+        raise ValueError(f"differs from the {name!r} of another shard of the same fused layer; "
+                         "the shards must carry the same tensor")
+    param.copy_(tensor)
+    loaded.add(name)

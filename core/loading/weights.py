@@ -1,4 +1,14 @@
-"""Copy checkpoint tensors (HF names) into a built model, checking names and shapes."""
+"""Copy checkpoint tensors (HF names) into a built model, checking names and shapes.
+
+The model maps each checkpoint name to where it goes: ``weight_target(name)``
+returns ``(parameter path, shard)`` or ``(parameter path, shard, expert)``
+(None: skip the tensor). ``expert`` indexes the leading axis of a stacked
+``[E, ...]`` parameter; ``shard`` names a slice of the rows, given by the owning
+module's ``shard_range(shard)``; a ``Linear`` hands the tensor to its quant method's
+``load_shard``, which knows where packed formats keep their output axis. A module whose parameters are filled piece by
+piece lists the pieces of each in ``checkpoint_pieces(param) -> [(shard, expert)]``
+(``Linear``: one per shard), so that missing tensors are found and named.
+"""
 
 from __future__ import annotations
 
@@ -16,7 +26,7 @@ logger = logging.getLogger(__name__)
 def load_weights(model: torch.nn.Module, source: ModelSource, progress=None) -> None:
     params = dict(model.named_parameters())
     modules = dict(model.named_modules())
-    expected = {_key(name, shard, modules): (name, shard) for name, shard in _expected(model, modules)}
+    expected = {_key(*piece): piece for piece in _expected(model, modules)}
     loaded: set[str] = set()
     for name, tensor in source.iter_tensors():
         target = model.weight_target(name)
@@ -24,27 +34,26 @@ def load_weights(model: torch.nn.Module, source: ModelSource, progress=None) -> 
             progress.update(1)
         if target is None:
             continue
-        path, shard = target
+        path, shard, expert = (*target, None) if len(target) == 2 else target
         if path not in params:
             logger.warning("%s: tensor %r is not used by this architecture", source.path, name)
             continue
-        param = params[path]
-        if shard is not None:
-            module = modules[path.rpartition(".")[0]]
-            start, end = module.shard_range(shard)
-            dest = param.data[start:end]
-        else:
-            dest = param.data
-        if tuple(dest.shape) != tuple(tensor.shape):
-            raise ModelLoadError(f"{source.path}: tensor {name!r} has shape {tuple(tensor.shape)}, "
-                                 f"the model expects {tuple(dest.shape)}")
-        dest.copy_(tensor)
-        loaded.add(_key(path, shard, modules))
+        owner_path, _, param_name = path.rpartition(".")
+        owner = modules.get(owner_path)
+        try:
+            if isinstance(owner, Linear) and shard is not None and expert is None:
+                start, end = owner.shard_range(shard)
+                owner.quant.load_shard(owner, param_name, tensor, start, end - start)
+            else:
+                _copy_piece(params[path].data, tensor, owner, shard, expert)
+        except ValueError as exc:
+            raise ModelLoadError(f"{source.path}: tensor {name!r} {exc}") from None
+        loaded.add(_key(path, shard, expert))
     missing = sorted(set(expected) - loaded)
     if missing:
         # name what the checkpoint lacks in its own (HF) names, not our fused parameter paths
         describe = getattr(model, "checkpoint_name", None)
-        missing = [describe(*expected[k]) if describe else k for k in missing]
+        missing = [_describe(describe, *expected[k]) if describe else k for k in missing]
         shown = ", ".join(missing[:8]) + (" ..." if len(missing) > 8 else "")
         raise ModelLoadError(f"{source.path}: {len(missing)} tensors missing from the checkpoint: {shown}")
     for module in model.modules():
@@ -52,16 +61,37 @@ def load_weights(model: torch.nn.Module, source: ModelSource, progress=None) -> 
             module.quant.process_weights_after_loading(module)
 
 
-def _expected(model: torch.nn.Module, modules: dict) -> list[tuple[str, str | None]]:
+def _copy_piece(dest: torch.Tensor, tensor: torch.Tensor, owner, shard: str | None,
+                expert: int | None) -> None:
+    """Unquantized parameters outside ``Linear``: a stacked expert and/or a slice of rows."""
+    if expert is not None:
+        dest = dest[expert]  # stacked experts: [E, ...] -> [...]
+    if shard is not None:
+        start, end = owner.shard_range(shard)
+        dest = dest[start:end]
+    if tuple(dest.shape) != tuple(tensor.shape):
+        raise ValueError(f"has shape {tuple(tensor.shape)}, the model expects {tuple(dest.shape)}")
+    dest.copy_(tensor)
+
+
+def _expected(model: torch.nn.Module, modules: dict) -> list[tuple[str, str | None, int | None]]:
+    """Every (parameter path, shard, expert) the checkpoint must fill."""
     out = []
     for name, _ in model.named_parameters():
-        owner = modules.get(name.rpartition(".")[0])
+        owner_path, _, param = name.rpartition(".")
+        owner = modules.get(owner_path)
         if isinstance(owner, Linear):
-            out.extend((name, shard) for shard in owner.shards)
+            out.extend((name, shard, None) for shard in owner.shards)
+        elif hasattr(owner, "checkpoint_pieces"):
+            out.extend((name, shard, expert) for shard, expert in owner.checkpoint_pieces(param))
         else:
-            out.append((name, None))
+            out.append((name, None, None))
     return out
 
 
-def _key(path: str, shard: str | None, modules: dict) -> str:
-    return f"{path}[{shard}]" if shard else path
+def _key(path: str, shard: str | None, expert: int | None) -> str:
+    return path + (f"[{expert}]" if expert is not None else "") + (f"[{shard}]" if shard else "")
+
+
+def _describe(describe, path: str, shard: str | None, expert: int | None) -> str:
+    return describe(path, shard) if expert is None else describe(path, shard, expert)

@@ -4,13 +4,20 @@ from __future__ import annotations
 
 from lmplug.errors import ModelLoadError
 from lmplug.models.config import ModelConfig
+from lmplug.models.deepseek_v2 import DeepseekV2ForCausalLM
 from lmplug.models.llama import LlamaForCausalLM
+from lmplug.models.moe import MoEForCausalLM
 
 ARCHITECTURES: dict[str, type] = {
     "llama": LlamaForCausalLM,
     "mistral": LlamaForCausalLM,
     "qwen2": LlamaForCausalLM,
     "qwen3": LlamaForCausalLM,
+    "mixtral": MoEForCausalLM,
+    "qwen2_moe": MoEForCausalLM,
+    "qwen3_moe": MoEForCausalLM,
+    "deepseek_v2": DeepseekV2ForCausalLM,
+    "deepseek_v3": DeepseekV2ForCausalLM,  # the same MLA; V3's routing differs only in moe_config
 }
 
 
@@ -21,4 +28,5 @@ def architecture_for(model_type: str | None) -> type:
     return ARCHITECTURES[model_type]
 
 
-__all__ = ["ARCHITECTURES", "ModelConfig", "architecture_for", "LlamaForCausalLM"]
+__all__ = ["ARCHITECTURES", "ModelConfig", "architecture_for", "DeepseekV2ForCausalLM", "LlamaForCausalLM",
+           "MoEForCausalLM"]

@@ -6,6 +6,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lmplug.errors import ModelLoadError
+from lmplug.models.mla_config import MLAConfig, mla_config_from_hf
+from lmplug.models.moe_config import MoEConfig, moe_config_from_hf
+
+QKV_BIAS_TYPES = ("qwen2", "qwen2_moe")  # q/k/v biases unless the config says otherwise
+QK_NORM_TYPES = ("qwen3", "qwen3_moe")
+QWEN_TYPES = QKV_BIAS_TYPES + QK_NORM_TYPES  # sliding_window applies only with use_sliding_window
 
 
 @dataclass(frozen=True)
@@ -29,6 +35,8 @@ class ModelConfig:
     qk_norm: bool = False  # Qwen3: RMSNorm over each head of q and k before RoPE
     sliding_window: int | None = None
     hidden_act: str = "silu"
+    moe: MoEConfig | None = None  # mixture-of-experts layers (None: a dense model)
+    mla: MLAConfig | None = None  # multi-head latent attention (DeepSeek-V2/V3); None: ordinary
     raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     @classmethod
@@ -39,12 +47,14 @@ class ModelConfig:
             heads = int(cfg["num_attention_heads"])
             head_dim = cfg.get("head_dim") or hidden // heads
             rope_theta, rope_scaling = _rope(cfg)
+            num_layers = int(cfg["num_hidden_layers"])
+            qkv_bias = model_type in QKV_BIAS_TYPES and bool(cfg.get("qkv_bias", True))
             return cls(
                 model_type=model_type,
                 vocab_size=int(cfg["vocab_size"]),
                 hidden_size=hidden,
                 intermediate_size=int(cfg["intermediate_size"]),
-                num_layers=int(cfg["num_hidden_layers"]),
+                num_layers=num_layers,
                 num_heads=heads,
                 num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
                 head_dim=int(head_dim),
@@ -53,12 +63,14 @@ class ModelConfig:
                 rope_theta=rope_theta,
                 rope_scaling=rope_scaling,
                 tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-                attention_bias=model_type == "qwen2" or bool(cfg.get("attention_bias", False)),
-                o_bias=model_type != "qwen2" and bool(cfg.get("attention_bias", False)),
+                attention_bias=qkv_bias or bool(cfg.get("attention_bias", False)),
+                o_bias=model_type not in QKV_BIAS_TYPES and bool(cfg.get("attention_bias", False)),
                 mlp_bias=bool(cfg.get("mlp_bias", False)),
-                qk_norm=model_type == "qwen3",
+                qk_norm=model_type in QK_NORM_TYPES,
                 sliding_window=_sliding_window(cfg),
                 hidden_act=cfg.get("hidden_act", "silu"),
+                moe=moe_config_from_hf(cfg, num_layers),
+                mla=mla_config_from_hf(cfg, rope_scaling),
                 raw=cfg,
             )
         except KeyError as exc:
@@ -82,6 +94,6 @@ def _rope(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
 
 def _sliding_window(cfg: dict[str, Any]) -> int | None:
     window = cfg.get("sliding_window")
-    if cfg.get("model_type") in ("qwen2", "qwen3") and not cfg.get("use_sliding_window", False):
+    if cfg.get("model_type") in QWEN_TYPES and not cfg.get("use_sliding_window", False):
         return None
     return int(window) if window else None

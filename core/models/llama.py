@@ -48,16 +48,17 @@ class Attention(torch.nn.Module):
 
 
 class MLP(torch.nn.Module):
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, quant: QuantMethod) -> None:
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, quant: QuantMethod,
+                 intermediate_size: int | None = None) -> None:
         super().__init__()
         if cfg.hidden_act not in ("silu", "swish"):
             from lmplug.errors import ModelLoadError
             raise ModelLoadError(f"hidden_act {cfg.hidden_act!r} is not supported; supported: silu")
-        self.intermediate = cfg.intermediate_size
-        self.gate_up_proj = Linear(cfg.hidden_size, {"gate_proj": cfg.intermediate_size,
-                                                     "up_proj": cfg.intermediate_size},
+        inter = intermediate_size or cfg.intermediate_size  # MoE shared experts have their own width
+        self.intermediate = inter
+        self.gate_up_proj = Linear(cfg.hidden_size, {"gate_proj": inter, "up_proj": inter},
                                    bias=cfg.mlp_bias, dtype=dtype, quant=quant)
-        self.down_proj = Linear(cfg.intermediate_size, {"down_proj": cfg.hidden_size},
+        self.down_proj = Linear(inter, {"down_proj": cfg.hidden_size},
                                 bias=cfg.mlp_bias, dtype=dtype, quant=quant)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -66,13 +67,17 @@ class MLP(torch.nn.Module):
 
 
 class DecoderLayer(torch.nn.Module):
+    """Attention (``attn`` when given, e.g. MLA) then a feed-forward block: the dense ``MLP``, or
+    ``mlp`` when given (an MoE block)."""
+
     def __init__(self, cfg: ModelConfig, layer: int, dtype: torch.dtype, quant: QuantMethod,
-                 backend: AttentionBackend) -> None:
+                 backend: AttentionBackend, mlp: torch.nn.Module | None = None,
+                 attn: torch.nn.Module | None = None) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.self_attn = Attention(cfg, layer, dtype, quant, backend)
+        self.self_attn = attn if attn is not None else Attention(cfg, layer, dtype, quant, backend)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.mlp = MLP(cfg, dtype, quant)
+        self.mlp = mlp if mlp is not None else MLP(cfg, dtype, quant)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding,
                 kv: KVLayerView, ctx: StepContext) -> torch.Tensor:
@@ -101,7 +106,9 @@ class LlamaForCausalLM(torch.nn.Module):
         self.embed_tokens = torch.nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
         self.embed_tokens.weight.requires_grad_(False)
         self.layers = torch.nn.ModuleList(
-            DecoderLayer(cfg, i, dtype, quant, attention) for i in range(cfg.num_layers))
+            DecoderLayer(cfg, i, dtype, quant, attention, self.make_mlp(cfg, i, dtype, quant),
+                         self.make_attention(cfg, i, dtype, quant, attention))
+            for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.lm_head = (None if cfg.tie_word_embeddings else
                         torch.nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype),
@@ -109,6 +116,16 @@ class LlamaForCausalLM(torch.nn.Module):
         self.rope = RotaryEmbedding(cfg.head_dim, max(max_model_len, cfg.max_position_embeddings),
                                     cfg.rope_theta, cfg.rope_scaling, dtype)
         self.kv_views: list[KVLayerView] = []
+
+    def make_mlp(self, cfg: ModelConfig, layer: int, dtype: torch.dtype,
+                 quant: QuantMethod) -> torch.nn.Module | None:
+        """The feed-forward block of ``layer``; None: the dense ``MLP``. MoE models override it."""
+        return None
+
+    def make_attention(self, cfg: ModelConfig, layer: int, dtype: torch.dtype, quant: QuantMethod,
+                       backend: AttentionBackend) -> torch.nn.Module | None:
+        """The attention block of ``layer``; None: ``Attention``. DeepSeek-V2 overrides it (MLA)."""
+        return None
 
     def bind_kv(self, views: list[KVLayerView]) -> None:
         self.kv_views = views
@@ -140,7 +157,8 @@ class LlamaForCausalLM(torch.nn.Module):
         return path
 
     def weight_target(self, name: str) -> tuple[str, str | None] | None:
-        """Map a checkpoint (HF) tensor name to (parameter path, shard) or None to skip it."""
+        """Map a checkpoint (HF) tensor name to (parameter path, shard) or None to skip it.
+        (The loader also takes (path, shard, expert) for stacked expert weights.)"""
         if name.startswith("model.layers."):
             rest = name[len("model.layers."):]
             idx, _, tail = rest.partition(".")

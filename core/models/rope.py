@@ -1,4 +1,5 @@
-"""Rotary position embeddings (HF "rotate half" pairing: dim i with i + d/2)."""
+"""Rotary position embeddings (HF "rotate half" pairing: dim i with i + d/2; DeepSeek's
+interleaved pairs (2i, 2i+1) through ``RotaryEmbedding.rotate_pairs``)."""
 
 from __future__ import annotations
 
@@ -86,6 +87,18 @@ class RotaryEmbedding(torch.nn.Module):
         cos = self.cos[positions].unsqueeze(1)  # [T, 1, D]
         sin = self.sin[positions].unsqueeze(1)
         return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+    def rotate_pairs(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """DeepSeek's interleaved RoPE: dims (2i, 2i+1) form a pair. x: [T, N, D] -> [T, N, D]."""
+        half = x.shape[-1] // 2
+        cos = self.cos[positions, :half].unsqueeze(1)  # [T, 1, D/2]; cos = cat(freqs, freqs)
+        sin = self.sin[positions, :half].unsqueeze(1)
+        x0, x1 = x[..., 0::2], x[..., 1::2]  # [T, N, D/2] each
+        return torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1).flatten(-2)
+
+    def rotate(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """Rotate-half RoPE of one tensor. x: [T, N, D]."""
+        return _rotate(x, self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1))
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

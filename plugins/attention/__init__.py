@@ -8,7 +8,8 @@ LMPLUG_API_VERSION = 1
 @hookimpl
 def lmplug_register_attention_backends() -> list[type]:
     from lmplug_attention.flash import FlashAttention
+    from lmplug_attention.mla import MLAAttention
     from lmplug_attention.paged import PagedAttention
     from lmplug_attention.sdpa import SdpaAttention
 
-    return [SdpaAttention, PagedAttention, FlashAttention]
+    return [SdpaAttention, PagedAttention, FlashAttention, MLAAttention]

@@ -169,6 +169,21 @@ class BlockManager:
         for block in reversed(seq.held):
             self._release(block)
 
+    def truncate(self, seq_id: int, num_tokens: int) -> None:
+        """Release ``seq_id``'s blocks wholly past its first ``num_tokens`` tokens.
+
+        Used to roll back rejected speculative tokens. The released blocks hold only
+        uncomputed (rejected) slots, so they were never registered in the prefix cache and
+        go back to the free list (a shared one just loses this reference).
+        """
+        seq = self._seqs.get(seq_id)
+        if seq is None:
+            return
+        keep = -(-num_tokens // self.block_size)
+        while len(seq.table) > keep:
+            self._release(seq.table.pop())
+        del seq.hashes[keep:]
+
     # -- internals ------------------------------------------------------------------------
     def _num_blocks_taken(self, seq_id: int, token_ids: Sequence[int], num_tokens: int,
                           num_computed: int) -> int:

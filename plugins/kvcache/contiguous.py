@@ -30,7 +30,9 @@ class ContiguousKVCache(KVCacheBackend):
         shape = (self.num_rows, spec.max_model_len, spec.num_kv_heads, spec.head_dim)
         # torch.empty: pages are only touched as sequences fill them
         self._k = [torch.empty(shape, dtype=spec.dtype, device=spec.device) for _ in range(spec.num_layers)]
-        self._v = [torch.empty(shape, dtype=spec.dtype, device=spec.device) for _ in range(spec.num_layers)]
+        # the latent layout (MLA) stores no V: attention gets an empty view
+        self._v = ([k[..., :0] for k in self._k] if spec.latent else
+                   [torch.empty(shape, dtype=spec.dtype, device=spec.device) for _ in range(spec.num_layers)])
         self._views = [KVLayerView(k, v, "contiguous") for k, v in zip(self._k, self._v)]
         self._free_rows = list(range(self.num_rows - 1, -1, -1))
         self._row_of: dict[int, int] = {}

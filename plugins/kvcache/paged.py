@@ -2,7 +2,8 @@
 
 A sequence holds only the blocks its tokens fill, so memory follows the
 tokens actually stored instead of ``max_model_len`` per sequence. The pool
-is one tensor ``[layers, 2 (K, V), num_blocks, block_size, Hkv, D]``; layer
+is one tensor ``[layers, 2 (K, V), num_blocks, block_size, Hkv, D]`` (``[layers, 1, ...]``
+for the MLA latent, ``KVCacheSpec.latent``); layer
 ``l``'s view is ``pool[l, 0]`` / ``pool[l, 1]``, the ``[num_blocks,
 block_size, Hkv, D]`` shape every attention backend reads. The accounting
 (free list, refcounts, prefix hashes, LRU of cached blocks) lives in
@@ -55,11 +56,13 @@ class PagedKVCache(KVCacheBackend):
     def __init__(self, options: PagedOptions, spec: KVCacheSpec) -> None:
         super().__init__(options, spec)
         self.num_blocks = pool_blocks(options, spec)
-        shape = (spec.num_layers, 2, self.num_blocks, options.block_size, spec.num_kv_heads, spec.head_dim)
+        shape = (spec.num_layers, spec.num_kv_tensors, self.num_blocks, options.block_size,
+                 spec.num_kv_heads, spec.head_dim)
         # zeros, not empty: attention masks unused slots, but 0 x NaN garbage would still be NaN
         self._pool = torch.zeros(shape, dtype=spec.dtype, device=spec.device)
-        self._views = [KVLayerView(self._pool[i, 0], self._pool[i, 1], "paged")
-                       for i in range(spec.num_layers)]
+        # the latent layout (MLA) has one tensor per layer and no V: attention gets an empty view
+        self._views = [KVLayerView(self._pool[i, 0], self._pool[i, 0, ..., :0] if spec.latent
+                                   else self._pool[i, 1], "paged") for i in range(spec.num_layers)]
         self.blocks = BlockManager(self.num_blocks, options.block_size,
                                    enable_prefix_caching=options.prefix_caching,
                                    sliding_window=spec.sliding_window)
@@ -103,6 +106,9 @@ class PagedKVCache(KVCacheBackend):
 
     def free(self, seq) -> None:
         self.blocks.free(seq.seq_id, seq.token_ids, seq.num_computed_tokens)
+
+    def truncate(self, seq, num_tokens: int) -> None:
+        self.blocks.truncate(seq.seq_id, num_tokens)
 
     def fork(self, parent, child) -> None:
         self.blocks.fork(parent.seq_id, child.seq_id)

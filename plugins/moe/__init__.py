@@ -1,3 +1,13 @@
-"""First-party moe plugins (backends arrive with their own issues)."""
+"""First-party moe backends. Registered through the ``lmplug.plugins`` entry point."""
+
+from lmplug import hookimpl
 
 LMPLUG_API_VERSION = 1
+
+
+@hookimpl
+def lmplug_register_moe_backends() -> list[type]:
+    from lmplug_moe.fused import FusedMoE
+    from lmplug_moe.reference import ReferenceMoE
+
+    return [ReferenceMoE, FusedMoE]

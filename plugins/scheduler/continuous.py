@@ -114,7 +114,9 @@ class ContinuousScheduler(Scheduler):
         remaining = seq.num_tokens - seq.num_computed_tokens
         if remaining <= budget:
             return remaining
-        return budget if self.options.chunked_prefill else 0
+        # a decode may always be cut: its extra tokens are speculative drafts, and the
+        # engine drops the ones left out
+        return budget if self.options.chunked_prefill or not seq.is_prefill else 0
 
     def _make_room(self, seq: Sequence, num_tokens: int, out: SchedulerOutput) -> bool:
         """Preempt victims until ``seq`` can grow to ``num_tokens``; False if ``seq`` itself went."""

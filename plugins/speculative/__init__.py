@@ -1,3 +1,21 @@
-"""First-party speculative plugins (backends arrive with their own issues)."""
+"""First-party drafters for speculative decoding (``speculative: {method: NAME, num_tokens: k}``).
+
+- ``ngram``: prompt lookup, no model;
+- ``draft_model``: a smaller model with the same tokenizer, with its own KV cache;
+- ``layer_skip``: the target's own first layers and its head as the draft;
+- ``medusa``: heads on the target's hidden state (FasterDecoding format; train with
+  ``lmplug train-drafter --method medusa MODEL OUT``).
+"""
+
+from lmplug import hookimpl
 
 LMPLUG_API_VERSION = 1
+
+
+@hookimpl
+def lmplug_register_drafters() -> list[type]:
+    from lmplug_speculative.draft_model import DraftModelDrafter, LayerSkipDrafter
+    from lmplug_speculative.medusa import MedusaDrafter
+    from lmplug_speculative.ngram import NgramDrafter
+
+    return [NgramDrafter, DraftModelDrafter, LayerSkipDrafter, MedusaDrafter]

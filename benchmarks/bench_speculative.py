@@ -1,0 +1,152 @@
+"""Speculative decoding vs plain decoding, batch 1, greedy, side by side in one run.
+
+    python benchmarks/bench_speculative.py [--model smollm2-135m-instruct] [--max-tokens 128]
+        [--threads 1] [--device auto] [--configs plain,ngram,layer_skip] [--layer-skip-layers 24]
+        [--medusa-heads DIR]   # heads from: lmplug train-drafter --method medusa MODEL DIR
+
+Two prompt sets: (a) *copy*: rewrite / fix / extract tasks whose answer copies from the
+prompt, where n-gram lookup shines; (b) *free*: open-ended generation. Every config decodes
+the same chat prompts; greedy output must be identical to plain decoding (checked and
+printed). Per config and set: decode tokens/s (after the first token), target forwards per
+request, tokens per target forward, acceptance rate, mean accepted drafts per verification,
+and the decode speedup over plain.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from lmplug import LLM, SamplingParams
+
+CODE = '''def count_words(path):
+    counts = {}
+    with open(path) as f:
+        for line in f:
+            for word in line.split():
+                word = word.lower().strip(".,;:!?")
+                counts[word] = counts.get(word, 0) + 1
+    return counts
+'''
+PARAGRAPH = ("The lighthouse stood on the edge of the cliff for more then a hundred years. Every nigth "
+             "its keeper climbed the stairs, lit the lamp and watched the ships pass safely betwen the "
+             "rocks. When the storm came, the keeper stayed awake untill morning.")
+LOG = """2024-05-01 10:00:01 INFO server started on port 8080
+2024-05-01 10:00:05 ERROR database connection refused (host=db1)
+2024-05-01 10:00:09 INFO retrying connection
+2024-05-01 10:00:12 ERROR database connection refused (host=db1)
+2024-05-01 10:01:00 WARN slow request /api/users took 2300 ms
+2024-05-01 10:02:30 ERROR disk quota exceeded on /var/log"""
+
+PROMPT_SETS = {
+    "copy": [
+        "Add type hints and a docstring to this Python function. Reply with the full code only.\n\n" + CODE,
+        "Fix the spelling mistakes in this paragraph and write out the whole corrected paragraph:\n\n"
+        + PARAGRAPH,
+        "Copy every line of this log that contains ERROR, exactly as written:\n\n" + LOG,
+    ],
+    "free": [
+        "Write a short story about a lighthouse keeper who finds a message in a bottle.",
+        "Explain how a bicycle gear system works to a ten-year-old.",
+    ],
+}
+
+
+def speculative_configs(args) -> dict[str, dict | None]:
+    return {
+        "plain": None,
+        "ngram": {"method": "ngram", "num_tokens": args.ngram_k, "min_n": 2, "max_n": 4},
+        "layer_skip": {"method": "layer_skip", "num_tokens": args.layer_skip_k,
+                       "num_layers": args.layer_skip_layers},
+        "medusa": {"method": "medusa", "num_tokens": args.medusa_k, "heads": args.medusa_heads},
+    }
+
+
+def run_one(llm: LLM, prompt_ids: list[int], params: SamplingParams) -> dict:
+    """Decode one request alone; count target forwards and time the decode phase."""
+    engine = llm.engine
+    engine.add_request("bench", prompt_ids, params)
+    forwards, out = 0, None
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            out = o
+        forwards += 1
+    m = out.metrics
+    return {"tokens": out.token_ids, "forwards": forwards, "decode_s": m.finish_time - m.first_token_time,
+            "drafted": m.num_drafted_tokens, "accepted": m.num_accepted_tokens}
+
+
+def bench_config(name: str, spec: dict | None, args, prompts: dict[str, list[list[int]]]) -> dict:
+    llm = LLM(args.model, dtype=args.dtype, device=args.device, max_model_len=2048, speculative=spec)
+    params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
+    results = {}
+    for set_name, ids_list in prompts.items():
+        run_one(llm, ids_list[0][:16], SamplingParams(temperature=0, max_tokens=4))  # warm-up
+        results[set_name] = [run_one(llm, ids, params) for ids in ids_list]
+    return results
+
+
+def summarize(runs: list[dict]) -> dict:
+    tokens = sum(len(r["tokens"]) for r in runs)
+    decoded = sum(len(r["tokens"]) - 1 for r in runs)
+    verified = sum(r["forwards"] - 1 for r in runs)  # the first forward is the prompt's
+    drafted, accepted = sum(r["drafted"] for r in runs), sum(r["accepted"] for r in runs)
+    return {"tok_s": decoded / sum(r["decode_s"] for r in runs), "forwards": sum(r["forwards"] for r in runs) / len(runs),
+            "tok_per_fwd": tokens / sum(r["forwards"] for r in runs),
+            "acceptance": accepted / drafted if drafted else float("nan"),
+            "mean_accepted": accepted / verified if verified else 0.0}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="smollm2-135m-instruct")
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--configs", default="plain,ngram,layer_skip")
+    p.add_argument("--ngram-k", type=int, default=4)
+    p.add_argument("--layer-skip-k", type=int, default=2)
+    p.add_argument("--layer-skip-layers", type=int, default=24)
+    p.add_argument("--medusa-heads", help="heads folder (lmplug train-drafter --method medusa); "
+                                          "adds the medusa config")
+    p.add_argument("--medusa-k", type=int, default=3)
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    configs = speculative_configs(args)
+    chosen = args.configs.split(",")
+    if args.medusa_heads and "medusa" not in chosen:
+        chosen.append("medusa")
+    if "plain" not in chosen:
+        chosen.insert(0, "plain")
+    tok_llm = LLM(args.model, dtype=args.dtype, device=args.device, max_model_len=2048)
+    prompts = {s: [tok_llm.apply_chat_template([{"role": "user", "content": t}]) for t in texts]
+               for s, texts in PROMPT_SETS.items()}
+    del tok_llm
+    print(f"model {args.model}, batch 1, greedy, max_tokens {args.max_tokens}, device {args.device}, "
+          f"{args.threads} CPU thread(s)")
+    results = {name: bench_config(name, configs[name], args, prompts) for name in chosen}
+    report(results, configs)
+
+
+def report(results: dict, configs: dict) -> None:
+    header = f"{'set':5} {'config':11} {'decode tok/s':>12} {'speedup':>8} {'fwd/req':>8} {'tok/fwd':>8} " \
+             f"{'accept':>7} {'acc/step':>8}  same output"
+    print(header)
+    print("-" * len(header))
+    for set_name in PROMPT_SETS:
+        base = summarize(results["plain"][set_name])
+        for name, by_set in results.items():
+            s = summarize(by_set[set_name])
+            same = all(a["tokens"] == b["tokens"] for a, b in zip(by_set[set_name], results["plain"][set_name]))
+            print(f"{set_name:5} {name:11} {s['tok_s']:12.2f} {s['tok_s'] / base['tok_s']:7.2f}x "
+                  f"{s['forwards']:8.1f} {s['tok_per_fwd']:8.2f} {s['acceptance']:7.2f} {s['mean_accepted']:8.2f}"
+                  f"  {'yes' if same else 'NO'}")
+    for name, spec in configs.items():
+        if name in results and spec:
+            print(f"  {name}: {spec}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,66 @@
+"""``MLAConfig``: the multi-head latent attention facts of a DeepSeek-V2/V3 ``config.json``.
+
+MLA caches one latent vector per token and layer (``kv_lora_rank`` numbers,
+after ``kv_a_layernorm``) plus one RoPE key shared by all heads
+(``qk_rope_head_dim``); ``kv_b_proj`` expands the latent to per-head keys
+(``qk_nope_head_dim``) and values (``v_head_dim``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+MLA_TYPES = ("deepseek_v2", "deepseek_v3")
+LORA_NORM_EPS = 1e-6
+HF_DEFAULTS = {"q_lora_rank": 1536, "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
+               "v_head_dim": 128}  # q_a_layernorm / kv_a_layernorm: transformers builds them with the default eps
+
+
+@dataclass(frozen=True)
+class MLAConfig:
+    q_lora_rank: int | None  # None: a plain q_proj (DeepSeek-V2-Lite)
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    softmax_scale: float  # (nope + rope)^-0.5, times yarn's mscale(factor, mscale_all_dim)^2
+    rope_interleave: bool = True  # RoPE on pairs (2i, 2i+1), as DeepSeek's checkpoints expect
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def latent_dim(self) -> int:
+        """Numbers cached per token and layer: the latent, then the shared RoPE key."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+
+def mla_config_from_hf(cfg: dict[str, Any], rope_scaling: dict[str, Any] | None) -> MLAConfig | None:
+    """The MLA record of an HF config, or None for an architecture without MLA."""
+    if cfg.get("model_type") not in MLA_TYPES:
+        return None
+    # a missing key takes transformers' default (the same for V2 and V3), as HF's loader would
+    cfg = {**HF_DEFAULTS, **cfg}
+    q_lora = cfg["q_lora_rank"]
+    nope, rope = int(cfg["qk_nope_head_dim"]), int(cfg["qk_rope_head_dim"])
+    return MLAConfig(
+        q_lora_rank=int(q_lora) if q_lora else None,
+        kv_lora_rank=int(cfg["kv_lora_rank"]),
+        qk_nope_head_dim=nope,
+        qk_rope_head_dim=rope,
+        v_head_dim=int(cfg["v_head_dim"]),
+        softmax_scale=(nope + rope) ** -0.5 * _mscale_squared(rope_scaling),
+        rope_interleave=bool(cfg.get("rope_interleave", True)),
+    )
+
+
+def _mscale_squared(scaling: dict[str, Any] | None) -> float:
+    # transformers' yarn_apply_mscale: any non-default rope type with mscale_all_dim set
+    if not scaling or not scaling.get("mscale_all_dim"):
+        return 1.0
+    factor = float(scaling["factor"])
+    mscale = 1.0 if factor <= 1 else 0.1 * float(scaling["mscale_all_dim"]) * math.log(factor) + 1.0
+    return mscale * mscale

@@ -1,0 +1,269 @@
+"""The FastAPI app: OpenAI routes, API key, body limits, ``/health`` and ``/metrics``.
+
+``create_app(llm, ServeSettings(...))`` builds an app around an ``LLM`` (its engine
+moves to the ``AsyncEngine`` thread when the app starts; do not use the ``LLM``
+from other threads while the app runs). ``lmplug.serve.server`` runs it under uvicorn.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import secrets
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import anyio
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ValidationError
+from starlette.concurrency import run_in_threadpool
+
+from lmplug.engine.params import SamplingParams
+from lmplug.llm import LLM
+from lmplug.serve import convert
+from lmplug.serve.async_engine import AsyncEngine
+from lmplug.serve.errors import APIError, from_validation_error, install_handlers
+from lmplug.serve.metrics import Metrics
+from lmplug.serve.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from lmplug.serve.responses import Accumulator, ChatFormat, CompletionFormat, collect, stream_events
+
+logger = logging.getLogger(__name__)
+
+API_KEY_ENV = "LMPLUG_API_KEY"
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for the legacy endpoint; chat: the rest of the context
+
+
+@dataclass
+class ServeSettings:
+    api_key: str | None = None  # None: $LMPLUG_API_KEY if set, else no key needed
+    max_body_bytes: int = 1 << 20
+    served_model_name: str | None = None  # default: the config's `model`
+    shutdown_grace_s: float = 30.0  # in-flight requests may finish for this long, then are cut
+
+    def __post_init__(self) -> None:
+        if self.api_key is None:
+            self.api_key = os.environ.get(API_KEY_ENV) or None
+        if self.max_body_bytes < 1:
+            raise ValueError(f"max_body_bytes={self.max_body_bytes}: expected a positive number of bytes")
+
+
+def create_app(llm: LLM, settings: ServeSettings | None = None) -> FastAPI:
+    settings = settings or ServeSettings()
+    metrics = Metrics()
+    engine = AsyncEngine(llm.engine, metrics)
+    model_name = settings.served_model_name or llm.engine.config.model
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        engine.start()
+        yield
+        engine.stop()
+
+    app = FastAPI(title="lmplug", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.engine, app.state.metrics, app.state.settings = engine, metrics, settings
+    app.add_middleware(_CountRequests, metrics=metrics)
+    install_handlers(app)
+    _add_plain_routes(app, engine, metrics)
+    app.include_router(_v1_router(engine, settings, model_name))
+    return app
+
+
+def _add_plain_routes(app: FastAPI, engine: AsyncEngine, metrics: Metrics) -> None:
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        if engine.draining:
+            return JSONResponse({"status": "shutting_down"}, status_code=503)
+        if not engine.is_running:
+            return JSONResponse({"status": "engine_stopped"}, status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(metrics.render(), media_type=metrics.content_type)
+
+
+def _v1_router(engine: AsyncEngine, settings: ServeSettings, model_name: str) -> APIRouter:
+    router = APIRouter(prefix="/v1", dependencies=[Depends(_api_key_check(settings.api_key))])
+    core = engine.engine
+    names = convert.TokenText(core.tokenizer)
+
+    def check_model(requested: str | None) -> None:
+        if requested is not None and requested != model_name:
+            raise APIError(404, f"model: {requested!r} is not served here (available: {model_name!r})",
+                           param="model", code="model_not_found")
+
+    @router.get("/models")
+    async def models() -> ModelList:
+        return ModelList(data=[ModelCard(id=model_name, created=int(time.time()),
+                                         max_model_len=core.max_model_len)])
+
+    @router.post("/chat/completions")
+    async def chat(request: Request) -> Response:
+        req = _parse(ChatCompletionRequest, await read_json(request, settings.max_body_bytes))
+        check_model(req.model)
+        prompts = [await run_in_threadpool(convert.chat_prompt_ids, core.tokenizer, req)]
+        params = convert.sampling_params(req, prompts, core.max_model_len, None)
+        fmt = ChatFormat(model_name, params.logprobs, names)
+        return await _respond(request, engine, req, prompts, params, fmt)
+
+    @router.post("/completions")
+    async def completions(request: Request) -> Response:
+        req = _parse(CompletionRequest, await read_json(request, settings.max_body_bytes))
+        check_model(req.model)
+        prompts = await run_in_threadpool(convert.completion_prompt_ids, core.tokenizer, req,
+                                          core.model_config.vocab_size)
+        params = convert.sampling_params(req, prompts, core.max_model_len, COMPLETIONS_DEFAULT_MAX_TOKENS)
+        fmt = CompletionFormat(model_name, params.logprobs, names)
+        return await _respond(request, engine, req, prompts, params, fmt)
+
+    return router
+
+
+async def _respond(request: Request, engine: AsyncEngine, req: ChatCompletionRequest | CompletionRequest,
+                   prompts: list[list[int]], params: SamplingParams,
+                   fmt: ChatFormat | CompletionFormat) -> Response:
+    group = engine.generate(prompts, params, fmt.id)
+    acc = Accumulator(len(prompts), params.n)
+    if req.stream:
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        return _SSEResponse(stream_events(group, fmt, acc, include_usage), on_close=group.close)
+    try:
+        body = await _unless_disconnected(request, collect(group, fmt, acc))
+    finally:
+        group.close()  # aborts what is left if the client went away or the handler was cancelled
+    if body is None:  # the client left; its requests are already aborted
+        return Response(status_code=499)
+    return Response(body.model_dump_json(), media_type="application/json")
+
+
+# -- request plumbing ----------------------------------------------------------------------------
+
+
+async def read_json(request: Request, limit: int) -> dict:
+    """The body as a JSON object, refusing more than ``limit`` bytes (413) and bad JSON (400)."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise _too_large(int(declared), limit)
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise _too_large(size, limit)
+        chunks.append(chunk)
+    try:
+        data = json.loads(b"".join(chunks), parse_constant=_reject_constant)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise APIError(400, f"request body is not valid JSON: {exc}", code="invalid_json") from None
+    if not isinstance(data, dict):
+        raise APIError(400, f"request body: expected a JSON object, got {type(data).__name__}",
+                       code="invalid_json")
+    return data
+
+
+def _reject_constant(name: str) -> float:
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def _too_large(size: int, limit: int) -> APIError:
+    return APIError(413, f"request body: {size} bytes or more, over the limit of {limit} bytes",
+                    code="request_too_large")
+
+
+def _parse(model: type[BaseModel], data: dict) -> Any:
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        raise from_validation_error(exc) from None
+
+
+def _api_key_check(api_key: str | None):
+    async def check(request: Request) -> None:
+        if not api_key:
+            return
+        header = request.headers.get("authorization")
+        if not header:
+            raise APIError(401, "missing API key: send the header 'Authorization: Bearer <key>'",
+                           code="invalid_api_key")
+        scheme, _, token = header.partition(" ")
+        if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip().encode(), api_key.encode()):
+            raise APIError(401, "invalid API key", code="invalid_api_key")
+
+    return check
+
+
+async def _unless_disconnected(request: Request, work: Awaitable[BaseModel]) -> BaseModel | None:
+    """Await ``work``, or cancel it (which aborts its requests) if the client disconnects first."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_disconnected(request))
+    done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    if task in done:
+        watcher.cancel()
+        return task.result()
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    return None
+
+
+async def _disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+class _SSEResponse(StreamingResponse):
+    """A stream that stops (and so aborts its requests) as soon as the client disconnects,
+    whatever ASGI spec version the server speaks, and always closes its generator."""
+
+    media_type = "text/event-stream"
+
+    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], None]) -> None:
+        super().__init__(content, headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self._on_close = on_close
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            async with anyio.create_task_group() as tg:
+                async def stream() -> None:
+                    await self.stream_response(send)
+                    tg.cancel_scope.cancel()
+
+                tg.start_soon(stream)
+                await self.listen_for_disconnect(receive)
+                tg.cancel_scope.cancel()
+        finally:
+            await self.body_iterator.aclose()
+            self._on_close()  # a stream that never started still holds its requests
+
+
+class _CountRequests:
+    """ASGI middleware: count HTTP requests by route and status code (streams included)."""
+
+    _ROUTES: ClassVar[frozenset[str]] = frozenset(
+        {"/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics"})
+
+    def __init__(self, app: Any, metrics: Metrics) -> None:
+        self.app, self.metrics = app, metrics
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        status = 500
+
+        async def send_counting(message: dict) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_counting)
+        finally:
+            route = scope["path"] if scope["path"] in self._ROUTES else "other"
+            self.metrics.requests.labels(route=route, status=str(status)).inc()

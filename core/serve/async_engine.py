@@ -1,0 +1,332 @@
+"""``AsyncEngine``: one thread owns the ``LLMEngine``; HTTP handlers talk to it through queues.
+
+The engine is not thread-safe and a step is seconds of blocking compute on a
+CPU, so it lives on its own thread, never on the event loop. Handlers post
+commands (add, abort, cut) to that thread; it applies them between steps and
+steps while any request is unfinished, so requests from concurrent HTTP
+connections share every batch (continuous batching across clients). Outputs
+go back to the event loop as per-choice deltas, one ``asyncio.Queue`` per
+``RequestGroup`` (a completions call with several prompts is one group of
+engine requests).
+
+An exception inside a step fails the requests in flight with a 500 and the
+thread carries on; a client that goes away aborts its requests, which frees
+their KV cache at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from typing_extensions import Self
+
+from lmplug.engine.engine import LLMEngine
+from lmplug.engine.outputs import RequestOutput
+from lmplug.engine.params import SamplingParams
+from lmplug.engine.sequence import Logprob
+from lmplug.errors import LmplugError
+from lmplug.serve.errors import APIError
+from lmplug.serve.metrics import Metrics
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class ChoiceDelta:
+    """What one sample added since the previous update."""
+
+    index: int  # the sample's index within its engine request (0 .. n-1)
+    text: str
+    token_ids: list[int]
+    logprobs: list[dict[int, Logprob]] | None
+    finish_reason: str | None  # set on the sample's last delta
+
+
+@dataclass
+class Update:
+    request_id: str
+    prompt_index: int  # which prompt of the group
+    num_prompt_tokens: int
+    choices: list[ChoiceDelta]
+    finished: bool  # the whole engine request is done
+    error: APIError | None = None
+
+
+@dataclass
+class _Tracked:
+    """The engine thread's record of one request: what has been sent, and when."""
+
+    group: RequestGroup
+    prompt_index: int
+    num_prompt_tokens: int
+    n: int
+    submitted_at: float
+    first_token_at: float | None = None
+    sent_text: list[int] = field(default_factory=list)
+    sent_tokens: list[int] = field(default_factory=list)
+    done: list[bool] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.sent_text, self.sent_tokens, self.done = [0] * self.n, [0] * self.n, [False] * self.n
+
+
+class RequestGroup:
+    """Engine requests whose updates share one queue. Use as ``async with``: leaving the block
+    early (client gone, error, cancellation) aborts whatever is still running."""
+
+    def __init__(self, engine: AsyncEngine, request_ids: list[str]) -> None:
+        self._engine = engine
+        self.request_ids = request_ids
+        self.queue: asyncio.Queue[Update] = asyncio.Queue()
+        self._unfinished = set(request_ids)
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if self._unfinished:
+            self._engine.abort(sorted(self._unfinished))
+            self._unfinished.clear()
+        self._engine._groups.discard(self)
+
+    async def __aiter__(self) -> AsyncIterator[Update]:
+        while self._unfinished:
+            update = await self.queue.get()
+            if update.error is not None:
+                self._unfinished.discard(update.request_id)
+                raise update.error
+            if update.finished:
+                self._unfinished.discard(update.request_id)
+            yield update
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine, metrics: Metrics | None = None, *, idle_wait_s: float = 0.5) -> None:
+        self.engine = engine
+        self.metrics = metrics or Metrics()
+        self.idle_wait_s = idle_wait_s
+        self._commands: queue.SimpleQueue[tuple] = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._tracked: dict[str, _Tracked] = {}  # engine thread only
+        self._groups: set[RequestGroup] = set()  # event loop only
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self.draining = False
+
+    # -- lifecycle (event loop side) ------------------------------------------------------------
+    def start(self) -> None:
+        """Start the engine thread; call from the event loop that will consume the outputs."""
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="lmplug-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self._stopping = True
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and not self._stopping
+
+    @property
+    def num_active_groups(self) -> int:
+        return len(self._groups)
+
+    async def drain(self, grace_s: float) -> None:
+        """Refuse new requests, let those in flight finish for ``grace_s``, then cut the rest:
+        each gets a last update with ``finish_reason="abort"``."""
+        self.draining = True
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + grace_s
+        while self._groups and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+        if not self._groups:
+            return
+        logger.warning("grace period over: cutting %d request group(s)", len(self._groups))
+        self._post(("cut",))
+        deadline = loop.time() + 5.0  # time for the handlers to send their last chunk
+        while self._groups and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+
+    # -- requests (event loop side) ---------------------------------------------------------------
+    def generate(self, prompts: list[list[int]], params: SamplingParams, request_id: str) -> RequestGroup:
+        """Queue one engine request per prompt (ids ``{request_id}-{i}``); outputs arrive on the group."""
+        if self.draining:
+            raise APIError(503, "the server is shutting down; retry on another instance")
+        if not self.is_running:
+            raise APIError(503, "the engine is not running")
+        ids = [f"{request_id}-{i}" for i in range(len(prompts))]
+        group = RequestGroup(self, ids)
+        self._groups.add(group)
+        now = time.perf_counter()
+        for i, (rid, prompt) in enumerate(zip(ids, prompts)):
+            self._post(("add", rid, i, prompt, params, group, now))
+        return group
+
+    def abort(self, request_ids: list[str]) -> None:
+        self._post(("abort", request_ids))
+
+    def _post(self, command: tuple) -> None:
+        self._commands.put(command)
+        self._wake.set()
+
+    # -- the engine thread ------------------------------------------------------------------------
+    def _run(self) -> None:
+        while not self._stopping:
+            try:
+                self._iterate()
+            except Exception as exc:
+                logger.exception("engine loop failed; failing %d request(s)", len(self._tracked))
+                self._fail_all(exc)
+        self._cut_all()
+
+    def _iterate(self) -> None:
+        self._apply_commands()
+        if not self._tracked:
+            self._wake.wait(self.idle_wait_s)
+            self._wake.clear()
+        elif not self.engine.has_unfinished_requests():
+            self._fail_all(RuntimeError("the engine dropped the request"))
+        else:
+            self._step()
+
+    def _apply_commands(self) -> None:
+        changed = False
+        while True:
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                break
+            kind, args = command[0], command[1:]
+            if kind == "add":
+                self._add(*args)
+            elif kind == "abort":
+                for rid in args[0]:
+                    self._abort(rid)
+            elif kind == "cut":
+                self._cut_all()
+            changed = True
+        if changed:
+            self._publish_stats()
+
+    def _add(self, rid: str, index: int, prompt: list[int], params: SamplingParams, group: RequestGroup,
+             submitted_at: float) -> None:
+        try:
+            self.engine.add_request(rid, prompt, params)
+        except LmplugError as exc:
+            self._deliver([(group, Update(rid, index, len(prompt), [], True, APIError(400, str(exc))))])
+            return
+        except Exception as exc:
+            logger.exception("add_request %s failed", rid)
+            self._deliver([(group, Update(rid, index, len(prompt), [], True, _server_error(exc)))])
+            return
+        self._tracked[rid] = _Tracked(group, index, len(prompt), params.n, submitted_at)
+        self.metrics.prompt_tokens.inc(len(prompt))
+
+    def _abort(self, rid: str) -> None:
+        tracked = self._tracked.pop(rid, None)
+        self.engine.abort_request(rid)
+        if tracked is not None:
+            self._observe_end(tracked, "abort", num_tokens=tracked.sent_tokens[0])
+
+    def _cut_all(self) -> None:
+        """Abort every request and tell its client: a last delta with ``finish_reason="abort"``."""
+        out = []
+        for rid, tracked in list(self._tracked.items()):
+            self._abort(rid)
+            choices = [ChoiceDelta(i, "", [], None, "abort") for i in range(tracked.n) if not tracked.done[i]]
+            out.append((tracked.group, Update(rid, tracked.prompt_index, tracked.num_prompt_tokens, choices,
+                                              True)))
+        self._deliver(out)
+
+    def _fail_all(self, exc: BaseException) -> None:
+        error = _server_error(exc)
+        out = []
+        for rid, tracked in list(self._tracked.items()):
+            del self._tracked[rid]
+            try:
+                self.engine.abort_request(rid)
+            except Exception:
+                logger.exception("abort of %s after an engine error failed", rid)
+            self._observe_end(tracked, "error", num_tokens=tracked.sent_tokens[0])
+            out.append((tracked.group, Update(rid, tracked.prompt_index, tracked.num_prompt_tokens, [],
+                                              True, error)))
+        self._deliver(out)
+        self._publish_stats()
+
+    def _step(self) -> None:
+        outputs = self.engine.step()  # an exception fails the requests in flight (``_run``)
+        now = time.perf_counter()
+        out = []
+        for output in outputs:
+            tracked = self._tracked.get(output.request_id)
+            if tracked is not None:
+                update = self._update_for(output, tracked, now)
+                if update.choices or update.finished:
+                    out.append((tracked.group, update))
+        self._deliver(out)
+        self.metrics.observe_stats(self.engine.last_stats)
+
+    def _update_for(self, output: RequestOutput, tracked: _Tracked, now: float) -> Update:
+        choices = []
+        for c in output.outputs:
+            i = c.index
+            if tracked.done[i]:
+                continue
+            text, tokens = c.text[tracked.sent_text[i]:], c.token_ids[tracked.sent_tokens[i]:]
+            if not (text or tokens or c.finish_reason):
+                continue
+            logprobs = c.logprobs[tracked.sent_tokens[i]:] if c.logprobs is not None else None
+            choices.append(ChoiceDelta(i, text, list(tokens), logprobs, c.finish_reason))
+            tracked.sent_text[i] += len(text)
+            tracked.sent_tokens[i] += len(tokens)
+            tracked.done[i] = c.finish_reason is not None
+            self.metrics.generation_tokens.inc(len(tokens))
+        if tracked.first_token_at is None and tracked.sent_tokens[0]:
+            tracked.first_token_at = now
+            self.metrics.ttft.observe(now - tracked.submitted_at)
+        if output.finished:
+            del self._tracked[output.request_id]
+            self._observe_end(tracked, output.outputs[0].finish_reason or "stop", tracked.sent_tokens[0])
+        return Update(output.request_id, tracked.prompt_index, tracked.num_prompt_tokens, choices,
+                      output.finished)
+
+    def _observe_end(self, tracked: _Tracked, reason: str, num_tokens: int) -> None:
+        elapsed = time.perf_counter() - tracked.submitted_at
+        first = None if tracked.first_token_at is None else tracked.first_token_at - tracked.submitted_at
+        self.metrics.observe_finished(reason, elapsed=elapsed, first_token_after=first, num_tokens=num_tokens)
+
+    def _publish_stats(self) -> None:
+        scheduler = self.engine.scheduler
+        self.metrics.observe_stats({"kv_usage": self.engine.kv.usage, "num_running": scheduler.num_running,
+                                    "num_waiting": scheduler.num_waiting})
+
+    def _deliver(self, items: list[tuple[RequestGroup, Update]]) -> None:
+        if not items or self._loop is None:
+            return
+        try:
+            self._loop.call_soon_threadsafe(_put_all, items)
+        except RuntimeError:  # the event loop is closed: nobody is listening any more
+            pass
+
+
+def _put_all(items: list[tuple[RequestGroup, Update]]) -> None:
+    for group, update in items:
+        group.queue.put_nowait(update)
+
+
+def _server_error(exc: BaseException) -> APIError:
+    return APIError(500, f"the engine failed while running this request ({type(exc).__name__}: {exc})",
+                    code="engine_error")

@@ -1,0 +1,86 @@
+"""``mla``: multi-head latent attention (DeepSeek-V2/V3) over the latent KV layout.
+
+The KV cache (contiguous or paged, built with ``KVCacheSpec.latent``) holds one
+row ``[latent | k_pe]`` per token and layer. Per layer and step: write the new
+rows, then one batched absorbed decode for the decode sequences (ordered first
+in the step) and the expanded prefill for the rest (``mla_ref.py`` explains
+both). The decode's attention over the latent runs as a Triton kernel
+(``mla_kernels.py``) on CUDA and in PyTorch on CPU (``kernels`` option).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import Literal
+
+import torch
+from lmplug_attention import mla_ref
+from pydantic import Field
+
+from lmplug.errors import ConfigError
+from lmplug.interfaces import (
+    BackendOptions,
+    Capabilities,
+    KVLayerView,
+    MLAAttentionBackend,
+    StepContext,
+)
+
+
+class MLAOptions(BackendOptions):
+    kernels: Literal["auto", "triton", "torch"] = Field(
+        default="auto", description="decode over the latent: auto = Triton on CUDA, PyTorch on CPU")
+
+
+def _decode_latent_op(kernels: str, device: torch.device) -> Callable:
+    use_triton = kernels == "triton" or (kernels == "auto" and device.type == "cuda")
+    if not use_triton:
+        return mla_ref.mla_decode_latent
+    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ConfigError("attention: mla: kernels='triton' needs a CUDA device (or TRITON_INTERPRET=1 "
+                          "set before triton is imported, for tests); use kernels='torch' or 'auto' on CPU")
+    from lmplug_attention import mla_kernels
+
+    return mla_kernels.mla_decode_latent
+
+
+class MLAAttention(MLAAttentionBackend):
+    name = "mla"
+    capabilities = Capabilities(
+        devices=frozenset({"cpu", "cuda"}),
+        kv_layouts=frozenset({"contiguous", "paged"}),
+        features=frozenset({"mla"}),
+        priority=1,  # `auto` never picks it for ordinary attention; the build picks it for MLA models
+    )
+    Options = MLAOptions
+
+    def __init__(self, options: MLAOptions, **kwargs) -> None:
+        super().__init__(options, **kwargs)
+        if self.sliding_window is not None:
+            raise ConfigError("attention: mla: sliding-window attention is not supported")
+        self._decode_ops: dict[str, Callable] = {}
+
+    def decode_latent_op(self, device: torch.device) -> Callable:
+        if device.type not in self._decode_ops:
+            self._decode_ops[device.type] = _decode_latent_op(self.options.kernels, device)
+        return self._decode_ops[device.type]
+
+    def forward_mla(self, layer: int, q_nope: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor,
+                    k_pe: torch.Tensor, w_uk: torch.Tensor, w_uv: torch.Tensor, kv: KVLayerView,
+                    ctx: StepContext) -> torch.Tensor:
+        cache = kv.k_cache  # [N, block_size, 1, R + rope]
+        mla_ref.write_latent(latent, k_pe, cache, ctx.slot_mapping)
+        out = q_nope.new_empty(q_nope.shape[0], q_nope.shape[1], w_uv.shape[1])  # [T, H, V]
+        n = ctx.num_decodes  # decodes come first, one query row each
+        if n:
+            out[:n] = mla_ref.mla_decode_attention(
+                q_nope[:n], q_pe[:n], w_uk, w_uv, cache, ctx.block_tables[:n], ctx.seq_lens[:n],
+                self.scale, decode_latent=self.decode_latent_op(q_nope.device),
+                max_seq_len=max(ctx.seq_lens_cpu[:n]))
+        if n < ctx.num_seqs:
+            cu = ctx.cu_query_lens[n:]
+            out[n:] = mla_ref.mla_prefill_attention(
+                q_nope[n:], q_pe[n:], w_uk, w_uv, cache, ctx.block_tables[n:], cu - cu[0],
+                ctx.seq_lens[n:], self.scale)
+        return out

@@ -1,0 +1,206 @@
+"""Train Medusa heads for any model on text the model generates itself (self-distillation).
+
+    lmplug train-drafter --method medusa MODEL OUT [-o num_heads=3 -o epochs=2 ...]
+
+1. The target answers a set of built-in instructions (its chat template, greedy by
+   default): the heads learn to predict *this model's* continuations.
+2. One prefill forward per answer gives the target's final hidden state at every
+   position t of the answer; head i's label is the token at t + i + 2.
+3. The heads' residual blocks are trained with cross-entropy (head i weighted 0.8^i, as
+   in Medusa-1); their output matrices are the target's ``lm_head``, frozen, so a CPU
+   trains them in minutes and the drafter shares one matrix multiply at run time.
+4. Saved in the FasterDecoding format (``medusa_lm_head.safetensors`` + ``config.json``).
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from lmplug_speculative.medusa_heads import MedusaHeads, save_heads
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from lmplug.errors import ConfigError
+
+TASKS = ["Write a short story about {}.", "Explain {} in simple terms.", "Give five tips about {}.",
+         "Write a Python function that has something to do with {}.", "Describe {} in one paragraph.",
+         "What are the pros and cons of {}?", "Summarize what people should know about {}.",
+         "Write a short poem about {}."]
+TOPICS = ["the ocean", "coffee", "machine learning", "a city at night", "gardening", "space travel",
+          "chess", "bicycles", "the moon", "friendship", "volcanoes", "music", "cooking pasta", "rain",
+          "trains", "sorting lists", "databases", "birds", "the history of writing", "exercise"]
+
+
+class MedusaTrainOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    num_heads: int = Field(default=3, ge=1, le=8)
+    num_layers: int = Field(default=1, ge=1, le=4, description="residual blocks per head")
+    num_prompts: int = Field(default=48, ge=2, description="instructions the model answers")
+    max_tokens: int = Field(default=128, ge=8, description="tokens per answer")
+    temperature: float = Field(default=0.0, ge=0, description="0: greedy answers")
+    epochs: int = Field(default=4, ge=1)
+    lr: float = Field(default=3e-3, gt=0)
+    batch_size: int = Field(default=64, ge=1)
+    max_num_seqs: int = Field(default=16, ge=1, description="answers generated at once")
+    seed: int = 0
+    device: str = Field(default="auto", description="auto, cpu or cuda")
+
+
+@dataclass(frozen=True)
+class TrainResult:
+    folder: Path
+    accuracy_before: list[float]  # held-out top-1 per head, before and after training
+    accuracy_after: list[float]
+
+
+def train_medusa(model: str, out: str, options: dict) -> TrainResult:
+    try:
+        opts = MedusaTrainOptions(**options)
+    except ValidationError as exc:
+        raise ConfigError(f"train-drafter medusa: invalid options: {exc}") from None
+    from lmplug import LLM
+
+    torch.manual_seed(opts.seed)
+    llm = LLM(model, device=opts.device, dtype="float32", max_model_len=1024,
+              scheduler={"backend": "continuous", "max_num_seqs": opts.max_num_seqs})
+    answers = generate_answers(llm, opts)
+    features, labels = collect_features(llm.engine, answers, opts.num_heads)
+    lm_head = _lm_head(llm.engine.parts.model).detach().float()
+    heads = MedusaHeads(lm_head.shape[1], lm_head.shape[0], opts.num_heads, opts.num_layers)
+    heads.to(features.device)
+    before, after = fit(heads, lm_head, features, labels, opts)
+    with torch.no_grad():
+        for weight in heads.head_weights():
+            weight.copy_(lm_head)
+    folder = save_heads(heads, out, extra_config={"base_model_name_or_path": model, "hidden_size": lm_head.shape[1],
+                                      "vocab_size": lm_head.shape[0]})
+    print(f"saved {opts.num_heads} Medusa heads to {folder}; use them with "
+          f"speculative: {{method: medusa, heads: {folder}, num_tokens: {opts.num_heads}}}")
+    return TrainResult(folder, before, after)
+
+
+def instructions(num: int, seed: int) -> list[str]:
+    pairs = list(itertools.product(TASKS, TOPICS))
+    random.Random(seed).shuffle(pairs)
+    return [task.format(topic) for task, topic in pairs[:num]]
+
+
+def generate_answers(llm, opts: MedusaTrainOptions) -> list[tuple[list[int], int]]:
+    """(prompt + answer token ids, prompt length) per instruction, with a progress bar."""
+    from tqdm import tqdm
+
+    from lmplug import SamplingParams
+
+    engine = llm.engine
+    prompts = [_prompt_ids(llm, text) for text in instructions(opts.num_prompts, opts.seed)]
+    for i, ids in enumerate(prompts):
+        engine.add_request(f"train-{i}", ids, SamplingParams(
+            temperature=opts.temperature, max_tokens=opts.max_tokens, seed=opts.seed + i))
+    done = {}
+    with tqdm(total=len(prompts) * opts.max_tokens, desc="generating answers", unit="tok") as bar:
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                bar.update(len(out.delta_token_ids))
+                if out.finished:
+                    done[out.request_id] = out
+    return [(prompts[i] + done[f"train-{i}"].token_ids, len(prompts[i])) for i in range(len(prompts))]
+
+
+def _prompt_ids(llm, text: str) -> list[int]:
+    """The instruction in the model's chat template; plain text for a model without one."""
+    if llm.tokenizer is not None and llm.tokenizer.chat_template:
+        return llm.apply_chat_template([{"role": "user", "content": text}])
+    if llm.tokenizer is None:
+        raise ConfigError("train-drafter: the model has no tokenizer to encode the instructions")
+    return llm.tokenizer.encode(text)
+
+
+def collect_features(engine, answers, num_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Hidden states [N, h] at every answer position t and labels [N, num_heads]: the tokens at
+    t + i + 2 (-100 past the end)."""
+    from tqdm import tqdm
+
+    feats, labels = [], []
+    for ids, prompt_len in tqdm(answers, desc="target hidden states", unit="answer"):
+        hidden = target_hidden_states(engine, ids)  # [T, h]
+        tokens = torch.tensor(ids + [-100] * (num_heads + 1))
+        positions = torch.arange(prompt_len - 1, len(ids) - 2)
+        feats.append(hidden[positions])
+        labels.append(torch.stack([tokens[positions + i + 2] for i in range(num_heads)], dim=1))
+    return torch.cat(feats).float(), torch.cat(labels)
+
+
+@torch.inference_mode()
+def target_hidden_states(engine, ids: list[int]) -> torch.Tensor:
+    """The target's final (normed) hidden states [T, h] over ``ids``, one prefill forward."""
+    from lmplug.engine.params import SamplingParams
+    from lmplug.engine.sequence import Sequence
+    from lmplug.interfaces import ScheduledSeq
+
+    seq = Sequence("train-drafter", ids, SamplingParams())
+    engine.kv.allocate(seq, len(ids))
+    try:
+        input_ids, ctx = engine.runner.build_context([ScheduledSeq(seq, len(ids))])
+        return engine.runner.model(input_ids, ctx.positions, ctx).clone()
+    finally:
+        engine.kv.free(seq)
+
+
+def fit(heads: MedusaHeads, lm_head: torch.Tensor, features: torch.Tensor, labels: torch.Tensor,
+        opts: MedusaTrainOptions) -> tuple[list[float], list[float]]:
+    """Train the residual blocks (the output matrix stays the target's lm_head); returns the
+    held-out top-1 accuracy per head before and after."""
+    from tqdm import tqdm
+
+    n_eval = max(1, len(features) // 10)
+    gen = torch.Generator().manual_seed(opts.seed)
+    order = torch.randperm(len(features), generator=gen)
+    train, held_out = order[n_eval:], order[:n_eval]
+    blocks = [p for name, p in heads.named_parameters() if ".linear." in name]
+    for p in heads.parameters():
+        p.requires_grad_(False)
+    for p in blocks:
+        p.requires_grad_(True)
+    optimizer = torch.optim.AdamW(blocks, lr=opts.lr, weight_decay=0.0)
+    weights = torch.tensor([0.8 ** i for i in range(len(heads))])
+    before = _accuracy(heads, lm_head, features[held_out], labels[held_out])
+    print(f"{len(train)} training positions, {n_eval} held out; top-1 per head before: {before}")
+    for epoch in range(opts.epochs):
+        perm = train[torch.randperm(len(train), generator=gen)]
+        bar = tqdm(perm.split(opts.batch_size), desc=f"epoch {epoch + 1}/{opts.epochs}", unit="batch")
+        for idx in bar:
+            loss = _loss(heads, lm_head, features[idx], labels[idx], weights)
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            bar.set_postfix(loss=f"{loss.item():.3f}")
+    after = _accuracy(heads, lm_head, features[held_out], labels[held_out])
+    print(f"top-1 per head after: {after}")
+    return before, after
+
+
+def _loss(heads, lm_head, x, y, weights) -> torch.Tensor:
+    logits = heads.blocks(x, len(heads)) @ lm_head.T  # [heads, B, V]
+    per_head = torch.stack([F.cross_entropy(logits[i], y[:, i], ignore_index=-100)
+                            for i in range(len(heads))])
+    return (weights * per_head.nan_to_num()).sum()
+
+
+@torch.no_grad()
+def _accuracy(heads, lm_head, x, y) -> list[float]:
+    pred = (heads.blocks(x, len(heads)) @ lm_head.T).argmax(-1)  # [heads, B]
+    out = []
+    for i in range(len(heads)):
+        valid = y[:, i] != -100
+        out.append(round(float((pred[i][valid] == y[valid, i]).float().mean()), 3))
+    return out
+
+
+def _lm_head(model: torch.nn.Module) -> torch.Tensor:
+    head = getattr(model, "lm_head", None)
+    return model.embed_tokens.weight if head is None else head
