@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 MODEL ?= smollm2-135m-instruct
 PROMPT ?= What is the capital of France? Answer in one sentence.
 
-.PHONY: run test test-all bench lint clean
+.PHONY: run test test-all conformance bench lint clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -27,6 +27,12 @@ test: $(STAMP)
 test-all: $(STAMP)
 	$(VENV)/bin/lmplug models pull $(MODEL)
 	TRITON_INTERPRET=1 $(PY) -m pytest -q
+
+# the conformance suite's table for every first-party backend that runs on the CPU
+CONFORMANCE ?= attention:sdpa attention:paged kvcache:contiguous kvcache:paged scheduler:static \
+	scheduler:continuous moe:reference
+conformance: $(STAMP)
+	@for b in $(CONFORMANCE); do OMP_NUM_THREADS=1 $(VENV)/bin/lmplug plugins --check $$b || exit 1; done
 
 bench: $(STAMP)
 	$(VENV)/bin/lmplug models pull $(MODEL)
