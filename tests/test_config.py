@@ -503,6 +503,6 @@ def test_missing_method_for_optional_section():
 
 def test_optional_section_with_unknown_method():
     with pytest.raises(ConfigError) as exc:
-        resolve(cfg(quant={"method": "awq"}), device="cpu", dtype="float32")
+        resolve(cfg(quant={"method": "hqq"}), device="cpu", dtype="float32")
     msg = str(exc.value)
-    assert "unknown quant backend 'awq'" in msg and "available: none" in msg
+    assert "unknown quant backend 'hqq'" in msg and "available: awq, gptq, rtn" in msg

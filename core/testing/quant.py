@@ -11,8 +11,10 @@ author can write down; the author fills three hooks:
 
 The suite then checks that ``create_weights`` registers exactly those
 tensors (so the loader can fill them by name), that ``dequantize(quantize(W))``
-is close to ``W``, and that ``apply`` after loading and
-``process_weights_after_loading`` equals ``x @ dequantize(tensors).T + b``.
+is close to ``W``, that ``apply`` after loading and
+``process_weights_after_loading`` equals ``x @ dequantize(tensors).T + b``,
+and that two layers loaded through ``load_shard`` as the output shards of one
+fused layer compute the concatenated product.
 """
 
 from __future__ import annotations
@@ -130,6 +132,33 @@ class QuantConformance(Conformance):
                         f"apply() differs from x @ dequantize(tensors).T + b: "
                         f"{bad.summary(atol * scale, rtol)} (index = [token, output feature])"
                     )
+
+    def test_fused_shards_load(self, backend_class, backend_options, shape) -> None:
+        """Two layers' tensors loaded with ``load_shard`` as the output shards of one fused layer
+        (as q/k/v and gate/up are) compute ``x @ [W1; W2].T + b``, in float32."""
+        in_f, out_f = shape
+        weights = [self.weight(shape), self.weight(shape).flip(0)]
+        packed = [self.quantize(w) for w in weights]
+        w_ref = torch.cat([self.dequantize(p) for p in packed])
+        bias = torch.randn(2 * out_f, generator=torch.Generator().manual_seed(2))
+        with reported(self.label()):
+            method = backend_class(backend_options)
+            layer = self.make_layer(method, (in_f, 2 * out_f), torch.float32, bias=True)
+            for i, tensors in enumerate(packed):
+                shard_bias = bias[i * out_f:(i + 1) * out_f]
+                for name, value in {**tensors, "bias": shard_bias}.items():
+                    method.load_shard(layer, name, value.to(self.device), i * out_f, out_f)
+            method.process_weights_after_loading(layer)
+            x = torch.randn(7, in_f, generator=torch.Generator().manual_seed(3)).to(self.device)
+            y = method.apply(layer, x)
+        ref = reference_linear(x.cpu(), w_ref, bias)
+        atol, rtol = tolerance_for(self.tolerances, "float32")
+        atol *= float(ref.abs().max())
+        bad = find_mismatch(y.cpu(), ref, atol, rtol)
+        if bad is not None:
+            fail(f"{self.label()}, fused layer {in_f}->{out_f}+{out_f} filled by load_shard: apply() "
+                 f"differs from x @ [W1; W2].T + b: {bad.summary(atol, rtol)} (index = [token, "
+                 "output feature]); check shard_layout: where each tensor keeps its output axis")
 
     def test_options_from_checkpoint_config(self, backend_class) -> None:
         if self.checkpoint_config is None:

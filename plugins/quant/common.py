@@ -1,0 +1,149 @@
+"""What the weight-only methods share: options, the CPU/GPU path choice, bias and checks.
+
+A weight-only method stores integer weights and, per call, either
+
+- multiplies by a dense weight it dequantized once after loading
+  (``dequantize_at_load``; the default wherever no fused kernel runs, i.e. on
+  CPU, where unpacking on every call costs more than the matmul: same speed as
+  float weights, same numerics as the quantized ones, no memory saved), or
+- dequantizes inside a Triton GEMM that reads the packed weights (the default
+  on CUDA, for GPTQ/AWQ 4- and 8-bit), or
+- unpacks, dequantizes and multiplies in PyTorch (``dequantize_at_load: false``
+  without a kernel: memory saved, slow; the reference every kernel is tested against).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import ClassVar, Literal
+
+import torch
+import torch.nn.functional as F
+from pydantic import Field
+
+from lmplug import BackendOptions, Capabilities, QuantMethod
+from lmplug.errors import ModelLoadError
+
+WEIGHT_ONLY_CAPABILITIES = Capabilities(devices=frozenset({"cpu", "cuda"}))
+
+
+class WeightOnlyOptions(BackendOptions):
+    dequantize_at_load: bool | None = Field(
+        default=None, description="keep a dense dequantized weight after loading (fast, no memory "
+        "saved); default: yes, unless a fused kernel reads the packed weights (gptq/awq on CUDA "
+        "or with `kernel: triton`)")
+
+
+class PackedOptions(WeightOnlyOptions):
+    kernel: Literal["auto", "triton", "torch"] = Field(
+        default="auto", description="matmul on packed weights: triton (fused dequantize GEMM), torch "
+        "(unpack, dequantize, matmul); auto: triton on CUDA, else torch")
+
+
+def check_group_size(method: str, group_size: int, in_features: int) -> int:
+    """The group size in rows of the input (``-1``: the whole input); raises ModelLoadError."""
+    size = in_features if group_size == -1 else group_size
+    if size <= 0 or in_features % size:
+        raise ModelLoadError(f"quant method {method!r}: group_size {group_size} does not divide the "
+                             f"layer's {in_features} input features")
+    return size
+
+
+def check_divisible(method: str, what: str, features: int, by: int) -> None:
+    if features % by:
+        raise ModelLoadError(f"quant method {method!r}: {what} {features} is not a multiple of {by}, "
+                             "which the packed layout needs")
+
+
+def make_bias(layer: torch.nn.Module, out_features: int, dtype: torch.dtype, bias: bool) -> None:
+    layer.bias = (torch.nn.Parameter(torch.zeros(out_features, dtype=dtype), requires_grad=False)
+                  if bias else None)
+
+
+def int_param(*shape: int) -> torch.nn.Parameter:
+    return torch.nn.Parameter(torch.zeros(*shape, dtype=torch.int32), requires_grad=False)
+
+
+def float_param(*shape: int, dtype: torch.dtype = torch.float32) -> torch.nn.Parameter:
+    return torch.nn.Parameter(torch.zeros(*shape, dtype=dtype), requires_grad=False)
+
+
+def triton_interpreted() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "") not in ("", "0")
+
+
+def wants_dense(options: WeightOnlyOptions, uses_kernel: bool) -> bool:
+    if options.dequantize_at_load is not None:
+        return options.dequantize_at_load
+    return not uses_kernel
+
+
+def replace_with_dense(layer: torch.nn.Module, weight: torch.Tensor, drop: tuple[str, ...]) -> None:
+    """Swap the packed tensors ``drop`` for one dense ``weight [out, in]``."""
+    for name in drop:
+        delattr(layer, name)
+    layer.weight = torch.nn.Parameter(weight.contiguous(), requires_grad=False)
+
+
+def dense_linear(layer: torch.nn.Module, x: torch.Tensor, weight_in_out: torch.Tensor | None) -> torch.Tensor:
+    """``x @ W + b`` with ``W [in, out]`` given, or the cached ``layer.weight [out, in]``."""
+    if weight_in_out is None:
+        return F.linear(x, layer.weight, layer.bias)
+    y = x @ weight_in_out.to(x.dtype)
+    return y if layer.bias is None else y + layer.bias
+
+
+class PackedMethod(QuantMethod):
+    """GPTQ/AWQ: int32-packed ``qweight``/``qzeros``, ``scales``; shared apply and post-processing.
+
+    Subclasses describe their layout (``PACKED``: param -> (output axis, pack factor) or None)
+    and turn a layer's tensors into the dense ``[in, out]`` weight (``dequantize``) and into
+    the kernel's arguments (``kernel_args``)."""
+
+    capabilities = WEIGHT_ONLY_CAPABILITIES
+    PACKED: ClassVar[dict[str, tuple[int, int] | None]] = {}
+    DROP = ("qweight", "qzeros", "scales")
+
+    def shard_layout(self, layer, param_name):
+        return self.PACKED.get(param_name, (0, 1))
+
+    def uses_kernel(self, device: torch.device) -> bool:
+        kernel = self.options.kernel
+        if kernel == "triton" and device.type != "cuda" and not triton_interpreted():
+            raise ModelLoadError(f"quant method {self.name!r}: `kernel: triton` needs a CUDA device "
+                                 "(on CPU only under TRITON_INTERPRET=1, for tests); use `kernel: auto`")
+        return kernel == "triton" or (kernel == "auto" and device.type == "cuda")
+
+    def process_weights_after_loading(self, layer):
+        self.normalize(layer)
+        device = layer.qweight.device
+        layer.use_kernel = self.uses_kernel(device)
+        if wants_dense(self.options, layer.use_kernel):
+            weight = self.dequantize(layer).T.to(layer.act_dtype)
+            replace_with_dense(layer, weight, self.DROP + self.extra_drop())
+            layer.use_kernel = False
+
+    def apply(self, layer, x):
+        if hasattr(layer, "weight"):
+            return dense_linear(layer, x, None)
+        if layer.use_kernel:
+            from lmplug_quant.w4a16_kernels import w4a16_gemm
+
+            y = w4a16_gemm(x.reshape(-1, x.shape[-1]), **self.kernel_args(layer))
+            y = y.reshape(*x.shape[:-1], y.shape[-1])
+            return y if layer.bias is None else y + layer.bias
+        return dense_linear(layer, x, self.dequantize(layer))
+
+    # -- the format's part --------------------------------------------------------------------
+    def normalize(self, layer: torch.nn.Module) -> None:
+        """Bring loaded tensors to the form ``dequantize`` and the kernel read (once)."""
+
+    def extra_drop(self) -> tuple[str, ...]:
+        return ()
+
+    def dequantize(self, layer: torch.nn.Module) -> torch.Tensor:
+        """The dense weight ``[in, out]``, float32."""
+        raise NotImplementedError
+
+    def kernel_args(self, layer: torch.nn.Module) -> dict:
+        raise NotImplementedError

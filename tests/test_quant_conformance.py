@@ -1,0 +1,164 @@
+"""The first-party quant methods through the conformance suite (``lmplug.testing.QuantConformance``).
+
+The hooks describe each format from its published layout, using the test's own packers
+(``quant_packers``), not lmplug's. ``kernel: triton`` classes run the W4A16 kernel under
+``TRITON_INTERPRET=1`` (tests/conftest.py); bf16 is skipped there (the interpreter's
+``tl.dot`` on bf16 is wrong) and runs on GPUs.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import quant_packers as qp
+import torch
+
+from lmplug.testing import QuantConformance
+
+
+def gptq_layout(in_f: int, out_f: int, bits: int, group: int) -> dict:
+    groups = in_f // (in_f if group == -1 else group)
+    return {
+        "qweight": ((in_f * bits // 32, out_f), torch.int32),
+        "qzeros": ((groups, out_f * bits // 32), torch.int32),
+        "scales": ((groups, out_f), None),  # kept in float32 whatever the checkpoint's dtype
+        "g_idx": ((in_f,), torch.int32),
+    }
+
+
+def gptq_options(bits: int, group_size: int, desc_act: bool, v1: bool, **extra) -> dict:
+    return {"bits": bits, "group_size": group_size, "desc_act": desc_act,
+            "checkpoint_format": "gptq" if v1 else "gptq_v2", **extra}
+
+
+class GPTQCase(QuantConformance):
+    """4-bit, group 32, act-order, v1 zeros; subclasses change the class attributes together."""
+
+    backend = "gptq"
+    bits, group_size, desc_act, v1 = 4, 32, True, True
+    options: ClassVar[dict] = gptq_options(4, 32, True, True)
+    max_weight_error = 0.12  # 4-bit min/max rounding of gaussian weights: ~0.1
+    checkpoint_config: ClassVar[dict] = {"quant_method": "gptq", "bits": 4, "group_size": 32,
+                                         "desc_act": True, "sym": False, "checkpoint_format": "gptq"}
+
+    def checkpoint_tensors(self, in_features, out_features):
+        return gptq_layout(in_features, out_features, self.bits, self.group_size)
+
+    def quantize(self, weight):
+        return qp.gptq_tensors(weight, bits=self.bits, group_size=self.group_size,
+                               desc_act=self.desc_act, v1=self.v1, seed=weight.shape[0])[0]
+
+    def dequantize(self, tensors):
+        bits, mask = self.bits, 2**self.bits - 1
+        q = unpack(tensors["qweight"], bits, axis=0)
+        z = unpack(tensors["qzeros"], bits, axis=1)
+        z = (z + 1) & mask if self.v1 else z
+        g = tensors["g_idx"].long()
+        return ((q - z[g]).double() * tensors["scales"].double()[g]).float().T
+
+
+class AWQCase(QuantConformance):
+    backend = "awq"
+    max_weight_error = 0.12
+    checkpoint_config: ClassVar[dict] = {"quant_method": "awq", "w_bit": 4, "q_group_size": 32,
+                                         "zero_point": True, "version": "GEMM"}
+    options: ClassVar[dict] = {"group_size": 32}
+
+    def checkpoint_tensors(self, in_features, out_features):
+        return {
+            "qweight": ((in_features, out_features // 8), torch.int32),
+            "qzeros": ((in_features // 32, out_features // 8), torch.int32),
+            "scales": ((in_features // 32, out_features), None),
+        }
+
+    def quantize(self, weight):
+        return qp.awq_tensors(weight, group_size=32)[0]
+
+    def dequantize(self, tensors):
+        q = unpack(tensors["qweight"], 4, axis=1, order=qp.AWQ_PACK_ORDER)
+        z = unpack(tensors["qzeros"], 4, axis=1, order=qp.AWQ_PACK_ORDER)
+        g = torch.arange(q.shape[0]) // 32
+        return ((q - z[g]).double() * tensors["scales"].double()[g]).float().T
+
+
+def unpack(words: torch.Tensor, bits: int, axis: int, order: list[int] | None = None) -> torch.Tensor:
+    """Spec unpacking, one value at a time along ``axis``: value j of a word at bit j * bits;
+    with ``order``, value j belongs to position ``order[j]`` of its group."""
+    per = 32 // bits
+    w = words.to(torch.int64) & 0xFFFFFFFF
+    w = w.movedim(axis, -1)
+    out = torch.empty(*w.shape[:-1], w.shape[-1] * per, dtype=torch.int64)
+    for j in range(per):
+        pos = order[j] if order is not None else j
+        out[..., pos::per] = (w >> (j * bits)) & (2**bits - 1)
+    return out.movedim(-1, axis)
+
+
+class TestGPTQ4ActOrderV1(GPTQCase):
+    pass
+
+
+class TestGPTQ4GroupAllV2(GPTQCase):
+    group_size, desc_act, v1 = -1, False, False
+    options: ClassVar[dict] = gptq_options(4, -1, False, False)
+    max_weight_error = 0.2  # one scale per output column over the whole input
+
+
+class TestGPTQ8(GPTQCase):
+    bits, desc_act = 8, False
+    options: ClassVar[dict] = gptq_options(8, 32, False, True)
+    max_weight_error = 0.01
+
+
+class TestGPTQ4PerCallTorch(GPTQCase):
+    options: ClassVar[dict] = gptq_options(4, 32, True, True, dequantize_at_load=False, kernel="torch")
+
+
+class TestGPTQ4Triton(GPTQCase):
+    options: ClassVar[dict] = gptq_options(4, 32, True, True, kernel="triton")
+    skip_bf16_under_triton_interpreter = True
+
+
+class TestAWQ(AWQCase):
+    pass
+
+
+class TestAWQTriton(AWQCase):
+    options: ClassVar[dict] = {"group_size": 32, "kernel": "triton"}
+    skip_bf16_under_triton_interpreter = True
+
+
+class TestRTNInt8(QuantConformance):
+    """RTN reads a float checkpoint; ``dequantize`` is the published round-to-nearest rule."""
+
+    backend = "rtn"
+    options: ClassVar[dict] = {"bits": 8, "group_size": 32}
+    bits = 8
+    max_weight_error = 0.01
+
+    def weight(self, shape):
+        # RTN quantizes the weight as the model holds it (its dtype); a weight exact in every
+        # dtype (bf16 values) keeps a half-precision layer from rounding a value that sits on a
+        # quantization boundary differently from the float32 reference
+        return super().weight(shape).bfloat16().float()
+
+    def checkpoint_tensors(self, in_features, out_features):
+        return {"weight": ((out_features, in_features), None)}
+
+    def quantize(self, weight):
+        return {"weight": weight}
+
+    def dequantize(self, tensors):
+        # in float32, as the rule is usually run: values exactly halfway between two steps
+        # then round the same way here and in the method
+        w = tensors["weight"].float()
+        qmax = 2 ** (self.bits - 1) - 1
+        blocks = w.reshape(w.shape[0], -1, 32)
+        scale = blocks.abs().amax(-1, keepdim=True) / qmax
+        return (torch.round(blocks / scale).clamp(-qmax - 1, qmax) * scale).reshape(w.shape)
+
+
+class TestRTNInt4PerCall(TestRTNInt8):
+    options: ClassVar[dict] = {"bits": 4, "group_size": 32, "dequantize_at_load": False}
+    bits = 4
+    max_weight_error = 0.15
