@@ -58,3 +58,17 @@ def test_chat_answer_is_sensible(llm):
     out = llm.chat(PROMPTS[0], SamplingParams(temperature=0, max_tokens=24))[0]
     assert "Paris" in out.text
     assert out.finish_reason in ("stop", "length")
+
+
+@pytest.mark.parametrize("kv", [
+    {"backend": "paged", "block_size": 16},
+    {"backend": "paged", "block_size": 8, "prefix_caching": True},
+])
+def test_paged_cache_and_continuous_batching_keep_greedy_output(demo_gguf, llm, kv):
+    prompts = [llm.apply_chat_template(m) for m in PROMPTS]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    expected = [o.token_ids for o in llm.generate(prompts, params)]
+    paged = LLM(str(demo_gguf), dtype="float32", max_model_len=512, kvcache=kv, scheduler="continuous")
+    # twice: with prefix caching the second round reuses the shared system-prompt blocks
+    for _ in range(2):
+        assert [o.token_ids for o in paged.generate(prompts, params)] == expected
