@@ -31,13 +31,13 @@ from collections import deque
 from dataclasses import dataclass
 
 import torch
+from lmplug_kvcache.contiguous import ContiguousKVCache, ContiguousOptions
+from lmplug_kvcache.paged import PagedKVCache, PagedOptions
 
 from lmplug.engine.params import SamplingParams
 from lmplug.engine.sequence import Sequence
 from lmplug.errors import LmplugError
 from lmplug.interfaces import KVCacheSpec
-from lmplug_kvcache.contiguous import ContiguousKVCache, ContiguousOptions
-from lmplug_kvcache.paged import PagedKVCache, PagedOptions
 
 DEMO_SHAPE = {"num_layers": 30, "num_kv_heads": 3, "head_dim": 64}  # SmolLM2-135M
 

@@ -1,5 +1,9 @@
 """lmplug: an LLM inference engine in which every optimization is a plugin."""
 
+from lmplug.config import EngineConfig
+from lmplug.engine.outputs import CompletionOutput, RequestOutput
+from lmplug.engine.params import SamplingParams
+from lmplug.errors import ConfigError, LmplugError, ModelLoadError, PluginError
 from lmplug.hookspecs import hookimpl, hookspec
 from lmplug.interfaces import (
     AttentionBackend,
@@ -14,18 +18,33 @@ from lmplug.interfaces import (
     Scheduler,
     StepContext,
 )
-from lmplug.plugins import API_VERSION
-from lmplug.errors import ConfigError, LmplugError, ModelLoadError, PluginError
-from lmplug.config import EngineConfig
-from lmplug.engine.params import SamplingParams
-from lmplug.engine.outputs import CompletionOutput, RequestOutput
 from lmplug.llm import LLM
+from lmplug.plugins import API_VERSION
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "API_VERSION", "LLM", "AttentionBackend", "BackendOptions", "Capabilities", "CompletionOutput",
-    "ConfigError", "Drafter", "EngineConfig", "KVCacheBackend", "KVLayerView", "LmplugError",
-    "ModelLoadError", "MoEBackend", "PluginError", "QuantMethod", "RequestOutput", "RoutingConfig", "SamplingParams",
-    "Scheduler", "StepContext", "hookimpl", "hookspec",
+    "API_VERSION",
+    "LLM",
+    "AttentionBackend",
+    "BackendOptions",
+    "Capabilities",
+    "CompletionOutput",
+    "ConfigError",
+    "Drafter",
+    "EngineConfig",
+    "KVCacheBackend",
+    "KVLayerView",
+    "LmplugError",
+    "MoEBackend",
+    "ModelLoadError",
+    "PluginError",
+    "QuantMethod",
+    "RequestOutput",
+    "RoutingConfig",
+    "SamplingParams",
+    "Scheduler",
+    "StepContext",
+    "hookimpl",
+    "hookspec",
 ]

@@ -151,7 +151,7 @@ def run_bench(args: argparse.Namespace, overrides: dict) -> int:
     floor_s = wbytes / (bw * 1e9)
     print(f"model {engine.config.model} | dtype {engine.resolved.dtype} | threads {torch.get_num_threads()} | "
           f"prompt {args.prompt_tokens} tokens, {args.new_tokens} new, {args.repeats} repeats (medians)")
-    print(f"backends: " + ", ".join(f"{k}={v.name}" for k, v in engine.resolved.backends.items()))
+    print("backends: " + ", ".join(f"{k}={v.name}" for k, v in engine.resolved.backends.items()))
     print(f"{'engine':<14}{'load s':>9}{'TTFT ms':>10}{'decode tok/s':>14}{'% of floor':>12}")
     rows = [("lmplug", run)] + ([("transformers", hf_run)] if hf_run else [])
     for name, r in rows:
@@ -202,7 +202,7 @@ def run_throughput(args: argparse.Namespace, overrides: dict) -> int:
 
 
 def print_throughput(engine, requests, steps: list[dict], generated: int, elapsed: float) -> None:
-    mean = lambda key: statistics.mean(s[key] for s in steps)  # noqa: E731
+    mean = lambda key: statistics.mean(s[key] for s in steps)
     prompt_tokens = sum(len(ids) for ids, _ in requests)
     print("backends: " + ", ".join(f"{k}={v.name}" for k, v in engine.resolved.backends.items()))
     print(f"{len(requests)} requests, {prompt_tokens} prompt + {generated} generated tokens in {elapsed:.1f} s: "

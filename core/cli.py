@@ -27,7 +27,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"lmplug: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print("", file=sys.stderr)
+        print(file=sys.stderr)
         return 130
 
 

@@ -13,7 +13,6 @@ import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
-
 from lmplug_kvcache.block_manager import BlockManager, OutOfBlocksError
 
 

@@ -13,7 +13,6 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
-
 from gguf_fixtures import (
     FFN,
     HEAD_DIM,
@@ -24,6 +23,7 @@ from gguf_fixtures import (
     head_dim_for,
     write_tiny_gguf,
 )
+
 from lmplug.errors import ModelLoadError
 from lmplug.loading.gguf import hf_tensor_name, load_gguf
 

@@ -15,7 +15,6 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-
 from lmplug_attention import paged_kernels as tk
 from lmplug_attention import paged_prefill_kernels as tpk
 from lmplug_attention import paged_ref as ref

@@ -1,9 +1,9 @@
 """Sliding-window models keep bounded KV memory with the paged cache, and outputs don't change."""
 
 import pytest
+from lmplug_kvcache.block_manager import BlockManager
 
 from lmplug import SamplingParams
-from lmplug_kvcache.block_manager import BlockManager
 from tests.hf_models import get_model, hf_greedy, one_torch_thread  # noqa: F401  (fixture)
 
 WINDOW = 16  # the tiny mistral's sliding_window

@@ -10,10 +10,10 @@ import json
 from pathlib import Path
 
 import pytest
+from gguf_fixtures import CORPUS, SPECIALS, write_tiny_gguf
 from tokenizers import Tokenizer as Backend
 from tokenizers import decoders, models, pre_tokenizers, processors, trainers
 
-from gguf_fixtures import CORPUS, SPECIALS, write_tiny_gguf
 from lmplug.errors import ModelLoadError
 from lmplug.loading.gguf import load_gguf
 from lmplug.loading.tokenizer import ChatTemplateError, IncrementalDetokenizer, Tokenizer

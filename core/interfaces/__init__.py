@@ -2,7 +2,7 @@
 
 from lmplug.interfaces.attention import AttentionBackend, KVLayerView, MLAAttentionBackend
 from lmplug.interfaces.common import BackendInfo, BackendOptions, Capabilities
-from lmplug.interfaces.drafter import DraftProposal, Drafter, DrafterOptions, DraftTarget
+from lmplug.interfaces.drafter import Drafter, DrafterOptions, DraftProposal, DraftTarget
 from lmplug.interfaces.kvcache import KVCacheBackend, KVCacheSpec
 from lmplug.interfaces.moe import MoEBackend, RoutingConfig
 from lmplug.interfaces.quant import QuantMethod
@@ -26,9 +26,26 @@ FAMILIES: dict[str, type] = {
 }
 
 __all__ = [
-    "FAMILIES", "AttentionBackend", "BackendInfo", "BackendOptions", "Capabilities", "DraftProposal",
-    "Drafter", "DrafterOptions", "DraftTarget", "KVCacheBackend", "KVCacheSpec", "KVLayerView",
-    "MLAAttentionBackend", "MoEBackend", "QuantMethod",
+    "FAMILIES",
+    "AttentionBackend",
+    "BackendInfo",
+    "BackendOptions",
+    "Capabilities",
+    "DraftProposal",
+    "DraftTarget",
+    "Drafter",
+    "DrafterOptions",
+    "KVCacheBackend",
+    "KVCacheSpec",
+    "KVLayerView",
+    "MLAAttentionBackend",
+    "MoEBackend",
+    "QuantMethod",
     "RoutingConfig",
-    "ScheduledSeq", "Scheduler", "SchedulerLimits", "SchedulerOptions", "SchedulerOutput", "StepContext",
+    "ScheduledSeq",
+    "Scheduler",
+    "SchedulerLimits",
+    "SchedulerOptions",
+    "SchedulerOutput",
+    "StepContext",
 ]

@@ -34,7 +34,7 @@ class AttentionBackend(ABC):
 
     @abstractmethod
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                kv: "KVLayerView", ctx: StepContext) -> torch.Tensor:
+                kv: KVLayerView, ctx: StepContext) -> torch.Tensor:
         """q: [T, H, D]; k, v: [T, Hkv, D] (the step's new tokens). Returns [T, H, D]."""
 
 
@@ -76,7 +76,7 @@ class KVLayerView:
     special case of one block of ``max_model_len`` slots per sequence.
     """
 
-    __slots__ = ("k_cache", "v_cache", "layout")
+    __slots__ = ("k_cache", "layout", "v_cache")
 
     def __init__(self, k_cache: torch.Tensor, v_cache: torch.Tensor, layout: str) -> None:
         self.k_cache = k_cache

@@ -28,5 +28,11 @@ def architecture_for(model_type: str | None) -> type:
     return ARCHITECTURES[model_type]
 
 
-__all__ = ["ARCHITECTURES", "ModelConfig", "architecture_for", "DeepseekV2ForCausalLM", "LlamaForCausalLM",
-           "MoEForCausalLM"]
+__all__ = [
+    "ARCHITECTURES",
+    "DeepseekV2ForCausalLM",
+    "LlamaForCausalLM",
+    "MoEForCausalLM",
+    "ModelConfig",
+    "architecture_for",
+]

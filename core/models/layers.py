@@ -10,8 +10,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from lmplug.interfaces.quant import QuantMethod
 from lmplug.interfaces.common import BackendOptions, Capabilities
+from lmplug.interfaces.quant import QuantMethod
 
 
 class RMSNorm(torch.nn.Module):

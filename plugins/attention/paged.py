@@ -17,7 +17,13 @@ import torch
 from pydantic import Field, field_validator
 
 from lmplug.errors import ConfigError
-from lmplug.interfaces import AttentionBackend, BackendOptions, Capabilities, KVLayerView, StepContext
+from lmplug.interfaces import (
+    AttentionBackend,
+    BackendOptions,
+    Capabilities,
+    KVLayerView,
+    StepContext,
+)
 
 
 class PagedAttentionOptions(BackendOptions):

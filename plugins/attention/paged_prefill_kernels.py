@@ -20,7 +20,6 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-
 from lmplug_attention.paged_kernels import (
     LOG2E,
     TILE_N,

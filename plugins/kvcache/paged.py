@@ -16,11 +16,11 @@ from __future__ import annotations
 import logging
 
 import torch
+from lmplug_kvcache.block_manager import BlockManager
 from pydantic import Field, field_validator
 
 from lmplug.errors import ConfigError
 from lmplug.interfaces import BackendOptions, Capabilities, KVCacheBackend, KVCacheSpec, KVLayerView
-from lmplug_kvcache.block_manager import BlockManager
 
 logger = logging.getLogger(__name__)
 

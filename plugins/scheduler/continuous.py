@@ -26,7 +26,13 @@ from typing import Literal
 from pydantic import Field
 
 from lmplug.engine.sequence import Sequence, SequenceStatus
-from lmplug.interfaces import Capabilities, ScheduledSeq, Scheduler, SchedulerOptions, SchedulerOutput
+from lmplug.interfaces import (
+    Capabilities,
+    ScheduledSeq,
+    Scheduler,
+    SchedulerOptions,
+    SchedulerOutput,
+)
 
 
 class ContinuousOptions(SchedulerOptions):
