@@ -111,7 +111,7 @@ def main() -> None:
     p.add_argument("--layer-skip-layers", type=int, default=24)
     p.add_argument("--medusa-heads", help="heads folder (lmplug train-drafter --method medusa); "
                                           "adds the medusa config")
-    p.add_argument("--medusa-k", type=int, default=3)
+    p.add_argument("--medusa-k", type=int, default=2)
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     configs = speculative_configs(args)

@@ -72,7 +72,7 @@ def model(tmp_path_factory):
 def trained(model, tmp_path_factory):
     out = tmp_path_factory.mktemp("heads")
     return train_medusa(str(model.path), str(out), {
-        "num_heads": 2, "num_prompts": 16, "max_tokens": 48, "epochs": 8, "lr": 1e-2, "device": "cpu"})
+        "num_heads": 2, "num_prompts": 64, "max_tokens": 32, "epochs": 6, "lr": 5e-3, "device": "cpu"})
 
 
 def test_training_improves_the_heads(trained):

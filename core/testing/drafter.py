@@ -207,6 +207,8 @@ def check_proposal(
 
 def _check_probs(proposal: DraftProposal, vocab: int, where: str) -> None:
     for i, (tokens, probs) in enumerate(zip(proposal.token_ids, proposal.probs)):
+        if probs is None:  # greedy sequences need no draft distribution
+            continue
         if tuple(probs.shape) != (len(tokens), vocab):
             raise ContractViolation(
                 f"{where}: sequence {i} probs shape {tuple(probs.shape)}, expected "

@@ -66,7 +66,8 @@ def load_heads(path: str | Path) -> MedusaHeads:
     if final is None:
         raise ConfigError(f"speculative: medusa: {path}: no tensor '0.{num_layers}.weight' for "
                           f"medusa_num_layers={num_layers}; found {sorted(state)[:6]}")
-    heads = MedusaHeads(final.shape[1], final.shape[0], num_heads, num_layers)
+    # in the stored dtype, so a head saved from the target's lm_head compares equal to it
+    heads = MedusaHeads(final.shape[1], final.shape[0], num_heads, num_layers).to(final.dtype)
     missing, unexpected = heads.load_state_dict(state, strict=False)
     if missing or unexpected:
         raise ConfigError(f"speculative: medusa: {path}: tensors do not match {num_heads} heads of "

@@ -69,11 +69,13 @@ def train_medusa(model: str, out: str, options: dict) -> TrainResult:
     llm = LLM(model, device=opts.device, dtype="float32", max_model_len=1024,
               scheduler={"backend": "continuous", "max_num_seqs": opts.max_num_seqs})
     answers = generate_answers(llm, opts)
-    features, labels = collect_features(llm.engine, answers, opts.num_heads)
+    n_eval = max(1, len(answers) // 10)  # whole answers held out: neighbouring positions leak
+    train = collect_features(llm.engine, answers[n_eval:], opts.num_heads)
+    held_out = collect_features(llm.engine, answers[:n_eval], opts.num_heads)
     lm_head = _lm_head(llm.engine.parts.model).detach().float()
     heads = MedusaHeads(lm_head.shape[1], lm_head.shape[0], opts.num_heads, opts.num_layers)
-    heads.to(features.device)
-    before, after = fit(heads, lm_head, features, labels, opts)
+    heads.to(lm_head.device)
+    before, after = fit(heads, lm_head, train, held_out, opts)
     with torch.no_grad():
         for weight in heads.head_weights():
             weight.copy_(lm_head)
@@ -151,16 +153,14 @@ def target_hidden_states(engine, ids: list[int]) -> torch.Tensor:
         engine.kv.free(seq)
 
 
-def fit(heads: MedusaHeads, lm_head: torch.Tensor, features: torch.Tensor, labels: torch.Tensor,
-        opts: MedusaTrainOptions) -> tuple[list[float], list[float]]:
-    """Train the residual blocks (the output matrix stays the target's lm_head); returns the
-    held-out top-1 accuracy per head before and after."""
+def fit(heads: MedusaHeads, lm_head: torch.Tensor, train: tuple[torch.Tensor, torch.Tensor],
+        held_out: tuple[torch.Tensor, torch.Tensor], opts: MedusaTrainOptions) -> tuple[list[float], list[float]]:
+    """Train the residual blocks on (features, labels) (the output matrix stays the target's
+    lm_head); returns the held-out top-1 accuracy per head before and after."""
     from tqdm import tqdm
 
-    n_eval = max(1, len(features) // 10)
+    features, labels = train
     gen = torch.Generator().manual_seed(opts.seed)
-    order = torch.randperm(len(features), generator=gen)
-    train, held_out = order[n_eval:], order[:n_eval]
     blocks = [p for name, p in heads.named_parameters() if ".linear." in name]
     for p in heads.parameters():
         p.requires_grad_(False)
@@ -168,10 +168,10 @@ def fit(heads: MedusaHeads, lm_head: torch.Tensor, features: torch.Tensor, label
         p.requires_grad_(True)
     optimizer = torch.optim.AdamW(blocks, lr=opts.lr, weight_decay=0.0)
     weights = torch.tensor([0.8 ** i for i in range(len(heads))])
-    before = _accuracy(heads, lm_head, features[held_out], labels[held_out])
-    print(f"{len(train)} training positions, {n_eval} held out; top-1 per head before: {before}")
+    before = _accuracy(heads, lm_head, *held_out)
+    print(f"{len(features)} training positions, {len(held_out[0])} held out; top-1 per head before: {before}")
     for epoch in range(opts.epochs):
-        perm = train[torch.randperm(len(train), generator=gen)]
+        perm = torch.randperm(len(features), generator=gen)
         bar = tqdm(perm.split(opts.batch_size), desc=f"epoch {epoch + 1}/{opts.epochs}", unit="batch")
         for idx in bar:
             loss = _loss(heads, lm_head, features[idx], labels[idx], weights)
@@ -179,7 +179,7 @@ def fit(heads: MedusaHeads, lm_head: torch.Tensor, features: torch.Tensor, label
             loss.backward()
             optimizer.step()
             bar.set_postfix(loss=f"{loss.item():.3f}")
-    after = _accuracy(heads, lm_head, features[held_out], labels[held_out])
+    after = _accuracy(heads, lm_head, *held_out)
     print(f"top-1 per head after: {after}")
     return before, after
 
