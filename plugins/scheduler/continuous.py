@@ -20,16 +20,16 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from collections.abc import Iterable
+from collections.abc import Iterator
 from typing import Literal
 
+from lmplug_scheduler.running_batch import RunningBatch
 from pydantic import Field
 
 from lmplug.engine.sequence import Sequence, SequenceStatus
 from lmplug.interfaces import (
     Capabilities,
     ScheduledSeq,
-    Scheduler,
     SchedulerOptions,
     SchedulerOutput,
 )
@@ -71,11 +71,11 @@ class _Waiting:
     def __len__(self) -> int:
         return len(self._heap)
 
-    def __iter__(self) -> Iterable[Sequence]:
+    def __iter__(self) -> Iterator[Sequence]:
         return (s for _, s in self._heap)
 
 
-class ContinuousScheduler(Scheduler):
+class ContinuousScheduler(RunningBatch):
     name = "continuous"
     capabilities = Capabilities(devices=frozenset({"cpu", "cuda"}),
                                 features=frozenset({"chunked_prefill", "preemption", "priority"}), priority=20)
@@ -84,15 +84,10 @@ class ContinuousScheduler(Scheduler):
     def __init__(self, options: ContinuousOptions, kv, limits) -> None:
         super().__init__(options, kv, limits)
         self.waiting = _Waiting(options.policy == "priority")
-        self.running: list[Sequence] = []
         self.num_preemptions = 0
 
     def add(self, seq: Sequence) -> None:
         self.waiting.push(seq)
-
-    def add_running(self, seq: Sequence) -> None:
-        seq.status = SequenceStatus.RUNNING
-        self.running.append(seq)
 
     # -- the step -------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
@@ -176,27 +171,9 @@ class ContinuousScheduler(Scheduler):
         return budget
 
     # -- bookkeeping -----------------------------------------------------------------------------
-    def update(self, finished: list[Sequence]) -> None:
-        if not finished:
-            return
-        done = {s.seq_id for s in finished}
-        for seq in finished:
-            self.kv.free(seq)
-        self.running = [s for s in self.running if s.seq_id not in done]
-
-    def abort(self, request_id: str) -> list[Sequence]:
-        dropped = [s for s in self.running if s.request_id == request_id] + self.waiting.remove(request_id)
-        self.running = [s for s in self.running if s.request_id != request_id]
-        for seq in dropped:
-            self.kv.free(seq)
-            seq.status = SequenceStatus.FINISHED
-            seq.finish_reason = seq.finish_reason or "abort"
-        return dropped
+    def _drop_waiting(self, request_id: str) -> list[Sequence]:
+        return self.waiting.remove(request_id)
 
     @property
     def num_waiting(self) -> int:
         return len(self.waiting)
-
-    @property
-    def num_running(self) -> int:
-        return len(self.running)

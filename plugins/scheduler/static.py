@@ -10,26 +10,22 @@ from __future__ import annotations
 
 from collections import deque
 
+from lmplug_scheduler.running_batch import RunningBatch
+
 from lmplug.engine.sequence import Sequence, SequenceStatus
-from lmplug.interfaces import Capabilities, ScheduledSeq, Scheduler, SchedulerOutput
+from lmplug.interfaces import Capabilities, ScheduledSeq, SchedulerOutput
 
 
-class StaticScheduler(Scheduler):
+class StaticScheduler(RunningBatch):
     name = "static"
     capabilities = Capabilities(devices=frozenset({"cpu", "cuda"}), priority=10)
 
     def __init__(self, options, kv, limits) -> None:
         super().__init__(options, kv, limits)
         self.waiting: deque[Sequence] = deque()
-        self.running: list[Sequence] = []
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
-
-    def add_running(self, seq: Sequence) -> None:
-        """A forked sibling joins the running batch (it already holds its prompt's KV)."""
-        seq.status = SequenceStatus.RUNNING
-        self.running.append(seq)
 
     def schedule(self) -> SchedulerOutput:
         if not self.running:
@@ -64,29 +60,11 @@ class StaticScheduler(Scheduler):
         max_new = seq.params.max_tokens or self.limits.max_model_len
         return min(seq.num_prompt_tokens + max_new, self.limits.max_model_len)
 
-    def update(self, finished: list[Sequence]) -> None:
-        if not finished:
-            return
-        done = {s.seq_id for s in finished}
-        for seq in finished:
-            self.kv.free(seq)
-        self.running = [s for s in self.running if s.seq_id not in done]
-
-    def abort(self, request_id: str) -> list[Sequence]:
-        dropped = [s for s in self.running if s.request_id == request_id]
-        dropped += [s for s in self.waiting if s.request_id == request_id]
-        for seq in dropped:
-            self.kv.free(seq)
-            seq.status = SequenceStatus.FINISHED
-            seq.finish_reason = seq.finish_reason or "abort"
-        self.running = [s for s in self.running if s.request_id != request_id]
+    def _drop_waiting(self, request_id: str) -> list[Sequence]:
+        dropped = [s for s in self.waiting if s.request_id == request_id]
         self.waiting = deque(s for s in self.waiting if s.request_id != request_id)
         return dropped
 
     @property
     def num_waiting(self) -> int:
         return len(self.waiting)
-
-    @property
-    def num_running(self) -> int:
-        return len(self.running)
