@@ -57,3 +57,17 @@ def test_memory_stays_flat_and_tokens_match(mistral):
     # past the window the sequence holds window / block_size + 2 blocks at most
     assert max(usage[10:]) <= (WINDOW // 4 + 2) / 64
     assert out.token_ids == hf_greedy(mistral.hf, prompt, 80)
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "flash"])
+def test_contiguous_ring_buffer_is_bounded_and_exact(mistral, attention):
+    # window 16, at most 8 new tokens a step: each row is a ring of 16 + 8 - 1 slots
+    prompt = list(range(3, 27))
+    llm = mistral.llm(kvcache="contiguous", attention=attention,
+                      scheduler={"backend": "continuous", "max_num_batched_tokens": 8})
+    kv = llm.engine.kv
+    assert kv.row_slots == WINDOW + 8 - 1
+    assert kv.layer_view(0).k_cache.shape[1] == WINDOW + 8 - 1
+    n = 40 if attention == "flash" else 80  # the interpreted kernels are slow
+    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))[0]
+    assert out.token_ids == hf_greedy(mistral.hf, prompt, n)

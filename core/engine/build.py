@@ -91,7 +91,8 @@ def build_engine_parts(resolved: ResolvedConfig) -> EngineParts:
     sched_opts = backends["scheduler"].options
     spec = KVCacheSpec(num_layers=model_config.num_layers, **kv_shape, dtype=dtype, device=device,
                        max_model_len=max_model_len, max_num_seqs=sched_opts.max_num_seqs,
-                       sliding_window=model_config.sliding_window)
+                       sliding_window=model_config.sliding_window,
+                       max_num_batched_tokens=sched_opts.max_num_batched_tokens)
     kv = backends["kvcache"].cls(backends["kvcache"].options, spec)
     limits = SchedulerLimits(sched_opts.max_num_seqs, sched_opts.max_num_batched_tokens, max_model_len)
     scheduler = backends["scheduler"].cls(sched_opts, kv, limits)

@@ -29,6 +29,8 @@ class KVCacheSpec:
     # attention sees only the last `sliding_window` keys; backends listing the
     # "sliding_window" feature release what falls out of it
     sliding_window: int | None = None
+    # the most new tokens one step writes per sequence (the scheduler's token budget)
+    max_num_batched_tokens: int | None = None
     # MLA: one "K" row per token and layer (num_kv_heads=1, head_dim = kv_lora_rank + rope dims)
     # holds the latent and the shared RoPE key; there is no V, and backends allocate none
     latent: bool = False

@@ -1,5 +1,13 @@
 """``contiguous``: one preallocated row of ``max_model_len`` slots per running sequence.
 
+With a sliding-window model the row is a ring buffer instead: position ``p``
+lives in slot ``p % ring`` where ``ring = window + max_num_batched_tokens - 1``
+(enough for the window behind the first query of a step plus the step's own
+tokens), so memory per sequence is bounded by the window. The block table
+lists the row once per ``ring`` positions, so the usual ``table[p // size] *
+size + p % size`` addressing lands in the ring; attention never reads a
+position older than the window, which is what the ring has overwritten.
+
 The baseline the paged cache is measured against: simple and fast to read
 (a sequence's K/V is one contiguous slice), but every sequence holds memory
 for the longest possible context.
@@ -21,13 +29,14 @@ class ContiguousOptions(BackendOptions):
 class ContiguousKVCache(KVCacheBackend):
     name = "contiguous"
     capabilities = Capabilities(devices=frozenset({"cpu", "cuda"}), kv_layouts=frozenset({"contiguous"}),
-                                priority=10)
+                                features=frozenset({"sliding_window"}), priority=10)
     Options = ContiguousOptions
 
     def __init__(self, options: ContiguousOptions, spec: KVCacheSpec) -> None:
         super().__init__(options, spec)
         self.num_rows = options.max_num_seqs or spec.max_num_seqs
-        shape = (self.num_rows, spec.max_model_len, spec.num_kv_heads, spec.head_dim)
+        self.row_slots = _row_slots(spec)
+        shape = (self.num_rows, self.row_slots, spec.num_kv_heads, spec.head_dim)
         # torch.empty: pages are only touched as sequences fill them
         self._k = [torch.empty(shape, dtype=spec.dtype, device=spec.device) for _ in range(spec.num_layers)]
         # the latent layout (MLA) stores no V: attention gets an empty view
@@ -43,7 +52,7 @@ class ContiguousKVCache(KVCacheBackend):
 
     @property
     def block_size(self) -> int:
-        return self.spec.max_model_len
+        return self.row_slots
 
     def layer_view(self, layer: int) -> KVLayerView:
         return self._views[layer]
@@ -67,8 +76,16 @@ class ContiguousKVCache(KVCacheBackend):
             self._free_rows.append(row)
 
     def block_table(self, seq) -> list[int]:
-        return [self._row_of[seq.seq_id]]
+        # the ring's row repeats for every `row_slots` positions (once when there is no ring)
+        return [self._row_of[seq.seq_id]] * -(-self.spec.max_model_len // self.row_slots)
 
     @property
     def usage(self) -> float:
         return len(self._row_of) / self.num_rows
+
+
+def _row_slots(spec: KVCacheSpec) -> int:
+    """Slots per row: the whole context, or a ring when a sliding window allows one."""
+    if spec.sliding_window is None or spec.max_num_batched_tokens is None:
+        return spec.max_model_len
+    return min(spec.max_model_len, spec.sliding_window + spec.max_num_batched_tokens - 1)
