@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from lmplug_attention.sdpa import causal_mask
 
 
 def reshape_and_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -78,16 +79,6 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     if out is None:
         return result
     return out.copy_(result)
-
-
-def causal_mask(query_len: int, seq_len: int, window: int | None, device: torch.device) -> torch.Tensor:
-    """[query_len, seq_len] bool, True = attend. Query i sits at position seq_len - query_len + i."""
-    q_pos = torch.arange(seq_len - query_len, seq_len, device=device).unsqueeze(1)
-    k_pos = torch.arange(seq_len, device=device).unsqueeze(0)
-    mask = k_pos <= q_pos
-    if window is not None:
-        mask &= k_pos > q_pos - window
-    return mask
 
 
 def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
