@@ -35,20 +35,22 @@ class ModelRunner:
         ids: list[int] = []
         positions: list[int] = []
         query_lens, seq_lens, tables = [], [], []
-        slots: list[int] = []
         for item in batch:
             seq, n = item.seq, item.num_new_tokens
             start = seq.num_computed_tokens
             table = self.kv.block_table(seq)
             ids.extend(seq.token_ids[start:start + n])
             positions.extend(range(start, start + n))
-            slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
             query_lens.append(n)
             seq_lens.append(start + n)
             tables.append(table)
         width = max(len(t) for t in tables)
         block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
         ql = torch.tensor(query_lens, dtype=torch.int32)
+        pos = torch.tensor(positions, dtype=torch.int64)
+        # slot of each new token: its block (through its sequence's table) and offset
+        owner = torch.repeat_interleave(torch.arange(len(batch)), ql.long())  # [T]
+        slots = block_tables[owner, pos // bs].long() * bs + pos % bs
         cu = torch.zeros(len(batch) + 1, dtype=torch.int32)
         torch.cumsum(ql, 0, out=cu[1:])
         num_decodes = 0
@@ -57,9 +59,9 @@ class ModelRunner:
             num_decodes += 1
         dev = self.device
         ctx = StepContext(
-            positions=torch.tensor(positions, dtype=torch.int64, device=dev),
+            positions=pos.to(dev),
             query_lens=ql.to(dev), seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-            cu_query_lens=cu.to(dev), slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
+            cu_query_lens=cu.to(dev), slot_mapping=slots.to(dev),
             block_tables=block_tables.to(dev), query_lens_cpu=query_lens, seq_lens_cpu=seq_lens,
             num_decodes=num_decodes)
         return torch.tensor(ids, dtype=torch.int64, device=dev), ctx
