@@ -2,6 +2,7 @@
 
     python benchmarks/bench_kv_memory.py [--model smollm2-135m-instruct] [--kv-gb 1.0]
                                          [--requests 400] [--skip-model]
+                                         [--kv-dtypes auto,int8,fp8_e4m3] [--quality-tokens 64]
 
 On the demo model's KV shape (or a same-shape stand-in when it is not
 cached), for one fixed KV budget:
@@ -15,10 +16,16 @@ cached), for one fixed KV budget:
    and a sequence that cannot grow preempts the newest one (recomputed later),
    as a continuous-batching scheduler would;
 3. ``n = 4`` sampling on the real model: KV blocks after the prompt and after
-   the first token, against ``n = 1`` (the siblings fork the prompt's blocks).
+   the first token, against ``n = 1`` (the siblings fork the prompt's blocks);
+4. KV quantization (kvcache ``dtype``): bytes/token, the tokens the paged pool
+   holds in the same budget and the requests that fit, per ``--kv-dtypes``;
+   then on the real model (paged, sdpa-equivalent ``paged`` attention, the
+   model dtype) the prompt logprobs' max / mean abs difference against
+   ``dtype: auto`` and the greedy tokens that agree over ``--quality-tokens``.
 
-Parts 1–2 use the real KV backends' accounting on the ``meta`` device (no
-memory, no model compute), so they take seconds; part 3 loads the model.
+Parts 1–2 and the capacity of 4 use the real KV backends' accounting on the
+``meta`` device (no memory, no model compute), so they take seconds; part 3
+and the quality of 4 load the model.
 """
 
 from __future__ import annotations
@@ -178,6 +185,56 @@ def n_sampling_blocks(model: str, block_size: int, prompt_len: int) -> dict[int,
     return used
 
 
+QUALITY_PROMPTS = [
+    "The history of the printing press begins in the fifteenth century, when",
+    "Write a short Python function that returns the n-th Fibonacci number.\n",
+    "Q: Why is the sky blue during the day and red at sunset?\nA:",
+    "In a small village at the foot of the mountains there lived an old clockmaker who",
+]
+
+
+def kv_dtype_capacity(shape: dict, args, kv_dtypes: list[str], requests: list[Request]) -> None:
+    """Tokens and requests the paged pool holds in ``--kv-gb`` for each kvcache dtype."""
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]
+    spec = KVCacheSpec(**shape, dtype=dtype, device=torch.device("meta"),
+                       max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs)
+    print(f"\nKV dtype ({args.dtype} model, paged, memory_gb={args.kv_gb}, block_size {args.block_size}):")
+    print(f"{'dtype':<10}{'bytes/token':>12}{'pool tokens':>13}{'vs auto':>9}{'fit at once':>13}")
+    base = None
+    for kv_dtype in kv_dtypes:
+        kv = PagedKVCache(PagedOptions(block_size=args.block_size, memory_gb=args.kv_gb, dtype=kv_dtype), spec)
+        base = base or kv.num_tokens
+        print(f"{kv_dtype:<10}{kv.bytes_per_token:>12}{kv.num_tokens:>13}{kv.num_tokens / base:>8.2f}x"
+              f"{capacity(kv, requests):>13}")
+
+
+def kv_dtype_quality(model: str, args, kv_dtypes: list[str]) -> None:
+    """Prompt logprobs and greedy tokens of each quantized KV dtype against ``dtype: auto``."""
+    from lmplug import LLM
+
+    params = SamplingParams(temperature=0, max_tokens=args.quality_tokens, ignore_eos=True, prompt_logprobs=0)
+    results = {}
+    for kv_dtype in ["auto", *[d for d in kv_dtypes if d != "auto"]]:
+        llm = LLM(model, device="cpu", dtype=args.dtype, max_model_len=args.max_model_len,
+                  attention="paged", kvcache={"backend": "paged", "block_size": args.block_size,
+                                              "num_blocks": 256, "dtype": kv_dtype})
+        outs = llm.generate(QUALITY_PROMPTS, params)
+        lps = torch.tensor([lp[t].logprob for o in outs
+                            for lp, t in zip(o.prompt_logprobs[1:], o.prompt_token_ids[1:])])
+        results[kv_dtype] = (lps, [o.outputs[0].token_ids for o in outs])
+    base_lps, base_tokens = results.pop("auto")
+    print(f"\nKV dtype quality vs dtype: auto ({args.dtype} model, {len(QUALITY_PROMPTS)} prompts, "
+          f"{len(base_lps)} prompt positions, {args.quality_tokens} greedy tokens each):")
+    print(f"{'dtype':<10}{'logprob |diff| max':>20}{'mean':>10}{'greedy equal':>14}{'same prefix':>13}")
+    for kv_dtype, (lps, tokens) in results.items():
+        diff = (lps - base_lps).abs()
+        pairs = list(zip(tokens, base_tokens))
+        equal = sum(a == b for x, y in pairs for a, b in zip(x, y))
+        prefix = sum(next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), len(x)) for x, y in pairs)
+        total = sum(map(len, tokens))
+        print(f"{kv_dtype:<10}{diff.max():>20.4f}{diff.mean():>10.4f}{equal:>9}/{total:<4}{prefix:>8}/{total}")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="smollm2-135m-instruct")
@@ -190,7 +247,10 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--prompt-len", type=int, default=200, help="prompt of the n = 4 measurement")
     p.add_argument("--skip-model", action="store_true", help="accounting only; do not load the model")
+    p.add_argument("--kv-dtypes", default="auto,int8,fp8_e4m3", help="kvcache dtypes to compare (part 4)")
+    p.add_argument("--quality-tokens", type=int, default=64, help="greedy tokens per prompt (part 4)")
     args = p.parse_args()
+    kv_dtypes = args.kv_dtypes.split(",")
 
     started = time.perf_counter()
     shape, source = kv_shape(args.model)
@@ -220,6 +280,9 @@ def main() -> None:
             print(f"  n = {n}: {after_prompt} after the prompt, {after_first} after the first token")
         print(f"  n = 4 / n = 1: {used[4][0] / used[1][0]:.2f}x after the prompt, "
               f"{used[4][1] / used[1][1]:.2f}x after the first token")
+    kv_dtype_capacity(shape, args, kv_dtypes, requests)
+    if not args.skip_model and len(kv_dtypes) > 1:
+        kv_dtype_quality(args.model, args, kv_dtypes)
     print(f"\n({time.perf_counter() - started:.1f} s)")
 
 

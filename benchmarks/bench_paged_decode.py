@@ -1,6 +1,6 @@
 """Paged decode attention bandwidth: GB/s of K/V read, against the device's copy bandwidth.
 
-    python benchmarks/bench_paged_decode.py [--impl auto|triton|torch] [--dtype bfloat16]
+    python benchmarks/bench_paged_decode.py [--impl auto|triton|cpu|torch] [--dtype bfloat16]
 
 A decode step reads every cached K and V row of each sequence once, so its
 floor is (K/V bytes) / (memory bandwidth). For a sweep of (batch, context)
@@ -8,7 +8,9 @@ shapes with blocks in random order, prints the time per call, the K/V
 GB/s it reaches, and that as a share of a plain device copy's bandwidth
 (read + write bytes per second of a large ``copy_``). On CUDA the Triton
 kernel runs (split-K chosen automatically; ``--partition-size`` forces
-it); on CPU the PyTorch reference runs at smaller shapes.
+it); on CPU the engine's CPU path (``paged_cpu.py``, its per-step gather index
+built inside every timed call) runs at smaller shapes; ``--impl torch`` times the
+PyTorch reference instead.
 """
 
 from __future__ import annotations
@@ -66,6 +68,13 @@ def measure(decode, batch: int, context: int, args, device: torch.device,
 
 
 def decode_fn(impl: str):
+    if impl == "cpu":
+        from lmplug_attention.paged_cpu import decode_index, paged_decode_attention_cpu
+
+        def decode(q, k_cache, v_cache, tables, seq_lens, scale, max_seq_len, partition_size):
+            index = decode_index(tables, seq_lens, k_cache.shape[1], k_cache.shape[2], max_seq_len)
+            return paged_decode_attention_cpu(q, k_cache, v_cache, index, scale)
+        return decode
     if impl == "triton":
         from lmplug_attention.paged_kernels import paged_decode_attention
     else:
@@ -75,7 +84,7 @@ def decode_fn(impl: str):
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--impl", default="auto", choices=["auto", "triton", "torch"])
+    p.add_argument("--impl", default="auto", choices=["auto", "triton", "cpu", "torch"])
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
     p.add_argument("--num-heads", type=int, default=32)
     p.add_argument("--num-kv-heads", type=int, default=8)
@@ -85,7 +94,7 @@ def main() -> None:
     args = p.parse_args()
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    impl = args.impl if args.impl != "auto" else ("triton" if device.type == "cuda" else "torch")
+    impl = args.impl if args.impl != "auto" else ("triton" if device.type == "cuda" else "cpu")
     dtype = getattr(torch, args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
     decode = decode_fn(impl)
     copy_gbs = copy_bandwidth_gbs(device)

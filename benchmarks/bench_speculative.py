@@ -3,13 +3,16 @@
     python benchmarks/bench_speculative.py [--model smollm2-135m-instruct] [--max-tokens 128]
         [--threads 1] [--device auto] [--configs plain,ngram,layer_skip] [--layer-skip-layers 24]
         [--medusa-heads DIR]   # heads from: lmplug train-drafter --method medusa MODEL DIR
+        [--eagle-heads DIR]    # heads from: lmplug train-drafter --method eagle MODEL DIR
+        [--repeats 1]
 
 Two prompt sets: (a) *copy*: rewrite / fix / extract tasks whose answer copies from the
 prompt, where n-gram lookup shines; (b) *free*: open-ended generation. Every config decodes
 the same chat prompts; greedy output must be identical to plain decoding (checked and
 printed). Per config and set: decode tokens/s (after the first token), target forwards per
 request, tokens per target forward, acceptance rate, mean accepted drafts per verification,
-and the decode speedup over plain.
+and the decode speedup over plain. The configs run interleaved (each prompt through every
+config in turn, ``--repeats`` times), so a shared machine's load drifts affect all alike.
 """
 
 from __future__ import annotations
@@ -57,33 +60,44 @@ def speculative_configs(args) -> dict[str, dict | None]:
     return {
         "plain": None,
         "ngram": {"method": "ngram", "num_tokens": args.ngram_k, "min_n": 2, "max_n": 4},
+        "ngram_adaptive": {"method": "ngram", "num_tokens": args.ngram_adaptive_k, "min_n": 2, "max_n": 4,
+                           "adaptive": True},
         "layer_skip": {"method": "layer_skip", "num_tokens": args.layer_skip_k,
                        "num_layers": args.layer_skip_layers},
         "medusa": {"method": "medusa", "num_tokens": args.medusa_k, "heads": args.medusa_heads},
+        "eagle": {"method": "eagle", "num_tokens": args.eagle_k, "heads": args.eagle_heads},
     }
 
 
 def run_one(llm: LLM, prompt_ids: list[int], params: SamplingParams) -> dict:
-    """Decode one request alone; count target forwards and time the decode phase."""
+    """Decode one request alone; its target forwards (from its metrics) and decode time."""
     engine = llm.engine
     engine.add_request("bench", prompt_ids, params)
-    forwards, out = 0, None
+    out = None
     while engine.has_unfinished_requests():
         for o in engine.step():
             out = o
-        forwards += 1
     m = out.metrics
-    return {"tokens": out.token_ids, "forwards": forwards, "decode_s": m.finish_time - m.first_token_time,
+    return {"tokens": out.token_ids, "forwards": m.num_target_forwards, "decode_s": m.finish_time - m.first_token_time,
             "drafted": m.num_drafted_tokens, "accepted": m.num_accepted_tokens}
 
 
-def bench_config(name: str, spec: dict | None, args, prompts: dict[str, list[list[int]]]) -> dict:
+def build(spec: dict | None, args) -> LLM:
     llm = LLM(args.model, dtype=args.dtype, device=args.device, max_model_len=2048, speculative=spec)
+    run_one(llm, [1, 2, 3, 4, 5, 6, 7, 8], SamplingParams(temperature=0, max_tokens=4))  # warm-up
+    return llm
+
+
+def bench_all(configs: dict[str, dict | None], args, prompts: dict[str, list[list[int]]]) -> dict:
+    """results[config][set] = one run per prompt and repeat; configs interleaved per prompt."""
+    llms = {name: build(spec, args) for name, spec in configs.items()}
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
-    results = {}
-    for set_name, ids_list in prompts.items():
-        run_one(llm, ids_list[0][:16], SamplingParams(temperature=0, max_tokens=4))  # warm-up
-        results[set_name] = [run_one(llm, ids, params) for ids in ids_list]
+    results: dict = {name: {s: [] for s in prompts} for name in configs}
+    for _ in range(args.repeats):
+        for set_name, ids_list in prompts.items():
+            for ids in ids_list:
+                for name, llm in llms.items():
+                    results[name][set_name].append(run_one(llm, ids, params))
     return results
 
 
@@ -103,44 +117,52 @@ def main() -> None:
     p.add_argument("--model", default="smollm2-135m-instruct")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    p.add_argument("--sets", default="copy,free", help="prompt sets to run: copy (a), free (b)")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    p.add_argument("--configs", default="plain,ngram,layer_skip")
+    p.add_argument("--configs", default="plain,ngram,layer_skip",
+                   help="comma-separated: plain, ngram, ngram_adaptive, layer_skip, medusa, eagle")
     p.add_argument("--ngram-k", type=int, default=4)
+    p.add_argument("--ngram-adaptive-k", type=int, default=16, help="most drafts of the ngram_adaptive config")
     p.add_argument("--layer-skip-k", type=int, default=2)
     p.add_argument("--layer-skip-layers", type=int, default=24)
     p.add_argument("--medusa-heads", help="heads folder (lmplug train-drafter --method medusa); "
                                           "adds the medusa config")
     p.add_argument("--medusa-k", type=int, default=2)
+    p.add_argument("--eagle-heads", help="heads folder (lmplug train-drafter --method eagle); adds the eagle config")
+    p.add_argument("--eagle-k", type=int, default=3)
+    p.add_argument("--repeats", type=int, default=1, help="passes over the prompts (configs interleaved)")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     configs = speculative_configs(args)
     chosen = args.configs.split(",")
     if args.medusa_heads and "medusa" not in chosen:
         chosen.append("medusa")
+    if args.eagle_heads and "eagle" not in chosen:
+        chosen.append("eagle")
     if "plain" not in chosen:
         chosen.insert(0, "plain")
     tok_llm = LLM(args.model, dtype=args.dtype, device=args.device, max_model_len=2048)
     prompts = {s: [tok_llm.apply_chat_template([{"role": "user", "content": t}]) for t in texts]
-               for s, texts in PROMPT_SETS.items()}
+               for s, texts in PROMPT_SETS.items() if s in args.sets.split(",")}
     del tok_llm
     print(f"model {args.model}, batch 1, greedy, max_tokens {args.max_tokens}, device {args.device}, "
           f"{args.threads} CPU thread(s)")
-    results = {name: bench_config(name, configs[name], args, prompts) for name in chosen}
+    results = bench_all({name: configs[name] for name in chosen}, args, prompts)
     report(results, configs)
 
 
 def report(results: dict, configs: dict) -> None:
-    header = f"{'set':5} {'config':11} {'decode tok/s':>12} {'speedup':>8} {'fwd/req':>8} {'tok/fwd':>8} " \
+    header = f"{'set':5} {'config':15} {'decode tok/s':>12} {'speedup':>8} {'fwd/req':>8} {'tok/fwd':>8} " \
              f"{'accept':>7} {'acc/step':>8}  same output"
     print(header)
     print("-" * len(header))
-    for set_name in PROMPT_SETS:
+    for set_name in next(iter(results.values())):
         base = summarize(results["plain"][set_name])
         for name, by_set in results.items():
             s = summarize(by_set[set_name])
             same = all(a["tokens"] == b["tokens"] for a, b in zip(by_set[set_name], results["plain"][set_name]))
-            print(f"{set_name:5} {name:11} {s['tok_s']:12.2f} {s['tok_s'] / base['tok_s']:7.2f}x "
+            print(f"{set_name:5} {name:15} {s['tok_s']:12.2f} {s['tok_s'] / base['tok_s']:7.2f}x "
                   f"{s['forwards']:8.1f} {s['tok_per_fwd']:8.2f} {s['acceptance']:7.2f} {s['mean_accepted']:8.2f}"
                   f"  {'yes' if same else 'NO'}")
     for name, spec in configs.items():

@@ -6,7 +6,8 @@ All requests arrive at once (seeded: prompts 16-512 tokens, outputs 16-256
 tokens, greedy, EOS ignored so every engine produces exactly the asked
 lengths). Engines run one after another in this process, so their figures are
 comparable side by side. transformers runs `generate` on padded batches of
-`--batch-size` requests in arrival order; a batch runs until its longest
+`--batch-size` requests in arrival order (for a GGUF file, with the same dense weights as
+lmplug in `--dtype`, not transformers' packed GGUF kernels); a batch runs until its longest
 request is done, and only the tokens each request asked for count as output.
 Reports output tokens/s, and TTFT and TPOT p50/p99 per request.
 """
@@ -42,8 +43,8 @@ def report(name: str, elapsed: float, ttft: list[float], tpot: list[float], out_
     return row
 
 
-def run_lmplug(model: str, requests, scheduler: str, max_num_seqs: int, budget: int) -> tuple:
-    llm = LLM(model, dtype="float32", max_model_len=1024, scheduler={
+def run_lmplug(model: str, requests, scheduler: str, max_num_seqs: int, budget: int, dtype: str) -> tuple:
+    llm = LLM(model, dtype=dtype, max_model_len=1024, scheduler={
         "backend": scheduler, "max_num_seqs": max_num_seqs, "max_num_batched_tokens": budget},
         kvcache={"backend": "paged", "block_size": 16, "memory_gb": 2.0})
     engine = llm.engine
@@ -62,15 +63,33 @@ def run_lmplug(model: str, requests, scheduler: str, max_num_seqs: int, budget: 
     return elapsed, ttft, tpot, sum(len(o.token_ids) for o in done.values())
 
 
-def run_hf(path, requests, batch_size: int) -> tuple:
+def dense_hf_from_gguf(path, dtype: torch.dtype):
+    """transformers' model for a GGUF file with dense ``dtype`` weights, the same values lmplug
+    runs (transformers' own GGUF loading keeps quantized weights packed and computes in float32,
+    which would not be a same-dtype comparison)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from lmplug.loading import open_source
+
+    config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
+    hf = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    state = {name: tensor.to(dtype) for name, tensor in open_source(path).iter_tensors()}
+    missing, unexpected = hf.load_state_dict(state, strict=False)
+    if unexpected or set(missing) - {"lm_head.weight"}:
+        raise SystemExit(f"{path}: tensors do not match transformers' model: missing {missing}, "
+                         f"unexpected {unexpected}")
+    hf.tie_weights()
+    return hf.eval()
+
+
+def run_hf(path, requests, batch_size: int, dtype: str) -> tuple:
     from transformers import AutoModelForCausalLM
     from transformers.generation.streamers import BaseStreamer
 
-    kwargs = {"dtype": torch.float32}
     if str(path).endswith(".gguf"):
-        hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, **kwargs).eval()
+        hf = dense_hf_from_gguf(path, getattr(torch, dtype))
     else:
-        hf = AutoModelForCausalLM.from_pretrained(str(path), **kwargs).eval()
+        hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=getattr(torch, dtype)).eval()
 
     class Stamps(BaseStreamer):
         def __init__(self) -> None:
@@ -110,19 +129,21 @@ def main() -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=1024)
     p.add_argument("--batch-size", type=int, default=8, help="transformers' padded batch size")
     p.add_argument("--skip-hf", action="store_true")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                   help="both engines' weights and activations (bfloat16 uses the CPU's AMX/AVX-512 units where present)")
     a = p.parse_args()
     path = resolve_model(a.model)
     requests = workload(a.num_requests, 49152)
     print(f"{a.num_requests} requests, {sum(len(r) for r, _ in requests)} prompt tokens, "
-          f"{sum(n for _, n in requests)} output tokens; threads {torch.get_num_threads()}")
+          f"{sum(n for _, n in requests)} output tokens; {a.dtype}; threads {torch.get_num_threads()}")
     print(f"{'engine':<22}{'tok/s':>9}{'TTFT p50':>10}{'TTFT p99':>10}{'TPOT p50':>10}{'TPOT p99':>10}{'time s':>9}")
     print(f"{'':<22}{'(output)':>9}{'(s)':>10}{'(s)':>10}{'(ms)':>10}{'(ms)':>10}")
     rows = [report("lmplug continuous", *run_lmplug(str(path), requests, "continuous", a.max_num_seqs,
-                                                    a.max_num_batched_tokens)),
+                                                    a.max_num_batched_tokens, a.dtype)),
             report("lmplug static", *run_lmplug(str(path), requests, "static", a.max_num_seqs,
-                                                a.max_num_batched_tokens))]
+                                                a.max_num_batched_tokens, a.dtype))]
     if not a.skip_hf:
-        rows.append(report(f"transformers (batch {a.batch_size})", *run_hf(path, requests, a.batch_size)))
+        rows.append(report(f"transformers (batch {a.batch_size})", *run_hf(path, requests, a.batch_size, a.dtype)))
     base = rows[0]["tok/s"]
     print("continuous / other: " + ", ".join(f"{r['engine']} {base / r['tok/s']:.2f}x" for r in rows[1:]))
 

@@ -23,6 +23,7 @@ class Run:
     ttft_s: list[float] = field(default_factory=list)
     tpot_s: list[float] = field(default_factory=list)
     tokens: list[int] | None = None
+    metrics: object | None = None  # the last request's RequestMetrics (speculative statistics)
 
     @property
     def decode_tps(self) -> float:
@@ -82,6 +83,7 @@ def time_lmplug(llm, run: Run, prompt: list[int], args: argparse.Namespace) -> N
     for out in llm.stream(prompt, params):
         stamps.extend([time.perf_counter()] * len(out.delta_token_ids))
         tokens = out.token_ids
+        run.metrics = out.metrics
     run.ttft_s.append(stamps[0] - t0)
     run.tpot_s.append((stamps[-1] - stamps[0]) / (len(stamps) - 1))
     run.tokens = tokens
@@ -152,6 +154,7 @@ def run_bench(args: argparse.Namespace, overrides: dict) -> int:
     print(f"model {engine.config.model} | dtype {engine.resolved.dtype} | threads {torch.get_num_threads()} | "
           f"prompt {args.prompt_tokens} tokens, {args.new_tokens} new, {args.repeats} repeats (medians)")
     print("backends: " + ", ".join(f"{k}={v.name}" for k, v in engine.resolved.backends.items()))
+    print_parallel(engine)
     print(f"{'engine':<14}{'load s':>9}{'TTFT ms':>10}{'decode tok/s':>14}{'% of floor':>12}")
     rows = [("lmplug", run)] + ([("transformers", hf_run)] if hf_run else [])
     for name, r in rows:
@@ -162,6 +165,8 @@ def run_bench(args: argparse.Namespace, overrides: dict) -> int:
     print(f"memory floor: {wbytes / 1e6:.0f} MB of weights per token / {bw:.1f} GB/s copy bandwidth = "
           f"{floor_s * 1000:.1f} ms/token ({1 / floor_s:.1f} tok/s)")
     print_speculative(engine)
+    if engine.speculator is not None and run.metrics is not None:
+        print(f"per request (last repeat): {run.metrics.spec_summary(len(run.tokens))}")
     if hf_run:
         same = run.tokens == hf_run.tokens
         print(f"lmplug / transformers: decode {run.decode_tps / hf_run.decode_tps:.2f}x, "
@@ -201,10 +206,20 @@ def run_throughput(args: argparse.Namespace, overrides: dict) -> int:
     return 0
 
 
+def print_parallel(engine) -> None:
+    """Tensor parallelism: weight bytes and KV bytes per token held by each rank."""
+    mem = engine.memory
+    if mem and mem["tensor_parallel_size"] > 1:
+        print(f"tensor parallel {mem['tensor_parallel_size']}: weights per rank "
+              f"{', '.join(f'{b / 1e6:.1f}' for b in mem['weight_bytes_per_rank'])} MB; KV per rank "
+              f"{', '.join(str(b) for b in mem['kv_bytes_per_token_per_rank'])} bytes/token")
+
+
 def print_throughput(engine, requests, steps: list[dict], generated: int, elapsed: float) -> None:
     mean = lambda key: statistics.mean(s[key] for s in steps)
     prompt_tokens = sum(len(ids) for ids, _ in requests)
     print("backends: " + ", ".join(f"{k}={v.name}" for k, v in engine.resolved.backends.items()))
+    print_parallel(engine)
     print(f"{len(requests)} requests, {prompt_tokens} prompt + {generated} generated tokens in {elapsed:.1f} s: "
           f"{generated / elapsed:.1f} generated tokens/s, {(prompt_tokens + generated) / elapsed:.1f} total tokens/s")
     print(f"{len(steps)} steps: running {mean('num_running'):.1f}, waiting {mean('num_waiting'):.1f}, "

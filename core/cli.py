@@ -1,4 +1,4 @@
-"""``lmplug generate | chat | serve | plugins | models | bench``."""
+"""``lmplug generate | chat | serve | plugins | models | quantize | eval | bench``."""
 
 from __future__ import annotations
 
@@ -45,6 +45,8 @@ def _engine_args(p: argparse.ArgumentParser, model_positional: bool = False) -> 
     g.add_argument("--attention", help="attention backend name")
     g.add_argument("--kvcache", help="kvcache backend name")
     g.add_argument("--scheduler", help="scheduler backend name")
+    g.add_argument("--tp", type=int, metavar="N", help="tensor parallel: split the model across N processes "
+                   "(parallel.tensor_parallel_size; gloo on CPU, NCCL on GPUs)")
     g.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="any config key, dotted for plugin options (e.g. scheduler.max_num_seqs=4); repeatable")
 
@@ -69,6 +71,8 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
         value = getattr(args, key, None)
         if value is not None:
             out[key] = value
+    if getattr(args, "tp", None) is not None:
+        out["parallel"] = {"tensor_parallel_size": args.tp}
     for item in args.set:
         key, sep, raw = item.partition("=")
         if not sep:
@@ -125,6 +129,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         print()
         if args.stats and final is not None:
             _print_stats(len(final.token_ids), started, first, last, args._load_time)
+            if llm.engine.speculator is not None and final.metrics is not None:
+                print(f"[lmplug] speculative: {final.metrics.spec_summary(len(final.token_ids))}", file=sys.stderr)
     return 0
 
 
@@ -242,6 +248,18 @@ def cmd_models(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_quantize(args: argparse.Namespace) -> int:
+    from lmplug.quantize import run_quantize
+
+    return run_quantize(args)
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    from lmplug.evaluate import run_eval
+
+    return run_eval(args)
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     from lmplug.bench import run_bench
 
@@ -257,7 +275,8 @@ def _parser() -> argparse.ArgumentParser:
     g = sub.add_parser("generate", help="generate text for prompts (streams to stdout)")
     g.add_argument("prompt", nargs="*", help="prompts (default: read one from stdin)")
     g.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
-    g.add_argument("--stats", action="store_true", help="print load time, TTFT, TPOT and tokens/s to stderr")
+    g.add_argument("--stats", action="store_true", help="print load time, TTFT, TPOT and tokens/s (and, with "
+                   "speculative decoding, drafted / accepted tokens and target forwards) to stderr")
     _engine_args(g)
     _sampling_args(g)
     g.set_defaults(func=cmd_generate)
@@ -299,6 +318,19 @@ def _parser() -> argparse.ArgumentParser:
     m.add_argument("action", choices=["pull", "list"])
     m.add_argument("name", nargs="?", default="smollm2-135m-instruct")
     m.set_defaults(func=cmd_models)
+
+    q = sub.add_parser("quantize", help="quantize a float model offline (gptq, awq, smoothquant, fp8, rtn) "
+                                        "into a folder in a published format")
+    from lmplug.quantize import add_arguments as _quantize_args
+
+    _quantize_args(q)
+    q.set_defaults(func=cmd_quantize)
+
+    e = sub.add_parser("eval", help="perplexity over a text file, and KL divergence against a reference model")
+    from lmplug.evaluate import add_arguments as _eval_args
+
+    _eval_args(e)
+    e.set_defaults(func=cmd_eval)
 
     b = sub.add_parser("bench", help="batch-1 decode tokens/s, TTFT and load time (optionally vs HF transformers)")
     b.add_argument("--prompt-tokens", type=int, default=128)

@@ -33,6 +33,24 @@ SECTIONS: dict[str, tuple[str, str]] = {
 OPTIONAL_SECTIONS = {"quant", "speculative", "moe"}  # absent = feature off / not an MoE model
 
 
+class ParallelConfig(BaseModel):
+    """``parallel:``: tensor parallelism (checked against the model's heads and sizes at load)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    tensor_parallel_size: int = Field(
+        default=1, ge=1, description="processes each layer is split across (rank 0 is the engine's own; "
+        "it starts the others, or joins a `torchrun` launch); must divide the attention heads and the "
+        "intermediate size")
+    expert_parallel: bool = Field(
+        default=False, description="MoE models: each rank holds whole routed experts (E/N of them, "
+        "`[rank*E/N, (rank+1)*E/N)`; N must divide the expert count) and computes only their share of "
+        "every token, instead of a 1/N slice of every expert's width; the router and a shared expert "
+        "are split as without it. No effect on dense models")
+    timeout_s: float = Field(default=300.0, gt=0, description="longest wait in one collective before the "
+                             "group gives up (a dead worker is detected at once)")
+
+
 class EngineConfig(BaseModel):
     """Everything one engine is built from."""
 
@@ -51,6 +69,7 @@ class EngineConfig(BaseModel):
     moe: dict[str, Any] | None = Field(default=None, description="MoE models only; see below")
     quant: dict[str, Any] | None = Field(default=None, description="absent: the checkpoint's own format")
     speculative: dict[str, Any] | None = Field(default=None, description="absent: no speculative decoding")
+    parallel: ParallelConfig = Field(default_factory=ParallelConfig, description="tensor parallelism")
 
     @field_validator(*SECTIONS, mode="before")
     @classmethod
@@ -97,6 +116,8 @@ def merge(base: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
         if key in SECTIONS and isinstance(value, str):
             value = {SECTIONS[key][1]: value}
         old = out.get(key)
+        if key == "parallel" and isinstance(value, dict) and isinstance(old, dict):
+            value = {**old, **value}
         if key in SECTIONS and isinstance(value, dict) and isinstance(old, dict):
             name_key = SECTIONS[key][1]
             if name_key in value and value[name_key] != old.get(name_key):
@@ -157,6 +178,7 @@ def resolve(config: EngineConfig, *, device: str, dtype: str,
             chosen[section] = resolve_section(config, section, device=device, dtype=dtype,
                                               registry=registry, chosen=chosen, source=source)
     _check_layouts(chosen, source)
+    check_kv_dtype(chosen, source)
     return ResolvedConfig(config, device, dtype, chosen, source)
 
 
@@ -194,11 +216,35 @@ def _choose(registry: Registry, section: str, family: str, name: str, device: st
     if section == "attention" and "kvcache" in chosen:
         layout = _layout_of(chosen["kvcache"].info)
         candidates = [i for i in candidates if layout in i.cls.capabilities.kv_layouts]
+        kv_dtype = kv_dtype_of(chosen["kvcache"])
+        readers = [i for i in candidates if kv_dtype in i.cls.capabilities.kv_dtypes]
+        if candidates and not readers:
+            raise ConfigError(f"{source}: kvcache.dtype={kv_dtype!r}: no attention backend that fits "
+                              f"device {device!r} and the {layout or 'chosen'} KV layout reads it "
+                              f"(candidates: {', '.join(sorted(i.name for i in candidates))})")
+        candidates = readers
     if not candidates:
         available = ", ".join(sorted(registry.backends(family))) or "none installed"
         raise ConfigError(f"{source}: {section}: no {family} backend fits device {device!r} and "
                           f"dtype {dtype!r} (installed: {available})")
     return max(candidates, key=lambda i: (i.cls.capabilities.priority, i.name))
+
+
+def kv_dtype_of(kvcache: ResolvedBackend) -> str:
+    """The kvcache backend's `dtype` option ("auto" for backends without one)."""
+    return str(getattr(kvcache.options, "dtype", "auto"))
+
+
+def check_kv_dtype(chosen: dict[str, ResolvedBackend], source: str) -> None:
+    """The attention backend must claim (``Capabilities.kv_dtypes``) the dtype the KV cache stores."""
+    if "attention" not in chosen or "kvcache" not in chosen:
+        return
+    att, kv_dtype = chosen["attention"].info, kv_dtype_of(chosen["kvcache"])
+    if kv_dtype not in att.cls.capabilities.kv_dtypes:
+        raise ConfigError(
+            f"{source}: kvcache.dtype={kv_dtype!r} is not read by attention backend {att.name!r} "
+            f"(plugin {att.plugin}; it reads kv_dtypes {sorted(att.cls.capabilities.kv_dtypes)}); "
+            f"use kvcache.dtype: auto or an attention backend that reads {kv_dtype!r} (`lmplug plugins`)")
 
 
 def _layout_of(info: BackendInfo) -> str:

@@ -57,6 +57,12 @@ def lmplug_register_moe_backends() -> list[type]:
     """Return ``MoEBackend`` subclasses this plugin provides."""
 
 
+@hookspec
+def lmplug_register_quantizers() -> list[type]:
+    """Return ``Quantizer`` subclasses this plugin provides: offline methods that write a
+    quantized checkpoint (``lmplug quantize MODEL OUT --method NAME``)."""
+
+
 # -- lifecycle: observation points ---------------------------------------------
 
 
@@ -93,4 +99,5 @@ REGISTRATION_HOOKS: dict[str, str] = {
     "quant": "lmplug_register_quant_methods",
     "drafter": "lmplug_register_drafters",
     "moe": "lmplug_register_moe_backends",
+    "quantizer": "lmplug_register_quantizers",
 }

@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 from lmplug.config import EngineConfig, resolve
 from lmplug.engine.build import pick_device, pick_dtype
@@ -32,6 +32,9 @@ class LLM:
                  **overrides: Any) -> None:
         if model is not None:
             overrides["model"] = model
+        if "tensor_parallel_size" in overrides:  # vLLM's keyword
+            overrides["parallel"] = {**(overrides.get("parallel") or {}),
+                                     "tensor_parallel_size": overrides.pop("tensor_parallel_size")}
         if isinstance(config, EngineConfig):
             cfg = EngineConfig.from_dict({**config.model_dump(), **overrides})
             source = "config"
@@ -45,6 +48,16 @@ class LLM:
         resolved = resolve(cfg, device=device, dtype=pick_dtype(cfg.dtype, device), source=source)
         self.engine = LLMEngine(resolved)
         self._ids = itertools.count()
+
+    def close(self) -> None:
+        """Release the engine's worker processes (tensor parallelism); a no-op otherwise."""
+        self.engine.close()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     @property
     def tokenizer(self):

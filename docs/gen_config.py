@@ -14,7 +14,7 @@ from pathlib import Path
 # capabilities are documented as on a real machine, not as under the Triton interpreter
 os.environ.pop("TRITON_INTERPRET", None)
 
-from lmplug.config import SECTIONS, EngineConfig  # noqa: E402
+from lmplug.config import SECTIONS, EngineConfig, ParallelConfig  # noqa: E402
 from lmplug.plugins import Registry  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -64,6 +64,7 @@ def _rows(model) -> list[str]:
 def render() -> str:
     registry = Registry()
     out = [HEADER, "## Top level", "", *_rows(EngineConfig), ""]
+    out += ["## `parallel:` (tensor parallelism; `--tp N` on the command line)", "", *_rows(ParallelConfig), ""]
     for section, (family, name_key) in SECTIONS.items():
         out += [f"## `{section}:` ({family} backends, chosen by `{name_key}:`)", ""]
         backends = {n: i for n, i in registry.backends(family).items() if i.distribution.startswith("lmplug ")}

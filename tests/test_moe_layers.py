@@ -174,3 +174,22 @@ def test_a_dense_model_ignores_a_moe_section(tmp_path, caplog):
         llm = LLM(str(tiny.path), dtype="float32", device="cpu", max_model_len=64, moe="reference")
     assert "moe: ignored, a llama model has no mixture-of-experts layers" in caplog.text
     assert "moe" not in llm.engine.resolved.backends
+
+
+def test_bench_reports_total_and_active_parameters(tiny_mixtral, capsys):
+    """`lmplug bench` on an MoE model prints total vs active parameters per token, counted here
+    from the checkpoint itself: every tensor, minus the (E - k) idle experts of each layer."""
+    import math
+
+    from safetensors import safe_open
+
+    from lmplug.cli import main
+
+    with safe_open(str(tiny_mixtral / "model.safetensors"), "pt") as f:
+        names = f.keys()
+        total = sum(math.prod(f.get_slice(name).get_shape()) for name in names)
+    idle = 2 * (4 - 2) * 3 * 64 * 128  # 2 layers x 2 idle experts x (w1, w3, w2)
+    assert main(["bench", "--model", str(tiny_mixtral), "--dtype", "float32", "--device", "cpu",
+                 "--prompt-tokens", "8", "--new-tokens", "4", "--repeats", "1"]) == 0
+    line = f"parameters: {total / 1e6:,.2f} M total, {(total - idle) / 1e6:,.2f} M active per token (MoE)"
+    assert line in capsys.readouterr().out

@@ -2,7 +2,10 @@
 
 transformers builds, initialises and saves each model (per-expert tensors, as
 real checkpoints store them); lmplug loads the folder, stacks the experts and
-routes through the moe backend `auto` picks on CPU (`reference`). The greedy
+routes through the moe backend `auto` picks on CPU (`reference`). Each model is
+also saved the transformers-5 way (``save_original_format=False``: one
+``experts.gate_up_proj [E, 2I, h]`` and ``experts.down_proj [E, h, I]`` per layer),
+which must load to the same results (DeepSeek-V3 too). The greedy
 reference is a plain loop over HF's forward with its KV cache, so nothing in
 HF's generation code (EOS handling, logits processors) stands between us.
 """
@@ -60,6 +63,28 @@ class TinyMoE:
         if key not in self._llms:
             self._llms[key] = LLM(str(self.path), dtype="float32", device="cpu", max_model_len=256, **overrides)
         return self._llms[key]
+
+    def stacked_llm(self) -> LLM:
+        """An LLM over the same model saved with transformers 5's stacked expert tensors."""
+        if "stacked" not in self._llms:
+            self._llms["stacked"] = LLM(str(save_stacked(self.hf, self.path.with_name(self.name + "_v5"))),
+                                        dtype="float32", device="cpu", max_model_len=256)
+        return self._llms["stacked"]
+
+
+def save_stacked(hf, path: Path) -> Path:
+    """Save ``hf`` as transformers keeps it in memory (no conversion to per-expert tensors) and
+    check the folder really holds stacked experts only."""
+    from safetensors import safe_open
+
+    hf.save_pretrained(path, save_original_format=False)
+    with safe_open(str(path / "model.safetensors"), "pt") as f:
+        names = list(f.keys())
+        stacked = [n for n in names if n.endswith((".experts.gate_up_proj", ".experts.down_proj"))]
+        assert stacked and not [n for n in names if ".experts.0." in n], names
+        e, two_i, h = f.get_slice(next(n for n in stacked if n.endswith("gate_up_proj"))).get_shape()
+        assert h == hf.config.hidden_size and two_i % 2 == 0 and e > 1  # [E, 2I, h]
+    return path
 
 
 @pytest.fixture(scope="module", params=list(MOE_SPECS))
@@ -129,3 +154,48 @@ def test_fused_backend_generates_the_same_tokens(tiny):
     fused = tiny.llm(moe="fused")
     assert fused.engine.resolved.backends["moe"].name == "fused"
     assert fused.generate([prompt], params)[0].token_ids == tiny.llm().generate([prompt], params)[0].token_ids
+
+
+def test_stacked_v5_checkpoint_matches_hf(tiny):
+    """transformers 5's stacked ``experts.gate_up_proj`` / ``experts.down_proj`` load as the
+    per-expert tensors do: same prompt logprobs as HF, same 32 greedy tokens."""
+    llm = tiny.stacked_llm()
+    prompt = prompt_ids(PROMPT_LEN, seed=1)
+    out = llm.generate([prompt], SamplingParams(prompt_logprobs=0, max_tokens=1))[0]
+    ours = torch.tensor([out.prompt_logprobs[i][prompt[i]].logprob for i in range(1, PROMPT_LEN)],
+                        dtype=torch.float64)
+    ref = hf_logprobs(tiny.hf, prompt)
+    ref = torch.tensor([ref[i - 1, prompt[i]].item() for i in range(1, PROMPT_LEN)], dtype=torch.float64)
+    torch.testing.assert_close(ours, ref, atol=1e-4, rtol=0)
+    prompt = prompt_ids(PROMPT_LEN, seed=3)
+    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True))[0]
+    assert out.token_ids == hf_greedy_loop(tiny.hf, prompt, NEW_TOKENS)
+    ours_w = llm.engine.parts.model.layers[0].mlp.experts.w_gate_up
+    legacy_w = tiny.llm().engine.parts.model.layers[0].mlp.experts.w_gate_up
+    assert torch.equal(ours_w, legacy_w)  # both forms fill the same stacked parameter
+
+
+def test_stacked_v5_deepseek_v3_matches_hf(tmp_path):
+    from test_deepseek_parity import TinyDeepseek
+
+    tiny = TinyDeepseek("v3", tmp_path)
+    llm = LLM(str(save_stacked(tiny.hf, tmp_path / "v3_v5")), dtype="float32", device="cpu", max_model_len=256)
+    prompt = prompt_ids(PROMPT_LEN, seed=3)
+    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True))[0]
+    assert out.token_ids == hf_greedy_loop(tiny.hf, prompt, NEW_TOKENS)
+
+
+def test_stacked_v5_wrong_layout_is_named(tmp_path):
+    """A stacked gate_up_proj stored [E, h, 2I] (transposed) is refused, naming tensor and layout."""
+    from safetensors.torch import load_file, save_file
+
+    from lmplug import ModelLoadError
+
+    path = save_stacked(TinyMoE("qwen3_moe", tmp_path).hf, tmp_path / "bad")
+    tensors = load_file(str(path / "model.safetensors"))
+    name = "model.layers.1.mlp.experts.gate_up_proj"
+    tensors[name] = tensors[name].transpose(1, 2).contiguous()
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ModelLoadError, match=r"model\.layers\.1\.mlp\.experts\.gate_up_proj.*\(8, 64, 96\).*"
+                                             r"\(8, 96, 64\).*gate rows, then up"):
+        LLM(str(path), dtype="float32", device="cpu", max_model_len=64)

@@ -162,3 +162,161 @@ class TestRTNInt4PerCall(TestRTNInt8):
     options: ClassVar[dict] = {"bits": 4, "group_size": 32, "dequantize_at_load": False}
     bits = 4
     max_weight_error = 0.15
+
+
+# -- W8A8 and compressed-tensors ------------------------------------------------------------------
+# The reference multiplies the input as the format quantizes it (``quantize_input``: fp8 / int8 per
+# token, per 128-input group, or a static scale), dequantized again in float32.
+
+def ct_options(fmt: str, weights: dict, acts: dict | None, **extra) -> dict:
+    group = {"targets": ["Linear"], "weights": {"symmetric": True, "dynamic": False, **weights},
+             "input_activations": acts}
+    return {"format": fmt, "config_groups": {"group_0": group}, "ignore": ["lm_head"], **extra}
+
+
+class FP8ChannelCase(QuantConformance):
+    """compressed-tensors float-quantized: fp8 per-channel weights, dynamic per-token activations."""
+
+    backend = "compressed-tensors"
+    options: ClassVar[dict] = ct_options(
+        "float-quantized", {"num_bits": 8, "type": "float", "strategy": "channel"},
+        {"num_bits": 8, "type": "float", "strategy": "token", "dynamic": True})
+    checkpoint_config: ClassVar[dict] = {"quant_method": "compressed-tensors", **options}
+    act = ("fp8", "token", 0)
+
+    def checkpoint_tensors(self, in_features, out_features):
+        return {"weight": ((out_features, in_features), torch.float8_e4m3fn),
+                "weight_scale": ((out_features, 1), None)}
+
+    def quantize(self, weight):
+        return qp.fp8_tensor_or_channel(weight, per_channel=True)[0]
+
+    def dequantize(self, tensors):
+        return tensors["weight"].float() * tensors["weight_scale"].float()
+
+    def quantize_input(self, x):
+        kind, mode, group = self.act
+        return qp.fake_quantize_input(x.float(), kind, mode, group, getattr(self, "static_scale", None))
+
+
+class TestFP8ChannelToken(FP8ChannelCase):
+    pass
+
+
+class TestFP8ChannelTokenTriton(FP8ChannelCase):
+    options: ClassVar[dict] = {**FP8ChannelCase.options, "kernel": "triton"}
+
+
+class TestFP8TensorStatic(FP8ChannelCase):
+    """vLLM's fp8 format: a scalar weight scale and a static per-tensor input scale."""
+
+    backend = "fp8"
+    options: ClassVar[dict] = {"quantized_checkpoint": True, "activation_scheme": "static"}
+    checkpoint_config: ClassVar[dict] = {"quant_method": "fp8", "activation_scheme": "static"}
+    act = ("fp8", "static", 0)
+    static_scale = 0.01
+
+    def checkpoint_tensors(self, in_features, out_features):
+        return {"weight": ((out_features, in_features), torch.float8_e4m3fn),
+                "weight_scale": ((1,), None), "input_scale": ((1,), None)}
+
+    def quantize(self, weight):
+        tensors = qp.fp8_tensor_or_channel(weight, per_channel=False)[0]
+        return {**tensors, "input_scale": torch.tensor([self.static_scale])}
+
+    def dequantize(self, tensors):
+        return tensors["weight"].float() * tensors["weight_scale"].float().reshape(1, 1)
+
+
+class FP8BlockCase(FP8ChannelCase):
+    """HF / DeepSeek-V3 block fp8: 128x128 weight blocks (partial at these sizes), activations per
+    token per 128 inputs."""
+
+    backend = "fp8"
+    options: ClassVar[dict] = {"quantized_checkpoint": True, "weight_block_size": [128, 128]}
+    checkpoint_config: ClassVar[dict] = {"quant_method": "fp8", "activation_scheme": "dynamic",
+                                         "fmt": "e4m3", "weight_block_size": [128, 128]}
+    act = ("fp8", "group", 128)
+
+    def checkpoint_tensors(self, in_features, out_features):
+        return {"weight": ((out_features, in_features), torch.float8_e4m3fn),
+                "weight_scale_inv": ((-(-out_features // 128), -(-in_features // 128)), None)}
+
+    def quantize(self, weight):
+        return qp.fp8_block(weight, (128, 128))[0]
+
+    def dequantize(self, tensors):
+        s = tensors["weight_scale_inv"].float().repeat_interleave(128, 0).repeat_interleave(128, 1)
+        w = tensors["weight"]
+        return w.float() * s[:w.shape[0], :w.shape[1]]
+
+
+class TestFP8Block(FP8BlockCase):
+    pass
+
+
+class TestFP8BlockTriton(FP8BlockCase):
+    options: ClassVar[dict] = {**FP8BlockCase.options, "kernel": "triton"}
+
+
+class INT8Case(FP8ChannelCase):
+    """compressed-tensors int-quantized (SmoothQuant W8A8): int8 per channel, int8 per token."""
+
+    options: ClassVar[dict] = ct_options(
+        "int-quantized", {"num_bits": 8, "type": "int", "strategy": "channel"},
+        {"num_bits": 8, "type": "int", "strategy": "token", "dynamic": True, "symmetric": True})
+    checkpoint_config: ClassVar[dict] = {"quant_method": "compressed-tensors", **options}
+    act = ("int8", "token", 0)
+    max_weight_error = 0.02
+
+    def checkpoint_tensors(self, in_features, out_features):
+        return {"weight": ((out_features, in_features), torch.int8),
+                "weight_scale": ((out_features, 1), None)}
+
+    def quantize(self, weight):
+        return qp.int8_channel(weight)[0]
+
+
+class TestINT8ChannelToken(INT8Case):  # torch._int_mm on CPU
+    pass
+
+
+class TestINT8Reference(INT8Case):
+    backend = "int8"
+    options: ClassVar[dict] = {"quantized_checkpoint": True, "dequantize_at_load": False}
+    checkpoint_config: ClassVar[dict] = {"quant_method": "int8"}
+
+
+class TestINT8Triton(INT8Case):
+    options: ClassVar[dict] = {**INT8Case.options, "kernel": "triton"}
+
+
+class PackQuantizedCase(QuantConformance):
+    """compressed-tensors pack-quantized int4, group 32 (W4A16)."""
+
+    backend = "compressed-tensors"
+    options: ClassVar[dict] = ct_options(
+        "pack-quantized", {"num_bits": 4, "type": "int", "strategy": "group", "group_size": 32}, None)
+    checkpoint_config: ClassVar[dict] = {"quant_method": "compressed-tensors", **options}
+    max_weight_error = 0.15
+
+    def checkpoint_tensors(self, in_features, out_features):
+        return {"weight_packed": ((out_features, in_features // 8), torch.int32),
+                "weight_scale": ((out_features, in_features // 32), None),
+                "weight_shape": ((2,), None)}
+
+    def quantize(self, weight):
+        return qp.pack_quantized(weight, 4, 32)[0]
+
+    def dequantize(self, tensors):
+        q = unpack(tensors["weight_packed"], 4, axis=1) - 8
+        return (q.double() * tensors["weight_scale"].double().repeat_interleave(32, 1)).float()
+
+
+class TestPackQuantizedInt4(PackQuantizedCase):
+    pass
+
+
+class TestPackQuantizedInt4Triton(PackQuantizedCase):
+    options: ClassVar[dict] = {**PackQuantizedCase.options, "kernel": "triton"}
+    skip_bf16_under_triton_interpreter = True

@@ -11,19 +11,26 @@ unpacking, and the Triton kernel under the interpreter.
 from __future__ import annotations
 
 import copy
-import json
 import shutil
 
 import pytest
 import quant_packers as qp
 import torch
 from hf_models import get_model, hf_greedy, hf_logprobs, one_torch_thread, prompt_ids  # noqa: F401
+from quant_checkpoints import (
+    LINEARS,
+    WEIGHTS,
+    edit_tensors,
+    fake_rtn,
+    llm,
+    load_error,
+    prompt_lp,
+    ref_lp,
+    set_config,
+)
 from safetensors.torch import load_file, save_file
 
-from lmplug import LLM, ModelLoadError, SamplingParams
-
-LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-WEIGHTS = "model.safetensors"
+from lmplug import SamplingParams
 
 FORMATS = {
     "gptq_v1_actorder_g32": (
@@ -75,31 +82,10 @@ def act_order_seed(module: str) -> int:
     return layer * 10 + shared.get(module.rpartition(".")[2], 3)
 
 
-def set_config(folder, **changes):
-    config = json.loads((folder / "config.json").read_text())
-    config.update(changes)
-    (folder / "config.json").write_text(json.dumps(config))
-
-
 @pytest.fixture(scope="module", params=list(FORMATS))
 def checkpoint(request, tiny, tmp_path_factory):
     folder = tmp_path_factory.mktemp(request.param) / "model"
     return request.param, folder, write_quantized(tiny, folder, request.param)
-
-
-def llm(folder, **overrides) -> LLM:
-    return LLM(str(folder), dtype="float32", device="cpu", max_model_len=128, **overrides)
-
-
-def prompt_lp(llm_, prompt) -> torch.Tensor:
-    out = llm_.generate([prompt], SamplingParams(prompt_logprobs=0, max_tokens=1))[0]
-    return torch.tensor([out.prompt_logprobs[i][prompt[i]].logprob for i in range(1, len(prompt))],
-                        dtype=torch.float64)
-
-
-def ref_lp(hf, prompt) -> torch.Tensor:
-    ref = hf_logprobs(hf, prompt)
-    return torch.tensor([ref[i - 1, prompt[i]].item() for i in range(1, len(prompt))], dtype=torch.float64)
 
 
 def test_matches_dequantized_hf(checkpoint):
@@ -133,18 +119,6 @@ def test_packed_paths_match_dequantized_hf(checkpoint, path):
 def gptq_dir(tiny, tmp_path):
     write_quantized(tiny, tmp_path / "model", "gptq_v1_actorder_g32")
     return tmp_path / "model"
-
-
-def load_error(folder, **overrides) -> str:
-    with pytest.raises(ModelLoadError) as info:
-        llm(folder, **overrides)
-    return str(info.value)
-
-
-def edit_tensors(folder, edit) -> None:
-    tensors = load_file(str(folder / WEIGHTS))
-    edit(tensors)
-    save_file(tensors, str(folder / WEIGHTS), metadata={"format": "pt"})
 
 
 def test_wrong_packing_shape(gptq_dir):
@@ -196,22 +170,12 @@ def test_explicit_section_overrides_checkpoint_options(gptq_dir):
 
 # -- rtn: a float checkpoint quantized at load time ---------------------------------------------
 
-def rtn_reference(weight: torch.Tensor, bits: int, group: int) -> torch.Tensor:
-    qmax = 2 ** (bits - 1) - 1
-    out = torch.empty_like(weight)
-    for start in range(0, weight.shape[1], group):
-        block = weight[:, start:start + group].float()
-        scale = block.abs().max(dim=1, keepdim=True).values / qmax
-        out[:, start:start + group] = torch.round(block / scale).clamp(-qmax - 1, qmax) * scale
-    return out
-
-
 @pytest.mark.parametrize("bits,group,dense", [(8, 32, True), (4, 32, False), (4, -1, True)])
 def test_rtn_matches_rounded_hf(tiny, bits, group, dense):
     hf = copy.deepcopy(tiny.hf)
     for name, p in hf.named_parameters():
         if name.endswith(".weight") and name.rpartition(".")[0].rpartition(".")[2] in LINEARS:
-            p.data.copy_(rtn_reference(p.data, bits, p.shape[1] if group == -1 else group))
+            p.data.copy_(fake_rtn(p.data, bits, p.shape[1] if group == -1 else group))
     model = llm(tiny.path, quant={"method": "rtn", "bits": bits, "group_size": group,
                                   "dequantize_at_load": dense})
     prompt = prompt_ids(12, seed=4)

@@ -41,6 +41,20 @@ def test_ngram_continues_a_repeating_pattern():
     assert propose_ngram([4] * 6, 4, 1, 3) == [4, 4, 4, 4]
 
 
+def test_ngram_adaptive_drafts_as_many_as_the_match_is_long():
+    from lmplug_speculative.ngram import match_length
+
+    #        0  1  2  3  4  5  6  7  8  9
+    tokens = [1, 2, 3, 4, 5, 6, 7, 9, 4, 5]  # "4 5" matched at 3; 9 != 3 before it
+    assert match_length(tokens, 3, 2, 8) == 2
+    assert propose_ngram(tokens, 6, 2, 2, adaptive=True) == [6, 7]
+    assert propose_ngram(tokens, 6, 2, 2) == [6, 7, 9, 4, 5, 6]
+    copied = [1, 2, 3, 4, 5, 6, 7, 8, 0, 2, 3, 4, 5]  # "2 3 4 5" agrees 4 back
+    assert match_length(copied, 3, 2, 8) == 4
+    assert propose_ngram(copied, 6, 2, 2, adaptive=True) == [6, 7, 8, 0]
+    assert match_length(copied, 3, 2, 3) == 3  # capped
+
+
 def test_ngram_without_a_match_proposes_nothing():
     assert propose_ngram([1, 2, 3, 4], 4, 1, 3) == []
     assert propose_ngram([1], 4, 1, 3) == []

@@ -9,9 +9,9 @@ from dataclasses import dataclass
 import torch
 from pydantic import ValidationError
 
-from lmplug.config import ResolvedBackend, ResolvedConfig, resolve_section
-from lmplug.errors import ConfigError, ModelLoadError, PluginError
+from lmplug.config import ResolvedBackend, ResolvedConfig, check_kv_dtype, resolve_section
 from lmplug.engine.runner import ModelRunner
+from lmplug.errors import ConfigError, ModelLoadError, PluginError
 from lmplug.interfaces import (
     Drafter,
     DraftTarget,
@@ -26,6 +26,10 @@ from lmplug.loading import open_source
 from lmplug.loading.weights import load_weights
 from lmplug.models import ModelConfig, architecture_for
 from lmplug.models.layers import Unquantized
+from lmplug.parallel import ParallelState
+from lmplug.parallel import setup as parallel_setup
+from lmplug.parallel import single as single_parallel
+from lmplug.parallel import use as use_parallel
 from lmplug.plugins import get_registry
 
 logger = logging.getLogger(__name__)
@@ -45,6 +49,8 @@ class EngineParts:
     eos_token_ids: frozenset[int]
     load_time_s: float
     drafter: Drafter | None = None  # speculative decoding, when configured
+    # weight bytes and KV bytes per token of every tensor-parallel rank (``parallel.setup``)
+    memory: dict | None = None
 
 
 def pick_device(name: str) -> str:
@@ -60,10 +66,22 @@ def pick_dtype(name: str, device: str) -> str:
     return name
 
 
-def build_engine_parts(resolved: ResolvedConfig) -> EngineParts:
+def peek_model_config(resolved: ResolvedConfig) -> tuple[ModelConfig, str]:
+    """The model's config (and its path) without loading weights."""
+    from lmplug.loading.cache import resolve_model
+
+    source = open_source(resolve_model(resolved.config.model))
+    architecture_for(source.hf_config.get("model_type"))
+    return ModelConfig.from_hf(source.hf_config), str(source.path)
+
+
+def build_engine_parts(resolved: ResolvedConfig, parallel: ParallelState | None = None) -> EngineParts:
+    """``parallel``: this process's rank of a tensor-parallel group (None: one process); the
+    model and KV cache are then built with this rank's heads, slices and KV heads."""
     from lmplug.loading.cache import resolve_model
 
     cfg = resolved.config
+    parallel = parallel or single_parallel()
     started = time.perf_counter()
     source = open_source(resolve_model(cfg.model))
     # an unsupported architecture is the error to report, not the config keys it lacks
@@ -76,16 +94,19 @@ def build_engine_parts(resolved: ResolvedConfig) -> EngineParts:
 
     _check_window_support(model_config, backends["attention"])
     kv_shape, scale = _attention_kv_shape(resolved, model_config)
+    parallel_setup.check_model(model_config, parallel.world_size, str(source.path), parallel.expert_parallel)
+    kv_shape = parallel_setup.local_kv_shape(kv_shape, parallel)  # this rank's KV heads
+    check_kv_dtype(backends, resolved.source)  # again: an MLA model may have swapped the backend
     attention = backends["attention"].cls(
-        backends["attention"].options, num_heads=model_config.num_heads,
+        backends["attention"].options, num_heads=model_config.num_heads // parallel.world_size,
         num_kv_heads=kv_shape["num_kv_heads"], head_dim=kv_shape["head_dim"],
         scale=scale, sliding_window=model_config.sliding_window)
     quant = _quant_method(resolved, source)
     moe = _moe_backend(resolved, model_config)
     extra = {"moe": moe} if moe is not None else {}
-    with torch.device(device):
+    with torch.device(device), use_parallel(parallel):
         model = arch(model_config, dtype, quant, attention, max_model_len, **extra)
-    _load_with_progress(model, source)
+    _load_with_progress(model, source, parallel)
     model.eval()
 
     sched_opts = backends["scheduler"].options
@@ -93,7 +114,7 @@ def build_engine_parts(resolved: ResolvedConfig) -> EngineParts:
                        max_model_len=max_model_len, max_num_seqs=sched_opts.max_num_seqs,
                        sliding_window=model_config.sliding_window,
                        max_num_batched_tokens=sched_opts.max_num_batched_tokens)
-    kv = backends["kvcache"].cls(backends["kvcache"].options, spec)
+    kv = parallel_setup.build_kv(backends["kvcache"].cls, backends["kvcache"].options, spec, parallel)
     limits = SchedulerLimits(sched_opts.max_num_seqs, sched_opts.max_num_batched_tokens, max_model_len)
     scheduler = backends["scheduler"].cls(sched_opts, kv, limits)
     runner = ModelRunner(model, kv, device)
@@ -103,10 +124,12 @@ def build_engine_parts(resolved: ResolvedConfig) -> EngineParts:
         drafter.setup(DraftTarget(model, model_config, kv, source.tokenizer, device, dtype,
                                   max_model_len, sched_opts.max_num_seqs))
     load_time = time.perf_counter() - started
-    logger.info("loaded %s (%s, %d layers) in %.2f s; KV: %s, %d bytes/token", source.path,
-                model_config.model_type, model_config.num_layers, load_time, kv.name, kv.bytes_per_token)
+    logger.info("loaded %s (%s, %d layers) in %.2f s; KV: %s (%s), %d bytes/token", source.path,
+                model_config.model_type, model_config.num_layers, load_time, kv.name,
+                kv.spec.kv_dtype if kv.spec.quantized else resolved.dtype, kv.bytes_per_token)
+    memory = parallel_setup.memory_report(model, kv, parallel)
     return EngineParts(model_config, model, source.tokenizer, kv, scheduler, runner, max_model_len,
-                       _eos_ids(source), load_time, drafter)
+                       _eos_ids(source), load_time, drafter, memory=memory)
 
 
 def _check_window_support(model_config: ModelConfig, attention) -> None:
@@ -200,13 +223,13 @@ def _moe_backend(resolved: ResolvedConfig, model_config: ModelConfig) -> MoEBack
     return chosen.cls(chosen.options)
 
 
-def _load_with_progress(model: torch.nn.Module, source) -> None:
+def _load_with_progress(model: torch.nn.Module, source, parallel: ParallelState | None = None) -> None:
     from tqdm import tqdm
 
     # tqdm waits `delay` seconds before drawing, so fast loads stay quiet.
     with tqdm(total=len(source.tensor_names), desc="loading weights", unit="tensor", delay=2.0,
-              leave=False) as bar:
-        load_weights(model, source, progress=bar)
+              leave=False, disable=parallel is not None and parallel.rank != 0) as bar:  # one bar: rank 0's
+        load_weights(model, source, progress=bar, parallel=parallel)
 
 
 def _eos_ids(source) -> frozenset[int]:

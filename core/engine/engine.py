@@ -46,13 +46,26 @@ class LLMEngine:
         self.resolved = resolved
         self.config = resolved.config
         self.registry.hook.lmplug_configure(config=self.config)
-        parts: EngineParts = build_engine_parts(resolved)
+        # tensor parallelism: rank 0 (this process) starts the workers, then every rank builds its shard
+        self.parallel = None
+        if self.config.parallel.tensor_parallel_size > 1:
+            from lmplug.parallel.setup import start
+
+            self.parallel = start(resolved)
+        try:
+            parts: EngineParts = build_engine_parts(
+                resolved, parallel=None if self.parallel is None else self.parallel.state)
+        except BaseException:
+            self.close()
+            raise
         self.parts = parts
+        self.memory = parts.memory  # weight bytes and KV bytes/token per tensor-parallel rank
         self.model_config = parts.model_config
         self.tokenizer = parts.tokenizer
         self.kv = parts.kv
         self.scheduler = parts.scheduler
         self.runner = parts.runner
+        self.runner.parallel = self.parallel
         self.max_model_len = parts.max_model_len
         self.eos_token_ids = parts.eos_token_ids
         self.speculator = None if parts.drafter is None else Speculator(
@@ -62,10 +75,16 @@ class LLMEngine:
         self._seed_rng = torch.Generator().manual_seed(self.config.seed)
         self._observe_steps = bool(self.registry.hook.lmplug_step_finished.get_hookimpls())
         # n > 1 shares the prompt's KV when the cache can fork and the scheduler takes forks
-        self._can_fork = ("fork" in self.kv.capabilities.features
+        # (not under tensor parallelism: a fork's copy-on-write block copies happen in rank 0's pool only)
+        self._can_fork = (self.parallel is None and "fork" in self.kv.capabilities.features
                           and type(self.scheduler).add_running is not Scheduler.add_running)
         self.last_stats: dict = {}
         self.registry.hook.lmplug_engine_started(engine=self)
+
+    def close(self) -> None:
+        """Stop the tensor-parallel workers, if any (also done at interpreter exit)."""
+        if self.parallel is not None:
+            self.parallel.close()
 
     # -- requests --------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | Seq[int], params: SamplingParams | None = None,
@@ -162,6 +181,7 @@ class LLMEngine:
         now = time.perf_counter()
         finished = []
         for seq, tokens, lps in zip(seqs, emitted, logprobs):
+            seq.num_target_forwards += 1
             if self._append_tokens(seq, tokens, lps, now):
                 finished.append(seq)
             if self.speculator is not None:
@@ -307,7 +327,8 @@ class LLMEngine:
             req.sent_tokens[i], req.sent_text[i] = seq.num_output_tokens, len(text)
         first = req.seqs[0]
         metrics = RequestMetrics(first.arrival_time, first.first_token_time, first.finish_time,
-                                 sum(s.num_drafted for s in req.seqs), sum(s.num_accepted for s in req.seqs))
+                                 sum(s.num_drafted for s in req.seqs), sum(s.num_accepted for s in req.seqs),
+                                 max(s.num_target_forwards for s in req.seqs))
         return RequestOutput(
             request_id=req.request_id, prompt=req.prompt, prompt_token_ids=req.prompt_ids,
             outputs=completions, finished=req.finished,

@@ -29,10 +29,25 @@ class RequestMetrics:
     # speculative decoding, over the request's sequences: draft tokens verified, and accepted
     num_drafted_tokens: int = 0
     num_accepted_tokens: int = 0
+    # target forwards (engine steps) that produced tokens for the request (with n > 1: the most
+    # of any of its sequences, which step together); without speculation one per token
+    num_target_forwards: int = 0
 
     @property
     def acceptance_rate(self) -> float | None:
         return self.num_accepted_tokens / self.num_drafted_tokens if self.num_drafted_tokens else None
+
+    def tokens_per_forward(self, num_tokens: int) -> float | None:
+        """``num_tokens`` generated (e.g. ``len(output.token_ids)``) per target forward."""
+        return num_tokens / self.num_target_forwards if self.num_target_forwards else None
+
+    def spec_summary(self, num_tokens: int) -> str:
+        """One line: drafted, accepted, acceptance rate, target forwards, tokens per forward."""
+        rate = self.acceptance_rate
+        per = self.tokens_per_forward(num_tokens)
+        return (f"drafted {self.num_drafted_tokens}, accepted {self.num_accepted_tokens} "
+                f"({'-' if rate is None else f'{100 * rate:.0f}%'}), target forwards "
+                f"{self.num_target_forwards}, tokens/forward {'-' if per is None else f'{per:.2f}'}")
 
     @property
     def ttft(self) -> float | None:

@@ -22,8 +22,10 @@ class StepResult:
 
 
 class ModelRunner:
-    def __init__(self, model: torch.nn.Module, kv: KVCacheBackend, device: torch.device) -> None:
+    def __init__(self, model: torch.nn.Module, kv: KVCacheBackend, device: torch.device,
+                 parallel=None) -> None:
         self.model = model
+        self.parallel = parallel  # rank 0 of a tensor-parallel group (``lmplug.parallel.launch``)
         self.kv = kv
         self.device = device
         self.keep_hidden = False  # return the final hidden states behind the logits (Medusa, EAGLE)
@@ -70,24 +72,36 @@ class ModelRunner:
     def execute(self, batch: list[ScheduledSeq]) -> StepResult:
         batch = sorted(batch, key=lambda s: not (s.num_new_tokens == 1 and s.seq.num_computed_tokens > 0))
         input_ids, ctx = self.build_context(batch)
-        hidden = self.model(input_ids, ctx.positions, ctx)  # [T, h]
         ends = ctx.cu_query_lens[1:].tolist()
         sample_rows, rows, num_rows = [], [], []
-        prompt_logits = {}
+        prompt_rows: dict[int, tuple[int, slice]] = {}
         for item, end in zip(batch, ends):
             seq = item.seq
             start = end - item.num_new_tokens
             if seq.wants_prompt_logprobs:
                 # logits at prompt positions predict the next prompt token
-                prompt_logits[seq.seq_id] = (seq.num_computed_tokens,
-                                             self.model.compute_logits(hidden[start:end]))
+                prompt_rows[seq.seq_id] = (seq.num_computed_tokens, slice(start, end))
             if seq.num_computed_tokens + item.num_new_tokens == seq.num_tokens:
                 n = 1 + seq.num_draft_tokens  # speculative: the drafts are verified from these rows
                 sample_rows.append(item)
                 rows.extend(range(end - n, end))
                 num_rows.append(n)
+        groups = [where for _, where in prompt_rows.values()] + ([rows] if rows else [])
+        if self.parallel is not None:  # tensor parallel: every rank runs the same step on its shard
+            logits, hidden = self.parallel.run_step(self, input_ids, ctx, groups)
+        else:
+            logits, hidden = self.run(input_ids, ctx, groups)
+        prompt_logits = {seq_id: (first, lg) for (seq_id, (first, _)), lg in zip(prompt_rows.items(), logits)}
         if not rows:
             return StepResult(sample_rows, None, prompt_logits, num_rows)
-        hidden = hidden[rows]
-        logits = self.model.compute_logits(hidden)
-        return StepResult(sample_rows, logits, prompt_logits, num_rows, hidden if self.keep_hidden else None)
+        return StepResult(sample_rows, logits[-1], prompt_logits, num_rows,
+                          hidden[rows] if self.keep_hidden else None)
+
+    @torch.inference_mode()
+    def run(self, input_ids: torch.Tensor, ctx: StepContext,
+            groups: list) -> tuple[list[torch.Tensor | None], torch.Tensor]:
+        """The forward over the step's tokens, then logits for each group of rows (a slice or
+        a list of row indices). Tensor-parallel workers call it with rank 0's inputs; their
+        logits are None (gathered on rank 0)."""
+        hidden = self.model(input_ids, ctx.positions, ctx)  # [T, h]
+        return [self.model.compute_logits(hidden[where]) for where in groups], hidden

@@ -61,6 +61,7 @@ class Sequence:
         self.num_draft_tokens = 0
         self.num_drafted = 0  # proposals verified over the sequence's life
         self.num_accepted = 0  # of those, accepted
+        self.num_target_forwards = 0  # target forwards (steps) that produced tokens for it
 
     @property
     def num_tokens(self) -> int:

@@ -6,6 +6,7 @@ from lmplug.interfaces.drafter import Drafter, DrafterOptions, DraftProposal, Dr
 from lmplug.interfaces.kvcache import KVCacheBackend, KVCacheSpec
 from lmplug.interfaces.moe import MoEBackend, RoutingConfig
 from lmplug.interfaces.quant import QuantMethod
+from lmplug.interfaces.quantizer import CalibrationSpec, Quantizer
 from lmplug.interfaces.scheduler import (
     ScheduledSeq,
     Scheduler,
@@ -23,6 +24,7 @@ FAMILIES: dict[str, type] = {
     "quant": QuantMethod,
     "drafter": Drafter,
     "moe": MoEBackend,
+    "quantizer": Quantizer,
 }
 
 __all__ = [
@@ -30,6 +32,7 @@ __all__ = [
     "AttentionBackend",
     "BackendInfo",
     "BackendOptions",
+    "CalibrationSpec",
     "Capabilities",
     "DraftProposal",
     "DraftTarget",
@@ -41,6 +44,7 @@ __all__ = [
     "MLAAttentionBackend",
     "MoEBackend",
     "QuantMethod",
+    "Quantizer",
     "RoutingConfig",
     "ScheduledSeq",
     "Scheduler",

@@ -74,14 +74,26 @@ class KVLayerView:
     block ``s // block_size``, offset ``s % block_size``; a sequence's blocks
     are listed in ``StepContext.block_tables``. The contiguous layout is the
     special case of one block of ``max_model_len`` slots per sequence.
+
+    Quantized KV (kvcache ``dtype: int8 | fp8_e4m3``): the caches hold int8 /
+    float8_e4m3fn and ``k_scale`` / ``v_scale`` [num_blocks, block_size, Hkv]
+    float32 hold one scale per (slot, KV head); value = ``cache * scale``
+    (``lmplug.interfaces.kvcache.dequantize_kv``). ``None`` when unquantized.
     """
 
-    __slots__ = ("k_cache", "layout", "v_cache")
+    __slots__ = ("k_cache", "k_scale", "layout", "v_cache", "v_scale")
 
-    def __init__(self, k_cache: torch.Tensor, v_cache: torch.Tensor, layout: str) -> None:
+    def __init__(self, k_cache: torch.Tensor, v_cache: torch.Tensor, layout: str,
+                 k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> None:
         self.k_cache = k_cache
         self.v_cache = v_cache
         self.layout = layout
+        self.k_scale = k_scale
+        self.v_scale = v_scale
+
+    @property
+    def quantized(self) -> bool:
+        return self.k_scale is not None
 
     @property
     def block_size(self) -> int:

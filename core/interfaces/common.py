@@ -22,6 +22,9 @@ class Capabilities:
     kv_layouts: frozenset[str] = frozenset()
     # Free-form feature names, e.g. "sliding_window", "mla", "prefix_caching", "preemption".
     features: frozenset[str] = frozenset()
+    # attention only: the kvcache `dtype` values it reads ("auto" = the model dtype; "int8" and
+    # "fp8_e4m3" = quantized K/V with per-(token, head) scales, KVLayerView.k_scale / v_scale)
+    kv_dtypes: frozenset[str] = frozenset({"auto"})
     priority: int = 0
 
     def fits(self, device: str, dtype: str) -> bool:
@@ -33,6 +36,8 @@ class Capabilities:
             parts.append(f"kv_layouts={','.join(sorted(self.kv_layouts))}")
         if self.features:
             parts.append(f"features={','.join(sorted(self.features))}")
+        if self.kv_dtypes != {"auto"}:
+            parts.append(f"kv_dtypes={','.join(sorted(self.kv_dtypes))}")
         return " ".join(parts)
 
 

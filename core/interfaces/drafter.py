@@ -103,7 +103,9 @@ class Drafter(ABC):
     def observe(self, seqs: list[Sequence], hidden: torch.Tensor) -> None:
         """With ``uses_hidden_states``: after each step, for every sequence that got tokens, the
         target's final (normed) hidden state [B, h] at its last computed position, the one
-        whose logits chose its last token ``seq.token_ids[-1]`` (Medusa and EAGLE draft from it).
+        whose logits chose its last token ``seq.token_ids[-1]`` (Medusa drafts from it; EAGLE needs
+        the features of *every* position and records them itself, see
+        ``lmplug_speculative.feature_store``).
         """
 
     def release(self, seq: Sequence) -> None:

@@ -1,18 +1,75 @@
-"""KV storage: owns the cache tensors (storage side) and counts slots (accounting side)."""
+"""KV storage: owns the cache tensors (storage side) and counts slots (accounting side).
+
+Quantized KV (``kvcache: {dtype: int8 | fp8_e4m3}``): each (token, KV head) vector of
+``head_dim`` values is stored as int8 / float8_e4m3fn with one float32 scale, kept in a
+parallel scale tensor of the same layout without the last dim. Symmetric and dynamic
+(no calibration): ``scale = amax / QMAX`` (127 for int8, 448 for e4m3, its largest
+finite value); ``x ~= q * scale``. ``quantize_kv`` / ``dequantize_kv`` / ``store_kv`` are
+the one definition every backend writes and reads with.
+"""
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
+from lmplug.errors import ConfigError
 from lmplug.interfaces.attention import KVLayerView
 from lmplug.interfaces.common import BackendOptions, Capabilities
 
 if TYPE_CHECKING:
     from lmplug.engine.sequence import Sequence
+
+
+# kvcache `dtype:` option -> storage dtype ("auto": the model dtype, no scales)
+KV_CACHE_DTYPES: dict[str, torch.dtype] = {"int8": torch.int8, "fp8_e4m3": torch.float8_e4m3fn}
+# the largest magnitude each storage dtype holds: amax maps onto it
+KV_QMAX: dict[torch.dtype, float] = {torch.int8: 127.0, torch.float8_e4m3fn: 448.0}
+
+
+def quantize_kv(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., D] -> (q [..., D] in ``dtype``, scale [...] float32), per vector over the last dim.
+
+    int8 rounds to nearest (error <= scale / 2 = amax / 254); e4m3 rounds to nearest by the
+    cast (relative error <= 2^-4). An all-zero vector gets scale 0 and stores zeros.
+    """
+    x = x.float()
+    scale = x.abs().amax(dim=-1) / KV_QMAX[dtype]
+    y = x / torch.where(scale > 0, scale, 1.0).unsqueeze(-1)
+    if dtype == torch.int8:
+        q = y.round().clamp_(-127, 127).to(torch.int8)
+    else:
+        q = y.clamp_(-448.0, 448.0).to(dtype)
+    return q, scale
+
+
+def dequantize_kv(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """(q [..., D], scale [...]) -> [..., D] in ``dtype``: ``q * scale`` in float32, then cast.
+
+    The Triton kernels dequantize a loaded tile in the same order, so an attention backend
+    fed ``dequantize_kv`` of its cache reproduces its own quantized result exactly.
+    """
+    return (q.float() * scale.unsqueeze(-1)).to(dtype)
+
+
+def _bytes_view(t: torch.Tensor) -> torch.Tensor:
+    # CPU index_copy_ has no float8 kernel; a byte view copies the same bits
+    return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
+
+
+def store_kv(cache: torch.Tensor, scale_cache: torch.Tensor | None, x: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """Write x [T, Hkv, D] into slots ``slot_mapping`` of cache [..., Hkv, D] (flattened to slots),
+    quantizing it (and storing its scales in ``scale_cache`` [..., Hkv]) when the cache is quantized."""
+    if scale_cache is None:
+        cache.view(-1, *x.shape[1:]).index_copy_(0, slot_mapping, x)
+        return
+    q, scale = quantize_kv(x, cache.dtype)
+    _bytes_view(cache).view(-1, *x.shape[1:]).index_copy_(0, slot_mapping, _bytes_view(q))
+    scale_cache.view(-1, x.shape[1]).index_copy_(0, slot_mapping, scale)
 
 
 @dataclass(frozen=True)
@@ -34,6 +91,28 @@ class KVCacheSpec:
     # MLA: one "K" row per token and layer (num_kv_heads=1, head_dim = kv_lora_rank + rope dims)
     # holds the latent and the shared RoPE key; there is no V, and backends allocate none
     latent: bool = False
+    # the kvcache backend's `dtype` option: "auto" stores ``dtype``; "int8" / "fp8_e4m3" store
+    # one byte per value plus a float32 scale per (token, KV head) (see quantize_kv)
+    kv_dtype: str = "auto"
+
+    @property
+    def cache_dtype(self) -> torch.dtype:
+        """What the K/V tensors hold: the model dtype, or the quantized storage dtype."""
+        return KV_CACHE_DTYPES.get(self.kv_dtype, self.dtype)
+
+    @property
+    def quantized(self) -> bool:
+        return self.kv_dtype in KV_CACHE_DTYPES
+
+    def with_kv_dtype(self, kv_dtype: str, backend: str) -> KVCacheSpec:
+        """This spec storing ``kv_dtype`` (a kvcache backend's `dtype` option)."""
+        if kv_dtype != "auto" and kv_dtype not in KV_CACHE_DTYPES:
+            raise ConfigError(f"kvcache: {backend}: dtype must be auto, {', '.join(KV_CACHE_DTYPES)}; "
+                              f"got {kv_dtype!r}")
+        if kv_dtype != "auto" and self.latent:
+            raise ConfigError(f"kvcache: {backend}: dtype={kv_dtype!r} is not supported for the MLA "
+                              "latent cache (attention: mla reads the model dtype only); use dtype: auto")
+        return replace(self, kv_dtype=kv_dtype)
 
     @property
     def num_kv_tensors(self) -> int:
@@ -42,9 +121,12 @@ class KVCacheSpec:
 
     @property
     def bytes_per_token(self) -> int:
-        """Every layer's K and V (or latent): tensors x layers x kv_heads x head_dim x dtype bytes."""
-        elem = torch.empty((), dtype=self.dtype).element_size()
-        return self.num_kv_tensors * self.num_layers * self.num_kv_heads * self.head_dim * elem
+        """Every layer's K and V (or latent): tensors x layers x kv_heads x (head_dim x dtype bytes,
+        plus a 4-byte scale when quantized)."""
+        per_head = self.head_dim * torch.empty((), dtype=self.cache_dtype).element_size()
+        if self.quantized:
+            per_head += 4
+        return self.num_kv_tensors * self.num_layers * self.num_kv_heads * per_head
 
 
 class KVCacheBackend(ABC):

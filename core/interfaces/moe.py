@@ -8,6 +8,13 @@ A model's MoE layer calls ``route`` then ``experts``::
 ``routing`` is the model's ``RoutingConfig``, read from its ``config.json``;
 the layer owns the weights (every expert stacked along a leading ``E`` axis)
 and the backend only computes.
+
+Under expert parallelism (``parallel.expert_parallel``) a rank holds only some
+experts; the layer then calls ``experts`` with just the token-expert pairs
+routed to them, one row per pair (``x[tokens]``, ids ``[P, 1]`` counted from the
+rank's first expert, weights ``[P, 1]``), and sums the rows per token itself. A
+backend therefore never sees an expert id outside ``[0, E)`` of the weights it is
+given and needs nothing for expert parallelism.
 """
 
 from __future__ import annotations
@@ -91,4 +98,9 @@ class MoEBackend(ABC):
     def experts(self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor,
                 w_gate_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
         """x [T, h]; expert_ids, weights [T, k]; w_gate_up [E, 2I, h] (gate rows, then up);
-        w_down [E, h, I] -> [T, h] in x's dtype: each token's SwiGLU experts, weighted and summed."""
+        w_down [E, h, I] -> [T, h] in x's dtype: each token's SwiGLU experts, weighted and summed.
+
+        Experts a quant method keeps packed come instead as two sequences of E modules,
+        ``w_gate_up[e](x [n, h]) -> [n, 2I]`` and ``w_down[e](h [n, I]) -> [n, h]`` (each a
+        quantized ``Linear``); only a backend whose capabilities list the feature
+        ``packed_experts`` is given those (the model refuses the others at load)."""

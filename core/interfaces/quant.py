@@ -44,12 +44,30 @@ class QuantMethod(ABC):
     @abstractmethod
     def apply(self, layer: torch.nn.Module, x: torch.Tensor) -> torch.Tensor: ...
 
+    def method_for_layer(self, prefixes: list[str]) -> QuantMethod:
+        """The method that runs one linear layer, given the checkpoint prefix of each of its
+        shards (e.g. ``model.layers.0.self_attn.q_proj``; one per fused piece). Called once per
+        layer after the model is built and before loading; a method other than ``self`` (e.g.
+        ``Unquantized()`` for a layer the checkpoint leaves in float, or one scheme of a mixed
+        checkpoint) replaces this one for that layer and creates its weights afresh.
+        Default: ``self`` for every layer."""
+        return self
+
     def shard_layout(self, layer: torch.nn.Module, param_name: str) -> tuple[int, int] | None:
         """``(axis, pack)``: the axis of parameter ``param_name`` along which output features lie
         and how many output features one element on that axis holds (1: unpacked). None: the
         tensor has no output axis (e.g. GPTQ's ``g_idx``); every shard carries all of it and
         the shards must agree. Default: output features are rows (``weight [out, in]``, ``bias``)."""
         return 0, 1
+
+    def input_layout(self, layer: torch.nn.Module, param_name: str) -> tuple[int, int] | None:
+        """Tensor parallelism, row-parallel layers (o, down): ``(axis, pack)``, the axis of
+        ``param_name`` along which *input* features lie and how many input features one element
+        on it covers (a packed word, or a group for per-group scales). The loader reads input
+        features ``[layer.input_start, layer.input_start + layer.in_features)`` of the checkpoint's
+        ``layer.full_in_features``. None: every rank reads the tensor whole (the bias is handled by
+        the loader). Default: the dense ``weight [out, in]``."""
+        return (1, 1) if param_name == "weight" else None
 
     def load_shard(self, layer: torch.nn.Module, param_name: str, tensor: torch.Tensor,
                    shard_offset: int, shard_size: int) -> None:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -26,6 +26,9 @@ class StepContext:
     query_lens_cpu: list[int]  # host copies, for decisions made in Python
     seq_lens_cpu: list[int]
     num_decodes: int
+    # what a backend derives from the fields above once per step and reuses in every layer
+    # (e.g. a gather index), keyed by the backend; the runner starts each step with it empty
+    scratch: dict = field(default_factory=dict)
 
     @property
     def num_seqs(self) -> int:

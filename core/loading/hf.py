@@ -34,13 +34,23 @@ def load_hf_dir(path: Path) -> ModelSource:
             except Exception as exc:  # safetensors raises its own error types
                 raise ModelLoadError(f"{f}: cannot read tensors ({exc})") from None
 
+    def iter_slices() -> Iterator[tuple[str, object]]:
+        for f in files:
+            try:
+                with safe_open(str(f), framework="pt") as handle:
+                    for name in handle.keys():  # noqa: SIM118 (a safetensors handle)
+                        yield name, handle.get_slice(name)
+            except Exception as exc:  # noqa: BLE001 (safetensors raises its own error types)
+                raise ModelLoadError(f"{f}: cannot read tensors ({exc})") from None
+
     generation = _read_json(path / "generation_config.json") if (path / "generation_config.json").exists() else {}
     tokenizer = None
     if (path / "tokenizer.json").exists():
         from lmplug.loading.tokenizer import Tokenizer
         tokenizer = Tokenizer.from_hf_dir(path)
     return ModelSource(path=path, format="hf", hf_config=config, tensor_names=names,
-                       iter_tensors=iter_tensors, tokenizer=tokenizer, generation_config=generation)
+                       iter_tensors=iter_tensors, tokenizer=tokenizer, generation_config=generation,
+                       iter_slices=iter_slices)
 
 
 def _read_json(path: Path) -> dict:

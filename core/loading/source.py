@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -28,3 +28,6 @@ class ModelSource:
     iter_tensors: Callable[[], Iterator[tuple[str, torch.Tensor]]]  # yields (HF name, tensor), lazily
     tokenizer: Tokenizer | None = None
     generation_config: dict = field(default_factory=dict)  # eos_token_id etc. when present
+    # (HF name, lazy slice) pairs whose ``[a:b, ...]`` reads only that part (safetensors
+    # ``get_slice``); tensor parallelism reads each rank's slice through it. None: whole tensors only
+    iter_slices: Callable[[], Iterator[tuple[str, Any]]] | None = None

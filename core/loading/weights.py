@@ -8,6 +8,10 @@ module's ``shard_range(shard)``; a ``Linear`` hands the tensor to its quant meth
 ``load_shard``, which knows where packed formats keep their output axis. A module whose parameters are filled piece by
 piece lists the pieces of each in ``checkpoint_pieces(param) -> [(shard, expert)]``
 (``Linear``: one per shard), so that missing tensors are found and named.
+A model may split a checkpoint tensor into several first (``split_tensor``), and a
+module may finish its own loading once every ``Linear`` is processed (``after_loading``).
+Tensor parallelism (``parallel``): each rank reads only its slice of every split tensor
+(``lmplug.parallel.sharding.rank_piece``; lazily from safetensors), then loads it as above.
 """
 
 from __future__ import annotations
@@ -18,20 +22,20 @@ import torch
 
 from lmplug.errors import ModelLoadError
 from lmplug.loading.source import ModelSource
-from lmplug.models.layers import Linear
+from lmplug.models.layers import Linear, bind_quant_methods
 
 logger = logging.getLogger(__name__)
 
 
-def load_weights(model: torch.nn.Module, source: ModelSource, progress=None) -> None:
+def load_weights(model: torch.nn.Module, source: ModelSource, progress=None, parallel=None) -> None:
+    bind_quant_methods(model)  # per-layer quant choices (e.g. ignore lists) before names are fixed
     params = dict(model.named_parameters())
     modules = dict(model.named_modules())
     expected = {_key(*piece): piece for piece in _expected(model, modules)}
     loaded: set[str] = set()
-    for name, tensor in source.iter_tensors():
+    split = parallel is not None and parallel.is_parallel
+    for name, tensor in _tensors(model, source, progress, lazy=split):
         target = model.weight_target(name)
-        if progress is not None:
-            progress.update(1)
         if target is None:
             continue
         path, shard, expert = (*target, None) if len(target) == 2 else target
@@ -41,6 +45,9 @@ def load_weights(model: torch.nn.Module, source: ModelSource, progress=None) -> 
         owner_path, _, param_name = path.rpartition(".")
         owner = modules.get(owner_path)
         try:
+            if split:
+                from lmplug.parallel.sharding import rank_piece
+                tensor = rank_piece(model, path, owner, param_name, shard, tensor)
             if isinstance(owner, Linear) and shard is not None and expert is None:
                 start, end = owner.shard_range(shard)
                 owner.quant.load_shard(owner, param_name, tensor, start, end - start)
@@ -59,6 +66,30 @@ def load_weights(model: torch.nn.Module, source: ModelSource, progress=None) -> 
     for module in model.modules():
         if isinstance(module, Linear):
             module.quant.process_weights_after_loading(module)
+    for module in list(model.modules()):  # e.g. MoE blocks stack their processed experts
+        if callable(getattr(module, "after_loading", None)):
+            module.after_loading()
+
+
+def _tensors(model: torch.nn.Module, source: ModelSource, progress, lazy: bool = False):
+    """The checkpoint's tensors, each through the model's ``split_tensor(name, tensor) -> [(name,
+    tensor)]`` if it has one (MoE: transformers-5 stacked experts -> one tensor per expert)."""
+    split = getattr(model, "split_tensor", None)
+    # lazy: safetensors slices that read only what is indexed (tensor-parallel ranks); a model
+    # whose ``split_tensor`` takes them says so (``LAZY_SPLIT``)
+    lazy = (lazy and (split is None or getattr(model, "LAZY_SPLIT", False))
+            and source.iter_slices is not None)
+    for name, tensor in (source.iter_slices() if lazy else source.iter_tensors()):
+        if progress is not None:
+            progress.update(1)
+        if split is None:
+            yield name, tensor
+            continue
+        try:
+            pieces = split(name, tensor)
+        except ValueError as exc:
+            raise ModelLoadError(f"{source.path}: tensor {name!r} {exc}") from None
+        yield from pieces
 
 
 def _copy_piece(dest: torch.Tensor, tensor: torch.Tensor, owner, shard: str | None,

@@ -13,8 +13,10 @@ from lmplug.interfaces.attention import AttentionBackend, KVLayerView
 from lmplug.interfaces.quant import QuantMethod
 from lmplug.interfaces.step import StepContext
 from lmplug.models.config import ModelConfig
-from lmplug.models.layers import Linear, RMSNorm
+from lmplug.models.layers import RMSNorm
 from lmplug.models.rope import RotaryEmbedding
+from lmplug.parallel import current as current_parallel
+from lmplug.parallel.layers import column_linear, embedding, row_linear
 
 
 class Attention(torch.nn.Module):
@@ -22,13 +24,19 @@ class Attention(torch.nn.Module):
                  backend: AttentionBackend) -> None:
         super().__init__()
         self.layer = layer
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.q_size = cfg.num_heads * cfg.head_dim
-        self.kv_size = cfg.num_kv_heads * cfg.head_dim
-        self.qkv_proj = Linear(cfg.hidden_size, {"q_proj": self.q_size, "k_proj": self.kv_size,
-                                                 "v_proj": self.kv_size},
-                               bias=cfg.attention_bias, dtype=dtype, quant=quant)
-        self.o_proj = Linear(self.q_size, {"o_proj": cfg.hidden_size}, bias=cfg.o_bias, dtype=dtype, quant=quant)
+        # tensor parallel: this rank's query heads and KV heads (all of them on one process)
+        tp = current_parallel()
+        first_kv, num_kv = tp.kv_heads(cfg.num_kv_heads)
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads // tp.world_size, num_kv, cfg.head_dim
+        self.q_size = self.num_heads * cfg.head_dim
+        self.kv_size = num_kv * cfg.head_dim
+        kv_start = first_kv * cfg.head_dim
+        self.qkv_proj = column_linear(cfg.hidden_size, {"q_proj": (tp.rank * self.q_size, self.q_size),
+                                                        "k_proj": (kv_start, self.kv_size),
+                                                        "v_proj": (kv_start, self.kv_size)},
+                                      bias=cfg.attention_bias, dtype=dtype, quant=quant, tp=tp)
+        self.o_proj = row_linear(cfg.num_heads * cfg.head_dim, {"o_proj": cfg.hidden_size}, bias=cfg.o_bias,
+                                 dtype=dtype, quant=quant, tp=tp)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
         self.backend = backend
@@ -55,11 +63,13 @@ class MLP(torch.nn.Module):
             from lmplug.errors import ModelLoadError
             raise ModelLoadError(f"hidden_act {cfg.hidden_act!r} is not supported; supported: silu")
         inter = intermediate_size or cfg.intermediate_size  # MoE shared experts have their own width
-        self.intermediate = inter
-        self.gate_up_proj = Linear(cfg.hidden_size, {"gate_proj": inter, "up_proj": inter},
-                                   bias=cfg.mlp_bias, dtype=dtype, quant=quant)
-        self.down_proj = Linear(inter, {"down_proj": cfg.hidden_size},
-                                bias=cfg.mlp_bias, dtype=dtype, quant=quant)
+        tp = current_parallel()  # tensor parallel: gate/up split by columns, down by rows
+        start, self.intermediate = tp.split(inter)
+        self.gate_up_proj = column_linear(cfg.hidden_size, {"gate_proj": (start, self.intermediate),
+                                                            "up_proj": (start, self.intermediate)},
+                                          bias=cfg.mlp_bias, dtype=dtype, quant=quant, tp=tp)
+        self.down_proj = row_linear(inter, {"down_proj": cfg.hidden_size},
+                                    bias=cfg.mlp_bias, dtype=dtype, quant=quant, tp=tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
@@ -103,15 +113,17 @@ class LlamaForCausalLM(torch.nn.Module):
                  attention: AttentionBackend, max_model_len: int) -> None:
         super().__init__()
         self.config = cfg
-        self.embed_tokens = torch.nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
-        self.embed_tokens.weight.requires_grad_(False)
+        # tensor parallel: the vocabulary is split in rows (embedding and LM head)
+        self.tp = current_parallel()
+        self.embed_tokens = embedding(cfg.vocab_size, cfg.hidden_size, dtype, self.tp)
+        vocab_rows = self.tp.vocab_range(cfg.vocab_size)[1]
         self.layers = torch.nn.ModuleList(
             DecoderLayer(cfg, i, dtype, quant, attention, self.make_mlp(cfg, i, dtype, quant),
                          self.make_attention(cfg, i, dtype, quant, attention))
             for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.lm_head = (None if cfg.tie_word_embeddings else
-                        torch.nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype),
+                        torch.nn.Parameter(torch.empty(vocab_rows, cfg.hidden_size, dtype=dtype),
                                            requires_grad=False))
         self.rope = RotaryEmbedding(cfg.head_dim, max(max_model_len, cfg.max_position_embeddings),
                                     cfg.rope_theta, cfg.rope_scaling, dtype)
@@ -138,7 +150,11 @@ class LlamaForCausalLM(torch.nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         head = self.embed_tokens.weight if self.lm_head is None else self.lm_head
-        return F.linear(hidden, head)  # [N, V]
+        logits = F.linear(hidden, head)  # [N, V] (tensor parallel: [N, V / N] per rank)
+        if not self.tp.is_parallel:
+            return logits
+        full = self.tp.gather_last_dim(logits)  # rank 0: every rank's vocabulary slice; others: None
+        return None if full is None else full[:, :self.config.vocab_size]
 
     def checkpoint_name(self, path: str, shard: str | None) -> str:
         """The checkpoint (HF) tensor name that fills parameter ``path`` (shard ``shard``):

@@ -12,7 +12,8 @@ author can write down; the author fills three hooks:
 The suite then checks that ``create_weights`` registers exactly those
 tensors (so the loader can fill them by name), that ``dequantize(quantize(W))``
 is close to ``W``, that ``apply`` after loading and
-``process_weights_after_loading`` equals ``x @ dequantize(tensors).T + b``,
+``process_weights_after_loading`` equals ``x @ dequantize(tensors).T + b``
+(W8A8 methods: ``quantize_input(x)`` in place of ``x``),
 and that two layers loaded through ``load_shard`` as the output shards of one
 fused layer compute the concatenated product.
 """
@@ -59,6 +60,12 @@ class QuantConformance(Conformance):
     def dequantize(self, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
         """Checkpoint tensors -> the dense [out, in] weight they stand for, per the format's spec."""
         raise NotImplementedError(f"{type(self).__name__} must implement dequantize()")
+
+    def quantize_input(self, x: torch.Tensor) -> torch.Tensor:
+        """W8A8 methods: ``x`` quantized and dequantized the way the format quantizes a layer's
+        input (e.g. fp8 per token), so the reference multiplies the same numbers; weight-only
+        methods keep the default, ``x`` unchanged."""
+        return x
 
     # -- parameters --------------------------------------------------------------------------------
     def params_shape(self) -> list:
@@ -118,7 +125,7 @@ class QuantConformance(Conformance):
                 x = torch.randn(tokens, shape[0], generator=torch.Generator().manual_seed(tokens))
                 x = x.to(DTYPES[dtype]).to(self.device)
                 y = method.apply(layer, x)
-                ref = reference_linear(x.cpu(), w_ref, bias).to(y.device)
+                ref = reference_linear(self.quantize_input(x.cpu()), w_ref, bias).to(y.device)
                 if y.shape != ref.shape or y.dtype != x.dtype:
                     fail(
                         f"{self.label()}: apply returned {tuple(y.shape)} {y.dtype} for x "
@@ -151,7 +158,7 @@ class QuantConformance(Conformance):
             method.process_weights_after_loading(layer)
             x = torch.randn(7, in_f, generator=torch.Generator().manual_seed(3)).to(self.device)
             y = method.apply(layer, x)
-        ref = reference_linear(x.cpu(), w_ref, bias)
+        ref = reference_linear(self.quantize_input(x.cpu()), w_ref, bias)
         atol, rtol = tolerance_for(self.tolerances, "float32")
         atol *= float(ref.abs().max())
         bad = find_mismatch(y.cpu(), ref, atol, rtol)

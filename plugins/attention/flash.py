@@ -11,6 +11,10 @@ and ``flash_decode_kernels.py``; the PyTorch twins are in ``flash_ref.py``.
 Runs on CUDA. Under ``TRITON_INTERPRET=1`` (tests, the conformance suite) it
 also claims the CPU, with a priority below ``sdpa`` so that ``backend: auto``
 never picks interpreted kernels; name it to use it there.
+
+Quantized KV (kvcache ``dtype: int8 | fp8_e4m3``): the store quantizes; the
+cache-reading kernels dequantize each tile in registers. A fresh prompt's
+prefill attends over the step's own (unquantized) K/V, as it always has.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ from __future__ import annotations
 import os
 
 import torch
-from lmplug_attention.sdpa import write_kv
+from lmplug_attention.sdpa import KV_DTYPES, write_kv
 from pydantic import Field
 
 from lmplug.interfaces import (
@@ -47,6 +51,7 @@ class FlashAttention(AttentionBackend):
         devices=frozenset({"cuda", "cpu"} if _INTERPRETED else {"cuda"}),
         kv_layouts=frozenset({"contiguous", "paged"}),
         features=frozenset({"sliding_window"}),
+        kv_dtypes=KV_DTYPES,
         priority=1 if _INTERPRETED else 30,  # above sdpa (10) and paged (20) on CUDA
     )
     Options = FlashAttentionOptions
@@ -62,6 +67,7 @@ class FlashAttention(AttentionBackend):
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv: KVLayerView, ctx: StepContext) -> torch.Tensor:
         write_kv(kv, k, v, ctx.slot_mapping)
+        scales = {"k_scale": kv.k_scale, "v_scale": kv.v_scale} if kv.quantized else {}
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         num_decodes = ctx.num_decodes
         window = self.sliding_window
@@ -71,7 +77,7 @@ class FlashAttention(AttentionBackend):
                 q[:num_decodes], kv.k_cache, kv.v_cache, ctx.block_tables[:num_decodes],
                 ctx.seq_lens[:num_decodes], self.scale, sliding_window=window,
                 max_seq_len=max(ctx.seq_lens_cpu[:num_decodes]), num_splits=self.options.num_splits,
-                out=out[:num_decodes])
+                out=out[:num_decodes], **scales)
         if num_decodes == ctx.num_seqs:
             return out
         prefill_lens = ctx.query_lens_cpu[num_decodes:]
@@ -83,5 +89,5 @@ class FlashAttention(AttentionBackend):
             self._prefill(
                 q, kv.k_cache, kv.v_cache, ctx.block_tables, ctx.cu_query_lens, ctx.seq_lens,
                 self.scale, sliding_window=window, max_query_len=max(prefill_lens),
-                first_seq=num_decodes, out=out)
+                first_seq=num_decodes, out=out, **scales)
         return out

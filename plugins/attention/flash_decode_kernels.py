@@ -24,6 +24,7 @@ import triton
 import triton.language as tl
 from lmplug_attention.flash_kernels import (
     LOG2E,
+    _dequant_kv_tile,
     _kv_slots,
     _load_kv_tile,
     _online_softmax_update,
@@ -36,6 +37,7 @@ from lmplug_attention.flash_kernels import (
     output_for,
     window_arg,
 )
+from lmplug_attention.paged_kernels import check_scales, scale_args
 
 MIN_PARTITION = 256  # keys per split below which a split costs more than it saves
 MAX_SPLITS = 64
@@ -44,7 +46,7 @@ MAX_SPLITS = 64
 @triton.jit
 def _flash_decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
-    out_ptr, part_out_ptr, part_max_ptr, part_sum_ptr,
+    out_ptr, part_out_ptr, part_max_ptr, part_sum_ptr, k_scale_ptr, v_scale_ptr,
     qk_scale, window, num_queries_per_kv, partition_size,
     stride_qb, stride_qh, stride_qd,
     stride_kb, stride_kt, stride_kh, stride_kd,
@@ -53,8 +55,9 @@ def _flash_decode_kernel(
     stride_ob, stride_oh, stride_od,
     stride_pb, stride_ph, stride_ps, stride_pd,
     stride_mb, stride_mh, stride_ms,
+    stride_sb, stride_st, stride_sh,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, G_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, SPLIT: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, SPLIT: tl.constexpr, PRECISION: tl.constexpr, QUANT: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -86,6 +89,9 @@ def _flash_decode_kernel(
                              valid[:, None] & d_mask[None, :],
                              stride_kb, stride_kt, stride_kh, stride_kd,
                              stride_vb, stride_vt, stride_vh, stride_vd)
+        if QUANT:
+            k, v = _dequant_kv_tile(k, v, k_scale_ptr, v_scale_ptr, block, offset, kv_head, valid,
+                                    stride_sb, stride_st, stride_sh, q.dtype)
         m_i, l_i, acc = _online_softmax_update(q, k, v, valid[None, :], m_i, l_i, acc, qk_scale,
                                                True, PRECISION)
 
@@ -164,18 +170,21 @@ def flash_decode_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
                               block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float, *,
                               sliding_window: int | None = None, max_seq_len: int | None = None,
                               num_splits: int | None = None, out: torch.Tensor | None = None,
-                              block_n: int | None = None) -> torch.Tensor:
+                              block_n: int | None = None, k_scale: torch.Tensor | None = None,
+                              v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """One query per sequence over its cache: q [B, H, D] -> [B, H, D].
 
     k_cache, v_cache: [num_blocks, block_size, Hkv, D] holding each sequence's
     ``seq_lens[b]`` (int32 [B], each >= 1) keys at the blocks listed in
     ``block_tables[b]`` (int32 [B, max_blocks]). ``num_splits`` forces the
     number of split-K partitions (``None``: chosen from context length and
-    batch size; 1: no split); ``max_seq_len`` (a host int) spares a sync.
+    batch size; 1: no split); ``max_seq_len`` (a host int) spares a sync. ``k_scale`` /
+    ``v_scale`` ([num_blocks, block_size, Hkv] float32) mark int8 / float8_e4m3fn caches.
     """
     what = "flash_decode_with_kvcache"
     check_query(q, what)
-    group = check_kv(q, k_cache, v_cache, what, "k_cache and v_cache")
+    quant = check_scales(k_cache, v_cache, k_scale, v_scale, what)
+    group = check_kv(q, k_cache, v_cache, what, "k_cache and v_cache", quant)
     check_block_tables(block_tables, seq_lens, what)
     if k_cache.dim() != 4 or seq_lens.shape[0] != q.shape[0]:
         raise ValueError(f"{what}: need caches [num_blocks, block_size, Hkv, D] and one seq_len per query; "
@@ -196,20 +205,22 @@ def flash_decode_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     d_pad = head_dim_pad(head_dim)
     meta = {"HEAD_DIM": head_dim, "D_PAD": d_pad, "G_PAD": max(16, triton.next_power_of_2(group)),
             "BLOCK_N": bn, "BLOCK_SIZE": k_cache.shape[1], "PRECISION": dot_precision(q.dtype),
-            "num_warps": 4}
+            "QUANT": quant, "num_warps": 4}
     args = (q, k_cache, v_cache, block_tables, seq_lens)
+    scale_ptrs, scale_strides = scale_args(k_cache, k_scale, v_scale)
     scalars = (scale * LOG2E, window, group, partition,
                *q.stride(), *k_cache.stride(), *v_cache.stride(), *block_tables.stride())
     grid = (batch, k_cache.shape[2], splits)
     if splits == 1:
-        _flash_decode_kernel[grid](*args, out, out, out, out, *scalars, *out.stride(),
-                                   0, 0, 0, 0, 0, 0, 0, SPLIT=False, **meta)
+        _flash_decode_kernel[grid](*args, out, out, out, out, *scale_ptrs, *scalars, *out.stride(),
+                                   0, 0, 0, 0, 0, 0, 0, *scale_strides, SPLIT=False, **meta)
         return out
     part_out = torch.empty(batch, num_heads, splits, head_dim, dtype=torch.float32, device=q.device)
     part_max = torch.empty(batch, num_heads, splits, dtype=torch.float32, device=q.device)
     part_sum = torch.empty_like(part_max)
-    _flash_decode_kernel[grid](*args, out, part_out, part_max, part_sum, *scalars, *out.stride(),
-                               *part_out.stride(), *part_max.stride(), SPLIT=True, **meta)
+    _flash_decode_kernel[grid](*args, out, part_out, part_max, part_sum, *scale_ptrs, *scalars,
+                               *out.stride(), *part_out.stride(), *part_max.stride(), *scale_strides,
+                               SPLIT=True, **meta)
     _flash_decode_reduce_kernel[(batch, num_heads)](
         part_out, part_max, part_sum, out, splits, *part_out.stride(), *part_max.stride(), *out.stride(),
         HEAD_DIM=head_dim, D_PAD=d_pad, S_PAD=max(2, triton.next_power_of_2(splits)), num_warps=4)

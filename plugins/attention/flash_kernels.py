@@ -39,6 +39,12 @@ Kernels (each with a PyTorch twin in ``flash_ref.py``):
 
 The cache write is ``torch.Tensor.index_copy_`` at ``slot_mapping`` (see
 ``sdpa.write_kv``): one memory-bound copy per tensor, nothing to fuse.
+
+Quantized KV (``QUANT``: int8 / float8_e4m3fn caches with float32 scales
+``[num_blocks, block_size, Hkv]``): a tile is loaded as bytes with the scales
+of its slots and dequantized in registers (``q * scale`` in fp32, cast to q's
+dtype: the op order of ``dequantize_kv``) before the dot. Packed K/V (the
+step's own, unquantized) never are.
 """
 
 from __future__ import annotations
@@ -80,6 +86,16 @@ def _load_kv_tile(k_ptr, v_ptr, block, offset, kv_head, offs_d, load_mask,
     k = tl.load(k_ptr + k_offs, mask=load_mask, other=0.0)
     v = tl.load(v_ptr + v_offs, mask=load_mask, other=0.0)
     return k, v
+
+
+@triton.jit
+def _dequant_kv_tile(k, v, k_scale_ptr, v_scale_ptr, block, offset, kv_head, valid,
+                     stride_sb, stride_st, stride_sh, OUT_TY: tl.constexpr):
+    """Quantized K and V tiles [BLOCK_N, D_PAD] times their (slot, KV head) scales, cast to OUT_TY."""
+    offs = block * stride_sb + offset * stride_st + kv_head * stride_sh
+    ks = tl.load(k_scale_ptr + offs, mask=valid, other=0.0)
+    vs = tl.load(v_scale_ptr + offs, mask=valid, other=0.0)
+    return (k.to(tl.float32) * ks[:, None]).to(OUT_TY), (v.to(tl.float32) * vs[:, None]).to(OUT_TY)
 
 
 @triton.jit
@@ -136,12 +152,14 @@ def check_query(q: torch.Tensor, what: str) -> None:
         raise ValueError(f"{what}: dtype must be one of float32, float16, bfloat16, got {q.dtype}")
 
 
-def check_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, what: str, names: str) -> int:
-    """K/V ([T, Hkv, D] or [num_blocks, block_size, Hkv, D]) against q; returns the GQA group size."""
+def check_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, what: str, names: str,
+             quantized: bool = False) -> int:
+    """K/V ([T, Hkv, D] or [num_blocks, block_size, Hkv, D]) against q; returns the GQA group size.
+    ``quantized`` caches (checked by ``paged_kernels.check_scales``) need not share q's dtype."""
     if k.shape != v.shape or k.dim() not in (3, 4):
         raise ValueError(f"{what}: {names} must have one shape, [..., num_kv_heads, head_dim]; "
                          f"got {tuple(k.shape)} and {tuple(v.shape)}")
-    if k.dtype != q.dtype or v.dtype != q.dtype:
+    if not quantized and (k.dtype != q.dtype or v.dtype != q.dtype):
         raise ValueError(f"{what}: q and {names} must share one dtype; got {q.dtype}, {k.dtype}, {v.dtype}")
     if k.device != q.device or v.device != q.device:
         raise ValueError(f"{what}: q and {names} must be on one device; got {q.device}, {k.device}, {v.device}")

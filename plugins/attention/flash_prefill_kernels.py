@@ -28,6 +28,7 @@ import triton
 import triton.language as tl
 from lmplug_attention.flash_kernels import (
     LOG2E,
+    _dequant_kv_tile,
     _kv_slots,
     _load_kv_tile,
     _online_softmax_update,
@@ -40,6 +41,7 @@ from lmplug_attention.flash_kernels import (
     output_for,
     window_arg,
 )
+from lmplug_attention.paged_kernels import check_scales, scale_args
 
 
 @triton.jit
@@ -47,8 +49,9 @@ def _prefill_tiles(acc, l_i, m_i, q, q_pos, t_begin, t_end, kv_lo, seq_len, wind
                    k_ptr, v_ptr, table_ptr, stride_btn, row0, kv_head, offs_d, d_mask,
                    stride_kb, stride_kt, stride_kh, stride_kd,
                    stride_vb, stride_vt, stride_vh, stride_vd,
+                   k_scale_ptr, v_scale_ptr, stride_sb, stride_st, stride_sh,
                    BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, PAGED: tl.constexpr,
-                   MASKED: tl.constexpr, PRECISION: tl.constexpr):
+                   MASKED: tl.constexpr, PRECISION: tl.constexpr, QUANT: tl.constexpr):
     """Key tiles ``[t_begin, t_end)``: masked (diagonal / window edge) or seen whole by every row."""
     for t in range(t_begin, t_end):
         start = tl.multiple_of(t * BLOCK_N, BLOCK_N)
@@ -65,21 +68,25 @@ def _prefill_tiles(acc, l_i, m_i, q, q_pos, t_begin, t_end, kv_lo, seq_len, wind
         k, v = _load_kv_tile(k_ptr, v_ptr, block, offset, kv_head, offs_d, load_mask,
                              stride_kb, stride_kt, stride_kh, stride_kd,
                              stride_vb, stride_vt, stride_vh, stride_vd)
+        if QUANT:
+            k, v = _dequant_kv_tile(k, v, k_scale_ptr, v_scale_ptr, block, offset, kv_head, valid,
+                                    stride_sb, stride_st, stride_sh, q.dtype)
         m_i, l_i, acc = _online_softmax_update(q, k, v, visible, m_i, l_i, acc, qk_scale, MASKED, PRECISION)
     return acc, l_i, m_i
 
 
 @triton.jit
 def _flash_prefill_kernel(
-    q_ptr, k_ptr, v_ptr, out_ptr, cu_seqlens_ptr, seq_lens_ptr, block_tables_ptr,
+    q_ptr, k_ptr, v_ptr, out_ptr, cu_seqlens_ptr, seq_lens_ptr, block_tables_ptr, k_scale_ptr, v_scale_ptr,
     first_seq, qk_scale, window, num_queries_per_kv,
     stride_qt, stride_qh, stride_qd,
     stride_kb, stride_kt, stride_kh, stride_kd,
     stride_vb, stride_vt, stride_vh, stride_vd,
     stride_ot, stride_oh, stride_od,
     stride_btb, stride_btn,
+    stride_sb, stride_st, stride_sh,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, PAGED: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, PAGED: tl.constexpr, PRECISION: tl.constexpr, QUANT: tl.constexpr,
 ):
     tl.static_assert(D_PAD >= HEAD_DIM)
     pid_m = tl.program_id(0)
@@ -127,17 +134,20 @@ def _flash_prefill_kernel(
         acc, l_i, m_i, q, q_pos, t_lo, mid_lo, kv_lo, seq_len, window, qk_scale,
         k_ptr, v_ptr, table_ptr, stride_btn, q_start, kv_head, offs_d, d_mask,
         stride_kb, stride_kt, stride_kh, stride_kd, stride_vb, stride_vt, stride_vh, stride_vd,
-        BLOCK_N, BLOCK_SIZE, PAGED, True, PRECISION)
+        k_scale_ptr, v_scale_ptr, stride_sb, stride_st, stride_sh,
+        BLOCK_N, BLOCK_SIZE, PAGED, True, PRECISION, QUANT)
     acc, l_i, m_i = _prefill_tiles(
         acc, l_i, m_i, q, q_pos, mid_lo, mid_hi, kv_lo, seq_len, window, qk_scale,
         k_ptr, v_ptr, table_ptr, stride_btn, q_start, kv_head, offs_d, d_mask,
         stride_kb, stride_kt, stride_kh, stride_kd, stride_vb, stride_vt, stride_vh, stride_vd,
-        BLOCK_N, BLOCK_SIZE, PAGED, False, PRECISION)
+        k_scale_ptr, v_scale_ptr, stride_sb, stride_st, stride_sh,
+        BLOCK_N, BLOCK_SIZE, PAGED, False, PRECISION, QUANT)
     acc, l_i, m_i = _prefill_tiles(
         acc, l_i, m_i, q, q_pos, mid_hi, t_hi, kv_lo, seq_len, window, qk_scale,
         k_ptr, v_ptr, table_ptr, stride_btn, q_start, kv_head, offs_d, d_mask,
         stride_kb, stride_kt, stride_kh, stride_kd, stride_vb, stride_vt, stride_vh, stride_vd,
-        BLOCK_N, BLOCK_SIZE, PAGED, True, PRECISION)
+        k_scale_ptr, v_scale_ptr, stride_sb, stride_st, stride_sh,
+        BLOCK_N, BLOCK_SIZE, PAGED, True, PRECISION, QUANT)
 
     # every real row sees at least its own key, so l > 0; padding rows are not stored
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
@@ -160,7 +170,7 @@ def prefill_config(d_pad: int, dtype: torch.dtype) -> tuple[int, int, int, int]:
 
 
 def _launch(q, k, v, out, cu_seqlens, seq_lens, block_tables, scale, sliding_window, max_query_len,
-            first_seq, block_m, block_n, paged, what):
+            first_seq, block_m, block_n, paged, what, k_scale=None, v_scale=None):
     num_seqs = cu_seqlens.shape[0] - 1
     if not 0 <= first_seq <= num_seqs:
         raise ValueError(f"{what}: first_seq must be in [0, {num_seqs}], got {first_seq}")
@@ -185,12 +195,14 @@ def _launch(q, k, v, out, cu_seqlens, seq_lens, block_tables, scale, sliding_win
         (kt, kh, kd), (vt, vh, vd), kb, vb = k.stride(), v.stride(), 0, 0
         bt_strides, block_size = (0, 0), 1
     grid = (triton.cdiv(max_query_len, bm), num_seqs - first_seq, q.shape[1])
+    scale_ptrs, scale_strides = scale_args(k, k_scale, v_scale)
     _flash_prefill_kernel[grid](
-        q, k, v, out, cu_seqlens, seq_lens, block_tables,
+        q, k, v, out, cu_seqlens, seq_lens, block_tables, *scale_ptrs,
         first_seq, scale * LOG2E, window_arg(sliding_window, what), group,
-        *q.stride(), kb, kt, kh, kd, vb, vt, vh, vd, *out.stride(), *bt_strides,
+        *q.stride(), kb, kt, kh, kd, vb, vt, vh, vd, *out.stride(), *bt_strides, *scale_strides,
         HEAD_DIM=head_dim, D_PAD=d_pad, BLOCK_M=bm, BLOCK_N=bn, BLOCK_SIZE=block_size, PAGED=paged,
-        PRECISION=dot_precision(q.dtype), num_warps=num_warps, num_stages=num_stages)
+        PRECISION=dot_precision(q.dtype), QUANT=k_scale is not None, num_warps=num_warps,
+        num_stages=num_stages)
     return out
 
 
@@ -228,7 +240,8 @@ def flash_prefill_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
                                seq_lens: torch.Tensor, scale: float, *, sliding_window: int | None = None,
                                max_query_len: int | None = None, first_seq: int = 0,
                                out: torch.Tensor | None = None, block_m: int | None = None,
-                               block_n: int | None = None) -> torch.Tensor:
+                               block_n: int | None = None, k_scale: torch.Tensor | None = None,
+                               v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Queries over their whole cached context: q [T, H, D] -> [T, H, D].
 
     k_cache, v_cache: [num_blocks, block_size, Hkv, D], already holding every
@@ -236,11 +249,13 @@ def flash_prefill_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     (int32 [B, max_blocks]) lists. Query rows ``cu_query_lens[b] :
     cu_query_lens[b+1]`` are the last positions of sequence ``b``. Only
     sequences ``first_seq..B-1`` are computed (earlier rows of ``out`` are
-    left alone: the decode kernel owns them).
+    left alone: the decode kernel owns them). ``k_scale`` / ``v_scale`` ([num_blocks,
+    block_size, Hkv] float32) mark int8 / float8_e4m3fn caches.
     """
     what = "flash_prefill_with_kvcache"
     check_query(q, what)
-    check_kv(q, k_cache, v_cache, what, "k_cache and v_cache")
+    quant = check_scales(k_cache, v_cache, k_scale, v_scale, what)
+    check_kv(q, k_cache, v_cache, what, "k_cache and v_cache", quant)
     check_block_tables(block_tables, seq_lens, what)
     _check_cu(cu_query_lens, "cu_query_lens", what)
     if k_cache.dim() != 4:
@@ -251,4 +266,4 @@ def flash_prefill_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
                          f"got {cu_query_lens.shape[0]}")
     out = output_for(q, out, what)
     return _launch(q, k_cache, v_cache, out, cu_query_lens, seq_lens, block_tables, scale, sliding_window,
-                   max_query_len, first_seq, block_m, block_n, True, what)
+                   max_query_len, first_seq, block_m, block_n, True, what, k_scale, v_scale)

@@ -16,6 +16,9 @@ Prefill loops over sequences (each is one batched matmul); decode is fully
 batched. Keys no query can see (past ``seq_len``, or behind every window)
 are zeroed before they meet a score, so whatever those slots hold (freed
 blocks, NaN) never reaches a result — the kernels never load them.
+
+Quantized caches (``k_scale`` / ``v_scale`` given) are dequantized to q's dtype
+as gathered (``dequantize_kv``: the kernels' op order), then read as above.
 """
 
 from __future__ import annotations
@@ -23,6 +26,8 @@ from __future__ import annotations
 import itertools
 
 import torch
+
+from lmplug.interfaces.kvcache import dequantize_kv
 
 
 def visible_keys(q_pos: torch.Tensor, k_pos: torch.Tensor, sliding_window: int | None) -> torch.Tensor:
@@ -46,12 +51,17 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Te
     return out.flatten(1, 2)
 
 
-def gather_context(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> torch.Tensor:
-    """One sequence's first ``seq_len`` cached rows, [seq_len, Hkv, D]."""
+def gather_context(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int,
+                   scale: torch.Tensor | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """One sequence's first ``seq_len`` cached rows, [seq_len, Hkv, D] (dequantized to ``dtype``
+    when ``scale`` [num_blocks, block_size, Hkv] is given)."""
     block_size = cache.shape[1]
     pos = torch.arange(seq_len, device=cache.device)
     slots = block_table.long()[pos // block_size] * block_size + pos % block_size
-    return cache.flatten(0, 1)[slots]
+    rows = cache.flatten(0, 1)[slots]
+    if scale is None:
+        return rows
+    return dequantize_kv(rows, scale.flatten(0, 1)[slots], dtype or torch.float32)
 
 
 def varlen_attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
@@ -69,7 +79,8 @@ def varlen_attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_s
 def prefill_with_kvcache_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                              block_tables: torch.Tensor, cu_query_lens: torch.Tensor,
                              seq_lens: torch.Tensor, scale: float, *,
-                             sliding_window: int | None = None) -> torch.Tensor:
+                             sliding_window: int | None = None, k_scale: torch.Tensor | None = None,
+                             v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Twin of ``flash_prefill_with_kvcache``: q [T, H, D] over the caches -> [T, H, D]."""
     out = torch.empty_like(q)
     bounds = cu_query_lens.tolist()
@@ -77,8 +88,8 @@ def prefill_with_kvcache_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: to
         start, end = bounds[b], bounds[b + 1]
         if start == end:
             continue
-        k = gather_context(k_cache, block_tables[b], seq_len)
-        v = gather_context(v_cache, block_tables[b], seq_len)
+        k = gather_context(k_cache, block_tables[b], seq_len, k_scale, q.dtype)
+        v = gather_context(v_cache, block_tables[b], seq_len, v_scale, q.dtype)
         q_pos = torch.arange(seq_len - (end - start), seq_len, device=q.device)
         visible = visible_keys(q_pos, torch.arange(seq_len, device=q.device), sliding_window)
         out[start:end] = _attend(q[start:end], k, v, visible, scale).to(q.dtype)
@@ -87,7 +98,8 @@ def prefill_with_kvcache_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: to
 
 def decode_with_kvcache_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float, *,
-                            sliding_window: int | None = None) -> torch.Tensor:
+                            sliding_window: int | None = None, k_scale: torch.Tensor | None = None,
+                            v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Twin of ``flash_decode_with_kvcache``: q [B, H, D], one token per sequence at position
     ``seq_len - 1`` -> [B, H, D]. Batched: every sequence's context padded to the longest."""
     batch, num_heads, head_dim = q.shape
@@ -102,11 +114,14 @@ def decode_with_kvcache_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
 
     visible = visible_keys(seq_lens - 1, pos, sliding_window) & in_context  # [B, S]
 
-    def gather(cache: torch.Tensor) -> torch.Tensor:  # [B, S, Hkv, D], zero where not visible
-        rows = cache.flatten(0, 1)[slots].float()
-        return torch.where(visible[:, :, None, None], rows, 0.0)
+    def gather(cache: torch.Tensor, cache_scale: torch.Tensor | None) -> torch.Tensor:
+        # [B, S, Hkv, D], zero where not visible
+        rows = cache.flatten(0, 1)[slots]
+        if cache_scale is not None:
+            rows = dequantize_kv(rows, cache_scale.flatten(0, 1)[slots], q.dtype)
+        return torch.where(visible[:, :, None, None], rows.float(), 0.0)
 
-    k, v = gather(k_cache), gather(v_cache)
+    k, v = gather(k_cache, k_scale), gather(v_cache, v_scale)
     qg = q.float().view(batch, num_kv_heads, -1, head_dim)  # [B, Hkv, G, D]
     scores = torch.einsum("bhgd,bshd->bhgs", qg, k) * scale
     scores = scores.masked_fill(~visible[:, None, None, :], float("-inf"))

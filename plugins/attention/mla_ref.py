@@ -96,10 +96,11 @@ def mla_prefill_attention(q_nope: torch.Tensor, q_pe: torch.Tensor, w_uk: torch.
         k, v = expand_kv(rows.to(q_nope.dtype), w_uk, w_uv)
         q = torch.cat([q_nope[start:end], q_pe[start:end]], dim=-1).transpose(0, 1)  # [H, L, nope + rope]
         query_len = end - start
+        # 4-d (a batch of one): on CPU, 3-d inputs miss SDPA's flash kernel and take the math path
         if query_len == seq_len:  # nothing cached: plain causal attention
-            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+            o = F.scaled_dot_product_attention(q[None], k[None], v[None], is_causal=True, scale=scale)
         else:
             mask = causal_mask(query_len, seq_len, None, q.device)
-            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
-        out[start:end] = o.transpose(0, 1)  # [L, H, V]
+            o = F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask, scale=scale)
+        out[start:end] = o[0].transpose(0, 1)  # [L, H, V]
     return out

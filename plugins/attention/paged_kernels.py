@@ -21,6 +21,13 @@ same results):
   over a cached prefix plus the new tokens.
 
 Scores are kept in base 2 (``exp2`` with the scale folded into ``log2(e)``).
+
+Quantized KV (``k_scale`` / ``v_scale`` given; int8 or float8_e4m3fn caches with
+a float32 scale per (slot, KV head)): the attention kernels load the byte tile
+and its scales and dequantize in registers (``q * scale`` in fp32, then q's
+dtype: the op order of ``dequantize_kv``) before the dot. The quantizing write
+is the PyTorch ``store_kv`` (a plain ``index_copy_`` after a per-row amax: memory
+bound, nothing for a kernel to fuse).
 """
 
 from __future__ import annotations
@@ -28,6 +35,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from lmplug.interfaces.kvcache import KV_QMAX, store_kv
 
 LOG2E = 1.4426950408889634
 DEFAULT_PARTITION_SIZE = 512  # tokens per split-K partition
@@ -42,6 +51,16 @@ def _kv_tile_offsets(table_ptr, stride_btn, pos, valid, kv_head, offs_d,
     block = tl.load(table_ptr + (pos // BLOCK_SIZE) * stride_btn, mask=valid, other=0).to(tl.int64)
     row = block * stride_cb + (pos % BLOCK_SIZE) * stride_ct + kv_head * stride_ch
     return row[:, None] + offs_d[None, :] * stride_cd
+
+
+@triton.jit
+def _dequant_tile(x, scale_ptr, table_ptr, stride_btn, pos, valid, kv_head,
+                  stride_sb, stride_st, stride_sh, BLOCK_SIZE: tl.constexpr, OUT_TY: tl.constexpr):
+    """A quantized tile x [N, D] times the scales of its (slot, KV head) [N], in fp32, cast to OUT_TY."""
+    block = tl.load(table_ptr + (pos // BLOCK_SIZE) * stride_btn, mask=valid, other=0).to(tl.int64)
+    offs = block * stride_sb + (pos % BLOCK_SIZE) * stride_st + kv_head * stride_sh
+    scale = tl.load(scale_ptr + offs, mask=valid, other=0.0)
+    return (x.to(tl.float32) * scale[:, None]).to(OUT_TY)
 
 
 @triton.jit
@@ -85,15 +104,16 @@ def _reshape_and_cache_kernel(
 @triton.jit
 def _paged_decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
-    out_ptr, max_ptr, sum_ptr,
+    out_ptr, max_ptr, sum_ptr, k_scale_ptr, v_scale_ptr,
     qk_scale, sliding_window, partition_size, num_queries_per_kv, head_dim,
     stride_qb, stride_qh, stride_qd,
     stride_cb, stride_ct, stride_ch, stride_cd,
     stride_btb, stride_btn,
     stride_ob, stride_oh, stride_op, stride_od,
     stride_mb, stride_mh, stride_mp,
+    stride_sb, stride_st, stride_sh,
     BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, G_PAD: tl.constexpr, D_PAD: tl.constexpr,
-    SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr, QUANT: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -123,6 +143,11 @@ def _paged_decode_kernel(
         kv_mask = valid[:, None] & d_mask[None, :]
         k = tl.load(k_cache_ptr + offs, mask=kv_mask, other=0.0)
         v = tl.load(v_cache_ptr + offs, mask=kv_mask, other=0.0)
+        if QUANT:
+            k = _dequant_tile(k, k_scale_ptr, table_ptr, stride_btn, pos, valid, kv_head,
+                              stride_sb, stride_st, stride_sh, BLOCK_SIZE, q.dtype)
+            v = _dequant_tile(v, v_scale_ptr, table_ptr, stride_btn, pos, valid, kv_head,
+                              stride_sb, stride_st, stride_sh, BLOCK_SIZE, q.dtype)
         m_i, l_i, acc = _attend_tile(q, k, v, valid[None, :], m_i, l_i, acc, qk_scale, DOT_PRECISION)
 
     # an empty partition (past the end, or before the window) leaves l_i = 0 and stores zeros
@@ -178,8 +203,35 @@ def _paged_decode_reduce_kernel(
 # -- wrappers ----------------------------------------------------------------------------------------
 
 
+def check_scales(k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale: torch.Tensor | None,
+                 v_scale: torch.Tensor | None, what: str) -> bool:
+    """Whether the caches are quantized; clear errors for scales that do not fit them."""
+    if k_scale is None and v_scale is None:
+        return False
+    if k_scale is None or v_scale is None:
+        raise ValueError(f"{what}: give both k_scale and v_scale, or neither")
+    if k_cache.dtype not in KV_QMAX or v_cache.dtype != k_cache.dtype:
+        raise ValueError(f"{what}: quantized caches must be int8 or float8_e4m3fn, got "
+                         f"{k_cache.dtype} and {v_cache.dtype}")
+    if (k_scale.shape != k_cache.shape[:3] or v_scale.shape != k_scale.shape
+            or k_scale.stride() != v_scale.stride()
+            or k_scale.dtype != torch.float32 or v_scale.dtype != torch.float32):
+        raise ValueError(f"{what}: k_scale and v_scale must be float32 [num_blocks, block_size, Hkv] = "
+                         f"{tuple(k_cache.shape[:3])} with equal strides, got {tuple(k_scale.shape)} "
+                         f"{k_scale.dtype} and {tuple(v_scale.shape)} {v_scale.dtype}")
+    return True
+
+
+def scale_args(k_cache: torch.Tensor, k_scale: torch.Tensor | None,
+               v_scale: torch.Tensor | None) -> tuple:
+    """(k_scale_ptr, v_scale_ptr, strides) for a kernel launch; placeholders when unquantized."""
+    if k_scale is None:
+        return (k_cache, k_cache), (0, 0, 0)
+    return (k_scale, v_scale), tuple(k_scale.stride())
+
+
 def check_cache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                seq_lens: torch.Tensor, what: str) -> None:
+                seq_lens: torch.Tensor, what: str, quantized: bool = False) -> None:
     """Clear errors for the shapes and dtypes every paged kernel relies on."""
     if k_cache.dim() != 4 or k_cache.shape != v_cache.shape or k_cache.stride() != v_cache.stride():
         raise ValueError(f"{what}: k_cache and v_cache must be [num_blocks, block_size, Hkv, D] with equal "
@@ -190,8 +242,8 @@ def check_cache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, b
     if q.shape[-1] != head_dim or q.shape[-2] % num_kv_heads:
         raise ValueError(f"{what}: q {tuple(q.shape)} needs head_dim {head_dim} and a multiple of "
                          f"{num_kv_heads} KV heads")
-    if not (q.dtype == k_cache.dtype == v_cache.dtype) or q.dtype not in (torch.float16, torch.bfloat16,
-                                                                          torch.float32):
+    if not (quantized or q.dtype == k_cache.dtype == v_cache.dtype) or q.dtype not in (
+            torch.float16, torch.bfloat16, torch.float32):
         raise ValueError(f"{what}: q and the caches must share one dtype of float16, bfloat16, float32; "
                          f"got {q.dtype}, {k_cache.dtype}, {v_cache.dtype}")
     if block_tables.dtype != torch.int32 or seq_lens.dtype != torch.int32:
@@ -224,8 +276,19 @@ def dot_precision(dtype: torch.dtype) -> str:
 
 
 def reshape_and_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                      slot_mapping: torch.Tensor) -> None:
-    """k, v: [T, Hkv, D] -> cache slots ``slot_mapping`` [T] of k_cache, v_cache [N, block_size, Hkv, D]."""
+                      slot_mapping: torch.Tensor, k_scale: torch.Tensor | None = None,
+                      v_scale: torch.Tensor | None = None) -> None:
+    """k, v: [T, Hkv, D] -> cache slots ``slot_mapping`` [T] of k_cache, v_cache [N, block_size, Hkv, D].
+
+    With ``k_scale`` / ``v_scale`` (quantized caches) the write is PyTorch's ``store_kv``.
+    """
+    if check_scales(k_cache, v_cache, k_scale, v_scale, "reshape_and_cache"):
+        keep = slot_mapping >= 0
+        if not bool(keep.all()):
+            k, v, slot_mapping = k[keep], v[keep], slot_mapping[keep]
+        store_kv(k_cache, k_scale, k, slot_mapping.long())
+        store_kv(v_cache, v_scale, v, slot_mapping.long())
+        return
     if (k.shape != v.shape or k.dim() != 3 or k.shape[1:] != k_cache.shape[2:]
             or k_cache.shape != v_cache.shape):
         raise ValueError(f"reshape_and_cache: k, v must be [T, Hkv, D] matching the caches' "
@@ -261,16 +324,19 @@ def choose_partition_size(num_seqs: int, num_kv_heads: int, max_seq_len: int,
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float, *,
                            sliding_window: int | None = None, max_seq_len: int | None = None,
-                           partition_size: int | None = None,
-                           out: torch.Tensor | None = None) -> torch.Tensor:
+                           partition_size: int | None = None, out: torch.Tensor | None = None,
+                           k_scale: torch.Tensor | None = None,
+                           v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """q [B, H, D], block_tables [B, max_blocks] int32, seq_lens [B] int32 (each >= 1) -> [B, H, D].
 
     ``partition_size`` forces split-K with partitions of that many tokens (a
     power of two >= 16), 0 forbids it, ``None`` decides from the batch and
     context size. ``max_seq_len`` (host int) spares a device sync. ``out``
-    ([B, H, D], q's dtype) receives the result when given.
+    ([B, H, D], q's dtype) receives the result when given. ``k_scale`` / ``v_scale``
+    ([num_blocks, block_size, Hkv] float32) mark int8 / float8_e4m3fn caches.
     """
-    check_cache(q, k_cache, v_cache, block_tables, seq_lens, "paged_decode_attention")
+    quant = check_scales(k_cache, v_cache, k_scale, v_scale, "paged_decode_attention")
+    check_cache(q, k_cache, v_cache, block_tables, seq_lens, "paged_decode_attention", quant)
     batch, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     max_seq_len = int(seq_lens.max()) if max_seq_len is None else max_seq_len
@@ -287,13 +353,16 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     group = num_heads // num_kv_heads
     tile = TILE_N if partition_size is None else min(TILE_N, partition_size)
     meta = {"BLOCK_SIZE": block_size, "TILE": tile, "G_PAD": max(16, triton.next_power_of_2(group)),
-            "D_PAD": max(16, triton.next_power_of_2(head_dim)), "DOT_PRECISION": dot_precision(q.dtype)}
-    common = (scale * LOG2E, window_arg(sliding_window))
+            "D_PAD": max(16, triton.next_power_of_2(head_dim)), "DOT_PRECISION": dot_precision(q.dtype),
+            "QUANT": quant}
+    scale_ptrs, scale_strides = scale_args(k_cache, k_scale, v_scale)
+    common = (*scale_ptrs, scale * LOG2E, window_arg(sliding_window))
     strides = (*q.stride(), *k_cache.stride(), *block_tables.stride())
     if partition_size is None:
         _paged_decode_kernel[(batch, num_kv_heads, 1)](
             q, k_cache, v_cache, block_tables, seq_lens, out, out, out, *common, max(max_seq_len, 1), group,
-            head_dim, *strides, out.stride(0), out.stride(1), 0, out.stride(2), 0, 0, 0, SPLIT=False, **meta)
+            head_dim, *strides, out.stride(0), out.stride(1), 0, out.stride(2), 0, 0, 0, *scale_strides,
+            SPLIT=False, **meta)
         return out
     num_parts = triton.cdiv(max_seq_len, partition_size)
     part_out = torch.empty(batch, num_heads, num_parts, head_dim, dtype=torch.float32, device=q.device)
@@ -301,7 +370,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     sums = torch.empty_like(maxes)
     _paged_decode_kernel[(batch, num_kv_heads, num_parts)](
         q, k_cache, v_cache, block_tables, seq_lens, part_out, maxes, sums, *common, partition_size, group,
-        head_dim, *strides, *part_out.stride(), *maxes.stride(), SPLIT=True, **meta)
+        head_dim, *strides, *part_out.stride(), *maxes.stride(), *scale_strides, SPLIT=True, **meta)
     _paged_decode_reduce_kernel[(batch, num_heads)](
         part_out, maxes, sums, seq_lens, out, partition_size, head_dim, *part_out.stride(),
         *maxes.stride(), *out.stride(), P_TILE=min(64, triton.next_power_of_2(num_parts)),

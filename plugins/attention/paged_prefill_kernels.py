@@ -12,7 +12,9 @@ One program per (query block, sequence, KV head). Its tile's rows are
 ``BLOCK_Q`` query tokens x the ``G`` query heads that share the KV head, so
 each K/V row is read once for the group (GQA without repeating K/V). Keys are
 walked in tiles of ``TILE`` positions up to the last query's position, with
-an online softmax. The PyTorch twin is ``paged_ref.paged_prefill_attention``.
+an online softmax. Quantized caches (``k_scale`` / ``v_scale``) are dequantized
+per tile in registers, as in ``paged_kernels``. The PyTorch twin is
+``paged_ref.paged_prefill_attention``.
 """
 
 from __future__ import annotations
@@ -24,10 +26,13 @@ from lmplug_attention.paged_kernels import (
     LOG2E,
     TILE_N,
     _attend_tile,
+    _dequant_tile,
     _kv_tile_offsets,
     check_cache,
     check_out,
+    check_scales,
     dot_precision,
+    scale_args,
     window_arg,
 )
 
@@ -37,13 +42,15 @@ ROWS = 64  # query rows (tokens x grouped heads) per program
 @triton.jit
 def _paged_prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, cu_query_lens_ptr, out_ptr,
+    k_scale_ptr, v_scale_ptr,
     qk_scale, sliding_window, num_queries_per_kv, head_dim,
     stride_qt, stride_qh, stride_qd,
     stride_cb, stride_ct, stride_ch, stride_cd,
     stride_btb, stride_btn,
     stride_ot, stride_oh, stride_od,
+    stride_sb, stride_st, stride_sh,
     BLOCK_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr, G_PAD: tl.constexpr, TILE: tl.constexpr,
-    D_PAD: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    D_PAD: tl.constexpr, DOT_PRECISION: tl.constexpr, QUANT: tl.constexpr,
 ):
     q_block = tl.program_id(0)
     seq = tl.program_id(1)
@@ -84,6 +91,11 @@ def _paged_prefill_kernel(
         kv_mask = valid[:, None] & d_mask[None, :]
         k = tl.load(k_cache_ptr + offs, mask=kv_mask, other=0.0)
         v = tl.load(v_cache_ptr + offs, mask=kv_mask, other=0.0)
+        if QUANT:
+            k = _dequant_tile(k, k_scale_ptr, table_ptr, stride_btn, pos, valid, kv_head,
+                              stride_sb, stride_st, stride_sh, BLOCK_SIZE, q.dtype)
+            v = _dequant_tile(v, v_scale_ptr, table_ptr, stride_btn, pos, valid, kv_head,
+                              stride_sb, stride_st, stride_sh, BLOCK_SIZE, q.dtype)
         visible = (valid[None, :] & (pos[None, :] <= q_pos[:, None])
                    & (pos[None, :] > q_pos[:, None] - sliding_window))
         m_i, l_i, acc = _attend_tile(q, k, v, visible, m_i, l_i, acc, qk_scale, DOT_PRECISION)
@@ -96,13 +108,16 @@ def _paged_prefill_kernel(
 def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             block_tables: torch.Tensor, cu_query_lens: torch.Tensor,
                             seq_lens: torch.Tensor, scale: float, *, sliding_window: int | None = None,
-                            max_query_len: int | None = None,
-                            out: torch.Tensor | None = None) -> torch.Tensor:
+                            max_query_len: int | None = None, out: torch.Tensor | None = None,
+                            k_scale: torch.Tensor | None = None,
+                            v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """q [T, H, D] (sequences back to back), cu_query_lens [B+1] int32, seq_lens [B] int32 -> [T, H, D].
 
-    ``max_query_len`` (host int) spares a device sync; ``out`` (like q) receives the result when given.
+    ``max_query_len`` (host int) spares a device sync; ``out`` (like q) receives the result when given;
+    ``k_scale`` / ``v_scale`` ([num_blocks, block_size, Hkv] float32) mark quantized caches.
     """
-    check_cache(q, k_cache, v_cache, block_tables, seq_lens, "paged_prefill_attention")
+    quant = check_scales(k_cache, v_cache, k_scale, v_scale, "paged_prefill_attention")
+    check_cache(q, k_cache, v_cache, block_tables, seq_lens, "paged_prefill_attention", quant)
     if cu_query_lens.dtype != torch.int32 or cu_query_lens.shape != (seq_lens.shape[0] + 1,):
         raise ValueError(f"paged_prefill_attention: cu_query_lens must be int32 "
                          f"[B+1={seq_lens.shape[0] + 1}], got {cu_query_lens.dtype} "
@@ -118,10 +133,12 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     group = num_heads // num_kv_heads
     g_pad = triton.next_power_of_2(group)
     block_q = max(1, ROWS // g_pad)
+    scale_ptrs, scale_strides = scale_args(k_cache, k_scale, v_scale)
     _paged_prefill_kernel[(triton.cdiv(max_query_len, block_q), num_seqs, num_kv_heads)](
-        q, k_cache, v_cache, block_tables, seq_lens, cu_query_lens, out,
+        q, k_cache, v_cache, block_tables, seq_lens, cu_query_lens, out, *scale_ptrs,
         scale * LOG2E, window_arg(sliding_window), group, head_dim,
-        *q.stride(), *k_cache.stride(), *block_tables.stride(), *out.stride(),
+        *q.stride(), *k_cache.stride(), *block_tables.stride(), *out.stride(), *scale_strides,
         BLOCK_SIZE=block_size, BLOCK_Q=block_q, G_PAD=g_pad, TILE=TILE_N,
-        D_PAD=max(16, triton.next_power_of_2(head_dim)), DOT_PRECISION=dot_precision(q.dtype))
+        D_PAD=max(16, triton.next_power_of_2(head_dim)), DOT_PRECISION=dot_precision(q.dtype),
+        QUANT=quant)
     return out

@@ -5,6 +5,8 @@ Writes the step's K/V into the cache through the slot mapping, then runs
 cached context. Reads both the contiguous and the paged layout (a sequence's
 blocks are gathered through its block table). GQA without repeating K/V:
 decode queries are grouped per KV head; prefill uses SDPA's ``enable_gqa``.
+Quantized KV (kvcache ``dtype: int8 | fp8_e4m3``): writes quantize per
+(token, KV head); reads dequantize only the rows of the sequence's context.
 """
 
 from __future__ import annotations
@@ -13,6 +15,10 @@ import torch
 import torch.nn.functional as F
 
 from lmplug.interfaces import AttentionBackend, Capabilities, KVLayerView, StepContext
+from lmplug.interfaces.kvcache import dequantize_kv, store_kv
+
+# the kvcache `dtype` values the first-party dense backends read
+KV_DTYPES = frozenset({"auto", "int8", "fp8_e4m3"})
 
 
 class SdpaAttention(AttentionBackend):
@@ -21,6 +27,7 @@ class SdpaAttention(AttentionBackend):
         devices=frozenset({"cpu", "cuda"}),
         kv_layouts=frozenset({"contiguous", "paged"}),
         features=frozenset({"sliding_window"}),
+        kv_dtypes=KV_DTYPES,
         priority=10,
     )
 
@@ -31,7 +38,7 @@ class SdpaAttention(AttentionBackend):
         bs = kv.block_size
         start = 0
         for i, (qlen, seq_len) in enumerate(zip(ctx.query_lens_cpu, ctx.seq_lens_cpu)):
-            ctx_k, ctx_v = context_kv(kv, ctx.block_tables[i], seq_len, bs)
+            ctx_k, ctx_v = context_kv(kv, ctx.block_tables[i], seq_len, bs, q.dtype)
             qi = q[start:start + qlen]
             if qlen == 1 and self.sliding_window is None:
                 out[start] = self._decode(qi[0], ctx_k, ctx_v)
@@ -44,7 +51,9 @@ class SdpaAttention(AttentionBackend):
         # q: [H, D] -> [Hkv, G, D]; k, v: [S, Hkv, D] -> [Hkv, S, D]; no mask: all S keys are visible
         hkv = self.num_kv_heads
         qg = q.view(hkv, -1, self.head_dim)
-        o = F.scaled_dot_product_attention(qg, k.transpose(0, 1), v.transpose(0, 1), scale=self.scale)
+        # 4-d (a batch of one): on CPU, 3-d inputs miss SDPA's flash kernel and take the math path
+        o = F.scaled_dot_product_attention(qg[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+                                           scale=self.scale)
         return o.reshape(-1, self.head_dim)
 
     def _prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_len: int) -> torch.Tensor:
@@ -54,28 +63,37 @@ class SdpaAttention(AttentionBackend):
         plain = qlen == seq_len and self.sliding_window is None
         mask = None if plain else causal_mask(qlen, seq_len, self.sliding_window, q.device)
         o = F.scaled_dot_product_attention(
-            q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
-            attn_mask=mask, is_causal=plain, scale=self.scale, enable_gqa=True)
-        return o.transpose(0, 1)
+            q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+            attn_mask=mask, is_causal=plain, scale=self.scale, enable_gqa=True)  # 4-d: see _decode
+        return o[0].transpose(0, 1)
 
 
 def write_kv(kv: KVLayerView, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Store the step's K/V: slot s is row s of the cache flattened to [slots, Hkv, D]."""
-    kv.k_cache.view(-1, *k.shape[1:]).index_copy_(0, slot_mapping, k)
-    kv.v_cache.view(-1, *v.shape[1:]).index_copy_(0, slot_mapping, v)
+    """Store the step's K/V: slot s is row s of the cache flattened to [slots, Hkv, D]
+    (quantized per (token, KV head), scales alongside, when the cache is)."""
+    store_kv(kv.k_cache, kv.k_scale, k, slot_mapping)
+    store_kv(kv.v_cache, kv.v_scale, v, slot_mapping)
 
 
-def context_kv(kv: KVLayerView, block_table: torch.Tensor, seq_len: int,
-               block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """One sequence's cached K and V, [seq_len, Hkv, D] each (a view when it fits one block)."""
+def context_kv(kv: KVLayerView, block_table: torch.Tensor, seq_len: int, block_size: int,
+               dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """One sequence's cached K and V, [seq_len, Hkv, D] each (a view when it fits one block and
+    is not quantized; quantized K/V are dequantized to ``dtype``)."""
     if seq_len <= block_size:
         b = int(block_table[0])
-        return kv.k_cache[b, :seq_len], kv.v_cache[b, :seq_len]
-    num_blocks = -(-seq_len // block_size)
-    blocks = block_table[:num_blocks].long()
-    k = kv.k_cache.index_select(0, blocks).flatten(0, 1)[:seq_len]
-    v = kv.v_cache.index_select(0, blocks).flatten(0, 1)[:seq_len]
-    return k, v
+        rows = slice(b, b + 1)
+        k, v = kv.k_cache[b, :seq_len], kv.v_cache[b, :seq_len]
+    else:
+        num_blocks = -(-seq_len // block_size)
+        rows = block_table[:num_blocks].long()
+        k = kv.k_cache.index_select(0, rows).flatten(0, 1)[:seq_len]
+        v = kv.v_cache.index_select(0, rows).flatten(0, 1)[:seq_len]
+    if kv.k_scale is None:
+        return k, v
+    ks = kv.k_scale[rows].flatten(0, 1)[:seq_len]
+    vs = kv.v_scale[rows].flatten(0, 1)[:seq_len]
+    dtype = dtype or torch.float32
+    return dequantize_kv(k, ks, dtype), dequantize_kv(v, vs, dtype)
 
 
 def causal_mask(qlen: int, seq_len: int, window: int | None, device: torch.device) -> torch.Tensor:

@@ -8,12 +8,19 @@ lists the row once per ``ring`` positions, so the usual ``table[p // size] *
 size + p % size`` addressing lands in the ring; attention never reads a
 position older than the window, which is what the ring has overwritten.
 
+``dtype: int8 | fp8_e4m3`` stores K/V quantized per (token, KV head) with
+float32 scales in parallel ``[rows, slots, Hkv]`` tensors (see
+``lmplug.interfaces.kvcache.quantize_kv``); the ring and the rows address
+them exactly as the data.
+
 The baseline the paged cache is measured against: simple and fast to read
 (a sequence's K/V is one contiguous slice), but every sequence holds memory
 for the longest possible context.
 """
 
 from __future__ import annotations
+
+from typing import Literal
 
 import torch
 from pydantic import Field
@@ -24,6 +31,9 @@ from lmplug.interfaces import BackendOptions, Capabilities, KVCacheBackend, KVCa
 class ContiguousOptions(BackendOptions):
     max_num_seqs: int | None = Field(default=None, ge=1,
                                      description="rows to preallocate (default: the scheduler's max_num_seqs)")
+    dtype: Literal["auto", "fp8_e4m3", "int8"] = Field(
+        default="auto", description="K/V storage: auto = the model dtype; int8 / fp8_e4m3 = one byte per "
+                                    "value plus a float32 scale per (token, KV head)")
 
 
 class ContiguousKVCache(KVCacheBackend):
@@ -33,16 +43,25 @@ class ContiguousKVCache(KVCacheBackend):
     Options = ContiguousOptions
 
     def __init__(self, options: ContiguousOptions, spec: KVCacheSpec) -> None:
+        spec = spec.with_kv_dtype(options.dtype, self.name)
         super().__init__(options, spec)
         self.num_rows = options.max_num_seqs or spec.max_num_seqs
         self.row_slots = _row_slots(spec)
         shape = (self.num_rows, self.row_slots, spec.num_kv_heads, spec.head_dim)
-        # torch.empty: pages are only touched as sequences fill them
-        self._k = [torch.empty(shape, dtype=spec.dtype, device=spec.device) for _ in range(spec.num_layers)]
+
+        def alloc(shape: tuple[int, ...], dtype: torch.dtype) -> list[torch.Tensor]:
+            # torch.empty: pages are only touched as sequences fill them
+            return [torch.empty(shape, dtype=dtype, device=spec.device) for _ in range(spec.num_layers)]
+
+        self._k = alloc(shape, spec.cache_dtype)
         # the latent layout (MLA) stores no V: attention gets an empty view
-        self._v = ([k[..., :0] for k in self._k] if spec.latent else
-                   [torch.empty(shape, dtype=spec.dtype, device=spec.device) for _ in range(spec.num_layers)])
-        self._views = [KVLayerView(k, v, "contiguous") for k, v in zip(self._k, self._v)]
+        self._v = [k[..., :0] for k in self._k] if spec.latent else alloc(shape, spec.cache_dtype)
+        # quantized: one float32 scale per (slot, KV head), same rows and slots as the data
+        none = [None] * spec.num_layers
+        self._k_scale = alloc(shape[:3], torch.float32) if spec.quantized else none
+        self._v_scale = alloc(shape[:3], torch.float32) if spec.quantized else none
+        self._views = [KVLayerView(k, v, "contiguous", ks, vs)
+                       for k, v, ks, vs in zip(self._k, self._v, self._k_scale, self._v_scale)]
         self._free_rows = list(range(self.num_rows - 1, -1, -1))
         self._row_of: dict[int, int] = {}
 

@@ -5,7 +5,11 @@ tokens actually stored instead of ``max_model_len`` per sequence. The pool
 is one tensor ``[layers, 2 (K, V), num_blocks, block_size, Hkv, D]`` (``[layers, 1, ...]``
 for the MLA latent, ``KVCacheSpec.latent``); layer
 ``l``'s view is ``pool[l, 0]`` / ``pool[l, 1]``, the ``[num_blocks,
-block_size, Hkv, D]`` shape every attention backend reads. The accounting
+block_size, Hkv, D]`` shape every attention backend reads. With ``dtype:
+int8 | fp8_e4m3`` the pool holds one byte per value and a parallel float32
+scale pool ``[layers, 2, num_blocks, block_size, Hkv]`` (one scale per token
+and KV head, ``lmplug.interfaces.kvcache.quantize_kv``); copy-on-write copies
+both, so prefix caching, forks and truncation work unchanged. The accounting
 (free list, refcounts, prefix hashes, LRU of cached blocks) lives in
 ``block_manager.py``; this file owns the tensors, the pool sizing and the
 copies that copy-on-write asks for.
@@ -14,6 +18,7 @@ copies that copy-on-write asks for.
 from __future__ import annotations
 
 import logging
+from typing import Literal
 
 import torch
 from lmplug_kvcache.block_manager import BlockManager
@@ -38,6 +43,10 @@ class PagedOptions(BackendOptions):
                     f"capped at max_num_seqs x max_model_len tokens)")
     prefix_caching: bool = Field(default=False, description="reuse the K/V of full blocks of shared prefixes")
     num_blocks: int | None = Field(default=None, ge=1, description="pool size in blocks (overrides memory_*)")
+    dtype: Literal["auto", "fp8_e4m3", "int8"] = Field(
+        default="auto", description="K/V storage: auto = the model dtype; int8 / fp8_e4m3 = one byte per "
+                                    "value plus a float32 scale per (token, KV head): ~2x (bf16) or ~4x "
+                                    "(fp32) the tokens in the same memory")
 
     @field_validator("block_size")
     @classmethod
@@ -54,22 +63,32 @@ class PagedKVCache(KVCacheBackend):
     Options = PagedOptions
 
     def __init__(self, options: PagedOptions, spec: KVCacheSpec) -> None:
+        spec = spec.with_kv_dtype(options.dtype, self.name)
         super().__init__(options, spec)
         self.num_blocks = pool_blocks(options, spec)
         shape = (spec.num_layers, spec.num_kv_tensors, self.num_blocks, options.block_size,
                  spec.num_kv_heads, spec.head_dim)
         # zeros, not empty: attention masks unused slots, but 0 x NaN garbage would still be NaN
-        self._pool = torch.zeros(shape, dtype=spec.dtype, device=spec.device)
-        # the latent layout (MLA) has one tensor per layer and no V: attention gets an empty view
-        self._views = [KVLayerView(self._pool[i, 0], self._pool[i, 0, ..., :0] if spec.latent
-                                   else self._pool[i, 1], "paged") for i in range(spec.num_layers)]
+        self._pool = torch.zeros(shape, dtype=spec.cache_dtype, device=spec.device)
+        # quantized: a float32 scale per (slot, KV head) in the pool's layout without D
+        self._scales = (torch.zeros(shape[:-1], dtype=torch.float32, device=spec.device)
+                        if spec.quantized else None)
+        self._views = [self._view(i) for i in range(spec.num_layers)]
         self.blocks = BlockManager(self.num_blocks, options.block_size,
                                    enable_prefix_caching=options.prefix_caching,
                                    sliding_window=spec.sliding_window)
-        logger.info("paged KV cache: %d bytes/token, %d blocks of %d tokens = %d tokens (%.2f GiB)%s",
-                    spec.bytes_per_token, self.num_blocks, options.block_size,
+        logger.info("paged KV cache: %s, %d bytes/token, %d blocks of %d tokens = %d tokens (%.2f GiB)%s",
+                    _dtype_name(spec), spec.bytes_per_token, self.num_blocks, options.block_size,
                     self.num_tokens, self.memory_bytes / 2**30,
                     ", prefix caching on" if options.prefix_caching else "")
+
+    def _view(self, layer: int) -> KVLayerView:
+        pool, spec = self._pool[layer], self.spec
+        # the latent layout (MLA) has one tensor per layer and no V: attention gets an empty view
+        v = pool[0, ..., :0] if spec.latent else pool[1]
+        if self._scales is None:
+            return KVLayerView(pool[0], v, "paged")
+        return KVLayerView(pool[0], v, "paged", self._scales[layer, 0], self._scales[layer, 1])
 
     # -- layout -----------------------------------------------------------------------------
     @property
@@ -87,7 +106,8 @@ class PagedKVCache(KVCacheBackend):
 
     @property
     def memory_bytes(self) -> int:
-        return self._pool.numel() * self._pool.element_size()
+        scales = 0 if self._scales is None else self._scales.numel() * self._scales.element_size()
+        return self._pool.numel() * self._pool.element_size() + scales
 
     def layer_view(self, layer: int) -> KVLayerView:
         return self._views[layer]
@@ -121,10 +141,19 @@ class PagedKVCache(KVCacheBackend):
         return self.blocks.num_used_blocks / self.num_blocks
 
     def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
-        """Copy whole blocks (every layer, K and V) before a sequence writes into its own copy."""
+        """Copy whole blocks (every layer, K and V, and their scales) before a sequence writes
+        into its own copy."""
         src = torch.tensor([s for s, _ in copies], device=self._pool.device)
         dst = torch.tensor([d for _, d in copies], device=self._pool.device)
-        self._pool[:, :, dst] = self._pool[:, :, src]
+        # CPU index_put has no float8 kernel: copy the bytes
+        pool = self._pool.view(torch.uint8) if self._pool.dtype == torch.float8_e4m3fn else self._pool
+        pool[:, :, dst] = pool[:, :, src]
+        if self._scales is not None:
+            self._scales[:, :, dst] = self._scales[:, :, src]
+
+
+def _dtype_name(spec: KVCacheSpec) -> str:
+    return spec.kv_dtype if spec.quantized else str(spec.dtype).removeprefix("torch.")
 
 
 def pool_blocks(options: PagedOptions, spec: KVCacheSpec) -> int:

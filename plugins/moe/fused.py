@@ -8,6 +8,10 @@ the gate/up SiLU-and-multiply fused into the first. The PyTorch twin is the
 Runs on CUDA. Under ``TRITON_INTERPRET=1`` (tests, the conformance suite) it
 also claims the CPU, with a priority below ``reference`` so that
 ``backend: auto`` never picks interpreted kernels; name it to use it there.
+
+It reads stacked dense experts only: a quantized model's experts reach it
+dequantized (the default for experts, on CPU and CUDA); experts kept packed
+(``dequantize_at_load: false``) are refused at load in favour of ``reference``.
 """
 
 from __future__ import annotations

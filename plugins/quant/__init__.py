@@ -1,7 +1,8 @@
 """First-party quant methods. Registered through the ``lmplug.plugins`` entry point.
 
 ``rtn`` (round-to-nearest at load time), ``gptq`` and ``awq`` (packed
-checkpoints); see ``common.py`` for how each runs on CPU and CUDA.
+checkpoints); see ``common.py`` for how each runs on CPU and CUDA. W8A8:
+``fp8``, ``int8`` (``w8a8_common.py``), and ``compressed-tensors`` checkpoints.
 """
 
 from lmplug import hookimpl
@@ -12,7 +13,18 @@ LMPLUG_API_VERSION = 1
 @hookimpl
 def lmplug_register_quant_methods() -> list[type]:
     from lmplug_quant.awq import AWQ
+    from lmplug_quant.compressed_tensors import CompressedTensors
+    from lmplug_quant.fp8 import FP8
     from lmplug_quant.gptq import GPTQ
+    from lmplug_quant.int8 import INT8
     from lmplug_quant.rtn import RTN
 
-    return [RTN, GPTQ, AWQ]
+    return [RTN, GPTQ, AWQ, FP8, INT8, CompressedTensors]
+
+
+@hookimpl
+def lmplug_register_quantizers() -> list[type]:
+    """Offline quantizers (``lmplug quantize``): rtn, gptq, awq, smoothquant, fp8."""
+    from lmplug_quant.quantizers import QUANTIZERS
+
+    return list(QUANTIZERS)

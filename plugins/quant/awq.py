@@ -71,6 +71,10 @@ class AWQ(PackedMethod):
         layer.act_dtype = dtype
         layer.group_rows = group
 
+    def input_layout(self, layer, param_name):
+        group = None if self.options.group_size == -1 else (0, self.options.group_size)
+        return {"qweight": (0, 1), "qzeros": group, "scales": group}.get(param_name, (1, 1))
+
     def normalize(self, layer):
         # the kernel reads one group index per input row, as for GPTQ
         rows = torch.arange(layer.qweight.shape[0], dtype=torch.int32, device=layer.qweight.device)
@@ -85,3 +89,9 @@ class AWQ(PackedMethod):
     def kernel_args(self, layer):
         return {"qweight": layer.qweight, "qzeros": layer.qzeros, "scales": layer.scales,
                 "g_idx": layer.g_idx, "bits": 4, "awq_order": True}
+
+    def int4_values(self, layer, probe=False):
+        if probe:
+            return None, None, None, layer.group_rows
+        return (unpack_cols(layer.qweight, 4, AWQ_ORDER), unpack_cols(layer.qzeros, 4, AWQ_ORDER),
+                layer.scales, layer.group_rows)

@@ -35,9 +35,11 @@ class WeightOnlyOptions(BackendOptions):
 
 
 class PackedOptions(WeightOnlyOptions):
-    kernel: Literal["auto", "triton", "torch"] = Field(
+    kernel: Literal["auto", "triton", "torch", "torch_packed"] = Field(
         default="auto", description="matmul on packed weights: triton (fused dequantize GEMM), torch "
-        "(unpack, dequantize, matmul); auto: triton on CUDA, else torch")
+        "(unpack, dequantize, matmul), torch_packed (torch's int4 CPU matmul on weights repacked at "
+        "load: 4-bit, contiguous groups of 32/64/128/256, out_features a multiple of 16, bfloat16 "
+        "models); auto: triton on CUDA, torch_packed on CPU where it runs, else torch")
 
 
 def check_group_size(method: str, group_size: int, in_features: int) -> int:
@@ -70,6 +72,45 @@ def float_param(*shape: int, dtype: torch.dtype = torch.float32) -> torch.nn.Par
 
 def triton_interpreted() -> bool:
     return os.environ.get("TRITON_INTERPRET", "") not in ("", "0")
+
+
+TORCH_PACKED_GROUPS = (32, 64, 128, 256)
+
+
+def torch_packed_problem(dtype: torch.dtype, device: torch.device, out_features: int,
+                         group: int | None) -> str | None:
+    """Why torch's packed int4 CPU matmul (``_weight_int4pack_mm_for_cpu``) cannot run a layer;
+    None: it can. It is fast only for bfloat16 (float32/float16 run 10-100x slower than a dense
+    matmul in torch 2.13), so other dtypes are refused."""
+    if device.type != "cpu":
+        return f"runs on CPU (the weights are on {device.type})"
+    if dtype != torch.bfloat16:
+        return f"needs a bfloat16 model (got {dtype}; torch's packed CPU matmul is slow for others)"
+    if group is None:
+        return "needs 4-bit weights in contiguous input groups (no act-order)"
+    if group not in TORCH_PACKED_GROUPS:
+        return f"needs a group size in {TORCH_PACKED_GROUPS} (got {group})"
+    if out_features % 16:
+        return f"needs out_features divisible by 16 (got {out_features})"
+    return None
+
+
+def int4pack(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``W[k, n] = scales[g, n] * (q[k, n] - zeros[g, n])`` (q, zeros in 0..15, ``[K, N]`` / ``[G, N]``)
+    -> (torch's packed int4 weight, ``scale_and_zeros [G, N, 2]`` bf16), for
+    ``_weight_int4pack_mm_for_cpu``, which computes ``(q - 8) * scale + zero``: zero = s * (8 - z)."""
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.T.contiguous().int(), 2)
+    s = scales.float()
+    offset = s * (8 - zeros.float())
+    return packed, torch.stack([s, offset], dim=-1).to(torch.bfloat16).contiguous()
+
+
+def int4pack_linear(layer: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    x2 = x.reshape(-1, x.shape[-1]).to(torch.bfloat16)
+    y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, layer.int4pack, layer.int4pack_group,
+                                                   layer.int4pack_scale_zeros)
+    y = y.reshape(*x.shape[:-1], y.shape[-1])
+    return (y if layer.bias is None else y + layer.bias).to(x.dtype)
 
 
 def wants_dense(options: WeightOnlyOptions, uses_kernel: bool) -> bool:
@@ -116,16 +157,38 @@ class PackedMethod(QuantMethod):
 
     def process_weights_after_loading(self, layer):
         self.normalize(layer)
-        device = layer.qweight.device
+        device = getattr(layer, self.DROP[0]).device  # the packed weight
         layer.use_kernel = self.uses_kernel(device)
-        if wants_dense(self.options, layer.use_kernel):
+        # MoE experts (``moe_expert``): no grouped kernel reads packed experts, so dense by default
+        if wants_dense(self.options, layer.use_kernel and not getattr(layer, "moe_expert", False)):
             weight = self.dequantize(layer).T.to(layer.act_dtype)
             replace_with_dense(layer, weight, self.DROP + self.extra_drop())
             layer.use_kernel = False
+        elif not layer.use_kernel and self.uses_torch_packed(layer, device):
+            q, zeros, scales, group = self.int4_values(layer)
+            layer.int4pack, layer.int4pack_scale_zeros = int4pack(q, scales, zeros)
+            layer.int4pack_group = group
+            for name in self.DROP + self.extra_drop():
+                delattr(layer, name)
+
+    def uses_torch_packed(self, layer: torch.nn.Module, device: torch.device) -> bool:
+        """``kernel: torch_packed`` (an error where it cannot run), or ``auto`` on CPU where it can."""
+        kernel = self.options.kernel
+        if kernel not in ("auto", "torch_packed") or getattr(layer, "moe_expert", False):
+            return False  # MoE backends read experts' packed tensors themselves
+        values = self.int4_values(layer, probe=True)
+        group = None if values is None else values[3]
+        problem = torch_packed_problem(layer.act_dtype, device, layer.out_features, group)
+        if kernel == "torch_packed" and problem:
+            raise ModelLoadError(f"quant method {self.name!r}: `kernel: torch_packed` {problem}; "
+                                 "use `kernel: auto`")
+        return problem is None
 
     def apply(self, layer, x):
         if hasattr(layer, "weight"):
             return dense_linear(layer, x, None)
+        if hasattr(layer, "int4pack"):
+            return int4pack_linear(layer, x)
         if layer.use_kernel:
             from lmplug_quant.w4a16_kernels import w4a16_gemm
 
@@ -147,3 +210,9 @@ class PackedMethod(QuantMethod):
 
     def kernel_args(self, layer: torch.nn.Module) -> dict:
         raise NotImplementedError
+
+    def int4_values(self, layer: torch.nn.Module, probe: bool = False) -> tuple | None:
+        """4-bit weights in contiguous input groups: ``(q [K, N], zeros [G, N], scales [G, N], group)``
+        with ``W = scales * (q - zeros)`` per group (``probe``: only the group matters); None: the
+        layout has no such form (8-bit, act-order), so torch's packed int4 matmul cannot run it."""
+        return None

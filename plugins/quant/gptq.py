@@ -63,10 +63,13 @@ class GPTQ(PackedMethod):
 
     def create_weights(self, layer, in_features, out_features, dtype, bias):
         bits, p = self.options.bits, values_per_word(self.options.bits)
-        group = check_group_size(self.name, self.options.group_size, in_features)
+        # tensor parallel, row-parallel layer: act-order groups index all input rows, so every
+        # rank keeps every group's scales and zeros (``input_layout``)
+        rows = getattr(layer, "full_in_features", in_features) if self.options.desc_act else in_features
+        group = check_group_size(self.name, self.options.group_size, rows)
         check_divisible(self.name, "in_features", in_features, p)
         check_divisible(self.name, "out_features", out_features, p)
-        groups = in_features // group
+        groups = rows // group
         layer.qweight = int_param(in_features * bits // 32, out_features)
         layer.qzeros = int_param(groups, out_features * bits // 32)
         layer.scales = float_param(groups, out_features)
@@ -79,8 +82,18 @@ class GPTQ(PackedMethod):
                   "scales": (1, 1), "g_idx": None}
         return packed.get(param_name, (0, 1))
 
+    def input_layout(self, layer, param_name):
+        whole_groups = self.options.desc_act or self.options.group_size == -1
+        group = None if whole_groups else (0, self.options.group_size)
+        packed = {"qweight": (0, values_per_word(self.options.bits)), "qzeros": group, "scales": group,
+                  "g_idx": (0, 1)}
+        return packed.get(param_name, (1, 1))
+
     def normalize(self, layer):
         groups = layer.scales.shape[0]
+        start = getattr(layer, "input_start", 0)
+        if start and not self.options.desc_act and self.options.group_size != -1:
+            layer.g_idx.data -= start // self.options.group_size  # a row-parallel slice's own groups
         g = layer.g_idx.data
         if g.numel() and (int(g.min()) < 0 or int(g.max()) >= groups):
             raise ModelLoadError(f"quant method 'gptq': g_idx holds groups {int(g.min())}..{int(g.max())}, "
@@ -99,3 +112,14 @@ class GPTQ(PackedMethod):
     def kernel_args(self, layer):
         return {"qweight": layer.qweight, "qzeros": layer.qzeros, "scales": layer.scales,
                 "g_idx": layer.g_idx, "bits": self.options.bits, "awq_order": False}
+
+    def int4_values(self, layer, probe=False):
+        k, groups = layer.g_idx.shape[0], layer.scales.shape[0]
+        if self.options.bits != 4 or k % groups:
+            return None
+        group = k // groups
+        if not torch.equal(layer.g_idx.long(), torch.arange(k, device=layer.g_idx.device) // group):
+            return None  # act-order: groups are not contiguous runs of inputs
+        if probe:
+            return None, None, None, group
+        return unpack_rows(layer.qweight, 4), unpack_cols(layer.qzeros, 4), layer.scales, group

@@ -6,7 +6,10 @@ once after loading, symmetric per group of ``group_size`` input features:
 ``q = clamp(round(w / scale), -qmax - 1, qmax)``, ``w ~ q * scale``.
 int8 values are stored as int8 ``[out, in]``; int4 values as two per byte
 ``[out, in / 2]`` (low nibble = even column, value + 8). ``scales [out, groups]``
-float32. See ``common.py`` for when the dense weight is kept instead.
+float32. See ``common.py`` for when the dense weight is kept instead. Not dense, on CPU, in a
+bfloat16 model: torch's packed CPU matmuls (int4: ``_weight_int4pack_mm_for_cpu``, group 32-256;
+int8 with ``group_size: -1``: ``_weight_int8pack_mm``), 2-3x faster than a dense bf16 matmul at
+decode (``benchmarks/bench_quant_cpu.py``).
 """
 
 from __future__ import annotations
@@ -19,8 +22,11 @@ from lmplug_quant.common import (
     WeightOnlyOptions,
     check_group_size,
     dense_linear,
+    int4pack,
+    int4pack_linear,
     make_bias,
     replace_with_dense,
+    torch_packed_problem,
     wants_dense,
 )
 from pydantic import Field, field_validator
@@ -87,12 +93,33 @@ class RTN(QuantMethod):
             replace_with_dense(layer, rtn_dequantize(q, scales).to(weight.dtype), ("weight",))
             return
         del layer.weight
+        if self._torch_packed(weight, group):  # torch's packed CPU matmul (bf16; see common.py)
+            if self.options.bits == 4:
+                layer.int4pack, layer.int4pack_scale_zeros = int4pack(
+                    (q.long() + 8).T, scales.T, torch.full_like(scales.T, 8))
+                layer.int4pack_group = group
+            else:
+                layer.int8pack, layer.int8pack_scales = q.contiguous(), scales[:, 0].to(torch.bfloat16)
+            return
         layer.qweight = torch.nn.Parameter(pack_int4(q) if self.options.bits == 4 else q,
                                            requires_grad=False)
         layer.scales = torch.nn.Parameter(scales, requires_grad=False)
 
+    def _torch_packed(self, weight: torch.Tensor, group: int) -> bool:
+        """int4: ``_weight_int4pack_mm_for_cpu``; int8 with one scale per row: ``_weight_int8pack_mm``."""
+        if self.options.bits == 8:
+            return group == weight.shape[1] and weight.dtype == torch.bfloat16 and weight.device.type == "cpu"
+        return torch_packed_problem(weight.dtype, weight.device, weight.shape[0], group) is None
+
     def apply(self, layer, x):
         if hasattr(layer, "weight"):
             return dense_linear(layer, x, None)
+        if hasattr(layer, "int4pack"):
+            return int4pack_linear(layer, x)
+        if hasattr(layer, "int8pack"):
+            x2 = x.reshape(-1, x.shape[-1]).to(torch.bfloat16)
+            y = torch.ops.aten._weight_int8pack_mm(x2, layer.int8pack, layer.int8pack_scales)
+            y = y.reshape(*x.shape[:-1], y.shape[-1])
+            return (y if layer.bias is None else y + layer.bias).to(x.dtype)
         q = unpack_int4(layer.qweight) if self.options.bits == 4 else layer.qweight
         return dense_linear(layer, x, rtn_dequantize(q, layer.scales).T)

@@ -4,7 +4,9 @@
 - ``draft_model``: a smaller model with the same tokenizer, with its own KV cache;
 - ``layer_skip``: the target's own first layers and its head as the draft;
 - ``medusa``: heads on the target's hidden state (FasterDecoding format; train with
-  ``lmplug train-drafter --method medusa MODEL OUT``).
+  ``lmplug train-drafter --method medusa MODEL OUT``);
+- ``eagle``: an EAGLE-1/2 head (fc + one decoder layer) over the target's features (train with
+  ``lmplug train-drafter --method eagle MODEL OUT``).
 """
 
 from lmplug import hookimpl
@@ -15,7 +17,8 @@ LMPLUG_API_VERSION = 1
 @hookimpl
 def lmplug_register_drafters() -> list[type]:
     from lmplug_speculative.draft_model import DraftModelDrafter, LayerSkipDrafter
+    from lmplug_speculative.eagle import EagleDrafter
     from lmplug_speculative.medusa import MedusaDrafter
     from lmplug_speculative.ngram import NgramDrafter
 
-    return [NgramDrafter, DraftModelDrafter, LayerSkipDrafter, MedusaDrafter]
+    return [NgramDrafter, DraftModelDrafter, LayerSkipDrafter, MedusaDrafter, EagleDrafter]

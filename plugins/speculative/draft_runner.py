@@ -97,20 +97,25 @@ class DraftRunner:
 
     def _choose(self, logits: torch.Tensor, seqs: list[Sequence],
                 sampling: bool) -> tuple[list[int], torch.Tensor | None]:
-        """Next draft token per sequence and, when sampling, the distributions drawn from."""
-        logits = fit_vocab(logits.float(), self.target_vocab)
-        if not sampling:
-            return logits.argmax(-1).tolist(), None
-        q = processed_logits(logits, [s.params for s in seqs]).softmax(-1)
-        chosen = []
-        for i, seq in enumerate(seqs):
-            if seq.params.is_greedy:  # a point mass on the argmax: exact for the verifier too
-                token = int(logits[i].argmax())
-                q[i].zero_()[token] = 1
-            else:
-                token = draw(q[i], seq.generator)
-            chosen.append(token)
-        return chosen, q
+        return choose_tokens(logits, seqs, sampling, self.target_vocab)
+
+
+def choose_tokens(logits: torch.Tensor, seqs: list[Sequence], sampling: bool,
+                  vocab: int) -> tuple[list[int], torch.Tensor | None]:
+    """Next draft token per sequence and, when sampling, the distributions drawn from."""
+    logits = fit_vocab(logits.float(), vocab)
+    if not sampling:
+        return logits.argmax(-1).tolist(), None
+    q = processed_logits(logits, [s.params for s in seqs]).softmax(-1)
+    chosen = []
+    for i, seq in enumerate(seqs):
+        if seq.params.is_greedy:  # a point mass on the argmax: exact for the verifier too
+            token = int(logits[i].argmax())
+            q[i].zero_()[token] = 1
+        else:
+            token = draw(q[i], seq.generator)
+        chosen.append(token)
+    return chosen, q
 
 
 def common_prefix(a: list[int], b: list[int], limit: int) -> int:

@@ -58,16 +58,22 @@ class TrainResult:
     accuracy_after: list[float]
 
 
-def train_medusa(model: str, out: str, options: dict) -> TrainResult:
+def open_target(method: str, options_cls, model: str, options: dict):
+    """Validated training options and the target model (float32, continuous batching), seeded."""
     try:
-        opts = MedusaTrainOptions(**options)
+        opts = options_cls(**options)
     except ValidationError as exc:
-        raise ConfigError(f"train-drafter medusa: invalid options: {exc}") from None
+        raise ConfigError(f"train-drafter {method}: invalid options: {exc}") from None
     from lmplug import LLM
 
     torch.manual_seed(opts.seed)
     llm = LLM(model, device=opts.device, dtype="float32", max_model_len=1024,
               scheduler={"backend": "continuous", "max_num_seqs": opts.max_num_seqs})
+    return opts, llm
+
+
+def train_medusa(model: str, out: str, options: dict) -> TrainResult:
+    opts, llm = open_target("medusa", MedusaTrainOptions, model, options)
     answers = generate_answers(llm, opts)
     n_eval = max(1, len(answers) // 10)  # whole answers held out: neighbouring positions leak
     train = collect_features(llm.engine, answers[n_eval:], opts.num_heads)

@@ -1,0 +1,271 @@
+"""Starting a tensor-parallel group: rank 0 spawns N-1 workers, or every rank joins a torchrun launch.
+
+Rank 0 is the engine's own process. ``WorkerGroup`` spawns the workers (``torch.multiprocessing``
+spawn context, daemonic), meets them at a free TCP port on loopback and keeps a watchdog thread
+on their process sentinels: when a worker dies, the others are killed at once and the next (or
+current) step raises ``TensorParallelError`` naming the rank and its exit code or signal, with the
+worker's own error when it sent one. A collective that fails because a peer vanished is turned
+into the same error. ``close`` (engine close, or ``atexit``) stops and joins every worker.
+
+Scripts that build a tensor-parallel engine at import time must guard it with
+``if __name__ == "__main__":`` (the spawn start method imports the main module in each worker).
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import datetime
+import logging
+import os
+import pickle
+import signal
+import socket
+import threading
+import time
+from multiprocessing.connection import wait as wait_sentinels
+
+import torch
+
+from lmplug.parallel.state import ParallelState, TensorParallelError
+
+logger = logging.getLogger(__name__)
+
+STOP = None  # the message that ends a worker's loop
+
+
+def init_rank(rank: int, world_size: int, init_method: str | None, backend: str,
+              timeout_s: float, expert_parallel: bool = False) -> ParallelState:
+    """Join the default process group (and, over NCCL, a gloo group for pickled messages).
+    ``expert_parallel``: MoE experts are split whole across the ranks (``parallel.expert_parallel``)."""
+    import torch.distributed as dist
+
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)) % torch.cuda.device_count())
+    kwargs = {"init_method": init_method} if init_method else {}
+    dist.init_process_group(backend, rank=rank, world_size=world_size,
+                            timeout=datetime.timedelta(seconds=timeout_s), **kwargs)
+    cpu_group = dist.new_group(backend="gloo") if backend == "nccl" else None
+    return ParallelState(rank, world_size, expert_parallel=expert_parallel, cpu_group=cpu_group)
+
+
+def torchrun_rank(world_size: int) -> int | None:
+    """This process's rank when it was started by ``torchrun`` for ``world_size`` processes."""
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        return None
+    if int(os.environ["WORLD_SIZE"]) != world_size:
+        from lmplug.errors import ConfigError
+
+        raise ConfigError(f"parallel.tensor_parallel_size is {world_size}, but torchrun started "
+                          f"WORLD_SIZE={os.environ['WORLD_SIZE']} processes; make them equal")
+    return int(os.environ["RANK"])
+
+
+def expert_parallel(payload: dict) -> bool:
+    """``parallel.expert_parallel`` of the engine config a group is started with."""
+    return bool(payload["config"].get("parallel", {}).get("expert_parallel", False))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _describe_exit(code: int | None) -> str:
+    if code is None:
+        return "stopped responding"
+    if code < 0:
+        try:
+            return f"was killed by signal {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with code {code}"
+
+
+class WorkerGroup:
+    """Rank 0's side of a tensor-parallel group (``state``: rank 0's ``ParallelState``)."""
+
+    def __init__(self, payload: dict, world_size: int, backend: str, timeout_s: float) -> None:
+        import torch.distributed as dist
+        import torch.multiprocessing as mp
+
+        from lmplug.parallel.worker import worker_main
+
+        if dist.is_initialized():  # the group is the process's default group: one at a time
+            raise TensorParallelError("a tensor-parallel engine is already running in this process; "
+                                      "close it first (LLM.close() / LLMEngine.close())")
+
+        self.world_size = world_size
+        self.failure: str | None = None
+        self._closed = False
+        self._lock = threading.Lock()
+        ctx = mp.get_context("spawn")
+        self._reasons: dict[int, str] = {}  # rank -> the error a worker sent before exiting
+        self._pipes = {}
+        # steps travel through one pipe per worker, not a collective: a worker may wait for the
+        # next step forever (an idle server), and sees EOF at once when rank 0 dies
+        self._steps: list | None = []
+        init_method = f"tcp://127.0.0.1:{_free_port()}"
+        self.procs = {}
+        for rank in range(1, world_size):
+            reader, writer = ctx.Pipe(duplex=False)
+            step_reader, step_writer = ctx.Pipe(duplex=False)
+            proc = ctx.Process(target=worker_main, name=f"lmplug-tp-rank{rank}", daemon=True,
+                               args=(rank, world_size, init_method, backend, timeout_s, payload, writer,
+                                     step_reader))
+            proc.start()
+            writer.close()
+            step_reader.close()
+            self.procs[rank], self._pipes[rank] = proc, reader
+            self._steps.append(step_writer)
+        atexit.register(self.close)
+        self._watchdog = threading.Thread(target=self._watch, name="lmplug-tp-watchdog", daemon=True)
+        self._watchdog.start()
+        try:
+            self.state = self._join(init_method, backend, timeout_s, expert_parallel(payload))
+        except BaseException:
+            self.close()
+            raise
+        logger.info("tensor parallel: %d ranks over %s (workers %s)", world_size, backend,
+                    ", ".join(f"{r}: pid {p.pid}" for r, p in self.procs.items()))
+
+    @classmethod
+    def joined(cls, state: ParallelState) -> WorkerGroup:
+        """Rank 0 of a ``torchrun`` launch: the other ranks are not our children (a dead one
+        shows as a failed collective)."""
+        group = cls.__new__(cls)
+        group.world_size, group.state, group.failure, group._closed = state.world_size, state, None, False
+        group._lock, group.procs, group._reasons, group._pipes = threading.Lock(), {}, {}, {}
+        group._steps = None  # steps are broadcast over the group (torchrun ranks are not our children)
+        atexit.register(group.close)
+        return group
+
+    # -- start-up ------------------------------------------------------------------------------
+    def _join(self, init_method: str, backend: str, timeout_s: float, experts_split: bool) -> ParallelState:
+        """Rank 0 joins the group in a helper thread, so a worker that dies first is reported
+        at once instead of after the rendezvous timeout."""
+        box: dict = {}
+
+        def join() -> None:
+            try:
+                box["state"] = init_rank(0, self.world_size, init_method, backend, timeout_s, experts_split)
+            except BaseException as exc:  # noqa: BLE001 (re-raised by the waiting thread)
+                box["error"] = exc
+
+        thread = threading.Thread(target=join, name="lmplug-tp-join", daemon=True)
+        thread.start()
+        while thread.is_alive():
+            thread.join(0.1)
+            if self.failure is not None:
+                raise TensorParallelError(self.failure)
+        if "error" in box:
+            raise box["error"]
+        return box["state"]
+
+    # -- the watchdog ---------------------------------------------------------------------------
+    def _watch(self) -> None:
+        pending = {proc.sentinel: rank for rank, proc in self.procs.items()}
+        while pending and not self._closed:
+            for sentinel in wait_sentinels(list(pending), timeout=0.5):
+                rank = pending.pop(sentinel)
+                if not self._closed:
+                    self._fail(rank)
+
+    def _fail(self, rank: int) -> None:
+        proc = self.procs[rank]
+        proc.join(1.0)
+        try:
+            if self._pipes[rank].poll():
+                self._reasons[rank] = self._pipes[rank].recv()
+        except (EOFError, OSError):  # it died without a word
+            pass
+        with self._lock:
+            if self.failure is not None or self._closed:
+                return
+            why = self._reasons.get(rank)
+            self.failure = (f"tensor-parallel worker rank {rank} (pid {proc.pid}) {_describe_exit(proc.exitcode)}"
+                            + (f": {why}" if why else "") + "; the other ranks were stopped")
+        logger.error("%s", self.failure)
+        self._kill_all()
+
+    def _kill_all(self) -> None:
+        for proc in self.procs.values():
+            if proc.is_alive():
+                proc.kill()
+        for proc in self.procs.values():
+            proc.join(5.0)
+
+    # -- steps ------------------------------------------------------------------------------------
+    def check(self) -> None:
+        if self.failure is not None:
+            raise TensorParallelError(self.failure)
+        if self._closed:
+            raise TensorParallelError("the tensor-parallel group is closed")
+
+    def run_step(self, runner, input_ids: torch.Tensor, ctx, groups: list):
+        """Broadcast the step's inputs, then run rank 0's shard of it (``ModelRunner.run``)."""
+        self.check()
+        try:
+            self._send((input_ids.cpu(), _ctx_to(ctx, "cpu"), groups))
+            return runner.run(input_ids, ctx, groups)
+        except BaseException as exc:  # Ctrl-C mid-step too: the ranks are out of step
+            error = self._step_error(exc)
+            if error is exc:
+                raise
+            raise error from exc
+
+    def _send(self, msg) -> None:
+        if self._steps is None:
+            self.state.broadcast_object(msg)
+            return
+        data = pickle.dumps(msg)  # plain pickle: tensors as bytes, not torch's shared-memory handles
+        for conn in self._steps:
+            conn.send_bytes(data)
+
+    def _step_error(self, exc: Exception) -> Exception:
+        """A collective failed, or rank 0's own forward did. Either way the ranks are out of step:
+        stop them. A worker that died is the error to report (the watchdog names it)."""
+        deadline = time.monotonic() + 3.0
+        while self.failure is None and time.monotonic() < deadline and \
+                isinstance(exc, RuntimeError):
+            time.sleep(0.05)
+        failure = self.failure
+        self.close()
+        if failure is not None:
+            return TensorParallelError(failure)
+        return exc
+
+    # -- shutdown ---------------------------------------------------------------------------------
+    def close(self) -> None:
+        """Tell the workers to stop, join them (kill what does not exit), leave the group."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        atexit.unregister(self.close)
+        healthy = self.failure is None and all(p.is_alive() for p in self.procs.values())
+        if healthy and hasattr(self, "state"):
+            with contextlib.suppress(RuntimeError, OSError):  # a worker died meanwhile; it is killed below
+                self._send(STOP)
+        for proc in self.procs.values():
+            proc.join(5.0 if healthy else 0.1)
+        self._kill_all()
+        _leave_group()
+
+
+def _leave_group() -> None:
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        with contextlib.suppress(RuntimeError, ValueError):  # a broken group: nothing more to release
+            dist.destroy_process_group()
+
+
+def _ctx_to(ctx, device):
+    """``StepContext`` with its tensors on ``device`` (host copies travel between ranks)."""
+    import dataclasses
+
+    return dataclasses.replace(ctx, **{f.name: getattr(ctx, f.name).to(device)
+                                       for f in dataclasses.fields(ctx)
+                                       if isinstance(getattr(ctx, f.name), torch.Tensor)})

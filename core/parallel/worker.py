@@ -1,0 +1,74 @@
+"""A tensor-parallel worker (ranks 1..N-1): build the model's shard, then run rank 0's steps.
+
+The worker re-resolves the engine config it was given and builds the same parts as rank 0
+(``build_engine_parts`` with its ``ParallelState``: local heads, its slice of every weight, a KV
+cache with its KV heads only). Then, until the stop message: receive the step's inputs (input ids,
+``StepContext``, the rows that need logits) broadcast by rank 0 and run ``ModelRunner.run`` on
+them; the row-parallel all-reduces and the logits gather meet rank 0's. A failure is sent to rank
+0 (through a pipe) before the process exits; a worker whose parent dies exits within a second.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import signal
+import threading
+import time
+
+
+def worker_main(rank: int, world_size: int, init_method: str | None, backend: str, timeout_s: float,
+                payload: dict, errors, steps) -> None:
+    """Entry point of a spawned worker (``launch.WorkerGroup``)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is rank 0's to handle; it stops us
+    _exit_with_parent()
+    logging.basicConfig(level=logging.WARNING)
+    from tqdm import tqdm
+
+    tqdm.set_lock(threading.RLock())  # not tqdm's default multiprocessing lock, which os._exit would leak
+    try:
+        from lmplug.parallel.launch import expert_parallel, init_rank
+
+        state = init_rank(rank, world_size, init_method, backend, timeout_s, expert_parallel(payload))
+        serve(state, payload, lambda: pickle.loads(steps.recv_bytes()))
+    except BaseException as exc:  # noqa: BLE001 (tell rank 0 why, then go)
+        try:
+            errors.send(f"{type(exc).__name__}: {exc}")
+        finally:
+            os._exit(1)
+    os._exit(0)  # skip interpreter teardown: the group is left, nothing else to flush
+
+
+def serve(state, payload: dict, receive=None) -> None:
+    """Build this rank's parts and run steps until rank 0 says stop. ``receive``: the next step
+    message (a spawned worker's pipe); None: broadcast over the group (torchrun ranks)."""
+    from lmplug.config import EngineConfig, resolve
+    from lmplug.engine.build import build_engine_parts
+    from lmplug.parallel.launch import STOP, _ctx_to, _leave_group
+
+    config = EngineConfig.from_dict(payload["config"], source=payload["source"])
+    resolved = resolve(config, device=payload["device"], dtype=payload["dtype"], source=payload["source"])
+    parts = build_engine_parts(resolved, parallel=state)
+    runner, device = parts.runner, parts.runner.device
+    receive = receive or state.broadcast_object
+    while True:
+        msg = receive()  # EOFError when rank 0 is gone
+        if msg is STOP:
+            break
+        input_ids, ctx, groups = msg
+        runner.run(input_ids.to(device), _ctx_to(ctx, device), groups)
+    _leave_group()
+
+
+def _exit_with_parent() -> None:
+    """Exit when rank 0's process is gone (it may have been killed before it could stop us)."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while True:
+            time.sleep(0.5)
+            if os.getppid() != parent:
+                os._exit(1)
+
+    threading.Thread(target=watch, name="lmplug-tp-parent", daemon=True).start()

@@ -1,0 +1,237 @@
+"""``eagle``: EAGLE-1/2 draft heads (Li et al., 2024): one decoder layer over the target's features.
+
+Per target sequence the drafter keeps a *mirror* in a one-layer KV cache of the target's
+KV class (so the target's attention backend reads it, contiguous or paged). Mirror
+position t holds the pair (target feature at t, token t+1) — the features come from a
+``FeatureStore`` that records the target's final hidden state at every computed position.
+
+``propose`` (chain drafting, ``k`` tokens):
+
+1. sync: the mirror's K/V stays valid up to the positions that were computed from the
+   target's real features and whose tokens still match (drafts the target rejected, and
+   the positions drafted from the head's own predicted features, lie past it);
+2. catch up: one batched forward over each mirror's new positions (the whole prompt on the
+   first call, then the tokens accepted last step) with real features; the output at the
+   last position is the predicted next feature, the target's ``lm_head`` gives draft 1;
+3. ``k - 1`` more single-token forwards, each feeding the predicted feature and the token
+   just drafted.
+
+With a draft vocabulary (``draft_vocab.safetensors`` beside the heads, written by the
+trainer: the tokens the target actually produced) the draft logits come from those rows of
+the ``lm_head`` only; tokens outside it are never drafted (probability 0 in ``q``, which
+the verifier handles exactly). Greedy requests take the argmax; sampling requests draw from the filtered distribution with
+the request's generator and return it in ``probs`` (the verifier stays exact either way).
+Heads: ``heads: FOLDER`` in the published layout (``eagle_head.py``); train some with
+``lmplug train-drafter --method eagle MODEL OUT`` (``eagle_train.py``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from lmplug_speculative.draft_model import draft_kv_cache
+from lmplug_speculative.draft_runner import choose_tokens, common_prefix
+from lmplug_speculative.eagle_head import EagleHead, load_draft_vocab, load_head
+from lmplug_speculative.feature_store import FeatureStore
+from pydantic import Field
+
+from lmplug.engine.params import SamplingParams
+from lmplug.engine.runner import ModelRunner
+from lmplug.engine.sequence import Sequence
+from lmplug.errors import ConfigError
+from lmplug.interfaces import (
+    Capabilities,
+    Drafter,
+    DrafterOptions,
+    DraftProposal,
+    DraftTarget,
+    ScheduledSeq,
+)
+
+_MIRROR_PARAMS = SamplingParams(max_tokens=None)
+
+
+class EagleOptions(DrafterOptions):
+    heads: str = Field(description="folder with config.json and model.safetensors (or pytorch_model.bin) "
+                                   "of EAGLE-1/2 heads")
+    draft_vocab: bool = Field(default=True, description="draft only the tokens listed in the heads' "
+                                                        "draft_vocab.safetensors, when present")
+
+
+class EagleDrafter(Drafter):
+    name = "eagle"
+    capabilities = Capabilities(devices=frozenset({"cpu", "cuda"}))
+    Options = EagleOptions
+
+    def setup(self, target: DraftTarget) -> None:
+        cfg = target.model_config
+        head = load_head(self.options.heads, max_position=target.max_model_len + 64)
+        hc = head.config
+        if hc.hidden_size != cfg.hidden_size:
+            raise ConfigError(f"speculative: eagle: heads {self.options.heads} have hidden_size "
+                              f"{hc.hidden_size}, the target {cfg.hidden_size}")
+        backend = _attention_backend(target.model)
+        embed = head.embed_tokens if head.embed_tokens is not None else getattr(target.model, "embed_tokens", None)
+        if embed is None:
+            raise ConfigError("speculative: eagle: the heads have no embed_tokens and the target model exposes none")
+        if head.embed_tokens is not None and head.embed_tokens.num_embeddings < cfg.vocab_size:
+            raise ConfigError(f"speculative: eagle: the heads' embedding has {head.embed_tokens.num_embeddings} "
+                              f"rows, the target's vocabulary {cfg.vocab_size}")
+        self.head: EagleHead = head.to(target.device, target.dtype).eval()
+        self._embed = embed
+        self._compute_logits = target.model.compute_logits
+        self.vocab = cfg.vocab_size
+        ids = load_draft_vocab(self.options.heads, cfg.vocab_size) if self.options.draft_vocab else None
+        head_matrix = _lm_head_matrix(target.model)
+        self._vocab_ids = None if ids is None or head_matrix is None else ids.to(target.device)
+        if self._vocab_ids is not None:  # those rows of the lm_head, contiguous: one small matmul
+            self._sub_head = head_matrix[self._vocab_ids].contiguous()
+        self.kv = draft_kv_cache(target.kv, 1, num_kv_heads=hc.num_kv_heads, head_dim=hc.head_dim)
+        self.attention = type(backend)(backend.options, num_heads=hc.num_heads, num_kv_heads=hc.num_kv_heads,
+                                       head_dim=hc.head_dim, scale=hc.head_dim ** -0.5,
+                                       sliding_window=cfg.sliding_window)
+        self.runner = ModelRunner(_OneLayer(), self.kv, target.device)
+        self.view = self.kv.layer_view(0)
+        self.store = FeatureStore(target.model, target.kv, cfg.hidden_size, target.dtype, target.device)
+        self.max_len = target.max_model_len
+        self._mirrors: dict[int, _Mirror] = {}
+
+    @classmethod
+    def train(cls, model: str, out: str, options: dict) -> None:
+        from lmplug_speculative.eagle_train import train_eagle
+
+        train_eagle(model, out, options)
+
+    def release(self, seq) -> None:
+        mirror = self._mirrors.pop(seq.seq_id, None)
+        if mirror is not None:
+            self.kv.free(mirror.seq)
+
+    # -- drafting ----------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def propose(self, seqs, num_tokens: int) -> DraftProposal:
+        if not hasattr(self, "runner"):
+            raise RuntimeError("drafter 'eagle': setup(target) was not called")
+        ids: list[list[int]] = [[] for _ in seqs]
+        probs: list[torch.Tensor | None] = [None] * len(seqs)
+        sampling = any(not s.params.is_greedy for s in seqs)
+        active = []  # (index in seqs, mirror, features of its new positions, steps it may draft)
+        for i, seq in enumerate(seqs):
+            steps = min(num_tokens, self.max_len - seq.num_tokens)
+            c = seq.num_tokens - 1  # positions the target has computed (features known)
+            if c < 1 or steps < 1:
+                continue
+            mirror = self._sync(seq)
+            if not self._fits(mirror, mirror.seq.num_tokens + steps - 1, seqs):
+                continue
+            active.append((i, mirror, self.store.read(seq, mirror.seq.num_computed_tokens, c), steps))
+        if not active:
+            return DraftProposal(ids)
+        feats = {i: f for i, _, f, _ in active}  # per sequence: features of the positions to compute
+        q_rows: dict[int, list[torch.Tensor]] = {i: [] for i, *_ in active}
+        for step in range(max(s for *_, s in active)):
+            live = [(i, m) for i, m, _, s in active if s > step]
+            hidden = self._forward([m for _, m in live], [feats[i] for i, _ in live])
+            chosen, q = choose_tokens(self._logits(hidden), [seqs[i] for i, _ in live], sampling, self.vocab)
+            for b, (i, mirror) in enumerate(live):
+                ids[i].append(chosen[b])
+                mirror.seq.token_ids.append(chosen[b])
+                feats[i] = hidden[b:b + 1]  # the next position's feature: the head's prediction
+                if q is not None:
+                    q_rows[i].append(q[b])
+        if sampling:
+            for i, rows in q_rows.items():
+                probs[i] = torch.stack(rows) if rows else None
+            return DraftProposal(ids, probs)
+        return DraftProposal(ids)
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Draft logits [B, V]; with a draft vocabulary only its tokens are finite."""
+        if self._vocab_ids is None:
+            return self._compute_logits(hidden)
+        sub = hidden @ self._sub_head.T  # [B, N]
+        out = sub.new_full((hidden.shape[0], self.vocab), float("-inf"))
+        return out.index_copy_(1, self._vocab_ids, sub)
+
+    def _sync(self, seq: Sequence) -> _Mirror:
+        """The mirror of ``seq`` holding tokens 1..C (C = the target's computed length), its K/V
+        kept where it came from real features and matching tokens, at least one position left
+        to compute (the last one's output drafts the first token)."""
+        c = seq.num_tokens - 1
+        target_tokens = seq.token_ids[1:c + 1]
+        mirror = self._mirrors.get(seq.seq_id)
+        if mirror is None:
+            mirror = _Mirror(Sequence(f"eagle-{seq.request_id}", target_tokens, _MIRROR_PARAMS))
+            self._mirrors[seq.seq_id] = mirror
+        valid = common_prefix(mirror.seq.token_ids, target_tokens, mirror.real)
+        mirror.seq.token_ids = list(target_tokens)
+        mirror.seq.num_computed_tokens = min(valid, c - 1)
+        self.kv.truncate(mirror.seq, mirror.seq.num_computed_tokens)
+        mirror.real = c
+        return mirror
+
+    def _fits(self, mirror: _Mirror, num_tokens: int, active: list) -> bool:
+        if self.kv.can_allocate(mirror.seq, num_tokens):
+            return True
+        keep = {s.seq_id for s in active}
+        for seq_id in [i for i in self._mirrors if i not in keep]:
+            self.kv.free(self._mirrors.pop(seq_id).seq)
+        return self.kv.can_allocate(mirror.seq, num_tokens)
+
+    def _forward(self, mirrors: list[_Mirror], features: list[torch.Tensor]) -> torch.Tensor:
+        """Compute each mirror's uncomputed positions with ``features`` ([n_i, h] each); returns
+        the head's output [B, h] at each mirror's last position."""
+        order = sorted(range(len(mirrors)), key=lambda j: not (
+            mirrors[j].seq.num_tokens - mirrors[j].seq.num_computed_tokens == 1
+            and mirrors[j].seq.num_computed_tokens > 0))  # decodes first, as the runner orders them
+        batch = []
+        for j in order:
+            m = mirrors[j].seq
+            self.kv.allocate(m, m.num_tokens)
+            batch.append(ScheduledSeq(m, m.num_tokens - m.num_computed_tokens))
+        input_ids, ctx = self.runner.build_context(batch)
+        feats = torch.cat([features[j] for j in order])
+        x = self.head.fuse(self._embed(input_ids), feats)
+        out = self.head.layer(x, ctx.positions,
+                              lambda q, k, v: self.attention.forward(0, q, k, v, self.view, ctx))
+        for item in batch:
+            item.seq.num_computed_tokens += item.num_new_tokens
+        last = (ctx.cu_query_lens[1:] - 1).long()
+        rows = torch.empty(len(mirrors), dtype=torch.long)
+        rows[torch.tensor(order)] = last.cpu()
+        return out[rows.to(out.device)]
+
+
+@dataclasses.dataclass
+class _Mirror:
+    seq: Sequence
+    real: int = 0  # leading positions computed from the target's own features
+
+
+class _OneLayer(torch.nn.Module):
+    """What ``ModelRunner`` needs of a model to build contexts for the one-layer draft cache."""
+
+    config = dataclasses.make_dataclass("Cfg", [("num_layers", int, 1)])()
+
+    def bind_kv(self, views: list) -> None:
+        self.views = views
+
+
+def _lm_head_matrix(model: torch.nn.Module) -> torch.Tensor | None:
+    """The target's output matrix [V, h] (tied: the embedding), or None if it has no plain one."""
+    head = getattr(model, "lm_head", None)
+    if head is None and getattr(model, "embed_tokens", None) is not None:
+        head = model.embed_tokens.weight
+    return head if isinstance(head, torch.Tensor) and head.dim() == 2 else None
+
+
+def _attention_backend(model: torch.nn.Module):
+    try:
+        backend = model.layers[0].self_attn.backend
+    except (AttributeError, IndexError, TypeError):
+        raise ConfigError(f"speculative: eagle: the target model {type(model).__name__} has no Llama-style "
+                          f"attention layers whose attention backend the head could use") from None
+    if getattr(backend, "forward_mla", None) is not None and "mla" in backend.capabilities.features:
+        raise ConfigError("speculative: eagle: MLA targets are not supported")
+    return backend
