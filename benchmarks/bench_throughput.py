@@ -21,6 +21,7 @@ import time
 import torch
 
 from lmplug import LLM, SamplingParams
+from lmplug.bench import dense_hf_from_gguf
 from lmplug.loading.cache import resolve_model
 
 
@@ -61,25 +62,6 @@ def run_lmplug(model: str, requests, scheduler: str, max_num_seqs: int, budget: 
     tpot = [(o.metrics.finish_time - o.metrics.first_token_time) / max(1, len(o.token_ids) - 1)
             for o in done.values()]
     return elapsed, ttft, tpot, sum(len(o.token_ids) for o in done.values())
-
-
-def dense_hf_from_gguf(path, dtype: torch.dtype):
-    """transformers' model for a GGUF file with dense ``dtype`` weights, the same values lmplug
-    runs (transformers' own GGUF loading keeps quantized weights packed and computes in float32,
-    which would not be a same-dtype comparison)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    from lmplug.loading import open_source
-
-    config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
-    hf = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    state = {name: tensor.to(dtype) for name, tensor in open_source(path).iter_tensors()}
-    missing, unexpected = hf.load_state_dict(state, strict=False)
-    if unexpected or set(missing) - {"lm_head.weight"}:
-        raise SystemExit(f"{path}: tensors do not match transformers' model: missing {missing}, "
-                         f"unexpected {unexpected}")
-    hf.tie_weights()
-    return hf.eval()
 
 
 def run_hf(path, requests, batch_size: int, dtype: str) -> tuple:

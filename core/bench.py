@@ -19,7 +19,7 @@ import torch
 
 @dataclass
 class Run:
-    load_s: float
+    load_s: float | None  # None: not measured (transformers on a GGUF file's dense weights)
     ttft_s: list[float] = field(default_factory=list)
     tpot_s: list[float] = field(default_factory=list)
     tokens: list[int] | None = None
@@ -89,16 +89,32 @@ def time_lmplug(llm, run: Run, prompt: list[int], args: argparse.Namespace) -> N
     run.tokens = tokens
 
 
+def dense_hf_from_gguf(path, dtype: torch.dtype):
+    """transformers' model for a GGUF file with dense ``dtype`` weights: the values lmplug runs.
+    (transformers' own GGUF loading keeps quantized weights packed and computes in float32, which
+    would compare a different computation.)"""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from lmplug.loading import open_source
+
+    config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    state = {name: tensor.to(dtype) for name, tensor in open_source(path).iter_tensors()}
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    if unexpected or set(missing) - {"lm_head.weight"}:
+        raise SystemExit(f"{path}: tensors do not match transformers' model: missing {missing}, "
+                         f"unexpected {unexpected}")
+    model.tie_weights()
+    return model.eval()
+
+
 def bench_hf(path, args: argparse.Namespace) -> tuple[Run, object]:
     from transformers import AutoModelForCausalLM
 
+    if str(path).endswith(".gguf"):  # its load time would be lmplug's reader: not reported
+        return Run(load_s=None), dense_hf_from_gguf(path, torch.float32)
     started = time.perf_counter()
-    kwargs = {"dtype": torch.float32}
-    if str(path).endswith(".gguf"):
-        model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, **kwargs)
-    else:
-        model = AutoModelForCausalLM.from_pretrained(str(path), **kwargs)
-    model.eval()
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
     return Run(load_s=time.perf_counter() - started), model
 
 
@@ -158,7 +174,8 @@ def run_bench(args: argparse.Namespace, overrides: dict) -> int:
     print(f"{'engine':<14}{'load s':>9}{'TTFT ms':>10}{'decode tok/s':>14}{'% of floor':>12}")
     rows = [("lmplug", run)] + ([("transformers", hf_run)] if hf_run else [])
     for name, r in rows:
-        print(f"{name:<14}{r.load_s:>9.2f}{r.ttft_ms:>10.1f}{r.decode_tps:>14.2f}"
+        load = "n/a" if r.load_s is None else f"{r.load_s:.2f}"
+        print(f"{name:<14}{load:>9}{r.ttft_ms:>10.1f}{r.decode_tps:>14.2f}"
               f"{100 * floor_s * r.decode_tps:>11.1f}%")
     if counts is not None:
         print(f"parameters: {counts[0] / 1e6:,.2f} M total, {counts[1] / 1e6:,.2f} M active per token (MoE)")
@@ -169,9 +186,9 @@ def run_bench(args: argparse.Namespace, overrides: dict) -> int:
         print(f"per request (last repeat): {run.metrics.spec_summary(len(run.tokens))}")
     if hf_run:
         same = run.tokens == hf_run.tokens
+        load = "" if hf_run.load_s is None else f", load {hf_run.load_s / run.load_s:.1f}x faster"
         print(f"lmplug / transformers: decode {run.decode_tps / hf_run.decode_tps:.2f}x, "
-              f"TTFT {hf_run.ttft_ms / run.ttft_ms:.2f}x faster, load {hf_run.load_s / run.load_s:.1f}x faster; "
-              f"greedy tokens identical: {same}")
+              f"TTFT {hf_run.ttft_ms / run.ttft_ms:.2f}x faster{load}; greedy tokens identical: {same}")
     return 0
 
 
