@@ -183,11 +183,14 @@ class WorkerGroup:
         with self._lock:
             if self.failure is not None or self._closed:
                 return
-            why = self._reasons.get(rank)
-            self.failure = (f"tensor-parallel worker rank {rank} (pid {proc.pid}) {_describe_exit(proc.exitcode)}"
-                            + (f": {why}" if why else "") + "; the other ranks were stopped")
+        why = self._reasons.get(rank)
+        failure = (f"tensor-parallel worker rank {rank} (pid {proc.pid}) {_describe_exit(proc.exitcode)}"
+                   + (f": {why}" if why else "") + "; the other ranks were stopped")
+        self._kill_all()  # before the failure is published: whoever raises it finds the others gone
+        with self._lock:
+            if self.failure is None:
+                self.failure = failure
         logger.error("%s", self.failure)
-        self._kill_all()
 
     def _kill_all(self) -> None:
         for proc in self.procs.values():
@@ -199,6 +202,7 @@ class WorkerGroup:
     # -- steps ------------------------------------------------------------------------------------
     def check(self) -> None:
         if self.failure is not None:
+            self.close()  # every worker stopped and joined before the error reaches the caller
             raise TensorParallelError(self.failure)
         if self._closed:
             raise TensorParallelError("the tensor-parallel group is closed")
