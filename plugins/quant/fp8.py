@@ -20,20 +20,14 @@ from __future__ import annotations
 
 from typing import Literal
 
-from lmplug_quant.w8a8_common import W8A8Linear, W8A8Options, W8A8Scheme, match_name
+from lmplug_quant.w8a8_common import CheckpointW8A8Options, W8A8Linear, W8A8Scheme, match_name
 from pydantic import Field, field_validator, model_validator
 
 from lmplug.errors import ModelLoadError
 from lmplug.models.layers import Unquantized
 
 
-class FP8Options(W8A8Options):
-    quantized_checkpoint: bool = Field(
-        default=False, description="the checkpoint holds fp8 weights (set when config.json's "
-        "quantization_config says fp8); false: quantize a float checkpoint at load")
-    activation_scheme: Literal["dynamic", "static"] = Field(
-        default="dynamic", description="dynamic: a scale per token (per token and weight block "
-        "column with block scales); static: the checkpoint's per-tensor input_scale")
+class FP8Options(CheckpointW8A8Options):
     weight_block_size: list[int] | None = Field(
         default=None, description="[rows, columns] of a weight scale block (DeepSeek-V3: [128, 128])")
     weight_strategy: Literal["tensor", "channel", "block"] | None = Field(
@@ -60,8 +54,6 @@ class FP8Options(W8A8Options):
         if (self.weight_strategy == "block") != (self.weight_block_size is not None) \
                 and self.weight_strategy is not None:
             raise ValueError("weight_strategy block goes with weight_block_size, and only it")
-        if self.activation_scheme == "static" and not self.quantized_checkpoint:
-            raise ValueError("activation_scheme static needs a checkpoint with input_scale tensors")
         if self.activation_scheme == "static" and self.weight_block_size is not None:
             raise ValueError("block-scaled fp8 quantizes activations dynamically (activation_scheme dynamic)")
         return self

@@ -16,25 +16,11 @@ in the Triton kernel) and scaled by token x channel scales afterwards; see
 
 from __future__ import annotations
 
-from typing import Literal
-
-from lmplug_quant.w8a8_common import W8A8Linear, W8A8Options, W8A8Scheme
-from pydantic import Field, model_validator
+from lmplug_quant.w8a8_common import CheckpointW8A8Options, W8A8Linear, W8A8Scheme
 
 
-class INT8Options(W8A8Options):
-    quantized_checkpoint: bool = Field(
-        default=False, description="the checkpoint holds int8 weights with weight_scale (set when "
-        "config.json's quantization_config says int8); false: quantize a float checkpoint at load")
-    activation_scheme: Literal["dynamic", "static"] = Field(
-        default="dynamic", description="dynamic: a scale per token; static: the checkpoint's "
-        "per-tensor input_scale")
-
-    @model_validator(mode="after")
-    def _consistent(self):
-        if self.activation_scheme == "static" and not self.quantized_checkpoint:
-            raise ValueError("activation_scheme static needs a checkpoint with input_scale tensors")
-        return self
+class INT8Options(CheckpointW8A8Options):
+    pass
 
 
 class INT8(W8A8Linear):

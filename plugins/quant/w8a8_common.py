@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 import torch
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from lmplug import BackendOptions, Capabilities, QuantMethod
 from lmplug.errors import ModelLoadError
@@ -63,6 +63,24 @@ class W8A8Options(BackendOptions):
         default=None, description="torch path: keep the weight dequantized to float32 after loading "
         "(activations are still quantized); default: yes where the path would otherwise dequantize "
         "it on every call (fp8 on CPU)")
+
+
+class CheckpointW8A8Options(W8A8Options):
+    """What ``fp8`` and ``int8`` share: an 8-bit checkpoint or a float one quantized at load, and
+    dynamic (per token) or static (the checkpoint's ``input_scale``) activation scales."""
+
+    quantized_checkpoint: bool = Field(
+        default=False, description="the checkpoint holds 8-bit weights with their scales (set when "
+        "config.json's quantization_config names the method); false: quantize a float checkpoint at load")
+    activation_scheme: Literal["dynamic", "static"] = Field(
+        default="dynamic", description="dynamic: a scale per token (fp8 with block scales: per token "
+        "and weight block column); static: the checkpoint's per-tensor input_scale")
+
+    @model_validator(mode="after")
+    def _static_needs_checkpoint(self):
+        if self.activation_scheme == "static" and not self.quantized_checkpoint:
+            raise ValueError("activation_scheme static needs a checkpoint with input_scale tensors")
+        return self
 
 
 @dataclass(frozen=True)
