@@ -1,6 +1,7 @@
 """Paged decode attention bandwidth: GB/s of K/V read, against the device's copy bandwidth.
 
-    python benchmarks/bench_paged_decode.py [--impl auto|triton|cpu|torch] [--dtype bfloat16]
+    python benchmarks/bench_paged_decode.py [--impl auto|triton|cpu|native|torch ...] [--dtype bfloat16]
+        [--batch 32 --context 16:768]
 
 A decode step reads every cached K and V row of each sequence once, so its
 floor is (K/V bytes) / (memory bandwidth). For a sweep of (batch, context)
@@ -10,7 +11,15 @@ GB/s it reaches, and that as a share of a plain device copy's bandwidth
 kernel runs (split-K chosen automatically; ``--partition-size`` forces
 it); on CPU the engine's CPU path (``paged_cpu.py``, its per-step gather index
 built inside every timed call) runs at smaller shapes; ``--impl torch`` times the
-PyTorch reference instead.
+PyTorch reference instead, and ``--impl native`` the fused C kernel
+(``paged_native.py``, its per-step table preparation inside every timed call).
+Several ``--impl`` run side by side on the same inputs, with each one's speed-up
+over the first. ``--batch B --context LO:HI`` times one batch whose context lengths
+are drawn uniformly from [LO, HI] (seeded), as continuous batching mixes them;
+``--context N`` gives every sequence N. The demo model's shape, one thread:
+
+    OMP_NUM_THREADS=1 python benchmarks/bench_paged_decode.py --impl cpu torch native \
+        --num-heads 9 --num-kv-heads 3 --head-dim 64 --dtype bfloat16 --batch 32 --context 16:768
 """
 
 from __future__ import annotations
@@ -45,29 +54,44 @@ def timed(fn, device: torch.device, repeats: int = 10) -> float:
     return best
 
 
-def make_inputs(batch: int, context: int, args, device: torch.device, dtype: torch.dtype):
-    blocks_per_seq = -(-context // args.block_size)
+def context_lengths(batch: int, context: int | tuple[int, int]) -> torch.Tensor:
+    """[batch] int32: ``context`` each, or uniform in [lo, hi] for a (lo, hi) pair (seeded)."""
+    if isinstance(context, int):
+        return torch.full((batch,), context, dtype=torch.int32)
+    lo, hi = context
+    return torch.randint(lo, hi + 1, (batch,), generator=torch.Generator().manual_seed(0), dtype=torch.int32)
+
+
+def make_inputs(batch: int, context: int | tuple[int, int], args, device: torch.device, dtype: torch.dtype):
+    seq_lens = context_lengths(batch, context)
+    blocks_per_seq = -(-int(seq_lens.max()) // args.block_size)
     num_blocks = batch * blocks_per_seq
     shape = (num_blocks, args.block_size, args.num_kv_heads, args.head_dim)
     k_cache = torch.randn(shape, device=device, dtype=dtype)
     v_cache = torch.randn(shape, device=device, dtype=dtype)
     tables = torch.randperm(num_blocks, device=device).view(batch, blocks_per_seq).to(torch.int32)
-    seq_lens = torch.full((batch,), context, dtype=torch.int32, device=device)
     q = torch.randn(batch, args.num_heads, args.head_dim, device=device, dtype=dtype)
-    return q, k_cache, v_cache, tables, seq_lens
+    return q, k_cache, v_cache, tables, seq_lens.to(device)
 
 
-def measure(decode, batch: int, context: int, args, device: torch.device,
-            dtype: torch.dtype) -> tuple[int, float]:
+def measure(decode, inputs, args, device: torch.device) -> tuple[int, float]:
     """K/V bytes one decode call reads, and its best time in seconds."""
-    q, k_cache, v_cache, tables, seq_lens = make_inputs(batch, context, args, device, dtype)
-    kv_bytes = 2 * batch * context * args.num_kv_heads * args.head_dim * k_cache.element_size()
+    q, k_cache, v_cache, tables, seq_lens = inputs
+    kv_bytes = 2 * int(seq_lens.sum()) * args.num_kv_heads * args.head_dim * k_cache.element_size()
+    max_seq_len = int(seq_lens.max())
     seconds = timed(lambda: decode(q, k_cache, v_cache, tables, seq_lens, args.head_dim ** -0.5,
-                                   max_seq_len=context, partition_size=args.partition_size), device)
+                                   max_seq_len=max_seq_len, partition_size=args.partition_size), device)
     return kv_bytes, seconds
 
 
 def decode_fn(impl: str):
+    if impl == "native":
+        from lmplug_attention import paged_native
+
+        ok, why = paged_native.available()
+        if not ok:
+            raise SystemExit(f"--impl native: the C kernel is not available here: {why}")
+        return paged_native.paged_decode_attention
     if impl == "cpu":
         from lmplug_attention.paged_cpu import decode_index, paged_decode_attention_cpu
 
@@ -84,29 +108,43 @@ def decode_fn(impl: str):
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--impl", default="auto", choices=["auto", "triton", "cpu", "torch"])
+    p.add_argument("--impl", default=["auto"], nargs="+", choices=["auto", "triton", "cpu", "native", "torch"],
+                   help="one or more, timed side by side")
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
     p.add_argument("--num-heads", type=int, default=32)
     p.add_argument("--num-kv-heads", type=int, default=8)
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--partition-size", type=int, default=None, help="force split-K (0: never split)")
+    p.add_argument("--batch", type=int, default=None, help="one batch size instead of the sweep")
+    p.add_argument("--context", default=None, help="with --batch: N, or LO:HI for lengths uniform in [LO, HI]")
     args = p.parse_args()
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    impl = args.impl if args.impl != "auto" else ("triton" if device.type == "cuda" else "cpu")
+    auto = "triton" if device.type == "cuda" else "cpu"
+    impls = list(dict.fromkeys(auto if impl == "auto" else impl for impl in args.impl))
     dtype = getattr(torch, args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
-    decode = decode_fn(impl)
+    decoders = {impl: decode_fn(impl) for impl in impls}
+    sweep = GPU_SWEEP if device.type == "cuda" else CPU_SWEEP
+    if args.batch is not None:
+        lo, _, hi = (args.context or "512").partition(":")
+        sweep = [(args.batch, (int(lo), int(hi)) if hi else int(lo))]
     copy_gbs = copy_bandwidth_gbs(device)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
-    print(f"{name}, {impl}, {dtype}, H={args.num_heads} Hkv={args.num_kv_heads} D={args.head_dim} "
-          f"block_size={args.block_size}; copy bandwidth {copy_gbs:.0f} GB/s")
-    print(f"{'batch':>6}{'context':>9}{'KV MB':>9}{'us/call':>10}{'GB/s':>8}{'of copy':>9}")
-    for batch, context in GPU_SWEEP if device.type == "cuda" else CPU_SWEEP:
-        kv_bytes, seconds = measure(decode, batch, context, args, device, dtype)
-        gbs = kv_bytes / seconds / 1e9
-        print(f"{batch:>6}{context:>9}{kv_bytes / 2**20:>9.0f}{seconds * 1e6:>10.0f}{gbs:>8.1f}"
-              f"{gbs / copy_gbs:>9.0%}")
+    print(f"{name}, {dtype}, H={args.num_heads} Hkv={args.num_kv_heads} D={args.head_dim} "
+          f"block_size={args.block_size}, {torch.get_num_threads()} thread(s); copy bandwidth {copy_gbs:.0f} GB/s")
+    print(f"{'impl':>7}{'batch':>6}{'context':>9}{'KV MB':>9}{'us/call':>10}{'GB/s':>8}{'of copy':>9}"
+          f"{'speed-up':>10}")
+    for batch, context in sweep:
+        inputs = make_inputs(batch, context, args, device, dtype)
+        shown = context if isinstance(context, int) else f"{context[0]}:{context[1]}"
+        first = None
+        for impl, decode in decoders.items():
+            kv_bytes, seconds = measure(decode, inputs, args, device)
+            first = first or seconds
+            gbs = kv_bytes / seconds / 1e9
+            print(f"{impl:>7}{batch:>6}{shown:>9}{kv_bytes / 2**20:>9.0f}{seconds * 1e6:>10.0f}{gbs:>8.1f}"
+                  f"{gbs / copy_gbs:>9.0%}{first / seconds:>9.2f}x")
 
 
 if __name__ == "__main__":

@@ -3,13 +3,17 @@
     python benchmarks/bench_speculative.py [--model smollm2-135m-instruct] [--max-tokens 128]
         [--threads 1] [--device auto] [--configs plain,ngram,layer_skip] [--layer-skip-layers 24]
         [--medusa-heads DIR]   # heads from: lmplug train-drafter --method medusa MODEL DIR
+        [--medusa-tree PRESET_OR_JSON]  # adds medusa_tree: the same heads with tree candidates
         [--eagle-heads DIR]    # heads from: lmplug train-drafter --method eagle MODEL DIR
-        [--repeats 1]
+        [--configs ...,eagle_tree] [--eagle-tree-width 3]  # EAGLE's chain plus runner-up leaves
+        [--dtype bfloat16] [--kv paged] [--repeats 1]
 
 Two prompt sets: (a) *copy*: rewrite / fix / extract tasks whose answer copies from the
 prompt, where n-gram lookup shines; (b) *free*: open-ended generation. Every config decodes
-the same chat prompts; greedy output must be identical to plain decoding (checked and
-printed). Per config and set: decode tokens/s (after the first token), target forwards per
+the same chat prompts; greedy output is compared with plain decoding's and printed: "yes",
+or "NO (from token N)". In float32 it must be identical. In bfloat16 a draft tree's logits
+come from a multi-token forward whose rounding differs, so a near-tie can flip; chain drafts
+with ``--kv paged`` are read as decode rows and keep plain decoding's output. Per config and set: decode tokens/s (after the first token), target forwards per
 request, tokens per target forward, acceptance rate, mean accepted drafts per verification,
 and the decode speedup over plain. The configs run interleaved (each prompt through every
 config in turn, ``--repeats`` times), so a shared machine's load drifts affect all alike.
@@ -65,8 +69,21 @@ def speculative_configs(args) -> dict[str, dict | None]:
         "layer_skip": {"method": "layer_skip", "num_tokens": args.layer_skip_k,
                        "num_layers": args.layer_skip_layers},
         "medusa": {"method": "medusa", "num_tokens": args.medusa_k, "heads": args.medusa_heads},
+        "medusa_tree": {"method": "medusa", "num_tokens": args.medusa_k, "heads": args.medusa_heads,
+                        "tree": _tree_arg(args.medusa_tree)},
         "eagle": {"method": "eagle", "num_tokens": args.eagle_k, "heads": args.eagle_heads},
+        "eagle_tree": {"method": "eagle", "num_tokens": args.eagle_k, "heads": args.eagle_heads,
+                       "tree_width": args.eagle_tree_width},
     }
+
+
+def _tree_arg(value: str | None):
+    """``--medusa-tree``: a preset name (default, mc_sim_7b_63) or a JSON list of rank paths."""
+    if value is None or not value.lstrip().startswith("["):
+        return value
+    import json
+
+    return json.loads(value)
 
 
 def run_one(llm: LLM, prompt_ids: list[int], params: SamplingParams) -> dict:
@@ -83,7 +100,8 @@ def run_one(llm: LLM, prompt_ids: list[int], params: SamplingParams) -> dict:
 
 
 def build(spec: dict | None, args) -> LLM:
-    llm = LLM(args.model, dtype=args.dtype, device=args.device, max_model_len=2048, speculative=spec)
+    kv = {"kvcache": {"backend": "paged", "block_size": 16}, "attention": "paged"} if args.kv == "paged" else {}
+    llm = LLM(args.model, dtype=args.dtype, device=args.device, max_model_len=2048, speculative=spec, **kv)
     run_one(llm, [1, 2, 3, 4, 5, 6, 7, 8], SamplingParams(temperature=0, max_tokens=4))  # warm-up
     return llm
 
@@ -120,8 +138,12 @@ def main() -> None:
     p.add_argument("--sets", default="copy,free", help="prompt sets to run: copy (a), free (b)")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--kv", default="contiguous", choices=["contiguous", "paged"],
+                   help="contiguous: kvcache contiguous + attention sdpa (the CPU defaults); paged: kvcache "
+                        "paged + attention paged (on CPU a verify's chain drafts are read as decode rows "
+                        "by the C kernel, paged_rows.py)")
     p.add_argument("--configs", default="plain,ngram,layer_skip",
-                   help="comma-separated: plain, ngram, ngram_adaptive, layer_skip, medusa, eagle")
+                   help="comma-separated: plain, ngram, ngram_adaptive, layer_skip, medusa, medusa_tree, eagle")
     p.add_argument("--ngram-k", type=int, default=4)
     p.add_argument("--ngram-adaptive-k", type=int, default=16, help="most drafts of the ngram_adaptive config")
     p.add_argument("--layer-skip-k", type=int, default=2)
@@ -129,8 +151,13 @@ def main() -> None:
     p.add_argument("--medusa-heads", help="heads folder (lmplug train-drafter --method medusa); "
                                           "adds the medusa config")
     p.add_argument("--medusa-k", type=int, default=2)
+    p.add_argument("--medusa-tree", help="Medusa tree candidates: a preset (default, mc_sim_7b_63) or JSON "
+                                         "rank paths such as '[[0],[1],[0,0]]'; adds the medusa_tree config "
+                                         "(needs --medusa-heads)")
     p.add_argument("--eagle-heads", help="heads folder (lmplug train-drafter --method eagle); adds the eagle config")
     p.add_argument("--eagle-k", type=int, default=3)
+    p.add_argument("--eagle-tree-width", type=int, default=3,
+                   help="candidates per depth of the eagle_tree config (the chain plus runner-up leaves)")
     p.add_argument("--repeats", type=int, default=1, help="passes over the prompts (configs interleaved)")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
@@ -138,6 +165,8 @@ def main() -> None:
     chosen = args.configs.split(",")
     if args.medusa_heads and "medusa" not in chosen:
         chosen.append("medusa")
+    if args.medusa_tree and "medusa_tree" not in chosen:
+        chosen.append("medusa_tree")
     if args.eagle_heads and "eagle" not in chosen:
         chosen.append("eagle")
     if "plain" not in chosen:
@@ -152,6 +181,16 @@ def main() -> None:
     report(results, configs)
 
 
+def _first_difference(runs: list[dict], plain: list[dict]) -> int | None:
+    """None when every run's tokens equal plain decoding's, else the earliest differing index (a
+    speculative run in bf16 may flip a near-tie: its logits come from a multi-token forward)."""
+    firsts = [next((i for i, (x, y) in enumerate(zip(a["tokens"], b["tokens"])) if x != y),
+                   None if len(a["tokens"]) == len(b["tokens"]) else min(len(a["tokens"]), len(b["tokens"])))
+              for a, b in zip(runs, plain)]
+    firsts = [f for f in firsts if f is not None]
+    return min(firsts) if firsts else None
+
+
 def report(results: dict, configs: dict) -> None:
     header = f"{'set':5} {'config':15} {'decode tok/s':>12} {'speedup':>8} {'fwd/req':>8} {'tok/fwd':>8} " \
              f"{'accept':>7} {'acc/step':>8}  same output"
@@ -161,10 +200,10 @@ def report(results: dict, configs: dict) -> None:
         base = summarize(results["plain"][set_name])
         for name, by_set in results.items():
             s = summarize(by_set[set_name])
-            same = all(a["tokens"] == b["tokens"] for a, b in zip(by_set[set_name], results["plain"][set_name]))
+            same = _first_difference(by_set[set_name], results["plain"][set_name])
             print(f"{set_name:5} {name:15} {s['tok_s']:12.2f} {s['tok_s'] / base['tok_s']:7.2f}x "
                   f"{s['forwards']:8.1f} {s['tok_per_fwd']:8.2f} {s['acceptance']:7.2f} {s['mean_accepted']:8.2f}"
-                  f"  {'yes' if same else 'NO'}")
+                  f"  {'yes' if same is None else f'NO (from token {same})'}")
     for name, spec in configs.items():
         if name in results and spec:
             print(f"  {name}: {spec}")

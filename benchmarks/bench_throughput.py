@@ -6,9 +6,10 @@ All requests arrive at once (seeded: prompts 16-512 tokens, outputs 16-256
 tokens, greedy, EOS ignored so every engine produces exactly the asked
 lengths). Engines run one after another in this process, so their figures are
 comparable side by side. transformers runs `generate` on padded batches of
-`--batch-size` requests in arrival order (for a GGUF file, with the same dense weights as
-lmplug in `--dtype`, not transformers' packed GGUF kernels); a batch runs until its longest
-request is done, and only the tokens each request asked for count as output.
+`--batch-size` requests in arrival order (a comma list runs each size in turn), for a
+GGUF file with the same dense weights as lmplug in `--dtype` (not transformers' packed
+GGUF kernels); a batch runs until its longest request is done, and only the tokens each
+request asked for count as output.
 Reports output tokens/s, and TTFT and TPOT p50/p99 per request.
 """
 
@@ -109,7 +110,8 @@ def main() -> None:
     p.add_argument("--num-requests", type=int, default=64)
     p.add_argument("--max-num-seqs", type=int, default=16)
     p.add_argument("--max-num-batched-tokens", type=int, default=1024)
-    p.add_argument("--batch-size", type=int, default=8, help="transformers' padded batch size")
+    p.add_argument("--batch-size", default="8", help="transformers' padded batch size; a comma list runs each "
+                                                     "(the ratio line then names every one)")
     p.add_argument("--skip-hf", action="store_true")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                    help="both engines' weights and activations (bfloat16 uses the CPU's AMX/AVX-512 units where present)")
@@ -125,7 +127,8 @@ def main() -> None:
             report("lmplug static", *run_lmplug(str(path), requests, "static", a.max_num_seqs,
                                                 a.max_num_batched_tokens, a.dtype))]
     if not a.skip_hf:
-        rows.append(report(f"transformers (batch {a.batch_size})", *run_hf(path, requests, a.batch_size, a.dtype)))
+        for size in (int(b) for b in a.batch_size.split(",")):
+            rows.append(report(f"transformers (batch {size})", *run_hf(path, requests, size, a.dtype)))
     base = rows[0]["tok/s"]
     print("continuous / other: " + ", ".join(f"{r['engine']} {base / r['tok/s']:.2f}x" for r in rows[1:]))
 

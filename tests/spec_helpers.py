@@ -100,6 +100,26 @@ def run(engine: LLMEngine, prompts: list[list[int]], params, max_steps: int = 10
     return [done[f"r{i}"] for i in range(len(prompts))]
 
 
+def check_observed_hidden(engine: LLMEngine, prompts: list[list[int]], params) -> int:
+    """Run ``prompts``; after every step the (Medusa) drafter must hold, per running sequence, the
+    target's hidden state at the position whose logits chose its last token, as a fresh prefill
+    computes it. Returns how many states were checked."""
+    from lmplug_speculative.medusa_train import target_hidden_states
+
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"r{i}", prompt, params)
+    drafter, checked = engine.speculator.drafter, 0
+    while engine.has_unfinished_requests():
+        engine.step()
+        for seq in engine.scheduler.running:
+            hidden, num_tokens = drafter._hidden[seq.seq_id]
+            assert num_tokens == seq.num_tokens
+            expected = target_hidden_states(engine, seq.token_ids[:-1])[-1]
+            torch.testing.assert_close(hidden, expected, atol=1e-4, rtol=1e-4)
+            checked += 1
+    return checked
+
+
 def chi_square_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
     """Pearson's goodness of fit of ``counts`` to ``probs`` (categories with p > 0)."""
     keep = probs > 0

@@ -22,6 +22,7 @@ from hf_models import get_model, one_torch_thread, prompt_ids  # noqa: F401 - fi
 from lmplug_attention import paged_ref
 from lmplug_attention.flash import FlashAttention, FlashAttentionOptions
 from lmplug_attention.paged import PagedAttention, PagedAttentionOptions
+from lmplug_attention.paged_rows import leading_short_queries, query_rows
 from lmplug_attention.sdpa import SdpaAttention
 from lmplug_kvcache.contiguous import ContiguousKVCache, ContiguousOptions
 from lmplug_kvcache.paged import PagedKVCache, PagedOptions
@@ -161,15 +162,17 @@ def reference_forward(att, q, k, v, view: KVLayerView, ctx) -> torch.Tensor:
     if not (isinstance(att, PagedAttention) and att.options.kernels == "torch"):
         return att.forward(0, q, k, v, view, ctx)
     paged_ref.reshape_and_cache(k, v, view.k_cache, view.v_cache, ctx.slot_mapping)
-    out, n = torch.empty_like(q), ctx.num_decodes
-    if n:
-        paged_ref.paged_decode_attention(q[:n], view.k_cache, view.v_cache, ctx.block_tables[:n],
-                                         ctx.seq_lens[:n], att.scale, sliding_window=att.sliding_window,
-                                         out=out[:n])
-    if n < ctx.num_seqs:
-        paged_ref.paged_prefill_attention(q[n:], view.k_cache, view.v_cache, ctx.block_tables[n:],
-                                          ctx.cu_query_lens[n:] - n, ctx.seq_lens[n:], att.scale,
-                                          sliding_window=att.sliding_window, out=out[n:])
+    out = torch.empty_like(q)
+    rows = query_rows(ctx, leading_short_queries(ctx))  # on CPU short queries are decode rows
+    m, t = rows.num_seqs, rows.num_tokens
+    if t:
+        paged_ref.paged_decode_attention(q[:t], view.k_cache, view.v_cache, rows.block_tables,
+                                         rows.seq_lens, att.scale, sliding_window=att.sliding_window,
+                                         out=out[:t])
+    if m < ctx.num_seqs:
+        paged_ref.paged_prefill_attention(q[t:], view.k_cache, view.v_cache, ctx.block_tables[m:],
+                                          ctx.cu_query_lens[m:] - t, ctx.seq_lens[m:], att.scale,
+                                          sliding_window=att.sliding_window, out=out[t:])
     return out
 
 

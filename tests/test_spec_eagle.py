@@ -183,6 +183,41 @@ def test_proposals_equal_a_reference_eagle(model, ref_head, trained, kvcache, he
         assert ids == _reference_chain(model, ref, tokens, k, allowed)
 
 
+@pytest.mark.parametrize("kvcache", [{}, {"backend": "paged", "block_size": 4, "num_blocks": 200}],
+                         ids=["contiguous", "paged"])
+def test_sibling_tree_keeps_the_reference_chain_after_a_sibling_is_accepted(model, trained, kvcache):
+    """``tree_width: 3``: the chain is EAGLE's, plus two runner-up leaves per depth. When the
+    target accepts a leaf, its K/V and its feature move to the chain's position, so the next
+    chain drafted must still equal the reference computed from transformers' features."""
+    from safetensors.torch import load_file
+
+    folder = trained.folder
+    ref = RefEagle.from_folder(folder, model.hf.model.embed_tokens.weight.detach())
+    allowed = load_file(folder / "draft_vocab.safetensors")["token_ids"]
+    engine = make_engine(model.path, {"method": "eagle", "heads": str(folder), "num_tokens": 3, "tree_width": 3},
+                         **({"kvcache": kvcache} if kvcache else {}))
+    drafter, seen, moves = engine.speculator.drafter, [], []
+    propose, kv_moved = drafter.propose, drafter.kv_moved
+
+    def recording(seqs, k):
+        proposal = propose(seqs, k)
+        for i, s in enumerate(seqs):
+            parents = proposal.parents_of(i) or list(range(-1, len(proposal.token_ids[i]) - 1))
+            chain = next((j for j, p in enumerate(parents) if p != j - 1), len(parents))
+            assert all(p < chain for p in parents[chain:]), "siblings hang off the chain"
+            seen.append((list(s.token_ids), proposal.token_ids[i][:chain], k))
+        return proposal
+
+    drafter.propose = recording
+    drafter.kv_moved = lambda seq, src, dst: (moves.append((seq.seq_id, src != dst)), kv_moved(seq, src, dst))
+    params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)  # long: leaves accepted mid-way
+    assert [o.token_ids for o in run(engine, PROMPTS, params)] == [o.token_ids for o in run(make_engine(
+        model.path, **({"kvcache": kvcache} if kvcache else {})), PROMPTS, params)]
+    assert sum(moved for _, moved in moves) >= 3, "siblings were rarely accepted: the test checks little"
+    for tokens, chain, k in seen:
+        assert chain == _reference_chain(model, ref, tokens, k, allowed)
+
+
 def test_draft_vocab_limits_the_drafts(model, trained, tmp_path):
     import shutil
 
@@ -221,10 +256,11 @@ def test_greedy_outputs_unchanged_random_heads(model, reference, ref_head, case)
     assert engine.speculator.num_drafted > 0
 
 
+@pytest.mark.parametrize("width", [1, 3])
 @pytest.mark.parametrize("case", ["contiguous-continuous", "paged-prefix", "paged-preempting"])
-def test_greedy_outputs_unchanged_trained_heads(model, reference, trained, case):
-    engine = make_engine(model.path, {"method": "eagle", "heads": str(trained.folder), "num_tokens": 3},
-                         **CASES[case])
+def test_greedy_outputs_unchanged_trained_heads(model, reference, trained, case, width):
+    engine = make_engine(model.path, {"method": "eagle", "heads": str(trained.folder), "num_tokens": 3,
+                                      "tree_width": width}, **CASES[case])
     outs = run(engine, PROMPTS, GREEDY)
     assert [o.token_ids for o in outs] == reference
     assert engine.speculator.num_accepted > 0

@@ -11,7 +11,7 @@ import torch
 from hf_models import get_model, one_torch_thread, prompt_ids  # noqa: F401 - fixture
 from lmplug_speculative.medusa_heads import MedusaHeads, load_heads, save_heads
 from lmplug_speculative.medusa_train import train_medusa
-from spec_helpers import make_engine, run
+from spec_helpers import check_observed_hidden, make_engine, run
 
 from lmplug.cli import main
 from lmplug.engine.params import SamplingParams
@@ -111,18 +111,7 @@ def test_train_drafter_cli(model, tmp_path, capsys):
 def test_observed_hidden_state_is_the_one_behind_the_last_token(model, trained):
     """After every step the drafter holds, per sequence, the target's hidden state at the
     position whose logits chose the last token (checked against a fresh prefill)."""
-    from lmplug_speculative.medusa_train import target_hidden_states
-
     engine = make_engine(model.path, {"method": "medusa", "heads": str(trained.folder), "num_tokens": 2})
-    for i, prompt in enumerate([prompt_ids(6, 41), prompt_ids(25, 42)]):
-        engine.add_request(f"r{i}", prompt, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
-    drafter, checked = engine.speculator.drafter, 0
-    while engine.has_unfinished_requests():
-        engine.step()
-        for seq in engine.scheduler.running:
-            hidden, num_tokens = drafter._hidden[seq.seq_id]
-            assert num_tokens == seq.num_tokens
-            expected = target_hidden_states(engine, seq.token_ids[:-1])[-1]
-            torch.testing.assert_close(hidden, expected, atol=1e-4, rtol=1e-4)
-            checked += 1
+    checked = check_observed_hidden(engine, [prompt_ids(6, 41), prompt_ids(25, 42)],
+                                    SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
     assert checked > 10 and engine.speculator.num_accepted > 0

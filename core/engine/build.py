@@ -101,6 +101,10 @@ def build_engine_parts(resolved: ResolvedConfig, parallel: ParallelState | None 
         backends["attention"].options, num_heads=model_config.num_heads // parallel.world_size,
         num_kv_heads=kv_shape["num_kv_heads"], head_dim=kv_shape["head_dim"],
         scale=scale, sliding_window=model_config.sliding_window)
+    drafter = None
+    if "speculative" in backends:
+        drafter = backends["speculative"].cls(backends["speculative"].options)
+        _check_tree_support(drafter, backends, attention, device, parallel)
     quant = _quant_method(resolved, source)
     moe = _moe_backend(resolved, model_config)
     extra = {"moe": moe} if moe is not None else {}
@@ -118,9 +122,7 @@ def build_engine_parts(resolved: ResolvedConfig, parallel: ParallelState | None 
     limits = SchedulerLimits(sched_opts.max_num_seqs, sched_opts.max_num_batched_tokens, max_model_len)
     scheduler = backends["scheduler"].cls(sched_opts, kv, limits)
     runner = ModelRunner(model, kv, device)
-    drafter = None
-    if "speculative" in backends:
-        drafter = backends["speculative"].cls(backends["speculative"].options)
+    if drafter is not None:
         drafter.setup(DraftTarget(model, model_config, kv, source.tokenizer, device, dtype,
                                   max_model_len, sched_opts.max_num_seqs))
     load_time = time.perf_counter() - started
@@ -138,6 +140,26 @@ def _check_window_support(model_config: ModelConfig, attention) -> None:
                           f"attention, which this {model_config.model_type} model uses "
                           f"(window {model_config.sliding_window}); choose one that lists the "
                           "'sliding_window' feature (`lmplug plugins`)")
+
+
+def _check_tree_support(drafter, backends: dict, attention, device: torch.device,
+                        parallel: ParallelState) -> None:
+    """A drafter that proposes trees needs tree attention (the "tree_attention" feature, and the
+    instance's ``supports_tree_attention(device)`` where it has one) and one process: the
+    accepted path's K/V is moved in this process's cache."""
+    if not drafter.drafts_trees:
+        return
+    chosen = backends["attention"]
+    narrow = getattr(attention, "supports_tree_attention", None)
+    if "tree_attention" not in chosen.cls.capabilities.features or (narrow is not None and not narrow(device)):
+        how = ("its Triton kernels have no tree mask; use `attention: {backend: paged, kernels: torch}` or sdpa"
+               if narrow is not None else "choose one that lists the 'tree_attention' feature (sdpa, paged)")
+        raise ConfigError(f"speculative: {drafter.name}: tree candidates (option `tree`) need tree attention, "
+                          f"which attention backend {chosen.name!r} (plugin {chosen.info.plugin}) on "
+                          f"{device.type} does not provide: {how}; or drop `speculative.tree` to draft a chain")
+    if parallel.world_size > 1:
+        raise ConfigError(f"speculative: {drafter.name}: tree candidates (option `tree`) are not supported "
+                          "with tensor parallelism; drop `speculative.tree` to draft a chain")
 
 
 def _attention_kv_shape(resolved: ResolvedConfig, model_config: ModelConfig) -> tuple[dict, float]:

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from lmplug.engine.spec_tree import ancestor_mask, depths
 from lmplug.interfaces.kvcache import KVCacheBackend
 from lmplug.interfaces.scheduler import ScheduledSeq
 from lmplug.interfaces.step import StepContext
@@ -32,17 +33,32 @@ class ModelRunner:
         model.bind_kv([kv.layer_view(i) for i in range(model.config.num_layers)])
 
     def build_context(self, batch: list[ScheduledSeq]) -> tuple[torch.Tensor, StepContext]:
-        """Flatten the batch (decodes first) into input ids and the per-step record."""
+        """Flatten the batch (decodes first) into input ids and the per-step record.
+
+        A sequence verifying a draft tree (``seq.draft_parents``, see ``spec_tree``) gets its
+        new tokens at positions ``start + depth`` and an ancestor mask in ``tree_masks``; its
+        K/V slots stay ``start + j`` (node order)."""
         bs = self.kv.block_size
         ids: list[int] = []
         positions: list[int] = []
+        slot_positions: list[int] = []  # where each token's K/V goes (differs from positions in a tree)
         query_lens, seq_lens, tables = [], [], []
-        for item in batch:
+        tree_masks: dict[int, torch.Tensor] = {}
+        for b, item in enumerate(batch):
             seq, n = item.seq, item.num_new_tokens
             start = seq.num_computed_tokens
             table = self.kv.block_table(seq)
             ids.extend(seq.token_ids[start:start + n])
-            positions.extend(range(start, start + n))
+            slot_positions.extend(range(start, start + n))
+            parents = seq.draft_parents
+            if parents is not None:
+                if n != len(parents) + 1 or start + n != seq.num_tokens:
+                    raise RuntimeError(f"runner: sequence {seq.seq_id} schedules {n} tokens from {start} of "
+                                       f"{seq.num_tokens} but carries a draft tree of {len(parents)} nodes")
+                positions.extend([start] + [start + d for d in depths(parents)])
+                tree_masks[b] = ancestor_mask(parents).to(self.device)
+            else:
+                positions.extend(range(start, start + n))
             query_lens.append(n)
             seq_lens.append(start + n)
             tables.append(table)
@@ -50,9 +66,10 @@ class ModelRunner:
         block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
         ql = torch.tensor(query_lens, dtype=torch.int32)
         pos = torch.tensor(positions, dtype=torch.int64)
+        at = torch.tensor(slot_positions, dtype=torch.int64) if tree_masks else pos
         # slot of each new token: its block (through its sequence's table) and offset
         owner = torch.repeat_interleave(torch.arange(len(batch)), ql.long())  # [T]
-        slots = block_tables[owner, pos // bs].long() * bs + pos % bs
+        slots = block_tables[owner, at // bs].long() * bs + at % bs
         cu = torch.zeros(len(batch) + 1, dtype=torch.int32)
         torch.cumsum(ql, 0, out=cu[1:])
         num_decodes = 0
@@ -65,12 +82,17 @@ class ModelRunner:
             query_lens=ql.to(dev), seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
             cu_query_lens=cu.to(dev), slot_mapping=slots.to(dev),
             block_tables=block_tables.to(dev), query_lens_cpu=query_lens, seq_lens_cpu=seq_lens,
-            num_decodes=num_decodes)
+            num_decodes=num_decodes, tree_masks=tree_masks)
         return torch.tensor(ids, dtype=torch.int64, device=dev), ctx
 
     @torch.inference_mode()
     def execute(self, batch: list[ScheduledSeq]) -> StepResult:
-        batch = sorted(batch, key=lambda s: not (s.num_new_tokens == 1 and s.seq.num_computed_tokens > 0))
+        # decodes first (backends take a fast path over ``[:num_decodes]``), then the other chain
+        # sequences shortest query first (a verify of a few drafts, a small chunk: backends may read
+        # a leading run of short queries as decode rows), then draft trees
+        batch = sorted(batch, key=lambda s: (not (s.num_new_tokens == 1 and s.seq.num_computed_tokens > 0),
+                                             s.seq.draft_parents is not None,
+                                             0 if s.seq.draft_parents is not None else s.num_new_tokens))
         input_ids, ctx = self.build_context(batch)
         ends = ctx.cu_query_lens[1:].tolist()
         sample_rows, rows, num_rows = [], [], []

@@ -59,6 +59,8 @@ class Sequence:
         # speculative decoding: the last num_draft_tokens of token_ids are proposals awaiting
         # verification (appended before scheduling, removed when the step is verified)
         self.num_draft_tokens = 0
+        # a draft tree (``lmplug.engine.spec_tree``): each draft's parent index, -1 for the root; None: a chain
+        self.draft_parents: list[int] | None = None
         self.num_drafted = 0  # proposals verified over the sequence's life
         self.num_accepted = 0  # of those, accepted
         self.num_target_forwards = 0  # target forwards (steps) that produced tokens for it

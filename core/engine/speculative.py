@@ -12,6 +12,17 @@ One step with a drafter:
    token. The engine appends them one by one, checking stop conditions on each.
 4. ``rollback``: ``num_computed_tokens`` falls back to the accepted length (the K/V of
    rejected drafts is stale) and the KV backend releases what lies past it.
+
+Trees (``DraftProposal.parents``, ``spec_tree``): a drafter with ``drafts_trees`` may propose
+a tree of candidates for a greedy request. Its nodes are appended in node order like a
+chain's drafts (so the token budget and ``drop_unscheduled`` work unchanged: keeping the
+first nodes of a topological order keeps a subtree) and the parents ride on the sequence
+(``seq.draft_parents``) to the runner, which gives the step tree positions and a tree mask.
+``verify`` walks the tree (greedy) and moves the accepted path's K/V to the positions a
+chain would have used before ``rollback``. A sampling request gets only the chain of first
+children, which the existing speculative-sampling verifier keeps exact. Stats: a tree
+counts its nodes as drafted and its accepted path length as accepted, so the acceptance
+rate falls with the tree's size; tokens per target forward is the figure that matters.
 """
 
 from __future__ import annotations
@@ -19,6 +30,7 @@ from __future__ import annotations
 import torch
 
 from lmplug.engine.sequence import Sequence
+from lmplug.engine.spec_tree import depths, first_child_chain, is_chain, move_kv, subtree
 from lmplug.engine.verifier import verify_batch
 from lmplug.interfaces.drafter import Drafter
 from lmplug.interfaces.kvcache import KVCacheBackend
@@ -48,13 +60,44 @@ class Speculator:
             return
         proposal = self.drafter.propose(seqs, self.num_tokens)
         for i, seq in enumerate(seqs):
-            tokens = list(proposal.token_ids[i])[:room[seq.seq_id]]
+            tokens, probs, parents = list(proposal.token_ids[i]), proposal.probs_of(i), proposal.parents_of(i)
+            if parents is not None:
+                tokens, probs, parents = self._fit_tree(seq, tokens, probs, parents)
+            if parents is None:
+                tokens = tokens[:room[seq.seq_id]]
             if not tokens:
                 continue
-            probs = proposal.probs_of(i)
             self._probs[seq.seq_id] = None if probs is None else probs[:len(tokens)]
             seq.token_ids.extend(tokens)
             seq.num_draft_tokens = len(tokens)
+            seq.draft_parents = parents
+
+    def _fit_tree(self, seq: Sequence, tokens: list[int], probs: torch.Tensor | None,
+                  parents: list[int]) -> tuple[list[int], torch.Tensor | None, list[int] | None]:
+        """A proposed tree, cut to what this sequence may verify: for a sampling request the chain
+        of first children (returned with parents None); for a greedy one the nodes that fit the
+        context (node j's K/V sits at position start + j) and whose depth fits max_tokens."""
+        if not self.drafter.drafts_trees:
+            raise RuntimeError(f"speculative: drafter {self.drafter.name!r} proposed a tree but its "
+                               "drafts_trees is False (only tree-aware drafters, e.g. medusa with "
+                               "`tree`, may propose trees)")
+        if len(parents) != len(tokens):
+            raise RuntimeError(f"speculative: drafter {self.drafter.name!r} proposed {len(tokens)} "
+                               f"tokens with {len(parents)} parents")
+        if not seq.params.is_greedy:
+            keep = first_child_chain(parents)
+            return [tokens[j] for j in keep], None if probs is None else probs[keep], None
+        nodes_room = self.max_model_len - seq.num_tokens - 1
+        depth_room = nodes_room
+        if seq.params.max_tokens is not None:
+            depth_room = min(depth_room, seq.params.max_tokens - seq.num_output_tokens - 1)
+        depth = depths(parents)
+        keep = [j for j in range(min(len(tokens), nodes_room)) if depth[j] <= depth_room]
+        if len(keep) < len(tokens):
+            parents = subtree(parents, keep)
+            tokens = [tokens[j] for j in keep]
+            probs = None if probs is None else probs[keep]
+        return tokens, probs, None if is_chain(parents) else parents
 
     def _room(self, seq: Sequence) -> int:
         """How many drafts are worth verifying: a step emits at most drafts + 1 tokens, and
@@ -74,6 +117,8 @@ class Speculator:
             if keep < seq.num_draft_tokens:
                 del seq.token_ids[seq.num_tokens - seq.num_draft_tokens + keep:]
                 seq.num_draft_tokens = keep
+                parents = seq.draft_parents  # a topological order's head is a subtree
+                seq.draft_parents = None if parents is None or is_chain(parents[:keep]) else parents[:keep]
                 probs = self._probs.get(seq.seq_id)
                 self._probs[seq.seq_id] = None if probs is None else probs[:keep]
 
@@ -85,20 +130,29 @@ class Speculator:
         Returns, per sequence, the tokens to append and the logits row of each (for logprobs).
         ``hidden`` (the target's final hidden states behind ``logits``) is kept for ``observe``.
         """
-        drafts = []
+        drafts, trees = [], []
         for seq in seqs:
             n = seq.num_draft_tokens
             drafts.append(seq.token_ids[seq.num_tokens - n:] if n else [])
             del seq.token_ids[seq.num_tokens - n:]
             seq.num_draft_tokens = 0
+            trees.append(seq.draft_parents if n else None)
+            seq.draft_parents = None
         verdicts = verify_batch(logits, num_rows, [s.params for s in seqs], drafts,
                                 [self._probs.pop(s.seq_id, None) for s in seqs],
-                                [s.generator for s in seqs])
+                                [s.generator for s in seqs], trees)
         emitted, rows, start = [], [], 0
         for seq, draft, verdict, n in zip(seqs, drafts, verdicts, num_rows):
             self._count(seq, len(draft), verdict.num_accepted)
             emitted.append(verdict.tokens)
-            rows.append(list(range(start, start + len(verdict.tokens))))
+            rows.append([start + r for r in verdict.rows])
+            if verdict.nodes:  # a tree: the accepted path's K/V to the positions a chain has
+                root = seq.num_tokens - 1
+                src = [root + 1 + j for j in verdict.nodes]
+                dst = [root + 1 + d for d in range(len(verdict.nodes))]
+                move_kv(self.kv, seq, src, dst)
+                if self.drafter is not None:  # (tests verify trees without one)
+                    self.drafter.kv_moved(seq, src, dst)
             start += n
         if hidden is not None:  # the row whose logits chose each sequence's last emitted token
             self._hidden = hidden[[r[-1] for r in rows]]

@@ -13,6 +13,9 @@ were accepted. So every verification emits between 1 and ``k + 1`` tokens.
   min-p shape the target distribution ``p`` here (``processed_logits``) and the draft's
   in the drafter, by the same rules.
 
+Draft trees (greedy requests only) are verified by ``spec_tree.verify_tree_greedy``; their
+``Verdict.nodes`` name the accepted path, ``Verdict.rows`` the logits row of each token.
+
 Every sequence draws from its own ``torch.Generator``, so a seeded request decodes the
 same whatever else shares the batch.
 """
@@ -25,12 +28,22 @@ import torch
 
 from lmplug.engine.params import SamplingParams
 from lmplug.engine.sampler import draw, processed_logits
+from lmplug.engine.spec_tree import verify_tree_greedy
 
 
 @dataclass(frozen=True)
 class Verdict:
     tokens: list[int]  # the accepted drafts, then one target token (correction or bonus)
     num_accepted: int
+    # a tree (``spec_tree``): the accepted nodes, root to leaf; None for a chain (drafts 0..m-1)
+    nodes: list[int] | None = None
+
+    @property
+    def rows(self) -> list[int]:
+        """The logits row (of this sequence's rows) that chose each emitted token."""
+        if self.nodes is None:
+            return list(range(len(self.tokens)))
+        return [0] + [j + 1 for j in self.nodes]
 
 
 def verify_greedy(logits: torch.Tensor, draft: list[int]) -> Verdict:
@@ -85,9 +98,13 @@ def point_mass(token: int, vocab: int, dtype: torch.dtype) -> torch.Tensor:
 
 def verify_batch(logits: torch.Tensor, num_rows: list[int], params: list[SamplingParams],
                  drafts: list[list[int]], draft_probs: list[torch.Tensor | None],
-                 generators: list[torch.Generator | None]) -> list[Verdict]:
+                 generators: list[torch.Generator | None],
+                 parents: list[list[int] | None] | None = None) -> list[Verdict]:
     """Verify a batch: sequence i owns ``num_rows[i] == len(drafts[i]) + 1`` consecutive rows
-    of ``logits`` [sum(num_rows), V]. Acceptance lengths differ per sequence."""
+    of ``logits`` [sum(num_rows), V]. Acceptance lengths differ per sequence.
+
+    ``parents[i]`` (greedy sequences only) makes sequence i's drafts a tree
+    (``spec_tree.verify_tree_greedy``); None entries are chains."""
     logits = logits.float()
     probs = None
     if not all(p.is_greedy for p in params):
@@ -97,7 +114,13 @@ def verify_batch(logits: torch.Tensor, num_rows: list[int], params: list[Samplin
     for n, sp, draft, q, gen in zip(num_rows, params, drafts, draft_probs, generators):
         if len(draft) != n - 1:
             raise ValueError(f"verifier: {len(draft)} draft tokens need {len(draft) + 1} logits rows, got {n}")
-        if sp.is_greedy:
+        tree = None if parents is None else parents[len(verdicts)]
+        if tree is not None:
+            if not sp.is_greedy:
+                raise ValueError("verifier: draft trees are verified for greedy requests only")
+            v = verify_tree_greedy(logits[start:start + n], draft, tree)
+            verdicts.append(Verdict(v.tokens, len(v.nodes), v.nodes))
+        elif sp.is_greedy:
             verdicts.append(verify_greedy(logits[start:start + n], draft))
         else:
             verdicts.append(verify_sampling(probs[start:start + n], q, draft, gen))

@@ -8,7 +8,10 @@ Life of a drafter in an engine:
 2. every step, before scheduling, ``propose(seqs, k)`` for the running decode sequences.
    Each ``seq.token_ids`` ends with the last accepted token (its K/V not yet computed).
    The engine appends the proposals tentatively, the target scores them in one forward,
-   and the verifier keeps the longest acceptable prefix plus one target token;
+   and the verifier keeps the longest acceptable prefix plus one target token
+   (a drafter with ``drafts_trees`` may propose a tree, ``DraftProposal.parents``: the
+   target scores it with tree attention and greedy verification follows its argmax down
+   the tree, ``lmplug.engine.spec_tree``);
 3. ``observe(seqs, hidden)`` after each step, only for drafters that set
    ``uses_hidden_states`` (heads that draft from the target's hidden states);
 4. ``release(seq)`` when a sequence finishes or is aborted.
@@ -73,9 +76,18 @@ class DraftProposal:
 
     token_ids: list[list[int]]
     probs: list[torch.Tensor | None] | None = None
+    # tree candidates (greedy requests only): parents[i][j] is the index of sequence i's draft j's
+    # parent among its drafts, -1 for the root (the last accepted token); drafts are in
+    # topological order (parents[i][j] < j). None (or a None entry): a chain, as without it.
+    # Only drafters whose ``drafts_trees`` is True may return trees; the engine cuts a tree of a
+    # sampling request to the chain of first children (node 0's path), so sampling stays exact
+    parents: list[list[int] | None] | None = None
 
     def probs_of(self, i: int) -> torch.Tensor | None:
         return None if self.probs is None else self.probs[i]
+
+    def parents_of(self, i: int) -> list[int] | None:
+        return None if self.parents is None else self.parents[i]
 
 
 class Drafter(ABC):
@@ -88,6 +100,12 @@ class Drafter(ABC):
     def __init__(self, options: BackendOptions) -> None:
         self.options = options
 
+    @property
+    def drafts_trees(self) -> bool:
+        """True when this drafter, as configured, proposes trees (``DraftProposal.parents``): the
+        engine then needs an attention backend with the "tree_attention" feature."""
+        return False
+
     def setup(self, target: DraftTarget) -> None:
         """Called once at build time with the target; drafters that run a model build it here."""
 
@@ -99,6 +117,11 @@ class Drafter(ABC):
         temperature / top-k / top-p / min-p (``lmplug.engine.sampler.processed_logits``)
         and returns those distributions in ``probs``.
         """
+
+    def kv_moved(self, seq: Sequence, src: list[int], dst: list[int]) -> None:
+        """After a draft tree's verification the engine moved the target's K/V of the accepted
+        path from positions ``src`` to ``dst`` (``spec_tree.move_kv``); a drafter that keeps
+        something per target KV slot (EAGLE's features) moves it the same way."""
 
     def observe(self, seqs: list[Sequence], hidden: torch.Tensor) -> None:
         """With ``uses_hidden_states``: after each step, for every sequence that got tokens, the

@@ -12,7 +12,8 @@ class StepContext:
     """Where the step's flattened tokens sit and what each sequence attends to.
 
     Sequences are ordered decodes first (``query_len == 1`` and some context
-    cached), so kernels can take a fast path over ``[:num_decodes]``.
+    cached), so kernels can take a fast path over ``[:num_decodes]``; then the
+    other sequences without a draft tree, shortest query first; then draft trees.
 
     Shapes: T = tokens in this step, B = sequences in this step.
     """
@@ -26,6 +27,13 @@ class StepContext:
     query_lens_cpu: list[int]  # host copies, for decisions made in Python
     seq_lens_cpu: list[int]
     num_decodes: int
+    # tree speculative decoding: batch index -> bool [n+1, n+1] ancestor-or-self mask over that
+    # sequence's new tokens (the root, its last accepted token, first). Its new tokens then sit at
+    # positions start + depth (``positions``) but their K/V at slots start + j; attention lets new
+    # token a see new token b only where mask[a, b] (plus the whole cached context, and the
+    # sliding window by position). Empty when no tree is in the step; backends that do not list
+    # the "tree_attention" feature never see one (refused at load time)
+    tree_masks: dict[int, torch.Tensor] = field(default_factory=dict)
     # what a backend derives from the fields above once per step and reuses in every layer
     # (e.g. a gather index), keyed by the backend; the runner starts each step with it empty
     scratch: dict = field(default_factory=dict)

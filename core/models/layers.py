@@ -44,10 +44,12 @@ class Unquantized(QuantMethod):
                       if bias else None)
 
     def process_weights_after_loading(self, layer) -> None:
-        """On CPU keep W^T contiguous (same values and shape, column-major strides): the BLAS
-        GEMM of a few rows (a speculative verify of k+1 tokens, a small batch) then runs
-        1.3-2x faster than on a row-major W (benchmarks/bench_speculative.py)."""
-        if layer.weight.device.type == "cpu" and layer.weight.dim() == 2:
+        """On CPU keep a float32 W^T contiguous (same values and shape, column-major strides):
+        the BLAS GEMM of a few rows (a speculative verify of k+1 tokens, a small batch) then
+        runs 1.3-2x faster than on a row-major W (benchmarks/bench_speculative.py). bfloat16
+        stays row-major: oneDNN's bf16 GEMM is 10-20% slower on the transposed layout."""
+        weight = layer.weight
+        if weight.device.type == "cpu" and weight.dim() == 2 and weight.dtype == torch.float32:
             layer.weight.data = layer.weight.data.t().contiguous().t()
 
     def apply(self, layer, x):

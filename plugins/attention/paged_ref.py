@@ -15,6 +15,8 @@ Same functions, arguments and semantics as ``paged_kernels.py``:
   at a time.
 
 An optional sliding window lets a query at position ``p`` see keys ``(p - window, p]``.
+``paged_prefill_attention`` also takes ``tree_masks`` (tree speculative decoding, see
+``StepContext.tree_masks``): a sequence listed there attends with its ancestor mask.
 
 Quantized KV (``k_scale`` / ``v_scale`` given: int8 / float8_e4m3fn caches with a
 float32 scale per (slot, KV head)): the write quantizes (``store_kv``), the reads
@@ -103,9 +105,13 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
                             seq_lens: torch.Tensor, scale: float, *, sliding_window: int | None = None,
                             max_query_len: int | None = None, out: torch.Tensor | None = None,
                             k_scale: torch.Tensor | None = None,
-                            v_scale: torch.Tensor | None = None) -> torch.Tensor:
-    """q [T, H, D] (sequences back to back), cu_query_lens [B+1], seq_lens [B] -> [T, H, D] (into ``out``)."""
+                            v_scale: torch.Tensor | None = None,
+                            tree_masks: dict[int, torch.Tensor] | None = None) -> torch.Tensor:
+    """q [T, H, D] (sequences back to back), cu_query_lens [B+1], seq_lens [B] -> [T, H, D] (into ``out``).
+
+    ``tree_masks``: sequence index (in this call) -> bool [query_len, query_len] ancestor mask."""
     out = torch.empty_like(q) if out is None else out
+    tree_masks = tree_masks or {}
     starts = cu_query_lens.tolist()
     for i, seq_len in enumerate(seq_lens.tolist()):
         start, end = starts[i], starts[i + 1]
@@ -113,19 +119,19 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
             continue
         k = gather_context(k_cache, block_tables[i:i + 1], seq_len, k_scale, q.dtype)[0]  # [S, Hkv, D]
         v = gather_context(v_cache, block_tables[i:i + 1], seq_len, v_scale, q.dtype)[0]
-        out[start:end] = _attend(q[start:end], k, v, seq_len, scale, sliding_window)
+        out[start:end] = _attend(q[start:end], k, v, seq_len, scale, sliding_window, tree_masks.get(i))
     return out
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_len: int, scale: float,
-            window: int | None) -> torch.Tensor:
+            window: int | None, tree: torch.Tensor | None = None) -> torch.Tensor:
     # q: [L, H, D] -> [H, L, D]; k, v: [S, Hkv, D] -> [Hkv, S, D]
     # (4-d, with a batch of one: on CPU, 3-d inputs miss SDPA's flash kernel and take the math path)
     query_len = q.shape[0]
     args = (q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None])
-    if query_len == seq_len and window is None:  # nothing cached: the plain causal case
+    if query_len == seq_len and window is None and tree is None:  # nothing cached: the plain causal case
         out = F.scaled_dot_product_attention(*args, is_causal=True, scale=scale, enable_gqa=True)
     else:
-        mask = causal_mask(query_len, seq_len, window, q.device)
+        mask = causal_mask(query_len, seq_len, window, q.device, tree)
         out = F.scaled_dot_product_attention(*args, attn_mask=mask, scale=scale, enable_gqa=True)
     return out[0].transpose(0, 1)

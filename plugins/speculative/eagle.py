@@ -16,6 +16,12 @@ position t holds the pair (target feature at t, token t+1) — the features come
 3. ``k - 1`` more single-token forwards, each feeding the predicted feature and the token
    just drafted.
 
+With ``tree_width: w > 1`` a greedy request's proposal is a tree: the chain above plus, at
+every depth, the ``w - 1`` runner-up tokens of the same draft step as leaves beside the
+chain's node. They cost no extra head forward; the target verifies all of them in one
+forward with tree attention (``lmplug.engine.spec_tree``). When it accepts a leaf, the
+engine moves that node's K/V to the chain position and ``kv_moved`` moves its feature too.
+
 With a draft vocabulary (``draft_vocab.safetensors`` beside the heads, written by the
 trainer: the tokens the target actually produced) the draft logits come from those rows of
 the ``lm_head`` only; tokens outside it are never drafted (probability 0 in ``q``, which
@@ -31,7 +37,7 @@ import dataclasses
 
 import torch
 from lmplug_speculative.draft_model import draft_kv_cache
-from lmplug_speculative.draft_runner import choose_tokens, common_prefix
+from lmplug_speculative.draft_runner import choose_tokens, common_prefix, fit_vocab
 from lmplug_speculative.eagle_head import EagleHead, load_draft_vocab, load_head
 from lmplug_speculative.feature_store import FeatureStore
 from pydantic import Field
@@ -57,12 +63,21 @@ class EagleOptions(DrafterOptions):
                                    "of EAGLE-1/2 heads")
     draft_vocab: bool = Field(default=True, description="draft only the tokens listed in the heads' "
                                                         "draft_vocab.safetensors, when present")
+    tree_width: int = Field(default=1, ge=1, le=8, description="candidates per draft position for greedy "
+                                                               "requests: the chain's token plus the next "
+                                                               "tree_width - 1 most likely ones of the same "
+                                                               "draft step as extra leaves, verified as a "
+                                                               "tree (needs tree attention); 1: a chain")
 
 
 class EagleDrafter(Drafter):
     name = "eagle"
     capabilities = Capabilities(devices=frozenset({"cpu", "cuda"}))
     Options = EagleOptions
+
+    @property
+    def drafts_trees(self) -> bool:
+        return self.options.tree_width > 1
 
     def setup(self, target: DraftTarget) -> None:
         cfg = target.model_config
@@ -103,6 +118,9 @@ class EagleDrafter(Drafter):
 
         train_eagle(model, out, options)
 
+    def kv_moved(self, seq, src: list[int], dst: list[int]) -> None:
+        self.store.move(seq, src, dst)  # an accepted sibling leaf's feature follows its K/V
+
     def release(self, seq) -> None:
         mirror = self._mirrors.pop(seq.seq_id, None)
         if mirror is not None:
@@ -130,21 +148,33 @@ class EagleDrafter(Drafter):
             return DraftProposal(ids)
         feats = {i: f for i, _, f, _ in active}  # per sequence: features of the positions to compute
         q_rows: dict[int, list[torch.Tensor]] = {i: [] for i, *_ in active}
+        width = self.options.tree_width
+        siblings: dict[int, list[list[int]]] = {i: [] for i, *_ in active if seqs[i].params.is_greedy}
         for step in range(max(s for *_, s in active)):
             live = [(i, m) for i, m, _, s in active if s > step]
             hidden = self._forward([m for _, m in live], [feats[i] for i, _ in live])
-            chosen, q = choose_tokens(self._logits(hidden), [seqs[i] for i, _ in live], sampling, self.vocab)
+            logits = self._logits(hidden)
+            chosen, q = choose_tokens(logits, [seqs[i] for i, _ in live], sampling, self.vocab)
+            alternatives = _runners_up(logits, chosen, width - 1, self.vocab) if width > 1 else None
             for b, (i, mirror) in enumerate(live):
                 ids[i].append(chosen[b])
                 mirror.seq.token_ids.append(chosen[b])
                 feats[i] = hidden[b:b + 1]  # the next position's feature: the head's prediction
                 if q is not None:
                     q_rows[i].append(q[b])
+                if alternatives is not None and i in siblings:
+                    siblings[i].append(alternatives[b])
+        parents: list[list[int] | None] | None = None
+        if width > 1:
+            parents = [None] * len(seqs)
+            for i, alts in siblings.items():
+                ids[i], parents[i] = _chain_with_siblings(ids[i], alts)
+                q_rows[i] = []  # greedy: the tree verifier needs no draft distribution
         if sampling:
             for i, rows in q_rows.items():
                 probs[i] = torch.stack(rows) if rows else None
-            return DraftProposal(ids, probs)
-        return DraftProposal(ids)
+            return DraftProposal(ids, probs, parents)
+        return DraftProposal(ids, parents=parents)
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Draft logits [B, V]; with a draft vocabulary only its tokens are finite."""
@@ -201,6 +231,24 @@ class EagleDrafter(Drafter):
         rows = torch.empty(len(mirrors), dtype=torch.long)
         rows[torch.tensor(order)] = last.cpu()
         return out[rows.to(out.device)]
+
+
+def _runners_up(logits: torch.Tensor, chosen: list[int], n: int, vocab: int) -> list[list[int]]:
+    """Per row, the ``n`` most likely draft tokens after the chosen one (finite logits only)."""
+    logits = fit_vocab(logits.float(), vocab)
+    values, tokens = logits.topk(min(n + 1, logits.shape[-1]), dim=-1)
+    return [[t for t, v in zip(row_t, row_v) if t != c and v != float("-inf")][:n]
+            for row_t, row_v, c in zip(tokens.tolist(), values.tolist(), chosen)]
+
+
+def _chain_with_siblings(chain: list[int], alternatives: list[list[int]]) -> tuple[list[int], list[int]]:
+    """A draft tree: the chain (node d's parent d - 1, the root's -1), then each depth's
+    alternatives as leaves beside the chain's node there (children of its parent)."""
+    tokens, parents = list(chain), list(range(-1, len(chain) - 1))
+    for depth, alts in enumerate(alternatives):
+        tokens.extend(alts)
+        parents.extend([depth - 1] * len(alts))
+    return tokens, parents
 
 
 @dataclasses.dataclass

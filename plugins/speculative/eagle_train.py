@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
@@ -54,6 +55,10 @@ class EagleTrainOptions(BaseModel):
     max_num_seqs: int = Field(default=16, ge=1, description="answers generated at once")
     seed: int = 0
     device: str = Field(default="auto", description="auto, cpu or cuda")
+    dtype: Literal["float32", "bfloat16"] = Field(
+        default="float32", description="the target's dtype while it writes answers and features: train for "
+                                       "the dtype you serve with; bfloat16 also runs the head's training "
+                                       "matmuls under bf16 autocast (weights and optimizer stay float32)")
 
 
 @dataclass(frozen=True)
@@ -164,7 +169,9 @@ def fit(head: EagleHead, embed: torch.nn.Module, lm_head: torch.Tensor, train, h
         perm = torch.randperm(len(train), generator=gen).tolist()
         for start in range(0, len(perm), opts.batch_size):
             batch = [train[i] for i in perm[start:start + opts.batch_size]]
-            loss = sum(sequence_loss(head, embed, lm_head, ids, feats, opts.cls_weight) for ids, feats in batch)
+            with torch.autocast(lm_head.device.type, dtype=torch.bfloat16, enabled=opts.dtype == "bfloat16"):
+                loss = sum(sequence_loss(head, embed, lm_head, ids, feats, opts.cls_weight)
+                           for ids, feats in batch)
             loss = loss / len(batch)
             optimizer.zero_grad()
             loss.backward()

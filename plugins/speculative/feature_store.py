@@ -41,10 +41,18 @@ class FeatureStore:
 
     def read(self, seq, start: int, end: int) -> torch.Tensor:
         """Features of ``seq`` at positions [start, end): [end - start, h]."""
+        return self.features[self._slots(seq, torch.arange(start, end))]
+
+    def move(self, seq, src: list[int], dst: list[int]) -> None:
+        """The features at positions ``src`` of ``seq`` to positions ``dst``, as the engine moved
+        their K/V after verifying a draft tree (gathered first, so overlaps are safe)."""
+        if src:
+            self.features[self._slots(seq, torch.tensor(dst))] = self.features[self._slots(seq, torch.tensor(src))]
+
+    def _slots(self, seq, pos: torch.Tensor) -> torch.Tensor:
         bs = self.kv.block_size
         table = torch.tensor(self.kv.block_table(seq), dtype=torch.long)
-        pos = torch.arange(start, end)
-        return self.features[(table[pos // bs] * bs + pos % bs).to(self.features.device)]
+        return (table[pos // bs] * bs + pos % bs).to(self.features.device)
 
     def close(self) -> None:
         self._handle.remove()

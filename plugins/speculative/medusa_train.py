@@ -18,6 +18,7 @@ import itertools
 import random
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
@@ -32,7 +33,15 @@ TASKS = ["Write a short story about {}.", "Explain {} in simple terms.", "Give f
          "Write a short poem about {}."]
 TOPICS = ["the ocean", "coffee", "machine learning", "a city at night", "gardening", "space travel",
           "chess", "bicycles", "the moon", "friendship", "volcanoes", "music", "cooking pasta", "rain",
-          "trains", "sorting lists", "databases", "birds", "the history of writing", "exercise"]
+          "trains", "sorting lists", "databases", "birds", "the history of writing", "exercise",
+          "mountains", "the internet", "dogs", "learning a language", "bread", "electric cars", "deserts",
+          "photography", "sleep", "ancient Rome", "recycling", "robots", "winter", "museums", "honey bees",
+          "time management", "rivers", "video games", "the human heart", "paper airplanes", "tea",
+          "forests", "solar power", "libraries", "airplanes", "dinosaurs", "public speaking", "snow",
+          "basketball", "spreadsheets", "islands", "clocks", "the stock market", "penguins", "painting",
+          "hiking", "recursion", "cats", "the weather", "bridges"]
+TASKS += ["Write a letter to a friend about {}.", "List the main facts about {}.",
+          "Write a dialogue between two people talking about {}.", "Teach a beginner about {} step by step."]
 
 
 class MedusaTrainOptions(BaseModel):
@@ -49,6 +58,9 @@ class MedusaTrainOptions(BaseModel):
     max_num_seqs: int = Field(default=16, ge=1, description="answers generated at once")
     seed: int = 0
     device: str = Field(default="auto", description="auto, cpu or cuda")
+    dtype: Literal["float32", "bfloat16"] = Field(
+        default="float32", description="the target's dtype while it writes answers and features: "
+                                       "train for the dtype you serve with")
 
 
 @dataclass(frozen=True)
@@ -59,7 +71,7 @@ class TrainResult:
 
 
 def open_target(method: str, options_cls, model: str, options: dict):
-    """Validated training options and the target model (float32, continuous batching), seeded."""
+    """Validated training options and the target model (``opts.dtype``, continuous batching), seeded."""
     try:
         opts = options_cls(**options)
     except ValidationError as exc:
@@ -67,7 +79,7 @@ def open_target(method: str, options_cls, model: str, options: dict):
     from lmplug import LLM
 
     torch.manual_seed(opts.seed)
-    llm = LLM(model, device=opts.device, dtype="float32", max_model_len=1024,
+    llm = LLM(model, device=opts.device, dtype=opts.dtype, max_model_len=1024,
               scheduler={"backend": "continuous", "max_num_seqs": opts.max_num_seqs})
     return opts, llm
 

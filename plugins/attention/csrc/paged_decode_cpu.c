@@ -1,0 +1,353 @@
+/* Paged decode attention on CPU, fused: the `paged` backend's native decode kernel.
+ *
+ * One query token per sequence attends over its cached context, read straight from the
+ * paged cache through its block table: no gather copy, no padding to the longest context.
+ * One task per (sequence, KV head); the G = H / Hkv query heads of that KV head attend
+ * together, so every K and V row is read once for all of them (GQA / MQA), and a thread
+ * runs the tasks of one sequence side by side, so each slot's K/V heads are read as one
+ * contiguous run (the next chunk's slots are prefetched: blocks lie anywhere). Positions
+ * [max(0, len - window), len) are visited in chunks of CHUNK; scores are float32 and the
+ * softmax is online (running max and sum per query head, the accumulator rescaled once per
+ * chunk), V is accumulated in float32 and the output written once at the end. Slots past a
+ * sequence's length are never read (they may hold NaN or another sequence's data).
+ *
+ * Layouts (all contiguous): q, out [B, H, D]; k_cache, v_cache [num_blocks, block_size, Hkv, D];
+ * block_tables [B, bt_stride] int32; seq_lens [B] int32. Storage types: float32, bfloat16
+ * (uint16 bits; widened exactly, the output rounded to nearest even as torch does) and, where
+ * the compiler has _Float16, float16.
+ *
+ * Threads: the B * Hkv tasks are split into num_threads contiguous chunks, each on a pthread
+ * created here (1 thread: none created). No OpenMP: torch ships its own runtime, and two in
+ * one process fight over the cores.
+ *
+ * Plain C with no torch or Python headers, so it builds in about a second with
+ * `cc -O3 -march=native -shared -fPIC -pthread` (see paged_native.py). The inner loops
+ * are written for gcc/clang's auto-vectorizer (checked with -fopt-info-vec): dot products
+ * keep LANES partial sums, added pairwise for a whole chunk of positions at once (a float
+ * reduction per dot product does not vectorize without -ffast-math's reassociation, which
+ * this file must not have), V is accumulated four positions per pass, and exp is a
+ * branch-free polynomial rather than libm's scalar expf.
+ * Returns 0, or -1 when scratch memory could not be allocated.
+ */
+#include <math.h>
+#include <pthread.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define CHUNK 32 /* positions scored before one online-softmax update */
+#define LANES 16 /* partial sums per dot product (sum_lanes adds 16) */
+
+enum dtype { F32, BF16, F16 };
+
+static inline float bf16_to_f32(uint16_t x) {
+    uint32_t bits = (uint32_t)x << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+static inline uint16_t f32_to_bf16(float f) { /* c10::round_to_nearest_even */
+    if (isnan(f)) return 0x7FC0;
+    uint32_t bits;
+    memcpy(&bits, &f, sizeof bits);
+    return (uint16_t)((bits + ((bits >> 16) & 1) + 0x7FFF) >> 16);
+}
+
+/* exp(x) for x <= 0 (every argument here is a score minus a running max): 2^n * p(r),
+ * r = x - n ln2 in [-ln2/2, ln2/2], p a degree-6 Taylor polynomial (relative error < 2e-7);
+ * below -87 (where 2^n leaves the normal range) the result is 0. */
+static inline float exp_nonpos(float x) {
+    const float shifter = 12582912.0f; /* 1.5 * 2^23: adding it rounds to an integer */
+    float xc = x < -87.0f ? -87.0f : x;
+    float n = (xc * 1.44269504f + shifter) - shifter;
+    float r = xc - n * 0.693145752f; /* ln2 split in two for an exact product */
+    r = r - n * 1.42860677e-6f;
+    float p = 1.0f / 720;
+    p = p * r + 1.0f / 120;
+    p = p * r + 1.0f / 24;
+    p = p * r + 1.0f / 6;
+    p = p * r + 0.5f;
+    p = p * r + 1.0f;
+    p = p * r + 1.0f;
+    int32_t e = ((int32_t)n + 127) << 23;
+    float two_n;
+    memcpy(&two_n, &e, sizeof two_n);
+    return x < -87.0f ? 0.0f : p * two_n;
+}
+
+/* the LANES partial sums of a.b (lane i: elements i, i + LANES, ...; the tail of an odd size
+ * in lane 0); `sum_lanes` adds them up for a whole chunk at once */
+static inline void dot_lanes(float *restrict lane, const float *restrict a, const float *restrict b,
+                             int n) {
+    for (int i = 0; i < LANES; i++) lane[i] = 0.0f;
+    int d = 0;
+    for (; d + LANES <= n; d += LANES)
+        for (int i = 0; i < LANES; i++) lane[i] += a[d + i] * b[d + i];
+    if (d < n) { /* (x + 0 is not x for x = -0: the compiler keeps the add unless skipped) */
+        float tail = 0.0f;
+        for (; d < n; d++) tail += a[d] * b[d];
+        lane[0] += tail;
+    }
+}
+
+/* the max and the sum of a chunk's CHUNK scores, pairwise at fixed sizes (each level one
+ * vector op; an in-order reduction would not vectorize) */
+_Static_assert(CHUNK == 32, "chunk_max and chunk_sum add 32 values");
+#define CHUNK_REDUCE(name, op)                                                                   \
+    static inline float name(const float *restrict x) {                                          \
+        float a[16], b[8], c[4];                                                                 \
+        for (int k = 0; k < 16; k++) a[k] = op(x[k], x[k + 16]);                                 \
+        for (int k = 0; k < 8; k++) b[k] = op(a[k], a[k + 8]);                                   \
+        for (int k = 0; k < 4; k++) c[k] = op(b[k], b[k + 4]);                                   \
+        return op(op(c[0], c[2]), op(c[1], c[3]));                                               \
+    }
+#define MAX_OP(u, v) ((u) > (v) ? (u) : (v))
+#define ADD_OP(u, v) ((u) + (v))
+CHUNK_REDUCE(chunk_max, MAX_OP)
+CHUNK_REDUCE(chunk_sum, ADD_OP)
+
+/* out[i] = the sum of lanes[i * LANES ...] for i < n, pairwise in four levels: each level
+ * vectorizes over the whole chunk (a horizontal sum per dot product does not, without
+ * -ffast-math) */
+static inline void sum_lanes(float *restrict out, float *restrict tmp, const float *restrict lanes,
+                             int n) {
+    float *l8 = tmp, *l4 = l8 + CHUNK * 8, *l2 = l4 + CHUNK * 4;
+    for (int k = 0; k < n * 8; k++) l8[k] = lanes[2 * k] + lanes[2 * k + 1];
+    for (int k = 0; k < n * 4; k++) l4[k] = l8[2 * k] + l8[2 * k + 1];
+    for (int k = 0; k < n * 2; k++) l2[k] = l4[2 * k] + l4[2 * k + 1];
+    for (int k = 0; k < n; k++) out[k] = l2[2 * k] + l2[2 * k + 1];
+}
+
+/* y += a[0] x0 + a[1] x1 + a[2] x2 + a[3] x3: four positions per pass over the accumulator */
+static inline void axpy4(float *restrict y, const float *a, const float *restrict x0,
+                         const float *restrict x1, const float *restrict x2,
+                         const float *restrict x3, int n) {
+    const float a0 = a[0], a1 = a[1], a2 = a[2], a3 = a[3];
+    for (int d = 0; d < n; d++) y[d] += (a0 * x0[d] + a1 * x1[d]) + (a2 * x2[d] + a3 * x3[d]);
+}
+
+static inline void axpy(float *restrict y, float a, const float *restrict x, int n) {
+    for (int d = 0; d < n; d++) y[d] += a * x[d];
+}
+
+/* a row of D stored values as float32: the row itself (float32) or a widened copy in buf */
+static inline const float *row_f32(const void *src, float *restrict buf, int n, enum dtype t) {
+    if (t == F32) return (const float *)src;
+    if (t == BF16) {
+        const uint16_t *s = (const uint16_t *)src;
+        for (int d = 0; d < n; d++) buf[d] = bf16_to_f32(s[d]);
+    }
+#ifdef __FLT16_MAX__
+    if (t == F16) {
+        const _Float16 *s = (const _Float16 *)src;
+        for (int d = 0; d < n; d++) buf[d] = (float)s[d];
+    }
+#endif
+    return buf;
+}
+
+static inline void store_row(void *dst, const float *restrict src, float mul, int n, enum dtype t) {
+    if (t == F32) {
+        float *o = (float *)dst;
+        for (int d = 0; d < n; d++) o[d] = src[d] * mul;
+    } else if (t == BF16) {
+        uint16_t *o = (uint16_t *)dst;
+        for (int d = 0; d < n; d++) o[d] = f32_to_bf16(src[d] * mul);
+    }
+#ifdef __FLT16_MAX__
+    else if (t == F16) {
+        _Float16 *o = (_Float16 *)dst;
+        for (int d = 0; d < n; d++) o[d] = (_Float16)(src[d] * mul);
+    }
+#endif
+}
+
+typedef struct {
+    const void *q, *k_cache, *v_cache;
+    const int32_t *block_tables, *seq_lens;
+    void *out;
+    int64_t bt_stride;
+    int B, H, Hkv, D, block_size, window;
+    float scale;
+    int first, last; /* this worker's tasks: [first, last) of B * Hkv */
+    int status;
+} job_t;
+
+typedef struct { /* one worker's float32 scratch, R = H query rows at most */
+    float *q, *acc, *scores, *rows, *max, *sum; /* rows: a chunk of K or V rows widened */
+    float *lanes, *tmp;                         /* dot products' partial sums, sum_lanes' levels */
+} scratch_t;
+
+/* the cache lines of `bytes` bytes at `p`, on their way to the caches */
+static inline void prefetch(const char *p, size_t bytes) {
+    for (size_t off = 0; off < bytes; off += 64) __builtin_prefetch(p + off, 0, 3);
+}
+
+/* byte offsets in the caches of the slots of positions [p0, p0 + n) of one sequence */
+static inline void slot_offsets(size_t *offs, const int32_t *table, int p0, int n, int bs,
+                                size_t slot_bytes) {
+    for (int i = 0; i < n; i++) {
+        const int p = p0 + i;
+        offs[i] = ((size_t)table[p / bs] * bs + p % bs) * slot_bytes;
+    }
+}
+
+/* sequence b, KV heads [h0, h1): the query rows r = 0 .. (h1 - h0) * G - 1 of heads h0 * G ...,
+ * row r reading KV head h0 + r / G. Heads of one sequence go together so that each slot's
+ * K (and V) is read as one contiguous run of (h1 - h0) * D values. */
+static inline __attribute__((always_inline)) void attend(const job_t *j, int b, int h0, int h1,
+                                                         scratch_t *s, enum dtype t, const int D) {
+    const int G = j->H / j->Hkv, bs = j->block_size, R = (h1 - h0) * G;
+    const size_t elem = t == F32 ? 4 : 2;
+    const int len = j->seq_lens[b];
+    const int start = j->window > 0 && len > j->window ? len - j->window : 0;
+    const int32_t *table = j->block_tables + (int64_t)b * j->bt_stride;
+    const size_t row_bytes = (size_t)D * elem, slot_bytes = (size_t)j->Hkv * row_bytes;
+    const size_t head_bytes = (size_t)h0 * row_bytes;
+    const char *kc = (const char *)j->k_cache + head_bytes, *vc = (const char *)j->v_cache + head_bytes;
+    const char *qh = (const char *)j->q + ((size_t)b * j->H + (size_t)h0 * G) * row_bytes;
+
+    for (int r = 0; r < R; r++) { /* the scale goes into q once */
+        const float *qr = row_f32(qh + r * row_bytes, s->rows, D, t);
+        for (int d = 0; d < D; d++) s->q[(size_t)r * D + d] = qr[d] * j->scale;
+        s->max[r] = -INFINITY;
+        s->sum[r] = 0.0f;
+        memset(s->acc + (size_t)r * D, 0, (size_t)D * sizeof(float));
+    }
+    size_t offs[2][CHUNK]; /* this chunk's slots and the next one's */
+    if (start < len) slot_offsets(offs[0], table, start, len - start < CHUNK ? len - start : CHUNK, bs,
+                                  slot_bytes);
+    for (int p0 = start, c = 0; p0 < len; p0 += CHUNK, c ^= 1) {
+        const int n = len - p0 < CHUNK ? len - p0 : CHUNK;
+        const size_t *cur = offs[c], *nxt = offs[c ^ 1];
+        /* blocks sit anywhere in the pool: the next chunk's rows are prefetched while this
+         * one is computed, a row at a time, so the requests spread over the chunk */
+        const int next = len - p0 - CHUNK <= 0 ? 0 : len - p0 - CHUNK < CHUNK ? len - p0 - CHUNK : CHUNK;
+        slot_offsets(offs[c ^ 1], table, p0 + CHUNK, next, bs, slot_bytes);
+        const float *rows[CHUNK];
+        for (int h = 0; h < h1 - h0; h++) { /* scores; positions < len only */
+            for (int i = 0; i < next; i++) prefetch(kc + nxt[i] + h * row_bytes, row_bytes);
+            for (int i = 0; i < n; i++)
+                rows[i] = row_f32(kc + cur[i] + h * row_bytes, s->rows + (size_t)i * D, D, t);
+            for (int r = h * G; r < (h + 1) * G; r++) {
+                for (int i = 0; i < n; i++) dot_lanes(s->lanes + i * LANES, s->q + (size_t)r * D, rows[i], D);
+                sum_lanes(s->scores + r * CHUNK, s->tmp, s->lanes, n);
+            }
+        }
+        for (int r = 0; r < R; r++) { /* online softmax update, over whole chunks */
+            float *sc = s->scores + r * CHUNK;
+            for (int i = n; i < CHUNK; i++) sc[i] = -INFINITY; /* a short last chunk: weight 0 */
+            const float chunk = chunk_max(sc), m = chunk > s->max[r] ? chunk : s->max[r];
+            for (int i = 0; i < CHUNK; i++) sc[i] = exp_nonpos(sc[i] - m);
+            const float correction = exp_nonpos(s->max[r] - m);
+            s->sum[r] = s->sum[r] * correction + chunk_sum(sc);
+            s->max[r] = m;
+            if (correction != 1.0f) {
+                float *acc = s->acc + (size_t)r * D;
+                for (int d = 0; d < D; d++) acc[d] *= correction;
+            }
+        }
+        for (int h = 0; h < h1 - h0; h++) { /* weighted V */
+            for (int i = 0; i < next; i++) prefetch(vc + nxt[i] + h * row_bytes, row_bytes);
+            for (int i = 0; i < n; i++)
+                rows[i] = row_f32(vc + cur[i] + h * row_bytes, s->rows + (size_t)i * D, D, t);
+            for (int r = h * G; r < (h + 1) * G; r++) {
+                float *acc = s->acc + (size_t)r * D;
+                const float *p = s->scores + r * CHUNK;
+                int i = 0;
+                for (; i + 4 <= n; i += 4) axpy4(acc, p + i, rows[i], rows[i + 1], rows[i + 2], rows[i + 3], D);
+                for (; i < n; i++) axpy(acc, p[i], rows[i], D);
+            }
+        }
+    }
+    char *oh = (char *)j->out + ((size_t)b * j->H + (size_t)h0 * G) * row_bytes;
+    for (int r = 0; r < R; r++) /* no position (len 0): zeros rather than 0/0 */
+        store_row(oh + r * row_bytes, s->acc + (size_t)r * D, s->sum[r] > 0 ? 1.0f / s->sum[r] : 0.0f,
+                  D, t);
+}
+
+static inline __attribute__((always_inline)) void run(job_t *j, enum dtype t) {
+    const int R = j->H, D = j->D, Hkv = j->Hkv;
+    const size_t floats = (size_t)R * D * 2 + (size_t)R * CHUNK + (size_t)CHUNK * D + (size_t)R * 2 +
+                          (size_t)CHUNK * LANES * 2;
+    float *mem = malloc(floats * sizeof(float));
+    if (!mem) {
+        j->status = -1;
+        return;
+    }
+    scratch_t s;
+    s.q = mem;
+    s.acc = s.q + (size_t)R * D;
+    s.scores = s.acc + (size_t)R * D;
+    s.rows = s.scores + (size_t)R * CHUNK;
+    s.max = s.rows + (size_t)CHUNK * D;
+    s.sum = s.max + R;
+    s.lanes = s.sum + R;
+    s.tmp = s.lanes + CHUNK * LANES;
+    for (int task = j->first; task < j->last;) { /* the tasks of one sequence together */
+        const int b = task / Hkv, h0 = task % Hkv;
+        const int h1 = j->last - b * Hkv < Hkv ? j->last - b * Hkv : Hkv;
+        switch (D) { /* common head sizes as constants: the loops over D unroll, no tails */
+        case 64: attend(j, b, h0, h1, &s, t, 64); break;
+        case 128: attend(j, b, h0, h1, &s, t, 128); break;
+        default: attend(j, b, h0, h1, &s, t, D);
+        }
+        task = b * Hkv + h1;
+    }
+    free(mem);
+    j->status = 0;
+}
+
+static void *run_f32(void *j) { run((job_t *)j, F32); return NULL; }
+static void *run_bf16(void *j) { run((job_t *)j, BF16); return NULL; }
+#ifdef __FLT16_MAX__
+static void *run_f16(void *j) { run((job_t *)j, F16); return NULL; }
+#endif
+
+#define MAX_THREADS 256
+
+static int launch(void *(*worker)(void *), const void *q, const void *k_cache, const void *v_cache,
+                  const int32_t *block_tables, int64_t bt_stride, const int32_t *seq_lens, void *out,
+                  int B, int H, int Hkv, int D, int block_size, float scale, int window,
+                  int num_threads) {
+    const int tasks = B * Hkv;
+    int workers = num_threads < tasks ? num_threads : tasks;
+    if (workers > MAX_THREADS) workers = MAX_THREADS;
+    if (workers < 1) workers = 1;
+    job_t jobs[MAX_THREADS];
+    pthread_t threads[MAX_THREADS];
+    int started[MAX_THREADS] = {0};
+    for (int w = 0; w < workers; w++) {
+        jobs[w] = (job_t){q, k_cache, v_cache, block_tables, seq_lens, out, bt_stride, B, H, Hkv, D,
+                          block_size, window, scale, (int)((int64_t)tasks * w / workers),
+                          (int)((int64_t)tasks * (w + 1) / workers), 0};
+    }
+    for (int w = 1; w < workers; w++) /* a thread that cannot start runs inline below */
+        started[w] = pthread_create(&threads[w], NULL, worker, &jobs[w]) == 0;
+    worker(&jobs[0]);
+    int status = jobs[0].status;
+    for (int w = 1; w < workers; w++) {
+        if (started[w])
+            pthread_join(threads[w], NULL);
+        else
+            worker(&jobs[w]);
+        if (jobs[w].status) status = jobs[w].status;
+    }
+    return status;
+}
+
+#define EXPORT __attribute__((visibility("default")))
+#define DECODE_ARGS                                                                              \
+    const void *q, const void *k_cache, const void *v_cache, const int32_t *block_tables,        \
+        int64_t bt_stride, const int32_t *seq_lens, void *out, int B, int H, int Hkv, int D,     \
+        int block_size, float scale, int window, int num_threads
+#define DECODE_CALL(worker)                                                                      \
+    launch(worker, q, k_cache, v_cache, block_tables, bt_stride, seq_lens, out, B, H, Hkv, D,    \
+           block_size, scale, window, num_threads)
+
+EXPORT int paged_decode_f32(DECODE_ARGS) { return DECODE_CALL(run_f32); }
+EXPORT int paged_decode_bf16(DECODE_ARGS) { return DECODE_CALL(run_bf16); }
+#ifdef __FLT16_MAX__
+EXPORT int paged_decode_f16(DECODE_ARGS) { return DECODE_CALL(run_f16); }
+#endif

@@ -1,0 +1,260 @@
+"""The ``paged`` backend's native CPU decode kernel: build, load and call ``csrc/paged_decode_cpu.c``.
+
+``paged_cpu.py`` gathers every sequence's context into a padded ``[B, Hkv, S_max, D]``
+tensor and runs two batched matmuls over the padding too; on a batch that mixes short
+and long contexts that is several times the inherent cost, reading each sequence's K
+and V once. The C kernel walks the block tables itself and does the online softmax on
+the cache, per (sequence, KV head), with no copy and no padding (see its header).
+
+The shared library is built on first use with ``$CC`` (default ``cc``) and
+``FLAGS`` into ``<cache_dir>/kernels/paged_decode_cpu-<hash>.so``. The hash covers the
+source, the flags, the compiler's ``--version`` and the CPU's model and feature lines
+(``-march=native`` code from another CPU may not run here, and virtual machines often
+report one model name for different feature sets). The build writes a temporary file
+in the same folder and renames it, so a process never loads a half-written library.
+
+``available()`` says whether the kernel builds here (and why not), ``load()`` returns
+it; ``paged_decode_attention`` has the arguments and result of
+``paged_ref.paged_decode_attention`` for float32 / bfloat16 / float16 caches (quantized
+KV is refused: it keeps the reference path). The backend calls ``prepare`` once per
+step and ``NativeKernel.decode`` once per layer.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import shlex
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from lmplug.loading.cache import cache_dir
+
+SOURCE = Path(__file__).resolve().parent / "csrc" / "paged_decode_cpu.c"
+FLAGS = ("-O3", "-march=native", "-shared", "-fPIC", "-pthread")
+_SYMBOLS = {torch.float32: "paged_decode_f32", torch.bfloat16: "paged_decode_bf16",
+            torch.float16: "paged_decode_f16"}
+# q, k_cache, v_cache, block_tables, bt_stride, seq_lens, out, B, H, Hkv, D, block_size, scale,
+# window, num_threads (csrc/paged_decode_cpu.c, DECODE_ARGS)
+_ARGTYPES = [ctypes.c_void_p] * 4 + [ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p] + \
+    [ctypes.c_int] * 5 + [ctypes.c_float, ctypes.c_int, ctypes.c_int]
+_WHAT = "paged native decode"
+
+
+class NativeKernelUnavailable(RuntimeError):
+    """The C kernel cannot be built or loaded here; the message says why."""
+
+
+def compiler() -> list[str]:
+    """``$CC`` split into words (it may carry a launcher such as ``ccache gcc``), default ``cc``."""
+    return shlex.split(os.environ.get("CC") or "cc")
+
+
+def load() -> NativeKernel:
+    """The kernel for the current ``$CC`` and cache folder, built on first use (then cached in
+    the process); raises NativeKernelUnavailable with the reason."""
+    return _library(tuple(compiler()), str(cache_dir()))
+
+
+def available() -> tuple[bool, str]:
+    """(True, path of the library) when the kernel builds and loads here, else (False, why)."""
+    try:
+        return True, load().path
+    except NativeKernelUnavailable as exc:
+        return False, str(exc)
+
+
+def supported_dtypes() -> frozenset[torch.dtype]:
+    """The storage dtypes the built library has a function for (float16 needs ``_Float16``)."""
+    return load().dtypes
+
+
+def _cpu_id() -> str:
+    """The CPU's model and feature-flag lines (Linux), else what ``platform`` knows."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        lines = []
+    keys = ("model name", "flags", "Features", "CPU implementer", "CPU part")
+    picked = {line.split(":")[0].strip(): line for line in lines if line.split(":")[0].strip() in keys}
+    if picked:
+        return "\n".join(picked[k] for k in keys if k in picked)
+    import platform
+
+    return f"{platform.machine()} {platform.processor()}"
+
+
+@functools.cache
+def _compiler_version(cc: tuple[str, ...]) -> str:
+    try:
+        done = subprocess.run([*cc, "--version"], check=False, capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.SubprocessError) as exc:
+        raise NativeKernelUnavailable(f"no C compiler: running {shlex.join(cc)!r} failed ({exc}); "
+                                      f"set $CC to one") from exc
+    if done.returncode != 0:
+        raise NativeKernelUnavailable(f"no C compiler: '{shlex.join(cc)} --version' exited with "
+                                      f"{done.returncode}: {done.stderr.strip()[-500:]}; set $CC to one")
+    return done.stdout
+
+
+def library_path(cc: tuple[str, ...], root: Path) -> Path:
+    """Where the build for this source, compiler, flags and CPU lives."""
+    digest = hashlib.sha256()
+    for part in (SOURCE.read_bytes(), "\0".join(FLAGS).encode(), _compiler_version(cc).encode(),
+                 _cpu_id().encode()):
+        digest.update(part)
+        digest.update(b"\0")
+    return root / "kernels" / f"paged_decode_cpu-{digest.hexdigest()[:16]}.so"
+
+
+@functools.cache
+def _library(cc: tuple[str, ...], root: str) -> NativeKernel:
+    """Build (when not cached) and load the library; raises NativeKernelUnavailable with the reason."""
+    if not sys.platform.startswith(("linux", "darwin")):
+        raise NativeKernelUnavailable(f"unsupported platform {sys.platform!r} (Linux and macOS only)")
+    path = library_path(cc, Path(root))
+    if not path.exists():
+        _build(cc, path)
+    try:
+        lib = ctypes.CDLL(str(path))
+    except OSError as exc:
+        raise NativeKernelUnavailable(f"cannot load {path}: {exc}") from exc
+    functions = {}
+    for dtype, name in _SYMBOLS.items():
+        if hasattr(lib, name):
+            fn = functions[dtype] = getattr(lib, name)
+            fn.argtypes, fn.restype = _ARGTYPES, ctypes.c_int
+    return NativeKernel(functions, str(path))
+
+
+def _build(cc: tuple[str, ...], path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=path.stem + ".", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    try:
+        command = [*cc, *FLAGS, "-o", tmp, str(SOURCE)]
+        try:
+            done = subprocess.run(command, check=False, capture_output=True, text=True, timeout=300)
+        except (OSError, subprocess.SubprocessError) as exc:
+            raise NativeKernelUnavailable(f"compiling {SOURCE.name} failed: {exc}") from exc
+        if done.returncode != 0:
+            tail = (done.stderr or done.stdout).strip()[-2000:]
+            raise NativeKernelUnavailable(f"compiling {SOURCE.name} failed ('{shlex.join(command)}' "
+                                          f"exited with {done.returncode}): {tail}")
+        os.replace(tmp, path)  # atomic: another process sees the old state or the whole file
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+@dataclass
+class Prepared:
+    """One decode batch's block tables and lengths as the kernel reads them (int32, contiguous)."""
+    block_tables: torch.Tensor  # [B, max_blocks]
+    seq_lens: torch.Tensor  # [B]
+
+
+def prepare(block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size: int, num_blocks: int,
+            check: bool = True) -> Prepared:
+    """int32 contiguous copies (when needed) of a batch's tables and lengths, checked to stay in the
+    cache: the kernel trusts them, and a block id out of range would read outside it."""
+    tables = block_tables.to(torch.int32).contiguous()
+    lens = seq_lens.to(torch.int32).contiguous()
+    if tables.dim() != 2 or lens.dim() != 1 or tables.shape[0] != lens.shape[0]:
+        raise ValueError(f"{_WHAT}: block_tables must be [B, max_blocks] and seq_lens [B], got "
+                         f"{tuple(block_tables.shape)} and {tuple(seq_lens.shape)}")
+    if tables.device.type != "cpu" or lens.device.type != "cpu":
+        raise ValueError(f"{_WHAT}: block_tables and seq_lens must be CPU tensors, got {tables.device} "
+                         f"and {lens.device}")
+    if check and lens.numel():
+        used = -(-lens.long() // block_size)  # blocks each sequence reads
+        if int(lens.min()) < 0 or int(used.max()) > tables.shape[1]:
+            raise ValueError(f"{_WHAT}: seq_lens must lie in [0, max_blocks * block_size = "
+                             f"{tables.shape[1] * block_size}], got {lens.tolist()}")
+        ids = tables[torch.arange(tables.shape[1]) < used.unsqueeze(1)]
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= num_blocks):
+            raise ValueError(f"{_WHAT}: block_tables name blocks outside [0, {num_blocks})")
+    return Prepared(tables, lens)
+
+
+class NativeKernel:
+    """The loaded library: ``decode`` one batch (``prepare`` its tables once per step)."""
+
+    def __init__(self, functions: dict, path: str) -> None:
+        self._functions = functions  # storage dtype -> ctypes function
+        self.path = path
+        self.dtypes = frozenset(functions)
+
+    def decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: Prepared,
+               scale: float, sliding_window: int | None, out: torch.Tensor,
+               num_threads: int | None = None) -> torch.Tensor:
+        """q, out [B, H, D]; caches [num_blocks, block_size, Hkv, D]: one call of the kernel."""
+        fn = self._function(q, k_cache, v_cache, out)
+        _, block_size, num_kv_heads, head_dim = k_cache.shape
+        size, num_heads, _ = q.shape
+        if batch.block_tables.shape[0] != size:
+            raise ValueError(f"{_WHAT}: {size} queries but {batch.block_tables.shape[0]} block tables")
+        if size == 0:
+            return out
+        threads = torch.get_num_threads() if num_threads is None else num_threads
+        status = fn(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), batch.block_tables.data_ptr(),
+                    batch.block_tables.stride(0), batch.seq_lens.data_ptr(), out.data_ptr(), size,
+                    num_heads, num_kv_heads, head_dim, block_size, scale, sliding_window or 0,
+                    max(1, threads))
+        if status != 0:
+            raise MemoryError(f"{_WHAT}: the kernel could not allocate its scratch memory")
+        return out
+
+    def _function(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor):
+        if not (q.dim() == out.dim() == 3 and k_cache.dim() == 4 and k_cache.shape == v_cache.shape):
+            raise ValueError(f"{_WHAT}: q and out must be [B, H, D] and the caches [num_blocks, block_size, "
+                             f"Hkv, D], got q {tuple(q.shape)}, out {tuple(out.shape)}, k_cache "
+                             f"{tuple(k_cache.shape)}, v_cache {tuple(v_cache.shape)}")
+        num_heads, head_dim = q.shape[1:]
+        num_kv_heads = k_cache.shape[2]
+        if out.shape != q.shape or head_dim != k_cache.shape[3] or num_heads % num_kv_heads:
+            raise ValueError(f"{_WHAT}: q {tuple(q.shape)} needs head_dim {k_cache.shape[3]} and a multiple "
+                             f"of {num_kv_heads} heads, and out its shape (got {tuple(out.shape)})")
+        tensors = (q, k_cache, v_cache, out)
+        if not all(t.dtype == q.dtype and t.is_contiguous() and t.device.type == "cpu" for t in tensors):
+            names = ("q", "k_cache", "v_cache", "out")
+            got = ", ".join(f"{n} {t.dtype} {t.device} strides {t.stride()}" for n, t in zip(names, tensors))
+            raise ValueError(f"{_WHAT}: q, the caches and out must be contiguous CPU tensors of one dtype "
+                             f"(quantized KV takes the PyTorch path), got {got}")
+        fn = self._functions.get(q.dtype)
+        if fn is None:
+            raise ValueError(f"{_WHAT}: no kernel for {q.dtype} here; supported: "
+                             f"{sorted(str(d) for d in self.dtypes)}")
+        return fn
+
+
+def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float, *,
+                           sliding_window: int | None = None, max_seq_len: int | None = None,
+                           partition_size: int | None = None, out: torch.Tensor | None = None,
+                           k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+                           num_threads: int | None = None) -> torch.Tensor:
+    """``paged_ref.paged_decode_attention`` in C: q [B, H, D], block_tables [B, max_blocks],
+    seq_lens [B] -> [B, H, D] (into ``out`` when given). ``max_seq_len`` and ``partition_size``
+    are accepted for parity and not needed; ``num_threads`` defaults to ``torch.get_num_threads()``.
+    """
+    if k_scale is not None or v_scale is not None:
+        raise ValueError(f"{_WHAT}: quantized KV caches are not supported (they take the PyTorch path)")
+    if k_cache.dim() != 4:
+        raise ValueError(f"{_WHAT}: k_cache must be [num_blocks, block_size, Hkv, D], got "
+                         f"{tuple(k_cache.shape)}")
+    kernel = load()
+    batch = prepare(block_tables, seq_lens, k_cache.shape[1], k_cache.shape[0])
+    q = q.contiguous()
+    if out is not None and out.is_contiguous():
+        return kernel.decode(q, k_cache, v_cache, batch, scale, sliding_window, out, num_threads)
+    result = kernel.decode(q, k_cache, v_cache, batch, scale, sliding_window,
+                           torch.empty(q.shape, dtype=q.dtype, device=q.device), num_threads)
+    return result if out is None else out.copy_(result)
