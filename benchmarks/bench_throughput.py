@@ -45,7 +45,8 @@ def report(name: str, elapsed: float, ttft: list[float], tpot: list[float], out_
     return row
 
 
-def run_lmplug(model: str, requests, scheduler: str, max_num_seqs: int, budget: int, dtype: str) -> tuple:
+def run_lmplug(model: str, requests, scheduler: str, max_num_seqs: int, budget: int, dtype: str,
+               step_stats: bool = False) -> tuple:
     llm = LLM(model, dtype=dtype, max_model_len=1024, scheduler={
         "backend": scheduler, "max_num_seqs": max_num_seqs, "max_num_batched_tokens": budget},
         kvcache={"backend": "paged", "block_size": 16, "memory_gb": 2.0})
@@ -53,16 +54,34 @@ def run_lmplug(model: str, requests, scheduler: str, max_num_seqs: int, budget: 
     start = time.perf_counter()
     for i, (ids, n) in enumerate(requests):
         engine.add_request(str(i), ids, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
-    done = {}
+    done, steps = {}, []
     while engine.has_unfinished_requests():
         for out in engine.step():
             if out.finished:
                 done[out.request_id] = out
+        steps.append(dict(engine.last_stats))
     elapsed = time.perf_counter() - start
+    if step_stats:
+        print_step_stats(scheduler, steps)
     ttft = [o.metrics.first_token_time - start for o in done.values()]
     tpot = [(o.metrics.finish_time - o.metrics.first_token_time) / max(1, len(o.token_ids) - 1)
             for o in done.values()]
     return elapsed, ttft, tpot, sum(len(o.token_ids) for o in done.values())
+
+
+def print_step_stats(name: str, steps: list[dict]) -> None:
+    """Where the time went: steps that computed prompt tokens, then pure decode steps by rows."""
+    prefill = [s for s in steps if s["num_prefill_tokens"]]
+    print(f"  {name}: {len(prefill)} steps with prompt tokens, {sum(s['step_time_s'] for s in prefill):.1f} s "
+          f"({sum(s['num_prefill_tokens'] for s in prefill)} prompt + "
+          f"{sum(s['num_decode_tokens'] for s in prefill)} decode tokens)", flush=True)
+    for lo, hi in ((1, 4), (5, 12), (13, 24), (25, 10_000)):
+        group = [s for s in steps if not s["num_prefill_tokens"] and lo <= s["num_decode_tokens"] <= hi]
+        if group:
+            t = sum(s["step_time_s"] for s in group)
+            rows = sum(s["num_decode_tokens"] for s in group)
+            print(f"    decode steps of {lo}-{hi} rows: {len(group)} steps, {t:.1f} s, {rows} tokens, "
+                  f"{1000 * t / len(group):.0f} ms/step, {1000 * t / rows:.1f} ms/token", flush=True)
 
 
 def run_hf(path, requests, batch_size: int, dtype: str) -> tuple:
@@ -113,6 +132,8 @@ def main() -> None:
     p.add_argument("--batch-size", default="8", help="transformers' padded batch size; a comma list runs each "
                                                      "(the ratio line then names every one)")
     p.add_argument("--skip-hf", action="store_true")
+    p.add_argument("--step-stats", action="store_true",
+                   help="after each lmplug run: its steps by kind (with prompt tokens / decode by rows), time and tokens")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                    help="both engines' weights and activations (bfloat16 uses the CPU's AMX/AVX-512 units where present)")
     a = p.parse_args()
@@ -122,10 +143,9 @@ def main() -> None:
           f"{sum(n for _, n in requests)} output tokens; {a.dtype}; threads {torch.get_num_threads()}")
     print(f"{'engine':<22}{'tok/s':>9}{'TTFT p50':>10}{'TTFT p99':>10}{'TPOT p50':>10}{'TPOT p99':>10}{'time s':>9}")
     print(f"{'':<22}{'(output)':>9}{'(s)':>10}{'(s)':>10}{'(ms)':>10}{'(ms)':>10}")
-    rows = [report("lmplug continuous", *run_lmplug(str(path), requests, "continuous", a.max_num_seqs,
-                                                    a.max_num_batched_tokens, a.dtype)),
-            report("lmplug static", *run_lmplug(str(path), requests, "static", a.max_num_seqs,
-                                                a.max_num_batched_tokens, a.dtype))]
+    rows = [report(f"lmplug {name}", *run_lmplug(str(path), requests, name, a.max_num_seqs,
+                                                  a.max_num_batched_tokens, a.dtype, a.step_stats))
+            for name in ("continuous", "static")]
     if not a.skip_hf:
         for size in (int(b) for b in a.batch_size.split(",")):
             rows.append(report(f"transformers (batch {size})", *run_hf(path, requests, size, a.dtype)))
