@@ -14,6 +14,7 @@ from __future__ import annotations
 import types
 
 import torch
+from hf_models import prompt_ids
 from pydantic import Field
 
 from lmplug import hookimpl
@@ -98,6 +99,21 @@ def run(engine: LLMEngine, prompts: list[list[int]], params, max_steps: int = 10
     else:
         raise AssertionError(f"requests unfinished after {max_steps} steps")
     return [done[f"r{i}"] for i in range(len(prompts))]
+
+
+# the chi-square tests of speculative sampling: a short seeded continuation of one prompt
+SAMPLING = {"temperature": 0.8, "top_k": 3, "max_tokens": 3, "ignore_eos": True}
+STAT_PROMPT = prompt_ids(6, 21)
+
+
+def target_probs(hf, ids: list[int]) -> torch.Tensor:
+    """transformers' next-token distribution after ``ids`` under ``SAMPLING``'s filters, float64."""
+    from lmplug.engine.params import SamplingParams
+    from lmplug.engine.sampler import processed_logits
+
+    with torch.no_grad():
+        logits = hf(torch.tensor([ids])).logits[0, -1:]
+    return processed_logits(logits, [SamplingParams(**SAMPLING)]).softmax(-1)[0].double()
 
 
 def check_observed_hidden(engine: LLMEngine, prompts: list[list[int]], params) -> int:

@@ -15,12 +15,11 @@ import torch
 from hf_models import get_model, make_config, one_torch_thread, prompt_ids  # noqa: F401 - fixture
 from lmplug_speculative.eagle_head import load_head
 from lmplug_speculative.eagle_train import train_eagle
-from spec_helpers import chi_square_pvalue, make_engine, run
+from spec_helpers import SAMPLING, STAT_PROMPT, chi_square_pvalue, make_engine, run, target_probs
 
 from lmplug.cli import main
 from lmplug.engine import verifier
 from lmplug.engine.params import SamplingParams
-from lmplug.engine.sampler import processed_logits
 from lmplug.errors import ConfigError
 from lmplug.interfaces import DraftTarget
 from lmplug.testing import DrafterConformance
@@ -288,23 +287,15 @@ def test_training_improves_the_head(trained):
 
 
 # -- sampling ------------------------------------------------------------------------------------
-SAMPLING = {"temperature": 0.8, "top_k": 3, "max_tokens": 3, "ignore_eos": True}
-STAT_PROMPT = prompt_ids(6, 21)
-
-
-def _target_probs(hf, ids: list[int]) -> torch.Tensor:
-    with torch.no_grad():
-        logits = hf(torch.tensor([ids])).logits[0, -1:]
-    return processed_logits(logits, [SamplingParams(**SAMPLING)]).softmax(-1)[0].double()
 
 
 @pytest.fixture(scope="module")
 def pair_distribution(model):
     """P(first two output tokens) from transformers."""
-    p1 = _target_probs(model.hf, STAT_PROMPT)
+    p1 = target_probs(model.hf, STAT_PROMPT)
     expected = {}
     for t1 in p1.nonzero().flatten().tolist():
-        p2 = _target_probs(model.hf, STAT_PROMPT + [t1])
+        p2 = target_probs(model.hf, STAT_PROMPT + [t1])
         for t2 in p2.nonzero().flatten().tolist():
             expected[(t1, t2)] = float(p1[t1] * p2[t2])
     return expected

@@ -14,11 +14,19 @@ from __future__ import annotations
 import pytest
 import torch
 from hf_models import get_model, one_torch_thread, prompt_ids  # noqa: F401 - fixture
-from spec_helpers import REFERENCE, TABLE, chi_square_pvalue, make_engine, run
+from spec_helpers import (
+    REFERENCE,
+    SAMPLING,
+    STAT_PROMPT,
+    TABLE,
+    chi_square_pvalue,
+    make_engine,
+    run,
+    target_probs,
+)
 
 from lmplug.engine import verifier
 from lmplug.engine.params import SamplingParams
-from lmplug.engine.sampler import processed_logits
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 PROMPTS = [prompt_ids(3, 11), prompt_ids(17, 12), prompt_ids(40, 13), [7, 8, 9, 10] * 5]
@@ -185,25 +193,17 @@ def test_logprobs_of_accepted_tokens(model, reference):
 
 
 # -- sampling: the target distribution, exactly -------------------------------------------------
-SAMPLING = {"temperature": 0.8, "top_k": 3, "max_tokens": 3, "ignore_eos": True}
-STAT_PROMPT = prompt_ids(6, 21)
-
-
-def _target_probs(hf, ids: list[int]) -> torch.Tensor:
-    with torch.no_grad():
-        logits = hf(torch.tensor([ids])).logits[0, -1:]
-    return processed_logits(logits, [SamplingParams(**SAMPLING)]).softmax(-1)[0].double()
 
 
 @pytest.fixture(scope="module")
 def pair_distribution(model):
     """P(first two output tokens) from transformers, and a draft table for the second one that
     overweights the target's least likely choice and proposes a token outside its support."""
-    p1 = _target_probs(model.hf, STAT_PROMPT)
+    p1 = target_probs(model.hf, STAT_PROMPT)
     firsts = p1.nonzero().flatten().tolist()
     expected = {}
     for t1 in firsts:
-        p2 = _target_probs(model.hf, STAT_PROMPT + [t1])
+        p2 = target_probs(model.hf, STAT_PROMPT + [t1])
         support = sorted(p2.nonzero().flatten().tolist(), key=lambda t: float(p2[t]))
         outside = next(t for t in range(3, 512) if p2[t] == 0)
         q = torch.zeros(512, dtype=torch.float64)
