@@ -74,6 +74,8 @@ def speculative_configs(args) -> dict[str, dict | None]:
         "eagle": {"method": "eagle", "num_tokens": args.eagle_k, "heads": args.eagle_heads},
         "eagle_tree": {"method": "eagle", "num_tokens": args.eagle_k, "heads": args.eagle_heads,
                        "tree_width": args.eagle_tree_width},
+        "eagle_dynamic": {"method": "eagle", "num_tokens": args.eagle_dynamic_depth, "heads": args.eagle_heads,
+                          "dynamic_tree": True, "top_k": args.eagle_top_k, "total_tokens": args.eagle_total_tokens},
     }
 
 
@@ -158,6 +160,9 @@ def main() -> None:
     p.add_argument("--eagle-k", type=int, default=3)
     p.add_argument("--eagle-tree-width", type=int, default=3,
                    help="candidates per depth of the eagle_tree config (the chain plus runner-up leaves)")
+    p.add_argument("--eagle-dynamic-depth", type=int, default=3, help="eagle_dynamic (EAGLE-2): tree depth")
+    p.add_argument("--eagle-top-k", type=int, default=4, help="eagle_dynamic: nodes expanded per depth")
+    p.add_argument("--eagle-total-tokens", type=int, default=10, help="eagle_dynamic: nodes verified per step")
     p.add_argument("--repeats", type=int, default=1, help="passes over the prompts (configs interleaved)")
     args = p.parse_args()
     torch.set_num_threads(args.threads)

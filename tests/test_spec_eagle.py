@@ -7,6 +7,7 @@ and ``lmplug train-drafter --method eagle`` on a tiny model."""
 
 from __future__ import annotations
 
+import functools
 import json
 from typing import ClassVar
 
@@ -217,6 +218,110 @@ def test_sibling_tree_keeps_the_reference_chain_after_a_sibling_is_accepted(mode
         assert chain == _reference_chain(model, ref, tokens, k, allowed)
 
 
+def _reference_eagle2(model, ref: RefEagle, tokens: list[int], depth: int, top_k: int, total: int,
+                      allowed: torch.Tensor) -> set[tuple[int, ...]]:
+    """EAGLE-2's tree, dense and written from the paper: every node's feature is the head's
+    output at the end of its root-to-node path (computed as one causal sequence from
+    transformers' features), its value the sum of the draft log-probabilities along the path
+    (over the draft vocabulary). Expand the ``top_k`` best nodes of each depth by their
+    ``top_k`` best children; keep the ``total`` best nodes. Returns the kept nodes' paths."""
+    c = len(tokens) - 1
+    head = model.hf.lm_head.weight.T[:, allowed]
+    with torch.no_grad():
+        real = model.hf.model(torch.tensor([tokens[:c]])).last_hidden_state[0]
+        root = ref(torch.tensor(tokens[1:c + 1]), real)[-1]
+
+        @functools.cache
+        def output(path):  # the head's feature after ``path`` (tokens below the root)
+            feats = torch.cat([real, torch.stack([root, *[output(path[:e]) for e in range(1, len(path))]])])
+            return ref(torch.tensor(tokens[1:c + 1] + list(path)), feats)[-1]
+
+        def children(path, value):
+            lp = torch.log_softmax(output(path) @ head if path else root @ head, -1)
+            best = lp.topk(top_k)
+            return {path + (int(allowed[j]),): value + float(v) for v, j in zip(best.values, best.indices)}
+
+        nodes = children((), 0.0)
+        frontier = nodes
+        for _ in range(depth - 1):
+            frontier = dict(sorted(frontier.items(), key=lambda kv: (-kv[1], len(kv[0])))[:top_k])
+            new = {}
+            for path, value in frontier.items():
+                new.update(children(path, value))
+            nodes.update(new)
+            frontier = new
+    return {path for path, _ in sorted(nodes.items(), key=lambda kv: (-kv[1], len(kv[0])))[:total]}
+
+
+@pytest.mark.parametrize("kvcache", [{}, {"backend": "paged", "block_size": 4, "num_blocks": 300}],
+                         ids=["contiguous", "paged"])
+def test_dynamic_tree_equals_a_reference_eagle2(model, trained, kvcache):
+    """``dynamic_tree``: each proposed tree is the one a dense EAGLE-2 grows from transformers'
+    features (same nodes, each under its own parent), and greedy output stays plain."""
+    from safetensors.torch import load_file
+
+    folder = trained.folder
+    ref = RefEagle.from_folder(folder, model.hf.model.embed_tokens.weight.detach())
+    allowed = load_file(folder / "draft_vocab.safetensors")["token_ids"]
+    options = {"method": "eagle", "heads": str(folder), "num_tokens": 4, "dynamic_tree": True, "top_k": 2,
+               "total_tokens": 10}  # 14 nodes drafted (2 + 3 x 4), 10 kept: deep ones among them
+    engine = make_engine(model.path, options, **({"kvcache": kvcache} if kvcache else {}))
+    drafter, seen = engine.speculator.drafter, []
+    propose = drafter.propose
+
+    def recording(seqs, k):
+        proposal = propose(seqs, k)
+        for i, s in enumerate(seqs):
+            tokens, parents = proposal.token_ids[i], proposal.parents_of(i)
+            paths = []
+            for j, p in enumerate(parents):
+                assert p < j
+                paths.append((paths[p] if p >= 0 else ()) + (tokens[j],))
+            seen.append((list(s.token_ids), set(paths), k))
+        return proposal
+
+    drafter.propose = recording
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    assert [o.token_ids for o in run(engine, PROMPTS[:2], params)] == [
+        o.token_ids for o in run(make_engine(model.path, **({"kvcache": kvcache} if kvcache else {})), PROMPTS[:2],
+                                 params)]
+    assert engine.speculator.num_accepted > 0
+    assert len(seen) > 6
+    # depth 3 needs features predicted from predicted features: the trees must reach it
+    assert sum(max(map(len, paths)) >= 3 for _, paths, _ in seen) > len(seen) // 2
+    for tokens, paths, k in seen[::2]:
+        assert paths == _reference_eagle2(model, ref, tokens, k, 2, 10, allowed)
+
+
+def test_dynamic_tree_leaves_sampling_requests_a_chain(model, trained):
+    """A sampling request beside greedy ones gets EAGLE's chain under ``dynamic_tree``: with the
+    same seed it emits exactly what it emits with the chain drafter; the greedy ones get trees."""
+    sampled = SamplingParams(**{**SAMPLING, "max_tokens": 16}, seed=7)
+    params = [GREEDY, sampled, GREEDY]
+    chain = make_engine(model.path, {"method": "eagle", "heads": str(trained.folder), "num_tokens": 3})
+    tree = make_engine(model.path, {"method": "eagle", "heads": str(trained.folder), "num_tokens": 3,
+                                    "dynamic_tree": True, "top_k": 3})
+    drafter, shapes = tree.speculator.drafter, []
+    propose = drafter.propose
+    drafter.propose = lambda seqs, k: (p := propose(seqs, k), shapes.extend(
+        (s.params.is_greedy, p.parents_of(i) is not None) for i, s in enumerate(seqs) if p.token_ids[i]))[0]
+    outs = run(tree, PROMPTS, params)
+    assert outs[1].token_ids == run(chain, PROMPTS, params)[1].token_ids
+    assert [o.token_ids for i, o in enumerate(outs) if i != 1] == [r for i, r in enumerate(
+        [o.token_ids for o in run(make_engine(model.path), PROMPTS, GREEDY)]) if i != 1]
+    assert {greedy for greedy, is_tree in shapes if is_tree} == {True}
+    assert (False, False) in shapes
+
+
+def test_dynamic_tree_options_are_checked_at_load(model, trained):
+    with pytest.raises(ConfigError, match="dynamic_tree and tree_width"):
+        make_engine(model.path, {"method": "eagle", "heads": str(trained.folder), "dynamic_tree": True,
+                                 "tree_width": 2})
+    with pytest.raises(ConfigError, match="tree"):
+        make_engine(model.path, {"method": "eagle", "heads": str(trained.folder), "dynamic_tree": True},
+                    attention="flash")
+
+
 def test_draft_vocab_limits_the_drafts(model, trained, tmp_path):
     import shutil
 
@@ -255,11 +360,15 @@ def test_greedy_outputs_unchanged_random_heads(model, reference, ref_head, case)
     assert engine.speculator.num_drafted > 0
 
 
-@pytest.mark.parametrize("width", [1, 3])
+TREES = {"chain": {}, "siblings": {"tree_width": 3},
+         "dynamic": {"dynamic_tree": True, "top_k": 3, "total_tokens": 8}}
+
+
+@pytest.mark.parametrize("tree", TREES.values(), ids=TREES.keys())
 @pytest.mark.parametrize("case", ["contiguous-continuous", "paged-prefix", "paged-preempting"])
-def test_greedy_outputs_unchanged_trained_heads(model, reference, trained, case, width):
+def test_greedy_outputs_unchanged_trained_heads(model, reference, trained, case, tree):
     engine = make_engine(model.path, {"method": "eagle", "heads": str(trained.folder), "num_tokens": 3,
-                                      "tree_width": width}, **CASES[case])
+                                      **tree}, **CASES[case])
     outs = run(engine, PROMPTS, GREEDY)
     assert [o.token_ids for o in outs] == reference
     assert engine.speculator.num_accepted > 0

@@ -180,7 +180,7 @@ def test_tree_logits_equal_each_path_run_as_a_sequence(llama, mistral, which, ca
         seqs.append(seq)
     result = tree_step(engine, [(seqs[0], trees[0][0], trees[0][1]), (seqs[1], None, []),
                                 (seqs[2], trees[1][0], trees[1][1])])
-    assert result.num_rows == [1, 10, 7]  # decodes first
+    assert result.num_rows == [1, 7, 10]  # decodes first, then short queries shortest first
     rows = dict(zip([r.seq.seq_id for r in result.sample_rows], torch.split(result.logits, result.num_rows)))
     hf = model.hf
     with torch.no_grad():

@@ -11,6 +11,8 @@ from lmplug.interfaces.kvcache import KVCacheBackend
 from lmplug.interfaces.scheduler import ScheduledSeq
 from lmplug.interfaces.step import StepContext
 
+SHORT_QUERY = 64  # the step's order puts queries of at most this many tokens before longer ones
+
 
 @dataclass
 class StepResult:
@@ -87,12 +89,12 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, batch: list[ScheduledSeq]) -> StepResult:
-        # decodes first (backends take a fast path over ``[:num_decodes]``), then the other chain
-        # sequences shortest query first (a verify of a few drafts, a small chunk: backends may read
-        # a leading run of short queries as decode rows), then draft trees
+        # decodes first (backends take a fast path over ``[:num_decodes]``), then short queries,
+        # chains shortest first, then draft trees (a verify of a few drafts, a small chunk: backends
+        # may read a leading run of short queries as decode rows), then the long ones
         batch = sorted(batch, key=lambda s: (not (s.num_new_tokens == 1 and s.seq.num_computed_tokens > 0),
-                                             s.seq.draft_parents is not None,
-                                             0 if s.seq.draft_parents is not None else s.num_new_tokens))
+                                             s.num_new_tokens > SHORT_QUERY,
+                                             s.seq.draft_parents is not None, s.num_new_tokens))
         input_ids, ctx = self.build_context(batch)
         ends = ctx.cu_query_lens[1:].tolist()
         sample_rows, rows, num_rows = [], [], []

@@ -108,7 +108,8 @@ class PagedAttention(AttentionBackend):
     capabilities = Capabilities(
         devices=frozenset({"cpu", "cuda"}),
         kv_layouts=frozenset({"paged"}),
-        # tree_attention: the PyTorch prefill path only (``supports_tree_attention``)
+        # tree_attention: not the Triton kernels (``supports_tree_attention``); on CPU the
+        # native kernel reads trees as masked decode rows, else the PyTorch prefill path masks them
         features=frozenset({"sliding_window", "tree_attention"}),
         kv_dtypes=KV_DTYPES,
         priority=20,  # above sdpa, which reads the paged layout too but gathers per sequence
@@ -140,7 +141,7 @@ class PagedAttention(AttentionBackend):
         scales = {"k_scale": kv.k_scale, "v_scale": kv.v_scale} if kv.quantized else {}
         ops.write(k, v, kv.k_cache, kv.v_cache, ctx.slot_mapping, **scales)
         out = torch.empty_like(q)
-        rows = self._decode_rows(ctx, ops)
+        rows = self._decode_rows(ctx, ops, kv)
         t = rows.num_tokens  # query rows [0, t) read as decode rows, sequences [rows.num_seqs:] prefill
         if t and ops.cpu_decode is not None and not kv.quantized:
             self._cpu_decode(ops, q[:t], kv, ctx, rows, out[:t])
@@ -157,14 +158,16 @@ class PagedAttention(AttentionBackend):
                         **self._tree_args(ctx, m, q.device))
         return out
 
-    def _decode_rows(self, ctx: StepContext, ops: SimpleNamespace) -> QueryRows:
+    def _decode_rows(self, ctx: StepContext, ops: SimpleNamespace, kv: KVLayerView) -> QueryRows:
         """The step's rows for the decode call, once per step: on CPU every query token of the
-        leading short queries (``paged_rows``: decodes, speculative verifies, small chunks), with
-        the Triton kernels the decodes only."""
+        leading short queries (``paged_rows``: decodes, speculative verifies, small chunks, and
+        draft trees when the native kernel serves the cache), with the Triton kernels the
+        decodes only."""
         rows = ctx.scratch.get((self.name, "rows"))
         if rows is None:
             if ops.cpu_decode is not None:
-                rows = query_rows(ctx, leading_short_queries(ctx))
+                trees = ops.native is not None and not kv.quantized and kv.k_cache.dtype in ops.native.dtypes
+                rows = query_rows(ctx, leading_short_queries(ctx, trees=trees))
             else:
                 n = ctx.num_decodes
                 rows = QueryRows(n, n, ctx.block_tables[:n], ctx.seq_lens[:n], ctx.seq_lens_cpu[:n])
@@ -211,7 +214,8 @@ class PagedAttention(AttentionBackend):
             from lmplug_attention.paged_native import prepare
 
             batch = ctx.scratch[key] = prepare(rows.block_tables, rows.seq_lens, kv.k_cache.shape[1],
-                                               kv.k_cache.shape[0])
+                                               kv.k_cache.shape[0], mask_starts=rows.mask_starts,
+                                               masks=rows.masks)
         target = out if out.is_contiguous() else torch.empty(out.shape, dtype=out.dtype)
         native.decode(q.contiguous(), kv.k_cache, kv.v_cache, batch, self.scale, self.sliding_window, target)
         if target is not out:

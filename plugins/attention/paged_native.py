@@ -18,6 +18,12 @@ it; ``paged_decode_attention`` has the arguments and result of
 ``paged_ref.paged_decode_attention`` for float32 / bfloat16 / float16 caches (quantized
 KV is refused: it keeps the reference path). The backend calls ``prepare`` once per
 step and ``NativeKernel.decode`` once per layer.
+
+Tree masks (speculative draft trees): ``mask_starts`` int32 [B] and ``masks`` int64 [B]
+(the uint64 bits). A row with ``mask_starts[b] >= 0`` attends to the positions below it and,
+of ``[mask_starts[b], seq_lens[b])`` (at most 64), those whose bit ``p - mask_starts[b]``
+is set; ``-1`` leaves a row plain. A masked row's result is bit for bit that of a plain row
+over a cache holding its attended K/V at consecutive positions (the kernel's header says why).
 """
 
 from __future__ import annotations
@@ -41,10 +47,11 @@ SOURCE = Path(__file__).resolve().parent / "csrc" / "paged_decode_cpu.c"
 FLAGS = ("-O3", "-march=native", "-shared", "-fPIC", "-pthread")
 _SYMBOLS = {torch.float32: "paged_decode_f32", torch.bfloat16: "paged_decode_bf16",
             torch.float16: "paged_decode_f16"}
-# q, k_cache, v_cache, block_tables, bt_stride, seq_lens, out, B, H, Hkv, D, block_size, scale,
-# window, num_threads (csrc/paged_decode_cpu.c, DECODE_ARGS)
-_ARGTYPES = [ctypes.c_void_p] * 4 + [ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p] + \
+# q, k_cache, v_cache, block_tables, bt_stride, seq_lens, mask_starts, masks, out, B, H, Hkv, D,
+# block_size, scale, window, num_threads (csrc/paged_decode_cpu.c, DECODE_ARGS)
+_ARGTYPES = [ctypes.c_void_p] * 4 + [ctypes.c_int64] + [ctypes.c_void_p] * 4 + \
     [ctypes.c_int] * 5 + [ctypes.c_float, ctypes.c_int, ctypes.c_int]
+MAX_MASK_SPAN = 64  # positions [mask_start, seq_len) one uint64 mask covers
 _WHAT = "paged native decode"
 
 
@@ -156,15 +163,20 @@ def _build(cc: tuple[str, ...], path: Path) -> None:
 
 @dataclass
 class Prepared:
-    """One decode batch's block tables and lengths as the kernel reads them (int32, contiguous)."""
+    """One decode batch's block tables and lengths as the kernel reads them (int32, contiguous),
+    and its rows' tree masks, if any (``check_masks``)."""
     block_tables: torch.Tensor  # [B, max_blocks]
     seq_lens: torch.Tensor  # [B]
+    mask_starts: torch.Tensor | None = None  # [B] int32, -1: no mask
+    masks: torch.Tensor | None = None  # [B] int64, the uint64 bits
 
 
 def prepare(block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size: int, num_blocks: int,
-            check: bool = True) -> Prepared:
+            check: bool = True, mask_starts: torch.Tensor | None = None,
+            masks: torch.Tensor | None = None) -> Prepared:
     """int32 contiguous copies (when needed) of a batch's tables and lengths, checked to stay in the
-    cache: the kernel trusts them, and a block id out of range would read outside it."""
+    cache: the kernel trusts them, and a block id out of range would read outside it. With
+    ``mask_starts`` and ``masks``, the rows' tree masks, checked by ``check_masks``."""
     tables = block_tables.to(torch.int32).contiguous()
     lens = seq_lens.to(torch.int32).contiguous()
     if tables.dim() != 2 or lens.dim() != 1 or tables.shape[0] != lens.shape[0]:
@@ -181,7 +193,36 @@ def prepare(block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size: int,
         ids = tables[torch.arange(tables.shape[1]) < used.unsqueeze(1)]
         if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= num_blocks):
             raise ValueError(f"{_WHAT}: block_tables name blocks outside [0, {num_blocks})")
-    return Prepared(tables, lens)
+    return Prepared(tables, lens, *check_masks(mask_starts, masks, lens))
+
+
+def check_masks(mask_starts: torch.Tensor | None, masks: torch.Tensor | None,
+                seq_lens: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The tree masks as the kernel reads them (contiguous int32 / int64 CPU tensors), or
+    (None, None) for none: both or neither given, ``mask_starts`` int32 [B] and ``masks`` int64 [B]
+    (the uint64 bits; bit 63 is the sign bit), and ``0 <= seq_lens[b] - mask_starts[b] <= 64``
+    for every masked row (``mask_starts[b] >= 0``). ValueError naming the argument otherwise."""
+    if mask_starts is None and masks is None:
+        return None, None
+    if mask_starts is None or masks is None:
+        given, missing = ("mask_starts", "masks") if masks is None else ("masks", "mask_starts")
+        raise ValueError(f"{_WHAT}: {given} given without {missing}: tree masks need both")
+    size = seq_lens.shape[0]
+    for name, t, dtype in (("mask_starts", mask_starts, torch.int32), ("masks", masks, torch.int64)):
+        if not isinstance(t, torch.Tensor) or t.dtype != dtype or t.shape != (size,) or t.device.type != "cpu":
+            got = (f"{t.dtype} {tuple(t.shape)} on {t.device}" if isinstance(t, torch.Tensor)
+                   else type(t).__name__)
+            raise ValueError(f"{_WHAT}: {name} must be a {dtype} CPU tensor of shape [B] = ({size},), "
+                             f"got {got}")
+    masked = mask_starts >= 0
+    span = seq_lens.to(torch.int64) - mask_starts.to(torch.int64)
+    bad = masked & ((span < 0) | (span > MAX_MASK_SPAN))
+    if bool(bad.any()):
+        rows = bad.nonzero().flatten().tolist()[:8]
+        raise ValueError(f"{_WHAT}: mask_starts must lie in [seq_lens - {MAX_MASK_SPAN}, seq_lens] for "
+                         f"masked rows (one uint64 mask per row), got rows {rows}: mask_starts "
+                         f"{mask_starts[rows].tolist()}, seq_lens {seq_lens[rows].tolist()}")
+    return mask_starts.contiguous(), masks.contiguous()
 
 
 class NativeKernel:
@@ -194,9 +235,15 @@ class NativeKernel:
 
     def decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: Prepared,
                scale: float, sliding_window: int | None, out: torch.Tensor,
-               num_threads: int | None = None) -> torch.Tensor:
-        """q, out [B, H, D]; caches [num_blocks, block_size, Hkv, D]: one call of the kernel."""
+               num_threads: int | None = None, mask_starts: torch.Tensor | None = None,
+               masks: torch.Tensor | None = None) -> torch.Tensor:
+        """q, out [B, H, D]; caches [num_blocks, block_size, Hkv, D]: one call of the kernel. Tree
+        masks: ``batch``'s (from ``prepare``), or ``mask_starts`` and ``masks`` given here (checked)."""
         fn = self._function(q, k_cache, v_cache, out)
+        if mask_starts is not None or masks is not None:
+            mask_starts, masks = check_masks(mask_starts, masks, batch.seq_lens)
+        else:
+            mask_starts, masks = batch.mask_starts, batch.masks
         _, block_size, num_kv_heads, head_dim = k_cache.shape
         size, num_heads, _ = q.shape
         if batch.block_tables.shape[0] != size:
@@ -205,7 +252,9 @@ class NativeKernel:
             return out
         threads = torch.get_num_threads() if num_threads is None else num_threads
         status = fn(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), batch.block_tables.data_ptr(),
-                    batch.block_tables.stride(0), batch.seq_lens.data_ptr(), out.data_ptr(), size,
+                    batch.block_tables.stride(0), batch.seq_lens.data_ptr(),
+                    None if mask_starts is None else mask_starts.data_ptr(),
+                    None if masks is None else masks.data_ptr(), out.data_ptr(), size,
                     num_heads, num_kv_heads, head_dim, block_size, scale, sliding_window or 0,
                     max(1, threads))
         if status != 0:
@@ -240,10 +289,12 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            sliding_window: int | None = None, max_seq_len: int | None = None,
                            partition_size: int | None = None, out: torch.Tensor | None = None,
                            k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
-                           num_threads: int | None = None) -> torch.Tensor:
+                           num_threads: int | None = None, mask_starts: torch.Tensor | None = None,
+                           masks: torch.Tensor | None = None) -> torch.Tensor:
     """``paged_ref.paged_decode_attention`` in C: q [B, H, D], block_tables [B, max_blocks],
     seq_lens [B] -> [B, H, D] (into ``out`` when given). ``max_seq_len`` and ``partition_size``
     are accepted for parity and not needed; ``num_threads`` defaults to ``torch.get_num_threads()``.
+    ``mask_starts`` int32 [B] and ``masks`` int64 [B]: per-row tree masks (module docstring).
     """
     if k_scale is not None or v_scale is not None:
         raise ValueError(f"{_WHAT}: quantized KV caches are not supported (they take the PyTorch path)")
@@ -251,7 +302,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         raise ValueError(f"{_WHAT}: k_cache must be [num_blocks, block_size, Hkv, D], got "
                          f"{tuple(k_cache.shape)}")
     kernel = load()
-    batch = prepare(block_tables, seq_lens, k_cache.shape[1], k_cache.shape[0])
+    batch = prepare(block_tables, seq_lens, k_cache.shape[1], k_cache.shape[0], mask_starts=mask_starts,
+                    masks=masks)
     q = q.contiguous()
     if out is not None and out.is_contiguous():
         return kernel.decode(q, k_cache, v_cache, batch, scale, sliding_window, out, num_threads)

@@ -6,6 +6,13 @@ drafts: ``q = k + 1``; a small prefill chunk) is, for attention, ``q`` decode ro
 causal mask. The step writes every new token's K/V before attention runs, so those
 positions are all in the cache.
 
+A draft tree (``ctx.tree_masks``, tree speculative decoding) is read the same way when the
+kernel takes row masks (the native one): query token ``j`` (0 = the root) is a row over the
+first ``c + j + 1`` positions whose last ``j + 1`` are masked to its ancestors and itself
+(``mask_starts = c``, ``masks`` bit ``a`` for query token ``a``). The kernel attends to the
+listed positions in order, so a node gets bit for bit what the same token gets decoded
+alone once the accepted path's K/V has moved to consecutive positions.
+
 Why: on CPU the decode kernels (``paged_native``, ``paged_cpu``) are faster than the
 varlen prefill path for a few tokens, and with the native kernel a row's result depends on
 nothing but its own context: the same token gets bit for bit the same attention output
@@ -23,6 +30,7 @@ import torch
 from lmplug.interfaces import StepContext
 
 MAX_QUERY_LEN = 32  # longer queries take the prefill path (its matmuls win there)
+MAX_TREE_LEN = 64  # a tree row's mask spans its query tokens: 64 bits
 
 
 @dataclass
@@ -32,25 +40,48 @@ class QueryRows:
     block_tables: torch.Tensor  # [num_tokens, max_blocks] int32, each row's sequence's table
     seq_lens: torch.Tensor  # [num_tokens] int32, the context each row attends to (itself included)
     seq_lens_cpu: list[int]
+    # draft trees among them: per row the first masked position (-1: none) and the mask bits
+    mask_starts: torch.Tensor | None = None  # [num_tokens] int32
+    masks: torch.Tensor | None = None  # [num_tokens] int64 (the uint64 bits)
 
 
-def leading_short_queries(ctx: StepContext, max_query_len: int = MAX_QUERY_LEN) -> int:
-    """How many of the step's first sequences have at most ``max_query_len`` new tokens and no
-    draft-tree mask (a tree row's context is not a prefix of the sequence)."""
+def leading_short_queries(ctx: StepContext, max_query_len: int = MAX_QUERY_LEN, trees: bool = False) -> int:
+    """How many of the step's first sequences have at most ``max_query_len`` new tokens (draft
+    trees: at most ``MAX_TREE_LEN``, and only with ``trees``, a kernel that takes row masks)."""
     m = 0
-    while m < ctx.num_seqs and ctx.query_lens_cpu[m] <= max_query_len and m not in ctx.tree_masks:
+    while m < ctx.num_seqs:
+        limit = (MAX_TREE_LEN if trees else -1) if m in ctx.tree_masks else max_query_len
+        if ctx.query_lens_cpu[m] > limit:
+            break
         m += 1
     return m
 
 
 def query_rows(ctx: StepContext, num_seqs: int) -> QueryRows:
     """The decode rows of the step's first ``num_seqs`` sequences (see the module docstring)."""
-    owners, lens = [], []
+    owners, lens, starts, bits = [], [], [], []
+    trees = any(i in ctx.tree_masks for i in range(num_seqs))
     for i in range(num_seqs):
         q, total = ctx.query_lens_cpu[i], ctx.seq_lens_cpu[i]
         owners.extend([i] * q)
         lens.extend(range(total - q + 1, total + 1))
+        if i in ctx.tree_masks:
+            starts.extend([total - q] * q)
+            bits.extend(_bits(row) for row in ctx.tree_masks[i].tolist())
+        elif trees:
+            starts.extend([-1] * q)
+            bits.extend([0] * q)
     device = ctx.block_tables.device
     tables = ctx.block_tables[torch.tensor(owners, dtype=torch.long, device=device)]
-    return QueryRows(num_seqs, len(lens), tables.to(torch.int32).contiguous(),
+    rows = QueryRows(num_seqs, len(lens), tables.to(torch.int32).contiguous(),
                      torch.tensor(lens, dtype=torch.int32, device=device), lens)
+    if trees:
+        rows.mask_starts = torch.tensor(starts, dtype=torch.int32, device=device)
+        rows.masks = torch.tensor(bits, dtype=torch.int64, device=device)
+    return rows
+
+
+def _bits(row: list[bool]) -> int:
+    """An ancestor-mask row as uint64 bits in an int64 (bit a: query token a)."""
+    value = sum(1 << a for a, on in enumerate(row) if on)
+    return value - (1 << 64) if value >= 1 << 63 else value

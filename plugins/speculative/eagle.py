@@ -38,9 +38,10 @@ import dataclasses
 import torch
 from lmplug_speculative.draft_model import draft_kv_cache
 from lmplug_speculative.draft_runner import choose_tokens, common_prefix, fit_vocab
+from lmplug_speculative.eagle_dynamic import DynamicTree
 from lmplug_speculative.eagle_head import EagleHead, load_draft_vocab, load_head
 from lmplug_speculative.feature_store import FeatureStore
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from lmplug.engine.params import SamplingParams
 from lmplug.engine.runner import ModelRunner
@@ -68,6 +69,21 @@ class EagleOptions(DrafterOptions):
                                                                "tree_width - 1 most likely ones of the same "
                                                                "draft step as extra leaves, verified as a "
                                                                "tree (needs tree attention); 1: a chain")
+    dynamic_tree: bool = Field(default=False, description="EAGLE-2 for greedy requests: grow a draft tree "
+                                                          "num_tokens deep where the head is confident "
+                                                          "(top_k nodes expanded per depth) and verify its "
+                                                          "total_tokens most likely nodes (needs tree "
+                                                          "attention); sampling requests keep the chain")
+    top_k: int = Field(default=4, ge=1, le=16, description="dynamic_tree: nodes expanded per depth, and "
+                                                           "children drafted per expanded node")
+    total_tokens: int = Field(default=10, ge=1, le=63, description="dynamic_tree: draft nodes the target "
+                                                                   "verifies per step")
+
+    @model_validator(mode="after")
+    def _one_tree_kind(self) -> EagleOptions:
+        if self.dynamic_tree and self.tree_width > 1:
+            raise ValueError("dynamic_tree and tree_width > 1 are two kinds of draft tree; choose one")
+        return self
 
 
 class EagleDrafter(Drafter):
@@ -77,7 +93,7 @@ class EagleDrafter(Drafter):
 
     @property
     def drafts_trees(self) -> bool:
-        return self.options.tree_width > 1
+        return self.options.tree_width > 1 or self.options.dynamic_tree
 
     def setup(self, target: DraftTarget) -> None:
         cfg = target.model_config
@@ -102,6 +118,7 @@ class EagleDrafter(Drafter):
         self._vocab_ids = None if ids is None or head_matrix is None else ids.to(target.device)
         if self._vocab_ids is not None:  # those rows of the lm_head, contiguous: one small matmul
             self._sub_head = head_matrix[self._vocab_ids].contiguous()
+        self._vocab_list = None if self._vocab_ids is None else self._vocab_ids.tolist()
         self.kv = draft_kv_cache(target.kv, 1, num_kv_heads=hc.num_kv_heads, head_dim=hc.head_dim)
         self.attention = type(backend)(backend.options, num_heads=hc.num_heads, num_kv_heads=hc.num_kv_heads,
                                        head_dim=hc.head_dim, scale=hc.head_dim ** -0.5,
@@ -146,13 +163,25 @@ class EagleDrafter(Drafter):
             active.append((i, mirror, self.store.read(seq, mirror.seq.num_computed_tokens, c), steps))
         if not active:
             return DraftProposal(ids)
-        feats = {i: f for i, _, f, _ in active}  # per sequence: features of the positions to compute
-        q_rows: dict[int, list[torch.Tensor]] = {i: [] for i, *_ in active}
+        # the first forward catches every mirror up; its last row drafts depth 1
+        hidden = self._forward([m for _, m, _, _ in active], [f for _, _, f, _ in active])
+        first = {i: hidden[b:b + 1] for b, (i, *_) in enumerate(active)}
+        grow = [a for a in active if self.options.dynamic_tree and seqs[a[0]].params.is_greedy]
+        parents: list[list[int] | None] | None = None
+        if grow:
+            parents = [None] * len(seqs)
+            for (i, *_), (tokens, tree) in zip(grow, self._grow_trees(seqs, grow, first)):
+                ids[i], parents[i] = tokens, tree
+        grown = {i for i, *_ in grow}
+        chains = [a for a in active if a[0] not in grown]
+        feats = dict(first)  # per sequence: the features of the positions to compute next
+        q_rows: dict[int, list[torch.Tensor]] = {i: [] for i, *_ in chains}
         width = self.options.tree_width
-        siblings: dict[int, list[list[int]]] = {i: [] for i, *_ in active if seqs[i].params.is_greedy}
-        for step in range(max(s for *_, s in active)):
-            live = [(i, m) for i, m, _, s in active if s > step]
-            hidden = self._forward([m for _, m in live], [feats[i] for i, _ in live])
+        siblings: dict[int, list[list[int]]] = {i: [] for i, *_ in chains if seqs[i].params.is_greedy}
+        for step in range(max((s for *_, s in chains), default=0)):
+            live = [(i, m) for i, m, _, s in chains if s > step]
+            hidden = (torch.cat([first[i] for i, _ in live]) if step == 0
+                      else self._forward([m for _, m in live], [feats[i] for i, _ in live]))
             logits = self._logits(hidden)
             chosen, q = choose_tokens(logits, [seqs[i] for i, _ in live], sampling, self.vocab)
             alternatives = _runners_up(logits, chosen, width - 1, self.vocab) if width > 1 else None
@@ -164,7 +193,6 @@ class EagleDrafter(Drafter):
                     q_rows[i].append(q[b])
                 if alternatives is not None and i in siblings:
                     siblings[i].append(alternatives[b])
-        parents: list[list[int] | None] | None = None
         if width > 1:
             parents = [None] * len(seqs)
             for i, alts in siblings.items():
@@ -176,6 +204,44 @@ class EagleDrafter(Drafter):
             return DraftProposal(ids, probs, parents)
         return DraftProposal(ids, parents=parents)
 
+    def _grow_trees(self, seqs, grow: list, first: dict[int, torch.Tensor]) -> list[tuple[list[int], list[int]]]:
+        """EAGLE-2 (``eagle_dynamic``): one head forward per further depth for all the trees at
+        once. Each mirror computes its root position (the last target position: real feature,
+        last accepted token) again, then every expanded node and the frontier, with a tree
+        mask; node x's input is its parent's predicted feature (the root's: ``first``)."""
+        opts = self.options
+        trees = {i: DynamicTree(self._log_probs(first[i])[0], opts.top_k, self._vocab_list) for i, *_ in grow}
+        outputs: dict[int, dict[int, torch.Tensor]] = {i: {} for i in trees}  # node -> predicted feature
+        roots = {i: self.store.read(seqs[i], seqs[i].num_tokens - 2, seqs[i].num_tokens - 1) for i in trees}
+        for depth in range(2, max(s for *_, s in grow) + 1):
+            live = [(i, m) for i, m, _, s in grow if s >= depth and trees[i].frontier
+                    and self._fits(m, m.real + 1 + len(trees[i].expanded) + len(trees[i].frontier), seqs)]
+            if not live:
+                break
+            features = []
+            for i, mirror in live:
+                nodes, parents = trees[i].head_query()
+                m = mirror.seq
+                del m.token_ids[mirror.real:]
+                m.token_ids.extend(trees[i].tokens[x] for x in nodes)
+                m.num_computed_tokens = mirror.real - 1
+                m.draft_parents = parents
+                inputs = [first[i] if trees[i].parents[x] < 0 else outputs[i][trees[i].parents[x]] for x in nodes]
+                features.append(torch.cat([roots[i], *inputs]))
+            out = self._forward([m for _, m in live], features, all_rows=True)
+            for (i, mirror), rows in zip(live, out):
+                mirror.seq.draft_parents = None
+                frontier = trees[i].frontier
+                for x, row in zip(frontier, rows[-len(frontier):]):
+                    outputs[i][x] = row.unsqueeze(0)
+                trees[i].expand(self._log_probs(rows[-len(frontier):]))
+        results = []
+        for i, mirror, _, _ in grow:  # the mirror keeps its real positions; the tree's slots are stale
+            del mirror.seq.token_ids[mirror.real:]
+            mirror.seq.num_computed_tokens = min(mirror.seq.num_computed_tokens, mirror.real)
+            results.append(trees[i].select(opts.total_tokens))
+        return results
+
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Draft logits [B, V]; with a draft vocabulary only its tokens are finite."""
         if self._vocab_ids is None:
@@ -183,6 +249,13 @@ class EagleDrafter(Drafter):
         sub = hidden @ self._sub_head.T  # [B, N]
         out = sub.new_full((hidden.shape[0], self.vocab), float("-inf"))
         return out.index_copy_(1, self._vocab_ids, sub)
+
+    def _log_probs(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Draft log-probabilities [B, V'] over the draft vocabulary's columns (``_vocab_ids``),
+        or over the whole vocabulary without one."""
+        if self._vocab_ids is None:
+            return torch.log_softmax(fit_vocab(self._compute_logits(hidden).float(), self.vocab), dim=-1)
+        return torch.log_softmax((hidden @ self._sub_head.T).float(), dim=-1)
 
     def _sync(self, seq: Sequence) -> _Mirror:
         """The mirror of ``seq`` holding tokens 1..C (C = the target's computed length), its K/V
@@ -209,9 +282,10 @@ class EagleDrafter(Drafter):
             self.kv.free(self._mirrors.pop(seq_id).seq)
         return self.kv.can_allocate(mirror.seq, num_tokens)
 
-    def _forward(self, mirrors: list[_Mirror], features: list[torch.Tensor]) -> torch.Tensor:
+    def _forward(self, mirrors: list[_Mirror], features: list[torch.Tensor], all_rows: bool = False):
         """Compute each mirror's uncomputed positions with ``features`` ([n_i, h] each); returns
-        the head's output [B, h] at each mirror's last position."""
+        the head's output [B, h] at each mirror's last position (``all_rows``: a list of each
+        mirror's outputs [n_i, h])."""
         order = sorted(range(len(mirrors)), key=lambda j: not (
             mirrors[j].seq.num_tokens - mirrors[j].seq.num_computed_tokens == 1
             and mirrors[j].seq.num_computed_tokens > 0))  # decodes first, as the runner orders them
@@ -227,6 +301,13 @@ class EagleDrafter(Drafter):
                               lambda q, k, v: self.attention.forward(0, q, k, v, self.view, ctx))
         for item in batch:
             item.seq.num_computed_tokens += item.num_new_tokens
+        if all_rows:
+            cu = ctx.cu_query_lens.tolist()
+            rows_of = [out[cu[b]:cu[b + 1]] for b in range(len(batch))]
+            result: list[torch.Tensor] = [None] * len(mirrors)  # type: ignore[list-item]
+            for b, j in enumerate(order):
+                result[j] = rows_of[b]
+            return result
         last = (ctx.cu_query_lens[1:] - 1).long()
         rows = torch.empty(len(mirrors), dtype=torch.long)
         rows[torch.tensor(order)] = last.cpu()

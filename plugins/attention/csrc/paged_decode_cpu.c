@@ -1,18 +1,26 @@
 /* Paged decode attention on CPU, fused: the `paged` backend's native decode kernel.
  *
- * One query token per sequence attends over its cached context, read straight from the
+ * One query row per batch entry attends over its cached context, read straight from the
  * paged cache through its block table: no gather copy, no padding to the longest context.
  * One task per (sequence, KV head); the G = H / Hkv query heads of that KV head attend
  * together, so every K and V row is read once for all of them (GQA / MQA), and a thread
  * runs the tasks of one sequence side by side, so each slot's K/V heads are read as one
- * contiguous run (the next chunk's slots are prefetched: blocks lie anywhere). Positions
- * [max(0, len - window), len) are visited in chunks of CHUNK; scores are float32 and the
+ * contiguous run (the next chunk's slots are prefetched: blocks lie anywhere).
+ *
+ * A row attends to a list of positions: [0, len) for a plain row; for a row with a tree mask
+ * (mask_starts[b] >= 0: a speculative draft tree's node), the positions [0, mask_start), then
+ * those p in [mask_start, len) whose bit p - mask_start of masks[b] is set, in increasing
+ * order (len - mask_start <= 64). With a sliding window only the list's last `window` entries.
+ * The list is visited in chunks of CHUNK consecutive entries; scores are float32 and the
  * softmax is online (running max and sum per query head, the accumulator rescaled once per
- * chunk), V is accumulated in float32 and the output written once at the end. Slots past a
- * sequence's length are never read (they may hold NaN or another sequence's data).
+ * chunk), V is accumulated in float32 and the output written once at the end. So a row's
+ * result depends only on the K/V rows its list names, in order: a masked row gives bit for bit
+ * what a plain row gives over a cache holding the same rows at consecutive positions. Slots
+ * not in a row's list are never read (they may hold NaN or another sequence's data).
  *
  * Layouts (all contiguous): q, out [B, H, D]; k_cache, v_cache [num_blocks, block_size, Hkv, D];
- * block_tables [B, bt_stride] int32; seq_lens [B] int32. Storage types: float32, bfloat16
+ * block_tables [B, bt_stride] int32; seq_lens [B] int32; mask_starts [B] int32 and masks [B]
+ * uint64, or both NULL (no row masked). Storage types: float32, bfloat16
  * (uint16 bits; widened exactly, the output rounded to nearest even as torch does) and, where
  * the compiler has _Float16, float16.
  *
@@ -21,12 +29,16 @@
  * one process fight over the cores.
  *
  * Plain C with no torch or Python headers, so it builds in about a second with
- * `cc -O3 -march=native -shared -fPIC -pthread` (see paged_native.py). The inner loops
- * are written for gcc/clang's auto-vectorizer (checked with -fopt-info-vec): dot products
+ * `cc -O3 -march=native -shared -fPIC -pthread` (see paged_native.py). Where the compiler
+ * targets AVX-512F (X16 below) and D % 16 == 0, the scores, the V sums, the softmax steps and
+ * q's load are explicit AVX-512 intrinsics on rows loaded straight into registers (bfloat16
+ * widened by shifts there, 32 values a load, see X16); otherwise the portable loops below,
+ * written for gcc/clang's auto-vectorizer (checked with -fopt-info-vec): dot products
  * keep LANES partial sums, added pairwise for a whole chunk of positions at once (a float
  * reduction per dot product does not vectorize without -ffast-math's reassociation, which
  * this file must not have), V is accumulated four positions per pass, and exp is a
- * branch-free polynomial rather than libm's scalar expf.
+ * branch-free polynomial rather than libm's scalar expf. Either way every sum has a fixed
+ * order, so a row's result is the same whatever the batch and the threads (on one build).
  * Returns 0, or -1 when scratch memory could not be allocated.
  */
 #include <math.h>
@@ -163,9 +175,176 @@ static inline void store_row(void *dst, const float *restrict src, float mul, in
 #endif
 }
 
+/* the cache lines of `bytes` bytes at `p`, on their way to the caches */
+static inline void prefetch(const char *p, size_t bytes) {
+    for (size_t off = 0; off < bytes; off += 64) __builtin_prefetch(p + off, 0, 2);
+}
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+/* AVX-512 paths for head sizes D % 16 == 0 (vectors of 16 float32; the loops below work on
+ * whole vectors, in registers, instead of widened copies of the rows in memory). Each score is
+ * still a fixed function of its q and K rows and each chunk's V sum of its rows in list order,
+ * so results do not depend on the batch, the other rows or the threads.
+ * bfloat16 with D % 32 == 0 ("pairs"): 32 stored values are one load, widened by one shift (the
+ * even columns) and one mask (the odd ones), so q and the V accumulators are kept with each 32
+ * columns as their 16 even then their 16 odd ones, put back in order at the end (attend). */
+#define X16 1
+
+/* 16 stored values at p as float32 (bf16 and f16 widen exactly) */
+static inline __m512 load16(const char *p, enum dtype t) {
+    if (t == F32) return _mm512_loadu_ps((const float *)p);
+    const __m256i h = _mm256_loadu_si256((const __m256i *)p);
+    if (t == BF16) return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    return _mm512_cvtph_ps(h);
+}
+
+/* the nd <= 4 vectors of 16 columns from `row` on (64 columns at most), in the pairs layout when
+ * `pairs` (nd even) */
+static inline __attribute__((always_inline)) void load_cols(__m512 *out, const char *row, int nd,
+                                                            enum dtype t, int pairs) {
+    if (pairs) {
+        const __m512i high = _mm512_set1_epi32((int)0xFFFF0000u);
+        for (int c = 0; c < nd; c += 2) {
+            const __m512i x = _mm512_loadu_si512((const void *)(row + 32 * c));
+            out[c] = _mm512_castsi512_ps(_mm512_slli_epi32(x, 16));
+            out[c + 1] = _mm512_castsi512_ps(_mm512_and_si512(x, high));
+        }
+    } else {
+        for (int c = 0; c < nd; c++) out[c] = load16(row + (size_t)c * (t == F32 ? 64 : 32), t);
+    }
+}
+
+/* lane i of the result: the sum of the 16 lanes of v[SLOT(i)], pairwise in four levels (+8, +4,
+ * +2, +1 lanes apart); SLOT is the order the levels' shuffles leave the vectors in (its own
+ * inverse), so callers store position i's partial sums in v[SLOT(i)] */
+static const int slot16[16] = {0, 2, 1, 3, 8, 10, 9, 11, 4, 6, 5, 7, 12, 14, 13, 15};
+static inline __m512 sum16(const __m512 v[16]) {
+    __m512 t[8], u[4], w[2];
+    for (int k = 0; k < 8; k++) /* 256-bit halves: v[k] in the low half, v[k + 8] the high */
+        t[k] = _mm512_add_ps(_mm512_shuffle_f32x4(v[k], v[k + 8], 0x44), _mm512_shuffle_f32x4(v[k], v[k + 8], 0xEE));
+    for (int k = 0; k < 4; k++) /* 128-bit quarters */
+        u[k] = _mm512_add_ps(_mm512_shuffle_f32x4(t[k], t[k + 4], 0x88), _mm512_shuffle_f32x4(t[k], t[k + 4], 0xDD));
+    for (int k = 0; k < 2; k++) /* pairs within quarters */
+        w[k] = _mm512_add_ps(_mm512_shuffle_ps(u[k], u[k + 2], 0x44), _mm512_shuffle_ps(u[k], u[k + 2], 0xEE));
+    return _mm512_add_ps(_mm512_shuffle_ps(w[0], w[1], 0x88), _mm512_shuffle_ps(w[0], w[1], 0xDD));
+}
+
+/* scores[r * CHUNK + i] = q[r] . K row i for NR query rows and the n <= CHUNK rows at k + offs[i]:
+ * each K row loaded once for the NR rows, 16 partial sums per dot product (d mod 16) summed by sum16.
+ * The rows at k + nxt[i], i < next (the next chunk's) are prefetched one per row computed. */
+static inline __attribute__((always_inline)) void scores16(float *scores, const float *q, const char *k,
+                                                           const size_t *offs, int n, const size_t *nxt,
+                                                           int next, enum dtype t, const int D, const int NR,
+                                                           int pairs) {
+    const size_t elem = t == F32 ? 4 : 2;
+    for (int i0 = 0; i0 < n; i0 += 16) {
+        __m512 part[4][16];
+        for (int i = 0; i < 16; i++) {
+            __m512 a[4];
+            for (int r = 0; r < NR; r++) a[r] = _mm512_setzero_ps();
+            if (i0 + i < next) prefetch(k + nxt[i0 + i], (size_t)D * elem);
+            if (i0 + i < n) {
+                const char *row = k + offs[i0 + i];
+                for (int d0 = 0; d0 < D; d0 += 64) {
+                    const int nd = D - d0 < 64 ? (D - d0) / 16 : 4;
+                    __m512 kv[4];
+                    load_cols(kv, row + (size_t)d0 * elem, nd, t, pairs);
+                    for (int c = 0; c < nd; c++)
+                        for (int r = 0; r < NR; r++)
+                            a[r] = _mm512_fmadd_ps(_mm512_loadu_ps(q + (size_t)r * D + d0 + 16 * c), kv[c], a[r]);
+                }
+            }
+            for (int r = 0; r < NR; r++) part[r][slot16[i]] = a[r];
+        }
+        for (int r = 0; r < NR; r++) _mm512_storeu_ps(scores + r * CHUNK + i0, sum16(part[r]));
+    }
+}
+
+/* acc[r] += sum over i < n of p[r * CHUNK + i] * V row i, NR query rows: 64 columns at a time,
+ * their NR x 4 accumulators in registers over the chunk's rows (independent chains: no wait on
+ * an FMA's latency), each V vector loaded once for the NR rows */
+static inline __attribute__((always_inline)) void values16(float *acc, const float *p, const char *v,
+                                                           const size_t *offs, int n, const size_t *nxt,
+                                                           int next, enum dtype t, const int D, const int NR,
+                                                           int pairs) {
+    const size_t elem = t == F32 ? 4 : 2;
+    for (int d0 = 0; d0 < D; d0 += 64) {
+        const int nd = D - d0 < 64 ? (D - d0) / 16 : 4;
+        __m512 a[4][4];
+        for (int r = 0; r < NR; r++)
+            for (int c = 0; c < nd; c++) a[r][c] = _mm512_loadu_ps(acc + (size_t)r * D + d0 + 16 * c);
+        for (int i = 0; i < n; i++) {
+            if (d0 == 0 && i < next) prefetch(v + nxt[i], (size_t)D * elem); /* the next chunk's rows */
+            __m512 vv[4];
+            load_cols(vv, v + offs[i] + (size_t)d0 * elem, nd, t, pairs);
+            for (int c = 0; c < nd; c++)
+                for (int r = 0; r < NR; r++) a[r][c] = _mm512_fmadd_ps(_mm512_set1_ps(p[r * CHUNK + i]), vv[c], a[r][c]);
+        }
+        for (int r = 0; r < NR; r++)
+            for (int c = 0; c < nd; c++) _mm512_storeu_ps(acc + (size_t)r * D + d0 + 16 * c, a[r][c]);
+    }
+}
+
+/* exp_nonpos on 16 values (the same steps, fused multiply-adds) */
+static inline __m512 exp16(__m512 x) {
+    const __m512 shifter = _mm512_set1_ps(12582912.0f);
+    const __m512 xc = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+    const __m512 n = _mm512_sub_ps(_mm512_fmadd_ps(xc, _mm512_set1_ps(1.44269504f), shifter), shifter);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145752f), xc);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860677e-6f), r);
+    __m512 p = _mm512_set1_ps(1.0f / 720);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+    const __mmask16 normal = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_GE_OQ);
+    return _mm512_maskz_mul_ps(normal, p, _mm512_castsi512_ps(e));
+}
+
+/* softmax_update on vectors: the max over lanes is exact in any order, the sum is a fixed tree */
+static inline float softmax_update16(float *sc, int n, float *max, float *sum) {
+    const __m512 ninf = _mm512_set1_ps(-INFINITY);
+    const __m512 s0 = _mm512_mask_loadu_ps(ninf, n >= 16 ? 0xFFFF : (__mmask16)((1u << n) - 1), sc);
+    const __m512 s1 = _mm512_mask_loadu_ps(ninf, n >= 32 ? 0xFFFF : n <= 16 ? 0 : (__mmask16)((1u << (n - 16)) - 1),
+                                           sc + 16);
+    const float chunk = _mm512_reduce_max_ps(_mm512_max_ps(s0, s1)), m = chunk > *max ? chunk : *max;
+    const __m512 e0 = exp16(_mm512_sub_ps(s0, _mm512_set1_ps(m)));
+    const __m512 e1 = exp16(_mm512_sub_ps(s1, _mm512_set1_ps(m)));
+    _mm512_storeu_ps(sc, e0);
+    _mm512_storeu_ps(sc + 16, e1);
+    const float correction = exp_nonpos(*max - m);
+    *sum = *sum * correction + _mm512_reduce_add_ps(_mm512_add_ps(e0, e1));
+    *max = m;
+    return correction;
+}
+#else
+#define X16 0
+#endif
+
+/* one chunk's online softmax step for one query row: its n scores in sc become weights (the rest
+ * of the CHUNK weight 0), the running max and sum move on; returns the factor the accumulator
+ * must be scaled by */
+static inline float softmax_update(float *sc, int n, float *max, float *sum) {
+#if X16
+    return softmax_update16(sc, n, max, sum);
+#endif
+    for (int i = n; i < CHUNK; i++) sc[i] = -INFINITY; /* a short last chunk: weight 0 */
+    const float chunk = chunk_max(sc), m = chunk > *max ? chunk : *max;
+    for (int i = 0; i < CHUNK; i++) sc[i] = exp_nonpos(sc[i] - m);
+    const float correction = exp_nonpos(*max - m);
+    *sum = *sum * correction + chunk_sum(sc);
+    *max = m;
+    return correction;
+}
+
 typedef struct {
     const void *q, *k_cache, *v_cache;
-    const int32_t *block_tables, *seq_lens;
+    const int32_t *block_tables, *seq_lens, *mask_starts; /* mask_starts, masks: NULL or [B] */
+    const uint64_t *masks;
     void *out;
     int64_t bt_stride;
     int B, H, Hkv, D, block_size, window;
@@ -179,16 +358,29 @@ typedef struct { /* one worker's float32 scratch, R = H query rows at most */
     float *lanes, *tmp;                         /* dot products' partial sums, sum_lanes' levels */
 } scratch_t;
 
-/* the cache lines of `bytes` bytes at `p`, on their way to the caches */
-static inline void prefetch(const char *p, size_t bytes) {
-    for (size_t off = 0; off < bytes; off += 64) __builtin_prefetch(p + off, 0, 3);
+/* a row's list of attended positions: entries e < prefix are position e, the rest tail[e - prefix] */
+typedef struct {
+    int prefix, count; /* count: the list's length */
+    int32_t tail[64];
+} positions_t;
+
+/* row b's list: [0, len), or with a mask [0, mask_start) and the set bits' positions */
+static inline void row_positions(positions_t *l, const job_t *j, int b, int len) {
+    l->prefix = l->count = len;
+    if (!j->mask_starts || j->mask_starts[b] < 0) return;
+    int start = j->mask_starts[b];
+    if (start > len) start = len; /* invalid (the caller checks): never read past len */
+    uint64_t bits = j->masks[b];
+    if (len - start < 64) bits &= ((uint64_t)1 << (len - start)) - 1; /* bits of [start, len) only */
+    l->prefix = l->count = start;
+    for (; bits; bits &= bits - 1) l->tail[l->count++ - start] = start + __builtin_ctzll(bits);
 }
 
-/* byte offsets in the caches of the slots of positions [p0, p0 + n) of one sequence */
-static inline void slot_offsets(size_t *offs, const int32_t *table, int p0, int n, int bs,
-                                size_t slot_bytes) {
+/* byte offsets in the caches of the slots of list entries [e0, e0 + n) of one row */
+static inline void slot_offsets(size_t *offs, const int32_t *table, const positions_t *l, int e0,
+                                int n, int bs, size_t slot_bytes) {
     for (int i = 0; i < n; i++) {
-        const int p = p0 + i;
+        const int e = e0 + i, p = e < l->prefix ? e : l->tail[e - l->prefix];
         offs[i] = ((size_t)table[p / bs] * bs + p % bs) * slot_bytes;
     }
 }
@@ -200,7 +392,9 @@ static inline __attribute__((always_inline)) void attend(const job_t *j, int b, 
                                                          scratch_t *s, enum dtype t, const int D) {
     const int G = j->H / j->Hkv, bs = j->block_size, R = (h1 - h0) * G;
     const size_t elem = t == F32 ? 4 : 2;
-    const int len = j->seq_lens[b];
+    positions_t list; /* the entries [start, len) of the row's list are visited (len: its length) */
+    row_positions(&list, j, b, j->seq_lens[b]);
+    const int len = list.count;
     const int start = j->window > 0 && len > j->window ? len - j->window : 0;
     const int32_t *table = j->block_tables + (int64_t)b * j->bt_stride;
     const size_t row_bytes = (size_t)D * elem, slot_bytes = (size_t)j->Hkv * row_bytes;
@@ -208,25 +402,57 @@ static inline __attribute__((always_inline)) void attend(const job_t *j, int b, 
     const char *kc = (const char *)j->k_cache + head_bytes, *vc = (const char *)j->v_cache + head_bytes;
     const char *qh = (const char *)j->q + ((size_t)b * j->H + (size_t)h0 * G) * row_bytes;
 
+    const int pairs = X16 && t == BF16 && D % 32 == 0; /* q and acc in the pairs layout (X16) */
+    (void)pairs;
     for (int r = 0; r < R; r++) { /* the scale goes into q once */
-        const float *qr = row_f32(qh + r * row_bytes, s->rows, D, t);
-        for (int d = 0; d < D; d++) s->q[(size_t)r * D + d] = qr[d] * j->scale;
+#if X16
+        if (D % 16 == 0) {
+            for (int d0 = 0; d0 < D; d0 += 64) {
+                const int nd = D - d0 < 64 ? (D - d0) / 16 : 4;
+                __m512 qv[4];
+                load_cols(qv, qh + r * row_bytes + (size_t)d0 * elem, nd, t, pairs);
+                for (int c = 0; c < nd; c++)
+                    _mm512_storeu_ps(s->q + (size_t)r * D + d0 + 16 * c, _mm512_mul_ps(qv[c], _mm512_set1_ps(j->scale)));
+            }
+        } else
+#endif
+        {
+            const float *qr = row_f32(qh + r * row_bytes, s->rows, D, t);
+            for (int d = 0; d < D; d++) s->q[(size_t)r * D + d] = qr[d] * j->scale;
+        }
         s->max[r] = -INFINITY;
         s->sum[r] = 0.0f;
         memset(s->acc + (size_t)r * D, 0, (size_t)D * sizeof(float));
     }
     size_t offs[2][CHUNK]; /* this chunk's slots and the next one's */
-    if (start < len) slot_offsets(offs[0], table, start, len - start < CHUNK ? len - start : CHUNK, bs,
-                                  slot_bytes);
-    for (int p0 = start, c = 0; p0 < len; p0 += CHUNK, c ^= 1) {
-        const int n = len - p0 < CHUNK ? len - p0 : CHUNK;
+    if (start < len)
+        slot_offsets(offs[0], table, &list, start, len - start < CHUNK ? len - start : CHUNK, bs, slot_bytes);
+    for (int e0 = start, c = 0; e0 < len; e0 += CHUNK, c ^= 1) {
+        const int n = len - e0 < CHUNK ? len - e0 : CHUNK;
         const size_t *cur = offs[c], *nxt = offs[c ^ 1];
         /* blocks sit anywhere in the pool: the next chunk's rows are prefetched while this
          * one is computed, a row at a time, so the requests spread over the chunk */
-        const int next = len - p0 - CHUNK <= 0 ? 0 : len - p0 - CHUNK < CHUNK ? len - p0 - CHUNK : CHUNK;
-        slot_offsets(offs[c ^ 1], table, p0 + CHUNK, next, bs, slot_bytes);
+        const int next = len - e0 - CHUNK <= 0 ? 0 : len - e0 - CHUNK < CHUNK ? len - e0 - CHUNK : CHUNK;
+        slot_offsets(offs[c ^ 1], table, &list, e0 + CHUNK, next, bs, slot_bytes);
         const float *rows[CHUNK];
-        for (int h = 0; h < h1 - h0; h++) { /* scores; positions < len only */
+        for (int h = 0; h < h1 - h0; h++) { /* scores; the list's positions only */
+#if X16
+            if (D % 16 == 0) { /* the query rows of head h four at a time */
+                for (int r = h * G; r < (h + 1) * G; r += 4) {
+                    float *sc = s->scores + r * CHUNK;
+                    const float *qr = s->q + (size_t)r * D;
+                    const char *k = kc + h * row_bytes;
+                    const int pf = r == h * G ? next : 0; /* prefetches: with the first rows */
+                    switch ((h + 1) * G - r) {
+                    case 1: scores16(sc, qr, k, cur, n, nxt, pf, t, D, 1, pairs); break;
+                    case 2: scores16(sc, qr, k, cur, n, nxt, pf, t, D, 2, pairs); break;
+                    case 3: scores16(sc, qr, k, cur, n, nxt, pf, t, D, 3, pairs); break;
+                    default: scores16(sc, qr, k, cur, n, nxt, pf, t, D, 4, pairs);
+                    }
+                }
+                continue;
+            }
+#endif
             for (int i = 0; i < next; i++) prefetch(kc + nxt[i] + h * row_bytes, row_bytes);
             for (int i = 0; i < n; i++)
                 rows[i] = row_f32(kc + cur[i] + h * row_bytes, s->rows + (size_t)i * D, D, t);
@@ -236,19 +462,30 @@ static inline __attribute__((always_inline)) void attend(const job_t *j, int b, 
             }
         }
         for (int r = 0; r < R; r++) { /* online softmax update, over whole chunks */
-            float *sc = s->scores + r * CHUNK;
-            for (int i = n; i < CHUNK; i++) sc[i] = -INFINITY; /* a short last chunk: weight 0 */
-            const float chunk = chunk_max(sc), m = chunk > s->max[r] ? chunk : s->max[r];
-            for (int i = 0; i < CHUNK; i++) sc[i] = exp_nonpos(sc[i] - m);
-            const float correction = exp_nonpos(s->max[r] - m);
-            s->sum[r] = s->sum[r] * correction + chunk_sum(sc);
-            s->max[r] = m;
+            const float correction = softmax_update(s->scores + r * CHUNK, n, &s->max[r], &s->sum[r]);
             if (correction != 1.0f) {
                 float *acc = s->acc + (size_t)r * D;
                 for (int d = 0; d < D; d++) acc[d] *= correction;
             }
         }
         for (int h = 0; h < h1 - h0; h++) { /* weighted V */
+#if X16
+            if (D % 16 == 0) {
+                for (int r = h * G; r < (h + 1) * G; r += 4) {
+                    float *acc = s->acc + (size_t)r * D;
+                    const float *p = s->scores + r * CHUNK;
+                    const char *v = vc + h * row_bytes;
+                    const int pf = r == h * G ? next : 0;
+                    switch ((h + 1) * G - r) {
+                    case 1: values16(acc, p, v, cur, n, nxt, pf, t, D, 1, pairs); break;
+                    case 2: values16(acc, p, v, cur, n, nxt, pf, t, D, 2, pairs); break;
+                    case 3: values16(acc, p, v, cur, n, nxt, pf, t, D, 3, pairs); break;
+                    default: values16(acc, p, v, cur, n, nxt, pf, t, D, 4, pairs);
+                    }
+                }
+                continue;
+            }
+#endif
             for (int i = 0; i < next; i++) prefetch(vc + nxt[i] + h * row_bytes, row_bytes);
             for (int i = 0; i < n; i++)
                 rows[i] = row_f32(vc + cur[i] + h * row_bytes, s->rows + (size_t)i * D, D, t);
@@ -262,9 +499,22 @@ static inline __attribute__((always_inline)) void attend(const job_t *j, int b, 
         }
     }
     char *oh = (char *)j->out + ((size_t)b * j->H + (size_t)h0 * G) * row_bytes;
-    for (int r = 0; r < R; r++) /* no position (len 0): zeros rather than 0/0 */
-        store_row(oh + r * row_bytes, s->acc + (size_t)r * D, s->sum[r] > 0 ? 1.0f / s->sum[r] : 0.0f,
-                  D, t);
+    for (int r = 0; r < R; r++) { /* no position (len 0): zeros rather than 0/0 */
+        const float *acc = s->acc + (size_t)r * D;
+#if X16
+        if (pairs) { /* the columns back in order: 16 even and 16 odd ones interleaved */
+            const __m512i lo = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+            const __m512i hi = _mm512_add_epi32(lo, _mm512_set1_epi32(8));
+            for (int d = 0; d < D; d += 32) {
+                const __m512 even = _mm512_loadu_ps(acc + d), odd = _mm512_loadu_ps(acc + d + 16);
+                _mm512_storeu_ps(s->rows + d, _mm512_permutex2var_ps(even, lo, odd));
+                _mm512_storeu_ps(s->rows + d + 16, _mm512_permutex2var_ps(even, hi, odd));
+            }
+            acc = s->rows;
+        }
+#endif
+        store_row(oh + r * row_bytes, acc, s->sum[r] > 0 ? 1.0f / s->sum[r] : 0.0f, D, t);
+    }
 }
 
 static inline __attribute__((always_inline)) void run(job_t *j, enum dtype t) {
@@ -308,7 +558,8 @@ static void *run_f16(void *j) { run((job_t *)j, F16); return NULL; }
 #define MAX_THREADS 256
 
 static int launch(void *(*worker)(void *), const void *q, const void *k_cache, const void *v_cache,
-                  const int32_t *block_tables, int64_t bt_stride, const int32_t *seq_lens, void *out,
+                  const int32_t *block_tables, int64_t bt_stride, const int32_t *seq_lens,
+                  const int32_t *mask_starts, const uint64_t *masks, void *out,
                   int B, int H, int Hkv, int D, int block_size, float scale, int window,
                   int num_threads) {
     const int tasks = B * Hkv;
@@ -319,7 +570,7 @@ static int launch(void *(*worker)(void *), const void *q, const void *k_cache, c
     pthread_t threads[MAX_THREADS];
     int started[MAX_THREADS] = {0};
     for (int w = 0; w < workers; w++) {
-        jobs[w] = (job_t){q, k_cache, v_cache, block_tables, seq_lens, out, bt_stride, B, H, Hkv, D,
+        jobs[w] = (job_t){q, k_cache, v_cache, block_tables, seq_lens, mask_starts, masks, out, bt_stride, B, H, Hkv, D,
                           block_size, window, scale, (int)((int64_t)tasks * w / workers),
                           (int)((int64_t)tasks * (w + 1) / workers), 0};
     }
@@ -340,11 +591,12 @@ static int launch(void *(*worker)(void *), const void *q, const void *k_cache, c
 #define EXPORT __attribute__((visibility("default")))
 #define DECODE_ARGS                                                                              \
     const void *q, const void *k_cache, const void *v_cache, const int32_t *block_tables,        \
-        int64_t bt_stride, const int32_t *seq_lens, void *out, int B, int H, int Hkv, int D,     \
-        int block_size, float scale, int window, int num_threads
+        int64_t bt_stride, const int32_t *seq_lens, const int32_t *mask_starts,                  \
+        const uint64_t *masks, void *out, int B, int H, int Hkv, int D, int block_size,          \
+        float scale, int window, int num_threads
 #define DECODE_CALL(worker)                                                                      \
-    launch(worker, q, k_cache, v_cache, block_tables, bt_stride, seq_lens, out, B, H, Hkv, D,    \
-           block_size, scale, window, num_threads)
+    launch(worker, q, k_cache, v_cache, block_tables, bt_stride, seq_lens, mask_starts, masks, out, \
+           B, H, Hkv, D, block_size, scale, window, num_threads)
 
 EXPORT int paged_decode_f32(DECODE_ARGS) { return DECODE_CALL(run_f32); }
 EXPORT int paged_decode_bf16(DECODE_ARGS) { return DECODE_CALL(run_bf16); }
