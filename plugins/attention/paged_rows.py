@@ -67,21 +67,24 @@ def query_rows(ctx: StepContext, num_seqs: int) -> QueryRows:
         lens.extend(range(total - q + 1, total + 1))
         if i in ctx.tree_masks:
             starts.extend([total - q] * q)
-            bits.extend(_bits(row) for row in ctx.tree_masks[i].tolist())
+            bits.append(_bits(ctx.tree_masks[i]))
         elif trees:
             starts.extend([-1] * q)
-            bits.extend([0] * q)
+            bits.append(torch.zeros(q, dtype=torch.int64))
     device = ctx.block_tables.device
     tables = ctx.block_tables[torch.tensor(owners, dtype=torch.long, device=device)]
     rows = QueryRows(num_seqs, len(lens), tables.to(torch.int32).contiguous(),
                      torch.tensor(lens, dtype=torch.int32, device=device), lens)
     if trees:
         rows.mask_starts = torch.tensor(starts, dtype=torch.int32, device=device)
-        rows.masks = torch.tensor(bits, dtype=torch.int64, device=device)
+        rows.masks = torch.cat(bits).to(device)
     return rows
 
 
-def _bits(row: list[bool]) -> int:
-    """An ancestor-mask row as uint64 bits in an int64 (bit a: query token a)."""
-    value = sum(1 << a for a, on in enumerate(row) if on)
-    return value - (1 << 64) if value >= 1 << 63 else value
+def _bits(mask: torch.Tensor) -> torch.Tensor:
+    """Ancestor-mask rows [q, q] as uint64 bits in int64 [q] (bit a: query token a; bit 63 is
+    the sign bit, so at most one negative term and no overflow in the sum)."""
+    return (mask.to(device="cpu", dtype=torch.int64) * _BIT[:mask.shape[1]]).sum(1)
+
+
+_BIT = torch.tensor([1 << a for a in range(63)] + [-(1 << 63)], dtype=torch.int64)
