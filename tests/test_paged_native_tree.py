@@ -194,17 +194,16 @@ def test_masked_rows_independent_of_threads(native, threads):
 
 
 def test_masks_through_prepare_and_decode(native):
-    """``prepare`` carries checked masks to every layer's ``decode``; ``decode`` takes its own too."""
+    """``prepare`` carries checked masks to every layer's ``decode``."""
     q, kc, vc, tables, lens, starts, masks, _ = tree_batch(TREES, 4, 2, 64, torch.float32, seed=8)
     want = native.paged_decode_attention(q, kc, vc, tables, lens, 0.1, mask_starts=starts, masks=masks)
     kernel = native.load()
     batch = native.prepare(tables, lens, BLOCK, kc.shape[0], mask_starts=starts, masks=masks)
     assert torch.equal(kernel.decode(q, kc, vc, batch, 0.1, None, torch.empty_like(q)), want)
     plain = native.prepare(tables, lens, BLOCK, kc.shape[0])
-    assert torch.equal(kernel.decode(q, kc, vc, plain, 0.1, None, torch.empty_like(q), mask_starts=starts,
-                                     masks=masks), want)
+    assert not torch.equal(kernel.decode(q, kc, vc, plain, 0.1, None, torch.empty_like(q)), want)
     with pytest.raises(ValueError, match="masks given without mask_starts"):
-        kernel.decode(q, kc, vc, plain, 0.1, None, torch.empty_like(q), masks=masks)
+        native.prepare(tables, lens, BLOCK, kc.shape[0], masks=masks)
 
 
 def test_bad_masks_are_clear_errors(native):

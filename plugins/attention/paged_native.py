@@ -235,15 +235,11 @@ class NativeKernel:
 
     def decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: Prepared,
                scale: float, sliding_window: int | None, out: torch.Tensor,
-               num_threads: int | None = None, mask_starts: torch.Tensor | None = None,
-               masks: torch.Tensor | None = None) -> torch.Tensor:
-        """q, out [B, H, D]; caches [num_blocks, block_size, Hkv, D]: one call of the kernel. Tree
-        masks: ``batch``'s (from ``prepare``), or ``mask_starts`` and ``masks`` given here (checked)."""
+               num_threads: int | None = None) -> torch.Tensor:
+        """q, out [B, H, D]; caches [num_blocks, block_size, Hkv, D]: one call of the kernel (tree
+        masks: ``batch``'s, checked by ``prepare``)."""
         fn = self._function(q, k_cache, v_cache, out)
-        if mask_starts is not None or masks is not None:
-            mask_starts, masks = check_masks(mask_starts, masks, batch.seq_lens)
-        else:
-            mask_starts, masks = batch.mask_starts, batch.masks
+        mask_starts, masks = batch.mask_starts, batch.masks
         _, block_size, num_kv_heads, head_dim = k_cache.shape
         size, num_heads, _ = q.shape
         if batch.block_tables.shape[0] != size:

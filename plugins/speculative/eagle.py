@@ -215,7 +215,7 @@ class EagleDrafter(Drafter):
         roots = {i: self.store.read(seqs[i], seqs[i].num_tokens - 2, seqs[i].num_tokens - 1) for i in trees}
         for depth in range(2, max(s for *_, s in grow) + 1):
             live = [(i, m) for i, m, _, s in grow if s >= depth and trees[i].frontier
-                    and self._fits(m, m.real + 1 + len(trees[i].expanded) + len(trees[i].frontier), seqs)]
+                    and self._fits(m, m.real + len(trees[i].expanded) + len(trees[i].frontier), seqs)]
             if not live:
                 break
             features = []
