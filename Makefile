@@ -21,10 +21,13 @@ run: $(STAMP)
 	$(VENV)/bin/lmplug models pull $(MODEL)
 	$(VENV)/bin/lmplug generate --chat --temperature 0 --max-tokens 64 --stats "$(PROMPT)"
 
+# the architecture first (pyproject's [tool.importlinter]: the core's layers, plugins on the contract)
 test: $(STAMP)
+	$(VENV)/bin/lint-imports
 	TRITON_INTERPRET=1 $(PY) -m pytest -q -m "not slow"
 
 test-all: $(STAMP)
+	$(VENV)/bin/lint-imports
 	$(VENV)/bin/lmplug models pull $(MODEL)
 	TRITON_INTERPRET=1 $(PY) -m pytest -q
 

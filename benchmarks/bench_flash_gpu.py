@@ -4,7 +4,7 @@
     python benchmarks/bench_flash_gpu.py --lens 1024 4096 --dtypes bf16 --head-dims 128 --quick
 
 For every (dtype, head dim) it first checks the kernels against their PyTorch
-twins (``flash_ref``) and SDPA on small inputs and stops with exit status 1
+references (``prefill_ref``, ``decode_ref``) and SDPA on small inputs and stops with exit status 1
 on a mismatch; then it times
 
 - prefill (causal, ``--tokens`` tokens per step: ``tokens // L`` sequences of
@@ -73,8 +73,8 @@ def tolerance(dtype: torch.dtype) -> float:
 # -- correctness first ---------------------------------------------------------------------------------------
 
 def check_correctness(dtype: torch.dtype, head_dim: int, device: str) -> list[str]:
-    """Small varlen/cached/decode cases against flash_ref and SDPA; returns the failures."""
-    from lmplug_attention import flash_ref
+    """Small varlen/cached/decode cases against the references and SDPA; returns the failures."""
+    from lmplug_attention import decode_ref, prefill_ref
     from lmplug_attention.flash_decode_kernels import flash_decode_with_kvcache
     from lmplug_attention.flash_prefill_kernels import (
         flash_prefill_with_kvcache,
@@ -100,8 +100,8 @@ def check_correctness(dtype: torch.dtype, head_dim: int, device: str) -> list[st
 
     for window in (None, 33):
         got = flash_varlen_attention(q, k, v, cu, scale, sliding_window=window)
-        compare(f"varlen window={window} vs flash_ref", got,
-                flash_ref.varlen_attention_ref(q, k, v, cu, scale, sliding_window=window))
+        compare(f"varlen window={window} vs prefill_ref", got,
+                prefill_ref.varlen_attention(q, k, v, cu, scale, sliding_window=window))
     # SDPA on the first sequence (MHA after repeating K/V: only for this check)
     s = slice(0, seq_len)
     group = heads // kv_heads
@@ -117,12 +117,12 @@ def check_correctness(dtype: torch.dtype, head_dim: int, device: str) -> list[st
     for window in (None, 33):
         got = flash_prefill_with_kvcache(q_new, k_cache, v_cache, tables, cu_new, seq_lens, scale,
                                          sliding_window=window)
-        compare(f"cached prefill window={window} vs flash_ref", got, flash_ref.prefill_with_kvcache_ref(
+        compare(f"cached prefill window={window} vs prefill_ref", got, prefill_ref.prefill_attention(
             q_new, k_cache, v_cache, tables, cu_new, seq_lens, scale, sliding_window=window))
         for splits in (1, 3):
             got = flash_decode_with_kvcache(q[seq_len - 1:seq_len], k_cache, v_cache, tables, seq_lens, scale,
                                             sliding_window=window, num_splits=splits)
-            compare(f"decode splits={splits} window={window} vs flash_ref", got, flash_ref.decode_with_kvcache_ref(
+            compare(f"decode splits={splits} window={window} vs decode_ref", got, decode_ref.decode_attention(
                 q[seq_len - 1:seq_len], k_cache, v_cache, tables, seq_lens, scale, sliding_window=window))
     return failures
 
@@ -200,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print("bench_flash_gpu.py needs a CUDA GPU (torch.cuda.is_available() is False); nothing to time "
               "here. The kernels' correctness is tested on CPU under TRITON_INTERPRET=1 by "
-              "tests/test_flash_kernels.py.")
+              "tests/plugins/attention/test_flash_kernels.py.")
         return 0
     import triton.testing
 
@@ -216,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
             if failures:
                 print("correctness check FAILED:\n  " + "\n  ".join(failures))
                 return 1
-    print("correctness: flash matches flash_ref and SDPA on every dtype and head dim\n")
+    print("correctness: flash matches its references and SDPA on every dtype and head dim\n")
     print(f"## prefill, causal (TFLOP/s; window = flash with sliding_window={args.window}, ms)")
     print(f"{'dtype':5} {'D':>4} {'L':>6} {'BxH':7} {'flash':>8} {'paged':>8} {'sdpa':>8} {'ratio':>7} "
           f"{'flash ms':>9} {'window':>9}")

@@ -41,10 +41,10 @@ import torch
 from lmplug_kvcache.contiguous import ContiguousKVCache, ContiguousOptions
 from lmplug_kvcache.paged import PagedKVCache, PagedOptions
 
-from lmplug.engine.params import SamplingParams
-from lmplug.engine.sequence import Sequence
 from lmplug.errors import LmplugError
 from lmplug.interfaces import KVCacheSpec
+from lmplug.interfaces.params import SamplingParams
+from lmplug.interfaces.sequence import Sequence
 
 DEMO_SHAPE = {"num_layers": 30, "num_kv_heads": 3, "head_dim": 64}  # SmolLM2-135M
 
@@ -69,9 +69,9 @@ def workload(num: int, max_model_len: int, seed: int) -> list[Request]:
 
 def kv_shape(model: str) -> tuple[dict, str]:
     try:
+        from lmplug.interfaces.model_config import ModelConfig
         from lmplug.loading import open_source
         from lmplug.loading.cache import resolve_model
-        from lmplug.models import ModelConfig
 
         cfg = ModelConfig.from_hf(open_source(resolve_model(model)).hf_config)
         return {"num_layers": cfg.num_layers, "num_kv_heads": cfg.num_kv_heads,

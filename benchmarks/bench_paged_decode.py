@@ -101,9 +101,13 @@ def decode_fn(impl: str):
         return decode
     if impl == "triton":
         from lmplug_attention.paged_kernels import paged_decode_attention
-    else:
-        from lmplug_attention.paged_ref import paged_decode_attention
-    return paged_decode_attention
+
+        return paged_decode_attention
+    from lmplug_attention.decode_ref import decode_attention
+
+    def reference(q, k_cache, v_cache, tables, seq_lens, scale, max_seq_len, partition_size):
+        return decode_attention(q, k_cache, v_cache, tables, seq_lens, scale, max_seq_len=max_seq_len)
+    return reference
 
 
 def main() -> None:

@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 from lmplug.evaluate import Scorer, evaluate
+from lmplug.loading import open_source
 from lmplug.loading.cache import resolve_model
 
 DEMO = "smollm2-135m-instruct"
@@ -125,7 +126,7 @@ def main() -> None:
             scorer, how = Scorer(str(folder), window=args.window), "lmplug"
             llms[m] = scorer.llm
         else:
-            scorer, how = W8A8Reference(folder, max_len=args.window + 1), "ref"
+            scorer, how = W8A8Reference(open_source(folder), max_len=args.window + 1), "ref"
         q, fp16 = linear_bytes(folder)
         rows.append((m, q, q / fp16, evaluate(scorer, tokens, args.window, stride, reference), how))
         print(f"  evaluated {m} ({how})", flush=True)

@@ -30,7 +30,7 @@ prints why and exits 0. ``--interpret-smoke`` is a CPU check of this script's
 logic under ``TRITON_INTERPRET=1`` at tiny shapes (no bf16: its ``tl.dot``
 is wrong under the interpreter; one wall-clock run per case, meaningless as a
 speed, instead of ``do_bench``; correctness in fp32 and fp16, timings in fp16), used by
-``tests/test_bench_scripts.py``.
+``tests/core/project/test_bench_scripts.py``.
 """
 
 from __future__ import annotations
@@ -286,7 +286,7 @@ def main(argv: list[str] | None = None) -> int:
         if not torch.cuda.is_available():
             print("bench_quant_gpu.py needs a CUDA GPU (torch.cuda.is_available() is False); nothing to time "
                   "here. The kernels' correctness is tested on CPU under TRITON_INTERPRET=1 by "
-                  "tests/test_w4a16_kernels.py and tests/test_quant_w8a8.py; --interpret-smoke checks this "
+                  "tests/plugins/quant/test_w4a16_kernels.py and tests/plugins/quant/test_quant_layers.py; --interpret-smoke checks this "
                   "script's logic there.")
             return 0
         import triton.testing

@@ -1,8 +1,6 @@
 """lmplug: an LLM inference engine in which every optimization is a plugin."""
 
 from lmplug.config import EngineConfig
-from lmplug.engine.outputs import CompletionOutput, RequestOutput
-from lmplug.engine.params import SamplingParams
 from lmplug.errors import ConfigError, LmplugError, ModelLoadError, PluginError
 from lmplug.hookspecs import hookimpl, hookspec
 from lmplug.interfaces import (
@@ -18,10 +16,12 @@ from lmplug.interfaces import (
     Scheduler,
     StepContext,
 )
+from lmplug.interfaces.params import SamplingParams
 from lmplug.llm import LLM
+from lmplug.outputs import CompletionOutput, RequestOutput
 from lmplug.plugins import API_VERSION
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = [
     "API_VERSION",

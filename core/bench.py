@@ -74,7 +74,7 @@ def bench_lmplug(overrides: dict, args: argparse.Namespace) -> tuple[Run, object
 
 
 def time_lmplug(llm, run: Run, prompt: list[int], args: argparse.Namespace) -> None:
-    from lmplug.engine.params import SamplingParams
+    from lmplug.interfaces.params import SamplingParams
 
     params = SamplingParams(temperature=0, max_tokens=args.new_tokens, ignore_eos=True)
     t0 = time.perf_counter()
@@ -205,7 +205,7 @@ def workload(vocab: int, num_requests: int, seed: int = 0) -> list[tuple[list[in
 
 
 def run_throughput(args: argparse.Namespace, overrides: dict) -> int:
-    from lmplug.engine.params import SamplingParams
+    from lmplug.interfaces.params import SamplingParams
     from lmplug.llm import LLM
 
     llm = LLM(config=args.config, **overrides)

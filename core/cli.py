@@ -99,7 +99,7 @@ def _build_llm(args: argparse.Namespace):
 
 
 def _params(args: argparse.Namespace):
-    from lmplug.engine.params import SamplingParams
+    from lmplug.interfaces.params import SamplingParams
 
     return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
                           top_p=args.top_p, min_p=args.min_p, seed=args.seed, stop=args.stop or None,
@@ -218,6 +218,7 @@ def cmd_train_drafter(args: argparse.Namespace) -> int:
     import yaml
 
     from lmplug.plugins import get_registry
+    from lmplug.train_host import LLMTrainingHost
 
     options = {}
     for pair in args.option:
@@ -227,7 +228,7 @@ def cmd_train_drafter(args: argparse.Namespace) -> int:
         options[key] = yaml.safe_load(value)
     info = get_registry().get("drafter", args.method)
     try:
-        info.cls.train(args.model, args.out, options)
+        info.cls.train(LLMTrainingHost(), args.model, args.out, options)
     except NotImplementedError as exc:
         raise LmplugError(str(exc)) from None
     return 0

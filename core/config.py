@@ -8,8 +8,11 @@ here, with the file, the key, the value and what is allowed.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any, Literal
 
 import yaml
@@ -17,20 +20,18 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationIn
 
 from lmplug.errors import ConfigError
 from lmplug.interfaces import BackendInfo, BackendOptions
+from lmplug.interfaces.families import by_section, configured
 from lmplug.plugins import Registry, get_registry
+
+logger = logging.getLogger(__name__)
 
 DEFAULT_CONFIG = Path(__file__).parent / "configs" / "default.yaml"
 
-# config section -> (plugin family, key that names the backend)
-SECTIONS: dict[str, tuple[str, str]] = {
-    "kvcache": ("kvcache", "backend"),
-    "attention": ("attention", "backend"),
-    "scheduler": ("scheduler", "backend"),
-    "quant": ("quant", "method"),
-    "speculative": ("drafter", "method"),
-    "moe": ("moe", "backend"),
-}
-OPTIONAL_SECTIONS = {"quant", "speculative", "moe"}  # absent = feature off / not an MoE model
+# config section -> (plugin family, key that names the backend), in resolution order; from the
+# family table (``lmplug.interfaces.families``)
+SECTIONS: dict[str, tuple[str, str]] = {f.section: (f.name, f.name_key) for f in configured()}
+# absent = feature off / not an MoE model
+OPTIONAL_SECTIONS = frozenset(f.section for f in configured() if f.optional)
 
 
 class ParallelConfig(BaseModel):
@@ -138,7 +139,30 @@ def _explain(exc: ValidationError, source: str) -> str:
     return "\n".join(lines)
 
 
+def _check_sections() -> None:
+    """Every section of the family table is a field of ``EngineConfig`` (and the reverse)."""
+    fields = {k for k, f in EngineConfig.model_fields.items() if f.annotation in (dict[str, Any],
+                                                                             dict[str, Any] | None)}
+    if fields != set(SECTIONS):
+        raise RuntimeError(f"EngineConfig's plugin sections {sorted(fields)} differ from the family "
+                           f"table's {sorted(SECTIONS)}")
+
+
+_check_sections()
+
+
 # -- choosing backends ------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    """What choosing backends needs to know of the model, read from its config before any
+    weight: MLA models take an attention backend with the "mla" feature (and others one
+    without), MoE models a moe backend (``auto`` without a section), dense models none."""
+
+    model_type: str
+    mla: bool = False
+    moe: bool = False
 
 
 @dataclass(frozen=True)
@@ -157,85 +181,137 @@ class ResolvedBackend:
 
 @dataclass(frozen=True)
 class ResolvedConfig:
-    """The config with every section's backend chosen and its options validated."""
+    """The config with every section's backend chosen and its options validated. Immutable:
+    the engine build plans from it (``lmplug.engine.plan``) and returns a new one."""
 
     config: EngineConfig
     device: str
     dtype: str
-    # section -> backend: optional sections only when set, except `moe`, which the engine
-    # build adds (`auto`) for a mixture-of-experts model, once the model is known
-    backends: dict[str, ResolvedBackend]
+    # section -> backend: optional sections only when set; with the model known (``model``)
+    # also `moe` for a mixture-of-experts model (``auto``), never for a dense one
+    backends: Mapping[str, ResolvedBackend]
     source: str = "config"  # where the config came from, for error messages
+    # section -> why this backend ("named in the config", or auto's candidates and priority)
+    reasons: Mapping[str, str] = field(default_factory=dict)
+    model: ModelFacts | None = None  # what the choice knew of the model (None: not yet peeked)
+    registry: Registry | None = field(default=None, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "backends", MappingProxyType(dict(self.backends)))
+        object.__setattr__(self, "reasons", MappingProxyType(dict(self.reasons)))
 
 
-def resolve(config: EngineConfig, *, device: str, dtype: str,
-            registry: Registry | None = None, source: str = "config") -> ResolvedConfig:
-    """Choose every backend and validate its options. Raises ``ConfigError``."""
+def resolve(config: EngineConfig, *, device: str, dtype: str, registry: Registry | None = None,
+            source: str = "config", model: ModelFacts | None = None) -> ResolvedConfig:
+    """Choose every backend and validate its options. Raises ``ConfigError``.
+
+    Without ``model`` (the config alone, as at load): every set section. With it (the engine
+    build, once the model's config is peeked): MLA-aware attention, `moe` for MoE models only."""
     registry = registry or get_registry()
     chosen: dict[str, ResolvedBackend] = {}
+    reasons: dict[str, str] = {}
     for section in SECTIONS:
-        if getattr(config, section) is not None:
-            chosen[section] = resolve_section(config, section, device=device, dtype=dtype,
-                                              registry=registry, chosen=chosen, source=source)
+        needed = section == "moe" and model is not None and model.moe
+        if getattr(config, section) is not None or needed:
+            chosen[section], reasons[section] = _resolve_section(
+                config, section, device=device, dtype=dtype, registry=registry, chosen=chosen,
+                source=source, model=model)
+    if model is not None and not model.moe and "moe" in chosen:
+        logger.warning("%s: moe: ignored, a %s model has no mixture-of-experts layers", source, model.model_type)
+        del chosen["moe"], reasons["moe"]
     _check_layouts(chosen, source)
     check_kv_dtype(chosen, source)
-    return ResolvedConfig(config, device, dtype, chosen, source)
+    return ResolvedConfig(config, device, dtype, chosen, source, reasons, model, registry)
 
 
 def resolve_section(config: EngineConfig, section: str, *, device: str, dtype: str,
-                    registry: Registry | None = None, chosen: dict[str, ResolvedBackend] | None = None,
-                    source: str = "config") -> ResolvedBackend:
+                    registry: Registry | None = None, chosen: Mapping[str, ResolvedBackend] | None = None,
+                    source: str = "config", model: ModelFacts | None = None) -> ResolvedBackend:
     """Choose one section's backend and validate its options; an absent section is ``auto``
-    (how the engine resolves ``moe`` for an MoE model). Raises ``ConfigError``."""
-    family, name_key = SECTIONS[section]
-    raw = dict(getattr(config, section) or {name_key: "auto"})
-    name = raw.pop(name_key, "auto" if section in ("kvcache", "attention", "scheduler", "moe") else None)
+    where the family has it. Raises ``ConfigError``."""
+    return _resolve_section(config, section, device=device, dtype=dtype, registry=registry or get_registry(),
+                            chosen=chosen or {}, source=source, model=model)[0]
+
+
+def _resolve_section(config: EngineConfig, section: str, *, device: str, dtype: str, registry: Registry,
+                     chosen: Mapping[str, ResolvedBackend], source: str,
+                     model: ModelFacts | None) -> tuple[ResolvedBackend, str]:
+    family = by_section(section)
+    raw = dict(getattr(config, section) or {family.name_key: "auto"})
+    name = raw.pop(family.name_key, "auto" if family.auto else None)
     if name is None:
-        raise ConfigError(f"{source}: {section}: missing `{name_key}` (which {family} to use)")
-    info = _choose(registry or get_registry(), section, family, name, device, dtype, chosen or {}, source)
+        raise ConfigError(f"{source}: {section}: missing `{family.name_key}` (which {family.name} to use)")
+    if name == "auto":
+        info, reason = _choose_auto(registry, section, family.name, device, dtype, chosen, source, model)
+    else:
+        info, reason = _choose_named(registry, section, family.name, name, device, dtype, source), \
+            "named in the config"
     try:
         options = info.cls.Options(**raw)
     except ValidationError as exc:
         raise ConfigError(_explain_section(exc, source, section, info)) from None
-    return ResolvedBackend(info, options)
+    return ResolvedBackend(info, options), reason
 
 
-def _choose(registry: Registry, section: str, family: str, name: str, device: str, dtype: str,
-            chosen: dict[str, ResolvedBackend], source: str) -> BackendInfo:
-    if name != "auto":
-        try:
-            info = registry.get(family, name)
-        except Exception as exc:
-            raise ConfigError(f"{source}: {section}: {exc}") from None
-        caps = info.cls.capabilities
-        if not caps.fits(device, dtype):
-            raise ConfigError(f"{source}: {section}: {family} backend {name!r} does not run on "
-                              f"device {device!r} with dtype {dtype!r} ({caps.describe()})")
-        return info
+def _choose_named(registry: Registry, section: str, family: str, name: str, device: str, dtype: str,
+                  source: str) -> BackendInfo:
+    try:
+        info = registry.get(family, name)
+    except Exception as exc:
+        raise ConfigError(f"{source}: {section}: {exc}") from None
+    caps = info.cls.capabilities
+    if not caps.fits(device, dtype):
+        raise ConfigError(f"{source}: {section}: {family} backend {name!r} does not run on "
+                          f"device {device!r} with dtype {dtype!r} ({caps.describe()})")
+    return info
+
+
+def _choose_auto(registry: Registry, section: str, family: str, device: str, dtype: str,
+                 chosen: Mapping[str, ResolvedBackend], source: str,
+                 model: ModelFacts | None) -> tuple[BackendInfo, str]:
+    """The highest-priority backend that fits, and why (the candidates, the winner's priority)."""
     candidates = [i for i in registry.backends(family).values() if i.cls.capabilities.fits(device, dtype)]
+    fits = [f"device {device}", f"dtype {dtype}"]
+    if section == "attention" and model is not None:  # MLA models need the "mla" feature, others not
+        candidates = [i for i in candidates if ("mla" in i.cls.capabilities.features) == model.mla]
+        fits.append(f"{'MLA' if model.mla else 'non-MLA'} model {model.model_type}")
     if section == "attention" and "kvcache" in chosen:
-        layout = _layout_of(chosen["kvcache"].info)
-        candidates = [i for i in candidates if layout in i.cls.capabilities.kv_layouts]
-        kv_dtype = kv_dtype_of(chosen["kvcache"])
-        readers = [i for i in candidates if kv_dtype in i.cls.capabilities.kv_dtypes]
-        if candidates and not readers:
-            raise ConfigError(f"{source}: kvcache.dtype={kv_dtype!r}: no attention backend that fits "
-                              f"device {device!r} and the {layout or 'chosen'} KV layout reads it "
-                              f"(candidates: {', '.join(sorted(i.name for i in candidates))})")
-        candidates = readers
+        candidates = _kv_readers(candidates, chosen["kvcache"], device, source, fits,
+                                 check_dtype=model is None or not model.mla)
     if not candidates:
         available = ", ".join(sorted(registry.backends(family))) or "none installed"
         raise ConfigError(f"{source}: {section}: no {family} backend fits device {device!r} and "
                           f"dtype {dtype!r} (installed: {available})")
-    return max(candidates, key=lambda i: (i.cls.capabilities.priority, i.name))
+    best = max(candidates, key=lambda i: (i.cls.capabilities.priority, i.name))
+    listed = ", ".join(f"{i.name} ({i.cls.capabilities.priority})" for i in
+                       sorted(candidates, key=lambda i: (-i.cls.capabilities.priority, i.name)))
+    return best, f"auto: fit {', '.join(fits)}: {listed}; highest priority wins"
+
+
+def _kv_readers(candidates: list[BackendInfo], kvcache: ResolvedBackend, device: str, source: str,
+                fits: list[str], check_dtype: bool) -> list[BackendInfo]:
+    """The attention candidates that read the chosen cache's layout (and stored dtype)."""
+    layout = _layout_of(kvcache.info)
+    candidates = [i for i in candidates if layout in i.cls.capabilities.kv_layouts]
+    kv_dtype = kv_dtype_of(kvcache)
+    fits.append(f"KV layout {layout or kvcache.name}")
+    if not check_dtype:  # an MLA model: check_kv_dtype names the chosen backend
+        return candidates
+    readers = [i for i in candidates if kv_dtype in i.cls.capabilities.kv_dtypes]
+    if candidates and not readers:
+        raise ConfigError(f"{source}: kvcache.dtype={kv_dtype!r}: no attention backend that fits "
+                          f"device {device!r} and the {layout or 'chosen'} KV layout reads it "
+                          f"(candidates: {', '.join(sorted(i.name for i in candidates))})")
+    fits.append(f"KV dtype {kv_dtype}")
+    return readers
 
 
 def kv_dtype_of(kvcache: ResolvedBackend) -> str:
-    """The kvcache backend's `dtype` option ("auto" for backends without one)."""
-    return str(getattr(kvcache.options, "dtype", "auto"))
+    """What the chosen kvcache stores (``KVCacheBackend.kv_dtype_of``; "auto": the model dtype)."""
+    return str(kvcache.cls.kv_dtype_of(kvcache.options))
 
 
-def check_kv_dtype(chosen: dict[str, ResolvedBackend], source: str) -> None:
+def check_kv_dtype(chosen: Mapping[str, ResolvedBackend], source: str) -> None:
     """The attention backend must claim (``Capabilities.kv_dtypes``) the dtype the KV cache stores."""
     if "attention" not in chosen or "kvcache" not in chosen:
         return
@@ -252,7 +328,7 @@ def _layout_of(info: BackendInfo) -> str:
     return next(iter(layouts)) if len(layouts) == 1 else ""
 
 
-def _check_layouts(chosen: dict[str, ResolvedBackend], source: str) -> None:
+def _check_layouts(chosen: Mapping[str, ResolvedBackend], source: str) -> None:
     if "attention" not in chosen or "kvcache" not in chosen:
         return
     att, kv = chosen["attention"].info, chosen["kvcache"].info

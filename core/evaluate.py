@@ -58,9 +58,9 @@ class Scorer:
 
     @torch.inference_mode()
     def log_probs(self, ids: list[int], rows: range) -> torch.Tensor:
-        from lmplug.engine.params import SamplingParams
-        from lmplug.engine.sequence import Sequence
+        from lmplug.interfaces.params import SamplingParams
         from lmplug.interfaces.scheduler import ScheduledSeq
+        from lmplug.interfaces.sequence import Sequence
 
         engine = self.engine
         seq = Sequence("eval", ids, SamplingParams(max_tokens=1))

@@ -13,18 +13,17 @@ decorated with ``lmplug.hookimpl``.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import pluggy
-
-if TYPE_CHECKING:
-    from lmplug.config import EngineConfig
 
 hookspec = pluggy.HookspecMarker("lmplug")
 hookimpl = pluggy.HookimplMarker("lmplug")
 
 
 # -- registration: called once each when the registry is built ---------------
+# One per plugin family; which hook fills which family (and the base class its classes must
+# subclass) is the family table, ``lmplug.interfaces.families.TABLE``.
 
 
 @hookspec
@@ -67,7 +66,7 @@ def lmplug_register_quantizers() -> list[type]:
 
 
 @hookspec
-def lmplug_configure(config: EngineConfig) -> None:
+def lmplug_configure(config: Any) -> None:
     """Called once with the validated config, before any backend is built.
 
     Raising here aborts start-up with the plugin's message.
@@ -90,14 +89,3 @@ def lmplug_step_finished(engine: Any, stats: dict) -> None:
 @hookspec
 def lmplug_request_finished(engine: Any, output: Any) -> None:
     """Called once per finished request with its final ``RequestOutput``."""
-
-
-REGISTRATION_HOOKS: dict[str, str] = {
-    "attention": "lmplug_register_attention_backends",
-    "kvcache": "lmplug_register_kvcache_backends",
-    "scheduler": "lmplug_register_schedulers",
-    "quant": "lmplug_register_quant_methods",
-    "drafter": "lmplug_register_drafters",
-    "moe": "lmplug_register_moe_backends",
-    "quantizer": "lmplug_register_quantizers",
-}

@@ -10,9 +10,9 @@ from typing import Any, Self
 from lmplug.config import EngineConfig, resolve
 from lmplug.engine.build import pick_device, pick_dtype
 from lmplug.engine.engine import LLMEngine
-from lmplug.engine.outputs import RequestOutput
-from lmplug.engine.params import SamplingParams
 from lmplug.errors import ConfigError
+from lmplug.interfaces.params import SamplingParams
+from lmplug.outputs import RequestOutput
 
 Prompt = str | Sequence[int] | dict
 

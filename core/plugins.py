@@ -27,10 +27,11 @@ import pluggy
 from lmplug import hookspecs
 from lmplug.errors import PluginError
 from lmplug.interfaces import FAMILIES, BackendInfo, BackendOptions, Capabilities
+from lmplug.interfaces.families import TABLE as FAMILY_TABLE
 
 logger = logging.getLogger(__name__)
 
-API_VERSION = 1
+API_VERSION = 2  # 2: plugins import only the contract (lmplug.interfaces, hookspecs, errors)
 ENTRY_POINT_GROUP = "lmplug.plugins"
 ENV_ALLOWLIST = "LMPLUG_PLUGINS"
 ENV_DISABLE_AUTOLOAD = "LMPLUG_DISABLE_PLUGIN_AUTOLOAD"
@@ -79,7 +80,7 @@ class Registry:
             try:
                 plugin = ep.load()
             except Exception as exc:  # a broken plugin must not take the others down
-                self._fail(ep.name, dist, f"failed to import {ep.value!r}: {type(exc).__name__}: {exc}")
+                self._fail(ep.name, dist, _import_failure(ep.value, exc))
                 continue
             self.register(plugin, name=ep.name, distribution=dist)
 
@@ -143,7 +144,7 @@ class Registry:
 
     def _build(self) -> dict[str, dict[str, BackendInfo]]:
         table: dict[str, dict[str, BackendInfo]] = {f: {} for f in FAMILIES}
-        for family, hook_name in hookspecs.REGISTRATION_HOOKS.items():
+        for family, hook_name in ((f.name, f.hook) for f in FAMILY_TABLE):
             for impl in getattr(self.pm.hook, hook_name).get_hookimpls():
                 dist = self._distributions.get(impl.plugin_name, "?")
                 try:
@@ -205,3 +206,15 @@ def reset_registry() -> None:
     """Forget the process-wide registry (tests; after installing a plugin at run time)."""
     global _registry
     _registry = None
+
+
+def _import_failure(target: str, exc: Exception) -> str:
+    """Why a plugin module did not import. A plugin written for API version 1 imported engine
+    internals that API 2 moved into ``lmplug.interfaces``: say that, not just the ImportError."""
+    missing = getattr(exc, "name", None) or ""
+    if isinstance(exc, ImportError) and (missing == "lmplug" or missing.startswith("lmplug.")):
+        return (f"targets an older lmplug API: importing {target!r} failed on {missing!r} "
+                f"({type(exc).__name__}: {exc}); this core implements API version {API_VERSION}, in "
+                "which plugins import only lmplug.interfaces, lmplug.hookspecs and lmplug.errors "
+                "(docs/plugins.md, \"Porting a plugin from API 1\")")
+    return f"failed to import {target!r}: {type(exc).__name__}: {exc}"

@@ -1,7 +1,7 @@
 """Write docs/configuration.md from ``EngineConfig`` and every first-party backend's ``Options``.
 
     python docs/gen_config.py          # rewrite docs/configuration.md
-    python docs/gen_config.py --check  # exit 1 if it is stale (tests/test_config_doc.py)
+    python docs/gen_config.py --check  # exit 1 if it is stale (tests/core/project/test_config_doc.py)
 """
 
 from __future__ import annotations
@@ -14,7 +14,8 @@ from pathlib import Path
 # capabilities are documented as on a real machine, not as under the Triton interpreter
 os.environ.pop("TRITON_INTERPRET", None)
 
-from lmplug.config import SECTIONS, EngineConfig, ParallelConfig  # noqa: E402
+from lmplug.config import EngineConfig, ParallelConfig  # noqa: E402
+from lmplug.interfaces.families import configured  # noqa: E402
 from lmplug.plugins import Registry  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -65,7 +66,7 @@ def render() -> str:
     registry = Registry()
     out = [HEADER, "## Top level", "", *_rows(EngineConfig), ""]
     out += ["## `parallel:` (tensor parallelism; `--tp N` on the command line)", "", *_rows(ParallelConfig), ""]
-    for section, (family, name_key) in SECTIONS.items():
+    for section, family, name_key in ((f.section, f.name, f.name_key) for f in configured()):
         out += [f"## `{section}:` ({family} backends, chosen by `{name_key}:`)", ""]
         backends = {n: i for n, i in registry.backends(family).items() if i.distribution.startswith("lmplug ")}
         if not backends:

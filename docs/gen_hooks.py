@@ -2,7 +2,7 @@
 places in the core that call it.
 
     python docs/gen_hooks.py          # rewrite docs/hooks.md
-    python docs/gen_hooks.py --check  # exit 1 if docs/hooks.md is stale (tests/test_hooks_doc.py)
+    python docs/gen_hooks.py --check  # exit 1 if docs/hooks.md is stale (tests/core/project/test_hooks_doc.py)
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 from lmplug import hookspecs
-from lmplug.interfaces import FAMILIES
+from lmplug.interfaces.families import TABLE
 
 ROOT = Path(__file__).resolve().parents[1]
 TARGET = ROOT / "docs" / "hooks.md"
@@ -112,11 +112,11 @@ def render_hook(fn) -> str:
         doc,
         "",
     ]
-    family = next((f for f, h in hookspecs.REGISTRATION_HOOKS.items() if h == name), None)
+    family = next((f for f in TABLE if f.hook == name), None)
     lines.append(f"- results: {results(fn, family is not None)}")
     if family:
         lines.append(
-            f"- family: `{family}`; each class must subclass `lmplug.{FAMILIES[family].__name__}` "
+            f"- family: `{family.name}`; each class must subclass `lmplug.{family.base.__name__}` "
             f"and set `name`, `capabilities` and (optionally) `Options`"
         )
         lines.append(
@@ -135,7 +135,7 @@ def render_hook(fn) -> str:
 
 def render() -> str:
     fns = hook_functions()
-    registration = [f for f in fns if f.__name__ in hookspecs.REGISTRATION_HOOKS.values()]
+    registration = [f for f in fns if f.__name__ in {family.hook for family in TABLE}]
     lifecycle = [f for f in fns if f not in registration]
     intro = (
         "Called once each when the registry is built (the first `lmplug plugins`, config "

@@ -21,14 +21,3 @@ def demo_gguf():
         return pull("smollm2-135m-instruct")
     except ModelLoadError as exc:  # no registry reachable: the test cannot run here
         pytest.skip(f"demo model not available: {exc}")
-
-
-@pytest.fixture(scope="module")
-def native():
-    """``lmplug_attention.paged_native`` (the C decode kernel), skipping where it cannot be built."""
-    from lmplug_attention import paged_native
-
-    ok, why = paged_native.available()
-    if not ok:
-        pytest.skip(f"the native kernel does not build here: {why}")
-    return paged_native

@@ -7,30 +7,27 @@ import time
 from dataclasses import dataclass
 
 import torch
-from pydantic import ValidationError
 
-from lmplug.config import ResolvedBackend, ResolvedConfig, check_kv_dtype, resolve_section
+from lmplug.config import ResolvedConfig
+from lmplug.engine.draft_parts import draft_target
+from lmplug.engine.plan import EnginePlan, make_plan
 from lmplug.engine.runner import ModelRunner
-from lmplug.errors import ConfigError, ModelLoadError, PluginError
+from lmplug.errors import ConfigError
 from lmplug.interfaces import (
     Drafter,
-    DraftTarget,
     KVCacheBackend,
     KVCacheSpec,
-    MoEBackend,
-    QuantMethod,
     Scheduler,
     SchedulerLimits,
 )
+from lmplug.interfaces.model_config import ModelConfig
+from lmplug.interfaces.quant import Unquantized
 from lmplug.loading import open_source
 from lmplug.loading.weights import load_weights
-from lmplug.models import ModelConfig, architecture_for
-from lmplug.models.layers import Unquantized
+from lmplug.models import architecture_for
 from lmplug.parallel import ParallelState
 from lmplug.parallel import setup as parallel_setup
 from lmplug.parallel import single as single_parallel
-from lmplug.parallel import use as use_parallel
-from lmplug.plugins import get_registry
 
 logger = logging.getLogger(__name__)
 
@@ -51,6 +48,7 @@ class EngineParts:
     drafter: Drafter | None = None  # speculative decoding, when configured
     # weight bytes and KV bytes per token of every tensor-parallel rank (``parallel.setup``)
     memory: dict | None = None
+    plan: EnginePlan | None = None  # what was chosen (``plan.resolved.backends``: every backend in use)
 
 
 def pick_device(name: str) -> str:
@@ -75,7 +73,8 @@ def peek_model_config(resolved: ResolvedConfig) -> tuple[ModelConfig, str]:
     return ModelConfig.from_hf(source.hf_config), str(source.path)
 
 
-def build_engine_parts(resolved: ResolvedConfig, parallel: ParallelState | None = None) -> EngineParts:
+def build_engine_parts(resolved: ResolvedConfig, parallel: ParallelState | None = None,
+                       group=None) -> EngineParts:
     """``parallel``: this process's rank of a tensor-parallel group (None: one process); the
     model and KV cache are then built with this rank's heads, slices and KV heads."""
     from lmplug.loading.cache import resolve_model
@@ -87,29 +86,22 @@ def build_engine_parts(resolved: ResolvedConfig, parallel: ParallelState | None 
     # an unsupported architecture is the error to report, not the config keys it lacks
     arch = architecture_for(source.hf_config.get("model_type"))
     model_config = ModelConfig.from_hf(source.hf_config)
+    plan = make_plan(resolved, source.hf_config, model_config, str(source.path), parallel)
+    backends, kv_shape = plan.resolved.backends, plan.kv_shape
     dtype = DTYPES[resolved.dtype]
     device = torch.device(resolved.device)
-    max_model_len = cfg.max_model_len or model_config.max_position_embeddings
-    backends = resolved.backends
-
-    _check_window_support(model_config, backends["attention"])
-    kv_shape, scale = _attention_kv_shape(resolved, model_config)
-    parallel_setup.check_model(model_config, parallel.world_size, str(source.path), parallel.expert_parallel)
-    kv_shape = parallel_setup.local_kv_shape(kv_shape, parallel)  # this rank's KV heads
-    check_kv_dtype(backends, resolved.source)  # again: an MLA model may have swapped the backend
+    max_model_len = plan.max_model_len
     attention = backends["attention"].cls(
         backends["attention"].options, num_heads=model_config.num_heads // parallel.world_size,
         num_kv_heads=kv_shape["num_kv_heads"], head_dim=kv_shape["head_dim"],
-        scale=scale, sliding_window=model_config.sliding_window)
+        scale=plan.scale, sliding_window=model_config.sliding_window)
     drafter = None
     if "speculative" in backends:
         drafter = backends["speculative"].cls(backends["speculative"].options)
-        _check_tree_support(drafter, backends, attention, device, parallel)
-    quant = _quant_method(resolved, source)
-    moe = _moe_backend(resolved, model_config)
-    extra = {"moe": moe} if moe is not None else {}
-    with torch.device(device), use_parallel(parallel):
-        model = arch(model_config, dtype, quant, attention, max_model_len, **extra)
+        _check_tree_support(drafter, backends["attention"], device, parallel)
+    with torch.device(device):
+        model = arch(model_config, dtype, _built(backends, "quant", Unquantized()), attention, max_model_len,
+                     parallel=parallel, **({"moe": _built(backends, "moe")} if "moe" in backends else {}))
     _load_with_progress(model, source, parallel)
     model.eval()
 
@@ -121,128 +113,43 @@ def build_engine_parts(resolved: ResolvedConfig, parallel: ParallelState | None 
     kv = parallel_setup.build_kv(backends["kvcache"].cls, backends["kvcache"].options, spec, parallel)
     limits = SchedulerLimits(sched_opts.max_num_seqs, sched_opts.max_num_batched_tokens, max_model_len)
     scheduler = backends["scheduler"].cls(sched_opts, kv, limits)
-    runner = ModelRunner(model, kv, device)
+    # group: rank 0's handle on the tensor-parallel workers (``lmplug.parallel.launch``), if any
+    runner = ModelRunner(model, kv, device, parallel=group, short_query_tokens=attention.short_query_tokens,
+                         keep_hidden=drafter is not None and drafter.uses_hidden_states)
     if drafter is not None:
-        drafter.setup(DraftTarget(model, model_config, kv, source.tokenizer, device, dtype,
-                                  max_model_len, sched_opts.max_num_seqs))
+        drafter.setup(draft_target(model, model_config, kv, source.tokenizer, device, dtype,
+                                   max_model_len, sched_opts.max_num_seqs, attention))
     load_time = time.perf_counter() - started
     logger.info("loaded %s (%s, %d layers) in %.2f s; KV: %s (%s), %d bytes/token", source.path,
                 model_config.model_type, model_config.num_layers, load_time, kv.name,
                 kv.spec.kv_dtype if kv.spec.quantized else resolved.dtype, kv.bytes_per_token)
     memory = parallel_setup.memory_report(model, kv, parallel)
     return EngineParts(model_config, model, source.tokenizer, kv, scheduler, runner, max_model_len,
-                       _eos_ids(source), load_time, drafter, memory=memory)
+                       _eos_ids(source), load_time, drafter, memory=memory, plan=plan)
 
 
-def _check_window_support(model_config: ModelConfig, attention) -> None:
-    if model_config.sliding_window and "sliding_window" not in attention.cls.capabilities.features:
-        raise ConfigError(f"attention: backend {attention.name!r} does not support sliding-window "
-                          f"attention, which this {model_config.model_type} model uses "
-                          f"(window {model_config.sliding_window}); choose one that lists the "
-                          "'sliding_window' feature (`lmplug plugins`)")
+def _built(backends, section: str, default=None):
+    """The backend of ``section``, constructed from its options; ``default`` when none."""
+    chosen = backends.get(section)
+    return default if chosen is None else chosen.cls(chosen.options)
 
 
-def _check_tree_support(drafter, backends: dict, attention, device: torch.device,
-                        parallel: ParallelState) -> None:
-    """A drafter that proposes trees needs tree attention (the "tree_attention" feature, and the
-    instance's ``supports_tree_attention(device)`` where it has one) and one process: the
-    accepted path's K/V is moved in this process's cache."""
+def _check_tree_support(drafter, chosen, device: torch.device, parallel: ParallelState) -> None:
+    """A drafter that proposes trees needs tree attention (the "tree_attention" feature of the
+    backend's ``features_for(options, device)``) and one process: the accepted path's K/V is moved
+    in this process's cache."""
     if not drafter.drafts_trees:
         return
-    chosen = backends["attention"]
-    narrow = getattr(attention, "supports_tree_attention", None)
-    if "tree_attention" not in chosen.cls.capabilities.features or (narrow is not None and not narrow(device)):
-        how = ("its Triton kernels have no tree mask; use `attention: {backend: paged, kernels: torch}` or sdpa"
-               if narrow is not None else "choose one that lists the 'tree_attention' feature (sdpa, paged)")
+    if "tree_attention" not in chosen.cls.features_for(chosen.options, device.type):
+        how = ("its options give no tree mask on this device (e.g. `attention: {backend: paged, "
+               "kernels: torch}`, or sdpa)" if "tree_attention" in chosen.cls.capabilities.features
+               else "choose one that lists the 'tree_attention' feature (sdpa, paged)")
         raise ConfigError(f"speculative: {drafter.name}: tree candidates (option `tree`) need tree attention, "
                           f"which attention backend {chosen.name!r} (plugin {chosen.info.plugin}) on "
                           f"{device.type} does not provide: {how}; or drop `speculative.tree` to draft a chain")
     if parallel.world_size > 1:
         raise ConfigError(f"speculative: {drafter.name}: tree candidates (option `tree`) are not supported "
                           "with tensor parallelism; drop `speculative.tree` to draft a chain")
-
-
-def _attention_kv_shape(resolved: ResolvedConfig, model_config: ModelConfig) -> tuple[dict, float]:
-    """What the KV cache stores per token (``KVCacheSpec`` fields) and the softmax scale.
-
-    Checks first that the attention backend fits the model: an MLA model (DeepSeek-V2/V3) needs
-    a backend listing the "mla" feature (`auto` becomes `mla`), and such a backend runs MLA
-    models only. MLA caches one latent row per token and layer (``num_kv_heads`` 1, ``head_dim``
-    = kv_lora_rank + rope dims, no V)."""
-    chosen = resolved.backends["attention"]
-    mla = model_config.mla
-    if mla is not None and "mla" not in chosen.cls.capabilities.features \
-            and (resolved.config.attention or {}).get("backend", "auto") == "auto":
-        config = resolved.config.model_copy(update={"attention": {"backend": "mla"}})
-        chosen = resolve_section(config, "attention", device=resolved.device, dtype=resolved.dtype,
-                                 chosen=resolved.backends, source=resolved.source)
-        resolved.backends["attention"] = chosen
-    if (mla is not None) != ("mla" in chosen.cls.capabilities.features):
-        kind = ("uses multi-head latent attention (MLA); choose an attention backend with the 'mla' "
-                "feature, e.g. `attention: mla`" if mla is not None else
-                "uses ordinary attention, which it cannot run; choose e.g. `attention: auto`")
-        raise ConfigError(f"attention: backend {chosen.name!r} (plugin {chosen.info.plugin}) does not "
-                          f"fit model_type {model_config.model_type!r}: the model {kind}")
-    if mla is None:
-        shape = {"num_kv_heads": model_config.num_kv_heads, "head_dim": model_config.head_dim}
-        return shape, model_config.head_dim ** -0.5
-    return {"num_kv_heads": 1, "head_dim": mla.latent_dim, "latent": True}, mla.softmax_scale
-
-
-def _quant_method(resolved: ResolvedConfig, source) -> QuantMethod:
-    """The quant method: the config's `quant:` section wins; else the checkpoint's
-    `quantization_config` (`quant_method` names a registered method, options read by its
-    ``from_checkpoint_config``); else plain weights. When both name the same method, the
-    checkpoint's options are the base and the section's keys override them."""
-    chosen = resolved.backends.get("quant")
-    ckpt = source.hf_config.get("quantization_config") or None
-    if chosen is None and ckpt is None:
-        return Unquantized()
-    if ckpt is not None and (chosen is None or chosen.name == str(ckpt.get("quant_method")).lower()):
-        chosen = _checkpoint_quant(resolved, source, ckpt, chosen)
-        resolved.backends["quant"] = chosen  # reported with the other backends
-    return chosen.cls(chosen.options)
-
-
-def _checkpoint_quant(resolved: ResolvedConfig, source, ckpt: dict,
-                      explicit: ResolvedBackend | None) -> ResolvedBackend:
-    where = f"{source.path}: config.json quantization_config"
-    name = str(ckpt.get("quant_method")).lower()
-    try:
-        info = explicit.info if explicit else get_registry().get("quant", str(name))
-    except PluginError as exc:
-        raise ModelLoadError(f"{where}: quant_method {name!r} is not available ({exc})") from None
-    if not info.cls.capabilities.fits(resolved.device, resolved.dtype):
-        raise ConfigError(f"{where}: quant method {info.name!r} does not run on device "
-                          f"{resolved.device!r} with dtype {resolved.dtype!r} "
-                          f"({info.cls.capabilities.describe()})")
-    overrides = {k: v for k, v in (resolved.config.quant or {}).items() if k != "method"}
-    try:
-        base = info.cls.from_checkpoint_config(dict(ckpt)).model_dump(exclude_unset=True)
-        options = info.cls.Options(**{**base, **overrides})
-    except ValidationError as exc:
-        problems = "; ".join(f"{'.'.join(map(str, e['loc'])) or '(options)'}: {e['msg']} "
-                             f"(got {e.get('input')!r})" for e in exc.errors())
-        raise ModelLoadError(f"{where}: not usable by quant method {info.name!r} "
-                             f"(plugin {info.plugin}): {problems}") from None
-    return ResolvedBackend(info, options)
-
-
-def _moe_backend(resolved: ResolvedConfig, model_config: ModelConfig) -> MoEBackend | None:
-    """The moe backend of an MoE model. The section is resolved here, once the model is known:
-    without a `moe` section an MoE model gets `auto`, and a dense model ignores one."""
-    chosen = resolved.backends.get("moe")
-    if model_config.moe is None:
-        if chosen is not None:
-            logger.warning("%s: moe: ignored, a %s model has no mixture-of-experts layers",
-                           resolved.source, model_config.model_type)
-            del resolved.backends["moe"]  # not reported as in use
-        return None
-    if chosen is None:
-        chosen = resolve_section(resolved.config, "moe", device=resolved.device, dtype=resolved.dtype,
-                                 source=resolved.source)
-        resolved.backends["moe"] = chosen  # reported with the other backends (`lmplug bench`)
-    return chosen.cls(chosen.options)
 
 
 def _load_with_progress(model: torch.nn.Module, source, parallel: ParallelState | None = None) -> None:

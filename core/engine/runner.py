@@ -2,44 +2,33 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import torch
 
-from lmplug.engine.spec_tree import ancestor_mask, depths
+from lmplug.interfaces.kv_layout import kv_slots
 from lmplug.interfaces.kvcache import KVCacheBackend
+from lmplug.interfaces.runner import StepResult
 from lmplug.interfaces.scheduler import ScheduledSeq
 from lmplug.interfaces.step import StepContext
-
-SHORT_QUERY = 64  # the step's order puts queries of at most this many tokens before longer ones
-
-
-@dataclass
-class StepResult:
-    sample_rows: list[ScheduledSeq]  # sequences that caught up and get a new token
-    logits: torch.Tensor | None  # [sum(num_rows), V], each sequence's rows consecutive
-    prompt_logits: dict[int, tuple[int, torch.Tensor]]  # seq_id -> (first position, logits [n, V])
-    # rows per sample_rows entry: 1 + its draft tokens (the last accepted token and every draft)
-    num_rows: list[int] = field(default_factory=list)
-    hidden: torch.Tensor | None = None  # [sum(num_rows), h], the rows behind `logits` (keep_hidden)
 
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, kv: KVCacheBackend, device: torch.device,
-                 parallel=None) -> None:
+                 parallel=None, *, short_query_tokens: int = 0, keep_hidden: bool = False) -> None:
         self.model = model
         self.parallel = parallel  # rank 0 of a tensor-parallel group (``lmplug.parallel.launch``)
         self.kv = kv
         self.device = device
-        self.keep_hidden = False  # return the final hidden states behind the logits (Medusa, EAGLE)
+        # the attention backend's ``short_query_tokens``: the step order puts queries of at most
+        # this many tokens before longer ones
+        self.short_query_tokens = short_query_tokens
+        self.keep_hidden = keep_hidden  # return the final hidden states behind the logits (Medusa)
         model.bind_kv([kv.layer_view(i) for i in range(model.config.num_layers)])
 
     def build_context(self, batch: list[ScheduledSeq]) -> tuple[torch.Tensor, StepContext]:
         """Flatten the batch (decodes first) into input ids and the per-step record.
 
-        A sequence verifying a draft tree (``seq.draft_parents``, see ``spec_tree``) gets its
-        new tokens at positions ``start + depth`` and an ancestor mask in ``tree_masks``; its
-        K/V slots stay ``start + j`` (node order)."""
+        A row with its own ``positions`` and ``mask`` (a speculative draft tree) gets them in
+        ``positions`` and ``tree_masks``; its K/V slots stay ``start + j``."""
         bs = self.kv.block_size
         ids: list[int] = []
         positions: list[int] = []
@@ -52,15 +41,13 @@ class ModelRunner:
             table = self.kv.block_table(seq)
             ids.extend(seq.token_ids[start:start + n])
             slot_positions.extend(range(start, start + n))
-            parents = seq.draft_parents
-            if parents is not None:
-                if n != len(parents) + 1 or start + n != seq.num_tokens:
-                    raise RuntimeError(f"runner: sequence {seq.seq_id} schedules {n} tokens from {start} of "
-                                       f"{seq.num_tokens} but carries a draft tree of {len(parents)} nodes")
-                positions.extend([start] + [start + d for d in depths(parents)])
-                tree_masks[b] = ancestor_mask(parents).to(self.device)
-            else:
-                positions.extend(range(start, start + n))
+            rows, mask = item.positions, item.mask
+            if mask is not None:
+                if len(rows) != n or tuple(mask.shape) != (n, n):
+                    raise RuntimeError(f"runner: sequence {seq.seq_id} schedules {n} tokens but carries "
+                                       f"{len(rows)} positions and a {tuple(mask.shape)} mask")
+                tree_masks[b] = mask.to(self.device)
+            positions.extend(range(start, start + n) if rows is None else rows)
             query_lens.append(n)
             seq_lens.append(start + n)
             tables.append(table)
@@ -71,7 +58,7 @@ class ModelRunner:
         at = torch.tensor(slot_positions, dtype=torch.int64) if tree_masks else pos
         # slot of each new token: its block (through its sequence's table) and offset
         owner = torch.repeat_interleave(torch.arange(len(batch)), ql.long())  # [T]
-        slots = block_tables[owner, at // bs].long() * bs + at % bs
+        slots = kv_slots(block_tables[owner], at, bs)
         cu = torch.zeros(len(batch) + 1, dtype=torch.int32)
         torch.cumsum(ql, 0, out=cu[1:])
         num_decodes = 0
@@ -93,8 +80,8 @@ class ModelRunner:
         # chains shortest first, then draft trees (a verify of a few drafts, a small chunk: backends
         # may read a leading run of short queries as decode rows), then the long ones
         batch = sorted(batch, key=lambda s: (not (s.num_new_tokens == 1 and s.seq.num_computed_tokens > 0),
-                                             s.num_new_tokens > SHORT_QUERY,
-                                             s.seq.draft_parents is not None, s.num_new_tokens))
+                                             s.num_new_tokens > self.short_query_tokens,
+                                             s.mask is not None, s.num_new_tokens))
         input_ids, ctx = self.build_context(batch)
         ends = ctx.cu_query_lens[1:].tolist()
         sample_rows, rows, num_rows = [], [], []
@@ -106,7 +93,7 @@ class ModelRunner:
                 # logits at prompt positions predict the next prompt token
                 prompt_rows[seq.seq_id] = (seq.num_computed_tokens, slice(start, end))
             if seq.num_computed_tokens + item.num_new_tokens == seq.num_tokens:
-                n = 1 + seq.num_draft_tokens  # speculative: the drafts are verified from these rows
+                n = item.num_logit_rows  # speculative: the drafts are verified from these rows
                 sample_rows.append(item)
                 rows.extend(range(end - n, end))
                 num_rows.append(n)
@@ -129,3 +116,4 @@ class ModelRunner:
         logits are None (gathered on rank 0)."""
         hidden = self.model(input_ids, ctx.positions, ctx)  # [T, h]
         return [self.model.compute_logits(hidden[where]) for where in groups], hidden
+

@@ -17,11 +17,20 @@ class AttentionBackend(ABC):
     ``forward`` writes the new K/V of this step into the cache (at
     ``ctx.slot_mapping``) and returns attention over the whole context of each
     sequence: everything cached before this step plus the new tokens, causal.
+
+    Per-step metadata: what a backend derives from the ``StepContext`` alone (gather
+    indices, masks, host-side maxima, kernel tables) is built once per step, not once per
+    layer. The backend builds it in ``prepare``, as its own typed object (a dataclass);
+    ``forward`` asks for it with ``ctx.metadata_for(self, kv)``, which calls ``prepare`` on
+    the first layer's call and hands every later layer the same object.
     """
 
     name: ClassVar[str]
     capabilities: ClassVar[Capabilities]
     Options: ClassVar[type[BackendOptions]] = BackendOptions
+    # the runner orders a step's non-decode queries of at most this many tokens before longer
+    # ones (a backend may read such a leading run as decode rows); 0: no such run
+    short_query_tokens: ClassVar[int] = 0
 
     def __init__(self, options: BackendOptions, *, num_heads: int, num_kv_heads: int,
                  head_dim: int, scale: float, sliding_window: int | None = None) -> None:
@@ -31,6 +40,22 @@ class AttentionBackend(ABC):
         self.head_dim = head_dim
         self.scale = scale
         self.sliding_window = sliding_window
+
+    @classmethod
+    def features_for(cls, options: BackendOptions, device: str) -> frozenset[str]:
+        """The features these options give on ``device`` ("cpu", "cuda"): ``capabilities.features``
+        unless some depend on the options (e.g. a kernel choice without tree masks)."""
+        return cls.capabilities.features
+
+    def prepare(self, ctx: StepContext, kv: KVLayerView) -> object | None:
+        """This step's metadata, built once per step by ``ctx.metadata_for(self, kv)``.
+
+        Contract: read only ``ctx`` and the format of ``kv`` (its device, dtype, quantization
+        and pool shape, which every layer of a model shares; never the cache contents, which
+        each layer's forward changes), do not modify either, and return a new object that
+        ``forward`` only reads. The default builds nothing.
+        """
+        return None
 
     @abstractmethod
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -72,7 +97,8 @@ class KVLayerView:
 
     ``k_cache`` / ``v_cache``: [num_blocks, block_size, Hkv, D]. Slot ``s`` is
     block ``s // block_size``, offset ``s % block_size``; a sequence's blocks
-    are listed in ``StepContext.block_tables``. The contiguous layout is the
+    are listed in ``StepContext.block_tables`` (position to slot:
+    ``lmplug.interfaces.kv_layout.kv_slots``). The contiguous layout is the
     special case of one block of ``max_model_len`` slots per sequence.
 
     Quantized KV (kvcache ``dtype: int8 | fp8_e4m3``): the caches hold int8 /

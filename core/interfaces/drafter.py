@@ -11,7 +11,7 @@ Life of a drafter in an engine:
    and the verifier keeps the longest acceptable prefix plus one target token
    (a drafter with ``drafts_trees`` may propose a tree, ``DraftProposal.parents``: the
    target scores it with tree attention and greedy verification follows its argmax down
-   the tree, ``lmplug.engine.spec_tree``);
+   the tree, ``lmplug.speculation.tree``);
 3. ``observe(seqs, hidden)`` after each step, only for drafters that set
    ``uses_hidden_states`` (heads that draft from the target's hidden states);
 4. ``release(seq)`` when a sequence finishes or is aborted.
@@ -24,6 +24,7 @@ itself: on the next ``propose`` the sequence's tokens may differ from what it dr
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -33,9 +34,12 @@ from pydantic import Field
 from lmplug.interfaces.common import BackendOptions, Capabilities
 
 if TYPE_CHECKING:
-    from lmplug.engine.sequence import Sequence
+    from lmplug.interfaces.attention import AttentionBackend
     from lmplug.interfaces.kvcache import KVCacheBackend
-    from lmplug.models.config import ModelConfig
+    from lmplug.interfaces.model_config import ModelConfig
+    from lmplug.interfaces.runner import ForwardRunner
+    from lmplug.interfaces.sequence import Sequence
+    from lmplug.interfaces.training import TrainingHost
 
 
 class DrafterOptions(BackendOptions):
@@ -45,13 +49,37 @@ class DrafterOptions(BackendOptions):
 
 
 @dataclass(frozen=True)
+class DraftModel:
+    """A second model the core loaded for a drafter (``DraftTarget.open_model``), with a KV
+    cache of its own, built as the engine builds one: on the target's device and dtype, sized
+    for the target's ``max_model_len`` and ``max_num_seqs``."""
+
+    model: torch.nn.Module
+    model_config: ModelConfig
+    kv: KVCacheBackend
+    tokenizer: Any | None
+
+
+@dataclass(frozen=True)
 class DraftTarget:
     """What a drafter may use of the engine it serves, handed to ``Drafter.setup``.
 
     ``model`` is the target ``torch.nn.Module`` (``forward(input_ids, positions, ctx) ->
-    hidden``, ``compute_logits(hidden)``); ``kv`` the target's KV backend, whose class and
-    options a drafter may reuse for its own cache (so the target's attention backend can
-    read it). A drafter must not write into the target's cache.
+    hidden``, ``compute_logits(hidden)``); ``kv`` the target's KV backend (a drafter reads it,
+    e.g. block tables, but must not write into it); ``attention`` the target's attention
+    backend instance (a drafter with attention layers of its own may build one of its class
+    and options, so it reads the caches ``new_kv_cache`` makes).
+
+    What the core builds for a drafter:
+
+    - ``open_model(name_or_path) -> DraftModel``: load another model (cache name, HF folder,
+      GGUF) with a KV cache of its own;
+    - ``new_runner(model, kv) -> ForwardRunner``: the engine's model runner over ``model``
+      bound to ``kv`` (``build_context`` / ``execute``);
+    - ``new_kv_cache(num_layers, **spec) -> KVCacheBackend``: a fresh cache of the target's KV
+      class and options for ``num_layers`` layers, without prefix caching (a draft's cached
+      blocks may hold tokens the target later rejects); ``spec`` overrides other
+      ``KVCacheSpec`` fields (e.g. a draft head's ``num_kv_heads``, ``head_dim``).
     """
 
     model: torch.nn.Module
@@ -62,6 +90,10 @@ class DraftTarget:
     dtype: torch.dtype
     max_model_len: int
     max_num_seqs: int
+    attention: AttentionBackend
+    open_model: Callable[[str], DraftModel]
+    new_runner: Callable[[torch.nn.Module, KVCacheBackend], ForwardRunner]
+    new_kv_cache: Callable[..., KVCacheBackend]
 
 
 @dataclass
@@ -114,13 +146,13 @@ class Drafter(ABC):
         """Propose up to ``num_tokens`` next tokens for each sequence (fewer, or none, is fine).
 
         A sampling drafter draws with ``seq.generator`` after applying the request's
-        temperature / top-k / top-p / min-p (``lmplug.engine.sampler.processed_logits``)
+        temperature / top-k / top-p / min-p (``lmplug.interfaces.sampling.processed_logits``)
         and returns those distributions in ``probs``.
         """
 
     def kv_moved(self, seq: Sequence, src: list[int], dst: list[int]) -> None:
         """After a draft tree's verification the engine moved the target's K/V of the accepted
-        path from positions ``src`` to ``dst`` (``spec_tree.move_kv``); a drafter that keeps
+        path from positions ``src`` to ``dst`` (``lmplug.speculation.tree.move_kv``); a drafter that keeps
         something per target KV slot (EAGLE's features) moves it the same way."""
 
     def observe(self, seqs: list[Sequence], hidden: torch.Tensor) -> None:
@@ -135,7 +167,8 @@ class Drafter(ABC):
         """``seq`` finished or was aborted: drop whatever is kept for it."""
 
     @classmethod
-    def train(cls, model: str, out: str, options: dict) -> None:
+    def train(cls, host: TrainingHost, model: str, out: str, options: dict) -> None:
         """Train this drafter's weights for ``model`` and save them under ``out`` in the
-        format its options load (``lmplug train-drafter --method NAME MODEL OUT``)."""
+        format its options load (``lmplug train-drafter --method NAME MODEL OUT``); ``host``
+        (``lmplug.interfaces.training``) opens the target and runs it."""
         raise NotImplementedError(f"drafter {cls.name!r} has nothing to train")

@@ -21,7 +21,7 @@ from lmplug.interfaces.attention import KVLayerView
 from lmplug.interfaces.common import BackendOptions, Capabilities
 
 if TYPE_CHECKING:
-    from lmplug.engine.sequence import Sequence
+    from lmplug.interfaces.sequence import Sequence
 
 
 # kvcache `dtype:` option -> storage dtype ("auto": the model dtype, no scales)
@@ -144,6 +144,24 @@ class KVCacheBackend(ABC):
     def __init__(self, options: BackendOptions, spec: KVCacheSpec) -> None:
         self.options = options
         self.spec = spec
+
+    # -- what the core asks of the options, before and across instances -------------
+    @classmethod
+    def kv_dtype_of(cls, options: BackendOptions) -> str:
+        """The K/V storage these options choose: "auto" (the model dtype, the default) or a
+        ``KV_CACHE_DTYPES`` name; the config checks the attention backend reads it."""
+        return "auto"
+
+    def pool_blocks(self) -> int | None:
+        """Blocks this cache allocated, when its size is decided at construction (e.g. from
+        free memory); None: fixed by the options and spec alone."""
+        return None
+
+    @classmethod
+    def with_pool_blocks(cls, options: BackendOptions, blocks: int) -> BackendOptions:
+        """``options`` that allocate exactly ``blocks`` blocks (tensor-parallel ranks build
+        rank 0's pool size); the default: unchanged."""
+        return options
 
     # -- layout ---------------------------------------------------------------
     @property

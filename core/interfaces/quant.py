@@ -6,6 +6,7 @@ from abc import ABC, abstractmethod
 from typing import ClassVar
 
 import torch
+import torch.nn.functional as F
 
 from lmplug.interfaces.common import BackendOptions, Capabilities
 
@@ -104,3 +105,30 @@ def _load_replicated(layer: torch.nn.Module, name: str, param: torch.Tensor, ten
                          "the shards must carry the same tensor")
     param.copy_(tensor)
     loaded.add(name)
+
+
+class Unquantized(QuantMethod):
+    """Plain dense weights: ``y = x W^T + b``. The core's default, not a plugin."""
+
+    name = "none"
+    capabilities = Capabilities(devices=frozenset({"cpu", "cuda"}))
+
+    def __init__(self, options: BackendOptions | None = None) -> None:
+        super().__init__(options or BackendOptions())
+
+    def create_weights(self, layer, in_features, out_features, dtype, bias):
+        layer.weight = torch.nn.Parameter(torch.empty(out_features, in_features, dtype=dtype), requires_grad=False)
+        layer.bias = (torch.nn.Parameter(torch.zeros(out_features, dtype=dtype), requires_grad=False)
+                      if bias else None)
+
+    def process_weights_after_loading(self, layer) -> None:
+        """On CPU keep a float32 W^T contiguous (same values and shape, column-major strides):
+        the BLAS GEMM of a few rows (a speculative verify of k+1 tokens, a small batch) then
+        runs 1.3-2x faster than on a row-major W (benchmarks/bench_speculative.py). bfloat16
+        stays row-major: oneDNN's bf16 GEMM is 10-20% slower on the transposed layout."""
+        weight = layer.weight
+        if weight.device.type == "cpu" and weight.dim() == 2 and weight.dtype == torch.float32:
+            layer.weight.data = layer.weight.data.t().contiguous().t()
+
+    def apply(self, layer, x):
+        return F.linear(x, layer.weight, layer.bias)

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, ClassVar
 from lmplug.interfaces.common import BackendOptions, Capabilities
 
 if TYPE_CHECKING:
-    from lmplug.loading.source import ModelSource
+    from lmplug.interfaces.checkpoint import ModelSource
 
 # progress(stage, done, total): called as work proceeds; the CLI draws a bar or a line
 Progress = Callable[[str, int, int], None]

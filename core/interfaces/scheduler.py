@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import TYPE_CHECKING, ClassVar
 
 from pydantic import Field
@@ -12,7 +14,9 @@ from lmplug.interfaces.common import BackendOptions, Capabilities
 from lmplug.interfaces.kvcache import KVCacheBackend
 
 if TYPE_CHECKING:
-    from lmplug.engine.sequence import Sequence
+    import torch
+
+    from lmplug.interfaces.sequence import Sequence
 
 
 class SchedulerOptions(BackendOptions):
@@ -33,6 +37,15 @@ class SchedulerLimits:
 class ScheduledSeq:
     seq: Sequence
     num_new_tokens: int  # tokens token_ids[num_computed : num_computed + num_new_tokens]
+    # Set after scheduling by whoever picks the next tokens (the engine's select stage), read by
+    # the runner; the defaults are a plain causal query. ``positions``: each new token's position
+    # (None: num_computed + j); a speculative draft tree puts siblings at the same position.
+    positions: list[int] | None = None
+    # bool [n, n]: new token a attends to new token b where mask[a, b] (the cached context always);
+    # None: causal. Its K/V still goes to the slot of position num_computed + j
+    mask: torch.Tensor | None = None
+    # when the sequence catches up: how many of its last rows need logits (1 + verified drafts)
+    num_logit_rows: int = 1
 
 
 @dataclass
@@ -56,6 +69,8 @@ class Scheduler(ABC):
     name: ClassVar[str]
     capabilities: ClassVar[Capabilities]
     Options: ClassVar[type[BackendOptions]] = SchedulerOptions
+    # read-only default; ``set_lookahead`` replaces it on the instance
+    _lookahead: Mapping[int, int] = MappingProxyType({})
 
     def __init__(self, options: SchedulerOptions, kv: KVCacheBackend, limits: SchedulerLimits) -> None:
         self.options = options
@@ -77,10 +92,25 @@ class Scheduler(ABC):
         num_prompt_tokens`` and one token to compute; the scheduler must neither
         re-admit it nor allocate its prompt again (its next ``kv.allocate``
         grows it, copying a shared partial block), and may preempt it like any
-        running sequence. A scheduler that does not override this makes the
-        engine fall back to ``n`` independent sequences.
+        running sequence. Only a scheduler listing the ``"fork"`` feature in its
+        ``capabilities`` gets forks; for any other the engine runs ``n``
+        independent sequences.
         """
         raise NotImplementedError(f"scheduler {self.name!r} cannot take forked sequences")
+
+    def set_lookahead(self, lookahead: Mapping[int, int]) -> None:
+        """Before ``schedule``: seq_id -> tokens the step may compute past ``token_ids``."""
+        self._lookahead = lookahead
+
+    def lookahead(self, seq: Sequence) -> int:
+        """Tokens past ``seq.token_ids`` this step may also compute for ``seq`` (speculative
+        drafts, which only the engine knows). They count against the token budget and the KV
+        cache like the others, and may be cut: any prefix of them can be scheduled."""
+        return self._lookahead.get(seq.seq_id, 0)
+
+    def num_pending(self, seq: Sequence) -> int:
+        """Tokens ``seq`` could compute this step: the uncomputed ones plus its lookahead."""
+        return seq.num_tokens + self.lookahead(seq) - seq.num_computed_tokens
 
     @abstractmethod
     def schedule(self) -> SchedulerOutput:

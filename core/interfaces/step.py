@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:  # attention.py imports this module
+    from lmplug.interfaces.attention import AttentionBackend, KVLayerView
 
 
 @dataclass
@@ -34,9 +38,27 @@ class StepContext:
     # sliding window by position). Empty when no tree is in the step; backends that do not list
     # the "tree_attention" feature never see one (refused at load time)
     tree_masks: dict[int, torch.Tensor] = field(default_factory=dict)
-    # what a backend derives from the fields above once per step and reuses in every layer
-    # (e.g. a gather index), keyed by the backend; the runner starts each step with it empty
-    scratch: dict = field(default_factory=dict)
+    # what the attention backend derives from the fields above once per step and every layer
+    # reuses (``AttentionBackend.prepare``): built on first use by ``metadata_for``, never by
+    # the runner. Not an __init__ field, so ``dataclasses.replace`` (a copy moved to another
+    # device) starts without it rather than sharing one built for the old device
+    attn_metadata: object | None = field(default=None, init=False, repr=False, compare=False)
+    _attn_key: tuple | None = field(default=None, init=False, repr=False, compare=False)
+
+    def metadata_for(self, backend: AttentionBackend, kv: KVLayerView) -> Any:
+        """``backend.prepare(self, kv)``, built on the first call of the step and then reused.
+
+        Layers share one backend object and one KV pool format, so every layer after the
+        first gets the same object: the metadata is built once per step. A call by another
+        backend object, or with a view of another format (dtype, quantization, pool shape,
+        device), rebuilds it for that caller: one slot, holding the latest.
+        """
+        cache = kv.k_cache
+        key = (backend, cache.dtype, cache.device, tuple(cache.shape), kv.quantized)
+        if self._attn_key is None or not _same_key(self._attn_key, key):
+            self.attn_metadata = backend.prepare(self, kv)
+            self._attn_key = key
+        return self.attn_metadata
 
     @property
     def num_seqs(self) -> int:
@@ -57,3 +79,8 @@ class StepContext:
     @property
     def is_decode_only(self) -> bool:
         return self.num_decodes == self.num_seqs
+
+
+def _same_key(a: tuple, b: tuple) -> bool:
+    # the backend by identity (two objects of one class may differ in options), the rest by value
+    return a[0] is b[0] and a[1:] == b[1:]

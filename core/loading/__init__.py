@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from lmplug.errors import ModelLoadError
-from lmplug.loading.source import ModelSource
+from lmplug.interfaces.checkpoint import ModelSource
 
 
 def open_source(path: str | Path) -> ModelSource:

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
 from lmplug.errors import ModelLoadError
+from lmplug.interfaces.paths import cache_dir
 
 
 @dataclass(frozen=True)
@@ -44,12 +45,6 @@ KNOWN_MODELS: dict[str, KnownModel] = {
 }
 
 _CHUNK = 8 << 20
-
-
-def cache_dir() -> Path:
-    """``$LMPLUG_CACHE`` or ``~/.cache/lmplug``."""
-    override = os.environ.get("LMPLUG_CACHE")
-    return Path(override).expanduser() if override else Path.home() / ".cache" / "lmplug"
 
 
 def models_dir() -> Path:

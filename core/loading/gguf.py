@@ -20,7 +20,7 @@ from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType
 from gguf.quants import dequantize
 
 from lmplug.errors import ModelLoadError
-from lmplug.loading.source import ModelSource
+from lmplug.interfaces.checkpoint import ModelSource
 from lmplug.loading.tokenizer import Tokenizer
 
 Q = GGMLQuantizationType

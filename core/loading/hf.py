@@ -10,7 +10,7 @@ import torch
 from safetensors import safe_open
 
 from lmplug.errors import ModelLoadError
-from lmplug.loading.source import ModelSource
+from lmplug.interfaces.checkpoint import ModelSource
 
 INDEX = "model.safetensors.index.json"
 

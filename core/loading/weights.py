@@ -21,7 +21,7 @@ import logging
 import torch
 
 from lmplug.errors import ModelLoadError
-from lmplug.loading.source import ModelSource
+from lmplug.interfaces.checkpoint import ModelSource
 from lmplug.models.layers import Linear, bind_quant_methods
 
 logger = logging.getLogger(__name__)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from lmplug.errors import ModelLoadError
-from lmplug.models.config import ModelConfig
 from lmplug.models.deepseek_v2 import DeepseekV2ForCausalLM
 from lmplug.models.llama import LlamaForCausalLM
 from lmplug.models.moe import MoEForCausalLM
@@ -33,6 +32,5 @@ __all__ = [
     "DeepseekV2ForCausalLM",
     "LlamaForCausalLM",
     "MoEForCausalLM",
-    "ModelConfig",
     "architecture_for",
 ]

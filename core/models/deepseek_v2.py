@@ -19,14 +19,15 @@ import torch
 
 from lmplug.errors import ModelLoadError
 from lmplug.interfaces.attention import AttentionBackend, KVLayerView, MLAAttentionBackend
+from lmplug.interfaces.mla_config import LORA_NORM_EPS
+from lmplug.interfaces.model_config import ModelConfig
 from lmplug.interfaces.moe import MoEBackend
 from lmplug.interfaces.quant import QuantMethod
+from lmplug.interfaces.rope import RotaryEmbedding
 from lmplug.interfaces.step import StepContext
-from lmplug.models.config import ModelConfig
 from lmplug.models.layers import Linear, RMSNorm
-from lmplug.models.mla_config import LORA_NORM_EPS
 from lmplug.models.moe import MoEForCausalLM
-from lmplug.models.rope import RotaryEmbedding
+from lmplug.parallel import ParallelState
 
 
 class MLAttention(torch.nn.Module):
@@ -101,14 +102,15 @@ class DeepseekV2ForCausalLM(MoEForCausalLM):
     }
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, quant: QuantMethod,
-                 attention: AttentionBackend, max_model_len: int, *, moe: MoEBackend) -> None:
+                 attention: AttentionBackend, max_model_len: int, *, moe: MoEBackend,
+                 parallel: ParallelState | None = None) -> None:
         if cfg.mla is None:
             raise ModelLoadError(f"model_type {cfg.model_type!r} has no multi-head latent attention")
         if not isinstance(attention, MLAAttentionBackend):
             raise ModelLoadError(f"a {cfg.model_type} model needs an MLA attention backend, "
                                  f"got {type(attention).__name__}")
         # the base class sizes its RoPE table by cfg.head_dim, which transformers sets to the rope dims
-        super().__init__(cfg, dtype, quant, attention, max_model_len, moe=moe)
+        super().__init__(cfg, dtype, quant, attention, max_model_len, moe=moe, parallel=parallel)
         if self.rope.cos.shape[-1] != cfg.mla.qk_rope_head_dim:
             self.rope = RotaryEmbedding(cfg.mla.qk_rope_head_dim,
                                         max(max_model_len, cfg.max_position_embeddings),

@@ -10,22 +10,22 @@ import torch
 import torch.nn.functional as F
 
 from lmplug.interfaces.attention import AttentionBackend, KVLayerView
+from lmplug.interfaces.model_config import ModelConfig
 from lmplug.interfaces.quant import QuantMethod
+from lmplug.interfaces.rope import RotaryEmbedding
 from lmplug.interfaces.step import StepContext
-from lmplug.models.config import ModelConfig
 from lmplug.models.layers import RMSNorm
-from lmplug.models.rope import RotaryEmbedding
-from lmplug.parallel import current as current_parallel
-from lmplug.parallel.layers import column_linear, embedding, row_linear
+from lmplug.models.parallel_layers import column_linear, embedding, row_linear
+from lmplug.parallel import ParallelState, single
 
 
 class Attention(torch.nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int, dtype: torch.dtype, quant: QuantMethod,
-                 backend: AttentionBackend) -> None:
+                 backend: AttentionBackend, tp: ParallelState | None = None) -> None:
         super().__init__()
         self.layer = layer
         # tensor parallel: this rank's query heads and KV heads (all of them on one process)
-        tp = current_parallel()
+        tp = tp or single()
         first_kv, num_kv = tp.kv_heads(cfg.num_kv_heads)
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads // tp.world_size, num_kv, cfg.head_dim
         self.q_size = self.num_heads * cfg.head_dim
@@ -57,13 +57,13 @@ class Attention(torch.nn.Module):
 
 class MLP(torch.nn.Module):
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, quant: QuantMethod,
-                 intermediate_size: int | None = None) -> None:
+                 intermediate_size: int | None = None, tp: ParallelState | None = None) -> None:
         super().__init__()
         if cfg.hidden_act not in ("silu", "swish"):
             from lmplug.errors import ModelLoadError
             raise ModelLoadError(f"hidden_act {cfg.hidden_act!r} is not supported; supported: silu")
         inter = intermediate_size or cfg.intermediate_size  # MoE shared experts have their own width
-        tp = current_parallel()  # tensor parallel: gate/up split by columns, down by rows
+        tp = tp or single()  # tensor parallel: gate/up split by columns, down by rows
         start, self.intermediate = tp.split(inter)
         self.gate_up_proj = column_linear(cfg.hidden_size, {"gate_proj": (start, self.intermediate),
                                                             "up_proj": (start, self.intermediate)},
@@ -82,12 +82,12 @@ class DecoderLayer(torch.nn.Module):
 
     def __init__(self, cfg: ModelConfig, layer: int, dtype: torch.dtype, quant: QuantMethod,
                  backend: AttentionBackend, mlp: torch.nn.Module | None = None,
-                 attn: torch.nn.Module | None = None) -> None:
+                 attn: torch.nn.Module | None = None, tp: ParallelState | None = None) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.self_attn = attn if attn is not None else Attention(cfg, layer, dtype, quant, backend)
+        self.self_attn = attn if attn is not None else Attention(cfg, layer, dtype, quant, backend, tp)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.mlp = mlp if mlp is not None else MLP(cfg, dtype, quant)
+        self.mlp = mlp if mlp is not None else MLP(cfg, dtype, quant, tp=tp)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding,
                 kv: KVLayerView, ctx: StepContext) -> torch.Tensor:
@@ -110,16 +110,17 @@ class LlamaForCausalLM(torch.nn.Module):
     }
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, quant: QuantMethod,
-                 attention: AttentionBackend, max_model_len: int) -> None:
+                 attention: AttentionBackend, max_model_len: int, *, parallel: ParallelState | None = None) -> None:
+        """``parallel``: this rank's shard layout (heads, slices, experts; None: one process)."""
         super().__init__()
         self.config = cfg
         # tensor parallel: the vocabulary is split in rows (embedding and LM head)
-        self.tp = current_parallel()
+        self.tp = parallel or single()
         self.embed_tokens = embedding(cfg.vocab_size, cfg.hidden_size, dtype, self.tp)
         vocab_rows = self.tp.vocab_range(cfg.vocab_size)[1]
         self.layers = torch.nn.ModuleList(
             DecoderLayer(cfg, i, dtype, quant, attention, self.make_mlp(cfg, i, dtype, quant),
-                         self.make_attention(cfg, i, dtype, quant, attention))
+                         self.make_attention(cfg, i, dtype, quant, attention), tp=self.tp)
             for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.lm_head = (None if cfg.tie_word_embeddings else

@@ -18,12 +18,12 @@ import torch.nn.functional as F
 
 from lmplug.errors import ModelLoadError
 from lmplug.interfaces.attention import AttentionBackend
+from lmplug.interfaces.model_config import ModelConfig
 from lmplug.interfaces.moe import MoEBackend
-from lmplug.interfaces.quant import QuantMethod
-from lmplug.models.config import ModelConfig
-from lmplug.models.layers import Linear, Unquantized
+from lmplug.interfaces.quant import QuantMethod, Unquantized
+from lmplug.models.layers import Linear
 from lmplug.models.llama import MLP, LlamaForCausalLM
-from lmplug.parallel import current as current_parallel
+from lmplug.parallel import ParallelState, single
 from lmplug.parallel.sharding import LazyPiece, tensor_shape
 
 
@@ -148,7 +148,8 @@ class SparseMoeBlock(torch.nn.Module):
     The router is replicated; a shared expert is split by its width like any MLP.
     """
 
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, quant: QuantMethod, backend: MoEBackend) -> None:
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, quant: QuantMethod, backend: MoEBackend,
+                 tp: ParallelState | None = None) -> None:
         super().__init__()
         moe = cfg.moe
         if moe is None:
@@ -156,12 +157,12 @@ class SparseMoeBlock(torch.nn.Module):
         self.routing = moe.routing
         self.backend = backend
         self.gate = Gate(cfg.hidden_size, moe.num_experts, dtype, correction_bias=moe.correction_bias)
-        self.tp = current_parallel()  # tensor parallel: a slice of every expert's width, or whole experts
+        self.tp = tp or single()  # tensor parallel: a slice of every expert's width, or whole experts
         self.expert_parallel = self.tp.is_parallel and self.tp.expert_parallel
         first, local = self.tp.expert_range(moe.num_experts)
         self.experts = ExpertWeights(local, cfg.hidden_size, self.tp.expert_width(moe.intermediate_size),
                                      dtype, quant, first_expert=first)
-        self.shared_expert = (MLP(cfg, dtype, quant, intermediate_size=moe.shared_intermediate_size)
+        self.shared_expert = (MLP(cfg, dtype, quant, intermediate_size=moe.shared_intermediate_size, tp=self.tp)
                               if moe.shared_intermediate_size else None)
         self.shared_expert_gate = Gate(cfg.hidden_size, 1, dtype) if moe.shared_expert_gate else None
 
@@ -241,18 +242,19 @@ class MoEForCausalLM(LlamaForCausalLM):
     }
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, quant: QuantMethod,
-                 attention: AttentionBackend, max_model_len: int, *, moe: MoEBackend) -> None:
+                 attention: AttentionBackend, max_model_len: int, *, moe: MoEBackend,
+                 parallel: ParallelState | None = None) -> None:
         if cfg.moe is None:
             raise ModelLoadError(f"model_type {cfg.model_type!r} is not a mixture-of-experts model")
         self.moe_backend = moe  # read by make_mlp while the base class builds the layers
-        super().__init__(cfg, dtype, quant, attention, max_model_len)
+        super().__init__(cfg, dtype, quant, attention, max_model_len, parallel=parallel)
         self.block_name = BLOCK_NAMES.get(cfg.model_type, "mlp")
         self.projections = EXPERT_PROJECTIONS.get(cfg.model_type, EXPERT_PROJECTIONS["default"])
         self.quantized_experts = not isinstance(quant, Unquantized)
 
     def make_mlp(self, cfg: ModelConfig, layer: int, dtype: torch.dtype,
                  quant: QuantMethod) -> torch.nn.Module | None:
-        return SparseMoeBlock(cfg, dtype, quant, self.moe_backend) if cfg.moe.is_sparse(layer) else None
+        return SparseMoeBlock(cfg, dtype, quant, self.moe_backend, self.tp) if cfg.moe.is_sparse(layer) else None
 
     def _sparse_blocks(self) -> list[SparseMoeBlock]:
         return [layer.mlp for layer in self.layers if isinstance(layer.mlp, SparseMoeBlock)]

@@ -5,7 +5,8 @@
   ``ConfigError`` naming ``parallel.tensor_parallel_size`` and the model's numbers otherwise).
   Under ``parallel.expert_parallel`` N must divide the number of routed experts instead of
   their width (each rank holds whole experts).
-- ``start``: rank 0 spawns the workers (``WorkerGroup``) or joins a ``torchrun`` launch.
+- ``start``: rank 0 spawns the workers (``WorkerGroup``) or joins a ``torchrun`` launch; the
+  engine hands it its ``peek`` and ``build`` callables (this package never imports the engine).
 - ``build_kv``: every rank's KV cache gets rank 0's block count (rank 0's scheduler hands out
   block ids, so each worker's pool must hold as many blocks; it holds only its KV heads).
 - ``memory_report``: weight bytes (and the routed MoE experts' part of them) and KV bytes per
@@ -74,21 +75,25 @@ def check_config(resolved) -> None:
                           f"{torch.cuda.device_count()}")
 
 
-def start(resolved):
+def start(resolved, peek, build):
     """Rank 0's ``WorkerGroup`` (workers spawned, or the ranks of a torchrun launch joined).
-    A torchrun rank other than 0 serves rank 0's steps here and exits when it stops."""
-    from lmplug.engine.build import peek_model_config
+    A torchrun rank other than 0 serves rank 0's steps here and exits when it stops.
+
+    The engine hands in what this package must not import: ``peek(resolved) -> (ModelConfig,
+    where)`` reads the model's config without its weights (checked here, before any worker
+    starts); ``build(resolved, parallel=state) -> parts`` builds a rank's engine parts (a
+    module-level function: it travels to the spawned workers by reference)."""
     from lmplug.parallel.launch import WorkerGroup, init_rank, torchrun_rank
     from lmplug.parallel.worker import serve
 
     cfg = resolved.config
     n = cfg.parallel.tensor_parallel_size
     check_config(resolved)
-    model_config, where = peek_model_config(resolved)
+    model_config, where = peek(resolved)
     check_model(model_config, n, where, cfg.parallel.expert_parallel)
     backend = "nccl" if resolved.device == "cuda" else "gloo"
     payload = {"config": cfg.model_dump(), "device": resolved.device, "dtype": resolved.dtype,
-               "source": resolved.source}
+               "source": resolved.source, "build": build}
     rank = torchrun_rank(n)
     if rank is None:
         return WorkerGroup(payload, n, backend, cfg.parallel.timeout_s)
@@ -110,10 +115,10 @@ def build_kv(cls, options, spec, parallel: ParallelState):
     if not parallel.is_parallel:
         return cls(options, spec)
     kv = cls(options, spec) if parallel.rank == 0 else None
-    blocks = parallel.broadcast_object(getattr(kv, "num_blocks", None))
+    blocks = parallel.broadcast_object(None if kv is None else kv.pool_blocks())
     if kv is None:
-        if blocks is not None and "num_blocks" in type(options).model_fields:
-            options = options.model_copy(update={"num_blocks": blocks})
+        if blocks is not None:
+            options = cls.with_pool_blocks(options, blocks)
         kv = cls(options, spec)
     return kv
 

@@ -10,26 +10,47 @@ parallelism a rank holds whole experts and reads them whole (the model skips the
 experts by name, before anything is read; ``LazyPiece`` lets it cut a transformers-5 stacked
 ``[E, ...]`` tensor into experts without reading it). The loader then checks the slice's shape
 like any other tensor.
+
+The layers that hold a slice (``lmplug.models.parallel_layers``) declare it by subclassing one of
+the shard records below; ``lmplug.parallel`` never imports the models.
 """
 
 from __future__ import annotations
 
 import torch
 
-from lmplug.parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+
+class ColumnShard:
+    """A layer holding this rank's output features of each checkpoint shard: ``tp_starts``
+    (shard -> first output feature), ``shards`` (shard -> local size), ``quant``, ``tp``."""
+
+    tp_starts: dict[str, int]
+
+
+class RowShard:
+    """A layer holding input features ``[input_start, input_start + in_features)`` (bias on
+    rank 0 only): ``input_start``, ``in_features``, ``quant``, ``tp``."""
+
+    input_start: int
+
+
+class VocabShard:
+    """An embedding holding rows ``[vocab_start, vocab_start + weight.shape[0])``."""
+
+    vocab_start: int
 
 
 def rank_piece(model: torch.nn.Module, path: str, owner: torch.nn.Module | None, param_name: str,
                shard: str | None, tensor) -> torch.Tensor:
     """This rank's part of checkpoint ``tensor`` for parameter ``path`` (shard ``shard``).
     Raises ``ValueError`` (the loader names file and tensor) when it does not split."""
-    if isinstance(owner, ColumnParallelLinear) and shard is not None:
+    if isinstance(owner, ColumnShard) and shard is not None:
         layout = owner.quant.shard_layout(owner, param_name)
         if layout is None:
             return _read(tensor)
         axis, pack = layout
         return _narrow(tensor, axis, owner.tp_starts[shard], owner.shards[shard], pack, "output")
-    if isinstance(owner, RowParallelLinear):
+    if isinstance(owner, RowShard):
         if param_name == "bias":  # added once, after the all-reduce: rank 0 holds it
             whole = _read(tensor)
             return whole if owner.tp.rank == 0 else torch.zeros_like(whole)
@@ -63,7 +84,7 @@ def rank_piece(model: torch.nn.Module, path: str, owner: torch.nn.Module | None,
 
 
 def _vocab_owner(model, path: str, owner) -> tuple[int, int] | None:
-    if isinstance(owner, VocabParallelEmbedding):
+    if isinstance(owner, VocabShard):
         return owner.vocab_start, owner.weight.shape[0]
     if path == "lm_head" and getattr(model, "lm_head", None) is not None and model.tp.is_parallel:
         return model.tp.vocab_range(model.config.vocab_size)

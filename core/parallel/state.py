@@ -1,14 +1,12 @@
 """Who this process is in a tensor-parallel group, and the few collectives the model uses.
 
-``ParallelState`` is passed around explicitly where a step needs it and is "current" while a
-model is being built (``use``), so layers pick their local sizes without new constructor
-arguments. The default, ``single()``, is one process: every collective is a no-op.
+``ParallelState`` is passed explicitly: the engine build hands it to the model, whose layers read
+their local sizes (heads, slices, experts) from it, and to the loader. The default, ``single()``,
+is one process: every collective is a no-op.
 """
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -101,23 +99,7 @@ class ParallelState:
 
 
 _SINGLE = ParallelState()
-_current: ParallelState = _SINGLE
 
 
 def single() -> ParallelState:
     return _SINGLE
-
-
-def current() -> ParallelState:
-    """The state layers read while a model is built (``use``); one process otherwise."""
-    return _current
-
-
-@contextlib.contextmanager
-def use(state: ParallelState) -> Iterator[ParallelState]:
-    global _current
-    saved, _current = _current, state
-    try:
-        yield state
-    finally:
-        _current = saved

@@ -1,8 +1,8 @@
 """A tensor-parallel worker (ranks 1..N-1): build the model's shard, then run rank 0's steps.
 
 The worker re-resolves the engine config it was given and builds the same parts as rank 0
-(``build_engine_parts`` with its ``ParallelState``: local heads, its slice of every weight, a KV
-cache with its KV heads only). Then, until the stop message: receive the step's inputs (input ids,
+(the payload's ``build``, which the engine hands ``setup.start``, with its ``ParallelState``:
+local heads, its slice of every weight, a KV cache with its KV heads only). Then, until the stop message: receive the step's inputs (input ids,
 ``StepContext``, the rows that need logits) broadcast by rank 0 and run ``ModelRunner.run`` on
 them; the row-parallel all-reduces and the logits gather meet rank 0's. A failure is sent to rank
 0 (through a pipe) before the process exits; a worker whose parent dies exits within a second.
@@ -44,12 +44,11 @@ def serve(state, payload: dict, receive=None) -> None:
     """Build this rank's parts and run steps until rank 0 says stop. ``receive``: the next step
     message (a spawned worker's pipe); None: broadcast over the group (torchrun ranks)."""
     from lmplug.config import EngineConfig, resolve
-    from lmplug.engine.build import build_engine_parts
     from lmplug.parallel.launch import STOP, _ctx_to, _leave_group
 
     config = EngineConfig.from_dict(payload["config"], source=payload["source"])
     resolved = resolve(config, device=payload["device"], dtype=payload["dtype"], source=payload["source"])
-    parts = build_engine_parts(resolved, parallel=state)
+    parts = payload["build"](resolved, parallel=state)
     runner, device = parts.runner, parts.runner.device
     receive = receive or state.broadcast_object
     while True:

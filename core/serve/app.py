@@ -24,7 +24,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 from starlette.concurrency import run_in_threadpool
 
-from lmplug.engine.params import SamplingParams
+from lmplug.interfaces.params import SamplingParams
 from lmplug.llm import LLM
 from lmplug.serve import convert
 from lmplug.serve.async_engine import AsyncEngine

@@ -27,10 +27,10 @@ from dataclasses import dataclass, field
 from typing_extensions import Self
 
 from lmplug.engine.engine import LLMEngine
-from lmplug.engine.outputs import RequestOutput
-from lmplug.engine.params import SamplingParams
-from lmplug.engine.sequence import Logprob
 from lmplug.errors import LmplugError
+from lmplug.interfaces.params import SamplingParams
+from lmplug.interfaces.sequence import Logprob
+from lmplug.outputs import RequestOutput
 from lmplug.serve.errors import APIError
 from lmplug.serve.metrics import Metrics
 

@@ -11,9 +11,9 @@ from functools import lru_cache
 
 import jinja2
 
-from lmplug.engine.params import SamplingParams
-from lmplug.engine.sequence import Logprob
 from lmplug.errors import LmplugError
+from lmplug.interfaces.params import SamplingParams
+from lmplug.interfaces.sequence import Logprob
 from lmplug.loading.tokenizer import Tokenizer
 from lmplug.serve.errors import APIError
 from lmplug.serve.protocol import (

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from lmplug.interfaces import KVLayerView, StepContext
+from lmplug.interfaces.kv_layout import kv_slots_list
 from lmplug.testing.batches import BatchSpec
 
 POISON = float("nan")
@@ -70,7 +71,7 @@ def build_case(
     v_cache = torch.full_like(k_cache, POISON)
     new_slots, new_k, new_v = [], [], []
     for i, (ctx_len, seq_len) in enumerate(zip(spec.context_lens, spec.seq_lens)):
-        slots = [tables[i][p // block_size] * block_size + p % block_size for p in range(seq_len)]
+        slots = kv_slots_list(tables[i], range(seq_len), block_size)
         cached = torch.tensor(slots[:ctx_len], dtype=torch.int64, device=device)
         k_cache.view(-1, kv_heads, dim)[cached] = keys[i][:ctx_len]
         v_cache.view(-1, kv_heads, dim)[cached] = values[i][:ctx_len]

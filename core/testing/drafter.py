@@ -20,9 +20,9 @@ from typing import ClassVar
 import pytest
 import torch
 
-from lmplug.engine.params import SamplingParams
-from lmplug.engine.sequence import Sequence, SequenceStatus
 from lmplug.interfaces import Drafter, DraftProposal
+from lmplug.interfaces.params import SamplingParams
+from lmplug.interfaces.sequence import Sequence, SequenceStatus
 from lmplug.testing.base import Conformance
 from lmplug.testing.compare import ContractViolation, fail, reported
 

@@ -14,9 +14,10 @@ import itertools
 
 import torch
 
-from lmplug.engine.params import SamplingParams
-from lmplug.engine.sequence import Sequence, SequenceStatus
 from lmplug.interfaces import KVCacheBackend
+from lmplug.interfaces.kv_layout import kv_slots_list
+from lmplug.interfaces.params import SamplingParams
+from lmplug.interfaces.sequence import Sequence, SequenceStatus
 from lmplug.testing.compare import ContractViolation
 
 PROBE_TOKEN_BASE = 1_000_000  # token ids for capacity probes; never shared with test prompts
@@ -128,10 +129,7 @@ class KVModel:
                 f"{self.label}: block_table of sequence {seq.seq_id} has ids {bad} outside "
                 f"[0, {num_blocks}) (the layer views' first dimension)"
             )
-        return torch.tensor(
-            [table[p // self.bs] * self.bs + p % self.bs for p in range(start, end)],
-            dtype=torch.int64,
-        )
+        return torch.tensor(kv_slots_list(table, range(start, end), self.bs))
 
     def _write(self, seq: Sequence, start: int, end: int) -> None:
         self._check_exclusive(seq, start, end)

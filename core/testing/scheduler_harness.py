@@ -16,10 +16,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from lmplug.engine.params import SamplingParams
-from lmplug.engine.sequence import Sequence, SequenceStatus
-from lmplug.engine.stopping import check_stop
 from lmplug.interfaces import KVCacheBackend, Scheduler, SchedulerOutput
+from lmplug.interfaces.kv_layout import kv_slots_list
+from lmplug.interfaces.params import SamplingParams
+from lmplug.interfaces.sequence import Sequence, SequenceStatus
+from lmplug.outputs.stopping import check_stop
 from lmplug.testing.fakes import SchedulerViolation
 
 VOCAB = 997
@@ -207,10 +208,7 @@ class Harness:
             )
 
     def _slots(self, seq: Sequence, start: int, end: int) -> torch.Tensor:
-        table, bs = self.kv.block_table(seq), self.kv.block_size
-        return torch.tensor(
-            [table[p // bs] * bs + p % bs for p in range(start, end)], dtype=torch.int64
-        )
+        return torch.tensor(kv_slots_list(self.kv.block_table(seq), range(start, end), self.kv.block_size))
 
     def _write(self, seq: Sequence, start: int, end: int) -> None:
         k = self.kv.layer_view(0).k_cache

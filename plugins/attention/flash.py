@@ -1,12 +1,16 @@
 """``flash``: FlashAttention-2 style Triton kernels over the contiguous and the paged KV layouts.
 
-Per layer and step: store the new K/V at ``ctx.slot_mapping`` (``index_copy_``),
+Per layer and step: store the new K/V at ``ctx.slot_mapping`` (``kv_ops.reshape_and_cache``),
 then one decode call for the decode sequences (ordered first in the step:
 flash decoding, split-K on long contexts) and one varlen prefill call for the
 rest. A prefill whose sequences have nothing cached reads K/V straight from
 the step's packed tensors; chunked prefills and prefix-cache hits read their
 whole context through the block tables. Kernels: ``flash_prefill_kernels.py``
-and ``flash_decode_kernels.py``; the PyTorch twins are in ``flash_ref.py``.
+and ``flash_decode_kernels.py`` (the write and the decode kernel are shared with
+``paged``: ``kv_ops``, ``decode_ops``); the PyTorch references are ``kv_ref``,
+``decode_ref`` and ``prefill_ref``. The host-side decisions every layer repeats
+(which sequences decode, their longest context, whether the prefill reads the
+packed K/V) are made once per step by ``prepare``.
 
 Runs on CUDA. Under ``TRITON_INTERPRET=1`` (tests, the conformance suite) it
 also claims the CPU, with a priority below ``sdpa`` so that ``backend: auto``
@@ -20,9 +24,10 @@ prefill attends over the step's own (unquantized) K/V, as it always has.
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import torch
-from lmplug_attention.sdpa import KV_DTYPES, write_kv
+from lmplug_attention.sdpa import KV_DTYPES
 from pydantic import Field
 
 from lmplug.interfaces import (
@@ -35,7 +40,7 @@ from lmplug.interfaces import (
 
 # read once, as triton does when it is first imported
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-MAX_SPLITS = 64  # flash_decode_kernels.MAX_SPLITS; the kernels (and triton) load with the backend
+MAX_SPLITS = 64  # decode_ops.MAX_SPLITS; the kernels (and triton) load with the backend
 
 
 class FlashAttentionOptions(BackendOptions):
@@ -43,6 +48,16 @@ class FlashAttentionOptions(BackendOptions):
         default=None, ge=1, le=MAX_SPLITS,
         description="decode split-K partitions per sequence; None: chosen from context length and "
                     "batch size, 1: never split")
+
+
+@dataclass
+class FlashStepMetadata:
+    """What every layer of one step reuses, built by ``FlashAttention.prepare``."""
+
+    num_decodes: int  # sequences [0, num_decodes) decode, one query row each
+    max_decode_len: int  # their longest context (0: none)
+    max_prefill_len: int  # the longest query after them (0: none)
+    packed: bool  # no prefill has a cached prefix: its keys are the step's packed k, v
 
 
 class FlashAttention(AttentionBackend):
@@ -58,36 +73,39 @@ class FlashAttention(AttentionBackend):
 
     def __init__(self, options: FlashAttentionOptions, **kwargs) -> None:
         super().__init__(options, **kwargs)
-        from lmplug_attention import flash_decode_kernels, flash_prefill_kernels
+        from lmplug_attention import flash_decode_kernels, flash_prefill_kernels, kv_ops
 
+        self._write = kv_ops.reshape_and_cache
         self._decode = flash_decode_kernels.flash_decode_with_kvcache
         self._prefill = flash_prefill_kernels.flash_prefill_with_kvcache
         self._varlen = flash_prefill_kernels.flash_varlen_attention
 
+    def prepare(self, ctx: StepContext, kv: KVLayerView) -> FlashStepMetadata:
+        n = ctx.num_decodes
+        prefill_lens = ctx.query_lens_cpu[n:]
+        return FlashStepMetadata(n, max(ctx.seq_lens_cpu[:n], default=0), max(prefill_lens, default=0),
+                                 prefill_lens == ctx.seq_lens_cpu[n:])
+
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv: KVLayerView, ctx: StepContext) -> torch.Tensor:
-        write_kv(kv, k, v, ctx.slot_mapping)
+        meta: FlashStepMetadata = ctx.metadata_for(self, kv)
+        self._write(k, v, kv.k_cache, kv.v_cache, ctx.slot_mapping, kv.k_scale, kv.v_scale)
         scales = {"k_scale": kv.k_scale, "v_scale": kv.v_scale} if kv.quantized else {}
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-        num_decodes = ctx.num_decodes
+        n = meta.num_decodes
         window = self.sliding_window
-        if num_decodes:
-            # decodes own one query row each, so rows [0, num_decodes) are theirs
-            self._decode(
-                q[:num_decodes], kv.k_cache, kv.v_cache, ctx.block_tables[:num_decodes],
-                ctx.seq_lens[:num_decodes], self.scale, sliding_window=window,
-                max_seq_len=max(ctx.seq_lens_cpu[:num_decodes]), num_splits=self.options.num_splits,
-                out=out[:num_decodes], **scales)
-        if num_decodes == ctx.num_seqs:
+        if n:
+            # decodes own one query row each, so rows [0, n) are theirs
+            self._decode(q[:n], kv.k_cache, kv.v_cache, ctx.block_tables[:n], ctx.seq_lens[:n], self.scale,
+                         sliding_window=window, max_seq_len=meta.max_decode_len,
+                         num_splits=self.options.num_splits, out=out[:n], **scales)
+        if n == ctx.num_seqs:
             return out
-        prefill_lens = ctx.query_lens_cpu[num_decodes:]
-        if prefill_lens == ctx.seq_lens_cpu[num_decodes:]:
-            # nothing cached before this step: the keys are exactly the step's packed k, v
+        if meta.packed:  # nothing cached before this step: the keys are exactly the step's packed k, v
             self._varlen(q, k, v, ctx.cu_query_lens, self.scale, sliding_window=window,
-                         max_seqlen=max(prefill_lens), first_seq=num_decodes, out=out)
+                         max_seqlen=meta.max_prefill_len, first_seq=n, out=out)
         else:
-            self._prefill(
-                q, kv.k_cache, kv.v_cache, ctx.block_tables, ctx.cu_query_lens, ctx.seq_lens,
-                self.scale, sliding_window=window, max_query_len=max(prefill_lens),
-                first_seq=num_decodes, out=out, **scales)
+            self._prefill(q, kv.k_cache, kv.v_cache, ctx.block_tables, ctx.cu_query_lens, ctx.seq_lens,
+                          self.scale, sliding_window=window, max_query_len=meta.max_prefill_len,
+                          first_seq=n, out=out, **scales)
         return out

@@ -18,7 +18,8 @@ loaded (that is the sliding-window speed-up: O(L x W) work, not O(L^2)).
 Of the tiles it visits, those that every row sees whole skip the mask
 arithmetic; only the tiles on the causal diagonal and on the window's edge
 are masked. A KV head's rows are shared by its query heads through the
-cache (GQA without repeating K/V). The PyTorch twins are in ``flash_ref.py``.
+cache (GQA without repeating K/V). The tiles are walked by ``attn_ops.attend_tiles``,
+as in every kernel of both backends. The PyTorch references are in ``prefill_ref``.
 """
 
 from __future__ import annotations
@@ -26,12 +27,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from lmplug_attention.flash_kernels import (
+from lmplug_attention.attn_ops import (
     LOG2E,
-    _dequant_kv_tile,
-    _kv_slots,
-    _load_kv_tile,
-    _online_softmax_update,
+    attend_tiles,
     check_block_tables,
     check_kv,
     check_power_of_two,
@@ -39,40 +37,10 @@ from lmplug_attention.flash_kernels import (
     dot_precision,
     head_dim_pad,
     output_for,
+    softmax_state,
     window_arg,
 )
-from lmplug_attention.paged_kernels import check_scales, scale_args
-
-
-@triton.jit
-def _prefill_tiles(acc, l_i, m_i, q, q_pos, t_begin, t_end, kv_lo, seq_len, window, qk_scale,
-                   k_ptr, v_ptr, table_ptr, stride_btn, row0, kv_head, offs_d, d_mask,
-                   stride_kb, stride_kt, stride_kh, stride_kd,
-                   stride_vb, stride_vt, stride_vh, stride_vd,
-                   k_scale_ptr, v_scale_ptr, stride_sb, stride_st, stride_sh,
-                   BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, PAGED: tl.constexpr,
-                   MASKED: tl.constexpr, PRECISION: tl.constexpr, QUANT: tl.constexpr):
-    """Key tiles ``[t_begin, t_end)``: masked (diagonal / window edge) or seen whole by every row."""
-    for t in range(t_begin, t_end):
-        start = tl.multiple_of(t * BLOCK_N, BLOCK_N)
-        pos = start + tl.arange(0, BLOCK_N)
-        # never read a key no row sees: with a window, blocks behind it may already be freed
-        valid = (pos >= kv_lo) & (pos < seq_len)
-        block, offset = _kv_slots(table_ptr, stride_btn, start, pos, valid, row0, BLOCK_SIZE, BLOCK_N, PAGED)
-        if MASKED:
-            load_mask = valid[:, None] & d_mask[None, :]
-            visible = (pos[None, :] <= q_pos[:, None]) & (pos[None, :] > q_pos[:, None] - window)
-        else:
-            load_mask = d_mask[None, :]
-            visible = valid[None, :]
-        k, v = _load_kv_tile(k_ptr, v_ptr, block, offset, kv_head, offs_d, load_mask,
-                             stride_kb, stride_kt, stride_kh, stride_kd,
-                             stride_vb, stride_vt, stride_vh, stride_vd)
-        if QUANT:
-            k, v = _dequant_kv_tile(k, v, k_scale_ptr, v_scale_ptr, block, offset, kv_head, valid,
-                                    stride_sb, stride_st, stride_sh, q.dtype)
-        m_i, l_i, acc = _online_softmax_update(q, k, v, visible, m_i, l_i, acc, qk_scale, MASKED, PRECISION)
-    return acc, l_i, m_i
+from lmplug_attention.kv_ops import check_scales, scale_args
 
 
 @triton.jit
@@ -125,24 +93,22 @@ def _flash_prefill_kernel(
     mid_lo = tl.minimum(tl.maximum(full_lo, t_lo), t_hi)
     mid_hi = tl.minimum(tl.maximum(full_hi, mid_lo), t_hi)
 
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
+    acc, l_i, m_i = softmax_state(BLOCK_M, D_PAD)
     table_ptr = block_tables_ptr + seq.to(tl.int64) * stride_btb
     # masked tiles before the fully visible ones (window edge), those, then the diagonal
-    acc, l_i, m_i = _prefill_tiles(
+    acc, l_i, m_i = attend_tiles(
         acc, l_i, m_i, q, q_pos, t_lo, mid_lo, kv_lo, seq_len, window, qk_scale,
         k_ptr, v_ptr, table_ptr, stride_btn, q_start, kv_head, offs_d, d_mask,
         stride_kb, stride_kt, stride_kh, stride_kd, stride_vb, stride_vt, stride_vh, stride_vd,
         k_scale_ptr, v_scale_ptr, stride_sb, stride_st, stride_sh,
         BLOCK_N, BLOCK_SIZE, PAGED, True, PRECISION, QUANT)
-    acc, l_i, m_i = _prefill_tiles(
+    acc, l_i, m_i = attend_tiles(
         acc, l_i, m_i, q, q_pos, mid_lo, mid_hi, kv_lo, seq_len, window, qk_scale,
         k_ptr, v_ptr, table_ptr, stride_btn, q_start, kv_head, offs_d, d_mask,
         stride_kb, stride_kt, stride_kh, stride_kd, stride_vb, stride_vt, stride_vh, stride_vd,
         k_scale_ptr, v_scale_ptr, stride_sb, stride_st, stride_sh,
         BLOCK_N, BLOCK_SIZE, PAGED, False, PRECISION, QUANT)
-    acc, l_i, m_i = _prefill_tiles(
+    acc, l_i, m_i = attend_tiles(
         acc, l_i, m_i, q, q_pos, mid_hi, t_hi, kv_lo, seq_len, window, qk_scale,
         k_ptr, v_ptr, table_ptr, stride_btn, q_start, kv_head, offs_d, d_mask,
         stride_kb, stride_kt, stride_kh, stride_kd, stride_vb, stride_vt, stride_vh, stride_vd,

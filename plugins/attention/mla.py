@@ -5,13 +5,16 @@ row ``[latent | k_pe]`` per token and layer. Per layer and step: write the new
 rows, then one batched absorbed decode for the decode sequences (ordered first
 in the step) and the expanded prefill for the rest (``mla_ref.py`` explains
 both). The decode's attention over the latent runs as a Triton kernel
-(``mla_kernels.py``) on CUDA and in PyTorch on CPU (``kernels`` option).
+(``mla_kernels.py``) on CUDA and in PyTorch on CPU (``kernels`` option). The
+split of the step between the two and their host-side arguments are made once
+per step (``prepare``).
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Literal
 
 import torch
@@ -45,6 +48,15 @@ def _decode_latent_op(kernels: str, device: torch.device) -> Callable:
     return mla_kernels.mla_decode_latent
 
 
+@dataclass
+class MLAStepMetadata:
+    """What every layer of one step reuses, built by ``MLAAttention.prepare``."""
+
+    num_decodes: int  # sequences [0, num_decodes) take the absorbed decode, one query row each
+    max_decode_len: int  # their longest context (0: none)
+    prefill_cu: torch.Tensor | None  # the rest's cu_query_lens, from 0; None when there is none
+
+
 class MLAAttention(MLAAttentionBackend):
     name = "mla"
     capabilities = Capabilities(
@@ -66,21 +78,26 @@ class MLAAttention(MLAAttentionBackend):
             self._decode_ops[device.type] = _decode_latent_op(self.options.kernels, device)
         return self._decode_ops[device.type]
 
+    def prepare(self, ctx: StepContext, kv: KVLayerView) -> MLAStepMetadata:
+        n = ctx.num_decodes  # decodes come first, one query row each
+        cu = ctx.cu_query_lens[n:]
+        return MLAStepMetadata(n, max(ctx.seq_lens_cpu[:n], default=0),
+                               cu - cu[0] if n < ctx.num_seqs else None)
+
     def forward_mla(self, layer: int, q_nope: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor,
                     k_pe: torch.Tensor, w_uk: torch.Tensor, w_uv: torch.Tensor, kv: KVLayerView,
                     ctx: StepContext) -> torch.Tensor:
+        meta: MLAStepMetadata = ctx.metadata_for(self, kv)
         cache = kv.k_cache  # [N, block_size, 1, R + rope]
         mla_ref.write_latent(latent, k_pe, cache, ctx.slot_mapping)
         out = q_nope.new_empty(q_nope.shape[0], q_nope.shape[1], w_uv.shape[1])  # [T, H, V]
-        n = ctx.num_decodes  # decodes come first, one query row each
+        n = meta.num_decodes
         if n:
             out[:n] = mla_ref.mla_decode_attention(
                 q_nope[:n], q_pe[:n], w_uk, w_uv, cache, ctx.block_tables[:n], ctx.seq_lens[:n],
-                self.scale, decode_latent=self.decode_latent_op(q_nope.device),
-                max_seq_len=max(ctx.seq_lens_cpu[:n]))
-        if n < ctx.num_seqs:
-            cu = ctx.cu_query_lens[n:]
+                self.scale, decode_latent=self.decode_latent_op(q_nope.device), max_seq_len=meta.max_decode_len)
+        if meta.prefill_cu is not None:
             out[n:] = mla_ref.mla_prefill_attention(
-                q_nope[n:], q_pe[n:], w_uk, w_uv, cache, ctx.block_tables[n:], cu - cu[0],
+                q_nope[n:], q_pe[n:], w_uk, w_uv, cache, ctx.block_tables[n:], meta.prefill_cu,
                 ctx.seq_lens[n:], self.scale)
         return out

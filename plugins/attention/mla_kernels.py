@@ -4,14 +4,16 @@ After absorption (``mla_ref.absorb_query``) every head's query lives in the
 space of the cached rows ``[latent (R) | k_pe (rope)]``, and all heads share
 those rows: multi-query attention with one very wide KV head. One program
 takes one sequence and a tile of ``BLOCK_H`` heads, walks the sequence's
-context ``BLOCK_N`` positions at a time (each position's block looked up in
-the block table, so any power-of-two block size works), reads each row once
+context ``BLOCK_N`` positions at a time (their slots through the block table
+by ``kv_ops.kv_tile_slots``, as every attention kernel reads them), reads each row once
 for all heads in the tile, and keeps an online softmax. The value of a row is
 its latent part, so the output is the weighted latent ``[B, H, R]``; the caller
 applies ``w_uv`` (``mla_ref.absorb_output``). The latent and rope parts are
 loaded separately so neither width has to be a power of two (512 + 64 in V2).
 
-Same arguments and result as ``mla_ref.mla_decode_latent``.
+Same arguments and result as ``mla_ref.mla_decode_latent``. Its online softmax
+is its own (scores from the two parts, values the latent part only), not
+``attn_ops.online_softmax_update``.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from lmplug_attention.kv_ops import kv_tile_slots
 
 
 @triton.jit
@@ -57,8 +60,9 @@ def _mla_decode_kernel(
     for start in range(0, seq_len, BLOCK_N):
         pos = start + offs_n
         mask_n = pos < seq_len
-        block = tl.load(block_tables_ptr + seq * stride_bt + pos // BLOCK_SIZE, mask=mask_n, other=0)
-        row = cache_ptr + block.to(tl.int64) * stride_cache_block + (pos % BLOCK_SIZE) * stride_cache_slot
+        block, offset = kv_tile_slots(block_tables_ptr + seq * stride_bt, 1, start, pos, mask_n, 0,
+                                      BLOCK_SIZE, BLOCK_N, True)
+        row = cache_ptr + block * stride_cache_block + offset * stride_cache_slot
         # one read of each cached row serves every head of the tile
         c_lat = tl.load(row[:, None] + offs_r[None, :], mask=mask_n[:, None] & mask_r[None, :], other=0.0)
         c_pe = tl.load(row[:, None] + KV_LORA_RANK + offs_p[None, :],

@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from lmplug_attention.paged_ref import causal_mask, gather_context
+from lmplug_attention.kv_ref import gather_context
+from lmplug_attention.sdpa import causal_mask
 
 
 def write_latent(latent: torch.Tensor, k_pe: torch.Tensor, cache: torch.Tensor,

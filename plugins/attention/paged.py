@@ -5,18 +5,23 @@ then one batched decode call for the decode sequences (ordered first in the
 step) and one varlen prefill call for the rest, both reading K/V through the
 block tables. On CPU the decode call also takes every token of the short queries
 that follow the decodes (speculative verifies, small chunks) as a decode row of
-its own (``paged_rows.py``). Triton kernels (``paged_kernels.py``, ``paged_prefill_kernels.py``)
-run on CUDA; their PyTorch twins (``paged_ref.py``) are the CPU default, except for
-the decode batch on CPU: the fused C kernel (``paged_native.py``, option
-``cpu_kernel``) or the gather + matmul path (``paged_cpu.py``).
+its own (``paged_rows.py``). Triton kernels (the write and the decode shared with
+``flash``: ``kv_ops``, ``decode_ops``; the prefill: ``paged_prefill_kernels``) run
+on CUDA; PyTorch is the CPU default: the write ``kv_ref``, the prefill
+``paged_torch``, the decode batch the fused C kernel (``paged_native.py``, option
+``cpu_kernel``) or the gather + matmul path (``paged_cpu.py``), and ``decode_ref``
+for quantized KV. What every layer of a step reuses (the decode rows, the CPU
+decode's tables, the prefill's arguments) is built once per step by ``prepare``.
 Quantized KV (kvcache ``dtype: int8 | fp8_e4m3``): the view's scales go to
 every op; writes quantize, reads dequantize per tile.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
+from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Literal
 
@@ -60,10 +65,10 @@ class PagedAttentionOptions(BackendOptions):
 
 
 def _torch_ops() -> SimpleNamespace:
-    from lmplug_attention import paged_cpu, paged_ref
+    from lmplug_attention import decode_ref, kv_ref, paged_cpu, paged_torch
 
-    return SimpleNamespace(write=paged_ref.reshape_and_cache, decode=paged_ref.paged_decode_attention,
-                           prefill=paged_ref.paged_prefill_attention, cpu_decode=paged_cpu, native=None)
+    return SimpleNamespace(write=kv_ref.reshape_and_cache, decode=decode_ref.decode_attention,
+                           prefill=paged_torch.paged_prefill_attention, cpu_decode=paged_cpu, native=None)
 
 
 def _native_kernel(cpu_kernel: str):
@@ -94,13 +99,28 @@ def _check_interpreter() -> None:
                           "set before triton is imported, for tests); use kernels='torch' or 'auto' on CPU")
 
 
-def _triton_ops(device: torch.device) -> SimpleNamespace:
+def _triton_ops(device: torch.device, partition_size: int | None) -> SimpleNamespace:
     if device.type != "cuda":
         _check_interpreter()
-    from lmplug_attention import paged_kernels, paged_prefill_kernels
+    from lmplug_attention import kv_ops, paged_kernels, paged_prefill_kernels
 
-    return SimpleNamespace(write=paged_kernels.reshape_and_cache, decode=paged_kernels.paged_decode_attention,
-                           prefill=paged_prefill_kernels.paged_prefill_attention, cpu_decode=None)
+    decode = functools.partial(paged_kernels.paged_decode_attention, partition_size=partition_size)
+    return SimpleNamespace(write=kv_ops.reshape_and_cache, decode=decode,
+                           prefill=paged_prefill_kernels.paged_prefill_attention, cpu_decode=None, native=None)
+
+
+@dataclass
+class PagedStepMetadata:
+    """What every layer of one step reuses, built by ``PagedAttention.prepare``."""
+
+    ops: SimpleNamespace  # the kernel set of the cache's device (``PagedAttention.ops``)
+    rows: QueryRows  # query rows [0, rows.num_tokens) go to the decode call
+    # the decode's per-step tables: the C kernel's (``paged_native.prepare``) when it decodes,
+    # else ``paged_cpu``'s gather index when that decodes; neither for the other decode ops
+    native_batch: object | None = None
+    cpu_index: object | None = None
+    # the prefill call's arguments over sequences [rows.num_seqs:]; None when there are none
+    prefill_args: dict | None = None
 
 
 class PagedAttention(AttentionBackend):
@@ -108,13 +128,15 @@ class PagedAttention(AttentionBackend):
     capabilities = Capabilities(
         devices=frozenset({"cpu", "cuda"}),
         kv_layouts=frozenset({"paged"}),
-        # tree_attention: not the Triton kernels (``supports_tree_attention``); on CPU the
+        # tree_attention: not the Triton kernels (``features_for``); on CPU the
         # native kernel reads trees as masked decode rows, else the PyTorch prefill path masks them
         features=frozenset({"sliding_window", "tree_attention"}),
         kv_dtypes=KV_DTYPES,
         priority=20,  # above sdpa, which reads the paged layout too but gathers per sequence
     )
     Options = PagedAttentionOptions
+    # CPU: the decode call also takes the short queries after the decodes as rows (paged_rows)
+    short_query_tokens = 64
 
     def __init__(self, options: PagedAttentionOptions, **kwargs) -> None:
         super().__init__(options, **kwargs)
@@ -129,94 +151,96 @@ class PagedAttention(AttentionBackend):
         if device.type not in self._ops:
             use_triton = self.options.kernels == "triton" or (self.options.kernels == "auto"
                                                                and device.type == "cuda")
-            ops = _triton_ops(device) if use_triton else _torch_ops()
+            ops = _triton_ops(device, self.options.partition_size) if use_triton else _torch_ops()
             if not use_triton and device.type == "cpu":
                 ops.native = _native_kernel(self.options.cpu_kernel)
             self._ops[device.type] = ops
         return self._ops[device.type]
 
+    def prepare(self, ctx: StepContext, kv: KVLayerView) -> PagedStepMetadata:
+        """The step's decode rows, the CPU decode's tables or gather index, the prefill's arguments."""
+        cache = kv.k_cache
+        ops = self.ops(cache.device)
+        plain_cpu = ops.cpu_decode is not None and not kv.quantized  # paged_cpu / paged_native decode
+        native = plain_cpu and ops.native is not None and cache.dtype in ops.native.dtypes
+        rows = self._decode_rows(ctx, ops, trees=native)
+        meta = PagedStepMetadata(ops, rows, prefill_args=self._prefill_args(ctx, rows, cache.device))
+        if rows.num_tokens and native:
+            from lmplug_attention.paged_native import prepare
+
+            meta.native_batch = prepare(rows.block_tables, rows.seq_lens, cache.shape[1], cache.shape[0],
+                                        mask_starts=rows.mask_starts, masks=rows.masks)
+        elif rows.num_tokens and plain_cpu:
+            meta.cpu_index = ops.cpu_decode.decode_index(rows.block_tables, rows.seq_lens, cache.shape[1],
+                                                         cache.shape[2], max(rows.seq_lens_cpu),
+                                                         self.sliding_window)
+        return meta
+
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv: KVLayerView, ctx: StepContext) -> torch.Tensor:
-        ops = self.ops(q.device)
+        meta: PagedStepMetadata = ctx.metadata_for(self, kv)
         scales = {"k_scale": kv.k_scale, "v_scale": kv.v_scale} if kv.quantized else {}
-        ops.write(k, v, kv.k_cache, kv.v_cache, ctx.slot_mapping, **scales)
+        meta.ops.write(k, v, kv.k_cache, kv.v_cache, ctx.slot_mapping, **scales)
         out = torch.empty_like(q)
-        rows = self._decode_rows(ctx, ops, kv)
-        t = rows.num_tokens  # query rows [0, t) read as decode rows, sequences [rows.num_seqs:] prefill
-        if t and ops.cpu_decode is not None and not kv.quantized:
-            self._cpu_decode(ops, q[:t], kv, ctx, rows, out[:t])
-        elif t:
-            ops.decode(q[:t], kv.k_cache, kv.v_cache, rows.block_tables, rows.seq_lens, self.scale,
-                       sliding_window=self.sliding_window, max_seq_len=max(rows.seq_lens_cpu),
-                       partition_size=self.options.partition_size, out=out[:t], **scales)
-        m = rows.num_seqs
-        if m < ctx.num_seqs:
-            cu = ctx.cu_query_lens[m:]
-            ops.prefill(q[t:], kv.k_cache, kv.v_cache, ctx.block_tables[m:], cu - t if t else cu,
-                        ctx.seq_lens[m:], self.scale, sliding_window=self.sliding_window,
-                        max_query_len=max(ctx.query_lens_cpu[m:]), out=out[t:], **scales,
-                        **self._tree_args(ctx, m, q.device))
+        t = meta.rows.num_tokens  # query rows [0, t) read as decode rows, the rest prefill
+        if t:
+            self._decode(meta, q[:t], kv, out[:t], scales)
+        if meta.prefill_args is not None:
+            meta.ops.prefill(q[t:], kv.k_cache, kv.v_cache, scale=self.scale, out=out[t:], **scales,
+                             **meta.prefill_args)
         return out
 
-    def _decode_rows(self, ctx: StepContext, ops: SimpleNamespace, kv: KVLayerView) -> QueryRows:
-        """The step's rows for the decode call, once per step: on CPU every query token of the
-        leading short queries (``paged_rows``: decodes, speculative verifies, small chunks, and
-        draft trees when the native kernel serves the cache), with the Triton kernels the
-        decodes only."""
-        rows = ctx.scratch.get((self.name, "rows"))
-        if rows is None:
-            if ops.cpu_decode is not None:
-                trees = ops.native is not None and not kv.quantized and kv.k_cache.dtype in ops.native.dtypes
-                rows = query_rows(ctx, leading_short_queries(ctx, trees=trees))
-            else:
-                n = ctx.num_decodes
-                rows = QueryRows(n, n, ctx.block_tables[:n], ctx.seq_lens[:n], ctx.seq_lens_cpu[:n])
-            ctx.scratch[(self.name, "rows")] = rows
-        return rows
+    def _decode(self, meta: PagedStepMetadata, q: torch.Tensor, kv: KVLayerView, out: torch.Tensor,
+                scales: dict) -> None:
+        """The decode rows: the C kernel or ``paged_cpu`` (plain KV on CPU), else ``ops.decode``."""
+        if meta.native_batch is not None:
+            target = out if out.is_contiguous() else torch.empty(out.shape, dtype=out.dtype)
+            meta.ops.native.decode(q.contiguous(), kv.k_cache, kv.v_cache, meta.native_batch, self.scale,
+                                   self.sliding_window, target)
+            if target is not out:
+                out.copy_(target)
+        elif meta.cpu_index is not None:
+            meta.ops.cpu_decode.paged_decode_attention_cpu(q, kv.k_cache, kv.v_cache, meta.cpu_index,
+                                                           self.scale, out=out)
+        else:
+            rows = meta.rows
+            meta.ops.decode(q, kv.k_cache, kv.v_cache, rows.block_tables, rows.seq_lens, self.scale,
+                            sliding_window=self.sliding_window, max_seq_len=max(rows.seq_lens_cpu), out=out,
+                            **scales)
 
-    def supports_tree_attention(self, device: torch.device) -> bool:
-        """Tree masks (tree speculative decoding) are applied by the PyTorch prefill path only;
-        the Triton kernels (CUDA, or ``kernels: triton``) have no tree mask."""
-        return self.options.kernels == "torch" or (self.options.kernels == "auto" and device.type != "cuda")
+    def _decode_rows(self, ctx: StepContext, ops: SimpleNamespace, trees: bool) -> QueryRows:
+        """The step's rows for the decode call: on CPU every query token of the leading short
+        queries (``paged_rows``: decodes, speculative verifies, small chunks, and draft trees
+        when ``trees``, the native kernel serving the cache), with the Triton kernels the
+        decodes only."""
+        if ops.cpu_decode is not None:
+            return query_rows(ctx, leading_short_queries(ctx, trees=trees))
+        n = ctx.num_decodes
+        return QueryRows(n, n, ctx.block_tables[:n], ctx.seq_lens[:n], ctx.seq_lens_cpu[:n])
+
+    def _prefill_args(self, ctx: StepContext, rows: QueryRows, device: torch.device) -> dict | None:
+        """The prefill call's step-wide arguments over the sequences after the decode rows."""
+        m, t = rows.num_seqs, rows.num_tokens
+        if m == ctx.num_seqs:
+            return None
+        cu = ctx.cu_query_lens[m:]
+        return {"block_tables": ctx.block_tables[m:], "cu_query_lens": cu - t if t else cu,
+                "seq_lens": ctx.seq_lens[m:], "sliding_window": self.sliding_window,
+                "max_query_len": max(ctx.query_lens_cpu[m:]), **self._tree_args(ctx, m, device)}
+
+    @classmethod
+    def features_for(cls, options: PagedAttentionOptions, device: str) -> frozenset[str]:
+        """No "tree_attention" where the Triton kernels run (CUDA, or ``kernels: triton``): tree
+        masks are applied by the PyTorch prefill path only."""
+        trees = options.kernels == "torch" or (options.kernels == "auto" and device != "cuda")
+        return cls.capabilities.features - (set() if trees else {"tree_attention"})
 
     def _tree_args(self, ctx: StepContext, n: int, device: torch.device) -> dict:
         """``ctx.tree_masks`` renumbered for the prefill call over sequences ``n:`` (trees never
         decode: they have several query tokens)."""
         if not ctx.tree_masks:
             return {}
-        if not self.supports_tree_attention(device):
+        if "tree_attention" not in self.features_for(self.options, device.type):
             raise RuntimeError("attention: paged: draft trees need kernels='torch' (the Triton "
                                "kernels have no tree mask); the engine refuses this at load time")
         return {"tree_masks": {i - n: m for i, m in ctx.tree_masks.items()}}
-
-    def _cpu_decode(self, ops: SimpleNamespace, q: torch.Tensor, kv: KVLayerView, ctx: StepContext,
-                    rows: QueryRows, out: torch.Tensor) -> None:
-        """The CPU decode: the C kernel (its int32 tables made once per step) when it serves the
-        cache dtype, else ``paged_cpu.py`` (its gather index built once per step)."""
-        if ops.native is not None and kv.k_cache.dtype in ops.native.dtypes:
-            self._native_decode(ops.native, q, kv, ctx, rows, out)
-            return
-        impl = ops.cpu_decode
-        block_size, num_kv_heads = kv.k_cache.shape[1], kv.k_cache.shape[2]
-        key = (self.name, block_size, num_kv_heads, self.sliding_window)
-        index = ctx.scratch.get(key)
-        if index is None:
-            index = ctx.scratch[key] = impl.decode_index(
-                rows.block_tables, rows.seq_lens, block_size, num_kv_heads, max(rows.seq_lens_cpu),
-                self.sliding_window)
-        impl.paged_decode_attention_cpu(q, kv.k_cache, kv.v_cache, index, self.scale, out=out)
-
-    def _native_decode(self, native, q: torch.Tensor, kv: KVLayerView, ctx: StepContext, rows: QueryRows,
-                       out: torch.Tensor) -> None:
-        key = (self.name, "native", kv.k_cache.shape[:2])
-        batch = ctx.scratch.get(key)
-        if batch is None:  # the same tables and lengths serve every layer (one pool shape per layer)
-            from lmplug_attention.paged_native import prepare
-
-            batch = ctx.scratch[key] = prepare(rows.block_tables, rows.seq_lens, kv.k_cache.shape[1],
-                                               kv.k_cache.shape[0], mask_starts=rows.mask_starts,
-                                               masks=rows.masks)
-        target = out if out.is_contiguous() else torch.empty(out.shape, dtype=out.dtype)
-        native.decode(q.contiguous(), kv.k_cache, kv.v_cache, batch, self.scale, self.sliding_window, target)
-        if target is not out:
-            out.copy_(target)

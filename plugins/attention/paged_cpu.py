@@ -1,7 +1,7 @@
 """Batched paged decode tuned for CPUs: the ``paged`` backend's decode path on CPU.
 
-Same arguments and result as ``paged_ref.paged_decode_attention`` (the reference it
-is tested against) but laid out for CPU matrix units:
+The decode (``decode_ref.decode_attention``, the reference it is tested against) of
+plain KV, laid out for CPU matrix units:
 
 - the context of every sequence is gathered once per layer straight into
   ``[B, Hkv, S, D]`` (one row per slot and KV head, so no transpose copy
@@ -25,6 +25,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from lmplug.interfaces import kv_slots
+
 
 @dataclass
 class DecodeIndex:
@@ -42,7 +44,7 @@ def decode_index(block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size:
     if sliding_window is not None:
         valid &= pos.unsqueeze(0) >= lens - sliding_window
     safe = torch.where(valid, pos, 0)  # masked positions read the first slot (real data, weight 0)
-    slots = block_tables.long().gather(1, safe // block_size) * block_size + safe % block_size
+    slots = kv_slots(block_tables, safe, block_size)  # [B, S]
     heads = torch.arange(num_kv_heads, device=device).view(1, -1, 1)
     return DecodeIndex(slots.unsqueeze(1) * num_kv_heads + heads, valid)
 

@@ -14,8 +14,8 @@ report one model name for different feature sets). The build writes a temporary 
 in the same folder and renames it, so a process never loads a half-written library.
 
 ``available()`` says whether the kernel builds here (and why not), ``load()`` returns
-it; ``paged_decode_attention`` has the arguments and result of
-``paged_ref.paged_decode_attention`` for float32 / bfloat16 / float16 caches (quantized
+it; ``paged_decode_attention`` has the arguments and result of the decode reference
+``decode_ref.decode_attention`` for float32 / bfloat16 / float16 caches (quantized
 KV is refused: it keeps the reference path). The backend calls ``prepare`` once per
 step and ``NativeKernel.decode`` once per layer.
 
@@ -41,7 +41,7 @@ from pathlib import Path
 
 import torch
 
-from lmplug.loading.cache import cache_dir
+from lmplug.interfaces.paths import cache_dir
 
 SOURCE = Path(__file__).resolve().parent / "csrc" / "paged_decode_cpu.c"
 FLAGS = ("-O3", "-march=native", "-shared", "-fPIC", "-pthread")
@@ -287,7 +287,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
                            num_threads: int | None = None, mask_starts: torch.Tensor | None = None,
                            masks: torch.Tensor | None = None) -> torch.Tensor:
-    """``paged_ref.paged_decode_attention`` in C: q [B, H, D], block_tables [B, max_blocks],
+    """``decode_ref.decode_attention`` in C: q [B, H, D], block_tables [B, max_blocks],
     seq_lens [B] -> [B, H, D] (into ``out`` when given). ``max_seq_len`` and ``partition_size``
     are accepted for parity and not needed; ``num_threads`` defaults to ``torch.get_num_threads()``.
     ``mask_starts`` int32 [B] and ``masks`` int64 [B]: per-row tree masks (module docstring).

@@ -11,10 +11,10 @@ prefix-cache hit and a chunked prefill are the same case.
 One program per (query block, sequence, KV head). Its tile's rows are
 ``BLOCK_Q`` query tokens x the ``G`` query heads that share the KV head, so
 each K/V row is read once for the group (GQA without repeating K/V). Keys are
-walked in tiles of ``TILE`` positions up to the last query's position, with
-an online softmax. Quantized caches (``k_scale`` / ``v_scale``) are dequantized
-per tile in registers, as in ``paged_kernels``. The PyTorch twin is
-``paged_ref.paged_prefill_attention``.
+walked in ``TILE``-aligned tiles from the first query's window to the last
+query's position by ``attn_ops.attend_tiles``, as in every kernel of both backends. ``flash`` keeps its own prefill kernel (``flash_prefill_kernels``):
+one query head per program, with masked and unmasked tile ranges. The
+PyTorch reference is ``prefill_ref.prefill_attention``.
 """
 
 from __future__ import annotations
@@ -22,21 +22,22 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from lmplug_attention.paged_kernels import (
+from lmplug_attention.attn_ops import (
     LOG2E,
-    TILE_N,
-    _attend_tile,
-    _dequant_tile,
-    _kv_tile_offsets,
-    check_cache,
-    check_out,
-    check_scales,
+    attend_tiles,
+    check_block_tables,
+    check_kv,
+    check_query,
     dot_precision,
-    scale_args,
+    head_dim_pad,
+    output_for,
+    softmax_state,
     window_arg,
 )
+from lmplug_attention.kv_ops import check_scales, scale_args
 
 ROWS = 64  # query rows (tokens x grouped heads) per program
+TILE_N = 64  # context positions per loop iteration
 
 
 @triton.jit
@@ -45,7 +46,8 @@ def _paged_prefill_kernel(
     k_scale_ptr, v_scale_ptr,
     qk_scale, sliding_window, num_queries_per_kv, head_dim,
     stride_qt, stride_qh, stride_qd,
-    stride_cb, stride_ct, stride_ch, stride_cd,
+    stride_kb, stride_kt, stride_kh, stride_kd,
+    stride_vb, stride_vt, stride_vh, stride_vd,
     stride_btb, stride_btn,
     stride_ot, stride_oh, stride_od,
     stride_sb, stride_st, stride_sh,
@@ -76,33 +78,37 @@ def _paged_prefill_kernel(
     q = tl.load(q_ptr + q_rows[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :] * stride_qd,
                 mask=io_mask, other=0.0)  # [BLOCK_Q * G_PAD, D]
 
-    m_i = tl.full([BLOCK_Q * G_PAD], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_Q * G_PAD], tl.float32)
-    acc = tl.zeros([BLOCK_Q * G_PAD, D_PAD], tl.float32)
+    acc, l_i, m_i = softmax_state(BLOCK_Q * G_PAD, D_PAD)
     table_ptr = block_tables_ptr + seq.to(tl.int64) * stride_btb
     # keys [lo, hi): from the first query's window start to the last query's position
     hi = tl.minimum(context_len + (q_block + 1) * BLOCK_Q, seq_len)
     lo = tl.maximum(context_len + q_block * BLOCK_Q - sliding_window + 1, 0)
-    for start in range(lo, hi, TILE):
-        pos = start + tl.arange(0, TILE)
-        valid = pos < hi
-        offs = _kv_tile_offsets(table_ptr, stride_btn, pos, valid, kv_head, offs_d,
-                                stride_cb, stride_ct, stride_ch, stride_cd, BLOCK_SIZE)
-        kv_mask = valid[:, None] & d_mask[None, :]
-        k = tl.load(k_cache_ptr + offs, mask=kv_mask, other=0.0)
-        v = tl.load(v_cache_ptr + offs, mask=kv_mask, other=0.0)
-        if QUANT:
-            k = _dequant_tile(k, k_scale_ptr, table_ptr, stride_btn, pos, valid, kv_head,
-                              stride_sb, stride_st, stride_sh, BLOCK_SIZE, q.dtype)
-            v = _dequant_tile(v, v_scale_ptr, table_ptr, stride_btn, pos, valid, kv_head,
-                              stride_sb, stride_st, stride_sh, BLOCK_SIZE, q.dtype)
-        visible = (valid[None, :] & (pos[None, :] <= q_pos[:, None])
-                   & (pos[None, :] > q_pos[:, None] - sliding_window))
-        m_i, l_i, acc = _attend_tile(q, k, v, visible, m_i, l_i, acc, qk_scale, DOT_PRECISION)
+    acc, l_i, m_i = attend_tiles(
+        acc, l_i, m_i, q, q_pos, lo // TILE, tl.cdiv(hi, TILE), lo, hi, sliding_window, qk_scale,
+        k_cache_ptr, v_cache_ptr, table_ptr, stride_btn, 0, kv_head, offs_d, d_mask,
+        stride_kb, stride_kt, stride_kh, stride_kd, stride_vb, stride_vt, stride_vh, stride_vd,
+        k_scale_ptr, v_scale_ptr, stride_sb, stride_st, stride_sh,
+        TILE, BLOCK_SIZE, True, True, DOT_PRECISION, QUANT)
 
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     out_ptrs = out_ptr + q_rows[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :] * stride_od
     tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=io_mask)
+
+
+def _check(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+           cu_query_lens: torch.Tensor, seq_lens: torch.Tensor, k_scale: torch.Tensor | None,
+           v_scale: torch.Tensor | None, what: str) -> bool:
+    check_query(q, what)
+    quant = check_scales(k_cache, v_cache, k_scale, v_scale, what)
+    check_kv(q, k_cache, v_cache, what, "k_cache and v_cache", quant)
+    check_block_tables(block_tables, seq_lens, what)
+    if k_cache.dim() != 4:
+        raise ValueError(f"{what}: the caches must be [num_blocks, block_size, num_kv_heads, head_dim], "
+                         f"got {tuple(k_cache.shape)}")
+    if cu_query_lens.dtype != torch.int32 or cu_query_lens.shape != (seq_lens.shape[0] + 1,):
+        raise ValueError(f"{what}: cu_query_lens must be int32 [B+1={seq_lens.shape[0] + 1}], got "
+                         f"{cu_query_lens.dtype} {tuple(cu_query_lens.shape)}")
+    return quant
 
 
 def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -116,16 +122,13 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     ``max_query_len`` (host int) spares a device sync; ``out`` (like q) receives the result when given;
     ``k_scale`` / ``v_scale`` ([num_blocks, block_size, Hkv] float32) mark quantized caches.
     """
-    quant = check_scales(k_cache, v_cache, k_scale, v_scale, "paged_prefill_attention")
-    check_cache(q, k_cache, v_cache, block_tables, seq_lens, "paged_prefill_attention", quant)
-    if cu_query_lens.dtype != torch.int32 or cu_query_lens.shape != (seq_lens.shape[0] + 1,):
-        raise ValueError(f"paged_prefill_attention: cu_query_lens must be int32 "
-                         f"[B+1={seq_lens.shape[0] + 1}], got {cu_query_lens.dtype} "
-                         f"{tuple(cu_query_lens.shape)}")
+    what = "paged_prefill_attention"
+    quant = _check(q, k_cache, v_cache, block_tables, cu_query_lens, seq_lens, k_scale, v_scale, what)
+    window = window_arg(sliding_window, what)
+    out = output_for(q, out, what)
     _, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     num_seqs = seq_lens.shape[0]
-    out = check_out(out, q, "paged_prefill_attention")
     if num_seqs == 0 or q.shape[0] == 0:
         return out
     if max_query_len is None:
@@ -136,9 +139,8 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     scale_ptrs, scale_strides = scale_args(k_cache, k_scale, v_scale)
     _paged_prefill_kernel[(triton.cdiv(max_query_len, block_q), num_seqs, num_kv_heads)](
         q, k_cache, v_cache, block_tables, seq_lens, cu_query_lens, out, *scale_ptrs,
-        scale * LOG2E, window_arg(sliding_window), group, head_dim,
-        *q.stride(), *k_cache.stride(), *block_tables.stride(), *out.stride(), *scale_strides,
-        BLOCK_SIZE=block_size, BLOCK_Q=block_q, G_PAD=g_pad, TILE=TILE_N,
-        D_PAD=max(16, triton.next_power_of_2(head_dim)), DOT_PRECISION=dot_precision(q.dtype),
-        QUANT=quant)
+        scale * LOG2E, window, group, head_dim,
+        *q.stride(), *k_cache.stride(), *v_cache.stride(), *block_tables.stride(), *out.stride(),
+        *scale_strides, BLOCK_SIZE=block_size, BLOCK_Q=block_q, G_PAD=g_pad, TILE=TILE_N,
+        D_PAD=head_dim_pad(head_dim), DOT_PRECISION=dot_precision(q.dtype), QUANT=quant)
     return out

@@ -10,18 +10,34 @@ Quantized KV (kvcache ``dtype: int8 | fp8_e4m3``): writes quantize per
 Tree attention (feature ``tree_attention``, for tree speculative decoding): a
 sequence in ``ctx.tree_masks`` attends to its cached context plus the new tokens
 its ancestor mask allows (``causal_mask(..., tree=...)``).
+
+Per step (``prepare``): each sequence's attention mask, built once and read by
+every layer. ``context_kv`` and ``attend`` also serve the ``paged`` backend's
+PyTorch prefill (``paged_torch``).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
+from lmplug_attention.kv_ref import gather_context
 
 from lmplug.interfaces import AttentionBackend, Capabilities, KVLayerView, StepContext
 from lmplug.interfaces.kvcache import dequantize_kv, store_kv
 
 # the kvcache `dtype` values the first-party dense backends read
 KV_DTYPES = frozenset({"auto", "int8", "fp8_e4m3"})
+
+
+@dataclass
+class SdpaStepMetadata:
+    """What every layer of one step reuses: per sequence, the bool [qlen, seq_len] mask its
+    queries attend with, or None where none is needed (a plain causal prompt, or a decode
+    without a window: SDPA then runs unmasked)."""
+
+    masks: list[torch.Tensor | None]
 
 
 class SdpaAttention(AttentionBackend):
@@ -34,25 +50,29 @@ class SdpaAttention(AttentionBackend):
         priority=10,
     )
 
+    def prepare(self, ctx: StepContext, kv: KVLayerView) -> SdpaStepMetadata:
+        device = kv.k_cache.device
+        masks = []
+        for i, (qlen, seq_len) in enumerate(zip(ctx.query_lens_cpu, ctx.seq_lens_cpu)):
+            tree = ctx.tree_masks.get(i)
+            plain = tree is None and self.sliding_window is None and qlen in (1, seq_len)
+            masks.append(None if plain else causal_mask(qlen, seq_len, self.sliding_window, device, tree))
+        return SdpaStepMetadata(masks)
+
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv: KVLayerView, ctx: StepContext) -> torch.Tensor:
+        meta: SdpaStepMetadata = ctx.metadata_for(self, kv)
         write_kv(kv, k, v, ctx.slot_mapping)
         out = torch.empty_like(q)
-        bs = kv.block_size
         start = 0
         for i, (qlen, seq_len) in enumerate(zip(ctx.query_lens_cpu, ctx.seq_lens_cpu)):
-            ctx_k, ctx_v = context_kv(kv, ctx.block_tables[i], seq_len, bs, q.dtype)
+            ctx_k, ctx_v = context_kv(kv.k_cache, kv.v_cache, ctx.block_tables[i], seq_len,
+                                      kv.k_scale, kv.v_scale, q.dtype)
             qi = q[start:start + qlen]
-            if i in ctx.tree_masks:  # a draft tree: its full mask, built once per step
-                key = (self.name, "tree", i, self.sliding_window)
-                if key not in ctx.scratch:
-                    ctx.scratch[key] = causal_mask(qlen, seq_len, self.sliding_window, q.device,
-                                                   ctx.tree_masks[i])
-                out[start:start + qlen] = self._prefill(qi, ctx_k, ctx_v, seq_len, mask=ctx.scratch[key])
-            elif qlen == 1 and self.sliding_window is None:
+            if meta.masks[i] is None and qlen == 1:
                 out[start] = self._decode(qi[0], ctx_k, ctx_v)
             else:
-                out[start:start + qlen] = self._prefill(qi, ctx_k, ctx_v, seq_len)
+                out[start:start + qlen] = attend(qi, ctx_k, ctx_v, seq_len, self.scale, meta.masks[i])
             start += qlen
         return out
 
@@ -65,18 +85,19 @@ class SdpaAttention(AttentionBackend):
                                            scale=self.scale)
         return o.reshape(-1, self.head_dim)
 
-    def _prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_len: int,
-                 mask: torch.Tensor | None = None) -> torch.Tensor:
-        # q: [L, H, D] are the last L positions of a context of seq_len keys (``mask``: given, for a tree)
-        qlen = q.shape[0]
-        # a whole prompt without a window is plain causal attention: no mask to build
-        plain = qlen == seq_len and self.sliding_window is None and mask is None
-        if not plain and mask is None:
-            mask = causal_mask(qlen, seq_len, self.sliding_window, q.device)
-        o = F.scaled_dot_product_attention(
-            q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
-            attn_mask=mask, is_causal=plain, scale=self.scale, enable_gqa=True)  # 4-d: see _decode
-        return o[0].transpose(0, 1)
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_len: int, scale: float,
+           mask: torch.Tensor | None = None) -> torch.Tensor:
+    """q [L, H, D], the last L positions of a context k, v [S, Hkv, D] -> [L, H, D]: SDPA with
+    ``mask`` (bool [L, S], True = attend; ``causal_mask``), plain causal when it is None."""
+    if mask is None and q.shape[0] != seq_len:
+        raise ValueError(f"attend: without a mask the queries must be the whole context ({seq_len}), "
+                         f"got {q.shape[0]}")
+    # 4-d (a batch of one): on CPU, 3-d inputs miss SDPA's flash kernel and take the math path
+    o = F.scaled_dot_product_attention(
+        q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+        attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=True)
+    return o[0].transpose(0, 1)
 
 
 def write_kv(kv: KVLayerView, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -86,25 +107,21 @@ def write_kv(kv: KVLayerView, k: torch.Tensor, v: torch.Tensor, slot_mapping: to
     store_kv(kv.v_cache, kv.v_scale, v, slot_mapping)
 
 
-def context_kv(kv: KVLayerView, block_table: torch.Tensor, seq_len: int, block_size: int,
+def context_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int,
+               k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
                dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """One sequence's cached K and V, [seq_len, Hkv, D] each (a view when it fits one block and
-    is not quantized; quantized K/V are dequantized to ``dtype``)."""
-    if seq_len <= block_size:
-        b = int(block_table[0])
-        rows = slice(b, b + 1)
-        k, v = kv.k_cache[b, :seq_len], kv.v_cache[b, :seq_len]
-    else:
-        num_blocks = -(-seq_len // block_size)
-        rows = block_table[:num_blocks].long()
-        k = kv.k_cache.index_select(0, rows).flatten(0, 1)[:seq_len]
-        v = kv.v_cache.index_select(0, rows).flatten(0, 1)[:seq_len]
-    if kv.k_scale is None:
+    """One sequence's cached K and V, [seq_len, Hkv, D] each, through its block table [max_blocks]
+    (a view when it fits one block and is not quantized; quantized K/V are dequantized to ``dtype``)."""
+    if seq_len > k_cache.shape[1]:
+        table = block_table[None]
+        return (gather_context(k_cache, table, seq_len, k_scale, dtype)[0],
+                gather_context(v_cache, table, seq_len, v_scale, dtype)[0])
+    b = int(block_table[0])
+    k, v = k_cache[b, :seq_len], v_cache[b, :seq_len]
+    if k_scale is None:
         return k, v
-    ks = kv.k_scale[rows].flatten(0, 1)[:seq_len]
-    vs = kv.v_scale[rows].flatten(0, 1)[:seq_len]
     dtype = dtype or torch.float32
-    return dequantize_kv(k, ks, dtype), dequantize_kv(v, vs, dtype)
+    return dequantize_kv(k, k_scale[b, :seq_len], dtype), dequantize_kv(v, v_scale[b, :seq_len], dtype)
 
 
 def causal_mask(qlen: int, seq_len: int, window: int | None, device: torch.device,

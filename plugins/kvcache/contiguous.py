@@ -42,6 +42,10 @@ class ContiguousKVCache(KVCacheBackend):
                                 features=frozenset({"sliding_window"}), priority=10)
     Options = ContiguousOptions
 
+    @classmethod
+    def kv_dtype_of(cls, options: ContiguousOptions) -> str:
+        return options.dtype
+
     def __init__(self, options: ContiguousOptions, spec: KVCacheSpec) -> None:
         spec = spec.with_kv_dtype(options.dtype, self.name)
         super().__init__(options, spec)

@@ -62,6 +62,17 @@ class PagedKVCache(KVCacheBackend):
                                 features=frozenset({"fork", "prefix_caching", "sliding_window"}), priority=5)
     Options = PagedOptions
 
+    @classmethod
+    def kv_dtype_of(cls, options: PagedOptions) -> str:
+        return options.dtype
+
+    @classmethod
+    def with_pool_blocks(cls, options: PagedOptions, blocks: int) -> PagedOptions:
+        return options.model_copy(update={"num_blocks": blocks})
+
+    def pool_blocks(self) -> int:
+        return self.num_blocks
+
     def __init__(self, options: PagedOptions, spec: KVCacheSpec) -> None:
         spec = spec.with_kv_dtype(options.dtype, self.name)
         super().__init__(options, spec)

@@ -5,9 +5,9 @@ checkpoints); see ``common.py`` for how each runs on CPU and CUDA. W8A8:
 ``fp8``, ``int8`` (``w8a8_common.py``), and ``compressed-tensors`` checkpoints.
 """
 
-from lmplug import hookimpl
+from lmplug.hookspecs import hookimpl
 
-LMPLUG_API_VERSION = 1
+LMPLUG_API_VERSION = 2
 
 
 @hookimpl

@@ -21,8 +21,8 @@ import torch
 import torch.nn.functional as F
 from pydantic import Field
 
-from lmplug import BackendOptions, Capabilities, QuantMethod
 from lmplug.errors import ModelLoadError
+from lmplug.interfaces import BackendOptions, Capabilities, QuantMethod
 
 WEIGHT_ONLY_CAPABILITIES = Capabilities(devices=frozenset({"cpu", "cuda"}))
 

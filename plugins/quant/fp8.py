@@ -24,7 +24,7 @@ from lmplug_quant.w8a8_common import CheckpointW8A8Options, W8A8Linear, W8A8Sche
 from pydantic import Field, field_validator, model_validator
 
 from lmplug.errors import ModelLoadError
-from lmplug.models.layers import Unquantized
+from lmplug.interfaces.quant import Unquantized
 
 
 class FP8Options(CheckpointW8A8Options):

@@ -31,7 +31,7 @@ from lmplug_quant.common import (
 )
 from pydantic import Field, field_validator
 
-from lmplug import QuantMethod
+from lmplug.interfaces import QuantMethod
 
 
 class RTNOptions(WeightOnlyOptions):

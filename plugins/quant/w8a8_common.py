@@ -40,8 +40,8 @@ from typing import Literal
 import torch
 from pydantic import Field, model_validator
 
-from lmplug import BackendOptions, Capabilities, QuantMethod
 from lmplug.errors import ModelLoadError
+from lmplug.interfaces import BackendOptions, Capabilities, QuantMethod
 
 logger = logging.getLogger(__name__)
 

@@ -1,8 +1,8 @@
 """First-party schedulers. Registered through the ``lmplug.plugins`` entry point."""
 
-from lmplug import hookimpl
+from lmplug.hookspecs import hookimpl
 
-LMPLUG_API_VERSION = 1
+LMPLUG_API_VERSION = 2
 
 
 @hookimpl

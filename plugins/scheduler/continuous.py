@@ -26,13 +26,13 @@ from typing import Literal
 from lmplug_scheduler.running_batch import RunningBatch
 from pydantic import Field
 
-from lmplug.engine.sequence import Sequence, SequenceStatus
 from lmplug.interfaces import (
     Capabilities,
     ScheduledSeq,
     SchedulerOptions,
     SchedulerOutput,
 )
+from lmplug.interfaces.sequence import Sequence, SequenceStatus
 
 
 class ContinuousOptions(SchedulerOptions):
@@ -78,7 +78,8 @@ class _Waiting:
 class ContinuousScheduler(RunningBatch):
     name = "continuous"
     capabilities = Capabilities(devices=frozenset({"cpu", "cuda"}),
-                                features=frozenset({"chunked_prefill", "preemption", "priority"}), priority=20)
+                                features=frozenset({"chunked_prefill", "preemption", "priority", "fork"}),
+                                priority=20)
     Options = ContinuousOptions
 
     def __init__(self, options: ContinuousOptions, kv, limits) -> None:
@@ -112,11 +113,11 @@ class ContinuousScheduler(RunningBatch):
         return out
 
     def _chunk(self, seq: Sequence, budget: int) -> int:
-        remaining = seq.num_tokens - seq.num_computed_tokens
+        remaining = self.num_pending(seq)
         if remaining <= budget:
             return remaining
-        # a decode may always be cut: its extra tokens are speculative drafts, and the
-        # engine drops the ones left out
+        # a decode may always be cut: past its one token it only has lookahead, any prefix of
+        # which may run
         return budget if self.options.chunked_prefill or not seq.is_prefill else 0
 
     def _make_room(self, seq: Sequence, num_tokens: int, out: SchedulerOutput) -> bool:

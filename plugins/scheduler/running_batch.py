@@ -1,7 +1,8 @@
 """``RunningBatch``: the bookkeeping both first-party schedulers share.
 
 A running list, finishing sequences (their KV is freed at once), taking
-forked siblings straight into the batch, and aborts. Each scheduler keeps its
+forked siblings straight into the batch (so subclasses list the "fork" feature),
+and aborts. Each scheduler keeps its
 own waiting queue and says how to drop a request from it.
 """
 
@@ -9,8 +10,8 @@ from __future__ import annotations
 
 from abc import abstractmethod
 
-from lmplug.engine.sequence import Sequence, SequenceStatus
 from lmplug.interfaces import Scheduler
+from lmplug.interfaces.sequence import Sequence, SequenceStatus
 
 
 class RunningBatch(Scheduler):

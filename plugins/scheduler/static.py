@@ -12,13 +12,13 @@ from collections import deque
 
 from lmplug_scheduler.running_batch import RunningBatch
 
-from lmplug.engine.sequence import Sequence, SequenceStatus
 from lmplug.interfaces import Capabilities, ScheduledSeq, SchedulerOutput
+from lmplug.interfaces.sequence import Sequence, SequenceStatus
 
 
 class StaticScheduler(RunningBatch):
     name = "static"
-    capabilities = Capabilities(devices=frozenset({"cpu", "cuda"}), priority=10)
+    capabilities = Capabilities(devices=frozenset({"cpu", "cuda"}), features=frozenset({"fork"}), priority=10)
 
     def __init__(self, options, kv, limits) -> None:
         super().__init__(options, kv, limits)
@@ -35,7 +35,7 @@ class StaticScheduler(RunningBatch):
         for seq in self.running:
             if budget == 0:
                 break
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            n = min(self.num_pending(seq), budget)
             self.kv.allocate(seq, seq.num_computed_tokens + n)
             out.scheduled.append(ScheduledSeq(seq, n))
             budget -= n

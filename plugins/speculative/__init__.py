@@ -9,9 +9,9 @@
   ``lmplug train-drafter --method eagle MODEL OUT``).
 """
 
-from lmplug import hookimpl
+from lmplug.hookspecs import hookimpl
 
-LMPLUG_API_VERSION = 1
+LMPLUG_API_VERSION = 2
 
 
 @hookimpl

@@ -19,7 +19,6 @@ from pydantic import Field
 
 from lmplug.errors import ConfigError
 from lmplug.interfaces import Capabilities, Drafter, DrafterOptions, DraftProposal, DraftTarget
-from lmplug.interfaces.kvcache import KVCacheBackend
 
 _TOKENIZER_PROBE = "Speculative decoding, 2 models: def f(x):\n    return x * 42  # ok?"
 
@@ -50,19 +49,10 @@ class DraftModelDrafter(_ModelDrafter):
     Options = DraftModelOptions
 
     def setup(self, target: DraftTarget) -> None:
-        from lmplug.config import EngineConfig, resolve
-        from lmplug.engine.build import build_engine_parts
-
-        dtype = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}[target.dtype]
-        config = EngineConfig.from_dict({
-            "model": self.options.model, "device": target.device.type, "dtype": dtype,
-            "max_model_len": target.max_model_len,
-            "scheduler": {"backend": "auto", "max_num_seqs": target.max_num_seqs},
-        }, source="speculative.model")
-        resolved = resolve(config, device=target.device.type, dtype=dtype, source="speculative.model")
-        parts = build_engine_parts(resolved)
-        check_tokenizers(target.tokenizer, parts.tokenizer, self.options.model)
-        self.runner = DraftRunner(parts.model, parts.kv, target.device, target.model_config.vocab_size)
+        draft = target.open_model(self.options.model)
+        check_tokenizers(target.tokenizer, draft.tokenizer, self.options.model)
+        self.runner = DraftRunner(target.new_runner(draft.model, draft.kv), draft.kv,
+                                  target.model_config.vocab_size)
 
 
 def check_tokenizers(target, draft, draft_name: str) -> None:
@@ -90,8 +80,8 @@ class LayerSkipDrafter(_ModelDrafter):
             raise ConfigError(f"speculative: layer_skip: num_layers={n} must be below the target's "
                               f"{total} layers (allowed: 1..{total - 1})")
         model = EarlyExitModel(target.model, n)
-        kv = draft_kv_cache(target.kv, n)
-        self.runner = DraftRunner(model, kv, target.device, target.model_config.vocab_size)
+        kv = target.new_kv_cache(n)
+        self.runner = DraftRunner(target.new_runner(model, kv), kv, target.model_config.vocab_size)
 
 
 class EarlyExitModel(torch.nn.Module):
@@ -121,12 +111,3 @@ class EarlyExitModel(torch.nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self._target[0].compute_logits(hidden)
 
-
-def draft_kv_cache(target_kv: KVCacheBackend, num_layers: int, **spec) -> KVCacheBackend:
-    """A cache of the target's KV class for ``num_layers`` layers, without prefix caching
-    (a draft's cached blocks may hold tokens the target later rejects); ``spec`` overrides
-    other ``KVCacheSpec`` fields (e.g. a draft head's ``num_kv_heads``, ``head_dim``)."""
-    options = target_kv.options
-    if "prefix_caching" in type(options).model_fields:
-        options = options.model_copy(update={"prefix_caching": False})
-    return type(target_kv)(options, dataclasses.replace(target_kv.spec, num_layers=num_layers, **spec))

@@ -16,19 +16,18 @@ from __future__ import annotations
 
 import torch
 
-from lmplug.engine.params import SamplingParams
-from lmplug.engine.runner import ModelRunner
-from lmplug.engine.sampler import draw, processed_logits
-from lmplug.engine.sequence import Sequence
 from lmplug.interfaces import DraftProposal, KVCacheBackend, ScheduledSeq
+from lmplug.interfaces.params import SamplingParams
+from lmplug.interfaces.runner import ForwardRunner
+from lmplug.interfaces.sampling import draw, processed_logits
+from lmplug.interfaces.sequence import Sequence
 
 _MIRROR_PARAMS = SamplingParams(max_tokens=None)
 
 
 class DraftRunner:
-    def __init__(self, model: torch.nn.Module, kv: KVCacheBackend, device: torch.device,
-                 target_vocab: int) -> None:
-        self.runner = ModelRunner(model, kv, device)
+    def __init__(self, runner: ForwardRunner, kv: KVCacheBackend, target_vocab: int) -> None:
+        self.runner = runner  # the core's runner over the draft model, bound to ``kv``
         self.kv = kv
         self.target_vocab = target_vocab
         self._mirrors: dict[int, Sequence] = {}  # target seq_id -> mirror

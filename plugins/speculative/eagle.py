@@ -19,7 +19,7 @@ position t holds the pair (target feature at t, token t+1) — the features come
 With ``tree_width: w > 1`` a greedy request's proposal is a tree: the chain above plus, at
 every depth, the ``w - 1`` runner-up tokens of the same draft step as leaves beside the
 chain's node. They cost no extra head forward; the target verifies all of them in one
-forward with tree attention (``lmplug.engine.spec_tree``). When it accepts a leaf, the
+forward with tree attention (``lmplug.speculation.tree``). When it accepts a leaf, the
 engine moves that node's K/V to the chain position and ``kv_moved`` moves its feature too.
 
 With a draft vocabulary (``draft_vocab.safetensors`` beside the heads, written by the
@@ -36,16 +36,12 @@ from __future__ import annotations
 import dataclasses
 
 import torch
-from lmplug_speculative.draft_model import draft_kv_cache
 from lmplug_speculative.draft_runner import choose_tokens, common_prefix, fit_vocab
 from lmplug_speculative.eagle_dynamic import DynamicTree
 from lmplug_speculative.eagle_head import EagleHead, load_draft_vocab, load_head
 from lmplug_speculative.feature_store import FeatureStore
 from pydantic import Field, model_validator
 
-from lmplug.engine.params import SamplingParams
-from lmplug.engine.runner import ModelRunner
-from lmplug.engine.sequence import Sequence
 from lmplug.errors import ConfigError
 from lmplug.interfaces import (
     Capabilities,
@@ -55,6 +51,9 @@ from lmplug.interfaces import (
     DraftTarget,
     ScheduledSeq,
 )
+from lmplug.interfaces.draft_tree import tree_rows
+from lmplug.interfaces.params import SamplingParams
+from lmplug.interfaces.sequence import Sequence
 
 _MIRROR_PARAMS = SamplingParams(max_tokens=None)
 
@@ -102,7 +101,7 @@ class EagleDrafter(Drafter):
         if hc.hidden_size != cfg.hidden_size:
             raise ConfigError(f"speculative: eagle: heads {self.options.heads} have hidden_size "
                               f"{hc.hidden_size}, the target {cfg.hidden_size}")
-        backend = _attention_backend(target.model)
+        backend = _attention_backend(target)
         embed = head.embed_tokens if head.embed_tokens is not None else getattr(target.model, "embed_tokens", None)
         if embed is None:
             raise ConfigError("speculative: eagle: the heads have no embed_tokens and the target model exposes none")
@@ -119,21 +118,21 @@ class EagleDrafter(Drafter):
         if self._vocab_ids is not None:  # those rows of the lm_head, contiguous: one small matmul
             self._sub_head = head_matrix[self._vocab_ids].contiguous()
         self._vocab_list = None if self._vocab_ids is None else self._vocab_ids.tolist()
-        self.kv = draft_kv_cache(target.kv, 1, num_kv_heads=hc.num_kv_heads, head_dim=hc.head_dim)
+        self.kv = target.new_kv_cache(1, num_kv_heads=hc.num_kv_heads, head_dim=hc.head_dim)
         self.attention = type(backend)(backend.options, num_heads=hc.num_heads, num_kv_heads=hc.num_kv_heads,
                                        head_dim=hc.head_dim, scale=hc.head_dim ** -0.5,
                                        sliding_window=cfg.sliding_window)
-        self.runner = ModelRunner(_OneLayer(), self.kv, target.device)
+        self.runner = target.new_runner(_OneLayer(), self.kv)
         self.view = self.kv.layer_view(0)
         self.store = FeatureStore(target.model, target.kv, cfg.hidden_size, target.dtype, target.device)
         self.max_len = target.max_model_len
         self._mirrors: dict[int, _Mirror] = {}
 
     @classmethod
-    def train(cls, model: str, out: str, options: dict) -> None:
+    def train(cls, host, model: str, out: str, options: dict) -> None:
         from lmplug_speculative.eagle_train import train_eagle
 
-        train_eagle(model, out, options)
+        train_eagle(host, model, out, options)
 
     def kv_moved(self, seq, src: list[int], dst: list[int]) -> None:
         self.store.move(seq, src, dst)  # an accepted sibling leaf's feature follows its K/V
@@ -225,12 +224,12 @@ class EagleDrafter(Drafter):
                 del m.token_ids[mirror.real:]
                 m.token_ids.extend(trees[i].tokens[x] for x in nodes)
                 m.num_computed_tokens = mirror.real - 1
-                m.draft_parents = parents
+                mirror.parents = parents
                 inputs = [first[i] if trees[i].parents[x] < 0 else outputs[i][trees[i].parents[x]] for x in nodes]
                 features.append(torch.cat([roots[i], *inputs]))
             out = self._forward([m for _, m in live], features, all_rows=True)
             for (i, mirror), rows in zip(live, out):
-                mirror.seq.draft_parents = None
+                mirror.parents = None
                 frontier = trees[i].frontier
                 for x, row in zip(frontier, rows[-len(frontier):]):
                     outputs[i][x] = row.unsqueeze(0)
@@ -291,9 +290,14 @@ class EagleDrafter(Drafter):
             and mirrors[j].seq.num_computed_tokens > 0))  # decodes first, as the runner orders them
         batch = []
         for j in order:
-            m = mirrors[j].seq
+            m, parents = mirrors[j].seq, mirrors[j].parents
             self.kv.allocate(m, m.num_tokens)
-            batch.append(ScheduledSeq(m, m.num_tokens - m.num_computed_tokens))
+            n = m.num_tokens - m.num_computed_tokens
+            if parents is None:
+                batch.append(ScheduledSeq(m, n))
+            else:  # a tree's nodes: positions by depth, an ancestor mask
+                positions, mask = tree_rows(m.num_computed_tokens, parents)
+                batch.append(ScheduledSeq(m, n, positions=positions, mask=mask))
         input_ids, ctx = self.runner.build_context(batch)
         feats = torch.cat([features[j] for j in order])
         x = self.head.fuse(self._embed(input_ids), feats)
@@ -336,10 +340,12 @@ def _chain_with_siblings(chain: list[int], alternatives: list[list[int]]) -> tup
 class _Mirror:
     seq: Sequence
     real: int = 0  # leading positions computed from the target's own features
+    parents: list[int] | None = None  # while an EAGLE-2 tree grows: its nodes' parents (draft_tree)
 
 
 class _OneLayer(torch.nn.Module):
-    """What ``ModelRunner`` needs of a model to build contexts for the one-layer draft cache."""
+    """What the core's runner (``DraftTarget.new_runner``) needs of a model to build contexts
+    for the one-layer draft cache."""
 
     config = dataclasses.make_dataclass("Cfg", [("num_layers", int, 1)])()
 
@@ -355,12 +361,12 @@ def _lm_head_matrix(model: torch.nn.Module) -> torch.Tensor | None:
     return head if isinstance(head, torch.Tensor) and head.dim() == 2 else None
 
 
-def _attention_backend(model: torch.nn.Module):
-    try:
-        backend = model.layers[0].self_attn.backend
-    except (AttributeError, IndexError, TypeError):
-        raise ConfigError(f"speculative: eagle: the target model {type(model).__name__} has no Llama-style "
-                          f"attention layers whose attention backend the head could use") from None
+def _attention_backend(target: DraftTarget):
+    """The target's attention backend, whose class (and options) the head's attention uses."""
+    backend = target.attention
+    if backend is None:
+        raise ConfigError(f"speculative: eagle: the target model {type(target.model).__name__} has no "
+                          f"attention backend the head could use")
     if getattr(backend, "forward_mla", None) is not None and "mla" in backend.capabilities.features:
         raise ConfigError("speculative: eagle: MLA targets are not supported")
     return backend

@@ -35,8 +35,8 @@ import torch
 import torch.nn.functional as F
 
 from lmplug.errors import ConfigError
-from lmplug.models.config import ModelConfig
-from lmplug.models.rope import RotaryEmbedding
+from lmplug.interfaces.model_config import ModelConfig
+from lmplug.interfaces.rope import RotaryEmbedding
 
 WEIGHTS = ("model.safetensors", "pytorch_model.bin")
 DRAFT_VOCAB = "draft_vocab.safetensors"  # optional, ours: tensor "token_ids" (int64, ascending)

@@ -27,13 +27,10 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 from lmplug_speculative.eagle_head import EagleHead, head_config, save_draft_vocab, save_head
-from lmplug_speculative.medusa_train import (
-    _lm_head,
-    generate_answers,
-    open_target,
-    target_hidden_states,
-)
+from lmplug_speculative.medusa_train import _lm_head, generate_answers, open_target
 from pydantic import BaseModel, ConfigDict, Field
+
+from lmplug.interfaces.training import TrainingHost, TrainingTarget
 
 
 class EagleTrainOptions(BaseModel):
@@ -68,17 +65,16 @@ class TrainResult:
     accuracy_after: float
 
 
-def train_eagle(model: str, out: str, options: dict) -> TrainResult:
-    opts, llm = open_target("eagle", EagleTrainOptions, model, options)
-    answers = cached_answers(llm, opts)
-    target = llm.engine.parts.model
-    data = collect(llm.engine, answers)
+def train_eagle(host: TrainingHost, model: str, out: str, options: dict) -> TrainResult:
+    opts, target = open_target(host, "eagle", EagleTrainOptions, model, options)
+    answers = cached_answers(target, opts)
+    data = collect(target, answers)
     n_eval = max(1, len(data) // 10)  # whole answers held out
-    config = eagle_config(llm.engine.parts.model_config)
+    config = eagle_config(target.model_config)
     head = EagleHead(head_config(config), fc_bias=True, max_position=1024)
-    init_head(head, target, opts.init_from_target)
-    lm_head = _lm_head(target).detach().float().clone()
-    before, after = fit(head, target.embed_tokens, lm_head, data[n_eval:], data[:n_eval], opts)
+    init_head(head, target.model, opts.init_from_target)
+    lm_head = _lm_head(target.model).detach().float().clone()
+    before, after = fit(head, target.model.embed_tokens, lm_head, data[n_eval:], data[:n_eval], opts)
     folder = save_head(head, out, {**config, "base_model_name_or_path": model})
     if opts.draft_vocab:
         save_draft_vocab(frequent_tokens(answers, opts.draft_vocab), folder)
@@ -87,14 +83,14 @@ def train_eagle(model: str, out: str, options: dict) -> TrainResult:
     return TrainResult(folder, before, after)
 
 
-def cached_answers(llm, opts: EagleTrainOptions) -> list[tuple[list[int], int]]:
+def cached_answers(target: TrainingTarget, opts: EagleTrainOptions) -> list[tuple[list[int], int]]:
     """Generated answers, read from / written to ``opts.answers`` when given."""
     import json
 
     file = Path(opts.answers) if opts.answers else None
     if file is not None and file.exists():
         return [tuple(a) for a in json.loads(file.read_text())]
-    answers = generate_answers(llm, opts)
+    answers = generate_answers(target, opts)
     if file is not None:
         file.write_text(json.dumps(answers))
     return answers
@@ -107,11 +103,11 @@ def frequent_tokens(answers, num: int) -> torch.Tensor:
     return values[counts.argsort(descending=True, stable=True)[:num]].sort().values
 
 
-def collect(engine, answers) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def collect(target: TrainingTarget, answers) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """(token ids [T], features [T, h]) per answer."""
     from tqdm import tqdm
 
-    return [(torch.tensor(ids), target_hidden_states(engine, ids).float().clone())
+    return [(torch.tensor(ids), target.hidden_states(ids).float().clone())
             for ids, _ in tqdm(answers, desc="target features", unit="answer")]
 
 

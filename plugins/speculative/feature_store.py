@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import torch
 
+from lmplug.interfaces.kv_layout import kv_slots
 from lmplug.interfaces.kvcache import KVCacheBackend
 from lmplug.interfaces.step import StepContext
 
@@ -50,9 +51,8 @@ class FeatureStore:
             self.features[self._slots(seq, torch.tensor(dst))] = self.features[self._slots(seq, torch.tensor(src))]
 
     def _slots(self, seq, pos: torch.Tensor) -> torch.Tensor:
-        bs = self.kv.block_size
         table = torch.tensor(self.kv.block_table(seq), dtype=torch.long)
-        return (table[pos // bs] * bs + pos % bs).to(self.features.device)
+        return kv_slots(table, pos, self.kv.block_size).to(self.features.device)
 
     def close(self) -> None:
         self._handle.remove()

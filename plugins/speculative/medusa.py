@@ -7,7 +7,7 @@ model, no draft KV cache. Candidates form a chain (each head's top choice, or a 
 from its filtered distribution for sampling requests, returned as ``probs``), or, with
 the option ``tree``, a tree for greedy requests: Medusa's "choices", each a path of top-k
 ranks — the node at path ``(r_1, ..., r_d)`` carries the token of rank ``r_d`` in head
-``d - 1``'s logits — verified in one forward with tree attention (``lmplug.engine.spec_tree``;
+``d - 1``'s logits — verified in one forward with tree attention (``lmplug.speculation.tree``;
 the attention backend must list the "tree_attention" feature). Sampling requests keep the
 sampled chain (speculative sampling stays exact); ``num_tokens`` bounds only that chain.
 
@@ -23,9 +23,9 @@ import torch
 from lmplug_speculative.medusa_heads import MedusaHeads, load_heads
 from pydantic import Field, field_validator
 
-from lmplug.engine.sampler import draw, processed_logits
 from lmplug.errors import ConfigError
 from lmplug.interfaces import Capabilities, Drafter, DrafterOptions, DraftProposal, DraftTarget
+from lmplug.interfaces.sampling import draw, processed_logits
 
 # FasterDecoding's Medusa choices ``mc_sim_7b_63`` (medusa/model/medusa_choices.py), in its order
 MC_SIM_7B_63 = [[0], [0, 0], [1], [0, 1], [2], [0, 0, 0], [1, 0], [0, 2], [3], [0, 3], [4], [0, 4], [2, 0],
@@ -90,10 +90,10 @@ class MedusaDrafter(Drafter):
         self._hidden: dict[int, tuple[torch.Tensor, int]] = {}  # seq_id -> (hidden [h], num_tokens)
 
     @classmethod
-    def train(cls, model: str, out: str, options: dict) -> None:
+    def train(cls, host, model: str, out: str, options: dict) -> None:
         from lmplug_speculative.medusa_train import train_medusa
 
-        train_medusa(model, out, options)
+        train_medusa(host, model, out, options)
 
     def observe(self, seqs, hidden: torch.Tensor) -> None:
         for seq, row in zip(seqs, hidden):

@@ -26,6 +26,8 @@ from lmplug_speculative.medusa_heads import MedusaHeads, save_heads
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from lmplug.errors import ConfigError
+from lmplug.interfaces.params import SamplingParams
+from lmplug.interfaces.training import TrainingHost, TrainingTarget
 
 TASKS = ["Write a short story about {}.", "Explain {} in simple terms.", "Give five tips about {}.",
          "Write a Python function that has something to do with {}.", "Describe {} in one paragraph.",
@@ -70,27 +72,26 @@ class TrainResult:
     accuracy_after: list[float]
 
 
-def open_target(method: str, options_cls, model: str, options: dict):
+def open_target(host: TrainingHost, method: str, options_cls, model: str,
+                options: dict) -> tuple[BaseModel, TrainingTarget]:
     """Validated training options and the target model (``opts.dtype``, continuous batching), seeded."""
     try:
         opts = options_cls(**options)
     except ValidationError as exc:
         raise ConfigError(f"train-drafter {method}: invalid options: {exc}") from None
-    from lmplug import LLM
-
     torch.manual_seed(opts.seed)
-    llm = LLM(model, device=opts.device, dtype=opts.dtype, max_model_len=1024,
-              scheduler={"backend": "continuous", "max_num_seqs": opts.max_num_seqs})
-    return opts, llm
+    target = host.open_target(model, device=opts.device, dtype=opts.dtype, max_model_len=1024,
+                              max_num_seqs=opts.max_num_seqs)
+    return opts, target
 
 
-def train_medusa(model: str, out: str, options: dict) -> TrainResult:
-    opts, llm = open_target("medusa", MedusaTrainOptions, model, options)
-    answers = generate_answers(llm, opts)
+def train_medusa(host: TrainingHost, model: str, out: str, options: dict) -> TrainResult:
+    opts, target = open_target(host, "medusa", MedusaTrainOptions, model, options)
+    answers = generate_answers(target, opts)
     n_eval = max(1, len(answers) // 10)  # whole answers held out: neighbouring positions leak
-    train = collect_features(llm.engine, answers[n_eval:], opts.num_heads)
-    held_out = collect_features(llm.engine, answers[:n_eval], opts.num_heads)
-    lm_head = _lm_head(llm.engine.parts.model).detach().float()
+    train = collect_features(target, answers[n_eval:], opts.num_heads)
+    held_out = collect_features(target, answers[:n_eval], opts.num_heads)
+    lm_head = _lm_head(target.model).detach().float()
     heads = MedusaHeads(lm_head.shape[1], lm_head.shape[0], opts.num_heads, opts.num_layers)
     heads.to(lm_head.device)
     before, after = fit(heads, lm_head, train, held_out, opts)
@@ -110,65 +111,32 @@ def instructions(num: int, seed: int) -> list[str]:
     return [task.format(topic) for task, topic in pairs[:num]]
 
 
-def generate_answers(llm, opts: MedusaTrainOptions) -> list[tuple[list[int], int]]:
-    """(prompt + answer token ids, prompt length) per instruction, with a progress bar."""
+def generate_answers(target: TrainingTarget, opts: MedusaTrainOptions) -> list[tuple[list[int], int]]:
+    """(prompt + answer token ids, prompt length) per instruction (in the model's chat template),
+    generated together (continuous batching), with a progress bar."""
     from tqdm import tqdm
 
-    from lmplug import SamplingParams
-
-    engine = llm.engine
-    prompts = [_prompt_ids(llm, text) for text in instructions(opts.num_prompts, opts.seed)]
-    for i, ids in enumerate(prompts):
-        engine.add_request(f"train-{i}", ids, SamplingParams(
-            temperature=opts.temperature, max_tokens=opts.max_tokens, seed=opts.seed + i))
-    done = {}
+    prompts = [target.chat_prompt(text) for text in instructions(opts.num_prompts, opts.seed)]
+    params = [SamplingParams(temperature=opts.temperature, max_tokens=opts.max_tokens, seed=opts.seed + i)
+              for i in range(len(prompts))]
     with tqdm(total=len(prompts) * opts.max_tokens, desc="generating answers", unit="tok") as bar:
-        while engine.has_unfinished_requests():
-            for out in engine.step():
-                bar.update(len(out.delta_token_ids))
-                if out.finished:
-                    done[out.request_id] = out
-    return [(prompts[i] + done[f"train-{i}"].token_ids, len(prompts[i])) for i in range(len(prompts))]
+        answers = target.generate(prompts, params, bar.update)
+    return [(prompt + answer, len(prompt)) for prompt, answer in zip(prompts, answers)]
 
 
-def _prompt_ids(llm, text: str) -> list[int]:
-    """The instruction in the model's chat template; plain text for a model without one."""
-    if llm.tokenizer is not None and llm.tokenizer.chat_template:
-        return llm.apply_chat_template([{"role": "user", "content": text}])
-    if llm.tokenizer is None:
-        raise ConfigError("train-drafter: the model has no tokenizer to encode the instructions")
-    return llm.tokenizer.encode(text)
-
-
-def collect_features(engine, answers, num_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+def collect_features(target: TrainingTarget, answers, num_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Hidden states [N, h] at every answer position t and labels [N, num_heads]: the tokens at
     t + i + 2 (-100 past the end)."""
     from tqdm import tqdm
 
     feats, labels = [], []
     for ids, prompt_len in tqdm(answers, desc="target hidden states", unit="answer"):
-        hidden = target_hidden_states(engine, ids)  # [T, h]
+        hidden = target.hidden_states(ids)  # [T, h]
         tokens = torch.tensor(ids + [-100] * (num_heads + 1))
         positions = torch.arange(prompt_len - 1, len(ids) - 2)
         feats.append(hidden[positions])
         labels.append(torch.stack([tokens[positions + i + 2] for i in range(num_heads)], dim=1))
     return torch.cat(feats).float(), torch.cat(labels)
-
-
-@torch.inference_mode()
-def target_hidden_states(engine, ids: list[int]) -> torch.Tensor:
-    """The target's final (normed) hidden states [T, h] over ``ids``, one prefill forward."""
-    from lmplug.engine.params import SamplingParams
-    from lmplug.engine.sequence import Sequence
-    from lmplug.interfaces import ScheduledSeq
-
-    seq = Sequence("train-drafter", ids, SamplingParams())
-    engine.kv.allocate(seq, len(ids))
-    try:
-        input_ids, ctx = engine.runner.build_context([ScheduledSeq(seq, len(ids))])
-        return engine.runner.model(input_ids, ctx.positions, ctx).clone()
-    finally:
-        engine.kv.free(seq)
 
 
 def fit(heads: MedusaHeads, lm_head: torch.Tensor, train: tuple[torch.Tensor, torch.Tensor],

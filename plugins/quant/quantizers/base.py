@@ -21,9 +21,9 @@ from lmplug_quant.quantizers.writer import float_tensors, tensor_bytes, write_ch
 from pydantic import Field, field_validator
 
 from lmplug.errors import ConfigError
+from lmplug.interfaces.checkpoint import ModelSource
 from lmplug.interfaces.common import BackendOptions, Capabilities
 from lmplug.interfaces.quantizer import CalibrationSpec, Progress, Quantizer
-from lmplug.loading.source import ModelSource
 
 CHUNK = 4  # calibration windows per forward (bounds the attention scores' memory)
 

@@ -5,26 +5,22 @@ method loads it, and as a check of one that does."""
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 import torch
 from lmplug_quant.quantizers.grid import fake_quantize_fp8_tokens, fake_quantize_int8_tokens
 from lmplug_quant.quantizers.reference import FloatLlama
 
 from lmplug.errors import ConfigError
-from lmplug.loading import open_source
+from lmplug.interfaces.checkpoint import ModelSource
 
 
 class W8A8Reference:
     """``log_probs(ids, rows)`` like ``lmplug.evaluate.Scorer``, computed by ``FloatLlama``."""
 
-    def __init__(self, folder: str | Path, max_len: int = 4096) -> None:
-        folder = Path(folder)
-        qc = json.loads((folder / "config.json").read_text()).get("quantization_config", {})
+    def __init__(self, source: ModelSource, max_len: int = 4096) -> None:
+        """``source``: the checkpoint folder as the core reads it (``lmplug.loading.open_source``)."""
+        qc = source.hf_config.get("quantization_config") or {}
         if qc.get("quant_method") != "compressed-tensors":
-            raise ConfigError(f"{folder}: not a compressed-tensors checkpoint")
-        source = open_source(folder)
+            raise ConfigError(f"{source.path}: not a compressed-tensors checkpoint")
         self.model = FloatLlama(source, max_len=max_len)
         t = self.model.tensors
         for key in [k for k in t if k.endswith(".weight_scale")]:

@@ -5,9 +5,9 @@ lmplug imports this module through the entry point ``example`` in the group
 calls the hooks below when it builds its registry.
 """
 
-from lmplug import hookimpl
+from lmplug.hookspecs import hookimpl
 
-LMPLUG_API_VERSION = 1  # the lmplug core API this plugin is written against
+LMPLUG_API_VERSION = 2  # the lmplug core API this plugin is written against
 
 
 @hookimpl

@@ -1,0 +1,141 @@
+"""The engine plan: the one resolution made once the model's config is known, and what it fixes.
+
+``make_plan`` re-runs ``lmplug.config.resolve`` with the model's facts (MLA models take the
+attention backend with the "mla" feature; MoE models a moe backend, ``auto`` without a section;
+dense models none), takes the quant method from the checkpoint's ``quantization_config`` where
+the config names none (or the same one), checks the model against the choice and the
+tensor-parallel layout, and returns an immutable ``EnginePlan``. The build constructs from the
+plan and changes nothing in it. At start-up the plan logs one INFO line per family: the backend
+and why (named in the config, from the checkpoint, or ``auto``'s candidates and priorities).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Any
+
+from pydantic import ValidationError
+
+from lmplug.config import ModelFacts, ResolvedBackend, ResolvedConfig, resolve
+from lmplug.errors import ConfigError, ModelLoadError, PluginError
+from lmplug.interfaces.model_config import ModelConfig
+from lmplug.parallel import ParallelState
+from lmplug.parallel import setup as parallel_setup
+from lmplug.plugins import get_registry
+
+logger = logging.getLogger(__name__)
+
+FROM_CHECKPOINT = "from the checkpoint's quantization_config"
+
+
+@dataclass(frozen=True)
+class EnginePlan:
+    """Everything chosen for one engine (one rank), before anything is built."""
+
+    resolved: ResolvedConfig  # every backend for this model, options validated
+    model_config: ModelConfig
+    where: str  # the model's path, for messages
+    parallel: ParallelState  # this rank's shard layout (heads, slices, experts)
+    kv_shape: Mapping[str, Any]  # ``KVCacheSpec`` fields per token: this rank's KV heads, head_dim, latent
+    scale: float  # the attention softmax scale
+    max_model_len: int
+
+
+def model_facts(model_config: ModelConfig) -> ModelFacts:
+    return ModelFacts(model_config.model_type, mla=model_config.mla is not None,
+                      moe=model_config.moe is not None)
+
+
+def make_plan(resolved: ResolvedConfig, hf_config: Mapping, model_config: ModelConfig, where: str,
+              parallel: ParallelState) -> EnginePlan:
+    """Resolve once for this model and check it fits. Raises ``ConfigError`` / ``ModelLoadError``."""
+    final = resolve(resolved.config, device=resolved.device, dtype=resolved.dtype, registry=resolved.registry,
+                    source=resolved.source, model=model_facts(model_config))
+    attention = final.backends["attention"]
+    _check_window_support(model_config, attention)
+    _check_attention_fits(model_config, attention)
+    parallel_setup.check_model(model_config, parallel.world_size, where, parallel.expert_parallel)
+    backends, reasons = dict(final.backends), dict(final.reasons)
+    quant = checkpoint_quant(final, hf_config, where)
+    if quant is not None:
+        backends["quant"], reasons["quant"] = quant, FROM_CHECKPOINT
+    final = ResolvedConfig(final.config, final.device, final.dtype, backends, final.source, reasons,
+                           final.model, final.registry)
+    kv_shape, scale = _kv_shape(model_config)
+    plan = EnginePlan(final, model_config, where, parallel,
+                      MappingProxyType(parallel_setup.local_kv_shape(kv_shape, parallel)), scale,
+                      resolved.config.max_model_len or model_config.max_position_embeddings)
+    if parallel.rank == 0:
+        log_choices(final)
+    return plan
+
+
+def log_choices(resolved: ResolvedConfig) -> None:
+    """One INFO line per family: the backend and why."""
+    for section, chosen in resolved.backends.items():
+        logger.info("%s: %s: %s %r (%s)", resolved.source, section, chosen.info.family, chosen.name,
+                    resolved.reasons.get(section, "named in the config"))
+
+
+def _check_window_support(model_config: ModelConfig, attention: ResolvedBackend) -> None:
+    if model_config.sliding_window and "sliding_window" not in attention.cls.capabilities.features:
+        raise ConfigError(f"attention: backend {attention.name!r} does not support sliding-window "
+                          f"attention, which this {model_config.model_type} model uses "
+                          f"(window {model_config.sliding_window}); choose one that lists the "
+                          "'sliding_window' feature (`lmplug plugins`)")
+
+
+def _check_attention_fits(model_config: ModelConfig, chosen: ResolvedBackend) -> None:
+    """An MLA model (DeepSeek-V2/V3) needs a backend listing the "mla" feature, and such a
+    backend runs MLA models only."""
+    mla = model_config.mla
+    if (mla is not None) != ("mla" in chosen.cls.capabilities.features):
+        kind = ("uses multi-head latent attention (MLA); choose an attention backend with the 'mla' "
+                "feature, e.g. `attention: mla`" if mla is not None else
+                "uses ordinary attention, which it cannot run; choose e.g. `attention: auto`")
+        raise ConfigError(f"attention: backend {chosen.name!r} (plugin {chosen.info.plugin}) does not "
+                          f"fit model_type {model_config.model_type!r}: the model {kind}")
+
+
+def _kv_shape(model_config: ModelConfig) -> tuple[dict, float]:
+    """What the KV cache stores per token (``KVCacheSpec`` fields) and the softmax scale. MLA
+    caches one latent row per token and layer (``num_kv_heads`` 1, ``head_dim`` = kv_lora_rank +
+    rope dims, no V)."""
+    mla = model_config.mla
+    if mla is None:
+        shape = {"num_kv_heads": model_config.num_kv_heads, "head_dim": model_config.head_dim}
+        return shape, model_config.head_dim ** -0.5
+    return {"num_kv_heads": 1, "head_dim": mla.latent_dim, "latent": True}, mla.softmax_scale
+
+
+def checkpoint_quant(resolved: ResolvedConfig, hf_config: Mapping, where: str) -> ResolvedBackend | None:
+    """The quant method when the checkpoint's `quantization_config` decides it: the config's
+    `quant:` section wins unless it names the same method (then the checkpoint's options are the
+    base and the section's keys override them). None: the config's choice (or plain weights)."""
+    chosen = resolved.backends.get("quant")
+    ckpt = hf_config.get("quantization_config") or None
+    if ckpt is None or (chosen is not None and chosen.name != str(ckpt.get("quant_method")).lower()):
+        return None
+    where = f"{where}: config.json quantization_config"
+    name = str(ckpt.get("quant_method")).lower()
+    try:
+        info = chosen.info if chosen else (resolved.registry or get_registry()).get("quant", str(name))
+    except PluginError as exc:
+        raise ModelLoadError(f"{where}: quant_method {name!r} is not available ({exc})") from None
+    if not info.cls.capabilities.fits(resolved.device, resolved.dtype):
+        raise ConfigError(f"{where}: quant method {info.name!r} does not run on device "
+                          f"{resolved.device!r} with dtype {resolved.dtype!r} "
+                          f"({info.cls.capabilities.describe()})")
+    overrides = {k: v for k, v in (resolved.config.quant or {}).items() if k != "method"}
+    try:
+        base = info.cls.from_checkpoint_config(dict(ckpt)).model_dump(exclude_unset=True)
+        options = info.cls.Options(**{**base, **overrides})
+    except ValidationError as exc:
+        problems = "; ".join(f"{'.'.join(map(str, e['loc'])) or '(options)'}: {e['msg']} "
+                             f"(got {e.get('input')!r})" for e in exc.errors())
+        raise ModelLoadError(f"{where}: not usable by quant method {info.name!r} "
+                             f"(plugin {info.plugin}): {problems}") from None
+    return ResolvedBackend(info, options)

@@ -1,0 +1,77 @@
+"""The one table of plugin families: every other list of them derives from ``TABLE``.
+
+A family is an extension point: a base class (the contract), the registration hook plugins
+implement to hand in their classes, and, for the families a user configures, the config
+section and the key in it that names the backend. Derived from this table:
+
+- ``lmplug.interfaces.FAMILIES`` (family -> base class) and the registry (``lmplug.plugins``:
+  which hook fills which family, which base class each returned class must subclass);
+- ``lmplug.config``: the plugin sections of ``EngineConfig`` (``SECTIONS``, ``OPTIONAL_SECTIONS``),
+  which accept ``auto``, and the order they are resolved in;
+- the generated docs (``docs/gen_config.py``, ``docs/gen_hooks.py``).
+
+The hook specifications themselves stay plain functions in ``lmplug.hookspecs`` (pluggy reads
+their signatures); a test checks that every ``hook`` below is one of them and every
+registration spec there has a row here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from lmplug.interfaces.attention import AttentionBackend
+from lmplug.interfaces.drafter import Drafter
+from lmplug.interfaces.kvcache import KVCacheBackend
+from lmplug.interfaces.moe import MoEBackend
+from lmplug.interfaces.quant import QuantMethod
+from lmplug.interfaces.quantizer import Quantizer
+from lmplug.interfaces.scheduler import Scheduler
+
+
+@dataclass(frozen=True)
+class Family:
+    """One extension point."""
+
+    name: str  # the registry's family name (``lmplug plugins``, ``Registry.backends(name)``)
+    base: type  # every registered class subclasses it
+    hook: str  # the registration hook (``lmplug.hookspecs``) that returns the classes
+    section: str | None = None  # the ``EngineConfig`` section that chooses one; None: not configured
+    name_key: str = "backend"  # the key of that section naming the backend (``backend`` / ``method``)
+    auto: bool = False  # a section without the key means ``auto`` (chosen by capabilities)
+    optional: bool = False  # an absent section is off (or, moe, decided by the model)
+    after: tuple[str, ...] = ()  # sections resolved first: this one's ``auto`` reads their choice
+
+
+TABLE: tuple[Family, ...] = (
+    Family("attention", AttentionBackend, "lmplug_register_attention_backends", "attention",
+           auto=True, after=("kvcache",)),
+    Family("kvcache", KVCacheBackend, "lmplug_register_kvcache_backends", "kvcache", auto=True),
+    Family("scheduler", Scheduler, "lmplug_register_schedulers", "scheduler", auto=True),
+    Family("quant", QuantMethod, "lmplug_register_quant_methods", "quant", "method", optional=True),
+    Family("drafter", Drafter, "lmplug_register_drafters", "speculative", "method", optional=True),
+    Family("moe", MoEBackend, "lmplug_register_moe_backends", "moe", auto=True, optional=True),
+    Family("quantizer", Quantizer, "lmplug_register_quantizers"),
+)
+
+BY_NAME: dict[str, Family] = {f.name: f for f in TABLE}
+
+
+def configured() -> tuple[Family, ...]:
+    """The families with a config section, in resolution order (each after its ``after``)."""
+    out: list[Family] = []
+
+    def visit(family: Family) -> None:
+        if family in out:
+            return
+        for section in family.after:
+            visit(next(f for f in TABLE if f.section == section))
+        out.append(family)
+
+    for family in TABLE:
+        if family.section is not None:
+            visit(family)
+    return tuple(out)
+
+
+def by_section(section: str) -> Family:
+    return next(f for f in TABLE if f.section == section)

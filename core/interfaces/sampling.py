@@ -1,0 +1,99 @@
+"""Turn the last position's logits into next tokens, per sequence params; logprobs on request.
+
+Order of processing matches HF transformers: temperature, top-k, top-p,
+min-p. Sampling draws with each sequence's own ``torch.Generator`` (the
+exponential-race form of multinomial sampling: ``argmax(p / E)`` with
+``E ~ Exp(1)``), so a seeded request gives the same tokens whatever else is
+in the batch.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from lmplug.interfaces.params import SamplingParams
+from lmplug.interfaces.sequence import Logprob, Sequence
+
+
+def apply_filters(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                  min_p: torch.Tensor) -> torch.Tensor:
+    """Mask (to -inf) what top-k / top-p / min-p exclude. logits [N, V]; params [N]."""
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    vocab = logits.shape[-1]
+    rank = torch.arange(vocab, device=logits.device).expand_as(sorted_logits)
+    k = torch.where(top_k > 0, top_k, vocab).unsqueeze(1)
+    drop = rank >= k
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    probs = sorted_logits.softmax(-1)
+    # top-p: keep the smallest prefix whose mass reaches p (always the first token)
+    mass_before = probs.cumsum(-1) - probs
+    # (rows with top_p == 1 skip it: in float32 the cumulative sum can pass 1.0 before the tail)
+    drop = (mass_before >= top_p.unsqueeze(1)) & (top_p < 1).unsqueeze(1)
+    drop[:, 0] = False
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    # min-p: drop tokens below min_p x the top token's probability
+    probs = sorted_logits.softmax(-1)
+    drop = probs < (min_p.unsqueeze(1) * probs[:, :1])
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
+
+
+def processed_logits(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Temperature, then top-k / top-p / min-p, row by row: logits [N, V] -> [N, V] float32.
+
+    Greedy rows (temperature 0) are left at temperature 1; callers take their argmax.
+    The speculative verifier and sampling drafters use this too, so the target and the
+    draft distributions are shaped by the same rules.
+    """
+    logits = logits.float()
+    temps = torch.tensor([p.temperature or 1.0 for p in params], device=logits.device)
+    scaled = logits / temps.unsqueeze(1)
+    if any(p.needs_filtering for p in params):
+        dev = logits.device
+        scaled = apply_filters(
+            scaled,
+            torch.tensor([max(p.top_k, 0) for p in params], device=dev),
+            torch.tensor([p.top_p for p in params], device=dev),
+            torch.tensor([p.min_p for p in params], device=dev))
+    return scaled
+
+
+def sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
+    """logits [N, V] (one row per sequence) -> next token id per sequence."""
+    logits = logits.float()
+    if all(s.params.is_greedy for s in seqs):
+        return logits.argmax(-1).tolist()
+    probs = processed_logits(logits, [s.params for s in seqs]).softmax(-1)
+    out = []
+    for i, seq in enumerate(seqs):
+        if seq.params.is_greedy:
+            out.append(int(logits[i].argmax()))
+            continue
+        out.append(draw(probs[i], seq.generator))
+    return out
+
+
+def draw(probs: torch.Tensor, generator: torch.Generator | None) -> int:
+    """One token from the distribution ``probs`` [V] (need not be normalised):
+    ``argmax(p / E)`` with ``E ~ Exp(1)`` picks token i with probability p_i / sum(p)."""
+    noise = torch.empty_like(probs).exponential_(generator=generator)
+    return int((probs / noise).argmax())
+
+
+def top_logprobs(logits: torch.Tensor, chosen: torch.Tensor, k: int) -> list[dict[int, Logprob]]:
+    """For each row: the chosen token's logprob and rank plus the top-k (raw model distribution).
+
+    logits [N, V], chosen [N] -> one dict per row.
+    """
+    logprobs = logits.float().log_softmax(-1)
+    chosen_lp = logprobs.gather(1, chosen.unsqueeze(1)).squeeze(1)
+    ranks = (logprobs > chosen_lp.unsqueeze(1)).sum(-1) + 1
+    top_vals, top_ids = logprobs.topk(k, dim=-1) if k > 0 else (None, None)
+    rows = []
+    for i in range(logits.shape[0]):
+        entry = {int(chosen[i]): Logprob(float(chosen_lp[i]), int(ranks[i]))}
+        if k > 0:
+            for r, (tid, val) in enumerate(zip(top_ids[i].tolist(), top_vals[i].tolist()), start=1):
+                entry.setdefault(tid, Logprob(val, r))
+        rows.append(entry)
+    return rows

@@ -1,0 +1,106 @@
+"""``Sequence``: one generation stream (a request has ``n`` of them)."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass
+from enum import Enum
+
+import torch
+
+from lmplug.interfaces.params import SamplingParams
+
+_ids = itertools.count()
+
+
+class SequenceStatus(Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(frozen=True)
+class Logprob:
+    logprob: float
+    rank: int  # 1 = the most likely token
+    decoded_token: str | None = None
+
+
+class Sequence:
+    """Tokens so far and how many of them have K/V computed.
+
+    ``num_computed_tokens`` < ``num_tokens`` means work remains (prompt
+    chunks, or a recompute after preemption); when a step brings it level,
+    the engine samples the next token.
+    """
+
+    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                 *, index: int = 0, priority: int = 0, generator: torch.Generator | None = None,
+                 arrival_time: float | None = None) -> None:
+        self.seq_id = next(_ids)
+        self.request_id = request_id
+        self.index = index
+        self.token_ids = list(prompt_token_ids)
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.num_computed_tokens = 0
+        self.status = SequenceStatus.WAITING
+        self.params = params
+        self.priority = priority
+        self.generator = generator
+        self.arrival_time = time.perf_counter() if arrival_time is None else arrival_time
+        self.first_token_time: float | None = None
+        self.finish_time: float | None = None
+        self.finish_reason: str | None = None
+        self.stop_reason: str | int | None = None
+        self.logprobs: list[dict[int, Logprob]] = []
+        self.prompt_logprobs: list[dict[int, Logprob] | None] = []
+        self.text = ""
+        # per-sequence statistics (speculative decoding fills the first two; RequestMetrics)
+        self.num_drafted = 0  # proposals verified over the sequence's life
+        self.num_accepted = 0  # of those, accepted
+        self.num_target_forwards = 0  # target forwards (steps) that produced tokens for it
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.token_ids[:self.num_prompt_tokens]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    @property
+    def is_prefill(self) -> bool:
+        return self.num_computed_tokens < self.num_prompt_tokens
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """Prompt logprobs were asked for and some are still to be computed."""
+        return (self.params.prompt_logprobs is not None and self.num_computed_tokens < self.num_prompt_tokens
+                and len(self.prompt_logprobs) < self.num_prompt_tokens)
+
+    def skip_cached(self, num_cached: int) -> None:
+        """Start computing after a prefix-cache hit of ``num_cached`` tokens.
+
+        The last token is always computed (its logits give the next token), and a
+        request that wants prompt logprobs computes its whole prompt.
+        """
+        if self.params.prompt_logprobs is not None:
+            num_cached = 0
+        self.num_computed_tokens = min(num_cached, self.num_tokens - 1)
+
+    def __repr__(self) -> str:
+        return (f"Sequence(id={self.seq_id}, request={self.request_id!r}, tokens={self.num_tokens}, "
+                f"computed={self.num_computed_tokens}, {self.status.value})")

@@ -1,0 +1,214 @@
+"""The request table: each request's sequences, its text state, n > 1 forks and its outputs."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as Seq
+
+import torch
+
+from lmplug.errors import ConfigError
+from lmplug.interfaces.params import SamplingParams
+from lmplug.interfaces.sequence import Sequence, SequenceStatus
+from lmplug.outputs.stopping import check_stop
+from lmplug.outputs.types import CompletionOutput, RequestMetrics, RequestOutput
+
+
+class Request:
+    def __init__(self, request_id: str, prompt: str | None, prompt_ids: list[int], seqs: list[Sequence],
+                 detokenizers: list) -> None:
+        self.request_id = request_id
+        self.prompt = prompt
+        self.prompt_ids = prompt_ids
+        self.seqs = seqs
+        self.detokenizers = detokenizers
+        self.sent_tokens = [0] * len(seqs)  # streaming: tokens already reported per sequence
+        self.sent_text = [0] * len(seqs)
+        self.pending_forks: list[Sequence] = []  # siblings forked from seqs[0] at its first token
+
+    @property
+    def finished(self) -> bool:
+        return all(s.is_finished for s in self.seqs)
+
+    def output(self) -> RequestOutput:
+        """The request so far; the deltas are what changed since the previous call."""
+        completions, delta_text, delta_ids = [], "", []
+        for i, seq in enumerate(self.seqs):
+            text = seq.text
+            if not seq.is_finished and seq.params.stop:
+                # hold back what may be the start of a stop string: once it completes, the text
+                # is cut before it, and a streamed delta cannot be taken back
+                hold = max(len(s) for s in seq.params.stop) - 1
+                text = text[:max(len(text) - hold, self.sent_text[i])]
+            completions.append(CompletionOutput(
+                index=seq.index, text=text, token_ids=seq.output_token_ids,
+                logprobs=seq.logprobs if seq.params.logprobs is not None else None,
+                finish_reason=seq.finish_reason, stop_reason=seq.stop_reason))
+            if i == 0:
+                delta_ids = seq.output_token_ids[self.sent_tokens[0]:]
+                delta_text = text[self.sent_text[0]:]
+            self.sent_tokens[i], self.sent_text[i] = seq.num_output_tokens, len(text)
+        first = self.seqs[0]
+        metrics = RequestMetrics(first.arrival_time, first.first_token_time, first.finish_time,
+                                 sum(s.num_drafted for s in self.seqs), sum(s.num_accepted for s in self.seqs),
+                                 max(s.num_target_forwards for s in self.seqs))
+        return RequestOutput(
+            request_id=self.request_id, prompt=self.prompt, prompt_token_ids=self.prompt_ids,
+            outputs=completions, finished=self.finished,
+            prompt_logprobs=first.prompt_logprobs if first.params.prompt_logprobs is not None else None,
+            metrics=metrics, delta_text=delta_text, delta_token_ids=delta_ids)
+
+
+class RequestTable:
+    """The engine's live requests. ``can_fork``: n > 1 shares the prompt's KV (``kv.fork``)."""
+
+    def __init__(self, tokenizer, eos_token_ids: frozenset[int], max_model_len: int, vocab_size: int,
+                 kv, can_fork: bool, seed: int) -> None:
+        self.tokenizer = tokenizer
+        self.eos_token_ids = eos_token_ids
+        self.max_model_len = max_model_len
+        self.vocab_size = vocab_size
+        self.kv = kv
+        self.can_fork = can_fork
+        self._requests: dict[str, Request] = {}
+        self._seed_rng = torch.Generator().manual_seed(seed)
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self._requests
+
+    def __getitem__(self, request_id: str) -> Request:
+        return self._requests[request_id]
+
+    def __len__(self) -> int:
+        return len(self._requests)
+
+    def pop(self, request_id: str) -> Request | None:
+        return self._requests.pop(request_id, None)
+
+    def sequences(self) -> list[Sequence]:
+        """Every sequence of every live request, in arrival order."""
+        return [s for req in self._requests.values() for s in req.seqs]
+
+    # -- new requests ----------------------------------------------------------------------------
+    def add(self, request_id: str, prompt: str | Seq[int], params: SamplingParams,
+            priority: int = 0) -> list[Sequence]:
+        """Register a request; returns the sequences to schedule now (with forking, the first
+        only: its siblings fork from it at its first token)."""
+        if request_id in self._requests:
+            raise ConfigError(f"request id {request_id!r} is already in use")
+        text, ids = self._tokenize(prompt)
+        self._check_prompt(request_id, ids)
+        seqs, detoks = [], []
+        for i in range(params.n):
+            gen = torch.Generator()
+            seed = params.seed + i if params.seed is not None else int(
+                torch.randint(0, 2**62, (1,), generator=self._seed_rng))
+            gen.manual_seed(seed)
+            seqs.append(Sequence(request_id, ids, params, index=i, priority=priority, generator=gen))
+            detoks.append(self._detokenizer(ids, params))
+        req = Request(request_id, text, ids, seqs, detoks)
+        self._requests[request_id] = req
+        if self.can_fork:
+            req.pending_forks = seqs[1:]
+            return seqs[:1]
+        return seqs
+
+    def _check_prompt(self, request_id: str, ids: list[int]) -> None:
+        if not ids:
+            raise ConfigError(f"request {request_id!r}: the prompt is empty")
+        if len(ids) >= self.max_model_len:
+            raise ConfigError(f"request {request_id!r}: prompt of {len(ids)} tokens does not fit "
+                              f"max_model_len={self.max_model_len} (it needs room for at least one new token)")
+        if min(ids) < 0 or max(ids) >= self.vocab_size:
+            raise ConfigError(f"request {request_id!r}: prompt token ids must be in [0, {self.vocab_size})")
+
+    def _tokenize(self, prompt: str | Seq[int]) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ConfigError("this model has no tokenizer; pass prompt token ids instead of text")
+            return prompt, self.tokenizer.encode(prompt)
+        return None, [int(t) for t in prompt]
+
+    def _detokenizer(self, prompt_ids: list[int], params: SamplingParams):
+        if self.tokenizer is None:
+            return None
+        from lmplug.loading.tokenizer import IncrementalDetokenizer
+        return IncrementalDetokenizer(self.tokenizer, prompt_ids, skip_special_tokens=params.skip_special_tokens)
+
+    # -- n > 1 -----------------------------------------------------------------------------------
+    def fork_siblings(self, seqs: list[Sequence], logits: torch.Tensor, hidden: torch.Tensor | None,
+                      num_rows: list[int]) -> tuple[list[Sequence], torch.Tensor, torch.Tensor | None,
+                                                    list[int], list[Sequence]]:
+        """Fork the waiting siblings of every sequence about to sample its first token.
+
+        A child shares its parent's prompt KV (``kv.fork``) and samples its own first token,
+        with its own generator, from a copy of the parent's (last) logits (and hidden) row.
+        Returns the sequences with the children appended, the rows to match, and the children.
+        """
+        last_rows = torch.tensor(num_rows).cumsum(0).sub(1).tolist()
+        rows, forked = [], []
+        for i, parent in enumerate(seqs):
+            req = self._requests[parent.request_id]
+            for child in req.pending_forks:
+                child.num_computed_tokens = parent.num_computed_tokens
+                self.kv.fork(parent, child)
+                rows.append(last_rows[i])
+                forked.append(child)
+            req.pending_forks = []
+        if not forked:
+            return seqs, logits, hidden, num_rows, []
+        logits = torch.cat([logits, logits[rows]])
+        hidden = None if hidden is None else torch.cat([hidden, hidden[rows]])
+        return seqs + forked, logits, hidden, num_rows + [1] * len(forked), forked
+
+    # -- tokens in, outputs out ------------------------------------------------------------------
+    def append(self, seqs: list[Sequence], emitted: list[list[int]], logprobs: list[list[dict] | None],
+               now: float) -> list[Sequence]:
+        """Append each sequence's emitted tokens; returns the sequences that finished."""
+        finished = []
+        for seq, tokens, lps in zip(seqs, emitted, logprobs):
+            seq.num_target_forwards += 1
+            if self._append_tokens(seq, tokens, lps, now):
+                finished.append(seq)
+        return finished
+
+    def _append_tokens(self, seq: Sequence, tokens: list[int], logprobs: list[dict] | None,
+                       now: float) -> bool:
+        """Append ``tokens`` in order; the first that ends ``seq`` drops the rest. True if it ended."""
+        if seq.first_token_time is None:
+            seq.first_token_time = now
+        detok = self._requests[seq.request_id].detokenizers[seq.index]
+        for j, token in enumerate(tokens):
+            seq.token_ids.append(token)
+            if logprobs is not None:
+                seq.logprobs.append(logprobs[j])
+            if detok is not None and not self._is_stop_token(seq, token):
+                detok.add([token])  # a stop token ends the text; it is not part of it
+                seq.text = detok.text
+            if check_stop(seq, token, self.eos_token_ids, self.max_model_len):
+                if detok is not None and not isinstance(seq.stop_reason, str):
+                    detok.flush()  # a character cut short by the end still shows
+                    seq.text = detok.text
+                seq.status = SequenceStatus.FINISHED
+                seq.finish_time = now
+                return True
+        return False
+
+    def _is_stop_token(self, seq: Sequence, token: int) -> bool:
+        params = seq.params
+        if params.include_stop_str_in_output:
+            return False
+        return token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids)
+
+    def outputs(self, seqs: list[Sequence]) -> list[RequestOutput]:
+        """One output per live request among ``seqs`` (in order); finished requests leave."""
+        seen, outputs = set(), []
+        for seq in seqs:
+            rid = seq.request_id
+            if rid in seen or rid not in self._requests:
+                continue
+            seen.add(rid)
+            out = self._requests[rid].output()
+            if out.finished:
+                del self._requests[rid]
+            outputs.append(out)
+        return outputs

@@ -1,0 +1,243 @@
+"""The speculator: the engine's select stage when a drafter is configured.
+
+One step with a drafter (the engine calls the stage at each point):
+
+1. ``propose`` (before scheduling): the drafter proposes up to ``k`` tokens for each running
+   decode sequence. They stay here; the scheduler learns only how many tokens past
+   ``token_ids`` each sequence may compute (its *lookahead*) and counts them against its
+   token budget and the KV cache like any others.
+2. ``plan`` (after scheduling): the drafts the scheduler fit (``num_new_tokens - 1``; none for
+   a sequence left out or preempted) are appended to ``seq.token_ids`` for the forward, and
+   the scheduled row says how many logits rows the step needs back and, for a tree, its
+   positions and attention mask. The rest are dropped.
+3. ``select`` (after the forward): strip the drafts, verify them against the logits and
+   return what to emit: accepted drafts plus one target token. The engine appends them one by
+   one, checking stop conditions on each.
+4. ``settle`` (after appending): ``num_computed_tokens`` falls back to the accepted length
+   (the K/V of rejected drafts is stale) and the KV backend releases what lies past it;
+   finished sequences are released; hidden-state drafters observe the target's states.
+
+Trees (``DraftProposal.parents``, ``tree``): a drafter with ``drafts_trees`` may propose a
+tree of candidates for a greedy request. Its nodes are appended in node order like a chain's
+drafts (so the token budget and cutting work unchanged: keeping the first nodes of a
+topological order keeps a subtree) and the runner gets tree positions and an ancestor mask.
+``select`` walks the tree (greedy) and moves the accepted path's K/V to the positions a chain
+would have used before the rollback. A sampling request gets only the chain of first children,
+which the speculative-sampling verifier keeps exact. Stats: a tree counts its nodes as drafted
+and its accepted path length as accepted, so the acceptance rate falls with the tree's size;
+tokens per target forward is the figure that matters.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from lmplug.interfaces.draft_tree import depths, is_chain, tree_rows
+from lmplug.interfaces.drafter import Drafter
+from lmplug.interfaces.kvcache import KVCacheBackend
+from lmplug.interfaces.scheduler import ScheduledSeq
+from lmplug.interfaces.sequence import Sequence, SequenceStatus
+from lmplug.speculation.tree import first_child_chain, head, move_kv, subtree
+from lmplug.speculation.verifier import verify_batch
+
+
+@dataclass
+class Draft:
+    """One sequence's proposal: tokens, their draft distributions (None: point masses) and,
+    for a tree, each node's parent (None: a chain)."""
+
+    tokens: list[int]
+    probs: torch.Tensor | None = None
+    parents: list[int] | None = None
+
+    def head(self, keep: int) -> Draft:
+        return Draft(self.tokens[:keep], None if self.probs is None else self.probs[:keep],
+                     head(self.parents, keep))
+
+
+class Speculator:
+    def __init__(self, drafter: Drafter, num_tokens: int, kv: KVCacheBackend, max_model_len: int) -> None:
+        self.drafter = drafter
+        self.num_tokens = num_tokens
+        self.kv = kv
+        self.max_model_len = max_model_len
+        self._proposed: dict[int, Draft] = {}  # seq_id -> drafts awaiting scheduling
+        self._planned: dict[int, Draft] = {}  # seq_id -> drafts in this step's forward
+        self.num_drafted = 0  # totals over the engine's life
+        self.num_accepted = 0
+        self.num_verified = 0  # sequence-steps that verified at least one draft
+        self._step = {"drafted": 0, "accepted": 0}
+        self._hidden: torch.Tensor | None = None  # [B, h] of the last verify, for observe
+
+    # -- before scheduling -----------------------------------------------------------------------
+    def propose(self, seqs: list[Sequence]) -> dict[int, int]:
+        """Draft for the decode sequences among ``seqs`` that have room; returns each drafted
+        sequence's lookahead (seq_id -> draft tokens) for the scheduler."""
+        seqs = [s for s in seqs if s.status is SequenceStatus.RUNNING and not s.is_prefill
+                and s.num_computed_tokens == s.num_tokens - 1]
+        room = {s.seq_id: self._room(s) for s in seqs}
+        seqs = [s for s in seqs if room[s.seq_id] > 0]
+        self._step = {"drafted": 0, "accepted": 0}
+        self._proposed = {}
+        if not seqs:
+            return {}
+        proposal = self.drafter.propose(seqs, self.num_tokens)
+        for i, seq in enumerate(seqs):
+            tokens, probs, parents = list(proposal.token_ids[i]), proposal.probs_of(i), proposal.parents_of(i)
+            if parents is not None:
+                tokens, probs, parents = self._fit_tree(seq, tokens, probs, parents)
+            if parents is None:
+                tokens = tokens[:room[seq.seq_id]]
+            if tokens:
+                self._proposed[seq.seq_id] = Draft(tokens, None if probs is None else probs[:len(tokens)],
+                                                   parents)
+        return {seq_id: len(d.tokens) for seq_id, d in self._proposed.items()}
+
+    def _fit_tree(self, seq: Sequence, tokens: list[int], probs: torch.Tensor | None,
+                  parents: list[int]) -> tuple[list[int], torch.Tensor | None, list[int] | None]:
+        """A proposed tree, cut to what this sequence may verify: for a sampling request the chain
+        of first children (returned with parents None); for a greedy one the nodes that fit the
+        context (node j's K/V sits at position start + j) and whose depth fits max_tokens."""
+        if not self.drafter.drafts_trees:
+            raise RuntimeError(f"speculative: drafter {self.drafter.name!r} proposed a tree but its "
+                               "drafts_trees is False (only tree-aware drafters, e.g. medusa with "
+                               "`tree`, may propose trees)")
+        if len(parents) != len(tokens):
+            raise RuntimeError(f"speculative: drafter {self.drafter.name!r} proposed {len(tokens)} "
+                               f"tokens with {len(parents)} parents")
+        if not seq.params.is_greedy:
+            keep = first_child_chain(parents)
+            return [tokens[j] for j in keep], None if probs is None else probs[keep], None
+        nodes_room = self.max_model_len - seq.num_tokens - 1
+        depth_room = nodes_room
+        if seq.params.max_tokens is not None:
+            depth_room = min(depth_room, seq.params.max_tokens - seq.num_output_tokens - 1)
+        depth = depths(parents)
+        keep = [j for j in range(min(len(tokens), nodes_room)) if depth[j] <= depth_room]
+        if len(keep) < len(tokens):
+            parents = subtree(parents, keep)
+            tokens = [tokens[j] for j in keep]
+            probs = None if probs is None else probs[keep]
+        return tokens, probs, None if is_chain(parents) else parents
+
+    def _room(self, seq: Sequence) -> int:
+        """How many drafts are worth verifying: a step emits at most drafts + 1 tokens, and
+        must stay within max_tokens and the context limit."""
+        left = self.max_model_len - seq.num_tokens
+        if seq.params.max_tokens is not None:
+            left = min(left, seq.params.max_tokens - seq.num_output_tokens)
+        return max(0, min(self.num_tokens, left - 1))
+
+    # -- after scheduling ------------------------------------------------------------------------
+    def plan(self, scheduled: list[ScheduledSeq]) -> None:
+        """Put the drafts the scheduler fit (``num_new_tokens - 1`` of them) into the forward;
+        drop the others (a sequence left out or preempted drafts afresh next step)."""
+        proposed, self._proposed = self._proposed, {}
+        for item in scheduled:
+            draft = proposed.get(item.seq.seq_id)
+            keep = 0 if draft is None else min(len(draft.tokens), item.num_new_tokens - 1)
+            if keep > 0:
+                self.add_draft(item, draft.head(keep))
+
+    def add_draft(self, item: ScheduledSeq, draft: Draft) -> None:
+        """Append ``draft`` to the scheduled sequence and describe its rows to the runner."""
+        seq = item.seq
+        start = seq.num_computed_tokens
+        seq.token_ids.extend(draft.tokens)
+        self._planned[seq.seq_id] = draft
+        item.num_logit_rows = 1 + len(draft.tokens)
+        if draft.parents is not None:
+            item.positions, item.mask = tree_rows(start, draft.parents)
+
+    # -- after the forward -----------------------------------------------------------------------
+    def select(self, logits: torch.Tensor, num_rows: list[int], seqs: list[Sequence],
+               hidden: torch.Tensor | None = None) -> tuple[list[list[int]], list[list[int]]]:
+        return self.verify(logits, num_rows, seqs, hidden)
+
+    def verify(self, logits: torch.Tensor, num_rows: list[int], seqs: list[Sequence],
+               hidden: torch.Tensor | None = None) -> tuple[list[list[int]], list[list[int]]]:
+        """Strip every sequence's drafts and decide what it emits.
+
+        Returns, per sequence, the tokens to append and the logits row of each (for logprobs).
+        ``hidden`` (the target's final hidden states behind ``logits``) is kept for ``observe``.
+        """
+        drafts = [self._planned.pop(s.seq_id, None) or Draft([]) for s in seqs]
+        for seq, draft in zip(seqs, drafts):
+            if draft.tokens:
+                del seq.token_ids[seq.num_tokens - len(draft.tokens):]
+        verdicts = verify_batch(logits, num_rows, [s.params for s in seqs], [d.tokens for d in drafts],
+                                [d.probs for d in drafts], [s.generator for s in seqs],
+                                [d.parents for d in drafts])
+        emitted, rows, start = [], [], 0
+        for seq, draft, verdict, n in zip(seqs, drafts, verdicts, num_rows):
+            self._count(seq, len(draft.tokens), verdict.num_accepted)
+            emitted.append(verdict.tokens)
+            rows.append([start + r for r in verdict.rows])
+            if verdict.nodes:
+                self._move_accepted_path(seq, verdict.nodes)
+            start += n
+        if hidden is not None:  # the row whose logits chose each sequence's last emitted token
+            self._hidden = hidden[[r[-1] for r in rows]]
+        return emitted, rows
+
+    def _move_accepted_path(self, seq: Sequence, nodes: list[int]) -> None:
+        """A tree's accepted nodes sit at start + j; move their K/V to the positions a chain has."""
+        root = seq.num_tokens - 1
+        src = [root + 1 + j for j in nodes]
+        dst = [root + 1 + d for d in range(len(nodes))]
+        move_kv(self.kv, seq, src, dst)
+        if self.drafter is not None:  # (tests verify trees without one)
+            self.drafter.kv_moved(seq, src, dst)
+
+    def settle(self, seqs: list[Sequence]) -> None:
+        """After the emitted tokens are appended: roll back, release the finished, observe."""
+        for seq in seqs:
+            self.rollback(seq)
+            if seq.is_finished:
+                self.release(seq)
+        self.observe(seqs)
+
+    def observe(self, seqs: list[Sequence]) -> None:
+        """Hand hidden-state drafters the target's hidden state at each sequence's last
+        computed position (it predicted the last token)."""
+        hidden, self._hidden = self._hidden, None
+        if hidden is None:
+            return
+        live = [i for i, s in enumerate(seqs) if not s.is_finished]
+        if live:
+            self.drafter.observe([seqs[i] for i in live], hidden[live])
+
+    def _count(self, seq: Sequence, drafted: int, accepted: int) -> None:
+        if not drafted:
+            return
+        seq.num_drafted += drafted
+        seq.num_accepted += accepted
+        self.num_drafted += drafted
+        self.num_accepted += accepted
+        self.num_verified += 1
+        self._step["drafted"] += drafted
+        self._step["accepted"] += accepted
+
+    def rollback(self, seq: Sequence) -> None:
+        """K/V is valid only up to the accepted tokens (the last token, just emitted, is
+        computed next step)."""
+        valid = seq.num_tokens - 1
+        if seq.num_computed_tokens > valid:
+            seq.num_computed_tokens = valid
+            self.kv.truncate(seq, valid)
+
+    def release(self, seq: Sequence) -> None:
+        self._proposed.pop(seq.seq_id, None)
+        self._planned.pop(seq.seq_id, None)
+        self.drafter.release(seq)
+
+    # -- statistics ------------------------------------------------------------------------------
+    def stats(self) -> dict:
+        """This step's counts and the running acceptance rate / mean accepted length."""
+        return {
+            "spec_num_drafted": self._step["drafted"], "spec_num_accepted": self._step["accepted"],
+            "spec_acceptance_rate": self.num_accepted / self.num_drafted if self.num_drafted else 0.0,
+            "spec_mean_accepted": self.num_accepted / self.num_verified if self.num_verified else 0.0,
+        }

@@ -1,0 +1,178 @@
+"""Attention math in Triton, shared by every ``flash`` and ``paged`` kernel.
+
+What: exact attention (``softmax(q k^T * scale) v``, causal, optional left
+sliding window, GQA) without ever materialising the ``[queries, keys]``
+score matrix. Keys are walked in tiles of ``BLOCK_N`` positions and folded
+into a running maximum ``m``, running sum ``l`` and unnormalised output
+``acc`` per query row (the online softmax of FlashAttention-2,
+``online_softmax_update``, over the tiles ``attend_tiles`` walks); the output
+is ``acc / l`` once the last tile is in.
+
+Why it is exact: rescaling the old ``acc`` and ``l`` by ``exp(m_old - m_new)``
+whenever the maximum grows gives the same numbers as a softmax over the
+whole row; only the summation order differs. Scores are kept in base 2
+(``exp2``, with ``log2(e)`` folded into the scale) and accumulated in fp32
+whatever the input dtype.
+
+Where the tiles come from (block tables, packed K/V, quantized caches) is
+``kv_ops``. The kernels built from these pieces:
+
+- ``decode_ops``: one query token per sequence, the query heads of a KV head
+  as the rows of one tile (GQA), split-K with a reduce; the decode of both
+  backends (``flash_decode_kernels``, ``paged_kernels``);
+- ``flash_prefill_kernels``: varlen prefill, one program per (query block,
+  sequence, query head), skipping tiles outside the causal window;
+- ``paged_prefill_kernels``: varlen prefill over the cache, one program per
+  (query block, sequence, KV head) with tokens x grouped heads as rows.
+
+The host-side checks every wrapper runs on its arguments are here too. The
+PyTorch references are ``decode_ref`` and ``prefill_ref``.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from lmplug_attention.kv_ops import dequant_kv_tile, kv_tile_slots, load_kv_tile
+
+LOG2E = 1.4426950408889634
+NO_WINDOW = 2**30  # the window passed when there is none: larger than any context, int32-safe
+DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+@triton.jit
+def softmax_state(M: tl.constexpr, D: tl.constexpr):
+    """(acc [M, D], l [M], m [M]) of rows that have seen no key yet."""
+    return tl.zeros([M, D], tl.float32), tl.zeros([M], tl.float32), tl.full([M], float("-inf"), tl.float32)
+
+
+@triton.jit
+def online_softmax_update(q, k, v, visible, m_i, l_i, acc, qk_scale,
+                           MASKED: tl.constexpr, PRECISION: tl.constexpr):
+    """Fold one tile into (m, l, acc). q [M, D]; k, v [N, D]; ``visible`` [M, N] used if MASKED."""
+    s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+    if MASKED:
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        # a row that has seen no visible key keeps m = -inf: shift by 0 so exp2 gives 0, not NaN
+        m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+    else:
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_shift = m_new
+    alpha = tl.math.exp2(m_i - m_shift)
+    p = tl.math.exp2(s - m_shift[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def attend_tiles(acc, l_i, m_i, q, q_pos, t_begin, t_end, kv_lo, kv_hi, window, qk_scale,
+                 k_ptr, v_ptr, table_ptr, stride_btn, row0, kv_head, offs_d, d_mask,
+                 stride_kb, stride_kt, stride_kh, stride_kd,
+                 stride_vb, stride_vt, stride_vh, stride_vd,
+                 k_scale_ptr, v_scale_ptr, stride_sb, stride_st, stride_sh,
+                 BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, PAGED: tl.constexpr,
+                 MASKED: tl.constexpr, PRECISION: tl.constexpr, QUANT: tl.constexpr):
+    """Fold the key tiles ``[t_begin, t_end)`` (``BLOCK_N`` positions each) into (acc, l, m).
+
+    The rows of ``q`` [M, D_PAD] sit at positions ``q_pos`` [M] (a GQA tile repeats a
+    position once per grouped head) and see keys ``(q_pos - window, q_pos]`` among those
+    that exist, ``[kv_lo, kv_hi)``; ``MASKED=False`` is for tiles every row sees whole (no
+    mask arithmetic). Tiles come through ``kv_ops`` (block tables or packed K/V, dequantized
+    when ``QUANT``). Every kernel of ``flash`` and ``paged`` walks its keys with this loop.
+    """
+    for t in range(t_begin, t_end):
+        start = tl.multiple_of(t * BLOCK_N, BLOCK_N)
+        pos = start + tl.arange(0, BLOCK_N)
+        # never read a key no row sees: with a window, blocks behind it may already be freed
+        valid = (pos >= kv_lo) & (pos < kv_hi)
+        block, offset = kv_tile_slots(table_ptr, stride_btn, start, pos, valid, row0, BLOCK_SIZE, BLOCK_N, PAGED)
+        if MASKED:
+            load_mask = valid[:, None] & d_mask[None, :]
+            visible = (valid[None, :] & (pos[None, :] <= q_pos[:, None])
+                       & (pos[None, :] > q_pos[:, None] - window))
+        else:
+            load_mask = d_mask[None, :]
+            visible = valid[None, :]
+        k, v = load_kv_tile(k_ptr, v_ptr, block, offset, kv_head, offs_d, load_mask,
+                            stride_kb, stride_kt, stride_kh, stride_kd,
+                            stride_vb, stride_vt, stride_vh, stride_vd)
+        if QUANT:
+            k, v = dequant_kv_tile(k, v, k_scale_ptr, v_scale_ptr, block, offset, kv_head, valid,
+                                   stride_sb, stride_st, stride_sh, q.dtype)
+        m_i, l_i, acc = online_softmax_update(q, k, v, visible, m_i, l_i, acc, qk_scale, MASKED, PRECISION)
+    return acc, l_i, m_i
+
+
+# -- host-side helpers shared by the wrappers ---------------------------------------------------------
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    # fp32 operands would otherwise be rounded to tf32 on NVIDIA GPUs: not exact enough for a reference
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def head_dim_pad(head_dim: int) -> int:
+    """The head dim a tile holds: the next power of two (>= 16 for tl.dot); extra lanes are masked."""
+    return max(16, triton.next_power_of_2(head_dim))
+
+
+def window_arg(sliding_window: int | None, what: str) -> int:
+    """Keys at positions (p - window, p] are visible to the query at p; "no window" is NO_WINDOW."""
+    if sliding_window is None:
+        return NO_WINDOW
+    if not isinstance(sliding_window, int) or sliding_window < 1:
+        raise ValueError(f"{what}: sliding_window must be None or an integer >= 1, got {sliding_window!r}")
+    return min(sliding_window, NO_WINDOW)
+
+
+def check_power_of_two(value: int, name: str, what: str, minimum: int = 16) -> None:
+    if value < minimum or value & (value - 1):
+        raise ValueError(f"{what}: {name} must be a power of two >= {minimum}, got {value}")
+
+
+def check_query(q: torch.Tensor, what: str) -> None:
+    if q.dim() != 3:
+        raise ValueError(f"{what}: q must be [tokens, num_heads, head_dim], got shape {tuple(q.shape)}")
+    if q.dtype not in DTYPES:
+        raise ValueError(f"{what}: dtype must be one of float32, float16, bfloat16, got {q.dtype}")
+
+
+def check_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, what: str, names: str,
+             quantized: bool = False) -> int:
+    """K/V ([T, Hkv, D] or [num_blocks, block_size, Hkv, D]) against q; returns the GQA group size.
+    ``quantized`` caches (checked by ``kv_ops.check_scales``) need not share q's dtype."""
+    if k.shape != v.shape or k.dim() not in (3, 4):
+        raise ValueError(f"{what}: {names} must have one shape, [..., num_kv_heads, head_dim]; "
+                         f"got {tuple(k.shape)} and {tuple(v.shape)}")
+    if not quantized and (k.dtype != q.dtype or v.dtype != q.dtype):
+        raise ValueError(f"{what}: q and {names} must share one dtype; got {q.dtype}, {k.dtype}, {v.dtype}")
+    if k.device != q.device or v.device != q.device:
+        raise ValueError(f"{what}: q and {names} must be on one device; got {q.device}, {k.device}, {v.device}")
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    num_kv_heads = k.shape[-2]
+    if k.shape[-1] != head_dim:
+        raise ValueError(f"{what}: head_dim of q ({head_dim}) and {names} ({k.shape[-1]}) differ")
+    if num_kv_heads == 0 or num_heads % num_kv_heads:
+        raise ValueError(f"{what}: num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
+    return num_heads // num_kv_heads
+
+
+def check_block_tables(block_tables: torch.Tensor, seq_lens: torch.Tensor, what: str) -> None:
+    if block_tables.dtype != torch.int32 or seq_lens.dtype != torch.int32:
+        raise ValueError(f"{what}: block_tables and seq_lens must be int32, got {block_tables.dtype} "
+                         f"and {seq_lens.dtype}")
+    if seq_lens.dim() != 1 or block_tables.dim() != 2 or block_tables.shape[0] != seq_lens.shape[0]:
+        raise ValueError(f"{what}: block_tables must be [B, max_blocks] and seq_lens [B]; got "
+                         f"{tuple(block_tables.shape)} and {tuple(seq_lens.shape)}")
+
+
+def output_for(q: torch.Tensor, out: torch.Tensor | None, what: str) -> torch.Tensor:
+    if out is None:
+        return torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if out.shape != q.shape or out.dtype != q.dtype or out.device != q.device:
+        raise ValueError(f"{what}: out must be shaped and typed like q ({tuple(q.shape)} {q.dtype}), got "
+                         f"{tuple(out.shape)} {out.dtype} on {out.device}")
+    return out

@@ -1,0 +1,226 @@
+"""The native C decode kernel of attention `paged` (paged_native.py, csrc/paged_decode_cpu.c)
+against the PyTorch reference (decode_ref) and float64 math, and its option ``cpu_kernel``
+in the engine: same greedy tokens as the PyTorch path, a fallback or a ConfigError when
+it cannot be built."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from lmplug_attention import paged as paged_backend
+from lmplug_attention import paged_native
+from lmplug_attention.decode_ref import decode_attention
+from support.paged_cases import float64_attention, paged_batch
+
+from lmplug import LLM, SamplingParams
+from lmplug.errors import ConfigError
+
+LENS = [1, 300, 7, 16, 2, 33, 129, 64, 255, 17]  # mixed in one batch, from one slot to a few hundred
+
+
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (9, 3), (8, 2), (4, 1)],
+                         ids=["mha", "gqa9-3", "gqa8-2", "mqa"])
+@pytest.mark.parametrize("head_dim", [64, 128, 80, 40])  # 40: not a multiple of 16 (no AVX-512 path)
+@pytest.mark.parametrize("block_size", [1, 4, 16])
+@pytest.mark.parametrize("window", [None, 37])
+def test_matches_reference_fp32(native, num_heads, num_kv_heads, head_dim, block_size, window):
+    q, kc, vc, tables, lens = paged_batch(LENS, num_heads, num_kv_heads, head_dim, block_size, torch.float32)
+    scale = head_dim ** -0.5
+    ref = decode_attention(q, kc, vc, tables, lens, scale, sliding_window=window)
+    out = torch.empty_like(q)
+    got = native.paged_decode_attention(q, kc, vc, tables, lens, scale, sliding_window=window, out=out)
+    assert got is out
+    torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype,ulp,atol", [(torch.bfloat16, 2.0 ** -8, 1e-2), (torch.float16, 2.0 ** -11, 2e-3)])
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(9, 3, 64), (8, 2, 128), (4, 1, 80), (6, 2, 40)])
+@pytest.mark.parametrize("window", [None, 100])
+def test_half_precision_against_reference_and_float64(native, dtype, ulp, atol, num_heads, num_kv_heads,
+                                                      head_dim, window):
+    if dtype not in native.supported_dtypes():
+        pytest.skip(f"this compiler has no kernel for {dtype}")
+    q, kc, vc, tables, lens = paged_batch(LENS, num_heads, num_kv_heads, head_dim, 16, dtype, seed=2)
+    scale = head_dim ** -0.5
+    got = native.paged_decode_attention(q, kc, vc, tables, lens, scale, sliding_window=window)
+    assert got.dtype == dtype
+    ref = decode_attention(q, kc, vc, tables, lens, scale, sliding_window=window)
+    # the reference attends in the storage dtype (probabilities rounded too): near-zero outputs
+    # differ by more than the default atol
+    torch.testing.assert_close(got, ref, atol=atol, rtol=8 * ulp)
+    # float32 math and one rounding of the output: within half an ulp (+ float32 noise) of the exact
+    # result, and never further from it than the reference is (+ one ulp)
+    exact = float64_attention(q, kc, vc, tables, lens, scale, window)
+    err = (got.double() - exact).abs()
+    assert (err <= ulp * exact.abs() + 1e-5).all(), float(err.max())
+    ref_err = (ref.double() - exact).abs()
+    assert (err <= ref_err + 2 * ulp * exact.abs() + 1e-5).all()
+
+
+def test_bf16_output_rounds_to_nearest_even_like_torch(native):
+    """q = 0: every weight is exactly 1, so the output is the float32 sum of the V rows (exact for
+    a few bf16 values) times float32 1/len, rounded once to bf16: bit for bit torch's rounding."""
+    lens = [3, 5, 6, 7]
+    _, kc, vc, tables, seq_lens = paged_batch(lens, 4, 2, 64, 4, torch.bfloat16, seed=5)
+    q = torch.zeros(len(lens), 4, 64, dtype=torch.bfloat16)
+    got = native.paged_decode_attention(q, kc, vc, tables, seq_lens, 0.1)
+    rounded = 0
+    for i, n in enumerate(lens):
+        slots = [int(tables[i, p // 4]) * 4 + p % 4 for p in range(n)]
+        mean = vc.reshape(-1, 2, 64)[slots].float().sum(0) * (torch.tensor(1.0) / n)  # [Hkv, D]
+        assert torch.equal(got[i], mean.bfloat16().repeat_interleave(2, dim=0))
+        rounded += int((mean.bfloat16().float() != mean).sum())
+    assert rounded > 100  # most outputs needed rounding, so the rule shows
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("block_size", [1, 16])
+def test_never_reads_unused_slots(native, dtype, block_size):
+    """NaN in every slot no sequence attends to changes nothing: the output is finite and equal."""
+    args = LENS, 9, 3, 64, block_size, dtype
+    q, kc, vc, tables, lens = paged_batch(*args, seed=7)
+    _, kc_nan, vc_nan, _, _ = paged_batch(*args, seed=7, poison=True)
+    assert kc_nan.isnan().any() and vc_nan.isnan().any()
+    for window in (None, 5):
+        clean = native.paged_decode_attention(q, kc, vc, tables, lens, 0.125, sliding_window=window)
+        poisoned = native.paged_decode_attention(q, kc_nan, vc_nan, tables, lens, 0.125, sliding_window=window)
+        assert torch.isfinite(poisoned).all()
+        assert torch.equal(poisoned, clean)
+
+
+@pytest.mark.parametrize("window", [1, 16, 299, 10_000])
+def test_sliding_window_edges(native, window):
+    q, kc, vc, tables, lens = paged_batch(LENS, 8, 2, 64, 4, torch.float32, seed=3)
+    got = native.paged_decode_attention(q, kc, vc, tables, lens, 0.125, sliding_window=window)
+    exact = float64_attention(q, kc, vc, tables, lens, 0.125, window)
+    torch.testing.assert_close(got.double(), exact, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("threads", [2, 3, 1000])  # 1000: more threads than the 30 tasks
+def test_threads_give_the_same_result(native, threads):
+    q, kc, vc, tables, lens = paged_batch(LENS, 9, 3, 64, 16, torch.bfloat16, seed=4)
+    one = native.paged_decode_attention(q, kc, vc, tables, lens, 0.125, num_threads=1)
+    many = native.paged_decode_attention(q, kc, vc, tables, lens, 0.125, num_threads=threads)
+    assert torch.equal(one, many)  # each (sequence, KV head) task runs the same code on one thread
+    torch.testing.assert_close(many, decode_attention(q, kc, vc, tables, lens, 0.125), atol=1e-2,
+                               rtol=3e-2)
+
+
+def test_strided_query_and_output(native):
+    q, kc, vc, tables, lens = paged_batch(LENS, 4, 2, 64, 16, torch.float32, seed=6)
+    wide = torch.zeros(len(LENS), 4, 128)
+    wide[..., :64] = q
+    out = torch.zeros(len(LENS), 4, 128)[..., 64:]
+    got = native.paged_decode_attention(wide[..., :64], kc, vc, tables, lens, 0.125, out=out)
+    assert got is out
+    torch.testing.assert_close(out, decode_attention(q, kc, vc, tables, lens, 0.125), atol=1e-5,
+                               rtol=1e-5)
+
+
+def test_bad_inputs_are_clear_errors(native):
+    q, kc, vc, tables, lens = paged_batch([5, 20], 4, 2, 64, 16, torch.float32)
+    call = native.paged_decode_attention
+    with pytest.raises(ValueError, match="quantized"):
+        call(q, kc.to(torch.int8), vc.to(torch.int8), tables, lens, 0.1, k_scale=kc[..., 0], v_scale=vc[..., 0])
+    with pytest.raises(ValueError, match="one dtype"):
+        call(q.bfloat16(), kc, vc, tables, lens, 0.1)
+    with pytest.raises(ValueError, match="head_dim"):
+        call(q[..., :32], kc, vc, tables, lens, 0.1)
+    with pytest.raises(ValueError, match="multiple of"):
+        call(q[:, :3], kc, vc, tables, lens, 0.1)
+    with pytest.raises(ValueError, match="outside"):
+        call(q, kc, vc, torch.full_like(tables, kc.shape[0]), lens, 0.1)
+    with pytest.raises(ValueError, match="seq_lens"):
+        call(q, kc, vc, tables[:, :1], lens, 0.1)  # 20 tokens need 2 blocks
+    with pytest.raises(ValueError, match="contiguous"):
+        call(q, kc.transpose(0, 1).contiguous().transpose(0, 1), vc, tables, lens, 0.1)
+    with pytest.raises(ValueError, match="no kernel for torch.float64"):
+        call(q.double(), kc.double(), vc.double(), tables, lens, 0.1)
+
+
+# --- the option in the engine ------------------------------------------------------------------
+
+GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def demo_like_llama(tmp_path_factory):
+    """The demo model's attention shape (9 query heads over 3 KV heads), tiny."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=256, hidden_size=144, intermediate_size=256, num_hidden_layers=2,
+                         num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=512)
+    path = tmp_path_factory.mktemp("demo_like_llama")
+    LlamaForCausalLM(config).save_pretrained(path)
+    return str(path)
+
+
+def paged_llm(path: str, cpu_kernel: str, dtype: str = "float32") -> LLM:
+    return LLM(path, device="cpu", dtype=dtype, max_model_len=512,
+               attention={"backend": "paged", "cpu_kernel": cpu_kernel},
+               kvcache={"backend": "paged", "block_size": 16, "num_blocks": 128})
+
+
+def prompts(*lengths: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(1)
+    return [torch.randint(3, 256, (n,), generator=g).tolist() for n in lengths]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_engine_native_gives_the_torch_tokens(native, demo_like_llama, monkeypatch, dtype):
+    batch = prompts(3, 40, 17, 90, 5, 130)
+    expected = [o.outputs[0].token_ids for o in paged_llm(demo_like_llama, "torch", dtype).generate(batch, GREEDY)]
+    calls = []
+    decode = native.NativeKernel.decode
+    monkeypatch.setattr(native.NativeKernel, "decode",
+                        lambda self, q, *a, **k: calls.append(q.shape[0]) or decode(self, q, *a, **k))
+    llm = paged_llm(demo_like_llama, "native", dtype)
+    assert [o.outputs[0].token_ids for o in llm.generate(batch, GREEDY)] == expected
+    assert len(batch) in calls  # the decode steps of the whole batch ran the C kernel
+    assert max(calls) == 3 + 17 + 5  # and the first step's short prompts, one row per token (paged_rows)
+
+
+def test_native_that_cannot_build_fails_at_load(demo_like_llama, monkeypatch, tmp_path):
+    monkeypatch.setenv("LMPLUG_CACHE", str(tmp_path))
+    monkeypatch.setenv("CC", "/bin/false")
+    assert paged_native.available()[0] is False
+    with pytest.raises(ConfigError, match=r"attention\.cpu_kernel='native'.*no C compiler"):
+        paged_llm(demo_like_llama, "native")
+
+
+def test_compile_error_is_reported_with_its_output(monkeypatch, tmp_path):
+    cc = tmp_path / "broken-cc"
+    cc.write_text('#!/bin/sh\nif [ "$1" = --version ]; then echo broken-cc 1.0; exit 0; fi\n'
+                  'echo "paged_decode_cpu.c:1: error: no such luck" >&2; exit 1\n')
+    cc.chmod(0o755)
+    monkeypatch.setenv("LMPLUG_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("CC", str(cc))
+    ok, why = paged_native.available()
+    assert not ok and "exited with 1" in why and "no such luck" in why
+    assert list((tmp_path / "cache" / "kernels").iterdir()) == []  # no half-written library left
+
+
+def test_auto_falls_back_to_torch_with_one_warning(demo_like_llama, monkeypatch, tmp_path, caplog):
+    monkeypatch.setenv("LMPLUG_CACHE", str(tmp_path))
+    monkeypatch.setenv("CC", "/bin/false")
+    monkeypatch.setattr(paged_backend, "_warned", set())
+    batch = prompts(9, 33)
+    with caplog.at_level(logging.WARNING, logger="lmplug_attention.paged"):
+        got = paged_llm(demo_like_llama, "auto").generate(batch, GREEDY)
+        again = paged_llm(demo_like_llama, "auto").generate(batch, GREEDY)
+    warnings = [r.getMessage() for r in caplog.records if "native CPU decode kernel" in r.getMessage()]
+    assert len(warnings) == 1 and "no C compiler" in warnings[0], warnings
+    want = paged_llm(demo_like_llama, "torch").generate(batch, GREEDY)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+    assert [o.outputs[0].token_ids for o in again] == [o.outputs[0].token_ids for o in want]
+
+
+def test_build_is_cached_per_source_compiler_and_cpu(native, monkeypatch, tmp_path):
+    monkeypatch.setenv("LMPLUG_CACHE", str(tmp_path))
+    ok, path = native.available()
+    assert ok and path.startswith(str(tmp_path / "kernels" / "paged_decode_cpu-")) and path.endswith(".so")
+    assert [p.name for p in (tmp_path / "kernels").iterdir()] == [path.rsplit("/", 1)[1]]
+    assert native.available() == (True, path)  # loaded once, not rebuilt

@@ -1,0 +1,22 @@
+"""The first-party kvcache backends through the conformance suite (``lmplug.testing.KVCacheConformance``)."""
+
+from __future__ import annotations
+
+from lmplug.testing import KVCacheConformance
+
+# -- KV storage -------------------------------------------------------------------------------------
+
+
+class TestContiguousKVCache(KVCacheConformance):
+    backend = "contiguous"
+
+
+class TestPagedKVCache(KVCacheConformance):
+    backend = "paged"
+    options = {"num_blocks": 48, "block_size": 4}
+    features = {"fork"}  # prefix caching is an option, off by default
+
+
+class TestPagedKVCachePrefixCaching(KVCacheConformance):
+    backend = "paged"
+    options = {"num_blocks": 48, "block_size": 4, "prefix_caching": True}
