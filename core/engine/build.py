@@ -118,7 +118,8 @@ def build_engine_parts(resolved: ResolvedConfig, parallel: ParallelState | None 
                          keep_hidden=drafter is not None and drafter.uses_hidden_states)
     if drafter is not None:
         drafter.setup(draft_target(model, model_config, kv, source.tokenizer, device, dtype,
-                                   max_model_len, sched_opts.max_num_seqs, attention))
+                                   max_model_len, sched_opts.max_num_seqs, attention,
+                                   build=build_engine_parts))
     load_time = time.perf_counter() - started
     logger.info("loaded %s (%s, %d layers) in %.2f s; KV: %s (%s), %d bytes/token", source.path,
                 model_config.model_type, model_config.num_layers, load_time, kv.name,

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import weakref
+from collections.abc import Callable
 
 import torch
 
@@ -16,30 +16,28 @@ from lmplug.interfaces.drafter import DraftModel
 from lmplug.interfaces.model_config import ModelConfig
 
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
-# a model ``open_draft_model`` loaded -> its attention backend's ``short_query_tokens``
-_SHORT_QUERY: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def draft_target(model: torch.nn.Module, model_config: ModelConfig, kv: KVCacheBackend, tokenizer,
                  device: torch.device, dtype: torch.dtype, max_model_len: int, max_num_seqs: int,
-                 attention: AttentionBackend) -> DraftTarget:
-    """The ``DraftTarget`` of a target model, with the core's callables bound to its settings."""
+                 attention: AttentionBackend, *, build: Callable) -> DraftTarget:
+    """The ``DraftTarget`` of a target model, with the core's callables bound to its settings;
+    ``build`` is the engine's ``build_engine_parts`` (handed in: the build imports this module)."""
     return DraftTarget(
         model, model_config, kv, tokenizer, device, dtype, max_model_len, max_num_seqs,
         attention=attention,
-        open_model=functools.partial(open_draft_model, device=device, dtype=dtype,
+        open_model=functools.partial(open_draft_model, build=build, device=device, dtype=dtype,
                                      max_model_len=max_model_len, max_num_seqs=max_num_seqs),
         new_runner=functools.partial(new_runner, device=device,
                                      short_query_tokens=attention.short_query_tokens),
         new_kv_cache=functools.partial(draft_kv_cache, kv))
 
 
-def open_draft_model(name_or_path: str, *, device: torch.device, dtype: torch.dtype,
+def open_draft_model(name_or_path: str, *, build: Callable, device: torch.device, dtype: torch.dtype,
                      max_model_len: int, max_num_seqs: int) -> DraftModel:
     """Load a draft model as an engine loads its target: on ``device`` in ``dtype``, its KV cache
     sized for ``max_model_len`` and ``max_num_seqs`` (backends: the default config's)."""
     from lmplug.config import EngineConfig, resolve
-    from lmplug.engine.build import build_engine_parts  # build imports this module
 
     dtype_name = _DTYPE_NAMES[dtype]
     config = EngineConfig.from_dict({
@@ -48,17 +46,15 @@ def open_draft_model(name_or_path: str, *, device: torch.device, dtype: torch.dt
         "scheduler": {"backend": "auto", "max_num_seqs": max_num_seqs},
     }, source="speculative.model")
     resolved = resolve(config, device=device.type, dtype=dtype_name, source="speculative.model")
-    parts = build_engine_parts(resolved)
-    _SHORT_QUERY[parts.model] = parts.runner.short_query_tokens
-    return DraftModel(parts.model, parts.model_config, parts.kv, parts.tokenizer)
+    parts = build(resolved)
+    return DraftModel(parts.model, parts.model_config, parts.kv, parts.tokenizer, parts.runner)
 
 
 def new_runner(model: torch.nn.Module, kv: KVCacheBackend, *, device: torch.device,
                short_query_tokens: int) -> ModelRunner:
-    """The engine's model runner over a drafter's ``model``, bound to its cache ``kv``; its step
-    order follows the attention backend the model runs on (a model ``open_draft_model`` loaded:
-    its own; any other, built on the target's layers or attention class: the target's)."""
-    return ModelRunner(model, kv, device, short_query_tokens=_SHORT_QUERY.get(model, short_query_tokens))
+    """The engine's model runner over a drafter's ``model`` (built on the target's layers or
+    attention class), bound to its cache ``kv``, in the target attention's step order."""
+    return ModelRunner(model, kv, device, short_query_tokens=short_query_tokens)
 
 
 def draft_kv_cache(target_kv: KVCacheBackend, num_layers: int, **spec) -> KVCacheBackend:

@@ -28,13 +28,13 @@ class ModelRunner:
         """Flatten the batch (decodes first) into input ids and the per-step record.
 
         A row with its own ``positions`` and ``mask`` (a speculative draft tree) gets them in
-        ``positions`` and ``tree_masks``; its K/V slots stay ``start + j``."""
+        ``positions`` and ``query_masks``; its K/V slots stay ``start + j``."""
         bs = self.kv.block_size
         ids: list[int] = []
         positions: list[int] = []
         slot_positions: list[int] = []  # where each token's K/V goes (differs from positions in a tree)
         query_lens, seq_lens, tables = [], [], []
-        tree_masks: dict[int, torch.Tensor] = {}
+        query_masks: dict[int, torch.Tensor] = {}
         for b, item in enumerate(batch):
             seq, n = item.seq, item.num_new_tokens
             start = seq.num_computed_tokens
@@ -46,7 +46,7 @@ class ModelRunner:
                 if len(rows) != n or tuple(mask.shape) != (n, n):
                     raise RuntimeError(f"runner: sequence {seq.seq_id} schedules {n} tokens but carries "
                                        f"{len(rows)} positions and a {tuple(mask.shape)} mask")
-                tree_masks[b] = mask.to(self.device)
+                query_masks[b] = mask.to(self.device)
             positions.extend(range(start, start + n) if rows is None else rows)
             query_lens.append(n)
             seq_lens.append(start + n)
@@ -55,7 +55,7 @@ class ModelRunner:
         block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
         ql = torch.tensor(query_lens, dtype=torch.int32)
         pos = torch.tensor(positions, dtype=torch.int64)
-        at = torch.tensor(slot_positions, dtype=torch.int64) if tree_masks else pos
+        at = torch.tensor(slot_positions, dtype=torch.int64) if query_masks else pos
         # slot of each new token: its block (through its sequence's table) and offset
         owner = torch.repeat_interleave(torch.arange(len(batch)), ql.long())  # [T]
         slots = kv_slots(block_tables[owner], at, bs)
@@ -71,7 +71,7 @@ class ModelRunner:
             query_lens=ql.to(dev), seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
             cu_query_lens=cu.to(dev), slot_mapping=slots.to(dev),
             block_tables=block_tables.to(dev), query_lens_cpu=query_lens, seq_lens_cpu=seq_lens,
-            num_decodes=num_decodes, tree_masks=tree_masks)
+            num_decodes=num_decodes, query_masks=query_masks)
         return torch.tensor(ids, dtype=torch.int64, device=dev), ctx
 
     @torch.inference_mode()

@@ -58,6 +58,7 @@ class DraftModel:
     model_config: ModelConfig
     kv: KVCacheBackend
     tokenizer: Any | None
+    runner: ForwardRunner  # over ``model`` and ``kv``, in its own attention backend's step order
 
 
 @dataclass(frozen=True)

@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
-if TYPE_CHECKING:  # attention.py imports this module
-    from lmplug.interfaces.attention import AttentionBackend, KVLayerView
+
+class _Preparer(Protocol):
+    """What ``metadata_for`` needs of an attention backend (``AttentionBackend.prepare``; the
+    attention module imports this one, so the type is spelled out here)."""
+
+    def prepare(self, ctx: StepContext, kv: Any) -> object | None: ...
 
 
 @dataclass
@@ -17,7 +21,7 @@ class StepContext:
 
     Sequences are ordered decodes first (``query_len == 1`` and some context
     cached), so kernels can take a fast path over ``[:num_decodes]``; then the
-    other sequences without a draft tree, shortest query first; then draft trees.
+    other rows without a mask (``query_masks``), shortest query first; then masked rows.
 
     Shapes: T = tokens in this step, B = sequences in this step.
     """
@@ -31,13 +35,13 @@ class StepContext:
     query_lens_cpu: list[int]  # host copies, for decisions made in Python
     seq_lens_cpu: list[int]
     num_decodes: int
-    # tree speculative decoding: batch index -> bool [n+1, n+1] ancestor-or-self mask over that
-    # sequence's new tokens (the root, its last accepted token, first). Its new tokens then sit at
-    # positions start + depth (``positions``) but their K/V at slots start + j; attention lets new
-    # token a see new token b only where mask[a, b] (plus the whole cached context, and the
-    # sliding window by position). Empty when no tree is in the step; backends that do not list
-    # the "tree_attention" feature never see one (refused at load time)
-    tree_masks: dict[int, torch.Tensor] = field(default_factory=dict)
+    # rows whose new tokens are not a plain causal chain (``ScheduledSeq.mask``; a speculative
+    # draft tree is one): batch index -> bool [n, n] over that row's new tokens. Such a row's
+    # tokens sit at ``positions`` (siblings may share one) but their K/V at slots start + j;
+    # attention lets new token a see new token b only where mask[a, b] (plus the whole cached
+    # context, and the sliding window by position). Empty when every row is causal; backends
+    # without the "tree_attention" feature never see one (refused at load time)
+    query_masks: dict[int, torch.Tensor] = field(default_factory=dict)
     # what the attention backend derives from the fields above once per step and every layer
     # reuses (``AttentionBackend.prepare``): built on first use by ``metadata_for``, never by
     # the runner. Not an __init__ field, so ``dataclasses.replace`` (a copy moved to another
@@ -45,7 +49,7 @@ class StepContext:
     attn_metadata: object | None = field(default=None, init=False, repr=False, compare=False)
     _attn_key: tuple | None = field(default=None, init=False, repr=False, compare=False)
 
-    def metadata_for(self, backend: AttentionBackend, kv: KVLayerView) -> Any:
+    def metadata_for(self, backend: _Preparer, kv: Any) -> Any:
         """``backend.prepare(self, kv)``, built on the first call of the step and then reused.
 
         Layers share one backend object and one KV pool format, so every layer after the

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import datetime
 import logging
 import os
 import pickle
@@ -27,27 +26,11 @@ from multiprocessing.connection import wait as wait_sentinels
 
 import torch
 
+from lmplug.parallel.group import STOP, ctx_to, expert_parallel, init_rank, leave_group
 from lmplug.parallel.state import ParallelState, TensorParallelError
+from lmplug.parallel.worker import worker_main
 
 logger = logging.getLogger(__name__)
-
-STOP = None  # the message that ends a worker's loop
-
-
-def init_rank(rank: int, world_size: int, init_method: str | None, backend: str,
-              timeout_s: float, expert_parallel: bool = False) -> ParallelState:
-    """Join the default process group (and, over NCCL, a gloo group for pickled messages).
-    ``expert_parallel``: MoE experts are split whole across the ranks (``parallel.expert_parallel``)."""
-    import torch.distributed as dist
-
-    if backend == "nccl":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)) % torch.cuda.device_count())
-    kwargs = {"init_method": init_method} if init_method else {}
-    dist.init_process_group(backend, rank=rank, world_size=world_size,
-                            timeout=datetime.timedelta(seconds=timeout_s), **kwargs)
-    cpu_group = dist.new_group(backend="gloo") if backend == "nccl" else None
-    return ParallelState(rank, world_size, expert_parallel=expert_parallel, cpu_group=cpu_group)
-
 
 def torchrun_rank(world_size: int) -> int | None:
     """This process's rank when it was started by ``torchrun`` for ``world_size`` processes."""
@@ -59,11 +42,6 @@ def torchrun_rank(world_size: int) -> int | None:
         raise ConfigError(f"parallel.tensor_parallel_size is {world_size}, but torchrun started "
                           f"WORLD_SIZE={os.environ['WORLD_SIZE']} processes; make them equal")
     return int(os.environ["RANK"])
-
-
-def expert_parallel(payload: dict) -> bool:
-    """``parallel.expert_parallel`` of the engine config a group is started with."""
-    return bool(payload["config"].get("parallel", {}).get("expert_parallel", False))
 
 
 def _free_port() -> int:
@@ -90,7 +68,6 @@ class WorkerGroup:
         import torch.distributed as dist
         import torch.multiprocessing as mp
 
-        from lmplug.parallel.worker import worker_main
 
         if dist.is_initialized():  # the group is the process's default group: one at a time
             raise TensorParallelError("a tensor-parallel engine is already running in this process; "
@@ -211,7 +188,7 @@ class WorkerGroup:
         """Broadcast the step's inputs, then run rank 0's shard of it (``ModelRunner.run``)."""
         self.check()
         try:
-            self._send((input_ids.cpu(), _ctx_to(ctx, "cpu"), groups))
+            self._send((input_ids.cpu(), ctx_to(ctx, "cpu"), groups))
             return runner.run(input_ids, ctx, groups)
         except BaseException as exc:  # Ctrl-C mid-step too: the ranks are out of step
             error = self._step_error(exc)
@@ -255,21 +232,4 @@ class WorkerGroup:
         for proc in self.procs.values():
             proc.join(5.0 if healthy else 0.1)
         self._kill_all()
-        _leave_group()
-
-
-def _leave_group() -> None:
-    import torch.distributed as dist
-
-    if dist.is_initialized():
-        with contextlib.suppress(RuntimeError, ValueError):  # a broken group: nothing more to release
-            dist.destroy_process_group()
-
-
-def _ctx_to(ctx, device):
-    """``StepContext`` with its tensors on ``device`` (host copies travel between ranks)."""
-    import dataclasses
-
-    return dataclasses.replace(ctx, **{f.name: getattr(ctx, f.name).to(device)
-                                       for f in dataclasses.fields(ctx)
-                                       if isinstance(getattr(ctx, f.name), torch.Tensor)})
+        leave_group()

@@ -83,7 +83,8 @@ def start(resolved, peek, build):
     where)`` reads the model's config without its weights (checked here, before any worker
     starts); ``build(resolved, parallel=state) -> parts`` builds a rank's engine parts (a
     module-level function: it travels to the spawned workers by reference)."""
-    from lmplug.parallel.launch import WorkerGroup, init_rank, torchrun_rank
+    from lmplug.parallel.group import init_rank
+    from lmplug.parallel.launch import WorkerGroup, torchrun_rank
     from lmplug.parallel.worker import serve
 
     cfg = resolved.config

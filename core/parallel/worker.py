@@ -17,6 +17,8 @@ import signal
 import threading
 import time
 
+from lmplug.parallel.group import STOP, ctx_to, expert_parallel, init_rank, leave_group
+
 
 def worker_main(rank: int, world_size: int, init_method: str | None, backend: str, timeout_s: float,
                 payload: dict, errors, steps) -> None:
@@ -28,8 +30,6 @@ def worker_main(rank: int, world_size: int, init_method: str | None, backend: st
 
     tqdm.set_lock(threading.RLock())  # not tqdm's default multiprocessing lock, which os._exit would leak
     try:
-        from lmplug.parallel.launch import expert_parallel, init_rank
-
         state = init_rank(rank, world_size, init_method, backend, timeout_s, expert_parallel(payload))
         serve(state, payload, lambda: pickle.loads(steps.recv_bytes()))
     except BaseException as exc:  # noqa: BLE001 (tell rank 0 why, then go)
@@ -44,7 +44,6 @@ def serve(state, payload: dict, receive=None) -> None:
     """Build this rank's parts and run steps until rank 0 says stop. ``receive``: the next step
     message (a spawned worker's pipe); None: broadcast over the group (torchrun ranks)."""
     from lmplug.config import EngineConfig, resolve
-    from lmplug.parallel.launch import STOP, _ctx_to, _leave_group
 
     config = EngineConfig.from_dict(payload["config"], source=payload["source"])
     resolved = resolve(config, device=payload["device"], dtype=payload["dtype"], source=payload["source"])
@@ -56,8 +55,8 @@ def serve(state, payload: dict, receive=None) -> None:
         if msg is STOP:
             break
         input_ids, ctx, groups = msg
-        runner.run(input_ids.to(device), _ctx_to(ctx, device), groups)
-    _leave_group()
+        runner.run(input_ids.to(device), ctx_to(ctx, device), groups)
+    leave_group()
 
 
 def _exit_with_parent() -> None:

@@ -236,11 +236,11 @@ class PagedAttention(AttentionBackend):
         return cls.capabilities.features - (set() if trees else {"tree_attention"})
 
     def _tree_args(self, ctx: StepContext, n: int, device: torch.device) -> dict:
-        """``ctx.tree_masks`` renumbered for the prefill call over sequences ``n:`` (trees never
+        """``ctx.query_masks`` renumbered for the prefill call over sequences ``n:`` (trees never
         decode: they have several query tokens)."""
-        if not ctx.tree_masks:
+        if not ctx.query_masks:
             return {}
         if "tree_attention" not in self.features_for(self.options, device.type):
             raise RuntimeError("attention: paged: draft trees need kernels='torch' (the Triton "
                                "kernels have no tree mask); the engine refuses this at load time")
-        return {"tree_masks": {i - n: m for i, m in ctx.tree_masks.items()}}
+        return {"query_masks": {i - n: m for i, m in ctx.query_masks.items()}}

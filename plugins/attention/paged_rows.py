@@ -6,7 +6,7 @@ drafts: ``q = k + 1``; a small prefill chunk) is, for attention, ``q`` decode ro
 causal mask. The step writes every new token's K/V before attention runs, so those
 positions are all in the cache.
 
-A draft tree (``ctx.tree_masks``, tree speculative decoding) is read the same way when the
+A draft tree (``ctx.query_masks``, tree speculative decoding) is read the same way when the
 kernel takes row masks (the native one): query token ``j`` (0 = the root) is a row over the
 first ``c + j + 1`` positions whose last ``j + 1`` are masked to its ancestors and itself
 (``mask_starts = c``, ``masks`` bit ``a`` for query token ``a``). The kernel attends to the
@@ -50,7 +50,7 @@ def leading_short_queries(ctx: StepContext, max_query_len: int = MAX_QUERY_LEN, 
     trees: at most ``MAX_TREE_LEN``, and only with ``trees``, a kernel that takes row masks)."""
     m = 0
     while m < ctx.num_seqs:
-        limit = (MAX_TREE_LEN if trees else -1) if m in ctx.tree_masks else max_query_len
+        limit = (MAX_TREE_LEN if trees else -1) if m in ctx.query_masks else max_query_len
         if ctx.query_lens_cpu[m] > limit:
             break
         m += 1
@@ -60,14 +60,14 @@ def leading_short_queries(ctx: StepContext, max_query_len: int = MAX_QUERY_LEN, 
 def query_rows(ctx: StepContext, num_seqs: int) -> QueryRows:
     """The decode rows of the step's first ``num_seqs`` sequences (see the module docstring)."""
     owners, lens, starts, bits = [], [], [], []
-    trees = any(i in ctx.tree_masks for i in range(num_seqs))
+    trees = any(i in ctx.query_masks for i in range(num_seqs))
     for i in range(num_seqs):
         q, total = ctx.query_lens_cpu[i], ctx.seq_lens_cpu[i]
         owners.extend([i] * q)
         lens.extend(range(total - q + 1, total + 1))
-        if i in ctx.tree_masks:
+        if i in ctx.query_masks:
             starts.extend([total - q] * q)
-            bits.append(_bits(ctx.tree_masks[i]))
+            bits.append(_bits(ctx.query_masks[i]))
         elif trees:
             starts.extend([-1] * q)
             bits.append(torch.zeros(q, dtype=torch.int64))

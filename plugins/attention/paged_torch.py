@@ -2,7 +2,7 @@
 
 Same arguments and result as ``paged_prefill_kernels.paged_prefill_attention``
 (tested against the same reference, ``prefill_ref.prefill_attention``), plus
-``tree_masks`` (tree speculative decoding, see ``StepContext.tree_masks``): a
+``query_masks`` (tree speculative decoding, see ``StepContext.query_masks``): a
 sequence listed there attends with its ancestor mask. One sequence at a time,
 exactly as the ``sdpa`` backend attends (``sdpa.context_kv``, ``sdpa.attend``),
 so the two backends give one result for one prefill. The rest of the PyTorch op
@@ -22,19 +22,19 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
                             max_query_len: int | None = None, out: torch.Tensor | None = None,
                             k_scale: torch.Tensor | None = None,
                             v_scale: torch.Tensor | None = None,
-                            tree_masks: dict[int, torch.Tensor] | None = None) -> torch.Tensor:
+                            query_masks: dict[int, torch.Tensor] | None = None) -> torch.Tensor:
     """q [T, H, D] (sequences back to back), cu_query_lens [B+1], seq_lens [B] -> [T, H, D] (into ``out``).
 
-    ``tree_masks``: sequence index (in this call) -> bool [query_len, query_len] ancestor mask."""
+    ``query_masks``: sequence index (in this call) -> bool [query_len, query_len] ancestor mask."""
     out = torch.empty_like(q) if out is None else out
-    tree_masks = tree_masks or {}
+    query_masks = query_masks or {}
     starts = cu_query_lens.tolist()
     for i, seq_len in enumerate(seq_lens.tolist()):
         start, end = starts[i], starts[i + 1]
         if end == start:
             continue
         k, v = context_kv(k_cache, v_cache, block_tables[i], seq_len, k_scale, v_scale, q.dtype)
-        tree = tree_masks.get(i)
+        tree = query_masks.get(i)
         plain = end - start == seq_len and sliding_window is None and tree is None
         mask = None if plain else causal_mask(end - start, seq_len, sliding_window, q.device, tree)
         out[start:end] = attend(q[start:end], k, v, seq_len, scale, mask)

@@ -8,7 +8,7 @@ decode queries are grouped per KV head; prefill uses SDPA's ``enable_gqa``.
 Quantized KV (kvcache ``dtype: int8 | fp8_e4m3``): writes quantize per
 (token, KV head); reads dequantize only the rows of the sequence's context.
 Tree attention (feature ``tree_attention``, for tree speculative decoding): a
-sequence in ``ctx.tree_masks`` attends to its cached context plus the new tokens
+sequence in ``ctx.query_masks`` attends to its cached context plus the new tokens
 its ancestor mask allows (``causal_mask(..., tree=...)``).
 
 Per step (``prepare``): each sequence's attention mask, built once and read by
@@ -54,7 +54,7 @@ class SdpaAttention(AttentionBackend):
         device = kv.k_cache.device
         masks = []
         for i, (qlen, seq_len) in enumerate(zip(ctx.query_lens_cpu, ctx.seq_lens_cpu)):
-            tree = ctx.tree_masks.get(i)
+            tree = ctx.query_masks.get(i)
             plain = tree is None and self.sliding_window is None and qlen in (1, seq_len)
             masks.append(None if plain else causal_mask(qlen, seq_len, self.sliding_window, device, tree))
         return SdpaStepMetadata(masks)
@@ -128,7 +128,7 @@ def causal_mask(qlen: int, seq_len: int, window: int | None, device: torch.devic
                 tree: torch.Tensor | None = None) -> torch.Tensor:
     """[qlen, seq_len] bool, True = attend. Query i sits at position seq_len - qlen + i.
 
-    ``tree`` (bool [qlen, qlen], ``StepContext.tree_masks``): the new tokens are a draft tree's
+    ``tree`` (bool [qlen, qlen], ``StepContext.query_masks``): the new tokens are a draft tree's
     root and nodes; new token i sits at position start + depth(i) (depth = its ancestors in the
     mask) and sees the cached keys [0, start) and the new tokens the mask allows; the window
     applies to those positions."""

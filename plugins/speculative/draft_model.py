@@ -51,8 +51,7 @@ class DraftModelDrafter(_ModelDrafter):
     def setup(self, target: DraftTarget) -> None:
         draft = target.open_model(self.options.model)
         check_tokenizers(target.tokenizer, draft.tokenizer, self.options.model)
-        self.runner = DraftRunner(target.new_runner(draft.model, draft.kv), draft.kv,
-                                  target.model_config.vocab_size)
+        self.runner = DraftRunner(draft.runner, draft.kv, target.model_config.vocab_size)
 
 
 def check_tokenizers(target, draft, draft_name: str) -> None:

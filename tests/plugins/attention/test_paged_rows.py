@@ -17,9 +17,9 @@ from lmplug.interfaces.draft_tree import ancestor_mask
 H, HKV, D, BS = 6, 2, 16, 4
 
 
-def step(att, view, seqs, q, k, v, tree_masks=None):
+def step(att, view, seqs, q, k, v, query_masks=None):
     """One attention call over ``seqs`` = [(block table, cached, new)] with q/k/v for the new tokens
-    (``tree_masks``: sequence index -> its draft tree's ancestor mask)."""
+    (``query_masks``: sequence index -> its draft tree's ancestor mask)."""
     width = max(len(t) for t, _, _ in seqs)
     tables = torch.tensor([t + [0] * (width - len(t)) for t, _, _ in seqs], dtype=torch.int32)
     positions = [p for _, c, n in seqs for p in range(c, c + n)]
@@ -35,7 +35,7 @@ def step(att, view, seqs, q, k, v, tree_masks=None):
                       seq_lens=torch.tensor([c + n for _, c, n in seqs], dtype=torch.int32),
                       cu_query_lens=cu, slot_mapping=slots, block_tables=tables, query_lens_cpu=qlens,
                       seq_lens_cpu=[c + n for _, c, n in seqs], num_decodes=num_decodes,
-                      tree_masks=tree_masks or {})
+                      query_masks=query_masks or {})
     return att.forward(0, q, k, v, view, ctx), ctx
 
 
@@ -105,7 +105,7 @@ def test_long_queries_and_trees_without_row_masks_stay_on_the_prefill_path():
                            cu_query_lens=torch.tensor([0] + qlens).cumsum(0),
                            slot_mapping=torch.zeros(sum(qlens), dtype=torch.long),
                            block_tables=torch.zeros(len(qlens), 1, dtype=torch.int32), query_lens_cpu=qlens,
-                           seq_lens_cpu=qlens, num_decodes=0, tree_masks={i: None for i in trees})
+                           seq_lens_cpu=qlens, num_decodes=0, query_masks={i: None for i in trees})
 
     assert leading_short_queries(ctx_of([1, 3, 32, 33, 2])) == 3
     assert leading_short_queries(ctx_of([1, 3, 4], trees=[1])) == 1

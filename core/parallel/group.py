@@ -1,0 +1,50 @@
+"""What rank 0 and the workers of a tensor-parallel group share: joining and leaving the
+process group, the stop message, and moving a step's context between devices."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import datetime
+import os
+
+import torch
+
+from lmplug.parallel.state import ParallelState
+
+STOP = None  # the message that ends a worker's loop
+
+
+def init_rank(rank: int, world_size: int, init_method: str | None, backend: str,
+              timeout_s: float, expert_parallel: bool = False) -> ParallelState:
+    """Join the default process group (and, over NCCL, a gloo group for pickled messages).
+    ``expert_parallel``: MoE experts are split whole across the ranks (``parallel.expert_parallel``)."""
+    import torch.distributed as dist
+
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)) % torch.cuda.device_count())
+    kwargs = {"init_method": init_method} if init_method else {}
+    dist.init_process_group(backend, rank=rank, world_size=world_size,
+                            timeout=datetime.timedelta(seconds=timeout_s), **kwargs)
+    cpu_group = dist.new_group(backend="gloo") if backend == "nccl" else None
+    return ParallelState(rank, world_size, expert_parallel=expert_parallel, cpu_group=cpu_group)
+
+
+def expert_parallel(payload: dict) -> bool:
+    """``parallel.expert_parallel`` of the engine config a group is started with."""
+    return bool(payload["config"].get("parallel", {}).get("expert_parallel", False))
+
+
+def leave_group() -> None:
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        with contextlib.suppress(RuntimeError, ValueError):  # a broken group: nothing more to release
+            dist.destroy_process_group()
+
+
+def ctx_to(ctx, device):
+    """``StepContext`` with its tensors on ``device`` (host copies travel between ranks)."""
+    return dataclasses.replace(ctx, **{f.name: getattr(ctx, f.name).to(device)
+                                       for f in dataclasses.fields(ctx)
+                                       if isinstance(getattr(ctx, f.name), torch.Tensor)})
