@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 import time
 from typing import Any
 
+from lmplug.cli_checks import check_port, label_set_error, version_text
 from lmplug.errors import LmplugError
 
 DEFAULT_CHAT_SYSTEM = None
@@ -16,6 +18,8 @@ DEFAULT_CHAT_SYSTEM = None
 def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
+    if not sys.stderr.isatty():  # progress bars (tqdm, here and in worker processes) flood logs
+        os.environ.setdefault("TQDM_DISABLE", "1")
     logging.basicConfig(level=logging.DEBUG if args.verbose > 1 else logging.INFO if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
     if not getattr(args, "func", None):
@@ -37,7 +41,10 @@ def main(argv: list[str] | None = None) -> int:
 def _engine_args(p: argparse.ArgumentParser, model_positional: bool = False) -> None:
     g = p.add_argument_group("engine (flags override --config)")
     g.add_argument("--config", "-c", help="YAML config file (default: the embedded default config)")
-    if not model_positional:
+    if model_positional:  # `serve MODEL` (kept for compatibility) or `serve --model MODEL`
+        g.add_argument("--model", "-m", dest="model_option", metavar="MODEL",
+                       help="model name in the cache, HF folder, or .gguf file (same as the positional MODEL)")
+    else:
         g.add_argument("--model", "-m", help="model name in the cache, HF folder, or .gguf file")
     g.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"])
     g.add_argument("--device", choices=["auto", "cpu", "cuda"])
@@ -67,6 +74,7 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
     import yaml
 
     out: dict[str, Any] = {}
+    _merge_model_option(args)
     for key in ("model", "dtype", "device", "max_model_len", "attention", "kvcache", "scheduler"):
         value = getattr(args, key, None)
         if value is not None:
@@ -75,9 +83,14 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
         out["parallel"] = {"tensor_parallel_size": args.tp}
     for item in args.set:
         key, sep, raw = item.partition("=")
-        if not sep:
+        if not sep or not key:
             raise LmplugError(f"--set {item!r}: expected KEY=VALUE")
-        value = yaml.safe_load(raw)
+        try:
+            value = yaml.safe_load(raw)
+        except yaml.YAMLError as exc:
+            problem = " ".join(str(getattr(exc, "problem", None) or exc).split())
+            raise LmplugError(f"--set {item}: the value of {key!r} is not valid YAML ({problem}); "
+                              "quote it for a plain string") from None
         head, _, rest = key.partition(".")
         if rest:
             section = out.get(head)
@@ -89,11 +102,26 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
+def _merge_model_option(args: argparse.Namespace) -> None:
+    """``serve``: ``--model M`` and the positional ``M`` are one setting."""
+    option = getattr(args, "model_option", None)
+    if option is None:
+        return
+    if getattr(args, "model", None) not in (None, option):
+        raise LmplugError(f"--model {option!r} and the positional MODEL {args.model!r} differ; give one")
+    args.model = option
+
+
 def _build_llm(args: argparse.Namespace):
+    from lmplug.errors import ConfigError
     from lmplug.llm import LLM
 
     started = time.perf_counter()
-    llm = LLM(config=args.config, **_overrides(args))
+    overrides = _overrides(args)
+    try:
+        llm = LLM(config=args.config, **overrides)
+    except ConfigError as exc:
+        raise ConfigError(label_set_error(str(exc), args)) from None
     args._load_time = time.perf_counter() - started
     return llm
 
@@ -151,9 +179,10 @@ def cmd_chat(args: argparse.Namespace) -> int:
     if args.system:
         messages.append({"role": "system", "content": args.system})
     print("lmplug chat: type a message; /reset clears the history, /exit or Ctrl-D quits.", file=sys.stderr)
+    prompt = "you> " if sys.stdin.isatty() else ""  # no prompts in piped output
     while True:
         try:
-            line = input("you> ")
+            line = input(prompt)
         except EOFError:
             print(file=sys.stderr)
             return 0
@@ -177,6 +206,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
 def cmd_serve(args: argparse.Namespace) -> int:
     from lmplug.serve.server import serve_from_args
 
+    check_port(args.host, args.port)  # before the model loads, which can take minutes
     return serve_from_args(args, _build_llm(args))
 
 
@@ -271,6 +301,7 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="lmplug", description="An LLM inference engine in which every "
                                 "optimization is a plugin.")
     p.add_argument("-v", "--verbose", action="count", default=0, help="more logging (-vv for debug)")
+    p.add_argument("--version", action="version", version=f"%(prog)s {version_text()}")
     sub = p.add_subparsers(metavar="COMMAND")
 
     g = sub.add_parser("generate", help="generate text for prompts (streams to stdout)")
@@ -292,11 +323,25 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("model", nargs="?", help="model name in the cache, HF folder, or .gguf file")
     s.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     s.add_argument("--port", type=int, default=8000)
-    s.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1 (default: $LMPLUG_API_KEY)")
+    s.add_argument("--api-key", help="require 'Authorization: Bearer KEY' (visible in `ps`: prefer "
+                   "--api-key-file or $LMPLUG_API_KEY)")
+    s.add_argument("--api-key-file", help="read the API key from the first line of this file")
     s.add_argument("--served-model-name", help="the model id clients send (default: the config's model)")
     s.add_argument("--max-body-bytes", type=int, default=1 << 20, help="larger request bodies get a 413")
+    s.add_argument("--max-open-seqs", type=int, default=1024, metavar="N",
+                   help="sequences (n x prompts) all open requests may hold together; past it a 429")
     s.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds in-flight requests may finish on shutdown before they are cut")
+    s.add_argument("--allowed-hosts", action="append", metavar="HOST[,HOST]", help="more Host header names "
+                   "to accept (default: loopback names on loopback, any on 0.0.0.0; '*': any)")
+    s.add_argument("--cors-origins", action="append", metavar="ORIGIN[,ORIGIN]",
+                   help="browser origins allowed to call the API ('*': any; default: none)")
+    s.add_argument("--read-timeout", type=float, default=30.0,
+                   help="seconds a client has to send a request's head, then its body (default: 30)")
+    s.add_argument("--public-health", action="store_true", help="serve /health without the API key")
+    s.add_argument("--public-metrics", action="store_true", help="serve /metrics without the API key")
+    s.add_argument("--allow-special-tokens-in-content", action="store_true",
+                   help="let special-token text in chat messages become control tokens (unsafe)")
     _engine_args(s, model_positional=True)
     s.set_defaults(func=cmd_serve)
 

@@ -26,6 +26,7 @@ from lmplug.plugins import Registry, get_registry
 logger = logging.getLogger(__name__)
 
 DEFAULT_CONFIG = Path(__file__).parent / "configs" / "default.yaml"
+MAX_CONFIG_BYTES = 1 << 20  # a config file is a few KiB; refuse anything larger before reading it
 
 # config section -> (plugin family, key that names the backend), in resolution order; from the
 # family table (``lmplug.interfaces.families``)
@@ -63,7 +64,8 @@ class EngineConfig(BaseModel):
         default="auto", description="weights and activations; auto: float32 on CPU, bfloat16 on CUDA")
     device: Literal["auto", "cpu", "cuda"] = Field(default="auto", description="auto: cuda when available")
     max_model_len: int | None = Field(default=None, ge=1, description="context limit; default: the model's")
-    seed: int = Field(default=0, description="seeds requests that give no seed of their own")
+    seed: int = Field(default=0, ge=0, le=2**64 - 1,
+                      description="seeds requests that give no seed of their own (0 to 2**64-1)")
     attention: dict[str, Any] = Field(default_factory=lambda: {"backend": "auto"}, description="see below")
     kvcache: dict[str, Any] = Field(default_factory=lambda: {"backend": "auto"}, description="see below")
     scheduler: dict[str, Any] = Field(default_factory=lambda: {"backend": "auto"}, description="see below")
@@ -91,14 +93,14 @@ class EngineConfig(BaseModel):
     @classmethod
     def from_yaml(cls, path: str | Path, **overrides: Any) -> EngineConfig:
         path = Path(path)
-        try:
-            text = path.read_text()
-        except OSError as exc:
-            raise ConfigError(f"cannot read config file {path}: {exc.strerror}") from None
+        text = _read_config_file(path)
         try:
             data = yaml.safe_load(text) or {}
         except yaml.YAMLError as exc:
-            raise ConfigError(f"{path}: not valid YAML: {exc}") from None
+            mark = getattr(exc, "problem_mark", None)
+            where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark else ""
+            problem = " ".join(str(getattr(exc, "problem", None) or exc).split())
+            raise ConfigError(f"{path}: not valid YAML: {problem}{where}") from None
         if not isinstance(data, dict):
             raise ConfigError(f"{path}: expected a mapping of options at the top level, got {type(data).__name__}")
         return cls.from_dict(merge(data, overrides), source=str(path))
@@ -106,6 +108,31 @@ class EngineConfig(BaseModel):
     @classmethod
     def default(cls, **overrides: Any) -> EngineConfig:
         return cls.from_yaml(DEFAULT_CONFIG, **overrides)
+
+
+def _read_config_file(path: Path) -> str:
+    """The file's text: a regular file of at most ``MAX_CONFIG_BYTES``, checked before reading
+    (a device such as /dev/zero or a FIFO would never end)."""
+    import os
+    import stat
+
+    try:
+        info = os.stat(path)
+        if not stat.S_ISREG(info.st_mode):
+            raise ConfigError(f"config file {path}: not a regular file")
+        if info.st_size > MAX_CONFIG_BYTES:
+            raise ConfigError(f"config file {path}: {info.st_size} bytes, larger than the "
+                              f"{MAX_CONFIG_BYTES} bytes a config file may have")
+        with open(path, "rb") as f:
+            data = f.read(MAX_CONFIG_BYTES + 1)
+    except OSError as exc:
+        raise ConfigError(f"cannot read config file {path}: {exc.strerror}") from None
+    if len(data) > MAX_CONFIG_BYTES:
+        raise ConfigError(f"config file {path}: larger than {MAX_CONFIG_BYTES} bytes")
+    try:
+        return data.decode()
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"config file {path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
 
 
 def merge(base: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
@@ -135,8 +162,14 @@ def _explain(exc: ValidationError, source: str) -> str:
         if err["type"] == "extra_forbidden":
             lines.append(f"  {key}: unknown option (allowed: {', '.join(EngineConfig.model_fields)})")
         else:
-            lines.append(f"  {key}: {err['msg']} (got {err.get('input')!r})")
+            lines.append(f"  {key}: {err['msg']}{_got(err)}")
     return "\n".join(lines)
+
+
+def _got(err: Mapping[str, Any]) -> str:
+    """`` (got VALUE)``, unless the message already says what it got."""
+    value = err.get("input")
+    return "" if f"got {value}" in err["msg"] or f"got {value!r}" in err["msg"] else f" (got {value!r})"
 
 
 def _check_sections() -> None:
@@ -280,10 +313,11 @@ def _choose_auto(registry: Registry, section: str, family: str, device: str, dty
                                  check_dtype=model is None or not model.mla)
     if not candidates:
         available = ", ".join(sorted(registry.backends(family))) or "none installed"
+        note = f"; {registry.allowlist_note}" if getattr(registry, "allowlist_note", "") else ""
         raise ConfigError(f"{source}: {section}: no {family} backend fits device {device!r} and "
-                          f"dtype {dtype!r} (installed: {available})")
+                          f"dtype {dtype!r} (installed: {available}{note})")
     best = max(candidates, key=lambda i: (i.cls.capabilities.priority, i.name))
-    listed = ", ".join(f"{i.name} ({i.cls.capabilities.priority})" for i in
+    listed = ", ".join(f"{i.name} ({i.distribution}, priority {i.cls.capabilities.priority})" for i in
                        sorted(candidates, key=lambda i: (-i.cls.capabilities.priority, i.name)))
     return best, f"auto: fit {', '.join(fits)}: {listed}; highest priority wins"
 
@@ -350,5 +384,5 @@ def _explain_section(exc: ValidationError, source: str, section: str, info: Back
         if err["type"] == "extra_forbidden":
             lines.append(f"  {section}.{key}: unknown option (allowed: {allowed})")
         else:
-            lines.append(f"  {section}.{key}: {err['msg']} (got {err.get('input')!r})")
+            lines.append(f"  {section}.{key}: {err['msg']}{_got(err)}")
     return "\n".join(lines)

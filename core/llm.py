@@ -17,6 +17,15 @@ from lmplug.outputs import RequestOutput
 Prompt = str | Sequence[int] | dict
 
 
+def _check_device(device: str, source: str) -> None:
+    """``device: cuda`` on a machine without CUDA is a config error, not torch's AssertionError."""
+    import torch
+
+    if device == "cuda" and not torch.cuda.is_available():
+        why = "this torch was built without CUDA" if torch.version.cuda is None else "no CUDA device is visible"
+        raise ConfigError(f"{source}: device: 'cuda' requested, but {why}; use device: cpu (or auto)")
+
+
 class LLM:
     """Load a model and generate.
 
@@ -45,6 +54,7 @@ class LLM:
         else:
             cfg, source = EngineConfig.default(**overrides), "default config"
         device = pick_device(cfg.device)
+        _check_device(device, source)
         resolved = resolve(cfg, device=device, dtype=pick_dtype(cfg.dtype, device), source=source)
         self.engine = LLMEngine(resolved)
         self._ids = itertools.count()
@@ -109,9 +119,8 @@ class LLM:
     def apply_chat_template(self, messages: list[dict], **kwargs: Any) -> list[int]:
         if self.tokenizer is None:
             raise ConfigError("this model has no tokenizer, so it has no chat template")
-        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, **kwargs)
-        # the template already holds the special tokens (BOS included)
-        return self.tokenizer.encode(text, add_special_tokens=False)
+        # the template writes the special tokens (BOS included); those in messages stay text
+        return self.tokenizer.chat_ids(messages, add_generation_prompt=True, **kwargs)
 
     def _as_list(self, prompts) -> list:
         if isinstance(prompts, (str, dict)):

@@ -4,11 +4,15 @@ First-party plugins are found exactly like third-party ones, through the
 entry-point group ``lmplug.plugins``. Environment:
 
 - ``LMPLUG_PLUGINS=a,b``: load only these entry points (by entry-point or
-  distribution name);
+  distribution name); a name that matches no entry point is reported (a warning
+  naming the variable and the entry points there are, and ``Registry.allowlist_note``
+  in "none installed" errors);
 - ``LMPLUG_DISABLE_PLUGIN_AUTOLOAD=1``: load no entry point except those
   named in ``LMPLUG_PLUGINS``.
 
-A plugin that fails to import, or targets another core API version, is
+A plugin that fails to import (any exception, and also ``SystemExit``,
+``KeyboardInterrupt`` or another ``BaseException`` raised by its import: contained
+only while the plugin module imports), or targets another core API version, is
 reported (``Registry.failures``, a warning, and in "unknown backend"
 errors) and the others still load.
 """
@@ -56,6 +60,7 @@ class Registry:
         self.failures: list[PluginFailure] = []
         self._distributions: dict[str, str] = {}  # plugin name -> distribution
         self._backends: dict[str, dict[str, BackendInfo]] | None = None
+        self.allowlist_note = ""  # set when LMPLUG_PLUGINS names what no entry point is
         if autoload:
             self.load_entry_points()
 
@@ -64,9 +69,12 @@ class Registry:
         allow = {s.strip() for s in os.environ.get(ENV_ALLOWLIST, "").split(",") if s.strip()}
         allow_dists = {_normalize(s) for s in allow}
         disabled = os.environ.get(ENV_DISABLE_AUTOLOAD, "").lower() not in ("", "0", "false", "no")
-        for ep in importlib_metadata.entry_points(group=ENTRY_POINT_GROUP):
+        matched: set[str] = set()
+        entry_points = list(importlib_metadata.entry_points(group=ENTRY_POINT_GROUP))
+        for ep in entry_points:
             dist = f"{ep.dist.name} {ep.dist.version}" if ep.dist else "?"
             dist_name = _normalize(ep.dist.name) if ep.dist else ""
+            matched |= {a for a in allow if a == ep.name or _normalize(a) == dist_name}
             if allow and ep.name not in allow and dist_name not in allow_dists:
                 continue
             if disabled and not allow:
@@ -79,10 +87,21 @@ class Registry:
                 continue
             try:
                 plugin = ep.load()
-            except Exception as exc:  # a broken plugin must not take the others down
+            except BaseException as exc:  # noqa: BLE001 - a broken plugin must not take the others
+                # down, nor end the process: SystemExit / KeyboardInterrupt raised by a plugin's
+                # import are contained here, and only here (a Ctrl-C elsewhere still stops lmplug)
                 self._fail(ep.name, dist, _import_failure(ep.value, exc))
                 continue
             self.register(plugin, name=ep.name, distribution=dist)
+        if allow - matched:
+            self._note_unmatched(sorted(allow - matched), entry_points)
+
+    def _note_unmatched(self, names: list[str], entry_points: list) -> None:
+        available = ", ".join(sorted(f"{ep.name} ({ep.dist.name if ep.dist else '?'})" for ep in entry_points))
+        self.allowlist_note = (f"{ENV_ALLOWLIST}={os.environ.get(ENV_ALLOWLIST, '')!r}: "
+                               f"{', '.join(map(repr, names))} matches no entry point of group "
+                               f"{ENTRY_POINT_GROUP!r} (entry points: {available or 'none'})")
+        logger.warning("lmplug: %s", self.allowlist_note)
 
     def register(self, plugin: Any, *, name: str, distribution: str = "<in-process>") -> bool:
         """Register one plugin object after checking the API version it targets."""
@@ -138,6 +157,8 @@ class Registry:
             return table[name]
         available = ", ".join(sorted(table)) or "none"
         msg = f"unknown {family} backend {name!r}; available: {available}"
+        if self.allowlist_note:
+            msg += f" ({self.allowlist_note})"
         if self.failures:
             msg += ". Plugins that failed to load: " + "; ".join(map(str, self.failures))
         raise PluginError(msg)
@@ -208,7 +229,7 @@ def reset_registry() -> None:
     _registry = None
 
 
-def _import_failure(target: str, exc: Exception) -> str:
+def _import_failure(target: str, exc: BaseException) -> str:
     """Why a plugin module did not import. A plugin written for API version 1 imported engine
     internals that API 2 moved into ``lmplug.interfaces``: say that, not just the ImportError."""
     missing = getattr(exc, "name", None) or ""
@@ -217,4 +238,7 @@ def _import_failure(target: str, exc: Exception) -> str:
                 f"({type(exc).__name__}: {exc}); this core implements API version {API_VERSION}, in "
                 "which plugins import only lmplug.interfaces, lmplug.hookspecs and lmplug.errors "
                 "(docs/plugins.md, \"Porting a plugin from API 1\")")
+    if not isinstance(exc, Exception):
+        return (f"failed to import {target!r}: it raised {type(exc).__name__}({exc!s}) while importing "
+                "(contained: a plugin's import may not end the process)")
     return f"failed to import {target!r}: {type(exc).__name__}: {exc}"

@@ -78,7 +78,9 @@ def check_out(out: Path) -> None:
 
 
 def make_progress() -> Progress:
-    """A tqdm bar per stage when tqdm is installed, else a line on stderr."""
+    """A tqdm bar per stage when tqdm is installed and stderr is a terminal, else a line on
+    stderr (when not a terminal, one per finished stage: no ``\\r`` updates in log files)."""
+    tty = sys.stderr.isatty()
     try:
         from tqdm import tqdm
     except ImportError:
@@ -86,6 +88,10 @@ def make_progress() -> Progress:
     bars: dict[str, object] = {}
 
     def progress(stage: str, done: int, total: int) -> None:
+        if not tty:
+            if done >= total:
+                print(f"{stage}: {done}/{total}", file=sys.stderr, flush=True)
+            return
         if tqdm is not None:
             bar = bars.get(stage)
             if bar is None:

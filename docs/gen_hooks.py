@@ -68,6 +68,8 @@ def _functions(tree: ast.Module):
 def _calls_hook(node: ast.AST, hook: str) -> bool:
     if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Attribute):
         return False
+    if node.func.attr == "notify" and node.args:  # self.observers.notify("hook", ...): isolated observers
+        return isinstance(node.args[0], ast.Constant) and node.args[0].value == hook
     owner = node.func.value
     return node.func.attr == hook and isinstance(owner, ast.Attribute) and owner.attr == "hook"
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -23,6 +24,7 @@ from lmplug.interfaces import (
 from lmplug.interfaces.model_config import ModelConfig
 from lmplug.interfaces.quant import Unquantized
 from lmplug.loading import open_source
+from lmplug.loading.memory import check_fits
 from lmplug.loading.weights import load_weights
 from lmplug.models import architecture_for
 from lmplug.parallel import ParallelState
@@ -70,7 +72,7 @@ def peek_model_config(resolved: ResolvedConfig) -> tuple[ModelConfig, str]:
 
     source = open_source(resolve_model(resolved.config.model))
     architecture_for(source.hf_config.get("model_type"))
-    return ModelConfig.from_hf(source.hf_config), str(source.path)
+    return ModelConfig.from_hf(source.hf_config, config_file(source)), str(source.path)
 
 
 def build_engine_parts(resolved: ResolvedConfig, parallel: ParallelState | None = None,
@@ -85,7 +87,7 @@ def build_engine_parts(resolved: ResolvedConfig, parallel: ParallelState | None 
     source = open_source(resolve_model(cfg.model))
     # an unsupported architecture is the error to report, not the config keys it lacks
     arch = architecture_for(source.hf_config.get("model_type"))
-    model_config = ModelConfig.from_hf(source.hf_config)
+    model_config = ModelConfig.from_hf(source.hf_config, config_file(source))
     plan = make_plan(resolved, source.hf_config, model_config, str(source.path), parallel)
     backends, kv_shape = plan.resolved.backends, plan.kv_shape
     dtype = DTYPES[resolved.dtype]
@@ -99,6 +101,8 @@ def build_engine_parts(resolved: ResolvedConfig, parallel: ParallelState | None 
     if "speculative" in backends:
         drafter = backends["speculative"].cls(backends["speculative"].options)
         _check_tree_support(drafter, backends["attention"], device, parallel)
+    check_fits(model_config, config_file(source), dtype, device, quantized="quant" in backends,
+               world_size=parallel.world_size)
     with torch.device(device):
         model = arch(model_config, dtype, _built(backends, "quant", Unquantized()), attention, max_model_len,
                      parallel=parallel, **({"moe": _built(backends, "moe")} if "moe" in backends else {}))
@@ -111,6 +115,7 @@ def build_engine_parts(resolved: ResolvedConfig, parallel: ParallelState | None 
                        sliding_window=model_config.sliding_window,
                        max_num_batched_tokens=sched_opts.max_num_batched_tokens)
     kv = parallel_setup.build_kv(backends["kvcache"].cls, backends["kvcache"].options, spec, parallel)
+    max_model_len = fit_pool(kv, max_model_len)
     limits = SchedulerLimits(sched_opts.max_num_seqs, sched_opts.max_num_batched_tokens, max_model_len)
     scheduler = backends["scheduler"].cls(sched_opts, kv, limits)
     # group: rank 0's handle on the tensor-parallel workers (``lmplug.parallel.launch``), if any
@@ -127,6 +132,30 @@ def build_engine_parts(resolved: ResolvedConfig, parallel: ParallelState | None 
     memory = parallel_setup.memory_report(model, kv, parallel)
     return EngineParts(model_config, model, source.tokenizer, kv, scheduler, runner, max_model_len,
                        _eos_ids(source), load_time, drafter, memory=memory, plan=plan)
+
+
+def fit_pool(kv: KVCacheBackend, max_model_len: int) -> int:
+    """Capacity known at start: a block pool that cannot hold one ``max_model_len`` sequence
+    clamps ``max_model_len`` to what it holds, with a warning (requests past it are refused with
+    a clear error when they arrive, instead of failing mid-run). Sliding-window models are
+    exempt: their cache frees what falls out of the window."""
+    blocks = kv.pool_blocks()
+    if blocks is None or kv.spec.sliding_window is not None:
+        return max_model_len
+    capacity = blocks * kv.block_size
+    if capacity >= max_model_len:
+        return max_model_len
+    logger.warning("kvcache: the %s pool holds %d tokens (%d blocks of %d), fewer than "
+                   "max_model_len=%d: max_model_len is clamped to %d; raise kvcache.num_blocks or "
+                   "kvcache.memory_gb, or set max_model_len <= %d", kv.name, capacity, blocks,
+                   kv.block_size, max_model_len, capacity, capacity)
+    return capacity
+
+
+def config_file(source) -> str:
+    """The file a model's config came from: an HF folder's config.json, or the GGUF itself."""
+    path = Path(source.path)
+    return str(path / "config.json" if source.format == "hf" else path)
 
 
 def _built(backends, section: str, default=None):

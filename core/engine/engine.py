@@ -14,12 +14,13 @@ from collections.abc import Sequence as Seq
 
 from lmplug.config import ResolvedConfig
 from lmplug.engine.build import EngineParts, build_engine_parts
+from lmplug.engine.isolation import Observers, StepFailures
 from lmplug.engine.select import Sampler
 from lmplug.interfaces.params import SamplingParams
 from lmplug.interfaces.scheduler import ScheduledSeq, SchedulerOutput
 from lmplug.interfaces.sequence import Sequence, SequenceStatus
 from lmplug.outputs import RequestOutput, RequestTable
-from lmplug.outputs.logprobs import record_prompt_logprobs, token_logprobs
+from lmplug.outputs.logprobs import record_prompt_logprobs
 from lmplug.plugins import Registry, get_registry
 from lmplug.speculation import Speculator
 
@@ -64,9 +65,10 @@ class LLMEngine:
                     and "fork" in self.scheduler.capabilities.features)
         self.requests = RequestTable(self.tokenizer, self.eos_token_ids, self.max_model_len,
                                      self.model_config.vocab_size, self.kv, can_fork, self.config.seed)
-        self._observe_steps = bool(self.registry.hook.lmplug_step_finished.get_hookimpls())
+        self.observers = Observers(self.registry)
+        self._observe_steps = self.observers.wanted("lmplug_step_finished")
         self.last_stats: dict = {}
-        self.registry.hook.lmplug_engine_started(engine=self)
+        self.observers.notify("lmplug_engine_started", engine=self)
 
     def close(self) -> None:
         """Stop the tensor-parallel workers, if any (also done at interpreter exit)."""
@@ -93,7 +95,12 @@ class LLMEngine:
 
     # -- the step ----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Run one step; return an output for every request that made progress."""
+        """Run one step; return an output for every request that made progress.
+
+        One request's failure stays its own: an exception while selecting, scoring or appending
+        its tokens finishes that request with ``finish_reason="error"`` and the others go on
+        (``_commit``). A forward pass that raises cannot be pinned to one request: it propagates.
+        """
         started = time.perf_counter()
         plan = self._schedule()
         if not plan.scheduled:
@@ -101,12 +108,13 @@ class LLMEngine:
         # decode tokens (drafts included): those of sequences already past their prompt
         num_decode = sum(s.num_new_tokens for s in plan.scheduled if not s.seq.is_prefill)
         result = self.runner.execute(plan.scheduled)
-        finished = self._commit(plan.scheduled, result)
+        finished, failed = self._commit(plan.scheduled, result)
         self.scheduler.update(finished)
+        self._end_failed(failed)
         outputs = self.requests.outputs([item.seq for item in plan.scheduled])
         for out in outputs:
             if out.finished:
-                self.registry.hook.lmplug_request_finished(engine=self, output=out)
+                self.observers.notify("lmplug_request_finished", engine=self, output=out)
         self._report(plan, started, num_decode)
         return outputs
 
@@ -118,28 +126,51 @@ class LLMEngine:
         self.selector.plan(plan.scheduled)
         return plan
 
-    def _commit(self, scheduled: list[ScheduledSeq], result) -> list[Sequence]:
+    def _commit(self, scheduled: list[ScheduledSeq], result) -> tuple[list[Sequence], list[Sequence]]:
         """Advance the computed counts, select the next tokens, append them; returns the
-        scheduled sequences that finished."""
+        scheduled sequences that finished (failed ones included) and those that failed."""
         for item in scheduled:
             item.seq.num_computed_tokens += item.num_new_tokens
+        guard = StepFailures()
         for seq_id, (first, logits) in result.prompt_logits.items():
             seq = next(s.seq for s in scheduled if s.seq.seq_id == seq_id)
-            record_prompt_logprobs(seq, first, logits)
+            guard.guarded(seq, "prompt logprobs", record_prompt_logprobs, seq, first, logits, self.tokenizer)
         if result.logits is None:
-            return []
+            return list(guard.failed), guard.failed
         seqs, logits, hidden, num_rows, forked = self.requests.fork_siblings(
             [item.seq for item in result.sample_rows], result.logits, result.hidden, result.num_rows)
-        emitted, rows = self.selector.select(logits, num_rows, seqs, hidden)
-        logprobs = token_logprobs(logits, seqs, emitted, rows)
-        finished = self.requests.append(seqs, emitted, logprobs, time.perf_counter())
-        self.selector.settle(seqs)
+        emitted, rows = guard.select(self.selector, logits, num_rows, seqs, hidden)
+        ok = [i for i, s in enumerate(seqs) if s not in guard]
+        logprobs = guard.logprobs(logits, [seqs[i] for i in ok], [emitted[i] for i in ok],
+                                  [rows[i] for i in ok], self.tokenizer)
+        now, finished = time.perf_counter(), list(guard.failed)
+        for i, lps in zip(ok, logprobs):
+            if seqs[i] not in guard and guard.guarded(
+                    seqs[i], "output", self.requests.append, [seqs[i]], [emitted[i]], [lps], now):
+                finished.append(seqs[i])
+        finished += [s for s in guard.failed if s not in finished]
+        for seq in guard.failed:
+            self.selector.release(seq)
+        self.selector.settle([s for s in seqs if s not in guard])
         for seq in forked:
             if seq.is_finished:
                 self.kv.free(seq)  # never reached the scheduler, so it cannot free it
             else:
                 self.scheduler.add_running(seq)
-        return [s for s in finished if s not in forked]
+        return [s for s in finished if s not in forked], guard.failed
+
+    def _end_failed(self, failed: list[Sequence]) -> None:
+        """A request with a failed sequence ends: its other sequences finish with "error" too."""
+        for request_id in dict.fromkeys(s.request_id for s in failed):
+            if request_id not in self.requests:
+                continue
+            req = self.requests[request_id]
+            for seq in req.seqs:
+                if not seq.is_finished:
+                    seq.status, seq.finish_reason = SequenceStatus.FINISHED, "error"
+                    self.selector.release(seq)
+            req.pending_forks = []
+            self.scheduler.abort(request_id)
 
     def _report(self, plan: SchedulerOutput, started: float, decode: int) -> None:
         self.last_stats = {
@@ -149,4 +180,4 @@ class LLMEngine:
         }
         self.last_stats.update(self.selector.stats())
         if self._observe_steps:
-            self.registry.hook.lmplug_step_finished(engine=self, stats=self.last_stats)
+            self.observers.notify("lmplug_step_finished", engine=self, stats=self.last_stats)

@@ -74,10 +74,17 @@ def make_plan(resolved: ResolvedConfig, hf_config: Mapping, model_config: ModelC
 
 
 def log_choices(resolved: ResolvedConfig) -> None:
-    """One INFO line per family: the backend and why."""
+    """One INFO line per family: the backend, its distribution and priority, and why (for
+    ``auto``: every candidate with its distribution and priority, so a plugin that outranks the
+    first-party backends shows up here)."""
     for section, chosen in resolved.backends.items():
-        logger.info("%s: %s: %s %r (%s)", resolved.source, section, chosen.info.family, chosen.name,
-                    resolved.reasons.get(section, "named in the config"))
+        reason = resolved.reasons.get(section, "named in the config")
+        # `auto` choosing another distribution's backend is worth a line without -v
+        level = logging.WARNING if reason.startswith("auto") and \
+            chosen.info.distribution.split(" ")[0] != "lmplug" else logging.INFO
+        logger.log(level, "%s: %s: %s %r from %s, priority %d (%s)", resolved.source, section,
+                   chosen.info.family, chosen.name, chosen.info.distribution,
+                   chosen.cls.capabilities.priority, reason)
 
 
 def _check_window_support(model_config: ModelConfig, attention: ResolvedBackend) -> None:

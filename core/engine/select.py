@@ -10,6 +10,8 @@ drafts, verifies and rolls back.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from lmplug.interfaces.sampling import sample
@@ -30,6 +32,21 @@ class Sampler:
                hidden: torch.Tensor | None = None) -> tuple[list[list[int]], list[list[int]]]:
         tokens = sample(logits, seqs)
         return [[t] for t in tokens], [[i] for i in range(len(tokens))]
+
+    def select_each(self, logits: torch.Tensor, seqs: list[Sequence],
+                    on_error: Callable[[Sequence, Exception], None]) -> tuple[list[list[int]], list[list[int]]]:
+        """``select`` one sequence at a time after the batch raised: a sequence whose row raises
+        gets no token and is reported to ``on_error``; the others get what the batch would give
+        (``sample`` shapes every row before it draws any, so a batch that raised drew nothing:
+        no generator moved, and nothing is copied on the hot path to undo it)."""
+        tokens: list[list[int]] = []
+        for i, seq in enumerate(seqs):
+            try:
+                tokens.append(sample(logits[i:i + 1], [seq])[:1])
+            except Exception as exc:  # noqa: BLE001  (reported to on_error, which logs it)
+                on_error(seq, exc)
+                tokens.append([])
+        return tokens, [[i] for i in range(len(seqs))]
 
     def settle(self, seqs: list[Sequence]) -> None:
         pass

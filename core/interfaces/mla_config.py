@@ -12,6 +12,8 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from lmplug.interfaces.config_fields import ConfigReader
+
 MLA_TYPES = ("deepseek_v2", "deepseek_v3")
 LORA_NORM_EPS = 1e-6
 HF_DEFAULTS = {"q_lora_rank": 1536, "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
@@ -38,22 +40,23 @@ class MLAConfig:
         return self.kv_lora_rank + self.qk_rope_head_dim
 
 
-def mla_config_from_hf(cfg: dict[str, Any], rope_scaling: dict[str, Any] | None) -> MLAConfig | None:
+def mla_config_from_hf(cfg: dict[str, Any], rope_scaling: dict[str, Any] | None,
+                       where: str = "config.json") -> MLAConfig | None:
     """The MLA record of an HF config, or None for an architecture without MLA."""
     if cfg.get("model_type") not in MLA_TYPES:
         return None
     # a missing key takes transformers' default (the same for V2 and V3), as HF's loader would
-    cfg = {**HF_DEFAULTS, **cfg}
-    q_lora = cfg["q_lora_rank"]
-    nope, rope = int(cfg["qk_nope_head_dim"]), int(cfg["qk_rope_head_dim"])
+    r = ConfigReader(cfg, where)
+    q_lora = r.int("q_lora_rank", None, low=0) or None if "q_lora_rank" in cfg else HF_DEFAULTS["q_lora_rank"]
+    nope, rope = (r.int(k, HF_DEFAULTS[k]) for k in ("qk_nope_head_dim", "qk_rope_head_dim"))
     return MLAConfig(
-        q_lora_rank=int(q_lora) if q_lora else None,
-        kv_lora_rank=int(cfg["kv_lora_rank"]),
+        q_lora_rank=q_lora,
+        kv_lora_rank=r.int("kv_lora_rank", HF_DEFAULTS["kv_lora_rank"]),
         qk_nope_head_dim=nope,
         qk_rope_head_dim=rope,
-        v_head_dim=int(cfg["v_head_dim"]),
+        v_head_dim=r.int("v_head_dim", HF_DEFAULTS["v_head_dim"]),
         softmax_scale=(nope + rope) ** -0.5 * _mscale_squared(rope_scaling),
-        rope_interleave=bool(cfg.get("rope_interleave", True)),
+        rope_interleave=r.flag("rope_interleave", True),
     )
 
 

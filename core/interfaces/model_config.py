@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from lmplug.errors import ModelLoadError
-from lmplug.interfaces.mla_config import MLAConfig, mla_config_from_hf
+from lmplug.interfaces.config_fields import ConfigReader, check_depth
+from lmplug.interfaces.mla_config import MLA_TYPES, MLAConfig, mla_config_from_hf
 from lmplug.interfaces.moe_config import MoEConfig, moe_config_from_hf
 
 QKV_BIAS_TYPES = ("qwen2", "qwen2_moe")  # q/k/v biases unless the config says otherwise
@@ -40,48 +40,59 @@ class ModelConfig:
     raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     @classmethod
-    def from_hf(cls, cfg: dict[str, Any]) -> ModelConfig:
-        model_type = cfg.get("model_type")
-        try:
-            hidden = int(cfg["hidden_size"])
-            heads = int(cfg["num_attention_heads"])
-            head_dim = cfg.get("head_dim") or hidden // heads
-            rope_theta, rope_scaling = _rope(cfg)
-            num_layers = int(cfg["num_hidden_layers"])
-            qkv_bias = model_type in QKV_BIAS_TYPES and bool(cfg.get("qkv_bias", True))
-            return cls(
-                model_type=model_type,
-                vocab_size=int(cfg["vocab_size"]),
-                hidden_size=hidden,
-                intermediate_size=int(cfg["intermediate_size"]),
-                num_layers=num_layers,
-                num_heads=heads,
-                num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
-                head_dim=int(head_dim),
-                rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-                max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
-                rope_theta=rope_theta,
-                rope_scaling=rope_scaling,
-                tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-                attention_bias=qkv_bias or bool(cfg.get("attention_bias", False)),
-                o_bias=model_type not in QKV_BIAS_TYPES and bool(cfg.get("attention_bias", False)),
-                mlp_bias=bool(cfg.get("mlp_bias", False)),
-                qk_norm=model_type in QK_NORM_TYPES,
-                sliding_window=_sliding_window(cfg),
-                hidden_act=cfg.get("hidden_act", "silu"),
-                moe=moe_config_from_hf(cfg, num_layers),
-                mla=mla_config_from_hf(cfg, rope_scaling),
-                raw=cfg,
-            )
-        except KeyError as exc:
-            raise ModelLoadError(f"config.json of a {model_type!r} model lacks {exc.args[0]!r}") from None
+    def from_hf(cls, cfg: dict[str, Any], where: str = "config.json") -> ModelConfig:
+        """``where``: the file the config came from, named in every error (``ModelLoadError``)."""
+        r = ConfigReader(cfg, where)
+        check_depth(cfg, where)
+        model_type = r.text("model_type")
+        hidden, heads = r.int("hidden_size"), r.int("num_attention_heads")
+        kv_heads = r.int("num_key_value_heads", heads)
+        if heads % kv_heads and model_type not in MLA_TYPES:  # MLA has no KV heads to group
+            r.fail("num_key_value_heads", f"({kv_heads}) must divide num_attention_heads ({heads})")
+        head_dim = r.int("head_dim", None)
+        if head_dim is None:
+            if hidden % heads:
+                r.fail("num_attention_heads", f"({heads}) must divide hidden_size ({hidden}) "
+                       "when the config gives no head_dim")
+            head_dim = hidden // heads
+        r.mapping("quantization_config")
+        rope_theta, rope_scaling = _rope(r)
+        num_layers = r.int("num_hidden_layers")
+        qkv_bias = model_type in QKV_BIAS_TYPES and r.flag("qkv_bias", True)
+        attention_bias = r.flag("attention_bias", False)
+        return cls(
+            model_type=model_type,
+            vocab_size=r.int("vocab_size"),
+            hidden_size=hidden,
+            intermediate_size=r.int("intermediate_size"),
+            num_layers=num_layers,
+            num_heads=heads,
+            num_kv_heads=kv_heads,
+            head_dim=head_dim,
+            rms_norm_eps=r.number("rms_norm_eps", 1e-6),
+            max_position_embeddings=r.int("max_position_embeddings", 2048),
+            rope_theta=rope_theta,
+            rope_scaling=rope_scaling,
+            tie_word_embeddings=r.flag("tie_word_embeddings", False),
+            attention_bias=qkv_bias or attention_bias,
+            o_bias=model_type not in QKV_BIAS_TYPES and attention_bias,
+            mlp_bias=r.flag("mlp_bias", False),
+            qk_norm=model_type in QK_NORM_TYPES,
+            sliding_window=_sliding_window(r),
+            hidden_act=r.text("hidden_act", "silu"),
+            moe=moe_config_from_hf(cfg, num_layers, where),
+            mla=mla_config_from_hf(cfg, rope_scaling, where),
+            raw=cfg,
+        )
 
 
-def _rope(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
+def _rope(r: ConfigReader) -> tuple[float, dict[str, Any] | None]:
     # transformers 5 moved theta and scaling into `rope_parameters`.
-    params = cfg.get("rope_parameters") or {}
-    scaling = cfg.get("rope_scaling") or None
-    theta = cfg.get("rope_theta", params.get("rope_theta", 10000.0))
+    params = r.mapping("rope_parameters") or {}
+    scaling = r.mapping("rope_scaling")
+    theta = r.number("rope_theta", None)
+    if theta is None:
+        theta = ConfigReader(params, f"{r.where}: rope_parameters").number("rope_theta", 10000.0)
     if params and params.get("rope_type", "default") != "default":
         scaling = {k: v for k, v in params.items() if k != "rope_theta"}
     if scaling is not None:
@@ -89,11 +100,15 @@ def _rope(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
         scaling.setdefault("rope_type", scaling.get("type", "default"))
         if scaling["rope_type"] == "default":
             scaling = None
-    return float(theta), scaling
+    if scaling is not None:
+        s = ConfigReader(scaling, f"{r.where}: rope_scaling")
+        s.text("rope_type")
+        s.number("factor", None)
+        s.int("original_max_position_embeddings", None, high=1 << 24)
+    return theta, scaling
 
 
-def _sliding_window(cfg: dict[str, Any]) -> int | None:
-    window = cfg.get("sliding_window")
-    if cfg.get("model_type") in QWEN_TYPES and not cfg.get("use_sliding_window", False):
-        return None
-    return int(window) if window else None
+def _sliding_window(r: ConfigReader) -> int | None:
+    if r.cfg.get("model_type") in QWEN_TYPES and not r.flag("use_sliding_window", False):
+        return None  # Qwen configs carry a window they do not use
+    return r.int("sliding_window", None)

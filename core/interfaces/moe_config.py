@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from lmplug.errors import ModelLoadError
+from lmplug.interfaces.config_fields import ConfigReader
 from lmplug.interfaces.moe import RoutingConfig
 
 
@@ -28,39 +29,48 @@ class MoEConfig:
         return layer in self.sparse_layers
 
 
-def moe_config_from_hf(cfg: dict[str, Any], num_layers: int) -> MoEConfig | None:
-    """The MoE record of an HF config, or None for a dense architecture. Raises ``KeyError``
-    for a missing key and ``ModelLoadError`` for a value lmplug cannot run."""
+def moe_config_from_hf(cfg: dict[str, Any], num_layers: int, where: str = "config.json") -> MoEConfig | None:
+    """The MoE record of an HF config, or None for a dense architecture. Raises ``ModelLoadError``
+    naming ``where`` and the key for a missing or bad value, or one lmplug cannot run."""
     parse = _PARSERS.get(cfg.get("model_type", ""))
     if parse is None:
         return None
+    r = ConfigReader(cfg, where)
     try:
-        return parse(cfg, num_layers)
+        moe = parse(r, num_layers)
     except ValueError as exc:
-        raise ModelLoadError(f"config.json of a {cfg.get('model_type')!r} model: {exc}") from None
+        raise ModelLoadError(f"{where}: a {cfg.get('model_type')!r} model: {exc}") from None
+    if 0 < moe.num_experts < moe.routing.top_k:
+        r.fail("num_experts_per_tok", f"({moe.routing.top_k}) exceeds the number of experts ({moe.num_experts})")
+    return moe
 
 
-def _mixtral(cfg: dict[str, Any], num_layers: int) -> MoEConfig:
+def _mixtral(r: ConfigReader, num_layers: int) -> MoEConfig:
     # Mixtral: every layer sparse, softmax top-k renormalised; experts are intermediate_size wide
     return MoEConfig(
-        num_experts=int(cfg["num_local_experts"]),
-        intermediate_size=int(cfg["intermediate_size"]),
-        routing=RoutingConfig(top_k=int(cfg["num_experts_per_tok"]), renormalize=True),
+        num_experts=r.int("num_local_experts"),
+        intermediate_size=r.int("intermediate_size"),
+        routing=RoutingConfig(top_k=r.int("num_experts_per_tok"), renormalize=True),
         sparse_layers=frozenset(range(num_layers)),
     )
 
 
-def _qwen_moe(cfg: dict[str, Any], num_layers: int) -> MoEConfig:
-    num_experts = int(cfg["num_experts"] if "num_experts" in cfg else cfg["num_local_experts"])
-    step = int(cfg.get("decoder_sparse_step") or 1)
-    dense = set(cfg.get("mlp_only_layers") or [])
+def _qwen_moe(r: ConfigReader, num_layers: int) -> MoEConfig:
+    cfg = r.cfg
+    num_experts = r.int("num_experts" if "num_experts" in cfg else "num_local_experts", low=0)
+    step = r.int("decoder_sparse_step", 1)
+    dense = cfg.get("mlp_only_layers") or []
+    if not isinstance(dense, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in dense):
+        r.fail("mlp_only_layers", "must be a list of layer numbers")
+    dense = set(dense)
     sparse = {i for i in range(num_layers) if i not in dense and num_experts > 0 and (i + 1) % step == 0}
-    shared = int(cfg.get("shared_expert_intermediate_size") or 0) if cfg["model_type"] == "qwen2_moe" else 0
+    qwen2 = cfg["model_type"] == "qwen2_moe"
+    shared = r.int("shared_expert_intermediate_size", 0, low=0) if qwen2 else 0
     return MoEConfig(
         num_experts=num_experts,
-        intermediate_size=int(cfg["moe_intermediate_size"]),
-        routing=RoutingConfig(top_k=int(cfg["num_experts_per_tok"]),
-                              renormalize=bool(cfg.get("norm_topk_prob", False))),
+        intermediate_size=r.int("moe_intermediate_size"),
+        routing=RoutingConfig(top_k=r.int("num_experts_per_tok"),
+                              renormalize=r.flag("norm_topk_prob", False)),
         sparse_layers=frozenset(sparse),
         shared_intermediate_size=shared,
         shared_expert_gate=shared > 0,
@@ -71,35 +81,35 @@ def _qwen_moe(cfg: dict[str, Any], num_layers: int) -> MoEConfig:
 _DEEPSEEK_TOPK = {"greedy": None, "group_limited_greedy": "max", "noaux_tc": "top2_sum"}
 
 
-def _deepseek(cfg: dict[str, Any], num_layers: int) -> MoEConfig:
-    v3 = cfg["model_type"] == "deepseek_v3"
-    method = cfg.get("topk_method") or ("noaux_tc" if v3 else "greedy")
+def _deepseek(r: ConfigReader, num_layers: int) -> MoEConfig:
+    v3 = r.cfg["model_type"] == "deepseek_v3"
+    method = r.text("topk_method") or ("noaux_tc" if v3 else "greedy")
     if method not in _DEEPSEEK_TOPK:
         raise ValueError(f"topk_method {method!r} is not supported; supported: {', '.join(_DEEPSEEK_TOPK)}")
     group_scoring = _DEEPSEEK_TOPK[method]
     grouped = group_scoring is not None
-    inter = int(cfg["moe_intermediate_size"])
-    first_dense, freq = int(cfg.get("first_k_dense_replace") or 0), int(cfg.get("moe_layer_freq") or 1)
+    inter = r.int("moe_intermediate_size")
+    first_dense, freq = r.int("first_k_dense_replace", 0, low=0), r.int("moe_layer_freq", 1)
     routing = RoutingConfig(
-        top_k=int(cfg["num_experts_per_tok"]),
-        renormalize=bool(cfg.get("norm_topk_prob", False)),
-        scoring=cfg.get("scoring_func") or ("sigmoid" if v3 else "softmax"),
-        n_group=int(cfg.get("n_group") or 1) if grouped else 1,
-        topk_group=int(cfg.get("topk_group") or 1) if grouped else 1,
+        top_k=r.int("num_experts_per_tok"),
+        renormalize=r.flag("norm_topk_prob", False),
+        scoring=r.text("scoring_func") or ("sigmoid" if v3 else "softmax"),
+        n_group=r.int("n_group", 1) if grouped else 1,
+        topk_group=r.int("topk_group", 1) if grouped else 1,
         group_scoring=group_scoring or "max",
-        routed_scaling_factor=float(cfg.get("routed_scaling_factor") or 1.0),
+        routed_scaling_factor=r.number("routed_scaling_factor", 1.0),
     )
     return MoEConfig(
-        num_experts=int(cfg["n_routed_experts"]),
+        num_experts=r.int("n_routed_experts"),
         intermediate_size=inter,
         routing=routing,
         sparse_layers=frozenset(i for i in range(num_layers) if i >= first_dense and i % freq == 0),
-        shared_intermediate_size=inter * int(cfg.get("n_shared_experts") or 0),
+        shared_intermediate_size=inter * r.int("n_shared_experts", 0, low=0),
         correction_bias=method == "noaux_tc",
     )
 
 
-_PARSERS: dict[str, Callable[[dict[str, Any], int], MoEConfig]] = {
+_PARSERS: dict[str, Callable[[ConfigReader, int], MoEConfig]] = {
     "mixtral": _mixtral,
     "qwen2_moe": _qwen_moe,
     "qwen3_moe": _qwen_moe,

@@ -9,6 +9,9 @@ in the batch.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import replace
+
 import torch
 
 from lmplug.interfaces.params import SamplingParams
@@ -80,10 +83,12 @@ def draw(probs: torch.Tensor, generator: torch.Generator | None) -> int:
     return int((probs / noise).argmax())
 
 
-def top_logprobs(logits: torch.Tensor, chosen: torch.Tensor, k: int) -> list[dict[int, Logprob]]:
+def top_logprobs(logits: torch.Tensor, chosen: torch.Tensor, k: int,
+                 decode: Callable[[int], str] | None = None) -> list[dict[int, Logprob]]:
     """For each row: the chosen token's logprob and rank plus the top-k (raw model distribution).
 
-    logits [N, V], chosen [N] -> one dict per row.
+    logits [N, V], chosen [N] -> one dict per row. With ``decode`` (token id -> its text) each
+    entry's ``decoded_token`` is filled; without it, it is None.
     """
     logprobs = logits.float().log_softmax(-1)
     chosen_lp = logprobs.gather(1, chosen.unsqueeze(1)).squeeze(1)
@@ -95,5 +100,10 @@ def top_logprobs(logits: torch.Tensor, chosen: torch.Tensor, k: int) -> list[dic
         if k > 0:
             for r, (tid, val) in enumerate(zip(top_ids[i].tolist(), top_vals[i].tolist()), start=1):
                 entry.setdefault(tid, Logprob(val, r))
-        rows.append(entry)
+        rows.append(entry if decode is None else with_text(entry, decode))
     return rows
+
+
+def with_text(row: dict[int, Logprob], decode: Callable[[int], str]) -> dict[int, Logprob]:
+    """``row`` with each entry's ``decoded_token`` set to its token's text."""
+    return {tid: replace(lp, decoded_token=decode(tid)) for tid, lp in row.items()}

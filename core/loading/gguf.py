@@ -22,6 +22,7 @@ from gguf.quants import dequantize
 from lmplug.errors import ModelLoadError
 from lmplug.interfaces.checkpoint import ModelSource
 from lmplug.loading.tokenizer import Tokenizer
+from lmplug.loading.validate import check_gguf_tensors
 
 Q = GGMLQuantizationType
 DEQUANTIZABLE = frozenset({Q.F32, Q.F16, Q.BF16, Q.Q4_0, Q.Q4_1, Q.Q8_0})
@@ -96,6 +97,24 @@ class _FastReader(GGUFReader):
             return 12 + values.nbytes, parts + [values], [2], types
         return super()._get_field_parts(orig_offs, raw_type)
 
+    def _build_tensors(self, start_offs: int, fields: list) -> None:
+        # Check every tensor's place in the file (Python ints: upstream adds a uint64 offset to
+        # the data start, which wraps around) before upstream builds views at those places.
+        infos = []
+        for field in fields:
+            _, name, _, dims, raw_type, offset = field.parts
+            infos.append((bytes(name).decode("utf-8", "replace"), int(raw_type[0]),
+                          [int(d) for d in dims.tolist()], int(offset[0])))
+        try:
+            check_gguf_tensors(infos, int(start_offs), len(self.data), int(self.alignment))
+        except ValueError as exc:
+            raise GGUFLayoutError(str(exc)) from None
+        super()._build_tensors(start_offs, fields)
+
+
+class GGUFLayoutError(ValueError):
+    """A tensor whose offset, size or type does not fit the file (the reader adds the path)."""
+
 
 def load_gguf(path: str | Path) -> ModelSource:
     """Open a GGUF file as a ModelSource; tensors are read and dequantized lazily."""
@@ -141,17 +160,11 @@ def _open_reader(path: Path) -> GGUFReader:
     if magic != b"GGUF":
         raise ModelLoadError(f"{path}: not a GGUF file (expected magic b'GGUF', found {magic!r})")
     try:
-        reader = _FastReader(path)
+        return _FastReader(path)
+    except GGUFLayoutError as e:
+        raise ModelLoadError(f"{path}: {e}") from None
     except Exception as e:  # the reader raises bare ValueError/IndexError on damage
         raise ModelLoadError(f"{path}: cannot read GGUF header (truncated or corrupt?): {e}") from e
-    size = len(reader.data)
-    for t in reader.tensors:
-        if t.data_offset + t.n_bytes > size:
-            raise ModelLoadError(
-                f"{path}: truncated: tensor {t.name!r} needs bytes up to "
-                f"{t.data_offset + t.n_bytes}, file has {size}"
-            )
-    return reader
 
 
 def _check_tensor_types(path: Path, reader: GGUFReader) -> None:

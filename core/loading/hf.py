@@ -11,6 +11,7 @@ from safetensors import safe_open
 
 from lmplug.errors import ModelLoadError
 from lmplug.interfaces.checkpoint import ModelSource
+from lmplug.loading.validate import check_safetensors_header
 
 INDEX = "model.safetensors.index.json"
 
@@ -60,6 +61,8 @@ def _read_json(path: Path) -> dict:
         raise ModelLoadError(f"{path} is missing (an HF model folder needs config.json and safetensors)") from None
     except json.JSONDecodeError as exc:
         raise ModelLoadError(f"{path}: not valid JSON ({exc})") from None
+    except RecursionError:
+        raise ModelLoadError(f"{path}: nested too deeply to be a config") from None
     if not isinstance(data, dict):
         raise ModelLoadError(f"{path}: expected a JSON object, got {type(data).__name__}")
     return data
@@ -86,8 +89,8 @@ def _weight_files(path: Path) -> list[Path]:
 
 
 def _tensor_names(path: Path) -> list[str]:
-    # Check the header against the file size before trusting it: a truncated
-    # file must fail here, with its name, not deep inside a tensor read.
+    # Check the header against the format and the file size before trusting it: a truncated
+    # or hostile file must fail here, with its name and key, not deep inside a tensor read.
     size = path.stat().st_size
     try:
         with path.open("rb") as fh:
@@ -98,7 +101,13 @@ def _tensor_names(path: Path) -> list[str]:
             header = json.loads(fh.read(n))
     except (json.JSONDecodeError, UnicodeDecodeError):
         raise ModelLoadError(f"{path}: safetensors header is not valid JSON") from None
-    end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
-    if 8 + n + end > size:
-        raise ModelLoadError(f"{path}: truncated: tensors need {8 + n + end} bytes, the file has {size}")
-    return [k for k in header if k != "__metadata__"]
+    except RecursionError:
+        raise ModelLoadError(f"{path}: safetensors header is nested too deeply") from None
+    try:
+        return check_safetensors_header(header, size - 8 - n)
+    except ValueError as exc:
+        message = str(exc)
+        if message.startswith("truncated"):  # in whole-file bytes, as the user sees the file
+            end = max(v["data_offsets"][1] for k, v in header.items() if k != "__metadata__")
+            message = f"truncated: tensors need {8 + n + end} bytes, the file has {size} ({message})"
+        raise ModelLoadError(f"{path}: {message}") from None

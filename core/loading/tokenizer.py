@@ -9,16 +9,17 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable, Mapping, Sequence
-from datetime import datetime
-from functools import lru_cache
+from functools import cached_property, lru_cache
 from pathlib import Path
 from typing import Any
 
 import jinja2
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as Backend
 
-from lmplug.errors import LmplugError, ModelLoadError
+from lmplug.errors import ModelLoadError
+from lmplug.loading.chat_template import ChatEncoder, ChatTemplateError, compile_template, render
+
+__all__ = ["ChatTemplateError", "IncrementalDetokenizer", "Tokenizer"]
 
 
 class Tokenizer:
@@ -56,6 +57,9 @@ class Tokenizer:
             eos_ids.add(eos_id)
         self._eos_token_ids = frozenset(eos_ids)
         self._chat_template = chat_template
+        # True: special-token text in message content becomes control tokens (unsafe with
+        # untrusted clients: a user could forge a system turn); False: it stays plain text.
+        self.allow_special_in_content = False
 
     # -- construction -----------------------------------------------------------------
 
@@ -157,6 +161,33 @@ class Tokenizer:
         self, messages: list[dict], add_generation_prompt: bool = True, **extra: Any
     ) -> str:
         """Render ``messages`` with the model's jinja chat template, as HF transformers does."""
+        variables = {"tools": None, "documents": None, **self.special_tokens, **extra}
+        return self._render(messages, add_generation_prompt, variables)
+
+    def chat_ids(
+        self, messages: list[dict], add_generation_prompt: bool = True,
+        allow_special_in_content: bool | None = None, **extra: Any
+    ) -> list[int]:
+        """Token ids of the rendered chat (no BOS added: the template writes its own).
+
+        Special-token text in messages, tools and documents is encoded as plain text,
+        unless ``allow_special_in_content`` (default: the attribute of that name) is set;
+        the special tokens the template itself writes are special ids either way.
+        """
+        allow = self.allow_special_in_content if allow_special_in_content is None else allow_special_in_content
+        if allow:
+            return self.encode(self.apply_chat_template(messages, add_generation_prompt, **extra),
+                               add_special_tokens=False)
+        enc = self._chat_encoder
+        variables = {"tools": None, "documents": None, **self.special_tokens,
+                     **{k: enc.escape(v) for k, v in extra.items()}}
+        return enc.encode(self._render(enc.escape(messages), add_generation_prompt, variables))
+
+    @cached_property
+    def _chat_encoder(self) -> ChatEncoder:
+        return ChatEncoder(self.backend)
+
+    def _render(self, messages: Any, add_generation_prompt: bool, variables: dict) -> str:
         if not self._chat_template:
             raise ModelLoadError(
                 f"model {self.name!r} has no chat template; use plain-text prompts instead"
@@ -167,10 +198,8 @@ class Tokenizer:
             raise ModelLoadError(
                 f"model {self.name!r}: chat template is not valid jinja (line {e.lineno}): {e}"
             ) from e
-        variables = {"tools": None, "documents": None, **self.special_tokens, **extra}
-        return template.render(
-            messages=messages, add_generation_prompt=add_generation_prompt, **variables
-        )
+        variables = {**variables, "messages": messages, "add_generation_prompt": add_generation_prompt}
+        return render(template, self.name, variables)
 
 
 class IncrementalDetokenizer:
@@ -298,38 +327,6 @@ def _hf_chat_template(path: Path, config: dict) -> str | None:
 # -- chat template rendering ---------------------------------------------------------
 
 
-class ChatTemplateError(LmplugError, ValueError):
-    """The chat template rejected the conversation (via ``raise_exception``)."""
-
-
-def _raise_exception(message: str) -> None:
-    raise ChatTemplateError(f"chat template error: {message}")
-
-
-def _tojson(
-    value: Any,
-    ensure_ascii: bool = False,
-    indent: int | None = None,
-    separators: Any = None,
-    sort_keys: bool = False,
-) -> str:
-    # Jinja's own tojson HTML-escapes; HF's does not, and templates rely on that.
-    return json.dumps(
-        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
-    )
-
-
-def _strftime_now(fmt: str) -> str:
-    return datetime.now().strftime(fmt)
-
-
 @lru_cache(maxsize=16)
 def _compile_template(source: str) -> jinja2.Template:
-    # Chat templates ship with downloaded models, so they run sandboxed.
-    env = ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
-    )
-    env.filters["tojson"] = _tojson
-    env.globals["raise_exception"] = _raise_exception
-    env.globals["strftime_now"] = _strftime_now
-    return env.from_string(source)
+    return compile_template(source)

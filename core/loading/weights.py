@@ -48,6 +48,7 @@ def load_weights(model: torch.nn.Module, source: ModelSource, progress=None, par
             if split:
                 from lmplug.parallel.sharding import rank_piece
                 tensor = rank_piece(model, path, owner, param_name, shard, tensor)
+            check_tensor(params[path], tensor)
             if isinstance(owner, Linear) and shard is not None and expert is None:
                 start, end = owner.shard_range(shard)
                 owner.quant.load_shard(owner, param_name, tensor, start, end - start)
@@ -69,6 +70,29 @@ def load_weights(model: torch.nn.Module, source: ModelSource, progress=None, par
     for module in list(model.modules()):  # e.g. MoE blocks stack their processed experts
         if callable(getattr(module, "after_loading", None)):
             module.after_loading()
+
+
+_CHECKED_FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def check_tensor(dest: torch.Tensor, tensor) -> None:
+    """Refuse integer data for a floating parameter (a quant method that stores packed integers
+    creates integer parameters, which take them) and NaN/inf weights: one pass per tensor."""
+    if not isinstance(tensor, torch.Tensor):
+        return
+    if dest.is_floating_point() and not (tensor.is_floating_point() or tensor.is_complex()):
+        raise ValueError(f"has integer type {tensor.dtype}, but the model's parameter is {dest.dtype} "
+                         "(an integer tensor where a float weight belongs)")
+    # a NaN or inf makes the sum non-finite, so one reduction clears almost every tensor; the
+    # exact (slower) pass runs only when the sum is not finite (NaN/inf, or a float32 overflow)
+    if tensor.dtype in _CHECKED_FLOATS and not bool(torch.isfinite(tensor.sum(dtype=_acc(tensor))))\
+            and not bool(torch.isfinite(tensor).all()):
+        bad = int((~torch.isfinite(tensor)).sum())
+        raise ValueError(f"holds {bad} NaN or infinite values")
+
+
+def _acc(tensor: torch.Tensor) -> torch.dtype:
+    return torch.float64 if tensor.dtype == torch.float64 else torch.float32
 
 
 def _tensors(model: torch.nn.Module, source: ModelSource, progress, lazy: bool = False):

@@ -100,7 +100,7 @@ class RequestTable:
         seqs, detoks = [], []
         for i in range(params.n):
             gen = torch.Generator()
-            seed = params.seed + i if params.seed is not None else int(
+            seed = (params.seed + i) % 2**64 if params.seed is not None else int(
                 torch.randint(0, 2**62, (1,), generator=self._seed_rng))
             gen.manual_seed(seed)
             seqs.append(Sequence(request_id, ids, params, index=i, priority=priority, generator=gen))
@@ -125,6 +125,11 @@ class RequestTable:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ConfigError("this model has no tokenizer; pass prompt token ids instead of text")
+            try:
+                prompt.encode("utf-8")
+            except UnicodeEncodeError as exc:
+                raise ConfigError(f"prompt: not valid Unicode (a lone surrogate {prompt[exc.start]!r} at "
+                                  f"character {exc.start})") from None
             return prompt, self.tokenizer.encode(prompt)
         return None, [int(t) for t in prompt]
 
@@ -178,13 +183,14 @@ class RequestTable:
             seq.first_token_time = now
         detok = self._requests[seq.request_id].detokenizers[seq.index]
         for j, token in enumerate(tokens):
+            new_text_from = len(seq.text)
             seq.token_ids.append(token)
             if logprobs is not None:
                 seq.logprobs.append(logprobs[j])
             if detok is not None and not self._is_stop_token(seq, token):
                 detok.add([token])  # a stop token ends the text; it is not part of it
                 seq.text = detok.text
-            if check_stop(seq, token, self.eos_token_ids, self.max_model_len):
+            if check_stop(seq, token, self.eos_token_ids, self.max_model_len, new_text_from):
                 if detok is not None and not isinstance(seq.stop_reason, str):
                     detok.flush()  # a character cut short by the end still shows
                     seq.text = detok.text

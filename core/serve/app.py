@@ -23,6 +23,7 @@ from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 from starlette.concurrency import run_in_threadpool
+from starlette.middleware.cors import CORSMiddleware
 
 from lmplug.interfaces.params import SamplingParams
 from lmplug.llm import LLM
@@ -32,6 +33,7 @@ from lmplug.serve.errors import APIError, from_validation_error, install_handler
 from lmplug.serve.metrics import Metrics
 from lmplug.serve.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 from lmplug.serve.responses import Accumulator, ChatFormat, CompletionFormat, collect, stream_events
+from lmplug.serve.security import Guard, allowed_hosts
 
 logger = logging.getLogger(__name__)
 
@@ -45,18 +47,30 @@ class ServeSettings:
     max_body_bytes: int = 1 << 20
     served_model_name: str | None = None  # default: the config's `model`
     shutdown_grace_s: float = 30.0  # in-flight requests may finish for this long, then are cut
+    bind_host: str = "127.0.0.1"  # set by build_server: which Host headers are accepted
+    allowed_hosts: tuple[str, ...] = ()  # more Host names to accept ("*": any)
+    cors_origins: tuple[str, ...] = ()  # browser origins allowed to call the API (none by default)
+    read_timeout_s: float = 30.0  # a request head, and then its body, must arrive within this
+    public_health: bool = False  # /health without the API key
+    public_metrics: bool = False  # /metrics without the API key
+    allow_special_in_content: bool = False  # special-token text in chat messages stays text
+    max_num_seqs: int = 1024  # sequences (n x prompts) of all open requests together; past it: 429
 
     def __post_init__(self) -> None:
         if self.api_key is None:
             self.api_key = os.environ.get(API_KEY_ENV) or None
         if self.max_body_bytes < 1:
             raise ValueError(f"max_body_bytes={self.max_body_bytes}: expected a positive number of bytes")
+        if not self.read_timeout_s > 0:
+            raise ValueError(f"read_timeout_s={self.read_timeout_s}: expected a positive number of seconds")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs={self.max_num_seqs}: expected a positive number of sequences")
 
 
 def create_app(llm: LLM, settings: ServeSettings | None = None) -> FastAPI:
     settings = settings or ServeSettings()
     metrics = Metrics()
-    engine = AsyncEngine(llm.engine, metrics)
+    engine = AsyncEngine(llm.engine, metrics, max_num_seqs=settings.max_num_seqs)
     model_name = settings.served_model_name or llm.engine.config.model
 
     @contextlib.asynccontextmanager
@@ -67,15 +81,25 @@ def create_app(llm: LLM, settings: ServeSettings | None = None) -> FastAPI:
 
     app = FastAPI(title="lmplug", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.engine, app.state.metrics, app.state.settings = engine, metrics, settings
+    if llm.engine.tokenizer is not None:
+        llm.engine.tokenizer.allow_special_in_content = settings.allow_special_in_content
+    if settings.cors_origins:
+        app.add_middleware(CORSMiddleware, allow_origins=list(settings.cors_origins), allow_methods=["GET", "POST"],
+                           allow_headers=["Authorization", "Content-Type"])
+    app.add_middleware(Guard, hosts=allowed_hosts(settings.bind_host, settings.allowed_hosts),
+                       read_timeout=settings.read_timeout_s)
     app.add_middleware(_CountRequests, metrics=metrics)
     install_handlers(app)
-    _add_plain_routes(app, engine, metrics)
+    _add_plain_routes(app, engine, metrics, settings)
     app.include_router(_v1_router(engine, settings, model_name))
     return app
 
 
-def _add_plain_routes(app: FastAPI, engine: AsyncEngine, metrics: Metrics) -> None:
-    @app.get("/health")
+def _add_plain_routes(app: FastAPI, engine: AsyncEngine, metrics: Metrics, settings: ServeSettings) -> None:
+    def guarded(public: bool) -> list:
+        return [] if public else [Depends(_api_key_check(settings.api_key))]
+
+    @app.get("/health", dependencies=guarded(settings.public_health))
     async def health() -> JSONResponse:
         if engine.draining:
             return JSONResponse({"status": "shutting_down"}, status_code=503)
@@ -83,7 +107,7 @@ def _add_plain_routes(app: FastAPI, engine: AsyncEngine, metrics: Metrics) -> No
             return JSONResponse({"status": "engine_stopped"}, status_code=503)
         return JSONResponse({"status": "ok"})
 
-    @app.get("/metrics")
+    @app.get("/metrics", dependencies=guarded(settings.public_metrics))
     async def prometheus() -> Response:
         return Response(metrics.render(), media_type=metrics.content_type)
 
@@ -146,7 +170,13 @@ async def _respond(request: Request, engine: AsyncEngine, req: ChatCompletionReq
 
 
 async def read_json(request: Request, limit: int) -> dict:
-    """The body as a JSON object, refusing more than ``limit`` bytes (413) and bad JSON (400)."""
+    """The body as a JSON object, refusing more than ``limit`` bytes (413), another content
+    type than ``application/json`` (415: a browser sends ``text/plain`` cross-origin without a
+    preflight) and bad JSON (400)."""
+    media_type = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
+    if media_type != "application/json":
+        raise APIError(415, f"Content-Type: expected application/json (got {media_type or 'none'!r})",
+                       code="unsupported_media_type")
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > limit:
         raise _too_large(int(declared), limit)
@@ -160,6 +190,8 @@ async def read_json(request: Request, limit: int) -> dict:
         data = json.loads(b"".join(chunks), parse_constant=_reject_constant)
     except (ValueError, UnicodeDecodeError) as exc:
         raise APIError(400, f"request body is not valid JSON: {exc}", code="invalid_json") from None
+    except RecursionError:  # e.g. 100,000 nested arrays: no request field is nested that deep
+        raise APIError(400, "request body: JSON nested too deeply", code="invalid_json") from None
     if not isinstance(data, dict):
         raise APIError(400, f"request body: expected a JSON object, got {type(data).__name__}",
                        code="invalid_json")
@@ -267,3 +299,5 @@ class _CountRequests:
         finally:
             route = scope["path"] if scope["path"] in self._ROUTES else "other"
             self.metrics.requests.labels(route=route, status=str(status)).inc()
+            if status == 499:  # the client went away (mid-body or before its answer): not a 500
+                self.metrics.client_disconnects.labels(route=route).inc()

@@ -9,9 +9,14 @@ go back to the event loop as per-choice deltas, one ``asyncio.Queue`` per
 ``RequestGroup`` (a completions call with several prompts is one group of
 engine requests).
 
-An exception inside a step fails the requests in flight with a 500 and the
-thread carries on; a client that goes away aborts its requests, which frees
-their KV cache at once.
+One request's failure stays its own: the engine ends it with
+``finish_reason="error"`` and it gets a 500 (``engine_error``) while the others
+go on. Only an exception that escapes a step (e.g. the forward pass itself)
+fails every request in flight with a 500; the thread carries on. A client that
+goes away aborts its requests, which frees their KV cache at once.
+
+``max_num_seqs``: sequences (n x prompts) all open requests may hold together;
+a request past it gets a 429 (``too_many_sequences``) and may retry later.
 """
 
 from __future__ import annotations
@@ -80,9 +85,10 @@ class RequestGroup:
     """Engine requests whose updates share one queue. Use as ``async with``: leaving the block
     early (client gone, error, cancellation) aborts whatever is still running."""
 
-    def __init__(self, engine: AsyncEngine, request_ids: list[str]) -> None:
+    def __init__(self, engine: AsyncEngine, request_ids: list[str], num_seqs: int = 0) -> None:
         self._engine = engine
         self.request_ids = request_ids
+        self.num_seqs = num_seqs  # sequences it holds (n x prompts), for the server-wide limit
         self.queue: asyncio.Queue[Update] = asyncio.Queue()
         self._unfinished = set(request_ids)
 
@@ -110,8 +116,10 @@ class RequestGroup:
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine, metrics: Metrics | None = None, *, idle_wait_s: float = 0.5) -> None:
+    def __init__(self, engine: LLMEngine, metrics: Metrics | None = None, *, idle_wait_s: float = 0.5,
+                 max_num_seqs: int | None = None) -> None:
         self.engine = engine
+        self.max_num_seqs = max_num_seqs  # None: no server-wide limit
         self.metrics = metrics or Metrics()
         self.idle_wait_s = idle_wait_s
         self._commands: queue.SimpleQueue[tuple] = queue.SimpleQueue()
@@ -167,8 +175,17 @@ class AsyncEngine:
             raise APIError(503, "the server is shutting down; retry on another instance")
         if not self.is_running:
             raise APIError(503, "the engine is not running")
+        num_seqs = params.n * len(prompts)
+        held = sum(g.num_seqs for g in self._groups)
+        if self.max_num_seqs is not None and num_seqs > self.max_num_seqs:
+            raise APIError(400, f"n: {num_seqs} sequences (n x prompts), more than this server's limit of "
+                                f"{self.max_num_seqs} for all requests together", param="n")
+        if self.max_num_seqs is not None and held + num_seqs > self.max_num_seqs:
+            raise APIError(429, f"the server holds {held} sequences in flight; this request's {num_seqs} "
+                                f"(n x prompts) would pass its limit of {self.max_num_seqs}; retry later",
+                           code="too_many_sequences", type="rate_limit_error")
         ids = [f"{request_id}-{i}" for i in range(len(prompts))]
-        group = RequestGroup(self, ids)
+        group = RequestGroup(self, ids, num_seqs)
         self._groups.add(group)
         now = time.perf_counter()
         for i, (rid, prompt) in enumerate(zip(ids, prompts)):
@@ -274,6 +291,9 @@ class AsyncEngine:
             tracked = self._tracked.get(output.request_id)
             if tracked is not None:
                 update = self._update_for(output, tracked, now)
+                if output.finished and any(c.finish_reason == "error" for c in output.outputs):
+                    update = Update(output.request_id, tracked.prompt_index, tracked.num_prompt_tokens, [],
+                                    True, _server_error(None))
                 if update.choices or update.finished:
                     out.append((tracked.group, update))
         self._deliver(out)
@@ -327,6 +347,8 @@ def _put_all(items: list[tuple[RequestGroup, Update]]) -> None:
         group.queue.put_nowait(update)
 
 
-def _server_error(exc: BaseException) -> APIError:
-    return APIError(500, f"the engine failed while running this request ({type(exc).__name__}: {exc})",
-                    code="engine_error")
+def _server_error(exc: BaseException | None) -> APIError:
+    """A 500 for one request; ``None``: the engine ended it with ``finish_reason="error"`` (the
+    cause is in the server log, not in the response)."""
+    detail = "see the server log" if exc is None else f"{type(exc).__name__}: {exc}"
+    return APIError(500, f"the engine failed while running this request ({detail})", code="engine_error")

@@ -26,6 +26,7 @@ from lmplug.serve.protocol import (
 )
 
 MAX_PROMPTS = 64  # prompts in one completions call
+MAX_REQUEST_SEQS = 64  # sequences one HTTP request may queue: n x prompts
 
 
 # -- prompts ---------------------------------------------------------------------------------------
@@ -36,14 +37,14 @@ def chat_prompt_ids(tokenizer: Tokenizer | None, req: ChatCompletionRequest) -> 
     if tokenizer is None or not tokenizer.chat_template:
         raise APIError(400, "messages: this model has no chat template; use /v1/completions",
                        param="messages")
-    messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-                for m in req.messages]
+    messages = [{"role": "system" if m.role == "developer" else m.role,
+                 "content": _utf8(m.text(), f"messages[{i}].content", "messages")}
+                for i, m in enumerate(req.messages)]
     try:
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        # the template writes the special tokens (BOS included); those in messages stay text
+        return tokenizer.chat_ids(messages, add_generation_prompt=True)
     except (LmplugError, jinja2.TemplateError) as exc:
         raise APIError(400, f"messages: the chat template rejected them: {exc}", param="messages") from None
-    # the template already holds the special tokens (BOS included)
-    return tokenizer.encode(text, add_special_tokens=False)
 
 
 def completion_prompt_ids(tokenizer: Tokenizer | None, req: CompletionRequest,
@@ -65,13 +66,31 @@ def completion_prompt_ids(tokenizer: Tokenizer | None, req: CompletionRequest,
         if isinstance(p, str):
             if tokenizer is None:
                 raise APIError(400, f"{where}: this model has no tokenizer; send token ids", param="prompt")
-            p = tokenizer.encode(p)
+            p = tokenizer.encode(_utf8(p, where, "prompt"))
         if not p:
             raise APIError(400, f"{where}: the prompt is empty", param="prompt")
         if min(p) < 0 or max(p) >= vocab_size:
             raise APIError(400, f"{where}: token ids must be in [0, {vocab_size})", param="prompt")
         out.append(p)
     return out
+
+
+def _utf8(text: str, where: str, param: str) -> str:
+    """``text`` if it is valid Unicode; a lone surrogate (JSON ``"\\udc80"``) is a 400."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise APIError(400, f"{where}: not valid Unicode (a lone surrogate {text[exc.start]!r} at "
+                            f"character {exc.start}); send UTF-8 text", param=param) from None
+    return text
+
+
+def check_request_size(req: ChatCompletionRequest | CompletionRequest, num_prompts: int) -> None:
+    """One request queues at most ``MAX_REQUEST_SEQS`` sequences (``n`` x prompts)."""
+    if req.n * num_prompts > MAX_REQUEST_SEQS:
+        raise APIError(400, f"n: {req.n} samples x {num_prompts} prompts = {req.n * num_prompts} sequences, "
+                            f"more than {MAX_REQUEST_SEQS} per request; lower n or send fewer prompts",
+                       param="n")
 
 
 # -- sampling --------------------------------------------------------------------------------------
@@ -84,6 +103,7 @@ def sampling_params(req: ChatCompletionRequest | CompletionRequest, prompts: lis
     if bad:
         raise APIError(400, f"{bad[0]}: not supported by lmplug (leave it unset or at its default)",
                        param=bad[0], code="unsupported_parameter")
+    check_request_size(req, len(prompts))
     longest = max(len(p) for p in prompts)
     if longest >= max_model_len:
         raise APIError(400, f"prompt: {longest} tokens, but max_model_len={max_model_len} leaves room for "

@@ -13,14 +13,18 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
+from starlette.responses import Response
 
 from lmplug.errors import LmplugError
 from lmplug.serve.protocol import ErrorInfo, ErrorResponse
+from lmplug.serve.security import BodyTimeout
 
 logger = logging.getLogger(__name__)
 
 _TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
-          405: "invalid_request_error", 413: "invalid_request_error", 500: "server_error",
+          405: "invalid_request_error", 408: "invalid_request_error", 413: "invalid_request_error",
+          415: "invalid_request_error", 500: "server_error",
           503: "service_unavailable"}
 # what a union-typed field accepts, said once instead of one pydantic line per branch
 _EXPECTED = {
@@ -103,6 +107,20 @@ def install_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> JSONResponse:
         return exc.response()
+
+    @app.exception_handler(BodyTimeout)
+    async def _body_timeout(request: Request, exc: BodyTimeout) -> JSONResponse:
+        logger.info("%s %s: %s; closing the connection", request.method, request.url.path, exc)
+        response = APIError(408, str(exc), code="request_timeout").response()
+        response.headers["Connection"] = "close"
+        return response
+
+    @app.exception_handler(ClientDisconnect)
+    async def _client_gone(request: Request, exc: ClientDisconnect) -> Response:
+        # one line, no traceback: a client may always leave; counted apart from errors (499)
+        logger.info("%s %s: the client disconnected before sending its whole body",
+                    request.method, request.url.path)
+        return Response(status_code=499)
 
     @app.exception_handler(LmplugError)
     async def _lmplug_error(request: Request, exc: LmplugError) -> JSONResponse:

@@ -29,6 +29,9 @@ class Metrics:
         r = self.registry
         self.requests = Counter("lmplug_http_requests", "HTTP requests by route and status code",
                                 ["route", "status"], registry=r)
+        self.client_disconnects = Counter("lmplug_http_client_disconnects", "HTTP requests whose client "
+                                          "went away before its answer (counted as status 499)", ["route"],
+                                          registry=r)
         self.finished = Counter("lmplug_requests_finished", "Engine requests by finish reason "
                                 "(stop, length, abort, error)", ["reason"], registry=r)
         self.prompt_tokens = Counter("lmplug_prompt_tokens", "Prompt tokens admitted", registry=r)

@@ -9,14 +9,18 @@ then cuts the rest: each gets a last chunk (or a whole response) with
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
+import os
 import socket
+from pathlib import Path
 
 import uvicorn
 
 from lmplug.llm import LLM
 from lmplug.serve.app import ServeSettings, create_app
 from lmplug.serve.async_engine import AsyncEngine
+from lmplug.serve.security import is_loopback, protocol_with_header_timeout
 
 logger = logging.getLogger(__name__)
 
@@ -42,10 +46,13 @@ class Server(uvicorn.Server):
 
 def build_server(llm: LLM, settings: ServeSettings | None = None, *, host: str = "127.0.0.1",
                  port: int = 8000, log_level: str = "info") -> Server:
-    settings = settings or ServeSettings()
+    settings = dataclasses.replace(settings or ServeSettings(), bind_host=host)
     app = create_app(llm, settings)
+    keep_alive = max(1, min(5, int(settings.read_timeout_s)))  # idle connections between requests
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="on",
-                            timeout_graceful_shutdown=5, access_log=log_level == "debug")
+                            timeout_graceful_shutdown=5, access_log=log_level == "debug",
+                            http=protocol_with_header_timeout(settings.read_timeout_s),
+                            timeout_keep_alive=keep_alive)
     return Server(config, app.state.engine, settings.shutdown_grace_s)
 
 
@@ -53,7 +60,7 @@ def serve(llm: LLM, settings: ServeSettings | None = None, *, host: str = "127.0
           log_level: str = "info") -> None:
     """Serve until interrupted (blocks)."""
     settings = settings or ServeSettings()
-    if host not in LOOPBACK and not settings.api_key:
+    if not is_loopback(host) and not settings.api_key:
         logger.warning("listening on %s without an API key: anyone who can reach this port can use the "
                        "model (set --api-key or $LMPLUG_API_KEY)", host)
     server = build_server(llm, settings, host=host, port=port, log_level=log_level)
@@ -62,8 +69,36 @@ def serve(llm: LLM, settings: ServeSettings | None = None, *, host: str = "127.0
 
 def serve_from_args(args: argparse.Namespace, llm: LLM) -> int:
     """``lmplug serve``: the CLI's flags -> settings -> ``serve``."""
-    settings = ServeSettings(api_key=args.api_key, max_body_bytes=args.max_body_bytes,
-                             served_model_name=args.served_model_name, shutdown_grace_s=args.shutdown_timeout)
+    settings = ServeSettings(api_key=_api_key(args), max_body_bytes=args.max_body_bytes,
+                             served_model_name=args.served_model_name, shutdown_grace_s=args.shutdown_timeout,
+                             allowed_hosts=tuple(_split(args.allowed_hosts)),
+                             cors_origins=tuple(_split(args.cors_origins)), read_timeout_s=args.read_timeout,
+                             public_health=args.public_health, public_metrics=args.public_metrics,
+                             allow_special_in_content=args.allow_special_tokens_in_content,
+                             max_num_seqs=args.max_open_seqs)
     log_level = "debug" if args.verbose > 1 else "info"
     serve(llm, settings, host=args.host, port=args.port, log_level=log_level)
     return 0
+
+
+def _split(values: list[str] | None) -> list[str]:
+    """``--opt a,b --opt c`` -> ``[a, b, c]``."""
+    return [v.strip() for value in values or () for v in value.split(",") if v.strip()]
+
+
+def _api_key(args: argparse.Namespace) -> str | None:
+    """``--api-key-file`` (first line), else ``--api-key`` (visible in ``ps``: warned), else
+    ``$LMPLUG_API_KEY`` (``None``: the settings read it)."""
+    if getattr(args, "api_key_file", None):
+        try:
+            key = Path(args.api_key_file).read_text(encoding="utf-8").strip().splitlines()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise SystemExit(f"--api-key-file {args.api_key_file}: cannot read it: {exc}") from None
+        if not key or not key[0].strip():
+            raise SystemExit(f"--api-key-file {args.api_key_file}: the file is empty")
+        return key[0].strip()
+    if args.api_key:
+        logger.warning("--api-key on the command line is visible to every local user in `ps`; "
+                       "prefer --api-key-file or $%s", "LMPLUG_API_KEY")
+        return args.api_key
+    return os.environ.get("LMPLUG_API_KEY") or None

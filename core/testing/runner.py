@@ -81,6 +81,22 @@ def parse_options(pairs: list[str]) -> dict:
     return options
 
 
+def options_problem(info, options: dict) -> str | None:
+    """One line saying what is wrong with ``-o`` options for this backend, or None."""
+    from pydantic import ValidationError
+
+    try:
+        info.cls.Options(**options)
+    except ValidationError as exc:
+        allowed = ", ".join(info.cls.Options.model_fields) or "none"
+        problems = "; ".join(
+            f"-o {'.'.join(map(str, e['loc'])) or '?'}: "
+            + ("unknown option" if e["type"] == "extra_forbidden" else f"{e['msg']} (got {e.get('input')!r})")
+            for e in exc.errors())
+        return f"{info.family} backend {info.name!r}: {problems} (its options: {allowed})"
+    return None
+
+
 def check(family: str, backend: str, options: dict, pytest_args: list[str]) -> int:
     """Run the suite for one backend; print the table; return pytest's exit status."""
     import pytest
@@ -97,9 +113,13 @@ def check(family: str, backend: str, options: dict, pytest_args: list[str]) -> i
     from lmplug.plugins import get_registry
 
     try:
-        get_registry().get(family, backend)
+        info = get_registry().get(family, backend)
     except Exception as exc:  # noqa: BLE001 - PluginError names what is available
         print(exc, file=sys.stderr)
+        return 4
+    problem = options_problem(info, options)
+    if problem:  # once, here, not once per check that builds the backend
+        print(problem, file=sys.stderr)
         return 4
     table = TableReport()
     with tempfile.TemporaryDirectory(prefix="lmplug-check-") as tmp:

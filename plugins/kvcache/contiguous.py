@@ -25,6 +25,7 @@ from typing import Literal
 import torch
 from pydantic import Field
 
+from lmplug.errors import ConfigError
 from lmplug.interfaces import BackendOptions, Capabilities, KVCacheBackend, KVCacheSpec, KVLayerView
 
 
@@ -52,6 +53,7 @@ class ContiguousKVCache(KVCacheBackend):
         self.num_rows = options.max_num_seqs or spec.max_num_seqs
         self.row_slots = _row_slots(spec)
         shape = (self.num_rows, self.row_slots, spec.num_kv_heads, spec.head_dim)
+        _check_reservation(self.num_rows, self.row_slots, spec)
 
         def alloc(shape: tuple[int, ...], dtype: torch.dtype) -> list[torch.Tensor]:
             # torch.empty: pages are only touched as sequences fill them
@@ -105,6 +107,30 @@ class ContiguousKVCache(KVCacheBackend):
     @property
     def usage(self) -> float:
         return len(self._row_of) / self.num_rows
+
+
+def _check_reservation(rows: int, slots: int, spec: KVCacheSpec) -> None:
+    """The rows are reserved up front (address space on a CPU, memory on a GPU): more than the
+    machine has available is a start-up error, not an out-of-memory crash mid-run."""
+    need = rows * slots * spec.bytes_per_token
+    available, where = _available(spec.device)
+    if available is None or need <= available:
+        return
+    raise ConfigError(f"kvcache: contiguous: max_num_seqs={rows} rows x {slots} slots (max_model_len="
+                      f"{spec.max_model_len}) x {spec.bytes_per_token} bytes/token = {need} bytes "
+                      f"({need / 2**30:.2f} GiB), more than the {available} bytes ({available / 2**30:.2f} "
+                      f"GiB) {where}; lower max_num_seqs or max_model_len, or use `kvcache: paged`")
+
+
+def _available(device: torch.device) -> tuple[int | None, str]:
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return free, "free on the GPU"
+    from lmplug_kvcache.paged import _mem_available
+    try:
+        return _mem_available(), "available (MemAvailable)"
+    except ConfigError:
+        return None, ""
 
 
 def _row_slots(spec: KVCacheSpec) -> int:

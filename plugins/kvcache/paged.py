@@ -181,11 +181,7 @@ def pool_blocks(options: PagedOptions, spec: KVCacheSpec) -> int:
         raise ConfigError(f"kvcache: paged: {what} gives {budget / 2**30:.3f} GiB, less than one block "
                           f"of {options.block_size} tokens ({block_bytes} bytes); raise memory_gb or "
                           f"memory_fraction, or set num_blocks")
-    per_seq = -(-spec.max_model_len // options.block_size)
-    if num_blocks < per_seq:
-        logger.warning("paged KV cache: %d blocks hold %d tokens, fewer than max_model_len=%d",
-                       num_blocks, num_blocks * options.block_size, spec.max_model_len)
-    return num_blocks
+    return num_blocks  # a pool under max_model_len: the engine clamps max_model_len (a warning)
 
 
 def _default_budget(options: PagedOptions, spec: KVCacheSpec) -> float:

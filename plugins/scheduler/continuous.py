@@ -42,18 +42,35 @@ class ContinuousOptions(SchedulerOptions):
 
 
 class _Waiting:
-    """The waiting queue, ordered by (priority, arrival) or by arrival alone."""
+    """The waiting queue, ordered by (priority, turn, arrival) or by (turn, arrival).
+
+    Fair admission: a sequence's turn is how many sequences of its request were queued before
+    it, so at equal priority requests are served round-robin (every request's first sequence,
+    then every request's second, ...) and a request with many samples cannot starve a later,
+    smaller one. Requests of one sequence each keep strict arrival order; priority still wins.
+    """
 
     def __init__(self, by_priority: bool) -> None:
         self._by_priority = by_priority
         self._heap: list[tuple[tuple, Sequence]] = []
         self._tie = itertools.count()
+        self._turn: dict[int, int] = {}  # seq_id -> its turn (kept across preemptions)
+        self._queued: dict[str, int] = {}  # request_id -> sequences queued so far
 
     def push(self, seq: Sequence) -> None:
-        # A preempted sequence keeps its place: it arrived before (FCFS admits in arrival
-        # order) or ranks above (priority) everything that is still waiting.
-        rank = (seq.priority, seq.arrival_time) if self._by_priority else (seq.arrival_time,)
+        # A preempted sequence keeps its place: its turn and arrival rank it before (FCFS) or
+        # above (priority) everything of its turn that is still waiting.
+        turn = self._turn.get(seq.seq_id)
+        if turn is None:
+            turn = self._turn[seq.seq_id] = self._queued.get(seq.request_id, 0)
+            self._queued[seq.request_id] = turn + 1
+        rank = (seq.priority, turn, seq.arrival_time) if self._by_priority else (turn, seq.arrival_time)
         heapq.heappush(self._heap, ((*rank, next(self._tie)), seq))
+
+    def forget(self, seq: Sequence) -> None:
+        """``seq`` left for good (finished or aborted)."""
+        if self._turn.pop(seq.seq_id, None) is not None and seq.index == 0:
+            self._queued.pop(seq.request_id, None)
 
     def peek(self) -> Sequence:
         return self._heap[0][1]
@@ -63,6 +80,8 @@ class _Waiting:
 
     def remove(self, request_id: str) -> list[Sequence]:
         gone = [s for _, s in self._heap if s.request_id == request_id]
+        for seq in gone:
+            self.forget(seq)
         if gone:
             self._heap = [(k, s) for k, s in self._heap if s.request_id != request_id]
             heapq.heapify(self._heap)
@@ -172,6 +191,17 @@ class ContinuousScheduler(RunningBatch):
         return budget
 
     # -- bookkeeping -----------------------------------------------------------------------------
+    def update(self, finished: list[Sequence]) -> None:
+        for seq in finished:
+            self.waiting.forget(seq)
+        super().update(finished)
+
+    def abort(self, request_id: str) -> list[Sequence]:
+        dropped = super().abort(request_id)
+        for seq in dropped:
+            self.waiting.forget(seq)
+        return dropped
+
     def _drop_waiting(self, request_id: str) -> list[Sequence]:
         return self.waiting.remove(request_id)
 

@@ -4,6 +4,13 @@ The baseline for continuous batching: a batch is admitted only when the
 previous one has fully finished, so short requests wait for the longest one.
 Prompts are computed in chunks within the token budget, then the whole batch
 decodes together.
+
+Admission rule: a batch must run to completion without preemption, so a sequence joins it
+only if the whole batch fits the KV cache at its final length, each sequence's prompt plus
+``max_tokens`` (``max_model_len`` when unset), capped at ``max_model_len``; n > 1 siblings
+forked later count their own growth. With a block pool that is the sum of each sequence's
+blocks (``ceil(final_len / block_size)``) against the pool's free blocks, prefix hits not
+counted; with one row per sequence (contiguous) a free row.
 """
 
 from __future__ import annotations
@@ -42,19 +49,37 @@ class StaticScheduler(RunningBatch):
         return out
 
     def _admit(self) -> None:
+        free, reserved = self._free_blocks(), 0
         while self.waiting and len(self.running) < self.limits.max_num_seqs:
             seq = self.waiting[0]
             # a batch must be able to run to completion without preemption
-            if not self.kv.can_allocate(seq, self._final_len(seq)):
+            need = self._blocks_needed(seq)
+            if not self.kv.can_allocate(seq, self._final_len(seq)) or (
+                    free is not None and reserved + need > free):
                 if not self.running:
                     raise RuntimeError(f"KV cache backend {self.kv.name!r} cannot hold sequence "
                                        f"{seq.seq_id} of request {seq.request_id!r} even alone")
                 break
+            reserved += need
             self.waiting.popleft()
             cached = self.kv.allocate(seq, seq.num_tokens)
             seq.skip_cached(cached)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
+
+    def _free_blocks(self) -> int | None:
+        """Free blocks of a block pool (None: the cache has no shared pool)."""
+        blocks = self.kv.pool_blocks()
+        return None if blocks is None else round(blocks * (1 - self.kv.usage))
+
+    def _blocks_needed(self, seq: Sequence) -> int:
+        """Blocks ``seq`` holds at its final length, plus the growth of siblings that will fork
+        from it (n > 1 with forking: they are not in the queue, they share its prompt)."""
+        size = self.kv.block_size
+        final = -(-self._final_len(seq) // size)
+        forks = seq.params.n - 1 if seq.index == 0 and not any(
+            s.request_id == seq.request_id and s.index > 0 for s in self.waiting) else 0
+        return final + forks * (final - seq.num_prompt_tokens // size)
 
     def _final_len(self, seq: Sequence) -> int:
         max_new = seq.params.max_tokens or self.limits.max_model_len

@@ -32,7 +32,9 @@ class Running:
 
     def metric(self, name: str) -> float:
         """One sample of /metrics (summed over its labels), e.g. ``lmplug_kv_cache_usage_ratio``."""
-        text = httpx.get(self.url + "/metrics", timeout=10).text
+        key = self.server.config.app.state.settings.api_key
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
+        text = httpx.get(self.url + "/metrics", headers=headers, timeout=10).text
         values = [float(v) for v in re.findall(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", text, re.MULTILINE)]
         return sum(values)
 

@@ -49,6 +49,7 @@ def client(server):
 
 def post(server, path: str, body=None, *, content: bytes | None = None, key: str | None = KEY) -> httpx.Response:
     headers = {"Authorization": f"Bearer {key}"} if key is not None else {}
+    headers["Content-Type"] = "application/json"
     if content is None:
         content = json.dumps(body).encode()
     return httpx.post(server.v1 + path, content=content, headers=headers, timeout=120)
@@ -143,8 +144,9 @@ def test_completion_logprobs_shape(client):
 
 def test_models_health_metrics(server, client):
     assert [m.id for m in client.models.list().data] == ["demo"]
-    assert httpx.get(server.url + "/health").json() == {"status": "ok"}
-    text = httpx.get(server.url + "/metrics").text
+    auth = {"Authorization": f"Bearer {KEY}"}
+    assert httpx.get(server.url + "/health", headers=auth).json() == {"status": "ok"}
+    text = httpx.get(server.url + "/metrics", headers=auth).text
     for name in ("lmplug_http_requests_total", "lmplug_time_to_first_token_seconds_bucket",
                  "lmplug_time_per_output_token_seconds_bucket", "lmplug_kv_cache_usage_ratio",
                  "lmplug_num_requests_running", "lmplug_num_requests_waiting", "lmplug_prompt_tokens_total",
@@ -209,7 +211,8 @@ def test_api_key_required_on_v1(server, key):
         resp = httpx.request(method, server.v1 + path, json=OK_CHAT, headers=headers)
         assert resp.status_code == 401
         assert resp.json()["error"]["code"] == "invalid_api_key"
-    assert httpx.get(server.url + "/health").status_code == 200  # not a /v1 route
+    for path in ("/health", "/metrics"):  # behind the key too, unless made public
+        assert httpx.request("GET", server.url + path, headers=headers).status_code == 401
 
 
 def test_openai_client_raises_on_bad_request(client):

@@ -182,7 +182,7 @@ def test_lmplug_serve_command_answers_and_stops_on_sigterm(model_dir):
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline and proc.poll() is None:
             try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                if httpx.get(url + "/health", headers={"Authorization": "Bearer k"}, timeout=1).status_code == 200:
                     break
             except httpx.TransportError:
                 time.sleep(0.2)

@@ -7,7 +7,7 @@ fails the comparison; every cache slot outside a sequence's visible keys is
 NaN too, so a kernel that reads past the context, through block-table
 padding, or behind the sliding window leaks NaN into its result.
 bf16 cases run only compiled, on CUDA (``TRITON_INTERPRET=0``): ``tl.dot`` on
-bf16 operands is wrong under the interpreter (see the project's TRITON-ON-CPU notes).
+bf16 operands is wrong under the interpreter (see docs/triton-on-cpu.md).
 """
 
 from __future__ import annotations

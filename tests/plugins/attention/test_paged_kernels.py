@@ -5,8 +5,8 @@
 Blocks are handed out in random order, unused slots hold NaN, block tables are
 padded with real block ids, and outputs start as NaN, so a kernel that lets a
 slot outside a sequence reach the output or leaves a row unwritten fails. bf16 is not
-tested here: ``tl.dot`` on bf16 is broken under the interpreter (see the
-project's TRITON-ON-CPU notes); fp32 and fp16 exercise the same code.
+tested here: ``tl.dot`` on bf16 is broken under the interpreter (see
+docs/triton-on-cpu.md); fp32 and fp16 exercise the same code.
 """
 
 from __future__ import annotations

@@ -212,7 +212,7 @@ def test_fused_block_sizes_and_strided_input(block_m):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(),
-                    reason="tl.dot on bf16 is wrong under TRITON_INTERPRET (TRITON-ON-CPU.md); GPU only")
+                    reason="tl.dot on bf16 is wrong under TRITON_INTERPRET (docs/triton-on-cpu.md); GPU only")
 def test_fused_experts_bf16_on_gpu():
     case = [t.cuda() for t in make_case(64, 8, 64, 128, torch.bfloat16)]
     out = fused_experts(*case)

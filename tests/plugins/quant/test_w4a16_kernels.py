@@ -3,7 +3,7 @@
 
 Shapes are chosen so tiles are partial in every direction (M, N, K not multiples of the
 blocks). bf16 is not run under the interpreter: its ``tl.dot`` on bf16 is wrong
-(/work/shared/design/TRITON-ON-CPU.md); it runs on GPUs.
+(docs/triton-on-cpu.md); it runs on GPUs.
 """
 
 from __future__ import annotations

@@ -1,0 +1,97 @@
+"""One request's failure stays its own; one plugin's observer failure reaches no request.
+
+``StepFailures`` runs the per-sequence work of a step's commit (selecting tokens, logprobs,
+appending tokens) so that an exception fails the sequence it came from, not the step: the
+sequence ends with ``finish_reason="error"`` and the engine ends its request. ``Observers``
+calls a lifecycle hook implementation by implementation and logs, once per plugin and hook,
+one that raises.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+
+import torch
+
+from lmplug.engine.select import Sampler
+from lmplug.interfaces.sequence import Sequence, SequenceStatus
+from lmplug.outputs.logprobs import token_logprobs
+
+logger = logging.getLogger("lmplug.engine.engine")
+
+
+class StepFailures:
+    """The sequences of one step that failed, and the guarded calls that put them there."""
+
+    def __init__(self) -> None:
+        self.failed: list[Sequence] = []
+
+    def __contains__(self, seq: Sequence) -> bool:
+        return seq in self.failed
+
+    def guarded(self, seq: Sequence, what: str, fn: Callable, *args):
+        """``fn(*args)``; if it raises, ``seq`` fails and the result is None."""
+        try:
+            return fn(*args)
+        except Exception as exc:  # noqa: BLE001  (one request's failure; logged by fail)
+            self.fail(seq, what, exc)
+            return None
+
+    def fail(self, seq: Sequence, what: str, exc: BaseException) -> None:
+        logger.error("request %r failed in the %s stage; it ends with finish_reason='error' "
+                     "(the other requests go on)", seq.request_id, what, exc_info=exc)
+        seq.status, seq.finish_reason, seq.stop_reason = SequenceStatus.FINISHED, "error", None
+        seq.finish_time = time.perf_counter()
+        if seq not in self.failed:
+            self.failed.append(seq)
+
+    def select(self, selector, logits: torch.Tensor, num_rows: list[int], seqs: list[Sequence],
+               hidden: torch.Tensor | None) -> tuple[list[list[int]], list[list[int]]]:
+        """The select stage over the whole batch; if it raises, the plain sampler retries one
+        sequence at a time and fails only those that raise. The speculator's verify is one
+        batched, stateful pass: there every sampled sequence of the step fails."""
+        try:
+            return selector.select(logits, num_rows, seqs, hidden)
+        except Exception as exc:  # noqa: BLE001  (one request's failure; logged by fail)
+            if not isinstance(selector, Sampler):
+                for seq in seqs:
+                    self.fail(seq, "select", exc)
+                return [[] for _ in seqs], [[] for _ in seqs]
+        return selector.select_each(logits, seqs, lambda seq, exc: self.fail(seq, "sample", exc))
+
+    def logprobs(self, logits: torch.Tensor, seqs: list[Sequence], emitted: list[list[int]],
+                 rows: list[list[int]], tokenizer) -> list[list[dict] | None]:
+        """The step's logprobs in one call; one sequence at a time if that raises."""
+        try:
+            return token_logprobs(logits, seqs, emitted, rows, tokenizer)
+        except Exception:  # noqa: BLE001  (one request's failure; logged by fail)
+            return [(self.guarded(s, "logprobs", token_logprobs, logits, [s], [e], [r], tokenizer)
+                     or [None])[0] for s, e, r in zip(seqs, emitted, rows)]
+
+
+class Observers:
+    """The lifecycle hooks (``lmplug_engine_started``, ``lmplug_step_finished``,
+    ``lmplug_request_finished``), called implementation by implementation."""
+
+    def __init__(self, registry) -> None:
+        self.registry = registry
+        self._logged: set[tuple[str, str]] = set()  # (plugin, hook) already reported
+
+    def wanted(self, hook: str) -> bool:
+        return bool(getattr(self.registry.hook, hook).get_hookimpls())
+
+    def notify(self, hook: str, **kwargs) -> None:
+        for impl in reversed(getattr(self.registry.hook, hook).get_hookimpls()):
+            if getattr(impl, "hookwrapper", False) or getattr(impl, "wrapper", False):
+                continue
+            try:
+                impl.function(*[kwargs[name] for name in impl.argnames])
+            except Exception:
+                if (impl.plugin_name, hook) in self._logged:
+                    continue
+                self._logged.add((impl.plugin_name, hook))
+                dist = getattr(self.registry, "_distributions", {}).get(impl.plugin_name, "?")
+                logger.exception("plugin %r (distribution %s): its %s hook raised; ignored (logged "
+                                 "once per plugin and hook)", impl.plugin_name, dist, hook)
