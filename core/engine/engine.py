@@ -150,8 +150,9 @@ class LLMEngine:
                 finished.append(seqs[i])
         finished += [s for s in guard.failed if s not in finished]
         for seq in guard.failed:
-            self.selector.release(seq)
-        self.selector.settle([s for s in seqs if s not in guard])
+            if seq not in seqs:  # failed before sampling (prompt logprobs); settle releases the rest
+                self.selector.release(seq)
+        self.selector.settle(seqs)  # failed ones are finished: released, not observed
         for seq in forked:
             if seq.is_finished:
                 self.kv.free(seq)  # never reached the scheduler, so it cannot free it

@@ -15,7 +15,6 @@ from collections.abc import Callable
 
 import torch
 
-from lmplug.engine.select import Sampler
 from lmplug.interfaces.sequence import Sequence, SequenceStatus
 from lmplug.outputs.logprobs import token_logprobs
 
@@ -49,17 +48,9 @@ class StepFailures:
 
     def select(self, selector, logits: torch.Tensor, num_rows: list[int], seqs: list[Sequence],
                hidden: torch.Tensor | None) -> tuple[list[list[int]], list[list[int]]]:
-        """The select stage over the whole batch; if it raises, the plain sampler retries one
-        sequence at a time and fails only those that raise. The speculator's verify is one
-        batched, stateful pass: there every sampled sequence of the step fails."""
-        try:
-            return selector.select(logits, num_rows, seqs, hidden)
-        except Exception as exc:  # noqa: BLE001  (one request's failure; logged by fail)
-            if not isinstance(selector, Sampler):
-                for seq in seqs:
-                    self.fail(seq, "select", exc)
-                return [[] for _ in seqs], [[] for _ in seqs]
-        return selector.select_each(logits, seqs, lambda seq, exc: self.fail(seq, "sample", exc))
+        """The select stage (sampler or speculator); a sequence it cannot serve fails alone."""
+        return selector.select(logits, num_rows, seqs, hidden,
+                               on_error=lambda seq, exc: self.fail(seq, "select", exc))
 
     def logprobs(self, logits: torch.Tensor, seqs: list[Sequence], emitted: list[list[int]],
                  rows: list[list[int]], tokenizer) -> list[list[dict] | None]:

@@ -2,7 +2,8 @@
 
 Two implementations with the same methods, called by ``LLMEngine.step`` in this order:
 ``propose(seqs) -> lookahead`` before scheduling, ``plan(scheduled)`` after it,
-``select(logits, num_rows, seqs, hidden) -> (tokens, rows)`` after the forward, ``settle(seqs)``
+``select(logits, num_rows, seqs, hidden, on_error) -> (tokens, rows)`` after the forward (with
+``on_error``, a sequence whose tokens cannot be chosen is reported there, the others go on), ``settle(seqs)``
 once the tokens are appended; ``release(seq)`` when a sequence ends early and ``stats()`` for the
 step's report. ``Sampler`` (here) draws one token per sequence; ``lmplug.speculation.Speculator``
 drafts, verifies and rolls back.
@@ -29,24 +30,27 @@ class Sampler:
         pass
 
     def select(self, logits: torch.Tensor, num_rows: list[int], seqs: list[Sequence],
-               hidden: torch.Tensor | None = None) -> tuple[list[list[int]], list[list[int]]]:
-        tokens = sample(logits, seqs)
-        return [[t] for t in tokens], [[i] for i in range(len(tokens))]
-
-    def select_each(self, logits: torch.Tensor, seqs: list[Sequence],
-                    on_error: Callable[[Sequence, Exception], None]) -> tuple[list[list[int]], list[list[int]]]:
-        """``select`` one sequence at a time after the batch raised: a sequence whose row raises
-        gets no token and is reported to ``on_error``; the others get what the batch would give
-        (``sample`` shapes every row before it draws any, so a batch that raised drew nothing:
-        no generator moved, and nothing is copied on the hot path to undo it)."""
-        tokens: list[list[int]] = []
+               hidden: torch.Tensor | None = None,
+               on_error: Callable[[Sequence, Exception], None] | None = None,
+               ) -> tuple[list[list[int]], list[list[int]]]:
+        """One token per sequence. If the batch raises and ``on_error`` is given, one sequence at
+        a time: a sequence whose row raises gets no token and goes to ``on_error``; the others
+        get what the batch would give (``sample`` shapes every row before it draws any, so a
+        batch that raised drew nothing and no generator moved)."""
+        try:
+            tokens = sample(logits, seqs)
+            return [[t] for t in tokens], [[i] for i in range(len(tokens))]
+        except Exception:
+            if on_error is None:
+                raise
+        out: list[list[int]] = []
         for i, seq in enumerate(seqs):
             try:
-                tokens.append(sample(logits[i:i + 1], [seq])[:1])
+                out.append(sample(logits[i:i + 1], [seq])[:1])
             except Exception as exc:  # noqa: BLE001  (reported to on_error, which logs it)
                 on_error(seq, exc)
-                tokens.append([])
-        return tokens, [[i] for i in range(len(seqs))]
+                out.append([])
+        return out, [[i] for i in range(len(seqs))]
 
     def settle(self, seqs: list[Sequence]) -> None:
         pass

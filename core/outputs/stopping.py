@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from lmplug.interfaces.sequence import Sequence
 
-
 # characters before the new text that are searched again: the detokenizer may rewrite the last few
 # (an incomplete UTF-8 sequence becomes its character)
 _REWRITE_MARGIN = 16

@@ -30,6 +30,7 @@ tokens per target forward is the figure that matters.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -153,34 +154,61 @@ class Speculator:
 
     # -- after the forward -----------------------------------------------------------------------
     def select(self, logits: torch.Tensor, num_rows: list[int], seqs: list[Sequence],
-               hidden: torch.Tensor | None = None) -> tuple[list[list[int]], list[list[int]]]:
-        return self.verify(logits, num_rows, seqs, hidden)
+               hidden: torch.Tensor | None = None,
+               on_error: Callable[[Sequence, Exception], None] | None = None,
+               ) -> tuple[list[list[int]], list[list[int]]]:
+        return self.verify(logits, num_rows, seqs, hidden, on_error)
 
     def verify(self, logits: torch.Tensor, num_rows: list[int], seqs: list[Sequence],
-               hidden: torch.Tensor | None = None) -> tuple[list[list[int]], list[list[int]]]:
+               hidden: torch.Tensor | None = None,
+               on_error: Callable[[Sequence, Exception], None] | None = None,
+               ) -> tuple[list[list[int]], list[list[int]]]:
         """Strip every sequence's drafts and decide what it emits.
 
         Returns, per sequence, the tokens to append and the logits row of each (for logprobs).
         ``hidden`` (the target's final hidden states behind ``logits``) is kept for ``observe``.
+        With ``on_error``, a sequence whose verification raises gets nothing and goes there.
         """
         drafts = [self._planned.pop(s.seq_id, None) or Draft([]) for s in seqs]
         for seq, draft in zip(seqs, drafts):
             if draft.tokens:
                 del seq.token_ids[seq.num_tokens - len(draft.tokens):]
-        verdicts = verify_batch(logits, num_rows, [s.params for s in seqs], [d.tokens for d in drafts],
-                                [d.probs for d in drafts], [s.generator for s in seqs],
-                                [d.parents for d in drafts])
-        emitted, rows, start = [], [], 0
+        verdicts = self._verdicts(logits, num_rows, seqs, drafts, on_error)
+        emitted, rows, last, start = [], [], [], 0
         for seq, draft, verdict, n in zip(seqs, drafts, verdicts, num_rows):
-            self._count(seq, len(draft.tokens), verdict.num_accepted)
-            emitted.append(verdict.tokens)
-            rows.append([start + r for r in verdict.rows])
-            if verdict.nodes:
-                self._move_accepted_path(seq, verdict.nodes)
+            last.append(start + (verdict.rows[-1] if verdict else 0))
+            emitted.append(verdict.tokens if verdict else [])
+            rows.append([start + r for r in verdict.rows] if verdict else [])
+            if verdict:
+                self._count(seq, len(draft.tokens), verdict.num_accepted)
+                if verdict.nodes:
+                    self._move_accepted_path(seq, verdict.nodes)
             start += n
         if hidden is not None:  # the row whose logits chose each sequence's last emitted token
-            self._hidden = hidden[[r[-1] for r in rows]]
+            self._hidden = hidden[last]
         return emitted, rows
+
+    @staticmethod
+    def _verdicts(logits: torch.Tensor, num_rows: list[int], seqs: list[Sequence], drafts: list[Draft],
+                  on_error) -> list:
+        """``verify_batch`` over all sequences; if it raises and ``on_error`` is given, one
+        sequence at a time (None for those that raise)."""
+        columns = ([s.params for s in seqs], [d.tokens for d in drafts], [d.probs for d in drafts],
+                   [s.generator for s in seqs], [d.parents for d in drafts])
+        try:
+            return verify_batch(logits, num_rows, *columns)
+        except Exception:
+            if on_error is None:
+                raise
+        out, start = [], 0
+        for i, (seq, n) in enumerate(zip(seqs, num_rows)):
+            try:
+                out.append(verify_batch(logits[start:start + n], [n], *[[c[i]] for c in columns])[0])
+            except Exception as exc:  # noqa: BLE001  (reported to on_error, which logs it)
+                on_error(seq, exc)
+                out.append(None)
+            start += n
+        return out
 
     def _move_accepted_path(self, seq: Sequence, nodes: list[int]) -> None:
         """A tree's accepted nodes sit at start + j; move their K/V to the positions a chain has."""

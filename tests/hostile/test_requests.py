@@ -106,6 +106,23 @@ def test_a_row_that_raises_fails_its_request_only(model, kv):
     assert llm.engine.kv.usage == 0 and len(llm.engine.requests) == 0
 
 
+def test_a_row_that_raises_under_speculation_fails_its_request_only(model):
+    """The speculator verifies the batch in one pass; when that raises it verifies one sequence
+    at a time, so only the bad request fails and the others keep their exact output."""
+    llm = model.llm(scheduler="continuous", speculative={"method": "ngram", "num_tokens": 3})
+    alone = [o.token_ids for o in llm.generate(PROMPTS, GREEDY)]
+    bad = SamplingParams(temperature=0.8, top_k=5, max_tokens=8, seed=1)
+    bad.top_k = 2**63  # past validation: the batched verify raises
+    seeded = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=8, seed=7, ignore_eos=True)
+    seeded_alone = llm.generate([PROMPTS[0]], seeded)[0].token_ids
+    done = run_all(llm.engine, {"ok0": (PROMPTS[0], GREEDY), "bad": (PROMPTS[1], bad),
+                                "ok2": (PROMPTS[2], GREEDY), "seeded": (PROMPTS[0], seeded)})
+    assert done["bad"].outputs[0].finish_reason == "error"
+    assert [done["ok0"].token_ids, done["ok2"].token_ids] == [alone[0], alone[2]]
+    assert done["seeded"].token_ids == seeded_alone
+    assert llm.engine.kv.usage == 0 and len(llm.engine.requests) == 0
+
+
 def test_a_failing_output_stage_fails_its_request_and_its_siblings(model, monkeypatch):
     llm = continuous(model)
     alone = llm.generate([PROMPTS[0]], GREEDY)[0].token_ids
@@ -234,6 +251,6 @@ def test_sampler_redraw_matches_the_batch():
     with pytest.raises((RuntimeError, ValueError, OverflowError)):
         Sampler().select(logits, [1, 1, 1], batch)
     failed = []
-    again, _ = Sampler().select_each(logits, batch, lambda s, e: failed.append(s))
+    again, _ = Sampler().select(logits, [1, 1, 1], batch, on_error=lambda s, e: failed.append(s))
     assert failed == [batch[1]] and again[1] == []
     assert [again[0], again[2]] == expected

@@ -5,8 +5,9 @@ leave nothing out: a new module or package under core/ that no layer names would
 every layer rule, and a plugin allowed to import it.
 """
 
-import tomllib
 from pathlib import Path
+
+import tomllib
 
 ROOT = Path(__file__).resolve().parents[3]
 CONTRACT = {"lmplug.interfaces", "lmplug.hookspecs", "lmplug.errors"}
