@@ -185,9 +185,11 @@ def _check_tree_support(drafter, chosen, device: torch.device, parallel: Paralle
 def _load_with_progress(model: torch.nn.Module, source, parallel: ParallelState | None = None) -> None:
     from tqdm import tqdm
 
-    # tqdm waits `delay` seconds before drawing, so fast loads stay quiet.
+    # tqdm waits `delay` seconds before drawing, so fast loads stay quiet; one bar (rank 0's), and
+    # none where stderr is not a terminal (disable=None: tqdm's own check; logs get no \r floods)
+    quiet = True if parallel is not None and parallel.rank != 0 else None
     with tqdm(total=len(source.tensor_names), desc="loading weights", unit="tensor", delay=2.0,
-              leave=False, disable=parallel is not None and parallel.rank != 0) as bar:  # one bar: rank 0's
+              leave=False, disable=quiet) as bar:
         load_weights(model, source, progress=bar, parallel=parallel)
 
 
