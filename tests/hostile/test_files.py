@@ -109,20 +109,6 @@ def test_gguf_shape_not_whole_blocks(gguf_file):
 
 # -- safetensors ------------------------------------------------------------------------------------
 
-@pytest.fixture(scope="session")
-def good_dir(tmp_path_factory):
-    root = tmp_path_factory.getbasetemp() / "hf_models"
-    root.mkdir(exist_ok=True)
-    return get_model("llama", root).path
-
-
-@pytest.fixture
-def model_dir(good_dir, tmp_path):
-    dest = tmp_path / "model"
-    shutil.copytree(good_dir, dest)
-    return dest
-
-
 def rewrite_header(model_dir, edit) -> None:
     """Replace the safetensors header by ``edit(header)`` (keeping the data bytes)."""
     f = model_dir / WEIGHTS

@@ -7,7 +7,6 @@ thing; the message must name the file or tensor at fault and what was expected.
 from __future__ import annotations
 
 import json
-import shutil
 
 import pytest
 import torch
@@ -17,21 +16,6 @@ from support.hf_models import get_model, one_torch_thread  # noqa: F401
 from lmplug import LLM, ModelLoadError
 
 WEIGHTS = "model.safetensors"
-
-
-@pytest.fixture(scope="session")
-def good_dir(tmp_path_factory):
-    root = tmp_path_factory.getbasetemp() / "hf_models"
-    root.mkdir(exist_ok=True)
-    return get_model("llama", root).path
-
-
-@pytest.fixture
-def model_dir(good_dir, tmp_path):
-    """A private copy of the good checkpoint to damage."""
-    dest = tmp_path / "model"
-    shutil.copytree(good_dir, dest)
-    return dest
 
 
 def load(path):
