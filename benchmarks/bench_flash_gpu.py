@@ -10,7 +10,8 @@ on a mismatch; then it times
 - prefill (causal, ``--tokens`` tokens per step: ``tokens // L`` sequences of
   length L, MHA with ``--hidden // head_dim`` heads): TFLOP/s of the varlen
   kernel on packed K/V, of the same attention read through a paged cache,
-  of SDPA (its fastest backend, on [B, H, L, D]), and the time of flash with
+  of SDPA (each of its backends that runs the case - flash, memory-efficient, cuDNN -
+  timed on [B, H, L, D], the fastest kept and named), and the time of flash with
   a sliding window (the tiles behind the window are skipped);
 - decode (one token per sequence, GQA ``--kv-heads``, contexts of L keys in
   a paged cache of block size 16): GB/s of K/V read by flash decoding (split-K
@@ -19,12 +20,15 @@ on a mismatch; then it times
 
 Timings use ``triton.testing.do_bench`` (median ms, launch overhead included:
 it dominates the smallest decode cases for both kernels). Without a CUDA
-device it prints why and exits 0.
+device it prints why and exits 0. ``--json PATH`` writes the rows and the headline figure for
+``tools/gpu_check.py``: the worst flash/SDPA-best prefill TFLOP/s ratio at 4k-16k tokens in
+bf16 (goal on H100/H200: >= 0.9).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 
 import torch
@@ -32,6 +36,7 @@ import torch.nn.functional as F
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 BLOCK_SIZE = 16  # paged cache block size
+PREFILL_GOAL = (4096, 16384, 0.9)  # lengths (inclusive) over which flash/SDPA-best TFLOP/s >= goal
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -46,6 +51,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--decode-batches", type=int, nargs="+", default=[1, 16])
     p.add_argument("--window", type=int, default=4096, help="sliding window for the windowed prefill column")
     p.add_argument("--quick", action="store_true", help="fewer repetitions (a smoke run)")
+    p.add_argument("--json", metavar="PATH", help="also write the rows and the headline figure as JSON")
     return p.parse_args(argv)
 
 
@@ -129,6 +135,25 @@ def check_correctness(dtype: torch.dtype, head_dim: int, device: str) -> list[st
 
 # -- timings --------------------------------------------------------------------------------------------------
 
+def best_sdpa_ms(qt, kt, vt, scale: float, timer) -> tuple[float, str]:
+    """SDPA's fastest backend on this causal case: (median ms, backend name)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    best = (float("inf"), "none")
+    for backend in (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION):
+        def run(backend=backend):
+            with sdpa_kernel(backend):
+                return F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, scale=scale)
+        try:
+            run()
+        except RuntimeError:  # this backend does not take the case (dtype, head dim, GPU)
+            continue
+        best = min(best, (timer(run), backend.name.lower()))
+    if best[1] == "none":
+        raise RuntimeError("no SDPA backend runs this case")
+    return best
+
+
 def bench_prefill(args, dtype, head_dim, seq_len, timer, dev: str = "cuda") -> dict:
     from lmplug_attention.flash_prefill_kernels import (
         flash_prefill_with_kvcache,
@@ -143,15 +168,16 @@ def bench_prefill(args, dtype, head_dim, seq_len, timer, dev: str = "cuda") -> d
     k_cache, v_cache, tables = paged_cache(k, v, seq_len)
     qt, kt, vt = (x.view(batch, seq_len, heads, head_dim).transpose(1, 2).contiguous() for x in (q, k, v))
     flops = 4 * batch * heads * head_dim * seq_len * (seq_len + 1) / 2  # causal: half of QK^T and PV
+    sdpa_ms, sdpa_backend = best_sdpa_ms(qt, kt, vt, scale, timer)
     row = {"flash": timer(lambda: flash_varlen_attention(q, k, v, cu, scale, max_seqlen=seq_len)),
            "paged": timer(lambda: flash_prefill_with_kvcache(q, k_cache, v_cache, tables, cu, seq_lens, scale,
                                                              max_query_len=seq_len)),
-           "sdpa": timer(lambda: F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, scale=scale))}
+           "sdpa": sdpa_ms}
     if seq_len > args.window:
         row["window"] = timer(lambda: flash_varlen_attention(q, k, v, cu, scale, sliding_window=args.window,
                                                              max_seqlen=seq_len))
     row["tflops"] = {name: flops / (ms * 1e-3) / 1e12 for name, ms in row.items() if name != "window"}
-    row["batch"], row["heads"] = batch, heads
+    row["batch"], row["heads"], row["sdpa_backend"] = batch, heads, sdpa_backend
     return row
 
 
@@ -186,7 +212,7 @@ def print_prefill(row, dtype_name, head_dim, seq_len) -> None:
     window = f"{row['window']:9.3f}" if "window" in row else f"{'-':>9}"
     print(f"{dtype_name:5} {head_dim:4} {seq_len:6} {row['batch']:3}x{row['heads']:<3} "
           f"{t['flash']:8.1f} {t['paged']:8.1f} {t['sdpa']:8.1f} {t['flash'] / t['sdpa']:6.2f}x "
-          f"{row['flash']:9.3f} {window}")
+          f"{row['flash']:9.3f} {window} {row['sdpa_backend']}")
 
 
 def print_decode(row, dtype_name, head_dim, seq_len, batch) -> None:
@@ -219,12 +245,16 @@ def main(argv: list[str] | None = None) -> int:
     print("correctness: flash matches its references and SDPA on every dtype and head dim\n")
     print(f"## prefill, causal (TFLOP/s; window = flash with sliding_window={args.window}, ms)")
     print(f"{'dtype':5} {'D':>4} {'L':>6} {'BxH':7} {'flash':>8} {'paged':>8} {'sdpa':>8} {'ratio':>7} "
-          f"{'flash ms':>9} {'window':>9}")
+          f"{'flash ms':>9} {'window':>9} sdpa backend")
+    prefill_rows, decode_rows = [], []
     for dtype_name in args.dtypes:
         for head_dim in args.head_dims:
             for seq_len in args.lens:
-                print_prefill(bench_prefill(args, DTYPES[dtype_name], head_dim, seq_len, timer),
-                              dtype_name, head_dim, seq_len)
+                row = bench_prefill(args, DTYPES[dtype_name], head_dim, seq_len, timer)
+                print_prefill(row, dtype_name, head_dim, seq_len)
+                prefill_rows.append({"dtype": dtype_name, "head_dim": head_dim, "len": seq_len, **row,
+                                     "ratio": row["tflops"]["flash"] / row["tflops"]["sdpa"]})
+            torch.cuda.empty_cache()
     print(f"\n## decode, {args.heads}/{args.kv_heads} heads, paged block {BLOCK_SIZE} (K/V GB/s)")
     print(f"{'dtype':5} {'D':>4} {'L':>6} {'batch':>5} {'splits':>6} {'flash':>9} {'sdpa':>9} {'ratio':>7} "
           f"{'flash us':>9}")
@@ -234,8 +264,32 @@ def main(argv: list[str] | None = None) -> int:
                 for seq_len in args.lens:
                     row = bench_decode(args, DTYPES[dtype_name], head_dim, seq_len, batch, timer)
                     print_decode(row, dtype_name, head_dim, seq_len, batch)
+                    decode_rows.append({"dtype": dtype_name, "head_dim": head_dim, "len": seq_len, "batch": batch,
+                                        **row})
             torch.cuda.empty_cache()
+    figures = prefill_figures(prefill_rows)
+    for f in figures:
+        print(f"goal: {f['name']}: {f['value']:.2f}x (goal >= {f['goal']}x)")
+    if args.json:
+        with open(args.json, "w") as out:
+            json.dump({"bench": "flash_gpu", "device": torch.cuda.get_device_name(), "figures": figures,
+                       "prefill": prefill_rows, "decode": decode_rows}, out, indent=1)
     return 0
+
+
+def prefill_figures(rows: list[dict]) -> list[dict]:
+    """Per (dtype, head dim): the worst flash/SDPA-best TFLOP/s ratio over the goal's lengths."""
+    lo, hi, goal = PREFILL_GOAL
+    figures = []
+    for key in dict.fromkeys((r["dtype"], r["head_dim"]) for r in rows):
+        picked = [r for r in rows if (r["dtype"], r["head_dim"]) == key and lo <= r["len"] <= hi]
+        if picked:
+            worst = min(picked, key=lambda r: r["ratio"])
+            figures.append({"name": f"flash prefill {key[0]} d{key[1]} TFLOP/s vs SDPA best "
+                                    f"(worst at {lo}-{hi}: L={worst['len']}, {worst['sdpa_backend']})",
+                            "value": worst["ratio"], "unit": "x", "goal": goal,
+                            "met": worst["ratio"] >= goal if key[0] == "bf16" else None})
+    return figures
 
 
 if __name__ == "__main__":

@@ -16,7 +16,11 @@ PyTorch reference instead, and ``--impl native`` the fused C kernel
 Several ``--impl`` run side by side on the same inputs, with each one's speed-up
 over the first. ``--batch B --context LO:HI`` times one batch whose context lengths
 are drawn uniformly from [LO, HI] (seeded), as continuous batching mixes them;
-``--context N`` gives every sequence N. The demo model's shape, one thread:
+``--context N`` gives every sequence N. Before timing a shape, every implementation's output is
+checked against the PyTorch reference (``decode_ref``) on the very inputs it is timed on; a
+mismatch stops the script with exit status 1. ``--json PATH`` writes the rows and the headline
+figure (the GPU goal: at batch 64, context 4k, bf16, K/V read at >= 80% of copy bandwidth) for
+``tools/gpu_check.py``. The demo model's shape, one thread:
 
     OMP_NUM_THREADS=1 python benchmarks/bench_paged_decode.py --impl cpu torch native \
         --num-heads 9 --num-kv-heads 3 --head-dim 64 --dtype bfloat16 --batch 32 --context 16:768
@@ -25,11 +29,14 @@ are drawn uniformly from [LO, HI] (seeded), as continuous batching mixes them;
 from __future__ import annotations
 
 import argparse
+import json
+import sys
 import time
 
 import torch
 
-GPU_SWEEP = [(1, 32768), (4, 16384), (16, 4096), (64, 2048), (256, 1024)]
+GPU_SWEEP = [(1, 32768), (4, 16384), (16, 4096), (64, 2048), (64, 4096), (256, 1024)]
+GOAL = (64, 4096, 0.80)  # batch, context, share of copy bandwidth (bf16, H100/H200)
 CPU_SWEEP = [(1, 4096), (8, 1024), (32, 512)]
 
 
@@ -74,6 +81,20 @@ def make_inputs(batch: int, context: int | tuple[int, int], args, device: torch.
     return q, k_cache, v_cache, tables, seq_lens.to(device)
 
 
+def check(decode, inputs, args, dtype: torch.dtype) -> str | None:
+    """Why ``decode`` disagrees with the PyTorch reference on ``inputs`` (None: it agrees)."""
+    from lmplug_attention.decode_ref import decode_attention
+
+    q, k_cache, v_cache, tables, seq_lens = inputs
+    scale, max_seq_len = args.head_dim ** -0.5, int(seq_lens.max())
+    got = decode(q, k_cache, v_cache, tables, seq_lens, scale, max_seq_len=max_seq_len,
+                 partition_size=args.partition_size).float()
+    want = decode_attention(q, k_cache, v_cache, tables, seq_lens, scale, max_seq_len=max_seq_len).float()
+    tol = {torch.float32: 1e-4, torch.float16: 4e-3, torch.bfloat16: 2e-2}[dtype]
+    err = (got - want).abs().max().item()
+    return None if err <= tol * max(1.0, want.abs().max().item()) else f"max abs error {err:.3g} ({dtype})"
+
+
 def measure(decode, inputs, args, device: torch.device) -> tuple[int, float]:
     """K/V bytes one decode call reads, and its best time in seconds."""
     q, k_cache, v_cache, tables, seq_lens = inputs
@@ -110,7 +131,7 @@ def decode_fn(impl: str):
     return reference
 
 
-def main() -> None:
+def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--impl", default=["auto"], nargs="+", choices=["auto", "triton", "cpu", "native", "torch"],
                    help="one or more, timed side by side")
@@ -122,6 +143,7 @@ def main() -> None:
     p.add_argument("--partition-size", type=int, default=None, help="force split-K (0: never split)")
     p.add_argument("--batch", type=int, default=None, help="one batch size instead of the sweep")
     p.add_argument("--context", default=None, help="with --batch: N, or LO:HI for lengths uniform in [LO, HI]")
+    p.add_argument("--json", metavar="PATH", help="also write the rows and the headline figure as JSON")
     args = p.parse_args()
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -139,17 +161,45 @@ def main() -> None:
           f"block_size={args.block_size}, {torch.get_num_threads()} thread(s); copy bandwidth {copy_gbs:.0f} GB/s")
     print(f"{'impl':>7}{'batch':>6}{'context':>9}{'KV MB':>9}{'us/call':>10}{'GB/s':>8}{'of copy':>9}"
           f"{'speed-up':>10}")
+    rows = []
     for batch, context in sweep:
         inputs = make_inputs(batch, context, args, device, dtype)
         shown = context if isinstance(context, int) else f"{context[0]}:{context[1]}"
         first = None
         for impl, decode in decoders.items():
+            problem = check(decode, inputs, args, dtype)
+            if problem:
+                print(f"correctness check FAILED: {impl} batch {batch} context {shown} vs decode_ref: {problem}")
+                return 1
             kv_bytes, seconds = measure(decode, inputs, args, device)
             first = first or seconds
             gbs = kv_bytes / seconds / 1e9
+            rows.append({"impl": impl, "batch": batch, "context": shown, "kv_bytes": kv_bytes,
+                         "us": seconds * 1e6, "gbs": gbs, "of_copy": gbs / copy_gbs})
             print(f"{impl:>7}{batch:>6}{shown:>9}{kv_bytes / 2**20:>9.0f}{seconds * 1e6:>10.0f}{gbs:>8.1f}"
                   f"{gbs / copy_gbs:>9.0%}{first / seconds:>9.2f}x")
+        if device.type == "cuda":
+            del inputs
+            torch.cuda.empty_cache()
+    print("correctness: every implementation matches decode_ref on every timed shape")
+    figures = []
+    goal_batch, goal_context, goal = GOAL
+    for r in rows:
+        if (r["batch"], r["context"]) == (goal_batch, goal_context):
+            figures.append({"name": f"paged decode ({r['impl']}, {dtype}) batch {goal_batch} ctx {goal_context}: "
+                                    "K/V GB/s as a share of copy bandwidth",
+                            "value": r["of_copy"], "unit": "fraction", "goal": goal,
+                            "met": r["of_copy"] >= goal if device.type == "cuda" and dtype == torch.bfloat16
+                            else None})
+    if figures:
+        print(f"goal: batch {goal_batch}, context {goal_context}: " + ", ".join(
+            f"{f['value']:.0%} of copy bandwidth (goal >= {goal:.0%})" for f in figures))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"bench": "paged_decode", "device": name, "dtype": str(dtype), "copy_gbs": copy_gbs,
+                       "figures": figures, "rows": rows}, f, indent=1)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -25,6 +25,11 @@ what is timed, not the quantization). W8A8 rows time the GEMM on quantized
 activations; ``apply ms`` adds the per-call activation quantization (PyTorch)
 of the layer's ``apply``.
 
+After the table come the headline figures (goals for an H100/H200): the W4A16 GEMV (M=1)
+GB/s of packed weight bytes as a share of a plain device copy's bandwidth (goal >= 70%), and
+the W8A8 GEMM's speed-up over cuBLAS bf16 at M=1024 (goal >= 1.5x); ``--json PATH`` writes
+them with the rows for ``tools/gpu_check.py``.
+
 Timings use ``triton.testing.do_bench`` (median ms). Without a CUDA device it
 prints why and exits 0. ``--interpret-smoke`` is a CPU check of this script's
 logic under ``TRITON_INTERPRET=1`` at tiny shapes (no bf16: its ``tl.dot``
@@ -36,6 +41,7 @@ speed, instead of ``do_bench``; correctness in fp32 and fp16, timings in fp16), 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
@@ -44,6 +50,8 @@ import torch
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 LLAMA_SHAPES = ["4096x4096", "4096x11008", "11008x4096"]
+GEMV_GOAL = 0.70  # W4A16 M=1: packed-weight GB/s as a share of copy bandwidth
+W8A8_GOAL = (1024, 1.5)  # M, speed-up of the W8A8 GEMM over cuBLAS bf16
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -53,6 +61,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dtypes", nargs="+", choices=sorted(DTYPES), default=["fp16", "bf16"])
     p.add_argument("--group-size", type=int, default=128, help="W4A16 input rows per scale/zero")
     p.add_argument("--quick", action="store_true", help="fewer repetitions")
+    p.add_argument("--json", metavar="PATH", help="also write the rows and the headline figures as JSON")
     p.add_argument("--interpret-smoke", action="store_true",
                    help="CPU check of this script's logic under TRITON_INTERPRET=1 at tiny shapes")
     return p.parse_args(argv)
@@ -260,6 +269,32 @@ def print_rows(rows: list[dict], dtype_name: str, k: int, n: int) -> None:
               f"{base[m] / ms:7.2f}x {apply}")
 
 
+def copy_bandwidth_gbs(device: str, timer) -> float:
+    """Read + write bytes per second of a large device copy: the bandwidth a GEMV can hope for."""
+    src = torch.ones(256 * 2**20 // 4, device=device)
+    dst = torch.empty_like(src)
+    return 2 * src.numel() * 4 / (timer(lambda: dst.copy_(src)) * 1e-3) / 1e9
+
+
+def headline_figures(rows: list[dict], copy_gbs: float, on_gpu: bool) -> list[dict]:
+    """W4A16 GEMV (M=1) share of copy bandwidth; W8A8 speed-up over cuBLAS bf16 at M=1024."""
+    figures = []
+    base = {(r["dtype"], r["k"], r["n"], r["m"]): r["ms"] for r in rows if r["kernel"].startswith("dense")}
+    for r in rows:
+        shape = f"{r['dtype']} K={r['k']} N={r['n']}"
+        if r["m"] == 1 and r["kernel"] in W4A16_KINDS:
+            share = r["weight_bytes"] / (r["ms"] * 1e-3) / 1e9 / copy_gbs
+            figures.append({"name": f"W4A16 GEMV {r['kernel']} M=1 {shape}: packed GB/s as a share of copy",
+                            "value": share, "unit": "fraction", "goal": GEMV_GOAL,
+                            "met": share >= GEMV_GOAL if on_gpu else None})
+        if r["m"] == W8A8_GOAL[0] and r["kernel"] in W8A8_KINDS:
+            speedup = base[r["dtype"], r["k"], r["n"], r["m"]] / r["ms"]
+            figures.append({"name": f"W8A8 {r['kernel']} M={r['m']} {shape}: speed-up over cuBLAS",
+                            "value": speedup, "unit": "x", "goal": W8A8_GOAL[1],
+                            "met": speedup >= W8A8_GOAL[1] if on_gpu and r["dtype"] == "bf16" else None})
+    return figures
+
+
 def parse_shape(text: str) -> tuple[int, int]:
     try:
         k, n = (int(v) for v in text.lower().split("x"))
@@ -317,12 +352,25 @@ def main(argv: list[str] | None = None) -> int:
           f"quantization)")
     print(f"{'dtype':5} {'K':>6} {'N':>6} {'M':>5} {'kernel':16} {'ms':>9} {'TFLOP/s':>8} {'GB/s':>8} "
           f"{'vs dense':>8} {'apply ms':>9}")
+    all_rows = []
     for dtype_name in args.dtypes:
         for k, n in shapes:
             rows = bench_shape(args, DTYPES[dtype_name], k, n, timer, device)
             print_rows(rows, dtype_name, k, n)
+            all_rows += [{**r, "dtype": dtype_name, "k": k, "n": n} for r in rows]
             if device == "cuda":
                 torch.cuda.empty_cache()
+    copy_gbs = copy_bandwidth_gbs(device, timer)
+    figures = headline_figures(all_rows, copy_gbs, device == "cuda")
+    print(f"\n## headline figures (copy bandwidth {copy_gbs:.0f} GB/s)")
+    for f in figures:
+        shown = (f"{f['value']:.0%} (goal >= {f['goal']:.0%})" if f["unit"] == "fraction"
+                 else f"{f['value']:.2f}x (goal >= {f['goal']:g}x)")
+        print(f"goal: {f['name']}: {shown}")
+    if args.json:
+        with open(args.json, "w") as out:
+            json.dump({"bench": "quant_gpu", "device": device, "copy_gbs": copy_gbs, "figures": figures,
+                       "rows": all_rows}, out, indent=1)
     return 0
 
 

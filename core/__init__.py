@@ -1,27 +1,41 @@
-"""lmplug: an LLM inference engine in which every optimization is a plugin."""
+"""lmplug: an LLM inference engine in which every optimization is a plugin.
 
-from lmplug.config import EngineConfig
+The names below are imported on first use (PEP 562 ``__getattr__``), not with the package:
+``import lmplug.cli`` must not pay for torch, pydantic and the engine before it knows which
+command runs (``lmplug --help``, ``lmplug models list`` need none of them).
+"""
+
+from __future__ import annotations
+
+from importlib import import_module
+from typing import TYPE_CHECKING, Any
+
 from lmplug.errors import ConfigError, LmplugError, ModelLoadError, PluginError
-from lmplug.hookspecs import hookimpl, hookspec
-from lmplug.interfaces import (
-    AttentionBackend,
-    BackendOptions,
-    Capabilities,
-    Drafter,
-    KVCacheBackend,
-    KVLayerView,
-    MoEBackend,
-    QuantMethod,
-    RoutingConfig,
-    Scheduler,
-    StepContext,
-)
-from lmplug.interfaces.params import SamplingParams
-from lmplug.llm import LLM
-from lmplug.outputs import CompletionOutput, RequestOutput
-from lmplug.plugins import API_VERSION
 
 __version__ = "0.2.0"
+
+# public name -> the module that defines it
+_LAZY = {
+    "API_VERSION": "lmplug.plugins",
+    "LLM": "lmplug.llm",
+    "AttentionBackend": "lmplug.interfaces",
+    "BackendOptions": "lmplug.interfaces",
+    "Capabilities": "lmplug.interfaces",
+    "CompletionOutput": "lmplug.outputs",
+    "Drafter": "lmplug.interfaces",
+    "EngineConfig": "lmplug.config",
+    "KVCacheBackend": "lmplug.interfaces",
+    "KVLayerView": "lmplug.interfaces",
+    "MoEBackend": "lmplug.interfaces",
+    "QuantMethod": "lmplug.interfaces",
+    "RequestOutput": "lmplug.outputs",
+    "RoutingConfig": "lmplug.interfaces",
+    "SamplingParams": "lmplug.interfaces.params",
+    "Scheduler": "lmplug.interfaces",
+    "StepContext": "lmplug.interfaces",
+    "hookimpl": "lmplug.hookspecs",
+    "hookspec": "lmplug.hookspecs",
+}
 
 __all__ = [
     "API_VERSION",
@@ -48,3 +62,38 @@ __all__ = [
     "hookimpl",
     "hookspec",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'lmplug' has no attribute {name!r}")
+    value = getattr(import_module(module), name)
+    globals()[name] = value  # once: later lookups do not come here
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_LAZY})
+
+
+if TYPE_CHECKING:  # what type checkers and IDEs see; nothing runs here
+    from lmplug.config import EngineConfig
+    from lmplug.hookspecs import hookimpl, hookspec
+    from lmplug.interfaces import (
+        AttentionBackend,
+        BackendOptions,
+        Capabilities,
+        Drafter,
+        KVCacheBackend,
+        KVLayerView,
+        MoEBackend,
+        QuantMethod,
+        RoutingConfig,
+        Scheduler,
+        StepContext,
+    )
+    from lmplug.interfaces.params import SamplingParams
+    from lmplug.llm import LLM
+    from lmplug.outputs import CompletionOutput, RequestOutput
+    from lmplug.plugins import API_VERSION

@@ -216,7 +216,9 @@ def cmd_plugins(args: argparse.Namespace) -> int:
 
     registry = get_registry()
     if args.check:
-        return _check_backend(registry, args.check, args.option)
+        return _check_backend(registry, args.check, args.option, args.device)
+    if args.device != "cpu":
+        raise LmplugError(f"--device {args.device}: only applies to --check")
     rows = []
     for family in FAMILIES:
         for name, info in sorted(registry.backends(family).items()):
@@ -230,8 +232,8 @@ def cmd_plugins(args: argparse.Namespace) -> int:
     return 1 if registry.failures else 0
 
 
-def _check_backend(registry, name: str, options: list[str]) -> int:
-    """Run the conformance suite on one installed backend (``[FAMILY:]NAME``)."""
+def _check_backend(registry, name: str, options: list[str], device: str = "cpu") -> int:
+    """Run the conformance suite on one installed backend (``[FAMILY:]NAME``) on ``device``."""
     from lmplug.interfaces import FAMILIES
     from lmplug.testing.runner import check, parse_options
 
@@ -241,7 +243,7 @@ def _check_backend(registry, name: str, options: list[str]) -> int:
         where = ", ".join(f"{f}:{backend}" for f in families) if families else "none"
         raise LmplugError(f"--check {name!r}: expected one installed backend, found {where}; "
                           "name it as FAMILY:NAME (see `lmplug plugins`)")
-    return check(families[0], backend, parse_options(options), [])
+    return check(families[0], backend, parse_options(options), [], device)
 
 
 def cmd_train_drafter(args: argparse.Namespace) -> int:
@@ -297,12 +299,41 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return run_bench(args, _overrides(args))
 
 
+class _CommandParser(argparse.ArgumentParser):
+    """A command's parser. With ``arguments_from=MODULE``, that module's ``add_arguments(parser)``
+    runs only when this command is parsed or its help shown: ``quantize`` and ``eval`` import
+    torch and the engine to declare their options, which ``lmplug generate`` must not pay for."""
+
+    def __init__(self, *args: Any, arguments_from: str | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._arguments_from = arguments_from
+
+    def _add_deferred(self) -> None:
+        if self._arguments_from is not None:
+            import importlib
+
+            module, self._arguments_from = self._arguments_from, None
+            importlib.import_module(module).add_arguments(self)
+
+    def parse_known_args(self, args=None, namespace=None):
+        self._add_deferred()
+        return super().parse_known_args(args, namespace)
+
+    def format_usage(self) -> str:
+        self._add_deferred()
+        return super().format_usage()
+
+    def format_help(self) -> str:
+        self._add_deferred()
+        return super().format_help()
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="lmplug", description="An LLM inference engine in which every "
                                 "optimization is a plugin.")
     p.add_argument("-v", "--verbose", action="count", default=0, help="more logging (-vv for debug)")
     p.add_argument("--version", action="version", version=f"%(prog)s {version_text()}")
-    sub = p.add_subparsers(metavar="COMMAND")
+    sub = p.add_subparsers(metavar="COMMAND", parser_class=_CommandParser)
 
     g = sub.add_parser("generate", help="generate text for prompts (streams to stdout)")
     g.add_argument("prompt", nargs="*", help="prompts (default: read one from stdin)")
@@ -349,6 +380,8 @@ def _parser() -> argparse.ArgumentParser:
     pl.add_argument("--check", metavar="[FAMILY:]NAME", help="run the conformance suite on this backend")
     pl.add_argument("-o", "--option", action="append", default=[], metavar="KEY=VALUE",
                     help="a backend option for --check (repeatable)")
+    pl.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                    help="where --check runs the backend (default: cpu; cuda: compiled kernels on a GPU)")
     pl.set_defaults(func=cmd_plugins)
 
     t = sub.add_parser("train-drafter", help="train a drafter's weights (e.g. Medusa heads) on text the "
@@ -366,16 +399,11 @@ def _parser() -> argparse.ArgumentParser:
     m.set_defaults(func=cmd_models)
 
     q = sub.add_parser("quantize", help="quantize a float model offline (gptq, awq, smoothquant, fp8, rtn) "
-                                        "into a folder in a published format")
-    from lmplug.quantize import add_arguments as _quantize_args
-
-    _quantize_args(q)
+                                        "into a folder in a published format", arguments_from="lmplug.quantize")
     q.set_defaults(func=cmd_quantize)
 
-    e = sub.add_parser("eval", help="perplexity over a text file, and KL divergence against a reference model")
-    from lmplug.evaluate import add_arguments as _eval_args
-
-    _eval_args(e)
+    e = sub.add_parser("eval", help="perplexity over a text file, and KL divergence against a reference model",
+                       arguments_from="lmplug.evaluate")
     e.set_defaults(func=cmd_eval)
 
     b = sub.add_parser("bench", help="batch-1 decode tokens/s, TTFT and load time (optionally vs HF transformers)")

@@ -31,6 +31,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--text", required=True, help="UTF-8 text file to score (held-out text)")
     p.add_argument("--reference", help="reference model for the KL divergence (default: none)")
     p.add_argument("--quant", help="quant method to load MODEL with (default: the checkpoint's own format)")
+    p.add_argument("--quant-option", action="append", default=[], metavar="KEY=VALUE",
+                   help="an option of MODEL's quant method (repeatable; e.g. dequantize_at_load=true)")
+    p.add_argument("--reference-quant", help="quant method to load --reference with")
+    p.add_argument("--reference-quant-option", action="append", default=[], metavar="KEY=VALUE",
+                   help="an option of the reference's quant method (repeatable)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--max-tokens", type=int, help="score at most the first N tokens of the text")
     p.add_argument("--window", type=int, default=512, help="tokens per window (default 512)")
@@ -41,14 +46,17 @@ class Scorer:
     """One model in an lmplug engine; ``log_probs`` runs one sequence's prefill and returns the
     next-token log-probabilities (float64) of the rows asked for."""
 
-    def __init__(self, model: str, *, window: int, dtype: str = "float32", quant: str | None = None) -> None:
+    def __init__(self, model: str, *, window: int, dtype: str = "float32", quant: str | None = None,
+                 quant_options: dict | None = None) -> None:
         from lmplug.llm import LLM
 
         overrides: dict = {"dtype": dtype, "device": "cpu", "max_model_len": window + 1,
                            "scheduler": {"backend": "auto", "max_num_seqs": 1,
                                          "max_num_batched_tokens": max(window + 1, 16)}}
+        if quant_options and not quant:
+            raise ConfigError("quant options need the quant method they belong to (--quant / --reference-quant)")
         if quant:
-            overrides["quant"] = {"method": quant}
+            overrides["quant"] = {"method": quant, **(quant_options or {})}
         self.llm = LLM(model, **overrides)
         self.engine = self.llm.engine
 
@@ -117,15 +125,34 @@ def run_eval(args: argparse.Namespace) -> int:
         raise ConfigError(f"--stride {stride}: must be between 1 and --window - 1 ({args.window - 1})")
     if args.max_tokens is not None and args.max_tokens < 2:
         raise ConfigError(f"--max-tokens {args.max_tokens}: need at least 2 tokens")
-    model = Scorer(args.model, window=args.window, dtype=args.dtype, quant=args.quant)
+    model = Scorer(args.model, window=args.window, dtype=args.dtype, quant=args.quant,
+                   quant_options=_options("--quant-option", args.quant_option))
     if model.tokenizer is None:
         raise ConfigError(f"{args.model}: the model has no tokenizer to tokenize --text with")
     tokens = model.tokenizer.encode(text_path.read_text(encoding="utf-8"), add_special_tokens=False)
     tokens = tokens[:args.max_tokens] if args.max_tokens else tokens
     if len(tokens) < 2:
         raise ConfigError(f"--text {args.text}: {len(tokens)} tokens; need at least 2 to score")
-    reference = Scorer(args.reference, window=args.window) if args.reference else None
+    reference = (Scorer(args.reference, window=args.window, quant=args.reference_quant,
+                        quant_options=_options("--reference-quant-option", args.reference_quant_option))
+                 if args.reference else None)
     result = evaluate(model, tokens, args.window, stride, reference)
     print(json.dumps({"model": args.model, "reference": args.reference, "window": args.window,
                       "stride": stride, **result}, indent=2))
     return 0
+
+
+def _options(flag: str, items: list[str]) -> dict:
+    """``KEY=VALUE`` strings -> a dict, each value read as YAML (``true``, ``4``, ``[a, b]``)."""
+    import yaml
+
+    out = {}
+    for item in items:
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"{flag} {item!r}: expected KEY=VALUE")
+        try:
+            out[key] = yaml.safe_load(raw)
+        except yaml.YAMLError:
+            raise ConfigError(f"{flag} {item!r}: the value is not valid YAML; quote a plain string") from None
+    return out

@@ -59,7 +59,10 @@ class Registry:
         self.pm.add_hookspecs(hookspecs)
         self.failures: list[PluginFailure] = []
         self._distributions: dict[str, str] = {}  # plugin name -> distribution
-        self._backends: dict[str, dict[str, BackendInfo]] | None = None
+        # family -> name -> backend, built family by family on first use: a plugin's
+        # registration hook imports its backend modules, so a CPU generate imports no drafter,
+        # MoE or offline-quantizer code unless its config names one
+        self._backends: dict[str, dict[str, BackendInfo]] = {}
         self.allowlist_note = ""  # set when LMPLUG_PLUGINS names what no entry point is
         if autoload:
             self.load_entry_points()
@@ -129,7 +132,7 @@ class Registry:
                        "(mark hooks of newer API versions `@hookimpl(optionalhook=True)`)")
             return False
         self._distributions[name] = distribution
-        self._backends = None
+        self._backends = {}
         return True
 
     def _fail(self, plugin: str, distribution: str, error: str) -> None:
@@ -147,8 +150,8 @@ class Registry:
     def backends(self, family: str) -> dict[str, BackendInfo]:
         if family not in FAMILIES:
             raise PluginError(f"unknown plugin family {family!r}; families: {', '.join(FAMILIES)}")
-        if self._backends is None:
-            self._backends = self._build()
+        if family not in self._backends:
+            self._backends[family] = self._build(family)
         return self._backends[family]
 
     def get(self, family: str, name: str) -> BackendInfo:
@@ -163,34 +166,38 @@ class Registry:
             msg += ". Plugins that failed to load: " + "; ".join(map(str, self.failures))
         raise PluginError(msg)
 
-    def _build(self) -> dict[str, dict[str, BackendInfo]]:
-        table: dict[str, dict[str, BackendInfo]] = {f: {} for f in FAMILIES}
-        for family, hook_name in ((f.name, f.hook) for f in FAMILY_TABLE):
-            for impl in getattr(self.pm.hook, hook_name).get_hookimpls():
-                dist = self._distributions.get(impl.plugin_name, "?")
-                try:
-                    classes = impl.function() or []
-                except Exception as exc:
-                    self._fail(impl.plugin_name, dist, f"{hook_name} raised {type(exc).__name__}: {exc}")
+    def _build(self, family: str) -> dict[str, BackendInfo]:
+        """One family's table: call every plugin's registration hook of that family."""
+        hook_name = _HOOKS[family]
+        table: dict[str, BackendInfo] = {}
+        for impl in getattr(self.pm.hook, hook_name).get_hookimpls():
+            dist = self._distributions.get(impl.plugin_name, "?")
+            try:
+                classes = impl.function() or []
+            except Exception as exc:
+                self._fail(impl.plugin_name, dist, f"{hook_name} raised {type(exc).__name__}: {exc}")
+                continue
+            if not isinstance(classes, (list, tuple)):
+                self._fail(impl.plugin_name, dist, f"{hook_name} must return a list of backend "
+                           f"classes, got {classes!r}")
+                continue
+            for cls in classes:
+                problem = _check_backend_class(family, cls)
+                if problem:
+                    self._fail(impl.plugin_name, dist, problem)
                     continue
-                if not isinstance(classes, (list, tuple)):
-                    self._fail(impl.plugin_name, dist, f"{hook_name} must return a list of backend "
-                               f"classes, got {classes!r}")
-                    continue
-                for cls in classes:
-                    problem = _check_backend_class(family, cls)
-                    if problem:
-                        self._fail(impl.plugin_name, dist, problem)
-                        continue
-                    info = BackendInfo(family, cls.name, cls, impl.plugin_name, dist)
-                    if cls.name in table[family]:
-                        other = table[family][cls.name]
-                        raise PluginError(
-                            f"two {family} backends are named {cls.name!r}: one from plugin "
-                            f"{other.plugin!r} (distribution {other.distribution}), one from plugin "
-                            f"{impl.plugin_name!r} (distribution {dist}); uninstall one or rename it")
-                    table[family][cls.name] = info
+                info = BackendInfo(family, cls.name, cls, impl.plugin_name, dist)
+                if cls.name in table:
+                    other = table[cls.name]
+                    raise PluginError(
+                        f"two {family} backends are named {cls.name!r}: one from plugin "
+                        f"{other.plugin!r} (distribution {other.distribution}), one from plugin "
+                        f"{impl.plugin_name!r} (distribution {dist}); uninstall one or rename it")
+                table[cls.name] = info
         return table
+
+
+_HOOKS = {f.name: f.hook for f in FAMILY_TABLE}  # family -> its registration hook
 
 
 def _normalize(dist_name: str) -> str:

@@ -1,15 +1,22 @@
 """Shared test set-up.
 
-Triton kernels run on the CPU under the interpreter, which must be chosen
-before triton is first imported — so it is set here, at collection time.
+Without a CUDA GPU, Triton kernels run on the CPU under the interpreter, which must be chosen
+before triton is first imported — so it is decided here, at collection time: ``TRITON_INTERPRET=1``
+when ``torch.cuda.is_available()`` is false; on a GPU the kernels run compiled. A value already in
+the environment (``TRITON_INTERPRET=0`` or ``=1``) is left alone.
 """
 
 import os
 import shutil
 
-os.environ.setdefault("TRITON_INTERPRET", "1")
+if "TRITON_INTERPRET" not in os.environ:
+    import torch  # importing torch does not import triton
+
+    if not torch.cuda.is_available():
+        os.environ["TRITON_INTERPRET"] = "1"
 
 import pytest
+from support.devices import kernel_devices
 
 
 @pytest.fixture(scope="session")
@@ -41,3 +48,11 @@ def model_dir(good_dir, tmp_path):
     dest = tmp_path / "model"
     shutil.copytree(good_dir, dest)
     return dest
+
+
+@pytest.fixture(params=kernel_devices() or [pytest.param(None, marks=pytest.mark.skip(
+    reason="the Triton kernels need a CUDA GPU or TRITON_INTERPRET=1"))])
+def kernel_device(request) -> str:
+    """The device a Triton kernel test runs on: ``cpu`` under the interpreter, ``cuda`` compiled
+    (``support.devices.kernel_devices``); the test's id names it."""
+    return request.param

@@ -19,8 +19,9 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from lmplug.config import ModelFacts, ResolvedBackend, ResolvedConfig, resolve
+from lmplug.config import ModelFacts, ResolvedBackend, ResolvedConfig, kv_dtype_of, resolve
 from lmplug.errors import ConfigError, ModelLoadError, PluginError
+from lmplug.interfaces.devices import capability
 from lmplug.interfaces.model_config import ModelConfig
 from lmplug.parallel import ParallelState
 from lmplug.parallel import setup as parallel_setup
@@ -57,6 +58,10 @@ def make_plan(resolved: ResolvedConfig, hf_config: Mapping, model_config: ModelC
     attention = final.backends["attention"]
     _check_window_support(model_config, attention)
     _check_attention_fits(model_config, attention)
+    kv_shape, scale = _kv_shape(model_config)
+    if final.device == "cuda":  # what the attention kernels cannot build for this GPU, now
+        attention.cls.check_target(attention.options, kv_dtype_of(final.backends["kvcache"]),
+                                   kv_shape["head_dim"], final.dtype, capability("cuda"))
     parallel_setup.check_model(model_config, parallel.world_size, where, parallel.expert_parallel)
     backends, reasons = dict(final.backends), dict(final.reasons)
     quant = checkpoint_quant(final, hf_config, where)
@@ -64,7 +69,6 @@ def make_plan(resolved: ResolvedConfig, hf_config: Mapping, model_config: ModelC
         backends["quant"], reasons["quant"] = quant, FROM_CHECKPOINT
     final = ResolvedConfig(final.config, final.device, final.dtype, backends, final.source, reasons,
                            final.model, final.registry)
-    kv_shape, scale = _kv_shape(model_config)
     plan = EnginePlan(final, model_config, where, parallel,
                       MappingProxyType(parallel_setup.local_kv_shape(kv_shape, parallel)), scale,
                       resolved.config.max_model_len or model_config.max_position_embeddings)

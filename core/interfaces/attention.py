@@ -47,6 +47,17 @@ class AttentionBackend(ABC):
         unless some depend on the options (e.g. a kernel choice without tree masks)."""
         return cls.capabilities.features
 
+    @classmethod
+    def check_target(cls, options: BackendOptions, kv_dtype: str, head_dim: int, dtype: str,
+                     capability: tuple[int, int] | None) -> None:
+        """Refuse, when the config is loaded, a configuration this backend's kernels cannot build
+        or run on the CUDA GPU of compute ``capability`` (``lmplug.interfaces.devices``), rather
+        than failing to compile on the first step: raise ``lmplug.errors.ConfigError`` naming the
+        config key, the backend and the GPU (``devices.describe(capability)``). ``kv_dtype`` is
+        what the KV cache stores ("auto": the model dtype, or e.g. "int8", "fp8_e4m3"),
+        ``head_dim`` the width of a cached K/V row per head, ``dtype`` the model dtype
+        ("float16", ...). Called by the engine plan for device "cuda" only. Default: no limits."""
+
     def prepare(self, ctx: StepContext, kv: KVLayerView) -> object | None:
         """This step's metadata, built once per step by ``ctx.metadata_for(self, kv)``.
 

@@ -3,7 +3,10 @@
 Readers (HF folders, GGUF files) differ in file format but all produce the
 same thing: an HF-style ``config.json`` dict, tensors under HF names
 (``model.layers.0.self_attn.q_proj.weight`` ...), in HF layout (GGUF's Q/K
-row permutation undone, quantized blocks dequantized), and a tokenizer.
+row permutation undone, quantized blocks dequantized), and a tokenizer. A reader of a
+block-quantized format may also offer ``iter_packed``: the same tensors, with 2-D weights left
+in their packed blocks (``lmplug.interfaces.packed.PackedTensor``), for quant methods that
+multiply by them directly (``QuantMethod.takes_packed``).
 """
 
 from __future__ import annotations
@@ -28,3 +31,6 @@ class ModelSource:
     # (HF name, lazy slice) pairs whose ``[a:b, ...]`` reads only that part (safetensors
     # ``get_slice``); tensor parallelism reads each rank's slice through it. None: whole tensors only
     iter_slices: Callable[[], Iterator[tuple[str, Any]]] | None = None
+    # (HF name, tensor or PackedTensor) pairs: as ``iter_tensors``, but 2-D weights stay packed
+    # (zero-copy views of the file where possible; rows already in HF order). None: dense only
+    iter_packed: Callable[[], Iterator[tuple[str, Any]]] | None = None

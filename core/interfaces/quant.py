@@ -91,6 +91,20 @@ class QuantMethod(ABC):
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
         """Repack loaded tensors once (default: nothing to do)."""
 
+    def takes_packed(self, device: torch.device) -> bool:
+        """True: layers on ``device`` take checkpoint weights still in their packed blocks
+        (``lmplug.interfaces.packed.PackedTensor``, from ``ModelSource.iter_packed``) in
+        ``load_shard``, and the model routes its token embedding and LM head through this
+        method too (a ``Linear`` whose rows ``embedding`` looks up), so that no float copy of a
+        packed table is made. Such a method must also accept dense tensors (a reader without
+        packed tensors, tensor-parallel slices). Default: dense tensors only."""
+        return False
+
+    def embedding(self, layer: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+        """Rows ``ids`` of ``layer``'s weight ``[out, in]`` as ``[len(ids), in]`` floats: the
+        lookup of a token embedding held by this method (see ``takes_packed``)."""
+        return F.embedding(ids, layer.weight)
+
 
 def _check_shape(dest: torch.Tensor, tensor: torch.Tensor) -> None:
     if tuple(dest.shape) != tuple(tensor.shape):

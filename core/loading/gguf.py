@@ -4,12 +4,19 @@ A GGUF carries no ``config.json``: its metadata is the config, under llama.cpp's
 key names, and its tensors use llama.cpp names, reversed dims and quantized
 blocks. This module translates all three into the HF shape every model builder
 expects, so nothing downstream knows the weights came from a GGUF.
+
+Two ways to read the tensors: ``iter_tensors`` dequantizes every one to float32 (gguf-py's
+numpy dequantize), ``iter_packed`` leaves 2-D weights in their blocks (``PackedTensor``, a
+zero-copy view of the memory map; Q/K rows un-permuted as packed rows) for a quant method that
+multiplies by them (the ``gguf`` method, which ``quantization_config`` names for a file whose
+linear weights are quantized).
 """
 
 from __future__ import annotations
 
 import struct
 import sys
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -21,11 +28,19 @@ from gguf.quants import dequantize
 
 from lmplug.errors import ModelLoadError
 from lmplug.interfaces.checkpoint import ModelSource
+from lmplug.interfaces.packed import PackedTensor, row_bytes
 from lmplug.loading.tokenizer import Tokenizer
 from lmplug.loading.validate import check_gguf_tensors
 
 Q = GGMLQuantizationType
-DEQUANTIZABLE = frozenset({Q.F32, Q.F16, Q.BF16, Q.Q4_0, Q.Q4_1, Q.Q8_0})
+# the types gguf-py's numpy dequantize implements (llama.cpp's formulas) that llama.cpp's
+# quantizers write for weights
+DEQUANTIZABLE = frozenset({
+    Q.F32, Q.F16, Q.BF16, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0,
+    Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K,
+    Q.IQ2_XXS, Q.IQ2_XS, Q.IQ2_S, Q.IQ3_XXS, Q.IQ3_S, Q.IQ1_S, Q.IQ1_M, Q.IQ4_NL, Q.IQ4_XS,
+})
+_FLOAT_TYPES = frozenset({Q.F32, Q.F16, Q.BF16})
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
 _HF_CLASS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 # llama.cpp permutes Q/K rows only for models whose HF code uses rotate-half RoPE but
@@ -141,12 +156,21 @@ def load_gguf(path: str | Path) -> ModelSource:
         for tensor, hf_name in zip(reader.tensors, hf_names):
             yield hf_name, _load_tensor(tensor, head_counts if permute else {})
 
+    def iter_packed() -> Iterator[tuple[str, torch.Tensor | PackedTensor]]:
+        file_bytes = _file_bytes(reader)
+        for tensor, hf_name in zip(reader.tensors, hf_names):
+            if len(tensor.shape) == 2:
+                yield hf_name, _packed_tensor(file_bytes, tensor, head_counts if permute else {})
+            else:
+                yield hf_name, _load_tensor(tensor, {})
+
     return ModelSource(
         path=path,
         format="gguf",
         hf_config=hf_config,
         tensor_names=hf_names,
         iter_tensors=iter_tensors,
+        iter_packed=iter_packed,
         tokenizer=Tokenizer.from_gguf(metadata, name=path.name),
         generation_config=_generation_config(hf_config),
     )
@@ -211,6 +235,32 @@ def _load_tensor(tensor: Any, head_counts: dict[str, int]) -> torch.Tensor:
     return weights
 
 
+def _file_bytes(reader: GGUFReader) -> torch.Tensor:
+    """The whole file as one uint8 tensor over the reader's (read-only) memory map: packed
+    tensors are views of it, so fused shards that lie back to back stay one view."""
+    with warnings.catch_warnings():  # torch warns that the mapping is read-only; nothing writes it
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.from_numpy(reader.data.view(np.ndarray))
+
+
+def _packed_tensor(file_bytes: torch.Tensor, tensor: Any, head_counts: dict[str, int]) -> PackedTensor:
+    """A 2-D tensor's blocks as they lie in the file (GGUF dims are reversed: ne0 = columns)."""
+    cols, rows = (int(d) for d in tensor.shape.tolist())
+    start, width = int(tensor.data_offset), row_bytes(int(tensor.tensor_type), cols)
+    data = file_bytes[start:start + rows * width].view(rows, width)
+    packed = PackedTensor(data, int(tensor.tensor_type), (rows, cols), tensor.name)
+    kind = tensor.name.split(".")[2] if tensor.name.startswith("blk.") else ""
+    if kind in head_counts:
+        packed = packed.rows(unpermute_index(rows, head_counts[kind]))
+    return packed
+
+
+def unpermute_index(rows: int, n_heads: int) -> torch.Tensor:
+    """The row order ``unpermute_rows`` produces: HF row ``i`` is GGUF row ``index[i]`` (a row
+    permutation, so packed rows are reordered as they are)."""
+    return unpermute_rows(torch.arange(rows), n_heads)
+
+
 def unpermute_rows(weights: torch.Tensor, n_heads: int) -> torch.Tensor:
     """Undo llama.cpp's Q/K row permutation (interleaved pairs -> HF rotate-half).
 
@@ -253,13 +303,17 @@ def build_hf_config(metadata: dict[str, Any], reader: GGUFReader, path: Path | s
         "max_position_embeddings": int(key("context_length")),
         "tie_word_embeddings": "output.weight" not in names,
         "hidden_act": "silu",
-        "torch_dtype": "float32",  # every tensor is dequantized to float32
+        "torch_dtype": "float32",  # dense tensors are dequantized to float32
     }
     if arch == "llama":
         config["attention_bias"] = "blk.0.attn_q.bias" in names
         config["mlp_bias"] = False
     elif arch == "qwen3":
         config["attention_bias"] = "blk.0.attn_q.bias" in names
+    if any(t.name.startswith("blk.") and len(t.shape) == 2 and t.tensor_type not in _FLOAT_TYPES
+           for t in reader.tensors):
+        # the `gguf` quant method multiplies by the packed blocks (chosen like any checkpoint's)
+        config["quantization_config"] = {"quant_method": "gguf"}
     rope_scaling = _rope_scaling(metadata, arch)
     if rope_scaling:
         config["rope_scaling"] = rope_scaling

@@ -11,15 +11,26 @@ import json
 from collections.abc import Iterable, Mapping, Sequence
 from functools import cached_property, lru_cache
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import jinja2
 from tokenizers import Tokenizer as Backend
 
 from lmplug.errors import ModelLoadError
-from lmplug.loading.chat_template import ChatEncoder, ChatTemplateError, compile_template, render
+
+if TYPE_CHECKING:  # jinja2 and the sandbox load on the first chat template rendered, not with tokenizers
+    import jinja2
+
+    from lmplug.loading.chat_template import ChatEncoder, ChatTemplateError
 
 __all__ = ["ChatTemplateError", "IncrementalDetokenizer", "Tokenizer"]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "ChatTemplateError":  # re-exported from the chat template module, imported on use
+        from lmplug.loading.chat_template import ChatTemplateError
+
+        return ChatTemplateError
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 class Tokenizer:
@@ -185,6 +196,8 @@ class Tokenizer:
 
     @cached_property
     def _chat_encoder(self) -> ChatEncoder:
+        from lmplug.loading.chat_template import ChatEncoder
+
         return ChatEncoder(self.backend)
 
     def _render(self, messages: Any, add_generation_prompt: bool, variables: dict) -> str:
@@ -192,6 +205,10 @@ class Tokenizer:
             raise ModelLoadError(
                 f"model {self.name!r} has no chat template; use plain-text prompts instead"
             )
+        import jinja2
+
+        from lmplug.loading.chat_template import render
+
         try:
             template = _compile_template(self._chat_template)
         except jinja2.TemplateSyntaxError as e:
@@ -329,4 +346,6 @@ def _hf_chat_template(path: Path, config: dict) -> str | None:
 
 @lru_cache(maxsize=16)
 def _compile_template(source: str) -> jinja2.Template:
+    from lmplug.loading.chat_template import compile_template
+
     return compile_template(source)

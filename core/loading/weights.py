@@ -12,6 +12,9 @@ A model may split a checkpoint tensor into several first (``split_tensor``), and
 module may finish its own loading once every ``Linear`` is processed (``after_loading``).
 Tensor parallelism (``parallel``): each rank reads only its slice of every split tensor
 (``lmplug.parallel.sharding.rank_piece``; lazily from safetensors), then loads it as above.
+Packed weights (GGUF blocks, ``PackedTensor``): when a ``Linear``'s quant method takes them
+(``QuantMethod.takes_packed``), the checkpoint is read through ``ModelSource.iter_packed`` and
+those layers get the blocks as they are; every other parameter gets them dequantized.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import torch
 
 from lmplug.errors import ModelLoadError
 from lmplug.interfaces.checkpoint import ModelSource
+from lmplug.interfaces.packed import PackedTensor
 from lmplug.models.layers import Linear, bind_quant_methods
 
 logger = logging.getLogger(__name__)
@@ -34,7 +38,8 @@ def load_weights(model: torch.nn.Module, source: ModelSource, progress=None, par
     expected = {_key(*piece): piece for piece in _expected(model, modules)}
     loaded: set[str] = set()
     split = parallel is not None and parallel.is_parallel
-    for name, tensor in _tensors(model, source, progress, lazy=split):
+    packed = not split and source.iter_packed is not None and _takes_packed(model)
+    for name, tensor in _tensors(model, source, progress, lazy=split, packed=packed):
         target = model.weight_target(name)
         if target is None:
             continue
@@ -48,8 +53,12 @@ def load_weights(model: torch.nn.Module, source: ModelSource, progress=None, par
             if split:
                 from lmplug.parallel.sharding import rank_piece
                 tensor = rank_piece(model, path, owner, param_name, shard, tensor)
+            linear = isinstance(owner, Linear) and shard is not None and expert is None
+            takes_packed = linear and owner.quant.takes_packed(params[path].device)
+            if isinstance(tensor, PackedTensor) and not takes_packed:
+                tensor = tensor.dequantize()  # checks the block sizes first
             check_tensor(params[path], tensor)
-            if isinstance(owner, Linear) and shard is not None and expert is None:
+            if linear:
                 start, end = owner.shard_range(shard)
                 owner.quant.load_shard(owner, param_name, tensor, start, end - start)
             else:
@@ -77,7 +86,12 @@ _CHECKED_FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 def check_tensor(dest: torch.Tensor, tensor) -> None:
     """Refuse integer data for a floating parameter (a quant method that stores packed integers
-    creates integer parameters, which take them) and NaN/inf weights: one pass per tensor."""
+    creates integer parameters, which take them) and NaN/inf weights: one pass per tensor.
+    Packed blocks (``PackedTensor``): their byte size must match their shape and type (the
+    values are not read: that would page in the whole file)."""
+    if isinstance(tensor, PackedTensor):
+        tensor.check()
+        return
     if not isinstance(tensor, torch.Tensor):
         return
     if dest.is_floating_point() and not (tensor.is_floating_point() or tensor.is_complex()):
@@ -95,9 +109,29 @@ def _acc(tensor: torch.Tensor) -> torch.dtype:
     return torch.float64 if tensor.dtype == torch.float64 else torch.float32
 
 
-def _tensors(model: torch.nn.Module, source: ModelSource, progress, lazy: bool = False):
-    """The checkpoint's tensors, each through the model's ``split_tensor(name, tensor) -> [(name,
-    tensor)]`` if it has one (MoE: transformers-5 stacked experts -> one tensor per expert)."""
+def _takes_packed(model: torch.nn.Module) -> bool:
+    """Whether some ``Linear`` takes packed blocks (and no ``split_tensor`` needs dense ones)."""
+    if getattr(model, "split_tensor", None) is not None:
+        return False
+    return any(isinstance(m, Linear) and m.quant.takes_packed(_device(m)) for m in model.modules())
+
+
+def _device(module: torch.nn.Module) -> torch.device:
+    first = next(module.parameters(), None)
+    return first.device if first is not None else torch.device("cpu")
+
+
+def _tensors(model: torch.nn.Module, source: ModelSource, progress, lazy: bool = False,
+             packed: bool = False):
+    """The checkpoint's tensors (``packed``: 2-D weights as ``PackedTensor``), each through the
+    model's ``split_tensor(name, tensor) -> [(name, tensor)]`` if it has one (MoE:
+    transformers-5 stacked experts -> one tensor per expert)."""
+    if packed:
+        for item in source.iter_packed():
+            if progress is not None:
+                progress.update(1)
+            yield item
+        return
     split = getattr(model, "split_tensor", None)
     # lazy: safetensors slices that read only what is indexed (tensor-parallel ranks); a model
     # whose ``split_tensor`` takes them says so (``LAZY_SPLIT``)

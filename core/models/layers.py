@@ -1,8 +1,12 @@
-"""Building blocks shared by the architectures: norms and linear layers.
+"""Building blocks shared by the architectures: norms, activations, RoPE and linear layers.
 
 Linear layers delegate their math to a ``QuantMethod`` (``Unquantized`` by
 default). Projections that read the same input are fused into one matmul
 (q/k/v, gate/up); the loader fills each fused weight shard by shard.
+
+RMSNorm (with the residual add), SiLU * mul and RoPE take one C call each for float32
+CPU tensors (``fused_cpu``): at batch 1 their cost is the op count, not the arithmetic.
+Their PyTorch forms here are the reference and serve every other device and dtype.
 """
 
 from __future__ import annotations
@@ -11,6 +15,8 @@ import torch
 import torch.nn.functional as F
 
 from lmplug.interfaces.quant import QuantMethod
+from lmplug.interfaces.rope import RotaryEmbedding
+from lmplug.models import fused_cpu
 
 
 class RMSNorm(torch.nn.Module):
@@ -20,12 +26,57 @@ class RMSNorm(torch.nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lib = fused_cpu.active(x)
+        if lib is not None and x.stride(-1) == 1 and self.weight.dtype == torch.float32:
+            return fused_cpu.rms_norm(lib, x, self.weight, self.eps)
+        return self.reference(x)
+
+    def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(x + residual, RMSNorm(x + residual))``. The fused path writes the sum into ``x``,
+        so ``x`` must be a tensor the caller owns (a block's fresh output)."""
+        lib = fused_cpu.active(x)
+        if (lib is not None and self.weight.dtype == torch.float32 and residual.dtype == torch.float32
+                and x.shape == residual.shape and x.is_contiguous() and residual.is_contiguous()):
+            return fused_cpu.add_rms_norm(lib, x, residual, self.weight, self.eps)
+        total = x + residual
+        return total, self.reference(total)
+
+    def reference(self, x: torch.Tensor) -> torch.Tensor:
+        """The PyTorch RMSNorm: every device and dtype; what the fused path is tested against."""
         if x.dtype == torch.float32:
             return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
         # half precision: normalise in fp32, as the reference implementations do
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(x.dtype)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` of a fused gate/up output ``x`` [T, 2n] (gate first) -> [T, n]."""
+    lib = fused_cpu.active(x)
+    if lib is not None and x.dim() == 2 and x.stride(1) == 1:
+        return fused_cpu.silu_mul(lib, x)
+    return silu_and_mul_reference(x)
+
+
+def silu_and_mul_reference(x: torch.Tensor) -> torch.Tensor:
+    gate, up = x.split(x.shape[-1] // 2, dim=-1)
+    return F.silu(gate) * up
+
+
+def apply_rope(rope: RotaryEmbedding, positions: torch.Tensor, q: torch.Tensor,
+               k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``rope(positions, q, k)``; on the fused path q and k ([T, N, D] views of a fresh
+    projection, heads dense) are rotated in place. A ``RotaryEmbedding`` subclass with its own
+    ``forward`` keeps it."""
+    lib = fused_cpu.active(q)
+    if (lib is None or type(rope).forward is not RotaryEmbedding.forward or rope.cos.dtype != torch.float32
+            or positions.dtype != torch.int64 or k.dtype != torch.float32
+            or q.stride(-2) != q.shape[-1] or k.stride(-2) != k.shape[-1] or q.stride(-1) != 1 or k.stride(-1) != 1):
+        return rope(positions, q, k)
+    fused_cpu.rope_(lib, q, positions, rope.cos, rope.sin)
+    fused_cpu.rope_(lib, k, positions, rope.cos, rope.sin)
+    return q, k
 
 
 class Linear(torch.nn.Module):

@@ -14,7 +14,8 @@ from lmplug.interfaces.model_config import ModelConfig
 from lmplug.interfaces.quant import QuantMethod
 from lmplug.interfaces.rope import RotaryEmbedding
 from lmplug.interfaces.step import StepContext
-from lmplug.models.layers import RMSNorm
+from lmplug.models.layers import Linear, RMSNorm, apply_rope, silu_and_mul
+from lmplug.models.packed_embedding import QuantEmbedding
 from lmplug.models.parallel_layers import column_linear, embedding, row_linear
 from lmplug.parallel import ParallelState, single
 
@@ -44,13 +45,12 @@ class Attention(torch.nn.Module):
     def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding,
                 kv: KVLayerView, ctx: StepContext) -> torch.Tensor:
         qkv = self.qkv_proj(x)  # [T, (H + 2 Hkv) D]
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(-1, self.num_heads, self.head_dim)  # [T, H, D]
-        k = k.view(-1, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        # [T, H, D], [T, Hkv, D], [T, Hkv, D]: views, one split (ops per layer count at batch 1)
+        q, k, v = qkv.view(-1, self.num_heads + 2 * self.num_kv_heads, self.head_dim).split_with_sizes(
+            [self.num_heads, self.num_kv_heads, self.num_kv_heads], dim=1)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rope(positions, q, k)
+        q, k = apply_rope(rope, positions, q, k)  # fused path: in place, qkv is this layer's own
         out = self.backend.forward(self.layer, q, k, v, kv, ctx)  # [T, H, D]
         return self.o_proj(out.reshape(-1, self.q_size))
 
@@ -72,8 +72,7 @@ class MLP(torch.nn.Module):
                                     bias=cfg.mlp_bias, dtype=dtype, quant=quant, tp=tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))  # [T, 2I] -> [T, I] -> [T, h]
 
 
 class DecoderLayer(torch.nn.Module):
@@ -91,8 +90,10 @@ class DecoderLayer(torch.nn.Module):
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding,
                 kv: KVLayerView, ctx: StepContext) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), positions, rope, kv, ctx)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        # h = x + attention (into the attention block's fresh output), then its norm: one fused op
+        h, normed = self.post_attention_layernorm.add_forward(
+            self.self_attn(self.input_layernorm(x), positions, rope, kv, ctx), x)
+        return h.add_(self.mlp(normed))  # h is this layer's own tensor
 
 
 class LlamaForCausalLM(torch.nn.Module):
@@ -116,16 +117,25 @@ class LlamaForCausalLM(torch.nn.Module):
         self.config = cfg
         # tensor parallel: the vocabulary is split in rows (embedding and LM head)
         self.tp = parallel or single()
-        self.embed_tokens = embedding(cfg.vocab_size, cfg.hidden_size, dtype, self.tp)
+        # a quant method that takes packed tables (GGUF) holds the embedding and LM head too;
+        # tensor parallelism slices dense ones
+        packed = quant.takes_packed(torch.get_default_device()) and not self.tp.is_parallel
+        self.embed_tokens = (QuantEmbedding(cfg.vocab_size, cfg.hidden_size, dtype, quant) if packed else
+                             embedding(cfg.vocab_size, cfg.hidden_size, dtype, self.tp))
         vocab_rows = self.tp.vocab_range(cfg.vocab_size)[1]
         self.layers = torch.nn.ModuleList(
             DecoderLayer(cfg, i, dtype, quant, attention, self.make_mlp(cfg, i, dtype, quant),
                          self.make_attention(cfg, i, dtype, quant, attention), tp=self.tp)
             for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.lm_head = (None if cfg.tie_word_embeddings else
-                        torch.nn.Parameter(torch.empty(vocab_rows, cfg.hidden_size, dtype=dtype),
-                                           requires_grad=False))
+        if cfg.tie_word_embeddings:
+            self.lm_head = None
+        elif packed:
+            self.lm_head = Linear(cfg.hidden_size, {"lm_head": vocab_rows}, bias=False, dtype=dtype,
+                                  quant=quant)
+        else:
+            self.lm_head = torch.nn.Parameter(torch.empty(vocab_rows, cfg.hidden_size, dtype=dtype),
+                                              requires_grad=False)
         self.rope = RotaryEmbedding(cfg.head_dim, max(max_model_len, cfg.max_position_embeddings),
                                     cfg.rope_theta, cfg.rope_scaling, dtype)
         self.kv_views: list[KVLayerView] = []
@@ -150,8 +160,12 @@ class LlamaForCausalLM(torch.nn.Module):
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        head = self.embed_tokens.weight if self.lm_head is None else self.lm_head
-        logits = F.linear(hidden, head)  # [N, V] (tensor parallel: [N, V / N] per rank)
+        head = self.embed_tokens if self.lm_head is None else self.lm_head
+        if isinstance(head, Linear):  # a table the quant method holds (tied: the embedding's)
+            logits = head.quant.apply(head, hidden)
+        else:
+            # [N, V] (tensor parallel: [N, V / N] per rank)
+            logits = F.linear(hidden, head.weight if self.lm_head is None else head)
         if not self.tp.is_parallel:
             return logits
         full = self.tp.gather_last_dim(logits)  # rank 0: every rank's vocabulary slice; others: None
@@ -169,7 +183,7 @@ class LlamaForCausalLM(torch.nn.Module):
             return f"model.layers.{idx}.{tail}"
         if path in ("embed_tokens.weight", "norm.weight"):
             return f"model.{path}"
-        if path == "lm_head":
+        if path in ("lm_head", "lm_head.weight"):
             return "lm_head.weight"
         return path
 
@@ -187,9 +201,11 @@ class LlamaForCausalLM(torch.nn.Module):
                 return None
             return f"layers.{idx}.{tail}", None
         if name == "model.embed_tokens.weight":
-            return "embed_tokens.weight", None
+            return "embed_tokens.weight", getattr(self.embed_tokens, "SHARD", None)
         if name == "model.norm.weight":
             return "norm.weight", None
         if name == "lm_head.weight":
+            if isinstance(self.lm_head, Linear):
+                return "lm_head.weight", "lm_head"
             return (None if self.lm_head is None else ("lm_head", None))
         return name, None

@@ -2,6 +2,7 @@
 
     python -m lmplug.testing attention chunked -o chunk_size=16
     python -m lmplug.testing kvcache paged -o num_blocks=48 -o block_size=4 -- -x
+    python -m lmplug.testing attention flash --device cuda
 
 writes the test class an author would write into a temporary folder, runs
 pytest on it and prints a pass/fail table per check, then the first line of
@@ -58,7 +59,10 @@ class TableReport:
         return "\n".join(lines)
 
 
-def suite_module(family: str, backend: str, options: dict) -> str:
+DEVICES = ("cpu", "cuda")
+
+
+def suite_module(family: str, backend: str, options: dict, device: str = "cpu") -> str:
     cls = RUNNABLE[family]
     name = "".join(part.capitalize() for part in backend.replace("-", "_").split("_")) or "Backend"
     return (
@@ -66,7 +70,21 @@ def suite_module(family: str, backend: str, options: dict) -> str:
         f"class Test{name}({cls}):\n"
         f"    backend = {backend!r}\n"
         f"    options = {options!r}\n"
+        f"    device = {device!r}\n"
     )
+
+
+def device_problem(device: str) -> str | None:
+    """One line saying why the suite cannot run on ``device``, or None. Checked before pytest
+    starts, so that a missing GPU is one clear error rather than every check skipped."""
+    if device not in DEVICES:
+        return f"--device {device!r}: expected one of {', '.join(DEVICES)}"
+    if device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            return "--device cuda: no CUDA GPU is visible (torch.cuda.is_available() is false)"
+    return None
 
 
 def parse_options(pairs: list[str]) -> dict:
@@ -97,8 +115,8 @@ def options_problem(info, options: dict) -> str | None:
     return None
 
 
-def check(family: str, backend: str, options: dict, pytest_args: list[str]) -> int:
-    """Run the suite for one backend; print the table; return pytest's exit status."""
+def check(family: str, backend: str, options: dict, pytest_args: list[str], device: str = "cpu") -> int:
+    """Run the suite for one backend on ``device``; print the table; return pytest's exit status."""
     import pytest
 
     if family not in RUNNABLE:
@@ -117,14 +135,14 @@ def check(family: str, backend: str, options: dict, pytest_args: list[str]) -> i
     except Exception as exc:  # noqa: BLE001 - PluginError names what is available
         print(exc, file=sys.stderr)
         return 4
-    problem = options_problem(info, options)
+    problem = device_problem(device) or options_problem(info, options)
     if problem:  # once, here, not once per check that builds the backend
         print(problem, file=sys.stderr)
         return 4
     table = TableReport()
     with tempfile.TemporaryDirectory(prefix="lmplug-check-") as tmp:
         path = Path(tmp) / f"test_{family}_{backend.replace('-', '_')}.py"
-        path.write_text(suite_module(family, backend, options))
+        path.write_text(suite_module(family, backend, options, device))
         status = pytest.main(
             [str(path), "-q", "-p", "no:cacheprovider", "--rootdir", tmp, *pytest_args],
             plugins=[table],
@@ -132,6 +150,7 @@ def check(family: str, backend: str, options: dict, pytest_args: list[str]) -> i
     print()
     print(
         f"lmplug conformance: {family} backend {backend!r}"
+        + (f" on {device}" if device != "cpu" else "")
         + (f" with options {options}" if options else "")
     )
     print(table.render())
@@ -153,9 +172,11 @@ def main(argv: list[str] | None = None) -> int:
         metavar="KEY=VALUE",
         help="a backend option (repeatable), as in the YAML section",
     )
+    parser.add_argument("--device", choices=DEVICES, default="cpu",
+                        help="where the backend runs (default: cpu; cuda: compiled kernels on a GPU)")
     argv = sys.argv[1:] if argv is None else argv
     ours, extra = (
         (argv[: argv.index("--")], argv[argv.index("--") + 1 :]) if "--" in argv else (argv, [])
     )
     args = parser.parse_args(ours)
-    return check(args.family, args.backend, parse_options(args.option), extra)
+    return check(args.family, args.backend, parse_options(args.option), extra, args.device)

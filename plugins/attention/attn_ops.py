@@ -25,20 +25,39 @@ Where the tiles come from (block tables, packed K/V, quantized caches) is
 - ``paged_prefill_kernels``: varlen prefill over the cache, one program per
   (query block, sequence, KV head) with tokens x grouped heads as rows.
 
-The host-side checks every wrapper runs on its arguments are here too. The
-PyTorch references are ``decode_ref`` and ``prefill_ref``.
+The host-side pieces every wrapper shares are here too: the argument checks,
+the per-architecture launch tables' lookup (``arch_entry``), the bucketing of
+constexprs that follow the context length (``bucket``), and the target check the
+backends run when the config is loaded (``check_triton_target``). The PyTorch
+references are ``decode_ref`` and ``prefill_ref``.
+
+Why launch tables rather than ``triton.autotune``: a table entry is chosen from
+the compute capability alone (``lmplug.interfaces.devices.capability``), so it is
+deterministic (no launch-time benchmarking, no first-step stall, the same kernel
+every run) and the compile check builds exactly the configuration a GPU of that
+architecture will launch, for sm_80 and sm_90, on a machine without one.
 """
 
 from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TypeVar
 
 import torch
 import triton
 import triton.language as tl
 from lmplug_attention.kv_ops import dequant_kv_tile, kv_tile_slots, load_kv_tile
 
+from lmplug.errors import ConfigError
+from lmplug.interfaces.devices import describe
+
 LOG2E = 1.4426950408889634
 NO_WINDOW = 2**30  # the window passed when there is none: larger than any context, int32-safe
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+MAX_HEAD_DIM = 256  # a head is one tile of head_dim_pad lanes; the launch tables cover up to 256
+MIN_CAPABILITY = (8, 0)  # the oldest architecture the launch tables are built and checked for
+
+T = TypeVar("T")
 
 
 @triton.jit
@@ -81,7 +100,7 @@ def attend_tiles(acc, l_i, m_i, q, q_pos, t_begin, t_end, kv_lo, kv_hi, window, 
     position once per grouped head) and see keys ``(q_pos - window, q_pos]`` among those
     that exist, ``[kv_lo, kv_hi)``; ``MASKED=False`` is for tiles every row sees whole (no
     mask arithmetic). Tiles come through ``kv_ops`` (block tables or packed K/V, dequantized
-    when ``QUANT``). Every kernel of ``flash`` and ``paged`` walks its keys with this loop.
+    when ``QUANT``, a ``kv_ops.QUANT_*`` code). Every kernel of ``flash`` and ``paged`` walks its keys with this loop.
     """
     for t in range(t_begin, t_end):
         start = tl.multiple_of(t * BLOCK_N, BLOCK_N)
@@ -101,12 +120,61 @@ def attend_tiles(acc, l_i, m_i, q, q_pos, t_begin, t_end, kv_lo, kv_hi, window, 
                             stride_vb, stride_vt, stride_vh, stride_vd)
         if QUANT:
             k, v = dequant_kv_tile(k, v, k_scale_ptr, v_scale_ptr, block, offset, kv_head, valid,
-                                   stride_sb, stride_st, stride_sh, q.dtype)
+                                   stride_sb, stride_st, stride_sh, q.dtype, QUANT)
         m_i, l_i, acc = online_softmax_update(q, k, v, visible, m_i, l_i, acc, qk_scale, MASKED, PRECISION)
     return acc, l_i, m_i
 
 
 # -- host-side helpers shared by the wrappers ---------------------------------------------------------
+
+
+def arch_entry(table: Mapping[tuple[int, int] | None, T], cap: tuple[int, int] | None) -> T:
+    """``table``'s entry for a GPU of compute capability ``cap``: the newest architecture listed
+    that is not newer than ``cap`` (sm_86 / sm_89 take sm_80's entry, sm_100 sm_90's), the
+    oldest listed one for an older GPU, and the ``None`` entry (the interpreter's) for no GPU.
+    Entries for sm_80 stay within 99 KiB of shared memory, so sm_86 / sm_89 can launch them."""
+    if cap is None:
+        return table[None]
+    listed = sorted(k for k in table if k is not None)
+    older = [k for k in listed if k <= tuple(cap)]
+    return table[older[-1] if older else listed[0]]
+
+
+def bucket(n: int, floor: int, cap: int) -> int:
+    """``n`` rounded up to a power of two and clamped to ``[floor, cap]`` (powers of two): a
+    constexpr computed this way from a context length or a split count takes at most
+    ``log2(cap / floor) + 1`` values, so serving compiles each kernel a bounded number of times."""
+    return max(floor, min(cap, triton.next_power_of_2(max(n, 1))))
+
+
+def check_triton_target(backend: str, head_dim: int, dtype: str, cap: tuple[int, int] | None,
+                        max_head_dim: int | None = MAX_HEAD_DIM, kv_dtype: str = "auto") -> None:
+    """Refuse, when the config is loaded, what the Triton attention kernels cannot build or launch
+    on a GPU of capability ``cap`` (None: nothing to check), rather than a compile error on the
+    first step: bfloat16 before sm_80, any GPU older than sm_80 (the launch tables' oldest
+    entry needs its shared memory), head dims over ``max_head_dim`` (None: no limit), and a
+    quantized cache under float32 queries. fp8 itself runs everywhere: it is decoded by integer ops
+    (``kv_ops.fp8e4m3_to_float``). But the exact-fp32 tiles hold their operands in registers, and
+    the dequantize on top spills kilobytes per thread on sm_80 and sm_90 (``make gpu-compile``);
+    an 8-bit cache saves memory for 16-bit serving, so float32 with one is refused, not tuned."""
+    if cap is None:
+        return
+    if dtype == "float32" and kv_dtype not in ("auto", dtype):
+        raise ConfigError(f"kvcache.dtype: {kv_dtype!r} with dtype: float32 is not supported by attention "
+                          f"backend {backend!r} (Triton kernels) on a GPU ({describe(cap)}): quantized "
+                          "caches serve 16-bit models; use dtype: bfloat16 or float16, or kvcache.dtype: auto")
+    if dtype == "bfloat16" and tuple(cap) < (8, 0):
+        raise ConfigError(f"dtype: bfloat16 is not supported by attention backend {backend!r} (Triton "
+                          f"kernels) on this GPU, {describe(cap)}: bfloat16 needs compute capability "
+                          "8.0 or newer; use dtype: float16")
+    if tuple(cap) < MIN_CAPABILITY:
+        raise ConfigError(f"attention.backend: {backend!r} runs Triton kernels built for compute "
+                          f"capability {MIN_CAPABILITY[0]}.{MIN_CAPABILITY[1]} and newer; this GPU is "
+                          f"{describe(cap)}; use attention.backend: sdpa")
+    if max_head_dim is not None and not 1 <= head_dim <= max_head_dim:
+        raise ConfigError(f"attention.backend: {backend!r} (Triton kernels) takes head dims 1 to "
+                          f"{max_head_dim}, but the model's head_dim is {head_dim} ({describe(cap)}); "
+                          "use attention.backend: sdpa")
 
 
 def dot_precision(dtype: torch.dtype) -> str:

@@ -18,6 +18,17 @@ and sum (fp32), and ``_decode_reduce_kernel`` merges them with weights
 ``exp2(m_p - max_p m_p) * l_p``. The split count comes from the context
 length and how many programs the batch already gives (``plan_decode``).
 The PyTorch reference is ``decode_ref.decode_attention``.
+
+Launch configuration: one serves sm_80 and sm_90 (``BLOCK_N`` 64 up to head dim
+128, 32 above; 4 warps): compiled for both, no head dim from 64 to 256 spills,
+quantized KV included, and every program fits 42 KiB of shared memory. The
+architecture enters through the SM count the split is planned for (``num_sms``).
+
+Compilations: the context length reaches the kernels only as runtime integers,
+which Triton specializes on divisibility by 16 (partition sizes are multiples of
+``BLOCK_N`` already). The split count enters the decode kernel as ``SPLIT`` (two
+values) and the reduce as ``S_TILE`` (``attn_ops.bucket``: at most 6 values), so
+a serving run compiles each at most that many times per head dim and dtype.
 """
 
 from __future__ import annotations
@@ -27,7 +38,9 @@ import triton
 import triton.language as tl
 from lmplug_attention.attn_ops import (
     LOG2E,
+    arch_entry,
     attend_tiles,
+    bucket,
     check_block_tables,
     check_kv,
     check_query,
@@ -35,10 +48,16 @@ from lmplug_attention.attn_ops import (
     head_dim_pad,
     softmax_state,
 )
-from lmplug_attention.kv_ops import check_scales, scale_args
+from lmplug_attention.kv_ops import check_scales, quant_args
+
+from lmplug.interfaces.devices import capability
 
 MIN_PARTITION = 256  # keys per split below which a split costs more than it saves
 MAX_SPLITS = 64
+# SMs per architecture where no device can be asked: the compile check (``target_capability``)
+# and the interpreter (None: plan as an H100 SXM)
+SM_COUNTS = {None: 132, (8, 0): 108, (9, 0): 132}
+REDUCE_TILE_ELEMENTS = 8192  # S_TILE x D_PAD fp32 partial outputs per reduce step: 64 per thread
 
 
 @triton.jit
@@ -141,9 +160,12 @@ def decode_block_n(head_dim: int) -> int:
 
 
 def num_sms(device: torch.device) -> int:
+    """The SMs a split-K plan fills: a CUDA device's own count; else that of the architecture
+    ``capability`` names (``SM_COUNTS``: A100 108, H100 132), so the compile check plans
+    for sm_80 / sm_90 exactly as those GPUs do."""
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
-    return 132  # plan as for an H100 when there is none (interpreter runs)
+    return arch_entry(SM_COUNTS, capability(device))
 
 
 def choose_num_splits(num_seqs: int, num_kv_heads: int, span: int, sms: int) -> int:
@@ -192,11 +214,11 @@ def launch_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads
     d_pad = head_dim_pad(head_dim)
+    k_cache, v_cache, scale_ptrs, scale_strides, quant = quant_args(k_cache, v_cache, k_scale, v_scale)
     meta = {"HEAD_DIM": head_dim, "D_PAD": d_pad, "G_PAD": max(16, triton.next_power_of_2(group)),
             "BLOCK_N": block_n, "BLOCK_SIZE": k_cache.shape[1], "PRECISION": dot_precision(q.dtype),
-            "QUANT": k_scale is not None, "num_warps": 4}
+            "QUANT": quant, "num_warps": 4}
     args = (q, k_cache, v_cache, block_tables, seq_lens)
-    scale_ptrs, scale_strides = scale_args(k_cache, k_scale, v_scale)
     scalars = (scale * LOG2E, window, group, partition,
                *q.stride(), *k_cache.stride(), *v_cache.stride(), *block_tables.stride())
     grid = (batch, num_kv_heads, splits)
@@ -210,9 +232,20 @@ def launch_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     _decode_kernel[grid](*args, out, part_out, part_max, part_sum, *scale_ptrs, *scalars,
                          *out.stride(), *part_out.stride(), *part_max.stride(), *scale_strides,
                          SPLIT=True, **meta)
+    return reduce_partitions(part_out, part_max, part_sum, out)
+
+
+def reduce_partitions(part_out: torch.Tensor, part_max: torch.Tensor, part_sum: torch.Tensor,
+                      out: torch.Tensor) -> torch.Tensor:
+    """Merge split-K partials into ``out`` [B, H, D]: part_out [B, H, S, D] (each partition's
+    normalised output, fp32), part_max / part_sum [B, H, S] (its running max, base 2, and sum).
+    Partition 0 of every row must hold a key. Shared by this decode and the MLA decode."""
+    batch, num_heads, splits, head_dim = part_out.shape
+    d_pad = head_dim_pad(head_dim)
+    # S_TILE partitions per step, bucketed (<= 6 values): a bounded number of compilations
+    s_tile = bucket(splits, 2, max(2, min(MAX_SPLITS, REDUCE_TILE_ELEMENTS // d_pad)))
     _decode_reduce_kernel[(batch, num_heads)](
         part_out, part_max, part_sum, out, splits, *part_out.stride(), *part_max.stride(), *out.stride(),
-        HEAD_DIM=head_dim, D_PAD=d_pad, S_TILE=max(2, min(MAX_SPLITS, triton.next_power_of_2(splits))),
-        num_warps=4)
+        HEAD_DIM=head_dim, D_PAD=d_pad, S_TILE=s_tile, num_warps=4)
     return out
 

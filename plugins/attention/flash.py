@@ -80,6 +80,15 @@ class FlashAttention(AttentionBackend):
         self._prefill = flash_prefill_kernels.flash_prefill_with_kvcache
         self._varlen = flash_prefill_kernels.flash_varlen_attention
 
+    @classmethod
+    def check_target(cls, options: FlashAttentionOptions, kv_dtype: str, head_dim: int, dtype: str,
+                     capability: tuple[int, int] | None) -> None:
+        """Every path is a Triton kernel: sm_80+ (bf16 included), head dims up to 256. Any KV dtype
+        under 16-bit queries (fp8 is decoded by integer ops, so an A100 reads an fp8 cache too)."""
+        from lmplug_attention.attn_ops import check_triton_target
+
+        check_triton_target(cls.name, head_dim, dtype, capability, kv_dtype=kv_dtype)
+
     def prepare(self, ctx: StepContext, kv: KVLayerView) -> FlashStepMetadata:
         n = ctx.num_decodes
         prefill_lens = ctx.query_lens_cpu[n:]

@@ -29,6 +29,7 @@ import triton
 import triton.language as tl
 from lmplug_attention.attn_ops import (
     LOG2E,
+    arch_entry,
     attend_tiles,
     check_block_tables,
     check_kv,
@@ -40,7 +41,9 @@ from lmplug_attention.attn_ops import (
     softmax_state,
     window_arg,
 )
-from lmplug_attention.kv_ops import check_scales, scale_args
+from lmplug_attention.kv_ops import check_scales, quant_args
+
+from lmplug.interfaces.devices import capability
 
 
 @triton.jit
@@ -124,15 +127,34 @@ def _flash_prefill_kernel(
 # -- Python wrappers ------------------------------------------------------------------------------------
 
 
-def prefill_config(d_pad: int, dtype: torch.dtype) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages): tiles that fit shared memory and registers."""
-    if dtype == torch.float32:
-        return (64, 32, 4, 2) if d_pad <= 128 else (32, 32, 4, 2)
-    if d_pad <= 64:
-        return 128, 64, 4, 3
-    if d_pad <= 128:
-        return 128, 64, 8, 3
-    return 64, 32, 8, 2
+# (BLOCK_M, BLOCK_N, num_warps, num_stages) per architecture (``attn_ops.arch_entry``), by input
+# width ("16": fp16 / bf16, "32": fp32) and padded head dim (the first row with d_pad <= its
+# bound). Chosen by compiling each entry for its target (Triton 3.9, registers / spills / shared
+# memory, over plain, int8 and fp8 caches):
+# - sm_80 (A100): every BLOCK_M=128 tile hits 255 registers and spills (36-76 B per thread in
+#   16 bit, 1.2-1.7 KB with int8 KV); BLOCK_M=64 does not: 4 warps at d64, 8 at d128 and d256
+#   (4 still spill there). Shared memory stays under 99 KiB, so sm_86 / sm_89 launch it too.
+# - sm_90 (H100): BLOCK_M=128 fits up to d128 (4 warps at d64, 8 at d128: <= 252 registers,
+#   no spills); d256 as on sm_80.
+# - fp32 (exact ``ieee`` dots, no tensor cores): 8 warps; BLOCK_M=64 with 4 warps spilled
+#   46 KB per thread at d128 on sm_80; one stage at d256 keeps shared memory at 96 KiB.
+# - None: the interpreter (tests) and the fallback where no GPU is known.
+_FP32 = ((128, (64, 32, 8, 2)), (256, (32, 32, 8, 1)))
+# sm_90 lays the same fp32 tiles out differently: (64, 32, 8, 2) spills 2.4 KB per thread at
+# d80-d128 and (32, 32, 8, 1) 4.3 KB at d256; 16-key tiles (80 registers at d128) do not spill
+_FP32_SM90 = ((64, (64, 32, 8, 2)), (128, (32, 16, 8, 2)), (256, (16, 16, 4, 1)))
+PREFILL_TABLE: dict[tuple[int, int] | None, dict[str, tuple]] = {
+    None: {"16": ((64, (128, 64, 4, 3)), (128, (128, 64, 8, 3)), (256, (64, 32, 8, 2))),
+           "32": ((128, (64, 32, 4, 2)), (256, (32, 32, 4, 2)))},
+    (8, 0): {"16": ((64, (64, 64, 4, 3)), (128, (64, 64, 8, 3)), (256, (64, 32, 8, 2))), "32": _FP32},
+    (9, 0): {"16": ((64, (128, 64, 4, 3)), (128, (128, 64, 8, 3)), (256, (64, 32, 8, 2))), "32": _FP32_SM90},
+}
+
+
+def prefill_config(d_pad: int, dtype: torch.dtype, cap: tuple[int, int] | None = None) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) for a GPU of capability ``cap``: ``PREFILL_TABLE``."""
+    rows = arch_entry(PREFILL_TABLE, cap)["32" if dtype == torch.float32 else "16"]
+    return next(config for bound, config in rows if d_pad <= bound)
 
 
 def _launch(q, k, v, out, cu_seqlens, seq_lens, block_tables, scale, sliding_window, max_query_len,
@@ -145,7 +167,7 @@ def _launch(q, k, v, out, cu_seqlens, seq_lens, block_tables, scale, sliding_win
     group = q.shape[1] // k.shape[-2]
     head_dim = q.shape[2]
     d_pad = head_dim_pad(head_dim)
-    bm, bn, num_warps, num_stages = prefill_config(d_pad, q.dtype)
+    bm, bn, num_warps, num_stages = prefill_config(d_pad, q.dtype, capability(q.device))
     bm, bn = block_m or bm, block_n or bn
     check_power_of_two(bm, "block_m", what)
     check_power_of_two(bn, "block_n", what)
@@ -161,13 +183,13 @@ def _launch(q, k, v, out, cu_seqlens, seq_lens, block_tables, scale, sliding_win
         (kt, kh, kd), (vt, vh, vd), kb, vb = k.stride(), v.stride(), 0, 0
         bt_strides, block_size = (0, 0), 1
     grid = (triton.cdiv(max_query_len, bm), num_seqs - first_seq, q.shape[1])
-    scale_ptrs, scale_strides = scale_args(k, k_scale, v_scale)
+    k, v, scale_ptrs, scale_strides, quant = quant_args(k, v, k_scale, v_scale)
     _flash_prefill_kernel[grid](
         q, k, v, out, cu_seqlens, seq_lens, block_tables, *scale_ptrs,
         first_seq, scale * LOG2E, window_arg(sliding_window, what), group,
         *q.stride(), kb, kt, kh, kd, vb, vt, vh, vd, *out.stride(), *bt_strides, *scale_strides,
         HEAD_DIM=head_dim, D_PAD=d_pad, BLOCK_M=bm, BLOCK_N=bn, BLOCK_SIZE=block_size, PAGED=paged,
-        PRECISION=dot_precision(q.dtype), QUANT=k_scale is not None, num_warps=num_warps,
+        PRECISION=dot_precision(q.dtype), QUANT=quant, num_warps=num_warps,
         num_stages=num_stages)
     return out
 

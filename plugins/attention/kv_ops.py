@@ -17,7 +17,11 @@ kernel reads both. The pieces here are that read and the write, once:
   float32 scale per (slot, KV head), ``[num_blocks, block_size, Hkv]``): the
   byte tile times its scales in fp32, cast to q's dtype: the op order of
   ``dequantize_kv``, so a kernel over a quantized cache gives exactly what it
-  gives over ``dequantize_kv`` of that cache;
+  gives over ``dequantize_kv`` of that cache. An fp8 cache reaches the kernels
+  as its bytes (``quant_args`` views it as uint8) and ``fp8e4m3_to_float``
+  decodes them with integer ops: Triton has no float8_e4m3fn type before sm_89
+  (an A100 could not compile a kernel that names it), and the decode is exact
+  on every architecture;
 - ``reshape_and_cache``: one program per new token copies its K and V rows
   into slot ``slot_mapping[t]`` (negative slots are padding, skipped). A
   quantized write is PyTorch's ``store_kv`` (a per-row amax, then a plain
@@ -68,14 +72,42 @@ def load_kv_tile(k_ptr, v_ptr, block, offset, kv_head, offs_d, load_mask,
     return k, v
 
 
+QUANT_NONE, QUANT_INT8, QUANT_FP8 = 0, 1, 2  # the kernels' QUANT constexpr: what the cache bytes are
+
+
+@triton.jit
+def fp8e4m3_to_float(bits):
+    """float8_e4m3fn bytes (uint8) -> their exact values in fp32, by integer ops only.
+
+    e4m3fn is 1 sign, 4 exponent (bias 7) and 3 mantissa bits; shifting the 7 magnitude bits
+    into an fp16's exponent and mantissa fields (bias 15) gives the same number times 2^-8,
+    subnormals included (an e4m3 subnormal lands on an fp16 subnormal, which the fp16 -> fp32
+    conversion keeps exactly). Times 256 in fp32 is exact. e4m3fn has no infinities; its only
+    non-finite patterns, S.1111.111, are NaN.
+    """
+    b = bits.to(tl.int32)
+    mag = b & 0x7F
+    half = (((b & 0x80) << 8) | (mag << 7)).to(tl.uint16).to(tl.float16, bitcast=True)
+    return tl.where(mag == 0x7F, float("nan"), half.to(tl.float32) * 256.0)
+
+
+@triton.jit
+def _kv_to_float(x, QUANT: tl.constexpr):
+    if QUANT == 2:  # QUANT_FP8: the cache's bytes
+        return fp8e4m3_to_float(x)
+    return x.to(tl.float32)
+
+
 @triton.jit
 def dequant_kv_tile(k, v, k_scale_ptr, v_scale_ptr, block, offset, kv_head, valid,
-                    stride_sb, stride_st, stride_sh, OUT_TY: tl.constexpr):
-    """Quantized K and V tiles [BLOCK_N, D_PAD] times their (slot, KV head) scales, cast to OUT_TY."""
+                    stride_sb, stride_st, stride_sh, OUT_TY: tl.constexpr, QUANT: tl.constexpr):
+    """Quantized K and V tiles [BLOCK_N, D_PAD] (int8, or fp8 bytes: ``QUANT``) times their
+    (slot, KV head) scales, cast to OUT_TY."""
     offs = block * stride_sb + offset * stride_st + kv_head * stride_sh
     ks = tl.load(k_scale_ptr + offs, mask=valid, other=0.0)
     vs = tl.load(v_scale_ptr + offs, mask=valid, other=0.0)
-    return (k.to(tl.float32) * ks[:, None]).to(OUT_TY), (v.to(tl.float32) * vs[:, None]).to(OUT_TY)
+    return ((_kv_to_float(k, QUANT) * ks[:, None]).to(OUT_TY),
+            (_kv_to_float(v, QUANT) * vs[:, None]).to(OUT_TY))
 
 
 @triton.jit
@@ -95,8 +127,9 @@ def _reshape_and_cache_kernel(
     mask = (offs_h < num_kv_heads) & (offs_d < head_dim)
     dst = ((slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_ct
            + offs_h * stride_ch + offs_d * stride_cd)
-    k = tl.load(k_ptr + t * stride_kt + offs_h * stride_kh + offs_d * stride_kd, mask=mask)
-    v = tl.load(v_ptr + t * stride_vt + offs_h * stride_vh + offs_d * stride_vd, mask=mask)
+    row = t.to(tl.int64)  # token x stride passes 2^31 in a big enough batch
+    k = tl.load(k_ptr + row * stride_kt + offs_h * stride_kh + offs_d * stride_kd, mask=mask)
+    v = tl.load(v_ptr + row * stride_vt + offs_h * stride_vh + offs_d * stride_vd, mask=mask)
     tl.store(k_cache_ptr + dst, k, mask=mask)
     tl.store(v_cache_ptr + dst, v, mask=mask)
 
@@ -123,12 +156,17 @@ def check_scales(k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale: torch.Te
     return True
 
 
-def scale_args(k_cache: torch.Tensor, k_scale: torch.Tensor | None,
+def quant_args(k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale: torch.Tensor | None,
                v_scale: torch.Tensor | None) -> tuple:
-    """(k_scale_ptr, v_scale_ptr), strides for a kernel launch; placeholders when unquantized."""
+    """(k_cache, v_cache, (k_scale_ptr, v_scale_ptr), scale strides, QUANT) for a kernel launch on
+    checked caches: an fp8 cache as its bytes (uint8 views: no fp8 type reaches the kernel),
+    placeholder scales when unquantized."""
     if k_scale is None:
-        return (k_cache, k_cache), (0, 0, 0)
-    return (k_scale, v_scale), tuple(k_scale.stride())
+        return k_cache, v_cache, (k_cache, k_cache), (0, 0, 0), QUANT_NONE
+    if k_cache.dtype == torch.float8_e4m3fn:
+        return (k_cache.view(torch.uint8), v_cache.view(torch.uint8), (k_scale, v_scale),
+                tuple(k_scale.stride()), QUANT_FP8)
+    return k_cache, v_cache, (k_scale, v_scale), tuple(k_scale.stride()), QUANT_INT8
 
 
 def _check_write(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -12,6 +12,7 @@ per step (``prepare``).
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -34,18 +35,25 @@ from lmplug.interfaces import (
 class MLAOptions(BackendOptions):
     kernels: Literal["auto", "triton", "torch"] = Field(
         default="auto", description="decode over the latent: auto = Triton on CUDA, PyTorch on CPU")
+    allow_tf32: bool = Field(
+        default=False, description="float32 models: let the Triton decode round its dot products' "
+                                   "inputs to TF32 (faster on NVIDIA GPUs, ~1e-3 relative error); "
+                                   "false: exact fp32")
 
 
-def _decode_latent_op(kernels: str, device: torch.device) -> Callable:
-    use_triton = kernels == "triton" or (kernels == "auto" and device.type == "cuda")
-    if not use_triton:
+def _uses_triton(kernels: str, device: str) -> bool:
+    return kernels == "triton" or (kernels == "auto" and device == "cuda")
+
+
+def _decode_latent_op(options: MLAOptions, device: torch.device) -> Callable:
+    if not _uses_triton(options.kernels, device.type):
         return mla_ref.mla_decode_latent
     if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         raise ConfigError("attention: mla: kernels='triton' needs a CUDA device (or TRITON_INTERPRET=1 "
                           "set before triton is imported, for tests); use kernels='torch' or 'auto' on CPU")
     from lmplug_attention import mla_kernels
 
-    return mla_kernels.mla_decode_latent
+    return functools.partial(mla_kernels.mla_decode_latent, allow_tf32=options.allow_tf32)
 
 
 @dataclass
@@ -73,9 +81,20 @@ class MLAAttention(MLAAttentionBackend):
             raise ConfigError("attention: mla: sliding-window attention is not supported")
         self._decode_ops: dict[str, Callable] = {}
 
+    @classmethod
+    def check_target(cls, options: MLAOptions, kv_dtype: str, head_dim: int, dtype: str,
+                     capability: tuple[int, int] | None) -> None:
+        """The Triton decode (``kernels`` auto or triton on CUDA) needs sm_80+ (bf16 included);
+        ``head_dim`` (the cached row, latent + rope) is not limited: the kernel loads the two
+        parts as separate tiles of any width."""
+        if _uses_triton(options.kernels, "cuda"):
+            from lmplug_attention.attn_ops import check_triton_target
+
+            check_triton_target(cls.name, head_dim, dtype, capability, max_head_dim=None)
+
     def decode_latent_op(self, device: torch.device) -> Callable:
         if device.type not in self._decode_ops:
-            self._decode_ops[device.type] = _decode_latent_op(self.options.kernels, device)
+            self._decode_ops[device.type] = _decode_latent_op(self.options, device)
         return self._decode_ops[device.type]
 
     def prepare(self, ctx: StepContext, kv: KVLayerView) -> MLAStepMetadata:

@@ -229,6 +229,16 @@ class PagedAttention(AttentionBackend):
                 "max_query_len": max(ctx.query_lens_cpu[m:]), **self._tree_args(ctx, m, device)}
 
     @classmethod
+    def check_target(cls, options: PagedAttentionOptions, kv_dtype: str, head_dim: int, dtype: str,
+                     capability: tuple[int, int] | None) -> None:
+        """The Triton kernels (``kernels`` auto or triton on CUDA) need sm_80+ (bf16 included) and
+        head dims up to 256, for any KV dtype; the PyTorch ones (``kernels: torch``) anything."""
+        if options.kernels != "torch":
+            from lmplug_attention.attn_ops import check_triton_target
+
+            check_triton_target(cls.name, head_dim, dtype, capability, kv_dtype=kv_dtype)
+
+    @classmethod
     def features_for(cls, options: PagedAttentionOptions, device: str) -> frozenset[str]:
         """No "tree_attention" where the Triton kernels run (CUDA, or ``kernels: triton``): tree
         masks are applied by the PyTorch prefill path only."""

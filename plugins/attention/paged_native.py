@@ -7,11 +7,10 @@ and V once. The C kernel walks the block tables itself and does the online softm
 the cache, per (sequence, KV head), with no copy and no padding (see its header).
 
 The shared library is built on first use with ``$CC`` (default ``cc``) and
-``FLAGS`` into ``<cache_dir>/kernels/paged_decode_cpu-<hash>.so``. The hash covers the
-source, the flags, the compiler's ``--version`` and the CPU's model and feature lines
-(``-march=native`` code from another CPU may not run here, and virtual machines often
-report one model name for different feature sets). The build writes a temporary file
-in the same folder and renames it, so a process never loads a half-written library.
+``FLAGS`` into ``<cache_dir>/kernels/paged_decode_cpu-<hash>.so`` by
+``lmplug.interfaces.native_build``: the hash covers the source, the flags, the compiler's
+``--version`` and the CPU's model and feature lines (``-march=native`` code from another
+CPU may not run here), and the library is renamed into place whole.
 
 ``available()`` says whether the kernel builds here (and why not), ``load()`` returns
 it; ``paged_decode_attention`` has the arguments and result of the decode reference
@@ -30,17 +29,13 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
-import os
-import shlex
-import subprocess
-import sys
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from lmplug.interfaces import native_build
+from lmplug.interfaces.native_build import NativeBuildError
 from lmplug.interfaces.paths import cache_dir
 
 SOURCE = Path(__file__).resolve().parent / "csrc" / "paged_decode_cpu.c"
@@ -55,19 +50,18 @@ MAX_MASK_SPAN = 64  # positions [mask_start, seq_len) one uint64 mask covers
 _WHAT = "paged native decode"
 
 
-class NativeKernelUnavailable(RuntimeError):
-    """The C kernel cannot be built or loaded here; the message says why."""
+NativeKernelUnavailable = NativeBuildError  # the C kernel cannot be built or loaded here (why)
 
 
 def compiler() -> list[str]:
     """``$CC`` split into words (it may carry a launcher such as ``ccache gcc``), default ``cc``."""
-    return shlex.split(os.environ.get("CC") or "cc")
+    return list(native_build.compiler())
 
 
 def load() -> NativeKernel:
     """The kernel for the current ``$CC`` and cache folder, built on first use (then cached in
     the process); raises NativeKernelUnavailable with the reason."""
-    return _library(tuple(compiler()), str(cache_dir()))
+    return _library(native_build.compiler(), str(cache_dir()))
 
 
 def available() -> tuple[bool, str]:
@@ -83,82 +77,21 @@ def supported_dtypes() -> frozenset[torch.dtype]:
     return load().dtypes
 
 
-def _cpu_id() -> str:
-    """The CPU's model and feature-flag lines (Linux), else what ``platform`` knows."""
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
-        lines = []
-    keys = ("model name", "flags", "Features", "CPU implementer", "CPU part")
-    picked = {line.split(":")[0].strip(): line for line in lines if line.split(":")[0].strip() in keys}
-    if picked:
-        return "\n".join(picked[k] for k in keys if k in picked)
-    import platform
-
-    return f"{platform.machine()} {platform.processor()}"
-
-
-@functools.cache
-def _compiler_version(cc: tuple[str, ...]) -> str:
-    try:
-        done = subprocess.run([*cc, "--version"], check=False, capture_output=True, text=True, timeout=60)
-    except (OSError, subprocess.SubprocessError) as exc:
-        raise NativeKernelUnavailable(f"no C compiler: running {shlex.join(cc)!r} failed ({exc}); "
-                                      f"set $CC to one") from exc
-    if done.returncode != 0:
-        raise NativeKernelUnavailable(f"no C compiler: '{shlex.join(cc)} --version' exited with "
-                                      f"{done.returncode}: {done.stderr.strip()[-500:]}; set $CC to one")
-    return done.stdout
-
-
 def library_path(cc: tuple[str, ...], root: Path) -> Path:
     """Where the build for this source, compiler, flags and CPU lives."""
-    digest = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), "\0".join(FLAGS).encode(), _compiler_version(cc).encode(),
-                 _cpu_id().encode()):
-        digest.update(part)
-        digest.update(b"\0")
-    return root / "kernels" / f"paged_decode_cpu-{digest.hexdigest()[:16]}.so"
+    return native_build.library_path(SOURCE, FLAGS, cc, root)
 
 
 @functools.cache
 def _library(cc: tuple[str, ...], root: str) -> NativeKernel:
     """Build (when not cached) and load the library; raises NativeKernelUnavailable with the reason."""
-    if not sys.platform.startswith(("linux", "darwin")):
-        raise NativeKernelUnavailable(f"unsupported platform {sys.platform!r} (Linux and macOS only)")
-    path = library_path(cc, Path(root))
-    if not path.exists():
-        _build(cc, path)
-    try:
-        lib = ctypes.CDLL(str(path))
-    except OSError as exc:
-        raise NativeKernelUnavailable(f"cannot load {path}: {exc}") from exc
+    lib, path = native_build.shared_library(SOURCE, FLAGS, cc, Path(root))
     functions = {}
     for dtype, name in _SYMBOLS.items():
         if hasattr(lib, name):
             fn = functions[dtype] = getattr(lib, name)
             fn.argtypes, fn.restype = _ARGTYPES, ctypes.c_int
-    return NativeKernel(functions, str(path))
-
-
-def _build(cc: tuple[str, ...], path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=path.stem + ".", suffix=".tmp", dir=path.parent)
-    os.close(fd)
-    try:
-        command = [*cc, *FLAGS, "-o", tmp, str(SOURCE)]
-        try:
-            done = subprocess.run(command, check=False, capture_output=True, text=True, timeout=300)
-        except (OSError, subprocess.SubprocessError) as exc:
-            raise NativeKernelUnavailable(f"compiling {SOURCE.name} failed: {exc}") from exc
-        if done.returncode != 0:
-            tail = (done.stderr or done.stdout).strip()[-2000:]
-            raise NativeKernelUnavailable(f"compiling {SOURCE.name} failed ('{shlex.join(command)}' "
-                                          f"exited with {done.returncode}): {tail}")
-        os.replace(tmp, path)  # atomic: another process sees the old state or the whole file
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+    return NativeKernel(functions, path)
 
 
 @dataclass

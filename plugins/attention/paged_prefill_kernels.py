@@ -9,7 +9,8 @@ a sliding window). Every key — cached or written this step by
 prefix-cache hit and a chunked prefill are the same case.
 
 One program per (query block, sequence, KV head). Its tile's rows are
-``BLOCK_Q`` query tokens x the ``G`` query heads that share the KV head, so
+``BLOCK_Q`` query tokens x the ``G`` query heads that share the KV head (``ROWS``
+in all, from the per-architecture ``PREFILL_TABLE``), so
 each K/V row is read once for the group (GQA without repeating K/V). Keys are
 walked in ``TILE``-aligned tiles from the first query's window to the last
 query's position by ``attn_ops.attend_tiles``, as in every kernel of both backends. ``flash`` keeps its own prefill kernel (``flash_prefill_kernels``):
@@ -24,6 +25,7 @@ import triton
 import triton.language as tl
 from lmplug_attention.attn_ops import (
     LOG2E,
+    arch_entry,
     attend_tiles,
     check_block_tables,
     check_kv,
@@ -34,10 +36,34 @@ from lmplug_attention.attn_ops import (
     softmax_state,
     window_arg,
 )
-from lmplug_attention.kv_ops import check_scales, scale_args
+from lmplug_attention.kv_ops import check_scales, quant_args
 
-ROWS = 64  # query rows (tokens x grouped heads) per program
-TILE_N = 64  # context positions per loop iteration
+from lmplug.interfaces.devices import capability
+
+# (ROWS: query rows, tokens x grouped heads, per program; TILE: context positions per loop
+# iteration; num_warps; num_stages) per architecture (``attn_ops.arch_entry``), by input width
+# ("16": fp16 / bf16, "32": fp32) and padded head dim (the first row with d_pad <= its bound).
+# Chosen by compiling each entry for its target (Triton 3.9, registers / spills / shared memory,
+# over plain, int8 and fp8 caches):
+# - sm_80 (A100): the 64 x 64 tile spills from d128 on (72 B per thread; 316 B and 104 KiB of
+#   shared memory at d256), and with fp8 KV at d64; 32-key tiles do not, with 8 warps and two
+#   stages at d256 (68 KiB: sm_86 / sm_89 can launch it too).
+# - sm_90 (H100): 64 x 64 with 4 warps fits up to d128; at d256 it spills (304 B) and takes
+#   160 KiB of shared memory: 32-key tiles, 8 warps and two stages (96 KiB, no spills).
+# - fp32 (exact ``ieee`` dots): 32 rows with 8 warps, 16-key tiles at d256 (66 KiB).
+# - None: the interpreter (tests) and the fallback where no GPU is known.
+_FP32 = ((128, (32, 32, 8, 2)), (256, (32, 16, 8, 2)))
+PREFILL_TABLE: dict[tuple[int, int] | None, dict[str, tuple]] = {
+    None: {"16": ((256, (64, 64, 4, 3)),), "32": ((256, (64, 64, 4, 3)),)},
+    (8, 0): {"16": ((128, (64, 32, 4, 3)), (256, (64, 32, 8, 2))), "32": _FP32},
+    (9, 0): {"16": ((128, (64, 64, 4, 3)), (256, (64, 32, 8, 2))), "32": _FP32},
+}
+
+
+def prefill_config(d_pad: int, dtype: torch.dtype, cap: tuple[int, int] | None = None) -> tuple[int, int, int, int]:
+    """(ROWS, TILE, num_warps, num_stages) for a GPU of capability ``cap``: ``PREFILL_TABLE``."""
+    rows = arch_entry(PREFILL_TABLE, cap)["32" if dtype == torch.float32 else "16"]
+    return next(config for bound, config in rows if d_pad <= bound)
 
 
 @triton.jit
@@ -123,7 +149,7 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     ``k_scale`` / ``v_scale`` ([num_blocks, block_size, Hkv] float32) mark quantized caches.
     """
     what = "paged_prefill_attention"
-    quant = _check(q, k_cache, v_cache, block_tables, cu_query_lens, seq_lens, k_scale, v_scale, what)
+    _check(q, k_cache, v_cache, block_tables, cu_query_lens, seq_lens, k_scale, v_scale, what)
     window = window_arg(sliding_window, what)
     out = output_for(q, out, what)
     _, num_heads, head_dim = q.shape
@@ -135,12 +161,15 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         max_query_len = int((cu_query_lens[1:] - cu_query_lens[:-1]).max())
     group = num_heads // num_kv_heads
     g_pad = triton.next_power_of_2(group)
-    block_q = max(1, ROWS // g_pad)
-    scale_ptrs, scale_strides = scale_args(k_cache, k_scale, v_scale)
+    d_pad = head_dim_pad(head_dim)
+    rows, tile, num_warps, num_stages = prefill_config(d_pad, q.dtype, capability(q.device))
+    block_q = max(1, rows // g_pad)
+    k_cache, v_cache, scale_ptrs, scale_strides, quant = quant_args(k_cache, v_cache, k_scale, v_scale)
     _paged_prefill_kernel[(triton.cdiv(max_query_len, block_q), num_seqs, num_kv_heads)](
         q, k_cache, v_cache, block_tables, seq_lens, cu_query_lens, out, *scale_ptrs,
         scale * LOG2E, window, group, head_dim,
         *q.stride(), *k_cache.stride(), *v_cache.stride(), *block_tables.stride(), *out.stride(),
-        *scale_strides, BLOCK_SIZE=block_size, BLOCK_Q=block_q, G_PAD=g_pad, TILE=TILE_N,
-        D_PAD=head_dim_pad(head_dim), DOT_PRECISION=dot_precision(q.dtype), QUANT=quant)
+        *scale_strides, BLOCK_SIZE=block_size, BLOCK_Q=block_q, G_PAD=g_pad, TILE=tile,
+        D_PAD=d_pad, DOT_PRECISION=dot_precision(q.dtype), QUANT=quant, num_warps=num_warps,
+        num_stages=num_stages)
     return out

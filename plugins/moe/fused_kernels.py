@@ -18,15 +18,29 @@ before storing, so the ``[pairs, 2I]`` gate/up product never reaches memory.
 Padding rows carry the sentinel ``num_pairs`` and are masked out; blocks past
 the padded total exit at once, so the grid can be sized without a host sync.
 
+Launches come from a table per architecture (``moe_config``, keyed by
+``lmplug.interfaces.devices.capability`` and the rows per expert): 16-row
+blocks for decode, up to 64 (sm_80) or 128 (sm_90, 8 warps) for prefill; None
+(the interpreter) keeps the small tiles the tests run. A table, not
+``triton.autotune``: deterministic, nothing benchmarked at the first call,
+every entry compile-checked for sm_80 and sm_90 without a GPU (spill-free
+there). Offsets: the expert base (expert x N x K) and the row bases (pair or
+token x stride) are 64-bit; inside one expert's weight 32-bit offsets suffice
+(``fused_experts`` checks an expert has fewer than 2^31 elements).
+
 The PyTorch twin is ``lmplug_moe.reference.reference_experts``.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
 from lmplug_moe.reference import check_experts_args
+
+from lmplug.interfaces.devices import capability
 
 
 @triton.jit
@@ -58,21 +72,22 @@ def _moe_gate_up_kernel(
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     n_mask = offs_n < inter
-    a_ptrs = x_ptr + tokens[:, None] * stride_xt + offs_k[None, :] * stride_xh  # [BM, BK]
-    # W_gate[e]^T tile [BK, BN]; the up rows start `inter` rows further down
-    g_ptrs = w_ptr + expert * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None] * stride_wk
-    u_ptrs = g_ptrs + inter * stride_wn
+    a_rows = x_ptr + tokens[:, None] * stride_xt  # [BM, 1], 64-bit (tokens are int64)
+    w_e = w_ptr + expert * stride_we  # expert x 2I x h passes 2^31: a 64-bit base
+    # W_gate[e]^T tile [BK, BN] as 32-bit offsets inside the expert (64-bit pointer tensors of
+    # both tiles kept across the loop spill); the up rows start `inter` rows further down
+    w_offs = offs_n[None, :] * stride_wn + offs_k[:, None] * stride_wk
+    up = inter * stride_wn
     acc_gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, hidden, BLOCK_K):
         k_mask = offs_k < hidden - k0
-        a = tl.load(a_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+        a = tl.load(a_rows + (k0 + offs_k)[None, :] * stride_xh, mask=row_mask[:, None] & k_mask[None, :],
+                    other=0.0)
         w_mask = k_mask[:, None] & n_mask[None, :]
-        acc_gate = tl.dot(a, tl.load(g_ptrs, mask=w_mask, other=0.0), acc_gate, input_precision=PRECISION)
-        acc_up = tl.dot(a, tl.load(u_ptrs, mask=w_mask, other=0.0), acc_up, input_precision=PRECISION)
-        a_ptrs += BLOCK_K * stride_xh
-        g_ptrs += BLOCK_K * stride_wk
-        u_ptrs += BLOCK_K * stride_wk
+        w_k = w_e + k0 * stride_wk
+        acc_gate = tl.dot(a, tl.load(w_k + w_offs, mask=w_mask, other=0.0), acc_gate, input_precision=PRECISION)
+        acc_up = tl.dot(a, tl.load(w_k + up + w_offs, mask=w_mask, other=0.0), acc_up, input_precision=PRECISION)
     h = acc_gate * tl.sigmoid(acc_gate) * acc_up
     h_ptrs = h_ptr + pairs[:, None] * stride_hp + offs_n[None, :] * stride_hn
     tl.store(h_ptrs, h.to(h_ptr.dtype.element_ty), mask=row_mask[:, None] & n_mask[None, :])
@@ -97,16 +112,16 @@ def _moe_down_kernel(
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     n_mask = offs_n < hidden
-    a_ptrs = h_ptr + pairs[:, None] * stride_hp + offs_k[None, :] * stride_hk  # [BM, BK]
-    b_ptrs = w_ptr + expert * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None] * stride_wk  # [BK, BN]
+    a_rows = h_ptr + pairs[:, None] * stride_hp  # [BM, 1], 64-bit
+    w_e = w_ptr + expert * stride_we
+    w_offs = offs_n[None, :] * stride_wn + offs_k[:, None] * stride_wk  # [BK, BN] inside the expert
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, inter, BLOCK_K):
         k_mask = offs_k < inter - k0
-        a = tl.load(a_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
-        b = tl.load(b_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+        a = tl.load(a_rows + (k0 + offs_k)[None, :] * stride_hk, mask=row_mask[:, None] & k_mask[None, :],
+                    other=0.0)
+        b = tl.load(w_e + k0 * stride_wk + w_offs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
         acc = tl.dot(a, b, acc, input_precision=PRECISION)
-        a_ptrs += BLOCK_K * stride_hk
-        b_ptrs += BLOCK_K * stride_wk
     route_w = tl.load(weights_ptr + pairs, mask=row_mask, other=0.0).to(tl.float32)
     acc = acc * route_w[:, None]
     y_ptrs = y_ptr + pairs[:, None] * stride_yp + offs_n[None, :] * stride_yn
@@ -152,6 +167,10 @@ def _check(x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor, w_g
     if x.dtype not in DTYPES or w_gate_up.dtype != x.dtype or w_down.dtype != x.dtype:
         raise ValueError(f"{what}: x, w_gate_up and w_down must share one of float32, float16, bfloat16; got "
                          f"{x.dtype}, {w_gate_up.dtype}, {w_down.dtype}")
+    for name, w in (("w_gate_up", w_gate_up), ("w_down", w_down)):
+        if w.shape[1] * w.stride(1) + w.shape[2] * w.stride(2) >= 2**31:
+            raise ValueError(f"{what}: one expert of {name} {tuple(w.shape)} spans 2^31 elements or more; "
+                             "the kernels address inside an expert with 32-bit offsets")
     devices = {t.device for t in (x, expert_ids, weights, w_gate_up, w_down)}
     if len(devices) != 1:
         raise ValueError(f"{what}: all tensors must be on one device, got {sorted(map(str, devices))}")
@@ -162,43 +181,96 @@ def check_block_m(block_m: int) -> None:
         raise ValueError(f"fused_experts: block_m must be a power of two >= 16, got {block_m}")
 
 
-def pick_block_m(num_pairs: int, num_experts: int) -> int:
-    """Rows per block: small when experts get few tokens each (decode), so padding stays small."""
+@dataclass(frozen=True)
+class MoELaunch:
+    """One ``fused_experts`` call's tiles: rows per block, N tiles of each GEMM, the K step, warps
+    and pipelining stages."""
+
+    block_m: int
+    block_n_gate_up: int
+    block_n_down: int
+    block_k: int
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+# per architecture and block_m: (block_n gate/up, block_n down, block_k, warps, stages). The gate/up
+# kernel holds two fp32 accumulators, so its N tile stays at 64 for 128-row blocks. sm80 entries
+# keep a stage's tiles small enough for ~100 KiB of shared memory (sm_86/sm_89 too).
+MOE_TABLE: dict[str, dict[int, tuple[int, int, int, int, int]]] = {
+    "sm80": {16: (64, 64, 64, 4, 4), 32: (64, 64, 64, 4, 4), 64: (64, 128, 32, 4, 3),
+             128: (64, 128, 32, 8, 3)},
+    "sm90": {16: (64, 128, 128, 4, 4), 32: (64, 128, 64, 4, 4), 64: (64, 128, 64, 4, 4),
+             128: (64, 128, 64, 8, 4)},
+}
+MAX_BLOCK_M = {None: 64, "sm80": 64, "sm90": 128}  # what pick_block_m grows to for prefill
+
+
+def arch_key(cap: tuple[int, int] | None) -> str | None:
+    """The table column: None (interpreter / no GPU), ``"sm80"`` (Ampere, Ada) or ``"sm90"`` (Hopper+)."""
+    if cap is None:
+        return None
+    return "sm90" if cap >= (9, 0) else "sm80"
+
+
+def pick_block_m(num_pairs: int, num_experts: int, cap: tuple[int, int] | None = None) -> int:
+    """Rows per block: small when experts get few tokens each (decode), so padding stays small;
+    large for prefill where the architecture can feed it."""
     per_expert = num_pairs / num_experts
-    return 16 if per_expert <= 16 else 32 if per_expert <= 64 else 64
+    block_m = 16 if per_expert <= 16 else 32 if per_expert <= 64 else 64 if per_expert <= 256 else 128
+    return min(block_m, MAX_BLOCK_M[arch_key(cap)])
 
 
 def _tile(size: int, cap: int) -> int:
     return max(16, min(cap, triton.next_power_of_2(size)))
 
 
+def moe_config(cap: tuple[int, int] | None, num_pairs: int, num_experts: int, hidden: int, inter: int,
+               block_m: int | None = None, fp32: bool = False) -> MoELaunch:
+    """The launch of ``fused_experts`` on ``cap`` (None: the interpreter's small tiles); ``block_m``
+    given (the backend's option) overrides the rows per block. ``fp32``: float32 experts, whose
+    exact dot runs on FMA units with twice the bytes per operand: half the K step."""
+    arch = arch_key(cap)
+    block_m = block_m or pick_block_m(num_pairs, num_experts, cap)
+    if arch is None:
+        return MoELaunch(block_m, _tile(inter, 64), _tile(hidden, 64), _tile(min(hidden, inter), 64))
+    bn_gate_up, bn_down, bk, warps, stages = MOE_TABLE[arch][min(block_m, 128)]
+    if fp32:
+        bk = max(16, bk // 2)
+    return MoELaunch(block_m, _tile(inter, bn_gate_up), _tile(hidden, bn_down), _tile(min(hidden, inter), bk),
+                     warps, stages)
+
+
 def fused_experts(x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor, w_gate_up: torch.Tensor,
                   w_down: torch.Tensor, *, block_m: int | None = None) -> torch.Tensor:
     """x [T, h]; expert_ids, weights [T, k]; w_gate_up [E, 2I, h]; w_down [E, h, I] -> [T, h] (x's dtype)."""
     _check(x, expert_ids, weights, w_gate_up, w_down)
+    if block_m is not None:
+        check_block_m(block_m)
     num_tokens, top_k = expert_ids.shape
     num_pairs, num_experts = num_tokens * top_k, w_gate_up.shape[0]
-    block_m = block_m or pick_block_m(num_pairs, num_experts)
-    check_block_m(block_m)
     if num_pairs == 0:
         return torch.zeros_like(x)
     hidden, inter = x.shape[1], w_down.shape[2]
-    sorted_pairs, block_experts, num_padded = moe_align_block_size(expert_ids, num_experts, block_m)
+    cfg = moe_config(capability(x.device), num_pairs, num_experts, hidden, inter, block_m,
+                     fp32=x.dtype == torch.float32)
+    sorted_pairs, block_experts, num_padded = moe_align_block_size(expert_ids, num_experts, cfg.block_m)
     num_blocks = block_experts.shape[0]
     precision = "ieee" if x.dtype == torch.float32 else "tf32"  # fp32 must not drop to tf32 on GPUs
+    launch = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
 
     h = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)  # [T*k, I]
-    bn, bk = _tile(inter, 64), _tile(hidden, 64)
+    bn = cfg.block_n_gate_up
     _moe_gate_up_kernel[(num_blocks, triton.cdiv(inter, bn))](
         x, w_gate_up, h, sorted_pairs, block_experts, num_padded, num_pairs, hidden, inter,
         x.stride(0), x.stride(1), *w_gate_up.stride(), *h.stride(),
-        TOP_K=top_k, BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=bk, PRECISION=precision)
+        TOP_K=top_k, BLOCK_M=cfg.block_m, BLOCK_N=bn, BLOCK_K=cfg.block_k, PRECISION=precision, **launch)
 
     y = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)  # [T*k, h]
     flat_weights = weights.reshape(-1).contiguous()  # [T*k]
-    bn, bk = _tile(hidden, 64), _tile(inter, 64)
+    bn = cfg.block_n_down
     _moe_down_kernel[(num_blocks, triton.cdiv(hidden, bn))](
         h, w_down, y, flat_weights, sorted_pairs, block_experts, num_padded, num_pairs, hidden, inter,
         *h.stride(), *w_down.stride(), *y.stride(),
-        BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=bk, PRECISION=precision)
+        BLOCK_M=cfg.block_m, BLOCK_N=bn, BLOCK_K=cfg.block_k, PRECISION=precision, **launch)
     return y.view(num_tokens, top_k, hidden).sum(dim=1, dtype=torch.float32).to(x.dtype)  # [T, h]

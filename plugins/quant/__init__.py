@@ -2,7 +2,8 @@
 
 ``rtn`` (round-to-nearest at load time), ``gptq`` and ``awq`` (packed
 checkpoints); see ``common.py`` for how each runs on CPU and CUDA. W8A8:
-``fp8``, ``int8`` (``w8a8_common.py``), and ``compressed-tensors`` checkpoints.
+``fp8``, ``int8`` (``w8a8_common.py``), and ``compressed-tensors`` checkpoints. ``gguf``:
+llama.cpp's block-quantized weights, multiplied packed (``gguf.py``).
 """
 
 from lmplug.hookspecs import hookimpl
@@ -15,11 +16,12 @@ def lmplug_register_quant_methods() -> list[type]:
     from lmplug_quant.awq import AWQ
     from lmplug_quant.compressed_tensors import CompressedTensors
     from lmplug_quant.fp8 import FP8
+    from lmplug_quant.gguf import GGUFQuant
     from lmplug_quant.gptq import GPTQ
     from lmplug_quant.int8 import INT8
     from lmplug_quant.rtn import RTN
 
-    return [RTN, GPTQ, AWQ, FP8, INT8, CompressedTensors]
+    return [RTN, GPTQ, AWQ, FP8, INT8, CompressedTensors, GGUFQuant]
 
 
 @hookimpl

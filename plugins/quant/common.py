@@ -15,6 +15,7 @@ A weight-only method stores integer weights and, per call, either
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from typing import ClassVar, Literal
 
 import torch
@@ -72,6 +73,38 @@ def float_param(*shape: int, dtype: torch.dtype = torch.float32) -> torch.nn.Par
 
 def triton_interpreted() -> bool:
     return os.environ.get("TRITON_INTERPRET", "") not in ("", "0")
+
+
+# -- launch tables ------------------------------------------------------------------------------
+# The Triton kernels (w4a16_kernels, w8a8_kernels) choose their tiles from small tables keyed by the
+# target architecture (``lmplug.interfaces.devices.capability``) and the number of rows M, rather
+# than by ``triton.autotune``: a table is deterministic (no benchmarking on the first call, the same
+# numerics every run) and every entry can be compiled for sm_80 and sm_90 without a GPU.
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    """One kernel launch: tile sizes, warps and software-pipelining stages (and split-K for GEMVs)."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int = 4
+    num_stages: int = 3
+    split_k: int = 1
+
+
+def arch_key(cap: tuple[int, int] | None) -> str | None:
+    """The table column for a compute capability: None (the interpreter / no GPU: the small tiles
+    the tests exercise), ``"sm80"`` (Ampere and Ada: up to ~100 KiB of shared memory a block, which
+    sm_86/sm_89 have too) or ``"sm90"`` (Hopper and newer: ~227 KiB, deeper pipelines)."""
+    if cap is None:
+        return None
+    return "sm90" if cap >= (9, 0) else "sm80"
+
+
+def m_bucket(m: int) -> int:
+    """Rows of the problem by regime: 1 (one token), 16 (small decode batches), 64, 128 (prefill)."""
+    return 1 if m <= 1 else 16 if m <= 16 else 64 if m <= 64 else 128
 
 
 TORCH_PACKED_GROUPS = (32, 64, 128, 256)
@@ -164,12 +197,19 @@ class PackedMethod(QuantMethod):
             weight = self.dequantize(layer).T.to(layer.act_dtype)
             replace_with_dense(layer, weight, self.DROP + self.extra_drop())
             layer.use_kernel = False
-        elif not layer.use_kernel and self.uses_torch_packed(layer, device):
-            q, zeros, scales, group = self.int4_values(layer)
-            layer.int4pack, layer.int4pack_scale_zeros = int4pack(q, scales, zeros)
-            layer.int4pack_group = group
-            for name in self.DROP + self.extra_drop():
-                delattr(layer, name)
+        elif not layer.use_kernel:
+            if self.uses_torch_packed(layer, device):
+                q, zeros, scales, group = self.int4_values(layer)
+                layer.int4pack, layer.int4pack_scale_zeros = int4pack(q, scales, zeros)
+                layer.int4pack_group = group
+                for name in self.DROP + self.extra_drop():
+                    delattr(layer, name)
+        elif not getattr(layer, "moe_expert", False):
+            from lmplug_quant.w4a16_kernels import contiguous_group_size
+
+            # found once, here (it reads g_idx): the kernel then loads one scale row per K step
+            args = self.kernel_args(layer)
+            layer.kernel_group_size = contiguous_group_size(args["g_idx"], args["scales"].shape[0])
 
     def uses_torch_packed(self, layer: torch.nn.Module, device: torch.device) -> bool:
         """``kernel: torch_packed`` (an error where it cannot run), or ``auto`` on CPU where it can."""
@@ -192,7 +232,8 @@ class PackedMethod(QuantMethod):
         if layer.use_kernel:
             from lmplug_quant.w4a16_kernels import w4a16_gemm
 
-            y = w4a16_gemm(x.reshape(-1, x.shape[-1]), **self.kernel_args(layer))
+            y = w4a16_gemm(x.reshape(-1, x.shape[-1]), **self.kernel_args(layer),
+                           group_size=getattr(layer, "kernel_group_size", None))
             y = y.reshape(*x.shape[:-1], y.shape[-1])
             return y if layer.bias is None else y + layer.bias
         return dense_linear(layer, x, self.dequantize(layer))

@@ -42,6 +42,7 @@ from pydantic import Field, model_validator
 
 from lmplug.errors import ModelLoadError
 from lmplug.interfaces import BackendOptions, Capabilities, QuantMethod
+from lmplug.interfaces.devices import capability, describe
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +51,7 @@ FP8_MAX = 448.0  # largest finite e4m3 value
 INT8_MAX = 127.0
 FLOAT_WEIGHTS = (torch.float32, torch.float16, torch.bfloat16)
 MIN_AMAX = 1e-12  # an all-zero row still gets a finite scale
+FP8_MIN_CAPABILITY = (8, 9)  # fp8 tensor cores: Ada (sm_89) and Hopper (sm_90)
 
 W8A8_CAPABILITIES = Capabilities(devices=frozenset({"cpu", "cuda"}))
 
@@ -314,20 +316,21 @@ class W8A8Linear(QuantMethod):
         return rows
 
     def _path(self, device: torch.device, group_k: int) -> str:
-        """triton | int_mm | dense (float32 weight cached) | reference (dequantized per call)."""
+        """triton | int_mm | dense (float32 weight cached) | reference (dequantized per call).
+
+        Decided at load time, so that a GPU the kernel cannot run on (fp8 before sm_89) is an
+        error naming the method, the key and the capability here, not on the first step."""
         s, kernel = self.scheme, self.options.kernel
         from lmplug_quant.common import triton_interpreted
 
         if s.act is not None:
-            from lmplug_quant.w8a8_kernels import block_k_for
-
+            cap = capability(device)
             why = None
             if device.type != "cuda" and not triton_interpreted():
                 why = "needs a CUDA device (on CPU only under TRITON_INTERPRET=1, for tests)"
-            elif device.type == "cuda" and s.kind == "fp8" and torch.cuda.get_device_capability(device) < (8, 9):
-                why = "needs compute capability 8.9+ for fp8 (Ada, Hopper)"
-            elif block_k_for(group_k) is None:
-                why = f"needs scale groups that are a multiple of 16 inputs (got {group_k})"
+            elif s.kind == "fp8" and cap is not None and cap < FP8_MIN_CAPABILITY:
+                why = (f"needs compute capability 8.9+ for fp8 (Ada, Hopper); the device is "
+                       f"{describe(cap)}")
             if kernel == "triton" and why:
                 raise ModelLoadError(f"quant method {s.method!r}: `kernel: triton` {why}; use `kernel: auto`")
             if kernel == "triton" or (kernel == "auto" and device.type == "cuda" and why is None):

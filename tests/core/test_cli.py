@@ -77,7 +77,7 @@ def test_models_list_with_empty_cache(tmp_path):
 
 def test_generate_demo_model_with_stats(demo_gguf):
     proc = run("generate", "--model", str(demo_gguf), "--chat", "--temperature", "0", "--max-tokens", "12",
-               "--stats", "What is the capital of France?")
+               "--stats", "What is the capital of France? Answer in one sentence.")
     assert proc.returncode == 0, proc.stderr
     assert "Paris" in proc.stdout
     assert "TTFT" in proc.stderr and "tokens/s" in proc.stderr
@@ -85,7 +85,7 @@ def test_generate_demo_model_with_stats(demo_gguf):
 
 def test_chat_reads_turns_from_stdin(demo_gguf):
     proc = run("chat", "--model", str(demo_gguf), "--temperature", "0", "--max-tokens", "12",
-               stdin="What is the capital of France?\n/exit\n")
+               stdin="What is the capital of France? Answer in one sentence.\n/exit\n")
     assert proc.returncode == 0, proc.stderr
     assert "assistant>" in proc.stdout and "Paris" in proc.stdout
 

@@ -197,8 +197,9 @@ def test_unsupported_architecture(tmp_path):
 
 def test_unsupported_quant_type_names_tensor(tmp_path):
     path = tmp_path / "k.gguf"
-    write_tiny_gguf(path, extra_tensor=("blk.0.attn_extra.weight", Q.Q6_K))
-    with pytest.raises(ModelLoadError, match=r"'blk\.0\.attn_extra\.weight' has type Q6_K"):
+    # Q8_K: llama.cpp's intermediate type for dot products, never a stored weight
+    write_tiny_gguf(path, extra_tensor=("blk.0.attn_extra.weight", Q.Q8_K))
+    with pytest.raises(ModelLoadError, match=r"'blk\.0\.attn_extra\.weight' has type Q8_K"):
         load_gguf(path)
 
 

@@ -5,6 +5,8 @@ import torch
 
 from lmplug import LLM, SamplingParams
 
+DENSE = {"method": "gguf", "dequantize_at_load": True}  # transformers dequantizes GGUF weights to float
+
 PROMPTS = [
     [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}],
     [{"role": "user", "content": "Write a haiku about the sea."}],
@@ -21,7 +23,10 @@ def hf_model(demo_gguf):
 
 @pytest.fixture(scope="module")
 def llm(demo_gguf):
-    return LLM(str(demo_gguf), dtype="float32", max_model_len=512)
+    """The weights dequantized at load, as transformers reads a GGUF: these tests compare the model's
+    math with transformers'. The packed path (``quant: gguf``'s default, 8-bit activations like
+    llama.cpp) is measured by perplexity and KL instead (tests/plugins/quant/test_gguf_packed.py)."""
+    return LLM(str(demo_gguf), dtype="float32", max_model_len=512, quant=DENSE)
 
 
 def test_greedy_tokens_match_transformers(llm, hf_model):
@@ -68,7 +73,8 @@ def test_paged_cache_and_continuous_batching_keep_greedy_output(demo_gguf, llm, 
     prompts = [llm.apply_chat_template(m) for m in PROMPTS]
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     expected = [o.token_ids for o in llm.generate(prompts, params)]
-    paged = LLM(str(demo_gguf), dtype="float32", max_model_len=512, kvcache=kv, scheduler="continuous")
+    paged = LLM(str(demo_gguf), dtype="float32", max_model_len=512, kvcache=kv, scheduler="continuous",
+                quant=DENSE)
     # twice: with prefix caching the second round reuses the shared system-prompt blocks
     for _ in range(2):
         assert [o.token_ids for o in paged.generate(prompts, params)] == expected

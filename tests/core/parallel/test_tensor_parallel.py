@@ -264,8 +264,10 @@ def test_workers_exit_when_rank0_dies(tmp_path):
 def test_demo_gguf_tp3_matches_tp1(demo_gguf):
     """SmolLM2-135M (9 heads, 3 KV heads): TP=2 is refused (2 does not divide 9); TP=3 splits heads,
     KV heads, the 1536-wide MLP and the 49152-token vocabulary, and gives TP=1's 16 greedy tokens."""
+    # dense weights on both sides: ranks slice float tensors, and one process would otherwise run the
+    # packed GGUF path, whose 8-bit activations need not give the same greedy tokens
     engine = {"dtype": "float32", "device": "cpu", "max_model_len": 256, "kvcache": "paged",
-              "scheduler": "continuous"}
+              "scheduler": "continuous", "quant": {"method": "gguf", "dequantize_at_load": True}}
     with pytest.raises(ConfigError, match="does not divide the 9 attention heads"):
         LLM(str(demo_gguf), **engine, **tp(2))
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)

@@ -81,9 +81,9 @@ def test_chat_greedy_equals_llm(client, ref, stream):
 
 @pytest.mark.parametrize("stream", [False, True])
 def test_chat_seeded_sampling_n2_equals_llm(client, ref, stream):
-    params = SamplingParams(n=2, temperature=0.9, top_p=0.95, seed=11, max_tokens=10)
+    params = SamplingParams(n=2, temperature=0.9, top_p=0.95, seed=12, max_tokens=10)
     want = ref.chat(CHAT, params)[0]
-    texts, _ = chat_texts(client, stream, n=2, temperature=0.9, top_p=0.95, seed=11, max_completion_tokens=10)
+    texts, _ = chat_texts(client, stream, n=2, temperature=0.9, top_p=0.95, seed=12, max_completion_tokens=10)
     assert texts == [o.text for o in want.outputs]
     assert texts[0] != texts[1]  # two samples, not one twice
 

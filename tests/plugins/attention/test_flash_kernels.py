@@ -1,18 +1,17 @@
 """The ``flash`` Triton kernels against the PyTorch references (``decode_ref``, ``prefill_ref``),
 and the references against plain float64 math.
 
-Kernels run under ``TRITON_INTERPRET=1`` (set by conftest.py) at small sizes.
+Kernels run on ``support.devices.kernel_device()``: the CPU under ``TRITON_INTERPRET=1`` (set by
+conftest.py without a GPU) at small sizes, or compiled on a CUDA GPU.
 Every output buffer starts as NaN, so an element the kernel forgets to write
 fails the comparison; every cache slot outside a sequence's visible keys is
 NaN too, so a kernel that reads past the context, through block-table
 padding, or behind the sliding window leaks NaN into its result.
-bf16 cases run only compiled, on CUDA (``TRITON_INTERPRET=0``): ``tl.dot`` on
+bf16 cases run only compiled, on CUDA sm_80+ (``TRITON_INTERPRET=0``): ``tl.dot`` on
 bf16 operands is wrong under the interpreter (see docs/triton-on-cpu.md).
 """
 
 from __future__ import annotations
-
-import os
 
 import pytest
 import torch
@@ -24,19 +23,17 @@ from lmplug_attention.flash_prefill_kernels import (
     flash_varlen_attention,
 )
 from lmplug_attention.prefill_ref import prefill_attention, varlen_attention
+from support.devices import NO_KERNEL_DEVICE, bf16_param, kernel_device
 
-# conftest.py turns the interpreter on; run with TRITON_INTERPRET=0 on a GPU box to test compiled kernels
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-if not INTERPRETED and not torch.cuda.is_available():
-    pytest.skip("the flash kernels need CUDA or TRITON_INTERPRET=1", allow_module_level=True)
-DEVICE = "cpu" if INTERPRETED else "cuda"
+# one device per run: the CPU under the interpreter, or CUDA compiled (conftest.py decides)
+DEVICE = kernel_device()
+if DEVICE is None:
+    pytest.skip(NO_KERNEL_DEVICE, allow_module_level=True)
 NAN = float("nan")
 # (atol, rtol): kernel vs reference (both accumulate in fp32; fp16 P@V operands round P), reference vs float64
 TOL = {torch.float32: (2e-5, 2e-5), torch.float16: (3e-3, 3e-3), torch.bfloat16: (2e-2, 2e-2)}
 TOL64 = {torch.float32: (1e-5, 1e-5), torch.float16: (1e-3, 1e-3), torch.bfloat16: (8e-3, 8e-3)}
-BF16 = pytest.param(torch.bfloat16, id="bf16", marks=pytest.mark.skipif(
-    INTERPRETED,
-    reason="bf16 tl.dot returns garbage under TRITON_INTERPRET=1 (a Triton interpreter bug); GPU only"))
+BF16 = bf16_param()
 FP32 = pytest.param(torch.float32, id="fp32")
 FP16 = pytest.param(torch.float16, id="fp16")
 

@@ -3,8 +3,8 @@
 The ground truth is MLA as the model defines it, in float64: each cached row
 ``[latent | k_pe]`` expanded per head to K = [latent w_uk^T | k_pe] and
 V = latent w_uv^T, then softmax attention. Against it: the PyTorch absorbed
-decode (``mla_ref``), the Triton kernel (``mla_kernels``, under
-``TRITON_INTERPRET=1`` on CPU), the expanded prefill over a cached prefix, and
+decode (``mla_ref``), the Triton kernel (``mla_kernels``, on ``kernel_device``: the CPU under
+``TRITON_INTERPRET=1``, or compiled on a CUDA GPU), the expanded prefill over a cached prefix, and
 the ``mla`` backend on a mixed step. Sequences' blocks sit in shuffled order
 in the pool, and slots no sequence owns hold NaN.
 """
@@ -15,11 +15,13 @@ import pytest
 import torch
 from lmplug_attention import mla_kernels, mla_ref
 from lmplug_attention.mla import MLAAttention, MLAOptions
+from support.devices import bf16_param
 
 from lmplug.interfaces import BackendOptions, StepContext
 from lmplug.interfaces.attention import KVLayerView
 
-TOL = {torch.float32: {"atol": 2e-5, "rtol": 2e-5}, torch.float16: {"atol": 2e-3, "rtol": 2e-3}}
+TOL = {torch.float32: {"atol": 2e-5, "rtol": 2e-5}, torch.float16: {"atol": 2e-3, "rtol": 2e-3},
+       torch.bfloat16: {"atol": 2e-2, "rtol": 2e-2}}
 
 
 class Case:
@@ -68,11 +70,12 @@ class Case:
         scores = scores.masked_fill(torch.arange(n).unsqueeze(0) > q_pos, float("-inf"))
         return torch.einsum("hls,hsv->lhv", scores.softmax(-1), v)
 
-    def decode_inputs(self):
+    def decode_inputs(self, device: str = "cpu"):
         q_nope = torch.stack([q[-1] for q in self.q_nope]).to(self.dtype)  # [B, H, nope]
         q_pe = torch.stack([q[-1] for q in self.q_pe]).to(self.dtype)
-        return (q_nope, q_pe, self.w_uk.to(self.dtype), self.w_uv.to(self.dtype), self.cache,
-                self.block_tables, torch.tensor(self.seq_lens, dtype=torch.int32), self.scale)
+        tensors = (q_nope, q_pe, self.w_uk.to(self.dtype), self.w_uv.to(self.dtype), self.cache,
+                   self.block_tables, torch.tensor(self.seq_lens, dtype=torch.int32))
+        return (*(t.to(device) for t in tensors), self.scale)
 
 
 DECODE_CASES = {
@@ -87,18 +90,22 @@ DECODE_CASES = {
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
 @pytest.mark.parametrize("kernel", ["torch", "triton"])
 @pytest.mark.parametrize("name", list(DECODE_CASES))
-def test_absorbed_decode_equals_expanded(name, kernel, dtype):
+def test_absorbed_decode_equals_expanded(name, kernel, dtype, kernel_device):
     case = Case(**DECODE_CASES[name], dtype=dtype)
     op = mla_ref.mla_decode_latent if kernel == "torch" else mla_kernels.mla_decode_latent
-    out = mla_ref.mla_decode_attention(*case.decode_inputs(), decode_latent=op)
+    device = "cpu" if kernel == "torch" else kernel_device
+    out = mla_ref.mla_decode_attention(*case.decode_inputs(device), decode_latent=op)
     expected = torch.cat([case.expanded(i, 1) for i in range(len(case.seq_lens))])
-    torch.testing.assert_close(out.double(), expected, **TOL[dtype])
+    torch.testing.assert_close(out.double().cpu(), expected, **TOL[dtype])
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
-def test_triton_latent_decode_equals_reference(dtype):
-    case = Case([3, 18, 40], block_size=8, dtype=dtype, seed=1)
-    q_nope, q_pe, w_uk, _, cache, tables, lens, scale = case.decode_inputs()
+@pytest.mark.parametrize("dtype", [pytest.param(torch.float32, id="fp32"), pytest.param(torch.float16, id="fp16"),
+                                   bf16_param()])
+@pytest.mark.parametrize("seq_lens,block_size", [pytest.param([3, 18, 40], 8, id="short"),
+                                                 pytest.param([1000, 37], 16, id="long-context")])
+def test_triton_latent_decode_equals_reference(dtype, seq_lens, block_size, kernel_device):
+    case = Case(seq_lens, block_size=block_size, dtype=dtype, seed=1)
+    q_nope, q_pe, w_uk, _, cache, tables, lens, scale = case.decode_inputs(kernel_device)
     q = mla_ref.absorb_query(q_nope, q_pe, w_uk)
     ours = mla_kernels.mla_decode_latent(q, cache, tables, lens, scale, case.rank)
     ref = mla_ref.mla_decode_latent(q, cache, tables, lens, scale, case.rank)
@@ -118,8 +125,9 @@ def test_prefill_over_a_cached_prefix_equals_expanded():
 
 
 @pytest.mark.parametrize("kernels", ["torch", "triton"])
-def test_backend_mixed_step_writes_rows_and_attends(kernels):
+def test_backend_mixed_step_writes_rows_and_attends(kernels, kernel_device):
     """Two decodes and a prefill in one step: new rows land at their slots, every output matches."""
+    device = "cpu" if kernels == "torch" else kernel_device
     case = Case([14, 6, 9], block_size=4, seed=3)
     query_lens = [1, 1, 9]
     new_rows = torch.cat([rows[-n:] for rows, n in zip(case.rows, query_lens)]).float()
@@ -128,21 +136,25 @@ def test_backend_mixed_step_writes_rows_and_attends(kernels):
     case.cache.view(-1, case.cache.shape[-1])[slots] = float("nan")  # written by the step itself
     backend = MLAAttention(MLAOptions(kernels=kernels), num_heads=case.heads, num_kv_heads=1,
                            head_dim=case.cache.shape[-1], scale=case.scale)
+
+    def on(values, dtype=None) -> torch.Tensor:
+        return torch.as_tensor(values, dtype=dtype).to(device)
+
     ctx = StepContext(
-        positions=torch.cat([torch.arange(s - n, s) for s, n in zip(case.seq_lens, query_lens)]),
-        query_lens=torch.tensor(query_lens, dtype=torch.int32),
-        seq_lens=torch.tensor(case.seq_lens, dtype=torch.int32),
-        cu_query_lens=torch.tensor([0, 1, 2, 11], dtype=torch.int32), slot_mapping=slots,
-        block_tables=case.block_tables, query_lens_cpu=query_lens, seq_lens_cpu=case.seq_lens,
+        positions=on(torch.cat([torch.arange(s - n, s) for s, n in zip(case.seq_lens, query_lens)])),
+        query_lens=on(query_lens, torch.int32), seq_lens=on(case.seq_lens, torch.int32),
+        cu_query_lens=on([0, 1, 2, 11], torch.int32), slot_mapping=on(slots),
+        block_tables=on(case.block_tables), query_lens_cpu=query_lens, seq_lens_cpu=case.seq_lens,
         num_decodes=2)
-    q_nope = torch.cat([q[-n:] for q, n in zip(case.q_nope, query_lens)]).float()
-    q_pe = torch.cat([q[-n:] for q, n in zip(case.q_pe, query_lens)]).float()
-    kv = KVLayerView(case.cache, case.cache[..., :0], "paged")
-    out = backend.forward_mla(0, q_nope, q_pe, new_rows[:, :case.rank], new_rows[:, case.rank:],
-                              case.w_uk.float(), case.w_uv.float(), kv, ctx)
-    torch.testing.assert_close(case.cache.view(-1, case.cache.shape[-1])[slots], new_rows)
+    q_nope = on(torch.cat([q[-n:] for q, n in zip(case.q_nope, query_lens)]).float())
+    q_pe = on(torch.cat([q[-n:] for q, n in zip(case.q_pe, query_lens)]).float())
+    cache = on(case.cache)
+    kv = KVLayerView(cache, cache[..., :0], "paged")
+    out = backend.forward_mla(0, q_nope, q_pe, on(new_rows[:, :case.rank]), on(new_rows[:, case.rank:]),
+                              on(case.w_uk.float()), on(case.w_uv.float()), kv, ctx)
+    torch.testing.assert_close(cache.view(-1, cache.shape[-1])[on(slots)].cpu(), new_rows)
     expected = torch.cat([case.expanded(i, n) for i, n in enumerate(query_lens)])
-    torch.testing.assert_close(out.double(), expected, atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(out.double().cpu(), expected, atol=2e-5, rtol=2e-5)
 
 
 def test_plain_forward_is_refused():

@@ -1,12 +1,13 @@
-"""PagedAttention: the Triton kernels (under TRITON_INTERPRET=1) against the PyTorch references
+"""PagedAttention: the Triton kernels (on ``kernel_device``: the CPU under TRITON_INTERPRET=1, or
+compiled on a CUDA GPU) against the PyTorch references
 (``kv_ref``, ``decode_ref``, ``prefill_ref``), and the references and the backend's PyTorch prefill
 (``paged_torch``) against plain attention computed from each sequence's contiguous K/V.
 
 Blocks are handed out in random order, unused slots hold NaN, block tables are
 padded with real block ids, and outputs start as NaN, so a kernel that lets a
-slot outside a sequence reach the output or leaves a row unwritten fails. bf16 is not
-tested here: ``tl.dot`` on bf16 is broken under the interpreter (see
-docs/triton-on-cpu.md); fp32 and fp16 exercise the same code.
+slot outside a sequence reach the output or leaves a row unwritten fails. bf16 runs on
+CUDA sm_80+ only: ``tl.dot`` on bf16 is broken under the interpreter (see
+docs/triton-on-cpu.md); fp32 and fp16 exercise the same code there.
 """
 
 from __future__ import annotations
@@ -21,8 +22,11 @@ from lmplug_attention import paged_kernels as tk
 from lmplug_attention import paged_prefill_kernels as tpk
 from lmplug_attention.decode_ref import decode_attention
 from lmplug_attention.prefill_ref import prefill_attention
+from support.devices import bf16_param
 
-TOL = {torch.float32: {"atol": 2e-5, "rtol": 2e-5}, torch.float16: {"atol": 3e-3, "rtol": 3e-3}}
+TOL = {torch.float32: {"atol": 2e-5, "rtol": 2e-5}, torch.float16: {"atol": 3e-3, "rtol": 3e-3},
+       torch.bfloat16: {"atol": 2e-2, "rtol": 2e-2}}
+KERNEL_DTYPES = [torch.float32, torch.float16, bf16_param()]
 HEAD_DIM = 32
 NUM_KV_HEADS = 2
 
@@ -35,6 +39,11 @@ class PagedCase:
     seq_lens: torch.Tensor  # [B] int32
     k: list[torch.Tensor]  # per sequence, contiguous [S, Hkv, D]
     v: list[torch.Tensor]
+
+    def to(self, device: str) -> PagedCase:
+        """The pool, tables and lengths on ``device`` (per-sequence K/V stay on the CPU)."""
+        return PagedCase(self.k_cache.to(device), self.v_cache.to(device), self.block_tables.to(device),
+                         self.seq_lens.to(device), self.k, self.v)
 
 
 def make_case(seq_lens: list[int], block_size: int, dtype: torch.dtype, seed: int = 0) -> PagedCase:
@@ -89,8 +98,8 @@ def nan_like(x: torch.Tensor) -> torch.Tensor:
 # -- reshape_and_cache ------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_reshape_and_cache_matches_reference(dtype):
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES)
+def test_reshape_and_cache_matches_reference(dtype, kernel_device):
     g = torch.Generator().manual_seed(1)
     cache = torch.randn(6, 16, NUM_KV_HEADS, HEAD_DIM, generator=g).to(dtype)
     k = torch.randn(9, NUM_KV_HEADS, HEAD_DIM, generator=g).to(dtype)
@@ -99,7 +108,9 @@ def test_reshape_and_cache_matches_reference(dtype):
     slots[4] = -1  # padding: skipped
     caches = [(cache.clone(), cache.clone()) for _ in range(2)]
     kv_ref.reshape_and_cache(k, v, *caches[0], slots)
-    kv_ops.reshape_and_cache(k, v, *caches[1], slots)
+    on = [t.to(kernel_device) for t in (k, v, *caches[1], slots)]
+    kv_ops.reshape_and_cache(*on)
+    caches[1] = (on[2].cpu(), on[3].cpu())
     assert torch.equal(caches[0][0], caches[1][0]) and torch.equal(caches[0][1], caches[1][1])
     flat = caches[1][0].view(-1, NUM_KV_HEADS, HEAD_DIM)
     assert torch.equal(flat[slots[0]], k[0])
@@ -136,21 +147,23 @@ def test_decode_reference_matches_plain_attention(dtype, group):
         torch.testing.assert_close(out[i].float(), expected, **TOL[dtype])
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES)
 @pytest.mark.parametrize("group", [1, 4])
 @pytest.mark.parametrize("block_size", [16, 32])
-def test_decode_kernel_matches_reference(dtype, group, block_size):
+def test_decode_kernel_matches_reference(dtype, group, block_size, kernel_device):
     case, q = _decode_inputs(group, block_size, dtype)
+    case, q = case.to(kernel_device), q.to(kernel_device)
     args = (q, case.k_cache, case.v_cache, case.block_tables, case.seq_lens, 0.3)
     expected = decode_attention(*args)
     out = tk.paged_decode_attention(*args, partition_size=0, out=nan_like(q))
     torch.testing.assert_close(out, expected, **TOL[dtype])
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES)
 @pytest.mark.parametrize("group", [1, 4])
-def test_decode_split_k_matches_reference(dtype, group):
+def test_decode_split_k_matches_reference(dtype, group, kernel_device):
     case, q = _decode_inputs(group, 16, dtype)
+    case, q = case.to(kernel_device), q.to(kernel_device)
     args = (q, case.k_cache, case.v_cache, case.block_tables, case.seq_lens, 0.3)
     expected = decode_attention(*args)
     out = tk.paged_decode_attention(*args, partition_size=64, out=nan_like(q))
@@ -158,26 +171,30 @@ def test_decode_split_k_matches_reference(dtype, group):
 
 
 @pytest.mark.parametrize("partition_size", [0, 32])
-def test_decode_sliding_window(partition_size):
+def test_decode_sliding_window(partition_size, kernel_device):
     case, q = _decode_inputs(2, 16, torch.float32)
     args = (q, case.k_cache, case.v_cache, case.block_tables, case.seq_lens, 0.3)
     expected = decode_attention(*args, sliding_window=40)
     for i in range(len(DECODE_LENS)):
         plain = plain_attention(q[i:i + 1], case.k[i], case.v[i], 0.3, window=40)[0]
         torch.testing.assert_close(expected[i], plain, **TOL[torch.float32])
+    case, q, expected = case.to(kernel_device), q.to(kernel_device), expected.to(kernel_device)
+    args = (q, case.k_cache, case.v_cache, case.block_tables, case.seq_lens, 0.3)
     out = tk.paged_decode_attention(*args, sliding_window=40, partition_size=partition_size, out=nan_like(q))
     torch.testing.assert_close(out, expected, **TOL[torch.float32])
 
 
 @pytest.mark.slow  # ~20 s under the interpreter
-def test_decode_long_context_takes_the_split_path_and_matches():
+def test_decode_long_context_takes_the_split_path_and_matches(kernel_device):
     """33k tokens: the kernel loops over 2k+ blocks; the automatic choice splits (batch of 1)."""
     lens = [33_000]
     case = make_case(lens, 16, torch.float32, seed=3)
     q = torch.randn(1, NUM_KV_HEADS, HEAD_DIM, generator=torch.Generator().manual_seed(4))
+    expected = plain_attention(q, case.k[0], case.v[0], HEAD_DIM ** -0.5)
+    case, q = case.to(kernel_device), q.to(kernel_device)
+    expected = expected.to(kernel_device)
     assert tk.choose_partition_size(1, NUM_KV_HEADS, lens[0], q.device) is not None
     args = (q, case.k_cache, case.v_cache, case.block_tables, case.seq_lens, HEAD_DIM ** -0.5)
-    expected = plain_attention(q, case.k[0], case.v[0], HEAD_DIM ** -0.5)
     torch.testing.assert_close(decode_attention(*args), expected, atol=1e-5, rtol=1e-4)
     torch.testing.assert_close(tk.paged_decode_attention(*args, out=nan_like(q)), expected,
                                atol=1e-5, rtol=1e-4)
@@ -226,23 +243,27 @@ def test_prefill_reference_matches_plain_attention(dtype, group, prefill):
 
 
 @pytest.mark.parametrize("dtype,group,block_size", [
-    (torch.float32, 1, 16), (torch.float32, 4, 32), (torch.float16, 4, 16), (torch.float16, 1, 32)])
-def test_prefill_kernel_matches_reference(dtype, group, block_size):
+    (torch.float32, 1, 16), (torch.float32, 4, 32), (torch.float16, 4, 16), (torch.float16, 1, 32),
+    bf16_param(torch.bfloat16, 4, 16, id="bf16-4-16")])
+def test_prefill_kernel_matches_reference(dtype, group, block_size, kernel_device):
     case, q, cu = _prefill_inputs(group, block_size, dtype)
+    case, q, cu = case.to(kernel_device), q.to(kernel_device), cu.to(kernel_device)
     args = (q, case.k_cache, case.v_cache, case.block_tables, cu, case.seq_lens, 0.3)
     expected = prefill_attention(*args)
     out = tpk.paged_prefill_attention(*args, out=nan_like(q))
     torch.testing.assert_close(out, expected, **TOL[dtype])
 
 
-def test_prefill_sliding_window():
+def test_prefill_sliding_window(kernel_device):
     case, q, cu = _prefill_inputs(2, 16, torch.float32)
     args = (q, case.k_cache, case.v_cache, case.block_tables, cu, case.seq_lens, 0.3)
     expected = prefill_attention(*args, sliding_window=24)
     s, e = int(cu[3]), int(cu[4])
     plain = plain_attention(q[s:e], case.k[3], case.v[3], 0.3, window=24)
     torch.testing.assert_close(expected[s:e], plain, **TOL[torch.float32])
-    out = tpk.paged_prefill_attention(*args, sliding_window=24, out=nan_like(q))
-    torch.testing.assert_close(out, expected, **TOL[torch.float32])
     cpu = paged_torch.paged_prefill_attention(*args, sliding_window=24, out=nan_like(q))
     torch.testing.assert_close(cpu, expected, **TOL[torch.float32])
+    case, q, cu = case.to(kernel_device), q.to(kernel_device), cu.to(kernel_device)
+    args = (q, case.k_cache, case.v_cache, case.block_tables, cu, case.seq_lens, 0.3)
+    out = tpk.paged_prefill_attention(*args, sliding_window=24, out=nan_like(q))
+    torch.testing.assert_close(out.cpu(), expected, **TOL[torch.float32])

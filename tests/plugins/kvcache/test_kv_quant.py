@@ -6,7 +6,8 @@ that claims it, the KV backends, and config resolution.
 - each attention backend (sdpa, paged with the PyTorch ops and the Triton kernels, flash)
   over a quantized view equals, exactly, the same backend over the dequantized K/V (the
   kernels dequantize in the reference's op order), and stays within a bound derived from the
-  quantization error of the unquantized run; kernels are interpreted (TRITON_INTERPRET=1);
+  quantization error of the unquantized run; the Triton backends run on ``kernel_device`` (the CPU
+  under TRITON_INTERPRET=1, or compiled on a CUDA GPU; fp8 there needs sm_89+);
 - bytes_per_token, scales in the data layout, copy-on-write, and config errors.
 
 The engine with a quantized KV cache: test_kv_quant_engine.py.
@@ -122,6 +123,17 @@ BACKENDS = {
 }
 
 
+TRITON_BACKENDS = {"paged-triton", "paged-triton-splitk", "flash-paged", "flash-contiguous-split"}
+
+
+def device_for(name: str, kernel_device: str) -> str:
+    """The Triton backends run on the kernel device (an fp8 cache too, on any GPU: the kernels decode
+    its bytes by integer ops, and the write is PyTorch's); the PyTorch ones on the CPU."""
+    if name not in TRITON_BACKENDS:
+        return "cpu"
+    return kernel_device
+
+
 def make_backend(name: str, spec: BatchSpec):
     cls, options, _ = BACKENDS[name]
     return cls(options, num_heads=spec.num_heads, num_kv_heads=spec.num_kv_heads,
@@ -178,7 +190,7 @@ def reference_forward(att, q, k, v, view: KVLayerView, ctx) -> torch.Tensor:
 
 def fresh_prefill_rows(case) -> torch.Tensor:
     """Rows flash computes from the step's packed K/V: prefills, when none has a cached prefix."""
-    rows = torch.zeros(case.q.shape[0], dtype=torch.bool)
+    rows = torch.zeros(case.q.shape[0], dtype=torch.bool, device=case.q.device)
     spec = case.spec
     if all(c == 0 for c in spec.context_lens[spec.num_decodes:]):
         rows[sum(spec.query_lens[:spec.num_decodes]):] = True
@@ -188,9 +200,9 @@ def fresh_prefill_rows(case) -> torch.Tensor:
 @pytest.mark.parametrize("kv_dtype", KV_DTYPES)
 @pytest.mark.parametrize("spec_name", SPECS)
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_backend_reads_quantized_kv(backend, spec_name, kv_dtype):
+def test_backend_reads_quantized_kv(backend, spec_name, kv_dtype, kernel_device):
     spec, storage, dtype = SPECS[spec_name], KV_CACHE_DTYPES[kv_dtype], torch.float32
-    case = build_case(spec, BACKENDS[backend][2], dtype, "cpu")
+    case = build_case(spec, BACKENDS[backend][2], dtype, device_for(backend, kernel_device))
     att = make_backend(backend, spec)
     ref_view = KVLayerView(case.view.k_cache.clone(), case.view.v_cache.clone(), case.layout)
     expected = att.forward(spec.layer, case.q, case.k, case.v, ref_view, case.ctx)
@@ -223,9 +235,9 @@ def test_backend_reads_quantized_kv(backend, spec_name, kv_dtype):
 
 @pytest.mark.parametrize("kv_dtype", KV_DTYPES)
 @pytest.mark.parametrize("backend", ["paged-triton", "paged-triton-splitk", "flash-paged"])
-def test_kernels_match_the_torch_reference_on_quantized_kv(backend, kv_dtype):
+def test_kernels_match_the_torch_reference_on_quantized_kv(backend, kv_dtype, kernel_device):
     spec, storage = SPECS["mixed"], KV_CACHE_DTYPES[kv_dtype]
-    case = build_case(spec, "paged", torch.float32, "cpu")
+    case = build_case(spec, "paged", torch.float32, device_for(backend, kernel_device))
     outs = []
     for name in ("paged-torch", backend):
         view = quantized_view(case.view, storage)
@@ -234,10 +246,10 @@ def test_kernels_match_the_torch_reference_on_quantized_kv(backend, kv_dtype):
 
 
 @pytest.mark.parametrize("backend", ["sdpa-paged", "paged-torch", "paged-triton", "flash-paged"])
-def test_fp16_model_with_quantized_kv(backend):
+def test_fp16_model_with_quantized_kv(backend, kernel_device):
     """fp16 activations: tiles are dequantized to fp16 before the dot, as the reference does."""
     spec, dtype = SPECS["mixed"], torch.float16
-    case = build_case(spec, "paged", dtype, "cpu")
+    case = build_case(spec, "paged", dtype, device_for(backend, kernel_device))
     att = make_backend(backend, spec)
     view = quantized_view(case.view, INT8)
     dq_view = dequantized_view(view, dtype)

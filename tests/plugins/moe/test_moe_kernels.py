@@ -1,5 +1,6 @@
 """MoE routing and experts: routing against per-token loops and transformers' routers, the
-reference experts and the fused Triton kernels (interpreted on CPU) against float64 loops."""
+reference experts and the fused Triton kernels (on ``kernel_device``: interpreted on the CPU, or
+compiled on a CUDA GPU) against float64 loops."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import torch.nn.functional as F
 from lmplug_moe.fused_kernels import fused_experts, moe_align_block_size
 from lmplug_moe.reference import ReferenceMoE, reference_experts
 from lmplug_moe.routing import select_experts
+from support.devices import bf16_param
 from support.hf_models import one_torch_thread  # noqa: F401
 
 from lmplug import BackendOptions, RoutingConfig
@@ -192,35 +194,39 @@ def test_reference_experts_match_dense_loop(dtype, routing):
 @pytest.mark.parametrize("routing", ROUTINGS)
 @pytest.mark.parametrize("shape", [(1, 8, 2, 64, 48), (33, 8, 2, 40, 24), (19, 6, 3, 32, 80)],
                          ids=["decode", "odd-hidden", "top3"])
-def test_fused_experts_match_reference(shape, routing, dtype):
+def test_fused_experts_match_reference(shape, routing, dtype, kernel_device):
     num_tokens, num_experts, top_k, hidden, inter = shape
     case = make_case(num_tokens, num_experts, hidden, inter, dtype, routing, top_k, seed=num_tokens)
-    out = fused_experts(*case)
+    out = fused_experts(*[t.to(kernel_device) for t in case])
     assert out.dtype == dtype and out.shape == (num_tokens, hidden)
     tol = TOL[dtype]
-    torch.testing.assert_close(out.double(), dense_loop(*case), atol=tol, rtol=tol)
+    torch.testing.assert_close(out.double().cpu(), dense_loop(*case), atol=tol, rtol=tol)
 
 
 @pytest.mark.parametrize("block_m", [16, 32])
-def test_fused_block_sizes_and_strided_input(block_m):
+def test_fused_block_sizes_and_strided_input(block_m, kernel_device):
     x, ids, weights, w_gate_up, w_down = make_case(40, 8, 32, 32, torch.float32)
     wide = torch.randn(40, 64)
     wide[:, ::2] = x  # x as a strided view: [40, 32] with stride (64, 2)
-    out = fused_experts(wide[:, ::2], ids, weights, w_gate_up, w_down, block_m=block_m)
-    torch.testing.assert_close(out.double(), dense_loop(x, ids, weights, w_gate_up, w_down),
+    on = [t.to(kernel_device) for t in (wide, ids, weights, w_gate_up, w_down)]
+    out = fused_experts(on[0][:, ::2], *on[1:], block_m=block_m)
+    torch.testing.assert_close(out.double().cpu(), dense_loop(x, ids, weights, w_gate_up, w_down),
                                atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(),
-                    reason="tl.dot on bf16 is wrong under TRITON_INTERPRET (docs/triton-on-cpu.md); GPU only")
-def test_fused_experts_bf16_on_gpu():
-    case = [t.cuda() for t in make_case(64, 8, 64, 128, torch.bfloat16)]
-    out = fused_experts(*case)
-    torch.testing.assert_close(out.double().cpu(), dense_loop(*[t.cpu() for t in case]), atol=3e-2, rtol=3e-2)
+@pytest.mark.parametrize("dtype", [bf16_param()])
+@pytest.mark.parametrize("num_tokens,num_experts,top_k,hidden,inter",
+                         [(64, 8, 2, 64, 128), (300, 16, 4, 256, 192)], ids=["small", "prefill"])
+def test_fused_experts_bf16(dtype, num_tokens, num_experts, top_k, hidden, inter, kernel_device):
+    """Compiled only (bf16 ``tl.dot`` is wrong under the interpreter): ``bf16_param`` skips it there."""
+    case = make_case(num_tokens, num_experts, hidden, inter, dtype, top_k=top_k)
+    out = fused_experts(*[t.to(kernel_device) for t in case])
+    assert out.dtype == dtype
+    torch.testing.assert_close(out.double().cpu(), dense_loop(*case), atol=3e-2, rtol=3e-2)
 
 
-def test_fused_no_tokens():
-    x, ids, weights, w_gate_up, w_down = make_case(3, 4, 16, 16, torch.float32)
+def test_fused_no_tokens(kernel_device):
+    x, ids, weights, w_gate_up, w_down = (t.to(kernel_device) for t in make_case(3, 4, 16, 16, torch.float32))
     out = fused_experts(x[:0], ids[:0], weights[:0], w_gate_up, w_down)
     assert out.shape == (0, 16)
 

@@ -133,17 +133,25 @@ def test_rtn_deepseek_v3_experts(tmp_path):
     assert_matches_hf(model, hf)
 
 
-def test_fused_backend_runs_dequantized_experts(models):
-    """``fused`` (Triton, interpreted here) takes the dense dequantized experts: same greedy tokens
-    as ``reference`` on the same quantized model."""
+def test_fused_backend_runs_dequantized_experts(models, kernel_device):
+    """``fused`` (Triton, on ``kernel_device``: interpreted on the CPU or compiled on a GPU) takes
+    the dense dequantized experts: same greedy tokens as ``reference`` on the same quantized model
+    on the same device, and the same prompt log-probs."""
     tiny = models("mixtral")
     quant = {"method": "rtn", "bits": 4, "group_size": 32}
     prompt = prompt_ids(10, seed=5)
     params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
-    fused = llm(tiny.path, quant=quant, moe="fused")
+
+    def on_device(**overrides) -> LLM:
+        return LLM(str(tiny.path), dtype="float32", device=kernel_device, max_model_len=128, quant=quant,
+                   **overrides)
+
+    fused, reference = on_device(moe="fused"), on_device(moe="reference")
     assert fused.engine.resolved.backends["moe"].name == "fused"
+    assert reference.engine.resolved.backends["moe"].name == "reference"
     assert (fused.generate([prompt], params)[0].token_ids
-            == llm(tiny.path, quant=quant).generate([prompt], params)[0].token_ids)
+            == reference.generate([prompt], params)[0].token_ids)
+    torch.testing.assert_close(prompt_lp(fused, prompt), prompt_lp(reference, prompt), atol=1e-4, rtol=0)
 
 
 def test_packed_experts_need_a_backend_that_runs_them(models):

@@ -8,7 +8,9 @@ dequantized and, for W8A8, a forward pre-hook on every quantized linear layer th
 its input the published way (per token / per group / static scale) and dequantizes it again:
 the same numbers a real W8A8 GEMM multiplies. Paths: the CPU defaults (fp8: float32 weight
 cached, int8: ``torch._int_mm``, int4: dense), the per-call PyTorch reference, and the Triton
-kernels under the interpreter.
+kernels on ``kernel_device`` (the CPU under the interpreter, or compiled on a CUDA GPU; fp8 there
+needs sm_89+). The scaled GEMM itself is checked against ``scaled_mm_reference`` and the float64
+definition at the end.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 from support import quant_packers as qp
+from support.devices import interpreted, skip_unless_fp8
 from support.hf_models import get_model, hf_greedy, hf_logprobs, one_torch_thread, prompt_ids  # noqa: F401
 from support.quant_checkpoints import (
     LINEARS,
@@ -33,7 +36,7 @@ from support.quant_checkpoints import (
     set_config,
 )
 
-from lmplug import SamplingParams
+from lmplug import LLM, SamplingParams
 from lmplug.loading import open_source
 
 FP8_TOKEN = {"num_bits": 8, "type": "float", "strategy": "token", "dynamic": True, "symmetric": True}
@@ -160,10 +163,14 @@ PATHS = {
 
 
 @pytest.mark.parametrize("path", list(PATHS))
-def test_other_paths_match(checkpoint, path):
+def test_other_paths_match(checkpoint, path, kernel_device):
     fmt, folder, hf = checkpoint
     method = FORMATS[fmt][0]["quant_method"]
-    model = llm(folder, quant={"method": method, **PATHS[path]})
+    device = kernel_device if path == "triton" else "cpu"
+    if "fp8" in fmt:
+        skip_unless_fp8(device)
+    model = LLM(str(folder), dtype="float32", device=device, max_model_len=128,
+                quant={"method": method, **PATHS[path]})
     layer = model.engine.parts.model.layers[0].self_attn.qkv_proj
     assert not hasattr(layer, "w_dense") and not hasattr(layer, "weight")  # still 8/4-bit
     prompt = prompt_ids(8, seed=2)
@@ -307,3 +314,57 @@ def test_lmplug_quantize_folders_match_their_reference(tmp_path_factory, method)
     ref = fakequant.W8A8Reference(open_source(out), max_len=64).log_probs(prompt, range(len(prompt) - 1))
     want = torch.tensor([ref[i - 1, prompt[i]].item() for i in range(1, len(prompt))], dtype=torch.float64)
     torch.testing.assert_close(prompt_lp(llm(out), prompt), want, atol=1e-4, rtol=0)
+
+
+# -- the scaled GEMM against its PyTorch reference, on the kernel device ---------------------------
+
+def gemm_operands(kind: str, m: int, n: int, k: int, group_k: int, seed: int):
+    """Random 8-bit ``a [M, K]``, ``w [N, K]`` over their whole range, and positive scales
+    ``sa [M, KG]``, ``sw [N, KG]`` (``KG`` 1, or one per ``group_k`` inputs)."""
+    gen = torch.Generator().manual_seed(seed)
+    if kind == "int8":
+        a = torch.randint(-128, 128, (m, k), generator=gen, dtype=torch.int8)
+        w = torch.randint(-128, 128, (n, k), generator=gen, dtype=torch.int8)
+    else:
+        a = (torch.randn(m, k, generator=gen) * 100).clamp(-448, 448).to(torch.float8_e4m3fn)
+        w = (torch.randn(n, k, generator=gen) * 100).clamp(-448, 448).to(torch.float8_e4m3fn)
+    kg = 1 if group_k == 0 else -(-k // group_k)
+    return a, torch.rand(m, kg, generator=gen) * 0.01 + 1e-3, w, torch.rand(n, kg, generator=gen) * 0.01 + 1e-3
+
+
+def check_gemm(kind: str, m: int, n: int, k: int, group_k: int, out_dtype: torch.dtype, device: str) -> None:
+    from lmplug_quant.w8a8_common import scaled_mm_reference
+    from lmplug_quant.w8a8_kernels import w8a8_gemm
+
+    if kind == "fp8":
+        skip_unless_fp8(device)
+    a, sa, w, sw = gemm_operands(kind, m, n, k, group_k, seed=m + k + group_k)
+    bias = torch.randn(n, generator=torch.Generator().manual_seed(3))
+    g = torch.arange(k) // group_k if group_k else torch.zeros(k, dtype=torch.long)
+    definition = (a.double() * sa.double()[:, g]) @ (w.double() * sw.double()[:, g]).T + bias.double()
+    ref = scaled_mm_reference(a, sa, w, sw, group_k).double() + bias.double()
+    scale = float(definition.abs().max())
+    torch.testing.assert_close(ref, definition, atol=1e-5 * scale, rtol=1e-5)
+    y = w8a8_gemm(*(t.to(device) for t in (a, sa, w, sw)), group_k=group_k, bias=bias.to(device),
+                  out_dtype=out_dtype)
+    assert y.dtype == out_dtype and y.device.type == torch.device(device).type
+    tol = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}[out_dtype]
+    torch.testing.assert_close(y.double().cpu(), ref, atol=tol * scale, rtol=tol)
+
+
+@pytest.mark.parametrize("kind", ["fp8", "int8"])
+@pytest.mark.parametrize("m", [1, 33])
+@pytest.mark.parametrize("group_k", [0, 32])
+def test_w8a8_gemm_matches_reference(kind, m, group_k, kernel_device):
+    check_gemm(kind, m, 40, 80, group_k, torch.float32, kernel_device)  # partial tiles in N and K
+
+
+@pytest.mark.skipif(interpreted(), reason="GPU-sized shapes are too slow under the interpreter; the small "
+                                          "cases run the same code there")
+@pytest.mark.parametrize("kind", ["fp8", "int8"])
+@pytest.mark.parametrize("m", [1, 16, 64, 1024])
+@pytest.mark.parametrize("group_k", [0, 128])
+@pytest.mark.parametrize("out_dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_w8a8_gemm_gpu_sized_shapes(kind, m, group_k, out_dtype, kernel_device):
+    """Every M bucket of the launch tables at a real layer's K and N (with a partial N tile)."""
+    check_gemm(kind, m, 1000, 2048, group_k, out_dtype, kernel_device)

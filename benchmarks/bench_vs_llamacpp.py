@@ -1,0 +1,417 @@
+"""lmplug vs llama.cpp on the same GGUF file and the same threads, in interleaved rounds.
+
+    bash benchmarks/build_llamacpp.sh                 # once: llama.cpp's CPU tools into the cache
+    python benchmarks/bench_vs_llamacpp.py --quick    # a short run
+    python benchmarks/bench_vs_llamacpp.py --threads 1,2 --rounds 3 --json out.json
+    python benchmarks/bench_vs_llamacpp.py --lmplug-set attention.backend=paged --sections decode,prefill
+
+Per thread count, each round runs both engines one after the other (so a noisy, shared machine
+weighs on both alike) and the table gives medians over the rounds:
+
+- decode: batch-1 decode tok/s of 64 tokens from an empty context (llama-bench ``-p 0 -n 64``;
+  lmplug: a one-token prompt, then 64 greedy tokens, timed from the first to the last);
+- prefill: prompt processing tok/s at 128 and 512 tokens (llama-bench ``-p 128,512 -n 0``;
+  lmplug: a fresh random prompt each round, timed to its first token);
+- cold: whole-process wall time of a one-token generation, and its peak RSS (``llama-completion``
+  vs ``lmplug generate``), median of ``--cold-runs`` runs per round;
+- serve: aggregate output tok/s of ``--concurrency`` concurrent /v1/completions requests (fixed
+  prompts, max_tokens 64, temperature 0, ignore_eos) sent by one client to ``llama-server
+  --parallel N -c N*slot_ctx`` and to ``lmplug serve`` (with ``scheduler.max_num_seqs=N``, the
+  same number of slots), plus each server's peak RSS.
+
+lmplug runs with its default config, plus ``--lmplug-set KEY=VALUE`` (as ``lmplug --set``).
+llama.cpp's binaries come from ``--llama-bin-dir``, else ``$LLAMA_CPP_BIN``, else the cache
+folder ``benchmarks/build_llamacpp.sh`` fills. Prints a table (both sides, the ratio
+lmplug / llama.cpp, which direction is better), the load average before and after, and
+with ``--json PATH`` writes every raw measurement.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+SECTIONS = ("decode", "prefill", "cold", "serve")
+WORDS = ["the", "quick", "brown", "fox", "jumps", "over", "a", "lazy", "dog", "while", "seven",
+         "bright", "stars", "watch", "quietly", "from", "far", "above", "silent", "town"]
+
+
+# -- where things are --------------------------------------------------------------------------
+
+
+def llama_bin_dir(option: str | None) -> Path:
+    if option:
+        return Path(option).expanduser()
+    if os.environ.get("LLAMA_CPP_BIN"):
+        return Path(os.environ["LLAMA_CPP_BIN"]).expanduser()
+    cache = Path(os.environ.get("LMPLUG_CACHE") or Path.home() / ".cache" / "lmplug").expanduser()
+    return cache / "llamacpp" / "bin"
+
+
+def llama_tool(bin_dir: Path, name: str) -> str:
+    path = bin_dir / name
+    if not os.access(path, os.X_OK):
+        raise SystemExit(f"bench_vs_llamacpp: {path} not found (or not executable); build llama.cpp with "
+                         "`bash benchmarks/build_llamacpp.sh`, or point --llama-bin-dir / $LLAMA_CPP_BIN at "
+                         "a folder holding llama-bench, llama-completion and llama-server")
+    return str(path)
+
+
+def gguf_file(model: str) -> Path:
+    """The GGUF file both engines read: a path, or a model name in lmplug's cache."""
+    from lmplug.loading.cache import resolve_model
+
+    path = resolve_model(model)
+    if path.is_dir():
+        files = sorted(path.glob("*.gguf"))
+        if len(files) != 1:
+            raise SystemExit(f"bench_vs_llamacpp: {path} holds {len(files)} .gguf files; give --model FILE.gguf")
+        path = files[0]
+    if path.suffix != ".gguf":
+        raise SystemExit(f"bench_vs_llamacpp: {path} is not a .gguf file; llama.cpp reads GGUF only")
+    return path
+
+
+def lmplug_set_args(sets: list[str]) -> list[str]:
+    return [a for item in sets for a in ("--set", item)]
+
+
+# -- processes ---------------------------------------------------------------------------------
+
+
+def run_timed(cmd: list[str], env: dict | None = None) -> tuple[float, float]:
+    """Wall seconds and peak RSS (MiB) of one whole process (os.wait4's rusage of that child)."""
+    started = time.perf_counter()
+    proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE)
+    _, status, usage = os.wait4(proc.pid, 0)
+    wall = time.perf_counter() - started
+    err = proc.stderr.read().decode(errors="replace")
+    proc.stderr.close()
+    if status != 0:
+        raise SystemExit(f"bench_vs_llamacpp: {' '.join(cmd)} failed ({status}):\n{err[-2000:]}")
+    return wall, usage.ru_maxrss / 1024
+
+
+def threads_env(threads: int) -> dict:
+    return {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
+
+
+class LmplugWorker:
+    """A long-lived lmplug process (this script with --worker) that answers timing requests, so a
+    round costs no model load and the engine stays warm, as llama-bench's does."""
+
+    def __init__(self, model: Path, threads: int, sets: list[str]) -> None:
+        cmd = [sys.executable, __file__, "--worker", "--model", str(model), "--threads", str(threads),
+               *[a for s in sets for a in ("--lmplug-set", s)]]
+        self.proc = subprocess.Popen(cmd, env=threads_env(threads), stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, text=True)
+        self.ask({"op": "ready"})
+
+    def ask(self, request: dict) -> dict:
+        self.proc.stdin.write(json.dumps(request) + "\n")
+        self.proc.stdin.flush()
+        line = self.proc.stdout.readline()
+        if not line:
+            raise SystemExit(f"bench_vs_llamacpp: the lmplug worker ended ({self.proc.wait()}) on {request}")
+        return json.loads(line)
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait(timeout=60)
+
+
+def worker_main(args: argparse.Namespace) -> int:
+    """The --worker side: build the engine once, then time what stdin asks for (JSON lines)."""
+    import torch
+
+    from lmplug.cli import _overrides
+    from lmplug.interfaces.params import SamplingParams
+    from lmplug.llm import LLM
+
+    torch.set_num_threads(args.threads[0])
+    llm = LLM(**_overrides(argparse.Namespace(model=str(args.model), set=args.lmplug_set)))
+    vocab = llm.engine.model_config.vocab_size
+
+    def first_and_last(prompt: list[int], n: int) -> tuple[float, float, float, int]:
+        params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+        started = time.perf_counter()
+        stamps: list[float] = []
+        for out in llm.stream(prompt, params):
+            stamps.extend([time.perf_counter()] * len(out.delta_token_ids))
+        return started, stamps[0], stamps[-1], len(stamps)
+
+    for line in sys.stdin:
+        req = json.loads(line)
+        rng = random.Random(req.get("seed", 0))  # a fresh prompt each round: no prefix-cache hits
+        prompt = [rng.randrange(100, min(vocab, 30000)) for _ in range(req.get("n", 1))]
+        if req["op"] == "decode":  # a one-token prompt, then `tokens` decode steps
+            _, first, last, count = first_and_last(prompt[:1], req["tokens"] + 1)
+            reply = {"tok_s": (count - 1) / (last - first)}
+        elif req["op"] == "prefill":
+            started, first, _, _ = first_and_last(prompt, 1)
+            reply = {"tok_s": len(prompt) / (first - started)}
+        else:
+            reply = {"ready": True}
+        print(json.dumps(reply), flush=True)
+    return 0
+
+
+def llama_bench(bin_dir: Path, model: Path, threads: int, prompts: list[int], tokens: int) -> dict:
+    """llama-bench's tok/s: {"decode": tg, 128: pp128, ...} for what was asked (one repetition)."""
+    cmd = [llama_tool(bin_dir, "llama-bench"), "-m", str(model), "-t", str(threads), "-r", "1", "-o", "json",
+           "-p", ",".join(map(str, prompts)) if prompts else "0", "-n", str(tokens)]
+    out = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    if out.returncode != 0:
+        raise SystemExit(f"bench_vs_llamacpp: {' '.join(cmd)} failed:\n{out.stderr[-2000:]}")
+    results = {}
+    for row in json.loads(out.stdout):
+        if row["n_gen"] > 0 and row["n_prompt"] == 0:
+            results["decode"] = row["avg_ts"]
+        elif row["n_prompt"] > 0 and row["n_gen"] == 0:
+            results[row["n_prompt"]] = row["avg_ts"]
+    return results
+
+
+# -- servers -----------------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    def __init__(self, name: str, cmd: list[str], port: int, env: dict) -> None:
+        self.name, self.url = name, f"http://127.0.0.1:{port}"
+        self.proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                     stderr=subprocess.PIPE)
+        self.model_id = self._wait_ready()
+
+    def _wait_ready(self, timeout_s: float = 900) -> str:
+        import httpx
+
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise SystemExit(f"bench_vs_llamacpp: {self.name} server exited ({self.proc.returncode}):\n"
+                                 f"{self.proc.stderr.read().decode(errors='replace')[-2000:]}")
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return httpx.get(self.url + "/v1/models", timeout=10).json()["data"][0]["id"]
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        raise SystemExit(f"bench_vs_llamacpp: {self.name} server not ready after {timeout_s:.0f} s")
+
+    def batch(self, prompts: list[str], max_tokens: int) -> tuple[float, int]:
+        """All prompts at once, one thread per request; (output tok/s, output tokens)."""
+        import httpx
+
+        def one(prompt: str) -> int:
+            body = {"model": self.model_id, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+                    "ignore_eos": True}
+            r = httpx.post(self.url + "/v1/completions", json=body, timeout=1800)
+            r.raise_for_status()
+            return r.json()["usage"]["completion_tokens"]
+
+        started = time.perf_counter()
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            tokens = sum(pool.map(one, prompts))
+        return tokens / (time.perf_counter() - started), tokens
+
+    def stop(self) -> float:
+        """Stop it (SIGTERM); its peak RSS in MiB."""
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            _, _, usage = os.wait4(self.proc.pid, 0)
+        finally:
+            self.proc.stderr.close()
+        return usage.ru_maxrss / 1024
+
+
+def serve_prompts(count: int) -> list[str]:
+    rng = random.Random(0)
+    return [" ".join(rng.choice(WORDS) for _ in range(12)) for _ in range(count)]
+
+
+# -- the run -----------------------------------------------------------------------------------
+
+
+def run(args: argparse.Namespace) -> dict:
+    bin_dir = llama_bin_dir(args.llama_bin_dir)
+    needs = {"decode": "llama-bench", "prefill": "llama-bench", "cold": "llama-completion", "serve": "llama-server"}
+    for section in args.sections:  # before any model loads: a missing binary is the first thing said
+        llama_tool(bin_dir, needs[section])
+    model = gguf_file(args.model)
+    sets = args.lmplug_set
+    raw: dict[str, list[float]] = {}
+
+    def add(key: str, value: float) -> None:
+        raw.setdefault(key, []).append(value)
+
+    for threads in args.threads:
+        worker = LmplugWorker(model, threads, sets) if {"decode", "prefill"} & set(args.sections) else None
+        for rnd in range(args.rounds):
+            if worker is not None:
+                wanted = (args.prompt_sizes if "prefill" in args.sections else [])
+                tokens = args.decode_tokens if "decode" in args.sections else 0
+                for key, value in llama_bench(bin_dir, model, threads, wanted, tokens).items():
+                    add(f"{key}|{threads}|llama.cpp", value)
+                if tokens:
+                    add(f"decode|{threads}|lmplug", worker.ask({"op": "decode", "tokens": tokens})["tok_s"])
+                for n in wanted:
+                    add(f"{n}|{threads}|lmplug", worker.ask({"op": "prefill", "n": n, "seed": rnd})["tok_s"])
+            if "cold" in args.sections:
+                for _ in range(args.cold_runs):
+                    wall, rss = run_timed([llama_tool(bin_dir, "llama-completion"), "-m", str(model), "-p", "hi",
+                                           "-n", "1", "--temp", "0", "-t", str(threads), "-no-cnv"])
+                    add(f"cold|{threads}|llama.cpp", wall)
+                    add(f"rss|{threads}|llama.cpp", rss)
+                    wall, rss = run_timed([sys.executable, "-m", "lmplug.cli", "generate", "--model", str(model),
+                                           "--max-tokens", "1", "--temperature", "0", *lmplug_set_args(sets),
+                                           "hi"], env=threads_env(threads))
+                    add(f"cold|{threads}|lmplug", wall)
+                    add(f"rss|{threads}|lmplug", rss)
+            print(f"threads {threads}: round {rnd + 1}/{args.rounds} done", file=sys.stderr)
+        if worker is not None:
+            worker.close()
+        if "serve" in args.sections:
+            serve_round(args, bin_dir, model, threads, add)
+    return raw
+
+
+def serve_round(args, bin_dir: Path, model: Path, threads: int, add) -> None:
+    n = args.concurrency
+    llama_port, lmplug_port = free_port(), free_port()
+    servers = [
+        Server("llama.cpp", [llama_tool(bin_dir, "llama-server"), "-m", str(model), "-t", str(threads),
+                             "--parallel", str(n), "-c", str(n * args.slot_ctx), "--host", "127.0.0.1",
+                             "--port", str(llama_port)], llama_port, os.environ.copy()),
+        Server("lmplug", [sys.executable, "-m", "lmplug.cli", "serve", "--model", str(model), "--port",
+                          str(lmplug_port), "--set", f"scheduler.max_num_seqs={n}", *lmplug_set_args(args.lmplug_set)],
+               lmplug_port, threads_env(threads)),
+    ]
+    try:
+        prompts = serve_prompts(n)
+        for server in servers:  # a warm-up batch each: first requests pay one-time costs
+            server.batch(prompts[:2], 4)
+        for _ in range(args.rounds):
+            for server in servers:
+                tok_s, _ = server.batch(prompts, args.max_tokens)
+                add(f"serve|{threads}|{server.name}", tok_s)
+    finally:
+        for server in servers:
+            add(f"serve_rss|{threads}|{server.name}", server.stop())
+
+
+ROWS = [  # measurement key, label, higher is better
+    ("decode", "decode tok/s (batch 1, {n} tokens)", True),
+    ("prefill", "prefill tok/s ({n}-token prompt)", True),
+    ("cold", "cold start s (1-token generate)", False),
+    ("rss", "peak RSS MiB (1-token generate)", False),
+    ("serve", "serve output tok/s ({n} concurrent)", True),
+    ("serve_rss", "peak RSS MiB (server)", False),
+]
+
+
+def table(raw: dict, args: argparse.Namespace) -> list[dict]:
+    rows = []
+    for threads in args.threads:
+        for kind, label, higher in ROWS:
+            keys = [str(p) for p in args.prompt_sizes] if kind == "prefill" else [kind]
+            for key in keys:
+                llama, ours = raw.get(f"{key}|{threads}|llama.cpp"), raw.get(f"{key}|{threads}|lmplug")
+                if not llama or not ours:
+                    continue
+                n = {"decode": args.decode_tokens, "serve": args.concurrency}.get(kind, key)
+                a, b = statistics.median(llama), statistics.median(ours)
+                rows.append({"metric": label.format(n=n), "threads": threads, "llama.cpp": a, "lmplug": b,
+                             "ratio": b / a, "better": "higher" if higher else "lower", "runs": len(ours)})
+    return rows
+
+
+def print_table(rows: list[dict]) -> None:
+    width = max([len(r["metric"]) for r in rows] + [6])
+    print(f"{'metric':<{width}}  {'threads':>7}  {'llama.cpp':>10}  {'lmplug':>10}  {'lmplug/llama':>12}  better")
+    for r in rows:
+        print(f"{r['metric']:<{width}}  {r['threads']:>7}  {r['llama.cpp']:>10.2f}  {r['lmplug']:>10.2f}  "
+              f"{r['ratio']:>11.2f}x  {r['better']}")
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="smollm2-135m-instruct", help="a .gguf file, or a model name in the cache")
+    p.add_argument("--llama-bin-dir", help="folder with llama-bench, llama-completion, llama-server "
+                   "(default: $LLAMA_CPP_BIN, else the cache folder build_llamacpp.sh fills)")
+    p.add_argument("--threads", default="1,2", help="comma-separated thread counts (default 1,2)")
+    p.add_argument("--rounds", type=int, default=3, help="interleaved rounds per thread count (medians)")
+    p.add_argument("--cold-runs", type=int, default=2, help="cold starts per engine per round")
+    p.add_argument("--prompt-sizes", default="128,512")
+    p.add_argument("--decode-tokens", type=int, default=64)
+    p.add_argument("--concurrency", type=int, default=16)
+    p.add_argument("--max-tokens", type=int, default=64, help="output tokens per serve request")
+    p.add_argument("--slot-ctx", type=int, default=256, help="llama-server context per slot (-c N*this)")
+    p.add_argument("--sections", default=",".join(SECTIONS), help=f"any of {', '.join(SECTIONS)}")
+    p.add_argument("--lmplug-set", action="append", default=[], metavar="KEY=VALUE",
+                   help="an lmplug config key for every lmplug run (as `lmplug --set`); repeatable")
+    p.add_argument("--quick", action="store_true", help="one round, one cold start each")
+    p.add_argument("--json", metavar="PATH", help="write the table and raw measurements here")
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    try:
+        args.threads = [int(t) for t in str(args.threads).split(",") if t]
+        args.prompt_sizes = [int(n) for n in str(args.prompt_sizes).split(",") if n]
+    except ValueError:
+        p.error("--threads and --prompt-sizes take comma-separated integers, e.g. 1,2")
+    args.sections = [s for s in args.sections.split(",") if s]
+    unknown = set(args.sections) - set(SECTIONS)
+    if unknown:
+        p.error(f"--sections: unknown {', '.join(sorted(unknown))}; choose from {', '.join(SECTIONS)}")
+    if args.quick:
+        args.rounds, args.cold_runs = 1, 1
+    if min(args.threads, default=0) < 1 or args.rounds < 1 or args.cold_runs < 1 or args.concurrency < 1:
+        p.error("--threads, --rounds, --cold-runs and --concurrency must be at least 1")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.worker:
+        return worker_main(args)
+    load_before = os.getloadavg()
+    started = time.perf_counter()
+    raw = run(args)
+    rows = table(raw, args)
+    load_after = os.getloadavg()
+    print(f"model {gguf_file(args.model)} | llama.cpp {llama_version(llama_bin_dir(args.llama_bin_dir))} | "
+          f"lmplug sets: {' '.join(args.lmplug_set) or 'none (default config)'} | "
+          f"{args.rounds} round(s), medians")
+    print_table(rows)
+    print(f"load average (1/5/15 min): before {'/'.join(f'{x:.2f}' for x in load_before)}, after "
+          f"{'/'.join(f'{x:.2f}' for x in load_after)} on {os.cpu_count()} CPUs; "
+          f"{time.perf_counter() - started:.0f} s in all")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"rows": rows, "raw": raw, "load_before": load_before,
+                                               "load_after": load_after, "args": vars(args)}, indent=2))
+    return 0
+
+
+def llama_version(bin_dir: Path) -> str:
+    stamp = bin_dir / "VERSION"
+    return f"b{stamp.read_text().split('.')[0]}" if stamp.is_file() else str(bin_dir)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

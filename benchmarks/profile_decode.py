@@ -1,0 +1,183 @@
+"""Where a batch-1 decode token goes on the CPU: ATen calls, the share outside the kernels, top ops.
+
+    OMP_NUM_THREADS=1 python benchmarks/profile_decode.py [--config FILE] [--set KEY=VALUE ...]
+        [--steps 32] [--threads 1 2] [--top 15] [--compare-fused]
+
+One request (a 32-token prompt, greedy, EOS ignored) runs through ``LLMEngine.step`` with the
+default config (the demo model on the CPU) or ``--config`` / ``--set`` (as ``lmplug generate``
+takes them). After the prefill and a few warm-up steps, for each thread count: ``--steps`` decode
+steps timed without the profiler (tokens/s, wall and process CPU ms per token: on a
+loaded machine the CPU time moves less than the wall time), then the same number under
+``torch.profiler``. From the profile, per token: the ATen calls (every ``aten::`` event, nested
+ones included, and the top-level ones), and the time inside the kernels, matrix products
+(``aten::mm`` / ``addmm`` / ``bmm`` / the packed int GEMMs / the GGUF kernel, self time) and attention (the
+attention backend's C kernel, timed through a ``record_function`` put around it here, and
+torch's SDPA kernels). "Outside the kernels" is one minus kernel time over the *unprofiled*
+ms per token (the profiler slows the Python and dispatch between ops, not the kernels).
+
+``--compare-fused`` repeats every measurement with the fused CPU ops off
+(as ``LMPLUG_FUSED_CPU=0`` does; ``lmplug.models.fused_cpu.set_enabled``), in the same process, so that
+the two columns see the same machine load. The load average is printed before and after:
+timings on a shared machine move with it; compare within one run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+from collections import Counter
+
+import torch
+
+# self time of these ops is "matrix product" time (float, packed-int and low-precision GEMMs)
+MATMUL_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::_int_mm",
+              "aten::_weight_int4pack_mm", "aten::_weight_int4pack_mm_for_cpu", "aten::_weight_int8pack_mm",
+              "aten::_scaled_mm", "aten::mkldnn_linear", "lmplug_quant::gguf_mul_mat")
+ATTENTION_OPS = ("aten::_scaled_dot_product_flash_attention_for_cpu", "aten::_flash_attention_forward",
+                 "native::attention_decode")
+PROMPT = list(range(100, 132))
+
+
+def build_llm(args: argparse.Namespace):
+    from lmplug import LLM
+    from lmplug.cli import _overrides
+
+    overrides = _overrides(argparse.Namespace(set=args.set, model=args.model))
+    return LLM(config=args.config, **overrides)
+
+
+def time_the_native_attention() -> None:
+    """Wrap the paged backend's C decode kernel (a ctypes call the profiler cannot see) in a
+    ``record_function``, so its time counts as kernel time."""
+    try:
+        from lmplug_attention import paged_native
+    except ImportError:
+        return
+    original = paged_native.NativeKernel.decode
+
+    def decode(self, *a, **kw):
+        with torch.profiler.record_function("native::attention_decode"):
+            return original(self, *a, **kw)
+
+    paged_native.NativeKernel.decode = decode
+
+
+class Decoder:
+    """One running request on an engine, stepped one decode token at a time."""
+
+    def __init__(self, llm, steps: int) -> None:
+        from lmplug import SamplingParams
+
+        self.engine = llm.engine
+        self.steps = steps
+        # enough tokens for every measurement below, one request for them all
+        params = SamplingParams(temperature=0, max_tokens=100_000, ignore_eos=True)
+        limit = self.engine.max_model_len - len(PROMPT) - 1
+        self.budget = limit
+        self.engine.add_request("profile", PROMPT, params)
+        self.engine.step()  # the prefill and first token
+        self.used = 0
+
+    def step(self, n: int) -> None:
+        if self.used + n > self.budget:
+            raise SystemExit(f"profile_decode: the request ran past max_model_len "
+                             f"({self.engine.max_model_len}); use fewer --steps")
+        for _ in range(n):
+            self.engine.step()
+        self.used += n
+
+    def timed(self, repeats: int = 3) -> tuple[float, float]:
+        """Medians over ``repeats`` runs of ``steps`` steps: wall and process CPU ms per token."""
+        walls, cpus = [], []
+        for _ in range(repeats):
+            start, cpu = time.perf_counter(), time.process_time()
+            self.step(self.steps)
+            walls.append((time.perf_counter() - start) * 1e3 / self.steps)
+            cpus.append((time.process_time() - cpu) * 1e3 / self.steps)
+        return statistics.median(walls), statistics.median(cpus)
+
+    def profiled(self):
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            start = time.perf_counter()
+            self.step(self.steps)
+            wall = (time.perf_counter() - start) * 1e3 / self.steps
+        return prof, wall
+
+
+def analyse(prof, steps: int, wall_ms: float, cpu_ms: float, profiled_ms: float, top: int) -> dict:
+    events = prof.events()
+    aten = [e for e in events if e.name.startswith("aten::")]
+    top_level = [e for e in aten if e.cpu_parent is None or not e.cpu_parent.name.startswith("aten::")]
+    self_us = Counter()
+    calls = Counter()
+    for e in events:
+        self_us[e.name] += e.self_cpu_time_total
+        calls[e.name] += 1
+    matmul = sum(self_us[n] for n in MATMUL_OPS) / 1e3 / steps
+    attention = sum(self_us[n] for n in ATTENTION_OPS) / 1e3 / steps
+    ops = sorted(((us / 1e3 / steps, calls[n] / steps, n) for n, us in self_us.items()
+                  if not n.startswith("ProfilerStep")), reverse=True)[:top]
+    return {"aten": len(aten) / steps, "top_level": len(top_level) / steps, "matmul": matmul,
+            "attention": attention, "wall": wall_ms, "cpu": cpu_ms, "profiled": profiled_ms,
+            "outside": 1 - (matmul + attention) / wall_ms, "ops": ops}
+
+
+def measure(decoder: Decoder, threads: int, top: int) -> dict:
+    torch.set_num_threads(threads)
+    decoder.step(4)  # settle after a change of threads / path
+    wall, cpu = decoder.timed()
+    prof, profiled = decoder.profiled()
+    return analyse(prof, decoder.steps, wall, cpu, profiled, top)
+
+
+def report(label: str, r: dict, show_ops: bool) -> None:
+    print(f"  {label}: {1e3 / r['wall']:6.1f} tok/s  {r['wall']:6.2f} ms/token (CPU {r['cpu']:6.2f} ms)  "
+          f"ATen calls/token {r['aten']:7.0f} (top-level {r['top_level']:5.0f})  "
+          f"matmul {r['matmul']:5.2f} ms  attention {r['attention']:5.2f} ms  "
+          f"outside kernels {100 * r['outside']:4.1f}%  (profiled {r['profiled']:.2f} ms/token)")
+    if show_ops:
+        print(f"    {'self ms/token':>13s} {'calls/token':>11s}  op")
+        for ms, n, name in r["ops"]:
+            print(f"    {ms:13.3f} {n:11.1f}  {name}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--config", help="YAML config file (default: the embedded default config)")
+    parser.add_argument("--model", help="model name or path (default: the config's)")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="override a config key, as `lmplug generate --set` (repeatable)")
+    parser.add_argument("--steps", type=int, default=32, help="decode steps per measurement")
+    parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--top", type=int, default=15, help="top ops by self time to list")
+    parser.add_argument("--compare-fused", action="store_true",
+                        help="also measure with the fused CPU ops off (LMPLUG_FUSED_CPU=0), same process")
+    args = parser.parse_args()
+    if args.steps < 1:
+        parser.error("--steps must be at least 1")
+    print(f"load average before: {' '.join(f'{x:.2f}' for x in os.getloadavg())}  "
+          f"(cores: {os.cpu_count()})")
+    time_the_native_attention()
+    from lmplug.models import fused_cpu
+
+    llm = build_llm(args)
+    resolved = llm.engine.resolved
+    print(f"model {resolved.config.model}, dtype {resolved.dtype}, device {resolved.device}, "
+          f"attention {resolved.backends['attention'].name}, torch {torch.__version__}")
+    decoder = Decoder(llm, args.steps)
+    decoder.step(8)  # warm-up: first-call costs (kernel builds, compiled graphs, allocator)
+    paths = [("fused", True), ("unfused", False)] if args.compare_fused else [(None, None)]
+    for threads in args.threads:
+        print(f"\n{threads} thread(s), {args.steps} decode steps per measurement:")
+        for label, fused in paths:
+            if fused is not None:
+                fused_cpu.set_enabled(fused)
+            r = measure(decoder, threads, args.top)
+            report(label or "decode", r, show_ops=True)
+    print(f"\nload average after: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+
+
+if __name__ == "__main__":
+    main()

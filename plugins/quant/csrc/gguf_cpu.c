@@ -1,0 +1,742 @@
+/* Matrix x packed GGUF blocks on CPU: out[M, N] = x[M, K] @ W[N, K]^T, W kept in ggml's blocks.
+ *
+ * Weight types (ggml's block layouts, one row of W = K / block elements of blocks, row-major):
+ *   Q4_0  (2) 32 elements, 18 bytes: fp16 d, 16 bytes of nibbles; w = d * (q - 8)
+ *   Q4_1  (3) 32 elements, 20 bytes: fp16 d, fp16 m, 16 bytes of nibbles; w = d * q + m
+ *   Q8_0  (8) 32 elements, 34 bytes: fp16 d, 32 int8; w = d * q
+ *   (in the 4-bit types byte i holds element i in its low nibble and element i + 16 in its high)
+ *   Q4_K (12) 256 elements, 144 bytes: fp16 d, fp16 dmin, 12 bytes of 6-bit scales and mins for
+ *             8 sub-blocks of 32, 128 bytes of nibbles (byte 32 j + l: element 64 j + l low,
+ *             64 j + 32 + l high); w = d * sc[s] * q - dmin * mn[s]
+ *   Q5_K (13) 256 elements, 176 bytes: as Q4_K plus 32 bytes qh before the nibbles: bit s of
+ *             qh[l] is bit 4 of element 32 s + l
+ *   Q6_K (14) 256 elements, 210 bytes: ql[128], qh[64], int8 scales[16] (one per 16 elements),
+ *             fp16 d; element 128 h + 32 t + l (t < 4, l < 32) has low bits from
+ *             ql[64 h + 32 (t & 1) + l] >> 4 (t >> 1), high bits (qh[32 h + l] >> 2 t) & 3;
+ *             w = d * sc[e / 16] * (q - 32)
+ *
+ * The activations are quantized first, per row and block, to int8 with one float32 scale:
+ * d = amax / 127, q = round-to-nearest-even(x / d) (x * (1 / d), as written below) in
+ * [-127, 127], plus the integer sum of every 16 (k-quants, blocks of 256) or 32 (the others,
+ * blocks of 32) values. Each output is then a sum over blocks of exact integer dot products
+ * times float scales (see each type's generic kernel: it is the definition; the SIMD kernels
+ * compute the same integers and differ only in the order of the float additions).
+ *
+ * Loops: output rows (weight rows) are split into chunks the threads claim in turn; a thread
+ * walks a chunk in tiles of NT weight rows, and for each tile the activation rows in groups
+ * of up to MR: each weight block is unpacked once for the MR rows of a group (the GEMV case,
+ * M <= MR, reads every weight byte once), and a tile's weights stay in cache while the groups
+ * pass over it (GEMM). Every output element is computed by one thread with one fixed sequence
+ * of operations, so the result does not depend on the number of threads or on M.
+ *
+ * Kernels: a portable C one per type, and AVX2 (+FMA, F16C) ones compiled with target
+ * attributes on x86-64 and chosen at run time when the CPU reports them
+ * (__builtin_cpu_supports), so the library is built without -march and runs on any x86-64.
+ * Threads: a pool of pthreads kept between calls (see "thread pool" below; 1 thread: none); no
+ * OpenMP, whose runtime would be a second one next to torch's. A call with little work uses
+ * fewer threads (MIN_WORK each).
+ */
+#include <pthread.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#define HAVE_X86 1
+#include <immintrin.h>
+#else
+#define HAVE_X86 0
+#endif
+
+#define MR 8            /* activation rows that share one unpacked weight block */
+#define NT 16           /* weight rows per cache tile */
+#define MIN_WORK (64 * 1024) /* weight elements x row groups a thread is worth waking for */
+#define MAX_THREADS 256
+
+enum { T_Q4_0 = 2, T_Q4_1 = 3, T_Q8_0 = 8, T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14 };
+enum { ISA_GENERIC = 0, ISA_AVX2 = 1 };
+
+/* The quantized activations: row m's int8 values at q + m * K, its block scales at
+ * d + m * nb, its sums of 16 or 32 values at s + m * ns. */
+typedef struct {
+    const int8_t *q;
+    const float *d;
+    const int16_t *s;
+    int64_t K, nb, ns;
+} acts_t;
+
+typedef void (*row_fn)(const uint8_t *w, const acts_t *a, int64_t m0, int mc, float *out, int64_t ldo);
+
+static inline float fp16_to_f32(uint16_t h) {
+    const uint32_t sign = (uint32_t)(h & 0x8000) << 16;
+    uint32_t exp = (h >> 10) & 0x1F, man = h & 0x3FF, bits;
+    if (exp == 0x1F) {
+        bits = sign | 0x7F800000u | (man << 13);
+    } else if (exp == 0) {
+        if (man == 0) {
+            bits = sign;
+        } else { /* subnormal: normalize */
+            exp = 127 - 15 + 1;
+            while (!(man & 0x400)) { man <<= 1; exp--; }
+            bits = sign | (exp << 23) | ((man & 0x3FF) << 13);
+        }
+    } else {
+        bits = sign | ((exp + 127 - 15) << 23) | (man << 13);
+    }
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+static inline uint16_t load_u16(const uint8_t *p) {
+    uint16_t v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+/* ---------------------------------------------------------------- activations */
+
+/* Block of n values -> int8 q, scale (return), sums of each `group` values into s. */
+static float quantize_block(const float *x, int n, int group, int8_t *q, int16_t *s) {
+    float amax = 0.0f;
+    for (int i = 0; i < n; i++) {
+        const float v = x[i] < 0 ? -x[i] : x[i];
+        amax = v > amax ? v : amax;
+    }
+    const float d = amax / 127.0f;
+    const float id = d != 0.0f ? 1.0f / d : 0.0f;
+    const float shifter = 12582912.0f; /* 1.5 * 2^23: (v + shifter) - shifter rounds v to nearest even */
+    for (int i = 0; i < n; i++) {
+        float v = (x[i] * id + shifter) - shifter;
+        v = v > 127.0f ? 127.0f : (v < -127.0f ? -127.0f : v);
+        q[i] = (int8_t)v;
+    }
+    for (int g = 0; g < n / group; g++) {
+        int sum = 0;
+        for (int i = 0; i < group; i++) sum += q[g * group + i];
+        s[g] = (int16_t)sum;
+    }
+    return d;
+}
+
+/* ---------------------------------------------------------------- 6-bit scales of Q4_K/Q5_K */
+
+static inline void k_scales(const uint8_t *p, uint8_t sc[8], uint8_t mn[8]) {
+    for (int j = 0; j < 4; j++) {
+        sc[j] = p[j] & 63;
+        mn[j] = p[j + 4] & 63;
+        sc[j + 4] = (p[j + 8] & 0x0F) | ((p[j] >> 6) << 4);
+        mn[j + 4] = (p[j + 8] >> 4) | ((p[j + 4] >> 6) << 4);
+    }
+}
+
+/* ---------------------------------------------------------------- portable kernels */
+
+#define ROW(a, m) ((a)->q + (m) * (a)->K)
+
+static void q4_0_generic(const uint8_t *w, const acts_t *a, int64_t m0, int mc, float *out, int64_t ldo) {
+    float acc[MR] = {0};
+    for (int64_t b = 0; b < a->nb; b++) {
+        const uint8_t *blk = w + b * 18;
+        const float dw = fp16_to_f32(load_u16(blk));
+        int8_t qw[32];
+        for (int i = 0; i < 16; i++) {
+            qw[i] = (int8_t)((blk[2 + i] & 0x0F) - 8);
+            qw[i + 16] = (int8_t)((blk[2 + i] >> 4) - 8);
+        }
+        for (int r = 0; r < mc; r++) {
+            const int8_t *qx = ROW(a, m0 + r) + b * 32;
+            int32_t isum = 0;
+            for (int i = 0; i < 32; i++) isum += qw[i] * qx[i];
+            acc[r] += dw * a->d[(m0 + r) * a->nb + b] * (float)isum;
+        }
+    }
+    for (int r = 0; r < mc; r++) out[r * ldo] = acc[r];
+}
+
+static void q4_1_generic(const uint8_t *w, const acts_t *a, int64_t m0, int mc, float *out, int64_t ldo) {
+    float acc[MR] = {0};
+    for (int64_t b = 0; b < a->nb; b++) {
+        const uint8_t *blk = w + b * 20;
+        const float dw = fp16_to_f32(load_u16(blk)), mw = fp16_to_f32(load_u16(blk + 2));
+        uint8_t qw[32];
+        for (int i = 0; i < 16; i++) {
+            qw[i] = blk[4 + i] & 0x0F;
+            qw[i + 16] = blk[4 + i] >> 4;
+        }
+        for (int r = 0; r < mc; r++) {
+            const int64_t m = m0 + r;
+            const int8_t *qx = ROW(a, m) + b * 32;
+            int32_t isum = 0;
+            for (int i = 0; i < 32; i++) isum += qw[i] * qx[i];
+            const float dx = a->d[m * a->nb + b];
+            acc[r] += dw * dx * (float)isum + mw * dx * (float)a->s[m * a->ns + b];
+        }
+    }
+    for (int r = 0; r < mc; r++) out[r * ldo] = acc[r];
+}
+
+static void q8_0_generic(const uint8_t *w, const acts_t *a, int64_t m0, int mc, float *out, int64_t ldo) {
+    float acc[MR] = {0};
+    for (int64_t b = 0; b < a->nb; b++) {
+        const uint8_t *blk = w + b * 34;
+        const float dw = fp16_to_f32(load_u16(blk));
+        const int8_t *qw = (const int8_t *)(blk + 2);
+        for (int r = 0; r < mc; r++) {
+            const int8_t *qx = ROW(a, m0 + r) + b * 32;
+            int32_t isum = 0;
+            for (int i = 0; i < 32; i++) isum += qw[i] * qx[i];
+            acc[r] += dw * a->d[(m0 + r) * a->nb + b] * (float)isum;
+        }
+    }
+    for (int r = 0; r < mc; r++) out[r * ldo] = acc[r];
+}
+
+/* Q4_K and Q5_K: unsigned 4/5-bit values with a scale and a min per sub-block of 32. */
+static void k45_generic(const uint8_t *w, const acts_t *a, int64_t m0, int mc, float *out, int64_t ldo,
+                        int five) {
+    const int bytes = five ? 176 : 144;
+    float acc[MR] = {0};
+    for (int64_t b = 0; b < a->nb; b++) {
+        const uint8_t *blk = w + b * bytes;
+        const float d = fp16_to_f32(load_u16(blk)), dmin = fp16_to_f32(load_u16(blk + 2));
+        uint8_t sc[8], mn[8], qw[256];
+        k_scales(blk + 4, sc, mn);
+        const uint8_t *qh = blk + 16, *qs = blk + (five ? 48 : 16);
+        for (int j = 0; j < 4; j++)
+            for (int l = 0; l < 32; l++) {
+                qw[64 * j + l] = qs[32 * j + l] & 0x0F;
+                qw[64 * j + 32 + l] = qs[32 * j + l] >> 4;
+            }
+        if (five)
+            for (int s = 0; s < 8; s++)
+                for (int l = 0; l < 32; l++) qw[32 * s + l] |= ((qh[l] >> s) & 1) << 4;
+        for (int r = 0; r < mc; r++) {
+            const int64_t m = m0 + r;
+            const int8_t *qx = ROW(a, m) + b * 256;
+            const int16_t *bs = a->s + m * a->ns + b * 16;
+            int32_t isum = 0, msum = 0;
+            for (int s = 0; s < 8; s++) {
+                int32_t dot = 0;
+                for (int l = 0; l < 32; l++) dot += qw[32 * s + l] * qx[32 * s + l];
+                isum += sc[s] * dot;
+                msum += mn[s] * (bs[2 * s] + bs[2 * s + 1]);
+            }
+            const float dx = a->d[m * a->nb + b];
+            acc[r] += d * dx * (float)isum - dmin * dx * (float)msum;
+        }
+    }
+    for (int r = 0; r < mc; r++) out[r * ldo] = acc[r];
+}
+
+static void q4_k_generic(const uint8_t *w, const acts_t *a, int64_t m0, int mc, float *out, int64_t ldo) {
+    k45_generic(w, a, m0, mc, out, ldo, 0);
+}
+
+static void q5_k_generic(const uint8_t *w, const acts_t *a, int64_t m0, int mc, float *out, int64_t ldo) {
+    k45_generic(w, a, m0, mc, out, ldo, 1);
+}
+
+static void q6_k_generic(const uint8_t *w, const acts_t *a, int64_t m0, int mc, float *out, int64_t ldo) {
+    float acc[MR] = {0};
+    for (int64_t b = 0; b < a->nb; b++) {
+        const uint8_t *blk = w + b * 210, *ql = blk, *qh = blk + 128;
+        const int8_t *sc = (const int8_t *)(blk + 192);
+        const float d = fp16_to_f32(load_u16(blk + 208));
+        uint8_t qw[256]; /* unsigned 0..63; the value is q - 32 */
+        for (int h = 0; h < 2; h++)
+            for (int t = 0; t < 4; t++)
+                for (int l = 0; l < 32; l++)
+                    qw[128 * h + 32 * t + l] = (uint8_t)(((ql[64 * h + 32 * (t & 1) + l] >> (4 * (t >> 1))) & 0x0F) |
+                                                         (((qh[32 * h + l] >> (2 * t)) & 3) << 4));
+        for (int r = 0; r < mc; r++) {
+            const int64_t m = m0 + r;
+            const int8_t *qx = ROW(a, m) + b * 256;
+            const int16_t *bs = a->s + m * a->ns + b * 16;
+            int32_t isum = 0;
+            for (int j = 0; j < 16; j++) {
+                int32_t dot = 0;
+                for (int l = 0; l < 16; l++) dot += qw[16 * j + l] * qx[16 * j + l];
+                isum += sc[j] * (dot - 32 * bs[j]);
+            }
+            acc[r] += d * a->d[m * a->nb + b] * (float)isum;
+        }
+    }
+    for (int r = 0; r < mc; r++) out[r * ldo] = acc[r];
+}
+
+/* ---------------------------------------------------------------- AVX2 kernels */
+#if HAVE_X86
+#define AVX2 __attribute__((target("avx2,fma,f16c")))
+
+#define INLINE __attribute__((always_inline))
+
+/* The kernel with mc a constant for 1 row (decode) and MR rows (full groups): the loops over
+ * rows unroll and the accumulators stay in registers; other counts loop (same operations). */
+#define SPECIALIZE(name)                                                                          \
+    static AVX2 void name##_avx2(const uint8_t *w, const acts_t *a, int64_t m0, int mc, float *out, \
+                                 int64_t ldo) {                                                   \
+        if (mc == 1)                                                                              \
+            name##_body(w, a, m0, 1, out, ldo);                                                   \
+        else if (mc == MR)                                                                        \
+            name##_body(w, a, m0, MR, out, ldo);                                                  \
+        else                                                                                      \
+            name##_body(w, a, m0, mc, out, ldo);                                                  \
+    }
+
+/* The 8 lanes of one accumulator added in a fixed order. */
+static inline AVX2 float hsum(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+static inline AVX2 float f16(const uint8_t *p) { return _cvtsh_ss(load_u16(p)); }
+
+/* 16 bytes of nibbles -> 32 values: low nibbles in the low half, high ones in the high half. */
+static inline AVX2 __m256i nibbles32(const uint8_t *p) {
+    const __m128i x = _mm_loadu_si128((const __m128i *)p);
+    const __m256i both = _mm256_set_m128i(_mm_srli_epi16(x, 4), x);
+    return _mm256_and_si256(both, _mm256_set1_epi8(0x0F));
+}
+
+/* Signed x signed bytes -> 8 int32 sums of 4 products: |w| (unsigned) times y with w's sign. */
+static inline AVX2 __m256i dot_s8(__m256i abs_w, __m256i sign_w, __m256i y) {
+    const __m256i p16 = _mm256_maddubs_epi16(abs_w, _mm256_sign_epi8(y, sign_w));
+    return _mm256_madd_epi16(p16, _mm256_set1_epi16(1));
+}
+
+static inline INLINE AVX2 void q4_0_body(const uint8_t *w, const acts_t *a, int64_t m0, const int mc, float *out,
+                                           int64_t ldo) {
+    __m256 acc[MR];
+    for (int r = 0; r < mc; r++) acc[r] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < a->nb; b++) {
+        const uint8_t *blk = w + b * 18;
+        const __m256 dw = _mm256_set1_ps(f16(blk));
+        const __m256i qw = _mm256_sub_epi8(nibbles32(blk + 2), _mm256_set1_epi8(8));
+        const __m256i aw = _mm256_sign_epi8(qw, qw);
+        for (int r = 0; r < mc; r++) {
+            const int64_t m = m0 + r;
+            const __m256i y = _mm256_loadu_si256((const __m256i *)(ROW(a, m) + b * 32));
+            const __m256 p = _mm256_cvtepi32_ps(dot_s8(aw, qw, y));
+            acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(dw, _mm256_broadcast_ss(a->d + m * a->nb + b)), p, acc[r]);
+        }
+    }
+    for (int r = 0; r < mc; r++) out[r * ldo] = hsum(acc[r]);
+}
+SPECIALIZE(q4_0)
+
+static inline INLINE AVX2 void q4_1_body(const uint8_t *w, const acts_t *a, int64_t m0, const int mc, float *out,
+                                           int64_t ldo) {
+    __m256 acc[MR];
+    float accm[MR] = {0};
+    for (int r = 0; r < mc; r++) acc[r] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < a->nb; b++) {
+        const uint8_t *blk = w + b * 20;
+        const float mw = f16(blk + 2);
+        const __m256 dw = _mm256_set1_ps(f16(blk));
+        const __m256i qw = nibbles32(blk + 4);
+        for (int r = 0; r < mc; r++) {
+            const int64_t m = m0 + r;
+            const __m256i y = _mm256_loadu_si256((const __m256i *)(ROW(a, m) + b * 32));
+            const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(qw, y), _mm256_set1_epi16(1));
+            const float dx = a->d[m * a->nb + b];
+            acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(dw, _mm256_set1_ps(dx)), _mm256_cvtepi32_ps(p), acc[r]);
+            accm[r] += mw * dx * (float)a->s[m * a->ns + b];
+        }
+    }
+    for (int r = 0; r < mc; r++) out[r * ldo] = hsum(acc[r]) + accm[r];
+}
+SPECIALIZE(q4_1)
+
+static inline INLINE AVX2 void q8_0_body(const uint8_t *w, const acts_t *a, int64_t m0, const int mc, float *out,
+                                           int64_t ldo) {
+    __m256 acc[MR];
+    for (int r = 0; r < mc; r++) acc[r] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < a->nb; b++) {
+        const uint8_t *blk = w + b * 34;
+        const __m256 dw = _mm256_set1_ps(f16(blk));
+        const __m256i qw = _mm256_loadu_si256((const __m256i *)(blk + 2));
+        const __m256i aw = _mm256_sign_epi8(qw, qw); /* -128 -> 0x80, read as unsigned 128 */
+        for (int r = 0; r < mc; r++) {
+            const int64_t m = m0 + r;
+            const __m256i y = _mm256_loadu_si256((const __m256i *)(ROW(a, m) + b * 32));
+            const __m256 p = _mm256_cvtepi32_ps(dot_s8(aw, qw, y));
+            acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(dw, _mm256_broadcast_ss(a->d + m * a->nb + b)), p, acc[r]);
+        }
+    }
+    for (int r = 0; r < mc; r++) out[r * ldo] = hsum(acc[r]);
+}
+SPECIALIZE(q8_0)
+
+/* One 256-block's 8 sub-blocks of 32 unsigned values, their int16 scales, and the mins
+ * repeated per 16 (one per bsum), ready for every activation row. */
+typedef struct {
+    __m256i q[8], sc[8], mn;
+} kblock_t;
+
+static inline INLINE AVX2 void kblock_dot(const kblock_t *k, const acts_t *a, int64_t m0, int mc, int64_t b,
+                                   float d, float dmin, __m256 *acc) {
+    const __m256 vd = _mm256_set1_ps(d), vm = _mm256_set1_ps(-dmin);
+    for (int r = 0; r < mc; r++) {
+        const int64_t m = m0 + r;
+        const int8_t *qx = ROW(a, m) + b * 256;
+        __m256i sumi = _mm256_setzero_si256();
+        for (int s = 0; s < 8; s++) {
+            const __m256i y = _mm256_loadu_si256((const __m256i *)(qx + 32 * s));
+            sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(_mm256_maddubs_epi16(k->q[s], y), k->sc[s]));
+        }
+        const __m256i bs = _mm256_loadu_si256((const __m256i *)(a->s + m * a->ns + b * 16));
+        const __m256i msum = _mm256_madd_epi16(bs, k->mn);
+        const __m256 dx = _mm256_broadcast_ss(a->d + m * a->nb + b);
+        acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(vd, dx), _mm256_cvtepi32_ps(sumi), acc[r]);
+        acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(vm, dx), _mm256_cvtepi32_ps(msum), acc[r]);
+    }
+}
+
+static inline AVX2 void kblock_scales(kblock_t *k, const uint8_t *p) {
+    uint8_t sc[8], mn[8];
+    k_scales(p, sc, mn);
+    int16_t mins[16];
+    for (int s = 0; s < 8; s++) {
+        k->sc[s] = _mm256_set1_epi16(sc[s]);
+        mins[2 * s] = mins[2 * s + 1] = mn[s];
+    }
+    k->mn = _mm256_loadu_si256((const __m256i *)mins);
+}
+
+static inline INLINE AVX2 void q4_k_body(const uint8_t *w, const acts_t *a, int64_t m0, const int mc, float *out,
+                                           int64_t ldo) {
+    __m256 acc[MR];
+    for (int r = 0; r < mc; r++) acc[r] = _mm256_setzero_ps();
+    const __m256i low = _mm256_set1_epi8(0x0F);
+    kblock_t k;
+    for (int64_t b = 0; b < a->nb; b++) {
+        const uint8_t *blk = w + b * 144;
+        kblock_scales(&k, blk + 4);
+        for (int j = 0; j < 4; j++) {
+            const __m256i x = _mm256_loadu_si256((const __m256i *)(blk + 16 + 32 * j));
+            k.q[2 * j] = _mm256_and_si256(x, low);
+            k.q[2 * j + 1] = _mm256_and_si256(_mm256_srli_epi16(x, 4), low);
+        }
+        kblock_dot(&k, a, m0, mc, b, f16(blk), f16(blk + 2), acc);
+    }
+    for (int r = 0; r < mc; r++) out[r * ldo] = hsum(acc[r]);
+}
+SPECIALIZE(q4_k)
+
+static inline INLINE AVX2 void q5_k_body(const uint8_t *w, const acts_t *a, int64_t m0, const int mc, float *out,
+                                           int64_t ldo) {
+    __m256 acc[MR];
+    for (int r = 0; r < mc; r++) acc[r] = _mm256_setzero_ps();
+    const __m256i low = _mm256_set1_epi8(0x0F), one = _mm256_set1_epi8(1);
+    kblock_t k;
+    for (int64_t b = 0; b < a->nb; b++) {
+        const uint8_t *blk = w + b * 176;
+        kblock_scales(&k, blk + 4);
+        const __m256i hv = _mm256_loadu_si256((const __m256i *)(blk + 16));
+        for (int j = 0; j < 4; j++) {
+            const __m256i x = _mm256_loadu_si256((const __m256i *)(blk + 48 + 32 * j));
+            const __m256i h0 = _mm256_and_si256(_mm256_srli_epi16(hv, 2 * j), one);
+            const __m256i h1 = _mm256_and_si256(_mm256_srli_epi16(hv, 2 * j + 1), one);
+            k.q[2 * j] = _mm256_or_si256(_mm256_and_si256(x, low), _mm256_slli_epi16(h0, 4));
+            k.q[2 * j + 1] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(x, 4), low), _mm256_slli_epi16(h1, 4));
+        }
+        kblock_dot(&k, a, m0, mc, b, f16(blk), f16(blk + 2), acc);
+    }
+    for (int r = 0; r < mc; r++) out[r * ldo] = hsum(acc[r]);
+}
+SPECIALIZE(q5_k)
+
+static inline INLINE AVX2 void q6_k_body(const uint8_t *w, const acts_t *a, int64_t m0, const int mc, float *out,
+                                           int64_t ldo) {
+    __m256 acc[MR];
+    for (int r = 0; r < mc; r++) acc[r] = _mm256_setzero_ps();
+    const __m256i low = _mm256_set1_epi8(0x0F), three = _mm256_set1_epi8(3);
+    __m256i q[8], sc[8];
+    for (int64_t b = 0; b < a->nb; b++) {
+        const uint8_t *blk = w + b * 210;
+        const int8_t *scales = (const int8_t *)(blk + 192);
+        for (int h = 0; h < 2; h++) {
+            const __m256i l0 = _mm256_loadu_si256((const __m256i *)(blk + 64 * h));
+            const __m256i l1 = _mm256_loadu_si256((const __m256i *)(blk + 64 * h + 32));
+            const __m256i hb = _mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * h));
+            const __m256i lo[4] = {_mm256_and_si256(l0, low), _mm256_and_si256(l1, low),
+                                   _mm256_and_si256(_mm256_srli_epi16(l0, 4), low),
+                                   _mm256_and_si256(_mm256_srli_epi16(l1, 4), low)};
+            for (int t = 0; t < 4; t++) {
+                const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(hb, 2 * t), three);
+                q[4 * h + t] = _mm256_or_si256(lo[t], _mm256_slli_epi16(hi, 4));
+            }
+        }
+        for (int g = 0; g < 8; g++) /* the scales of elements 32 g .. +16 and +16 .. +32 */
+            sc[g] = _mm256_set_m128i(_mm_set1_epi16(scales[2 * g + 1]), _mm_set1_epi16(scales[2 * g]));
+        const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)scales));
+        const __m256 vd = _mm256_set1_ps(f16(blk + 208));
+        for (int r = 0; r < mc; r++) {
+            const int64_t m = m0 + r;
+            const int8_t *qx = ROW(a, m) + b * 256;
+            __m256i sumi = _mm256_setzero_si256();
+            for (int g = 0; g < 8; g++) {
+                const __m256i y = _mm256_loadu_si256((const __m256i *)(qx + 32 * g));
+                sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(_mm256_maddubs_epi16(q[g], y), sc[g]));
+            }
+            const __m256i bs = _mm256_loadu_si256((const __m256i *)(a->s + m * a->ns + b * 16));
+            sumi = _mm256_sub_epi32(sumi, _mm256_slli_epi32(_mm256_madd_epi16(bs, sc16), 5)); /* the -32 */
+            const __m256 dx = _mm256_broadcast_ss(a->d + m * a->nb + b);
+            acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(vd, dx), _mm256_cvtepi32_ps(sumi), acc[r]);
+        }
+    }
+    for (int r = 0; r < mc; r++) out[r * ldo] = hsum(acc[r]);
+}
+SPECIALIZE(q6_k)
+#endif /* HAVE_X86 */
+
+/* ---------------------------------------------------------------- dispatch */
+
+typedef struct {
+    int type, elems, bytes, group; /* group: activation sum size (16 for k-quants, else 32) */
+    row_fn fn[2];
+} type_t;
+
+static const type_t TYPES[] = {
+#if HAVE_X86
+#define KERNELS(name) {name##_generic, name##_avx2}
+#else
+#define KERNELS(name) {name##_generic, name##_generic}
+#endif
+    {T_Q4_0, 32, 18, 32, KERNELS(q4_0)}, {T_Q4_1, 32, 20, 32, KERNELS(q4_1)},
+    {T_Q8_0, 32, 34, 32, KERNELS(q8_0)}, {T_Q4_K, 256, 144, 16, KERNELS(q4_k)},
+    {T_Q5_K, 256, 176, 16, KERNELS(q5_k)}, {T_Q6_K, 256, 210, 16, KERNELS(q6_k)},
+};
+
+static const type_t *find_type(int type) {
+    for (size_t i = 0; i < sizeof TYPES / sizeof TYPES[0]; i++)
+        if (TYPES[i].type == type) return &TYPES[i];
+    return NULL;
+}
+
+/* One product, as the threads share it: rows [chunk * c, chunk * (c + 1)) of W are chunk c. */
+typedef struct {
+    row_fn fn;
+    const uint8_t *w;
+    int64_t w_stride, N, M, chunk, nchunks;
+    const acts_t *a;
+    float *out;
+    int threads; /* the pool workers with index < threads take part (the caller is index 0) */
+} job_t;
+
+static void run(const job_t *j, int64_t n0, int64_t n1) {
+    for (int64_t t0 = n0; t0 < n1; t0 += NT) {
+        const int64_t t1 = t0 + NT < n1 ? t0 + NT : n1;
+        for (int64_t m0 = 0; m0 < j->M; m0 += MR) {
+            const int mc = j->M - m0 < MR ? (int)(j->M - m0) : MR;
+            for (int64_t n = t0; n < t1; n++) j->fn(j->w + n * j->w_stride, j->a, m0, mc, j->out + m0 * j->N + n, j->N);
+        }
+    }
+}
+
+/* ---------------------------------------------------------------- thread pool
+ *
+ * Workers are started once (lazily, more when a call asks for more) and kept. A call publishes
+ * its job in `pool.job`, then `pool.state` = (generation << CHUNK_BITS) | next unclaimed chunk,
+ * and bumps `pool.wake`. The caller and the woken workers claim chunks with a compare-and-swap
+ * on `state` (a claim for an older generation fails), so a worker that wakes late finds no work
+ * and the caller, which takes chunks too, never waits for a worker that has not started: it waits
+ * only for claimed chunks (`pool.done`). Which thread computes a row does not change its math.
+ * An idle worker spins about SPIN_NS on `wake` (the next product of a decode step often comes
+ * within microseconds), then sleeps on a condition variable: it holds no core between tokens.
+ * One call at a time uses the pool (`pool.busy`, try-locked: a concurrent call runs alone).
+ * After fork() the child has none of the workers: the atfork handler forgets them. */
+
+#define CHUNK_BITS 24
+#define SPIN_NS 5000 /* 30 and 100 us measured slower than 0-10 us on a busy 2-core machine */
+
+#if HAVE_X86
+#define PAUSE() __builtin_ia32_pause()
+#else
+#define PAUSE() ((void)0)
+#endif
+
+static struct {
+    pthread_mutex_t busy;        /* held by the call using the pool */
+    pthread_mutex_t lock;        /* guards the sleeps on `wake_cv` and `done_cv` */
+    pthread_cond_t wake_cv, done_cv;
+    int workers;                 /* started, indices 1..workers */
+    int atfork;                  /* the fork handler is registered */
+    job_t job;
+    uint64_t wake;               /* bumped (under `lock`) for every job */
+    uint64_t state;              /* generation << CHUNK_BITS | next chunk */
+    int64_t done;                /* chunks of the current job finished */
+} pool = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER,
+          PTHREAD_COND_INITIALIZER, 0, 0, {0}, 0, 0, 0};
+
+static uint64_t now_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
+}
+
+/* Claims and runs chunks of the job of generation `gen` until none is left; `j` is a copy. */
+static void take_chunks(const job_t *j, uint64_t gen) {
+    uint64_t s = __atomic_load_n(&pool.state, __ATOMIC_ACQUIRE);
+    for (;;) {
+        if (s >> CHUNK_BITS != gen || (int64_t)(s & ((1u << CHUNK_BITS) - 1)) >= j->nchunks) return;
+        if (!__atomic_compare_exchange_n(&pool.state, &s, s + 1, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE)) continue;
+        const int64_t c = (int64_t)(s & ((1u << CHUNK_BITS) - 1)), n0 = c * j->chunk;
+        run(j, n0, n0 + j->chunk < j->N ? n0 + j->chunk : j->N);
+        if (__atomic_add_fetch(&pool.done, 1, __ATOMIC_ACQ_REL) == j->nchunks) {
+            pthread_mutex_lock(&pool.lock); /* the caller may be asleep on done_cv */
+            pthread_cond_broadcast(&pool.done_cv);
+            pthread_mutex_unlock(&pool.lock);
+        }
+        s = __atomic_load_n(&pool.state, __ATOMIC_ACQUIRE);
+    }
+}
+
+static void *worker(void *arg) {
+    const int index = (int)(intptr_t)arg;
+    uint64_t seen = __atomic_load_n(&pool.wake, __ATOMIC_ACQUIRE);
+    for (;;) {
+        const uint64_t until = now_ns() + SPIN_NS;
+        for (int i = 0; __atomic_load_n(&pool.wake, __ATOMIC_ACQUIRE) == seen; i++) {
+            PAUSE();
+            if ((i & 63) == 63 && now_ns() > until) {
+                pthread_mutex_lock(&pool.lock);
+                while (__atomic_load_n(&pool.wake, __ATOMIC_ACQUIRE) == seen)
+                    pthread_cond_wait(&pool.wake_cv, &pool.lock);
+                pthread_mutex_unlock(&pool.lock);
+            }
+        }
+        seen = __atomic_load_n(&pool.wake, __ATOMIC_ACQUIRE);
+        /* Read the job while its generation is current: it is rewritten only after every chunk of
+         * it was claimed and finished, and then a claim with this generation fails. */
+        const uint64_t s = __atomic_load_n(&pool.state, __ATOMIC_ACQUIRE);
+        job_t j;
+        memcpy(&j, &pool.job, sizeof j);
+        if (index < j.threads) take_chunks(&j, s >> CHUNK_BITS);
+    }
+    return NULL;
+}
+
+static void forget_workers(void) { /* in the child after fork(): the workers stayed in the parent */
+    pthread_mutex_init(&pool.busy, NULL);
+    pthread_mutex_init(&pool.lock, NULL);
+    pthread_cond_init(&pool.wake_cv, NULL);
+    pthread_cond_init(&pool.done_cv, NULL);
+    pool.workers = 0;
+}
+
+/* Starts workers up to index `threads - 1` (pool.busy held); returns how many exist. */
+static int grow(int threads) {
+    if (!pool.atfork) pool.atfork = pthread_atfork(NULL, NULL, forget_workers) == 0;
+    while (pool.workers < threads - 1) {
+        pthread_t t;
+        pthread_attr_t attr;
+        pthread_attr_init(&attr);
+        pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+        const int ok = pthread_create(&t, &attr, worker, (void *)(intptr_t)(pool.workers + 1)) == 0;
+        pthread_attr_destroy(&attr);
+        if (!ok) break;
+        pool.workers++;
+    }
+    return pool.workers;
+}
+
+/* Runs `j` (threads, chunk and nchunks set) on the caller and up to j->threads - 1 workers. */
+static void run_job(job_t *j) {
+    if (j->threads < 2 || pthread_mutex_trylock(&pool.busy) != 0) { /* alone, or the pool is in use */
+        run(j, 0, j->N);
+        return;
+    }
+    if (grow(j->threads) < 1 || !pool.atfork) {
+        pthread_mutex_unlock(&pool.busy);
+        run(j, 0, j->N);
+        return;
+    }
+    const uint64_t gen = (__atomic_load_n(&pool.state, __ATOMIC_RELAXED) >> CHUNK_BITS) + 1;
+    pool.job = *j;
+    __atomic_store_n(&pool.done, 0, __ATOMIC_RELAXED);
+    __atomic_store_n(&pool.state, gen << CHUNK_BITS, __ATOMIC_RELEASE);
+    pthread_mutex_lock(&pool.lock);
+    __atomic_add_fetch(&pool.wake, 1, __ATOMIC_RELEASE);
+    pthread_cond_broadcast(&pool.wake_cv);
+    pthread_mutex_unlock(&pool.lock);
+    take_chunks(j, gen);
+    const uint64_t until = now_ns() + SPIN_NS;
+    for (int i = 0; __atomic_load_n(&pool.done, __ATOMIC_ACQUIRE) < j->nchunks; i++) {
+        PAUSE();
+        if ((i & 63) == 63 && now_ns() > until) {
+            pthread_mutex_lock(&pool.lock);
+            while (__atomic_load_n(&pool.done, __ATOMIC_ACQUIRE) < j->nchunks)
+                pthread_cond_wait(&pool.done_cv, &pool.lock);
+            pthread_mutex_unlock(&pool.lock);
+        }
+    }
+    pthread_mutex_unlock(&pool.busy);
+}
+
+#define EXPORT __attribute__((visibility("default")))
+
+/* The best kernel set this CPU runs: 1 (AVX2 + FMA + F16C) or 0 (portable C). */
+EXPORT int gguf_cpu_isa(void) {
+#if HAVE_X86
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c"))
+        return ISA_AVX2;
+#endif
+    return ISA_GENERIC;
+}
+
+/* The threads a product uses: num_threads, fewer when each would get less than MIN_WORK
+ * weight elements times activation row groups, at most one per weight row. */
+EXPORT int gguf_cpu_threads(int64_t M, int64_t K, int64_t N, int num_threads) {
+    const int64_t work = N * K * ((M + MR - 1) / MR);
+    int64_t workers = num_threads < 1 ? 1 : num_threads;
+    if (workers > MAX_THREADS) workers = MAX_THREADS;
+    if (workers > work / MIN_WORK) workers = work / MIN_WORK > 1 ? work / MIN_WORK : 1;
+    return (int)(workers > N ? N : workers);
+}
+
+/* The pool's started workers (besides the calling thread): 0 until a call uses 2 threads, and
+ * 0 again in a child after fork(). */
+EXPORT int gguf_cpu_pool_workers(void) { return __atomic_load_n(&pool.workers, __ATOMIC_ACQUIRE); }
+
+/* out[M, N] (contiguous float32) = x[M, K] (contiguous float32) @ W^T, W's row n at
+ * w + n * w_stride (K / elems blocks of `type`). isa: the kernel set wanted (at most
+ * gguf_cpu_isa()'s). Returns 0; -1 when scratch memory cannot be allocated, -2 for a type
+ * not listed here, -3 for K not a multiple of the type's block, -4 for an isa not available. */
+EXPORT int gguf_mul_mat(const float *x, int64_t M, int64_t K, const uint8_t *w, int64_t w_stride, int64_t N,
+                        int type, float *out, int num_threads, int isa) {
+    const type_t *t = find_type(type);
+    if (!t) return -2;
+    if (K <= 0 || K % t->elems) return -3;
+    if (isa < 0 || isa > gguf_cpu_isa()) return -4;
+    if (M <= 0 || N <= 0) return 0;
+    const int64_t nb = K / t->elems, ns = K / t->group;
+    int8_t *q = malloc((size_t)(M * K));
+    float *d = malloc((size_t)(M * nb) * sizeof *d);
+    int16_t *s = malloc((size_t)(M * ns) * sizeof *s);
+    if (!q || !d || !s) {
+        free(q); free(d); free(s);
+        return -1;
+    }
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t b = 0; b < nb; b++)
+            d[m * nb + b] = quantize_block(x + m * K + b * t->elems, t->elems, t->group, q + m * K + b * t->elems,
+                                           s + m * ns + b * (t->elems / t->group));
+    const acts_t a = {q, d, s, K, nb, ns};
+
+    job_t j = {t->fn[isa], w, w_stride, N, M, N, 1, &a, out, gguf_cpu_threads(M, K, N, num_threads)};
+    if (j.threads > 1) { /* about 16 chunks a thread, whole tiles, so a late thread's share is taken */
+        j.chunk = (N + 16 * j.threads - 1) / (16 * j.threads);
+        j.chunk = (j.chunk + NT - 1) / NT * NT;
+        if (j.chunk < (N >> CHUNK_BITS) + 1) j.chunk = (N >> CHUNK_BITS) + 1;
+        j.nchunks = (N + j.chunk - 1) / j.chunk;
+    }
+    run_job(&j);
+    free(q); free(d); free(s);
+    return 0;
+}

@@ -1,0 +1,180 @@
+"""GGUF weights multiplied in their packed blocks (``quant: {method: gguf}``).
+
+A GGUF whose linear weights are quantized says ``quant_method: gguf`` (the reader's
+``quantization_config``), so this method is chosen like any checkpoint's. On CPU it takes the
+weights as the reader leaves them (``PackedTensor``: the file's bytes, zero-copy; fused q/k/v
+and gate/up shards that lie back to back in the file stay one view) and multiplies by them:
+the native kernel (``gguf_native``: ``torch.ops.lmplug_quant.gguf_mul_mat``) where it is built
+and reads the type, else the PyTorch reference (``gguf_ref``: dequantize per call, then
+``F.linear``; no float copy of a weight persists). The token embedding and LM head go through
+it too (``takes_packed``), so the tied ``token_embd`` table stays packed: a lookup dequantizes
+the step's rows only.
+
+Shards of one fused layer may have different types (k-quant files: Q4_K q/k with Q6_K v):
+runs of equal type are multiplied together and their outputs concatenated. Types the
+reference does not read (Q2_K, Q3_K, Q5_0, IQ*, ...) are dequantized once at load, with one
+log line naming the tensor. ``dequantize_at_load: true``, CUDA, and tensor-parallel slices
+(which the loader hands over dense) keep dense float weights, as for a float checkpoint.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from lmplug_quant import gguf_ref
+from pydantic import Field
+
+from lmplug.errors import ConfigError
+from lmplug.interfaces import BackendOptions, Capabilities, QuantMethod, Unquantized
+from lmplug.interfaces.packed import PackedTensor
+
+logger = logging.getLogger(__name__)
+
+
+class GGUFOptions(BackendOptions):
+    dequantize_at_load: bool = Field(
+        default=False, description="dequantize every weight to a dense float one at load (the "
+        "float-checkpoint path: BLAS speed, about 3x the memory of the packed blocks)")
+    kernel: Literal["auto", "native", "torch"] = Field(
+        default="auto", description="matmul on the packed blocks: native (the C kernel, compiled on "
+        "first use), torch (the PyTorch reference: dequantize per call, slow); auto: native where it "
+        "builds and reads the type, else torch")
+
+
+@functools.cache
+def native_kernel() -> tuple[object | None, str]:
+    """(the ``gguf_native`` module, "") where its op is built, else (None, why not)."""
+    try:
+        from lmplug_quant import gguf_native
+    except ImportError as exc:
+        return None, f"the native GGUF kernel module is not installed ({exc})"
+    ok, reason = gguf_native.available()
+    return (gguf_native, "") if ok else (None, reason)
+
+
+class GGUFQuant(QuantMethod):
+    name = "gguf"
+    capabilities = Capabilities(devices=frozenset({"cpu", "cuda"}))
+    Options = GGUFOptions
+
+    def __init__(self, options: GGUFOptions) -> None:
+        super().__init__(options)
+        if options.kernel == "native" and native_kernel()[0] is None:
+            raise ConfigError(f"quant: gguf: kernel 'native' is not available: {native_kernel()[1]}; "
+                              "use `kernel: auto` or `kernel: torch`")
+
+    def takes_packed(self, device: torch.device) -> bool:
+        return not self.options.dequantize_at_load and torch.device(device).type == "cpu"
+
+    def create_weights(self, layer, in_features, out_features, dtype, bias):
+        # a placeholder the loader addresses by name; the shards arrive through load_shard
+        layer.weight = torch.nn.Parameter(torch.empty(0, dtype=torch.uint8), requires_grad=False)
+        layer.bias = (torch.nn.Parameter(torch.zeros(out_features, dtype=dtype), requires_grad=False)
+                      if bias else None)
+        layer.gguf_shards = {}  # output offset -> PackedTensor or dense tensor
+        layer.gguf_runs = None  # after loading: [(ggml type or None for dense, buffer name, rows)]
+
+    def load_shard(self, layer, param_name, tensor, shard_offset, shard_size):
+        if param_name != "weight":
+            super().load_shard(layer, param_name, tensor, shard_offset, shard_size)
+            return
+        expected = (shard_size, layer.in_features)
+        if tuple(tensor.shape) != expected:
+            kind = f" of type {tensor.type_name}" if isinstance(tensor, PackedTensor) else ""
+            raise ValueError(f"has shape {tuple(tensor.shape)}{kind}, the model expects {expected}")
+        if not isinstance(tensor, PackedTensor):
+            tensor = tensor.to(device=layer.weight.device, dtype=layer.dtype)
+        layer.gguf_shards[shard_offset] = tensor
+
+    def process_weights_after_loading(self, layer):
+        pieces = [self._usable(piece) for _, piece in sorted(layer.gguf_shards.items())]
+        del layer.gguf_shards
+        runs = _runs(pieces)
+        if len(runs) == 1 and not isinstance(runs[0], PackedTensor):  # dense: as a float checkpoint
+            layer.weight = torch.nn.Parameter(runs[0].to(layer.dtype), requires_grad=False)
+            Unquantized().process_weights_after_loading(layer)
+            return
+        del layer.weight
+        layer.gguf_runs = []
+        for i, run in enumerate(runs):
+            packed = isinstance(run, PackedTensor)
+            data = run.data if packed else run.float()  # dense pieces of a mixed layer: float32
+            layer.register_buffer(f"gguf_w{i}", data, persistent=False)
+            layer.gguf_runs.append((run.ggml_type if packed else None, f"gguf_w{i}", run.shape[0]))
+
+    @staticmethod
+    def _usable(piece):
+        """A shard as this layer keeps it: packed where the reference reads its type, else
+        dequantized (once, here)."""
+        if not isinstance(piece, PackedTensor):
+            return piece
+        if piece.ggml_type not in gguf_ref.SUPPORTED:
+            logger.info("gguf: tensor %r has type %s, which no packed matmul reads: dequantized at load",
+                        piece.name, piece.type_name)
+            return piece.dequantize()
+        return piece
+
+    def apply(self, layer, x):
+        if layer.gguf_runs is None:
+            return F.linear(x, layer.weight, layer.bias)
+        xf = x.reshape(-1, x.shape[-1]).float().contiguous()
+        outs = [self._matmul(getattr(layer, buf), kind, xf, layer.in_features)
+                for kind, buf, _ in layer.gguf_runs]
+        y = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
+        if layer.bias is not None:
+            y = y + layer.bias
+        return y.to(x.dtype).reshape(*x.shape[:-1], y.shape[-1])
+
+    def _matmul(self, data: torch.Tensor, kind: int | None, xf: torch.Tensor, cols: int) -> torch.Tensor:
+        if kind is None:
+            return F.linear(xf, data)
+        native = native_kernel()[0] if self.options.kernel != "torch" else None
+        if native is not None and kind in native.SUPPORTED:
+            return torch.ops.lmplug_quant.gguf_mul_mat(xf, data, kind, cols)
+        return gguf_ref.linear(xf, data, kind, cols)
+
+    def embedding(self, layer, ids):
+        """Only the rows looked up are dequantized (a packed vocabulary table stays packed)."""
+        if layer.gguf_runs is None:
+            return F.embedding(ids, layer.weight)
+        flat = ids.reshape(-1)
+        out = torch.empty(flat.shape[0], layer.in_features, dtype=layer.dtype, device=flat.device)
+        start = 0
+        for kind, buf, rows in layer.gguf_runs:
+            mine = (flat >= start) & (flat < start + rows)
+            local = flat[mine] - start
+            data = getattr(layer, buf)
+            out[mine] = (data[local] if kind is None else
+                         gguf_ref.dequantize(data[local], kind, layer.in_features)).to(layer.dtype)
+            start += rows
+        return out.reshape(*ids.shape, layer.in_features)
+
+
+def _runs(pieces: list) -> list:
+    """Adjacent shards merged: packed ones of one type (a view where they lie back to back in
+    the same buffer, else a packed copy), dense ones concatenated."""
+    runs: list = []
+    for piece in pieces:
+        last = runs[-1] if runs else None
+        if isinstance(piece, PackedTensor) and isinstance(last, PackedTensor) \
+                and piece.ggml_type == last.ggml_type:
+            runs[-1] = PackedTensor(_join(last.data, piece.data), last.ggml_type,
+                                    (last.shape[0] + piece.shape[0], last.shape[1]), last.name)
+        elif not isinstance(piece, PackedTensor) and last is not None and not isinstance(last, PackedTensor):
+            runs[-1] = torch.cat([last, piece.to(last.dtype)])
+        else:
+            runs.append(piece)
+    return runs
+
+
+def _join(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Rows of ``a`` then ``b``: a view when ``b`` starts where ``a`` ends in one storage."""
+    if a.is_contiguous() and b.is_contiguous() and a.device == b.device \
+            and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr() \
+            and b.storage_offset() == a.storage_offset() + a.numel():
+        return a.as_strided((a.shape[0] + b.shape[0], a.shape[1]), (a.shape[1], 1), a.storage_offset())
+    return torch.cat([a, b])

@@ -1,0 +1,178 @@
+"""Native CPU products of float activations with packed GGUF weights (``csrc/gguf_cpu.c``).
+
+``mul_mat(x, w, ggml_type, k)``, also registered as the torch op
+``torch.ops.lmplug_quant.gguf_mul_mat(Tensor x, Tensor w, int ggml_type, int k) -> Tensor``:
+x float32 [M, k] (other float dtypes and strides are converted), w uint8 [N, row_bytes], the
+weight's rows of ggml blocks as stored in the file (a view into an mmap is fine; each row must
+be contiguous), returns float32 [M, N] = x @ dequantize(w)^T, computed with x quantized per
+block to 8 bits and integer dot products (the C file's header has the math). Types: ``SUPPORTED``.
+
+The library is built on first use by ``lmplug.interfaces.native_build`` (``$CC``, cached in
+``<cache_dir>/kernels/``) without ``-march``: the AVX2 kernels are compiled with target
+attributes and chosen at run time from what the CPU reports, so a cached build runs on any
+x86-64 (the cache key still holds the CPU's flags, as for every native kernel).
+``available()`` says whether it builds here, and why not (logged once); a caller then keeps
+its PyTorch path.
+
+Environment: ``LMPLUG_GGUF_THREADS`` (default ``torch.get_num_threads()``) and
+``LMPLUG_GGUF_ISA`` = ``auto`` (default) | ``generic`` (the portable C kernels) | ``avx2``.
+Results do not depend on the thread count; the portable and AVX2 kernels differ only in the
+order of float additions.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+import os
+from pathlib import Path
+
+import torch
+
+from lmplug.interfaces import native_build
+from lmplug.interfaces.native_build import NativeBuildError
+from lmplug.interfaces.paths import cache_dir
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).resolve().parent / "csrc" / "gguf_cpu.c"
+FLAGS = ("-O3", "-ffp-contract=off", "-shared", "-fPIC", "-pthread")  # no fused a*b+c the C does not write
+# ggml type -> (elements, bytes) of one block
+BLOCKS = {2: (32, 18), 3: (32, 20), 8: (32, 34), 12: (256, 144), 13: (256, 176), 14: (256, 210)}
+NAMES = {2: "Q4_0", 3: "Q4_1", 8: "Q8_0", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K"}
+SUPPORTED = frozenset(BLOCKS)
+ISAS = ("generic", "avx2")  # index = the C file's isa number
+_ARGTYPES = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
+             ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
+_ERRORS = {-1: "the kernel could not allocate its scratch memory", -2: "unknown ggml type",
+           -3: "k is not a multiple of the block size", -4: "instruction set not available on this CPU"}
+_WHAT = "gguf native mul_mat"
+_warned: set[str] = set()
+_loaded: dict[tuple[str | None, ...], GGUFKernel] = {}
+
+
+def row_bytes(ggml_type: int, k: int) -> int:
+    """Bytes of one weight row of ``k`` elements; ValueError for an unsupported type or k."""
+    if ggml_type not in BLOCKS:
+        raise ValueError(f"{_WHAT}: ggml_type {ggml_type} is not supported; supported: "
+                         f"{', '.join(f'{t} ({NAMES[t]})' for t in sorted(BLOCKS))}")
+    elems, size = BLOCKS[ggml_type]
+    if k <= 0 or k % elems:
+        raise ValueError(f"{_WHAT}: k={k} must be a positive multiple of {NAMES[ggml_type]}'s block of {elems}")
+    return k // elems * size
+
+
+class GGUFKernel:
+    """The loaded library: ``mul_mat`` one product."""
+
+    def __init__(self, lib: ctypes.CDLL, path: str) -> None:
+        self.path = path
+        self._fn = lib.gguf_mul_mat
+        self._fn.argtypes, self._fn.restype = _ARGTYPES, ctypes.c_int
+        self.best_isa = ISAS[lib.gguf_cpu_isa()]
+        self._threads = lib.gguf_cpu_threads
+        self._threads.argtypes = [ctypes.c_int64] * 3 + [ctypes.c_int]
+        self._threads.restype = ctypes.c_int
+        self._pool_workers = lib.gguf_cpu_pool_workers
+        self._pool_workers.argtypes, self._pool_workers.restype = [], ctypes.c_int
+
+    def threads_used(self, m: int, k: int, n: int, num_threads: int) -> int:
+        """The threads a product of this shape runs on (fewer than asked when the work is small)."""
+        return self._threads(m, k, n, num_threads)
+
+    def pool_workers(self) -> int:
+        """The worker threads the library keeps between calls (started by the first call that
+        uses 2 or more threads; none in a child after fork() until it calls)."""
+        return self._pool_workers()
+
+    def isa(self) -> int:
+        """The kernel set ``LMPLUG_GGUF_ISA`` asks for (``auto``: the best this CPU runs)."""
+        want = os.environ.get("LMPLUG_GGUF_ISA", "auto") or "auto"
+        if want == "auto":
+            return ISAS.index(self.best_isa)
+        if want not in ISAS:
+            raise ValueError(f"{_WHAT}: LMPLUG_GGUF_ISA={want!r} must be one of auto, {', '.join(ISAS)}")
+        if ISAS.index(want) > ISAS.index(self.best_isa):
+            raise ValueError(f"{_WHAT}: LMPLUG_GGUF_ISA={want!r} but this CPU runs at most {self.best_isa!r}")
+        return ISAS.index(want)
+
+    def mul_mat(self, x: torch.Tensor, w: torch.Tensor, ggml_type: int, k: int,
+                num_threads: int | None = None) -> torch.Tensor:
+        """x [M, k] @ dequantize(w [N, row_bytes])^T -> float32 [M, N] (module docstring)."""
+        size = row_bytes(ggml_type, k)
+        if x.dim() != 2 or x.shape[1] != k or not x.is_floating_point() or x.device.type != "cpu":
+            raise ValueError(f"{_WHAT}: x must be a float CPU tensor [M, k={k}], got {x.dtype} "
+                             f"{tuple(x.shape)} on {x.device}")
+        if (w.dim() != 2 or w.dtype != torch.uint8 or w.device.type != "cpu" or w.shape[1] != size
+                or (w.shape[0] > 1 and w.stride(0) < size) or (size > 1 and w.stride(1) != 1)):
+            raise ValueError(f"{_WHAT}: w must be a uint8 CPU tensor [N, {size}] ({k} {NAMES[ggml_type]} "
+                             f"values a row) with contiguous rows, got {w.dtype} {tuple(w.shape)} strides "
+                             f"{w.stride()} on {w.device}")
+        x = x.to(torch.float32).contiguous()
+        out = torch.empty((x.shape[0], w.shape[0]), dtype=torch.float32)
+        if out.numel() == 0:
+            return out
+        threads = num_threads if num_threads is not None else _threads()
+        status = self._fn(x.data_ptr(), x.shape[0], k, w.data_ptr(), w.stride(0), w.shape[0], ggml_type,
+                          out.data_ptr(), max(1, threads), self.isa())
+        if status != 0:
+            raise RuntimeError(f"{_WHAT}: {_ERRORS.get(status, f'error {status}')}")
+        return out
+
+
+def _threads() -> int:
+    value = os.environ.get("LMPLUG_GGUF_THREADS")
+    if not value:
+        return torch.get_num_threads()
+    if not value.isdigit() or int(value) < 1:
+        raise ValueError(f"{_WHAT}: LMPLUG_GGUF_THREADS={value!r} must be a positive integer")
+    return int(value)
+
+
+def load() -> GGUFKernel:
+    """The kernel for the current ``$CC`` and cache folder, built on first use (then cached in
+    the process); raises NativeBuildError with the reason."""
+    key = (os.environ.get("CC"), os.environ.get("LMPLUG_CACHE"), os.environ.get("HOME"))
+    kernel = _loaded.get(key)  # a dict look-up per call: splitting $CC and the path cost ~50 us
+    if kernel is None:
+        kernel = _loaded[key] = _library(native_build.compiler(), str(cache_dir()))
+    return kernel
+
+
+def available() -> tuple[bool, str]:
+    """(True, path of the library) when the kernels build and load here, else (False, why),
+    logged once per reason."""
+    try:
+        return True, load().path
+    except NativeBuildError as exc:
+        why = str(exc)
+    if why not in _warned:
+        _warned.add(why)
+        logger.warning("quant gguf: the native CPU kernels are not available, using the PyTorch path: %s", why)
+    return False, why
+
+
+@functools.cache
+def _library(cc: tuple[str, ...], root: str) -> GGUFKernel:
+    lib, path = native_build.shared_library(SOURCE, FLAGS, cc, Path(root))
+    return GGUFKernel(lib, path)
+
+
+def mul_mat(x: torch.Tensor, w: torch.Tensor, ggml_type: int, k: int,
+            num_threads: int | None = None) -> torch.Tensor:
+    """``GGUFKernel.mul_mat`` of the loaded library (NativeBuildError where it does not build)."""
+    return load().mul_mat(x, w, ggml_type, k, num_threads)
+
+
+# torch.library.Library + impl rather than torch.library.custom_op: the dispatch costs about
+# 4 us a call instead of about 30, and decode calls it for every linear layer.
+_LIB = torch.library.Library("lmplug_quant", "FRAGMENT")
+_LIB.define("gguf_mul_mat(Tensor x, Tensor w, int ggml_type, int k) -> Tensor")
+_LIB.impl("gguf_mul_mat", mul_mat, "CPU")
+
+
+@torch.library.register_fake("lmplug_quant::gguf_mul_mat", lib=_LIB)
+def _gguf_mul_mat_fake(x: torch.Tensor, w: torch.Tensor, ggml_type: int, k: int) -> torch.Tensor:
+    torch._check(x.dim() == 2 and w.dim() == 2, lambda: f"{_WHAT}: x and w must be 2-D")
+    return x.new_empty((x.shape[0], w.shape[0]), dtype=torch.float32)

@@ -1,0 +1,315 @@
+"""The native GGUF CPU kernels (gguf_native.py, csrc/gguf_cpu.c) against an exact PyTorch
+simulation of their math, against gguf-py's dequantize + a float matmul, across thread counts
+and kernel sets, and without a compiler.
+
+Weights: Q4_0 / Q4_1 / Q8_0 quantized by gguf-py from random floats; the k-quants random
+bytes with sane fp16 scales (every bit pattern of their quants and 6-bit scales is valid).
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import threading
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType
+
+from lmplug.interfaces.native_build import NativeBuildError
+
+gguf_native = pytest.importorskip("lmplug_quant.gguf_native")
+
+TYPES = ["Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"]
+MS = [1, 3, 8, 33]
+N, K = 37, 512  # N odd (not a multiple of the 16-row tiles), K a multiple of 256
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    ok, why = gguf_native.available()
+    if not ok:
+        pytest.skip(f"the native kernels do not build here: {why}")
+    return gguf_native.load()
+
+
+def type_id(name: str) -> int:
+    return int(GGMLQuantizationType[name])
+
+
+def make_weight(name: str, n: int, k: int, seed: int = 0) -> np.ndarray:
+    """uint8 [n, row_bytes]: the packed rows."""
+    rng = np.random.default_rng(seed)
+    t = type_id(name)
+    if name in ("Q4_0", "Q4_1", "Q8_0"):
+        return gguf.quants.quantize(rng.standard_normal((n, k)).astype(np.float32), GGMLQuantizationType(t))
+    elems, size = gguf_native.BLOCKS[t]
+    w = rng.integers(0, 256, (n, k // elems, size), dtype=np.uint8)
+    scales = (rng.uniform(1e-3, 1e-2, (n, k // elems, 2)) * rng.choice([-1, 1], (n, k // elems, 2)))
+    scales = scales.astype(np.float16).view(np.uint8)
+    if name == "Q6_K":
+        w[..., 208:210] = scales[..., :2]
+    else:  # d, dmin
+        w[..., 0:4] = scales
+    return w.reshape(n, -1)
+
+
+def dequantized(name: str, w: np.ndarray) -> torch.Tensor:
+    return torch.from_numpy(gguf.quants.dequantize(w, GGMLQuantizationType(type_id(name))).copy())
+
+
+# ---------------------------------------------------------------- the exact simulation
+
+def quantize_acts(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernel's activation quantization: per block d = amax / 127, q = round-to-nearest-even
+    (x * (1 / d)); float32 throughout, as the C does. Returns q [M, nb, block] (float64, exact
+    integers) and d [M, nb] (float32)."""
+    xb = x.reshape(x.shape[0], -1, block)
+    d = xb.abs().amax(-1) / 127
+    inv = torch.where(d == 0, torch.zeros_like(d), 1.0 / d)
+    q = torch.round(xb * inv[..., None]).clamp(-127, 127)
+    return q.double(), d
+
+
+def f16(raw: torch.Tensor) -> torch.Tensor:
+    """Two bytes (last dim) as float16 -> float32."""
+    return raw.contiguous().view(torch.float16).squeeze(-1).float()
+
+
+def k_scales(p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q4_K / Q5_K: 12 bytes -> 8 6-bit scales and 8 mins (ggml's get_scale_min_k4)."""
+    p = p.long()
+    d, m, md = p[..., 0:4], p[..., 4:8], p[..., 8:12]
+    sc = torch.cat([d & 63, (md & 15) | ((d >> 6) << 4)], -1)
+    mn = torch.cat([m & 63, (md >> 4) | ((m >> 6) << 4)], -1)
+    return sc, mn
+
+
+def integer_weights(name: str, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor,
+                                                        torch.Tensor | None]:
+    """Per block: integer weights W [N, nb, elems] (scales folded in), the integer weights of the
+    offset term Wm (or None), and the float scales A, B [N, nb] with
+    block term = A * dx * (W . qx) + B * dx * (Wm . qx)."""
+    t = type_id(name)
+    size = gguf_native.BLOCKS[t][1]
+    b = w.reshape(w.shape[0], -1, size)
+    if name in ("Q4_0", "Q4_1"):
+        qs = b[..., 4 if name == "Q4_1" else 2:].long()
+        q = torch.cat([qs & 15, qs >> 4], -1)
+        if name == "Q4_0":
+            return q - 8, None, f16(b[..., 0:2]), None
+        return q, torch.ones_like(q), f16(b[..., 0:2]), f16(b[..., 2:4])
+    if name == "Q8_0":
+        return b[..., 2:].contiguous().view(torch.int8).long(), None, f16(b[..., 0:2]), None
+    if name in ("Q4_K", "Q5_K"):
+        sc, mn = k_scales(b[..., 4:16])
+        qs = b[..., 48 if name == "Q5_K" else 16:][..., :128].long().reshape(*b.shape[:2], 4, 32)
+        q = torch.stack([qs & 15, qs >> 4], 3).reshape(*b.shape[:2], 8, 32)
+        if name == "Q5_K":
+            qh = b[..., 16:48].long()
+            q = q | torch.stack([((qh >> s) & 1) << 4 for s in range(8)], 2)
+        per = lambda v: v[..., None].expand(*v.shape, 32)
+        return ((per(sc) * q).reshape(*b.shape[:2], 256), per(mn).reshape(*b.shape[:2], 256),
+                f16(b[..., 0:2]), -f16(b[..., 2:4]))
+    # Q6_K
+    ql, qh = b[..., :128].long(), b[..., 128:192].long()
+    sc = b[..., 192:208].contiguous().view(torch.int8).long()
+    halves = []
+    for h in range(2):
+        for t in range(4):
+            low = (ql[..., 64 * h + 32 * (t & 1):][..., :32] >> (4 * (t >> 1))) & 15
+            high = (qh[..., 32 * h:32 * h + 32] >> (2 * t)) & 3
+            halves.append(low | (high << 4))
+    q = torch.stack(halves, 2).reshape(*b.shape[:2], 256) - 32
+    scale = sc[..., None].expand(*sc.shape, 16).reshape(*b.shape[:2], 256)
+    return scale * q, None, f16(b[..., 208:210]), None
+
+
+def simulate(name: str, x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernel's result in float64 from its integer dot products, and the sum of |products|
+    (the scale of the float32 rounding the kernel adds: products, sums in its order)."""
+    elems = gguf_native.BLOCKS[type_id(name)][0]
+    qx, dx = quantize_acts(x, elems)
+    wi, wm, a, bm = integer_weights(name, w)
+    dots = torch.einsum("mbe,nbe->mnb", qx, wi.double())
+    scale = (a[None] * dx[:, None]).double()  # [M, N, nb]: (d_w * d_x) rounded to float32, as in C
+    terms = scale * dots
+    # the largest any partial sum can be: SIMD lanes hold parts of a block's dot product
+    size = scale.abs() * torch.einsum("mbe,nbe->mnb", qx.abs(), wi.double().abs())
+    if wm is not None:  # the offset term, separately rounded (the two may cancel)
+        scale = (bm[None] * dx[:, None]).double()
+        terms = terms + scale * torch.einsum("mbe,nbe->mnb", qx, wm.double())
+        size = size + scale.abs() * torch.einsum("mbe,nbe->mnb", qx.abs(), wm.double().abs())
+    return terms.sum(-1), size.sum(-1)
+
+
+# ---------------------------------------------------------------- the tests
+
+@pytest.mark.parametrize("m", MS)
+@pytest.mark.parametrize("name", TYPES)
+def test_matches_exact_simulation(kernel, name, m):
+    w = torch.from_numpy(make_weight(name, N, K))
+    x = torch.randn(m, K, generator=torch.Generator().manual_seed(m))
+    got = kernel.mul_mat(x, w, type_id(name), K)
+    want, scale = simulate(name, x, w)
+    assert got.dtype == torch.float32 and got.shape == (m, N)
+    # float32 sums in another order: a few float32 ulps (6e-8) of the sum of |products| (3e-8 measured)
+    assert ((got.double() - want).abs() <= 3e-7 * scale + 1e-30).all(), (got.double() - want).abs().max()
+
+
+@pytest.mark.parametrize("m", MS)
+@pytest.mark.parametrize("name", TYPES)
+def test_close_to_gguf_dequantize_matmul(kernel, name, m):
+    w = make_weight(name, N, K, seed=1)
+    x = torch.randn(m, K, generator=torch.Generator().manual_seed(10 + m))
+    want = x.double() @ dequantized(name, w).double().T
+    got = torch.ops.lmplug_quant.gguf_mul_mat(x, torch.from_numpy(w), type_id(name), K)
+    # 8-bit activations (one scale per 32 or 256 values): about 0.5-0.9 % relative error measured
+    assert (got.double() - want).norm() / want.norm() < 0.02
+
+
+@pytest.mark.parametrize("name", TYPES)
+def test_threads_give_identical_bits(kernel, name):
+    n, k, m = 301, 1024, 9
+    assert kernel.threads_used(m, k, n, 2) == 2  # the shape is big enough to split
+    w = torch.from_numpy(make_weight(name, n, k, seed=2))
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(2))
+    one = kernel.mul_mat(x, w, type_id(name), k, num_threads=1)
+    two = kernel.mul_mat(x, w, type_id(name), k, num_threads=2)
+    assert torch.equal(one, two)
+    # and a row's result does not depend on the other rows of the batch (groups of 8, 1, 3 rows)
+    assert torch.equal(kernel.mul_mat(x[8:9], w, type_id(name), k, num_threads=1), one[8:9])
+    assert torch.equal(kernel.mul_mat(x[4:5], w, type_id(name), k, num_threads=1), one[4:5])
+    assert torch.equal(kernel.mul_mat(x[2:5], w, type_id(name), k, num_threads=1), one[2:5])
+
+
+def test_concurrent_calls_share_the_pool_correctly(kernel):
+    """Two Python threads at once (ctypes releases the GIL: one gets the worker pool, the other
+    runs alone while it is busy), both bit-identical to one thread."""
+    n, k = 576, 576  # a decode GEMV of the demo model: worth 2 threads at batch 1
+    assert kernel.threads_used(1, k, n, 2) == 2
+    w = torch.from_numpy(make_weight("Q8_0", n, k, seed=5))
+    xs = [torch.randn(1, k, generator=torch.Generator().manual_seed(s)) for s in (5, 6)]
+    want = [kernel.mul_mat(x, w, 8, k, num_threads=1) for x in xs]
+    mismatches, start = [], threading.Barrier(2)
+
+    def calls(i: int) -> None:
+        start.wait()
+        for _ in range(200):
+            if not torch.equal(kernel.mul_mat(xs[i], w, 8, k, num_threads=2), want[i]):
+                mismatches.append(i)
+
+    threads = [threading.Thread(target=calls, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert not any(t.is_alive() for t in threads) and mismatches == []
+
+
+def _child_product(kernel, x, w, k, queue) -> None:
+    before = kernel.pool_workers()
+    out = kernel.mul_mat(x, w, 8, k, num_threads=2).numpy().tobytes()
+    queue.put((before, kernel.pool_workers(), out))
+
+
+def test_forked_child_recreates_the_pool(kernel):
+    """The parent's workers do not exist after fork(): the child must start its own, not wait
+    for them."""
+    n, k = 301, 1024
+    w = torch.from_numpy(make_weight("Q8_0", n, k, seed=6))
+    x = torch.randn(3, k, generator=torch.Generator().manual_seed(6))
+    want = kernel.mul_mat(x, w, 8, k, num_threads=2)
+    assert kernel.pool_workers() >= 1  # the parent's pool is started
+    ctx = multiprocessing.get_context("fork")
+    queue = ctx.Queue()
+    child = ctx.Process(target=_child_product, args=(kernel, x, w, k, queue))
+    child.start()
+    try:
+        before, after, got = queue.get(timeout=60)
+    finally:
+        child.join(timeout=10)
+        if child.is_alive():
+            child.kill()
+    assert child.exitcode == 0
+    assert (before, after) == (0, 1)  # the child forgot the parent's workers and started its own
+    assert got == want.numpy().tobytes()
+    assert torch.equal(kernel.mul_mat(x, w, 8, k, num_threads=2), want)  # and the parent's still works
+
+
+@pytest.mark.parametrize("name", TYPES)
+def test_portable_kernels_match_simd(kernel, name, monkeypatch):
+    if kernel.best_isa == "generic":
+        pytest.skip("this CPU has no SIMD kernels (portable C only)")
+    w = torch.from_numpy(make_weight(name, N, K, seed=3))
+    x = torch.randn(8, K, generator=torch.Generator().manual_seed(3))
+    simd = kernel.mul_mat(x, w, type_id(name), K)
+    monkeypatch.setenv("LMPLUG_GGUF_ISA", "generic")
+    portable = kernel.mul_mat(x, w, type_id(name), K)
+    _, scale = simulate(name, x, w)
+    assert ((simd.double() - portable.double()).abs() <= 6e-7 * scale + 1e-30).all()
+
+
+def test_weight_views_and_other_activation_dtypes(kernel):
+    """Rows of a larger buffer (as from an mmap: row stride > row bytes) and bfloat16 x."""
+    w = torch.from_numpy(make_weight("Q8_0", 12, 256, seed=4))
+    padded = torch.zeros(12, w.shape[1] + 7, dtype=torch.uint8)
+    padded[:, 3:3 + w.shape[1]] = w
+    x = torch.randn(2, 256).bfloat16()
+    view = padded[:, 3:3 + w.shape[1]]
+    assert torch.equal(kernel.mul_mat(x, view, 8, 256), kernel.mul_mat(x.float(), w, 8, 256))
+
+
+def test_bad_input_is_named(kernel):
+    w = torch.from_numpy(make_weight("Q4_0", 4, 64))
+    with pytest.raises(ValueError, match="ggml_type 1 is not supported"):
+        kernel.mul_mat(torch.randn(1, 64), w, 1, 64)
+    with pytest.raises(ValueError, match="k=48 must be a positive multiple of Q4_0's block of 32"):
+        kernel.mul_mat(torch.randn(1, 48), w, 2, 48)
+    with pytest.raises(ValueError, match=r"w must be a uint8 CPU tensor \[N, 36\]"):
+        kernel.mul_mat(torch.randn(1, 64), w[:, :30], 2, 64)
+    with pytest.raises(ValueError, match=r"x must be a float CPU tensor \[M, k=64\]"):
+        kernel.mul_mat(torch.randn(1, 32), w, 2, 64)
+    with pytest.raises(ValueError, match="contiguous rows"):
+        kernel.mul_mat(torch.randn(1, 64), w.t().contiguous().t(), 2, 64)
+
+
+def test_bad_environment_is_named(kernel, monkeypatch):
+    w = torch.from_numpy(make_weight("Q8_0", 4, 64))
+    monkeypatch.setenv("LMPLUG_GGUF_ISA", "sse9")
+    with pytest.raises(ValueError, match="LMPLUG_GGUF_ISA='sse9' must be one of auto, generic, avx2"):
+        kernel.mul_mat(torch.randn(1, 64), w, 8, 64)
+    monkeypatch.delenv("LMPLUG_GGUF_ISA")
+    monkeypatch.setenv("LMPLUG_GGUF_THREADS", "two")
+    with pytest.raises(ValueError, match="LMPLUG_GGUF_THREADS='two' must be a positive integer"):
+        gguf_native.mul_mat(torch.randn(1, 64), w, 8, 64)
+
+
+def test_fake_implementation_gives_the_shape():
+    x, w = torch.empty(5, 512, device="meta"), torch.empty(7, 288, dtype=torch.uint8, device="meta")
+    out = torch.ops.lmplug_quant.gguf_mul_mat(x, w, 2, 512)
+    assert out.shape == (5, 7) and out.dtype == torch.float32 and out.device.type == "meta"
+
+
+def test_no_compiler_is_unavailable_with_the_reason(monkeypatch, tmp_path, caplog):
+    monkeypatch.setenv("LMPLUG_CACHE", str(tmp_path))
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    monkeypatch.setattr(gguf_native, "_warned", set())
+    with caplog.at_level(logging.WARNING, logger=gguf_native.__name__):
+        first = gguf_native.available()
+        second = gguf_native.available()
+    assert first == second and first[0] is False and "no C compiler" in first[1] and "no-such-cc" in first[1]
+    assert len([r for r in caplog.records if "native CPU kernels are not available" in r.getMessage()]) == 1
+    with pytest.raises(NativeBuildError, match="no C compiler"):
+        gguf_native.load()
+    assert not (tmp_path / "kernels").exists() or list((tmp_path / "kernels").iterdir()) == []
+
+
+def test_build_is_cached_under_the_cache_dir(kernel, monkeypatch, tmp_path):
+    monkeypatch.setenv("LMPLUG_CACHE", str(tmp_path))
+    ok, path = gguf_native.available()
+    assert ok and path.startswith(str(tmp_path / "kernels" / "gguf_cpu-")) and path.endswith(".so")
+    assert [p.name for p in (tmp_path / "kernels").iterdir()] == [path.rsplit("/", 1)[1]]
+    assert gguf_native.available() == (True, path)
