@@ -63,8 +63,10 @@ class GGUFQuant(QuantMethod):
 
     def __init__(self, options: GGUFOptions) -> None:
         super().__init__(options)
-        if options.kernel == "native" and native_kernel()[0] is None:
-            raise ConfigError(f"quant: gguf: kernel 'native' is not available: {native_kernel()[1]}; "
+        # chosen once, not per matmul (121 a decode token on the demo model)
+        self._native, why = native_kernel() if options.kernel != "torch" else (None, "")
+        if options.kernel == "native" and self._native is None:
+            raise ConfigError(f"quant: gguf: kernel 'native' is not available: {why}; "
                               "use `kernel: auto` or `kernel: torch`")
 
     def takes_packed(self, device: torch.device) -> bool:
@@ -132,7 +134,7 @@ class GGUFQuant(QuantMethod):
     def _matmul(self, data: torch.Tensor, kind: int | None, xf: torch.Tensor, cols: int) -> torch.Tensor:
         if kind is None:
             return F.linear(xf, data)
-        native = native_kernel()[0] if self.options.kernel != "torch" else None
+        native = self._native
         if native is not None and kind in native.SUPPORTED:
             return torch.ops.lmplug_quant.gguf_mul_mat(xf, data, kind, cols)
         return gguf_ref.linear(xf, data, kind, cols)

@@ -9,8 +9,6 @@ tiles, so those tile shapes run here too (warps and stages only matter to a comp
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 from lmplug_quant.gptq import gptq_dequantize
@@ -24,37 +22,17 @@ from lmplug_quant.w4a16_kernels import (
     w4a16_gemv,
 )
 from lmplug_quant.w8a8_kernels import w8a8_config, w8a8_gemm
+from support.devices import kernel_device
+from support.w8a8_operands import definition, operands
 
 from lmplug import ModelLoadError
 from lmplug.interfaces.devices import target_capability
 
-INTERPRETED = os.environ.get("TRITON_INTERPRET", "") not in ("", "0")
-DEVICE = "cpu" if INTERPRETED or not torch.cuda.is_available() else "cuda"
+DEVICE = kernel_device() or "cpu"  # the interpreter's CPU, or a CUDA GPU with the kernels compiled
 SM80, SM90 = (8, 0), (9, 0)
 
 
 # -- W8A8: scale groups of any width -------------------------------------------------------------
-
-def w8a8_operands(kind: str, m: int, n: int, k: int, group_k: int, seed: int):
-    gen = torch.Generator().manual_seed(seed)
-    if kind == "int8":
-        a = torch.randint(-128, 128, (m, k), generator=gen, dtype=torch.int8)
-        w = torch.randint(-128, 128, (n, k), generator=gen, dtype=torch.int8)
-    else:
-        a = (torch.randn(m, k, generator=gen) * 100).clamp(-448, 448).to(torch.float8_e4m3fn)
-        w = (torch.randn(n, k, generator=gen) * 100).clamp(-448, 448).to(torch.float8_e4m3fn)
-    kg = -(-k // group_k)
-    # scales spread over two decades, so a step that applied a neighbouring group's scale shows
-    sa = 10 ** (torch.rand(m, kg, generator=gen) * 2 - 3)
-    sw = 10 ** (torch.rand(n, kg, generator=gen) * 2 - 3)
-    return a, sa, w, sw
-
-
-def definition(a, sa, w, sw, group_k: int) -> torch.Tensor:
-    """float64 sum_k a[m,k] sa[m, k // g] w[n,k] sw[n, k // g]."""
-    g = torch.arange(a.shape[1]) // group_k
-    return (a.double() * sa.double()[:, g]) @ (w.double() * sw.double()[:, g]).T
-
 
 @pytest.mark.parametrize("kind,group_k,k,target", [
     ("int8", 48, 120, None), ("fp8", 48, 120, None), ("int8", 48, 120, SM80), ("fp8", 48, 120, SM90),
@@ -62,7 +40,7 @@ def definition(a, sa, w, sw, group_k: int) -> torch.Tensor:
 def test_w8a8_groups_not_a_multiple_of_32(kind, group_k, k, target):
     """48 (and 40, 16) used to get a 16-wide K step, which 8-bit tl.dot refuses on every GPU."""
     m, n = 5, 40  # K: two and a half groups, the last one partial
-    a, sa, w, sw = w8a8_operands(kind, m, n, k, group_k, seed=group_k + m)
+    a, sa, w, sw = operands(kind, m, n, k, group_k, seed=group_k + m, spread=True)
     want = definition(a, sa, w, sw, group_k)
     args = [t.to(DEVICE) for t in (a, sa, w, sw)]
     if target is None:

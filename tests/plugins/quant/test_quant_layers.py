@@ -6,11 +6,10 @@ through torch's packed CPU matmuls. Checkpoints in the engine: test_quant_w8a8.p
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 from support import quant_packers as qp
+from support.devices import kernel_device
 from support.hf_models import one_torch_thread  # noqa: F401
 from support.quant_checkpoints import ct_config
 
@@ -18,50 +17,7 @@ from lmplug import ModelLoadError
 
 # -- the Triton scaled GEMM against its reference (TRITON_INTERPRET=1 on CPU) --------------------
 
-INTERPRETED = os.environ.get("TRITON_INTERPRET", "") not in ("", "0")
-DEVICE = "cpu" if INTERPRETED or not torch.cuda.is_available() else "cuda"
-
-
-def random_operands(kind: str, m: int, n: int, k: int, group_k: int, seed: int):
-    gen = torch.Generator().manual_seed(seed)
-    if kind == "int8":
-        a = torch.randint(-128, 128, (m, k), generator=gen, dtype=torch.int8)
-        w = torch.randint(-128, 128, (n, k), generator=gen, dtype=torch.int8)
-    else:
-        a = (torch.randn(m, k, generator=gen) * 100).clamp(-448, 448).to(torch.float8_e4m3fn)
-        w = (torch.randn(n, k, generator=gen) * 100).clamp(-448, 448).to(torch.float8_e4m3fn)
-    kg = 1 if group_k == 0 else -(-k // group_k)
-    sa = torch.rand(m, kg, generator=gen) * 0.01 + 1e-3
-    sw = torch.rand(n, kg, generator=gen) * 0.01 + 1e-3
-    return a, sa, w, sw
-
-
-def spec_product(a, sa, w, sw, group_k: int) -> torch.Tensor:
-    """float64 sum_k a[m,k] sa[m, k // g] w[n,k] sw[n, k // g], straight from the definition."""
-    k = a.shape[1]
-    g = torch.arange(k) // group_k if group_k else torch.zeros(k, dtype=torch.long)
-    return (a.double() * sa.double()[:, g]) @ (w.double() * sw.double()[:, g]).T
-
-
-@pytest.mark.parametrize("kind", ["fp8", "int8"])
-@pytest.mark.parametrize("m", [1, 5, 33])
-@pytest.mark.parametrize("group_k", [0, 32, 128])
-def test_w8a8_gemm_matches_definition(kind, m, group_k):
-    from lmplug_quant.w8a8_common import scaled_mm_reference
-    from lmplug_quant.w8a8_kernels import w8a8_gemm
-
-    n, k = 40, 80  # partial tiles in N and K; K = 80 is 2.5 groups of 32 and a partial group of 128
-    a, sa, w, sw = random_operands(kind, m, n, k, group_k, seed=m + group_k)
-    bias = torch.randn(n, generator=torch.Generator().manual_seed(7))
-    want = spec_product(a, sa, w, sw, group_k) + bias.double()
-    args = [t.to(DEVICE) for t in (a, sa, w, sw)]
-    for out_dtype, tol in ((torch.float32, 1e-5), (torch.float16, 2e-3)):
-        y = w8a8_gemm(*args, group_k=group_k, bias=bias.to(DEVICE), out_dtype=out_dtype)
-        assert y.dtype == out_dtype
-        scale = float(want.abs().max())
-        torch.testing.assert_close(y.double().cpu(), want, atol=tol * scale, rtol=tol)
-    ref = scaled_mm_reference(a, sa, w, sw, group_k).double() + bias.double()
-    torch.testing.assert_close(ref, want, atol=1e-5 * float(want.abs().max()), rtol=1e-5)
+DEVICE = kernel_device() or "cpu"  # the interpreter's CPU, or a CUDA GPU with the kernels compiled
 
 
 SCHEMES = {

@@ -35,6 +35,7 @@ from support.quant_checkpoints import (
     ref_lp,
     set_config,
 )
+from support.w8a8_operands import definition, operands
 
 from lmplug import LLM, SamplingParams
 from lmplug.loading import open_source
@@ -318,33 +319,18 @@ def test_lmplug_quantize_folders_match_their_reference(tmp_path_factory, method)
 
 # -- the scaled GEMM against its PyTorch reference, on the kernel device ---------------------------
 
-def gemm_operands(kind: str, m: int, n: int, k: int, group_k: int, seed: int):
-    """Random 8-bit ``a [M, K]``, ``w [N, K]`` over their whole range, and positive scales
-    ``sa [M, KG]``, ``sw [N, KG]`` (``KG`` 1, or one per ``group_k`` inputs)."""
-    gen = torch.Generator().manual_seed(seed)
-    if kind == "int8":
-        a = torch.randint(-128, 128, (m, k), generator=gen, dtype=torch.int8)
-        w = torch.randint(-128, 128, (n, k), generator=gen, dtype=torch.int8)
-    else:
-        a = (torch.randn(m, k, generator=gen) * 100).clamp(-448, 448).to(torch.float8_e4m3fn)
-        w = (torch.randn(n, k, generator=gen) * 100).clamp(-448, 448).to(torch.float8_e4m3fn)
-    kg = 1 if group_k == 0 else -(-k // group_k)
-    return a, torch.rand(m, kg, generator=gen) * 0.01 + 1e-3, w, torch.rand(n, kg, generator=gen) * 0.01 + 1e-3
-
-
 def check_gemm(kind: str, m: int, n: int, k: int, group_k: int, out_dtype: torch.dtype, device: str) -> None:
     from lmplug_quant.w8a8_common import scaled_mm_reference
     from lmplug_quant.w8a8_kernels import w8a8_gemm
 
     if kind == "fp8":
         skip_unless_fp8(device)
-    a, sa, w, sw = gemm_operands(kind, m, n, k, group_k, seed=m + k + group_k)
+    a, sa, w, sw = operands(kind, m, n, k, group_k, seed=m + k + group_k)
     bias = torch.randn(n, generator=torch.Generator().manual_seed(3))
-    g = torch.arange(k) // group_k if group_k else torch.zeros(k, dtype=torch.long)
-    definition = (a.double() * sa.double()[:, g]) @ (w.double() * sw.double()[:, g]).T + bias.double()
+    want = definition(a, sa, w, sw, group_k) + bias.double()
     ref = scaled_mm_reference(a, sa, w, sw, group_k).double() + bias.double()
-    scale = float(definition.abs().max())
-    torch.testing.assert_close(ref, definition, atol=1e-5 * scale, rtol=1e-5)
+    scale = float(want.abs().max())
+    torch.testing.assert_close(ref, want, atol=1e-5 * scale, rtol=1e-5)
     y = w8a8_gemm(*(t.to(device) for t in (a, sa, w, sw)), group_k=group_k, bias=bias.to(device),
                   out_dtype=out_dtype)
     assert y.dtype == out_dtype and y.device.type == torch.device(device).type
@@ -353,10 +339,12 @@ def check_gemm(kind: str, m: int, n: int, k: int, group_k: int, out_dtype: torch
 
 
 @pytest.mark.parametrize("kind", ["fp8", "int8"])
-@pytest.mark.parametrize("m", [1, 33])
-@pytest.mark.parametrize("group_k", [0, 32])
-def test_w8a8_gemm_matches_reference(kind, m, group_k, kernel_device):
-    check_gemm(kind, m, 40, 80, group_k, torch.float32, kernel_device)  # partial tiles in N and K
+@pytest.mark.parametrize("m", [1, 5, 33])
+@pytest.mark.parametrize("group_k", [0, 32, 128])
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.float16])
+def test_w8a8_gemm_matches_reference(kind, m, group_k, out_dtype, kernel_device):
+    # partial tiles in N and K; K = 80 is 2.5 groups of 32 and a partial group of 128
+    check_gemm(kind, m, 40, 80, group_k, out_dtype, kernel_device)
 
 
 @pytest.mark.skipif(interpreted(), reason="GPU-sized shapes are too slow under the interpreter; the small "
