@@ -373,6 +373,9 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--public-metrics", action="store_true", help="serve /metrics without the API key")
     s.add_argument("--allow-special-tokens-in-content", action="store_true",
                    help="let special-token text in chat messages become control tokens (unsafe)")
+    s.add_argument("--tool-call-parser", default="auto", choices=("auto", "hermes", "llama3", "mistral", "none"),
+                   help="how tool calls are read out of chat output (tool_choice \"auto\"); auto: by the "
+                   "chat template's markers, hermes when it has none (default: auto)")
     _engine_args(s, model_positional=True)
     s.set_defaults(func=cmd_serve)
 

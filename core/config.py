@@ -72,6 +72,11 @@ class EngineConfig(BaseModel):
     moe: dict[str, Any] | None = Field(default=None, description="MoE models only; see below")
     quant: dict[str, Any] | None = Field(default=None, description="absent: the checkpoint's own format")
     speculative: dict[str, Any] | None = Field(default=None, description="absent: no speculative decoding")
+    structured_output: dict[str, Any] = Field(
+        default_factory=lambda: {"backend": "auto"},
+        description="the grammar engine for structured output and forced tool calls; see below")
+    compression: dict[str, Any] | None = Field(
+        default=None, description="absent: no prompt compression; present: the default for every request")
     parallel: ParallelConfig = Field(default_factory=ParallelConfig, description="tensor parallelism")
 
     @field_validator(*SECTIONS, mode="before")

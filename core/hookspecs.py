@@ -57,6 +57,18 @@ def lmplug_register_moe_backends() -> list[type]:
 
 
 @hookspec
+def lmplug_register_constraint_backends() -> list[type]:
+    """Return ``ConstraintBackend`` subclasses this plugin provides: grammar engines for structured
+    output (JSON schema, regex, choice, EBNF)."""
+
+
+@hookspec
+def lmplug_register_compressors() -> list[type]:
+    """Return ``Compressor`` subclasses this plugin provides: prompt-compression methods applied
+    to a request's prompt before the engine tokenizes it."""
+
+
+@hookspec
 def lmplug_register_quantizers() -> list[type]:
     """Return ``Quantizer`` subclasses this plugin provides: offline methods that write a
     quantized checkpoint (``lmplug quantize MODEL OUT --method NAME``)."""

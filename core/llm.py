@@ -7,14 +7,19 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, Self
 
+from lmplug.compression import PromptCompressor
 from lmplug.config import EngineConfig, resolve
 from lmplug.engine.build import pick_device, pick_dtype
 from lmplug.engine.engine import LLMEngine
 from lmplug.errors import ConfigError
+from lmplug.interfaces.compressor import CompressionParams, CompressionReport
 from lmplug.interfaces.params import SamplingParams
 from lmplug.outputs import RequestOutput
 
 Prompt = str | Sequence[int] | dict
+# CompressionParams or a dict of its fields; None: the config's `compression` section (if any);
+# True: that section explicitly; False: none even if the config has one
+Compression = CompressionParams | dict | bool | None
 
 
 def _check_device(device: str, source: str) -> None:
@@ -57,6 +62,7 @@ class LLM:
         _check_device(device, source)
         resolved = resolve(cfg, device=device, dtype=pick_dtype(cfg.dtype, device), source=source)
         self.engine = LLMEngine(resolved)
+        self.compressor = PromptCompressor(self.engine)
         self._ids = itertools.count()
 
     def close(self) -> None:
@@ -74,15 +80,22 @@ class LLM:
         return self.engine.tokenizer
 
     def generate(self, prompts: Prompt | list[Prompt], params: SamplingParams | list[SamplingParams] | None = None,
-                 *, use_tqdm: bool = False) -> list[RequestOutput]:
+                 *, use_tqdm: bool = False, compression: Compression = None) -> list[RequestOutput]:
         """Run every prompt to completion; outputs in the order of ``prompts``.
 
         A prompt is a string, a list of token ids, or ``{"prompt_token_ids": [...]}``.
+        ``compression`` shortens text prompts first (``docs/compression.md``); each output's
+        ``compression`` then reports the prompt tokens before and after.
         """
         prompts = self._as_list(prompts)
         params_list = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
         if len(params_list) != len(prompts):
             raise ConfigError(f"got {len(prompts)} prompts but {len(params_list)} SamplingParams")
+        prompts, reports = self._compress(prompts, compression)
+        return self._run(prompts, params_list, reports)
+
+    def _run(self, prompts: list, params_list: list[SamplingParams],
+             reports: list[CompressionReport | None]) -> list[RequestOutput]:
         ids = [self._add(p, sp) for p, sp in zip(prompts, params_list)]
         done: dict[str, RequestOutput] = {}
         try:
@@ -94,33 +107,70 @@ class LLM:
             for rid in ids:
                 self.engine.abort_request(rid)
             raise
-        return [done[rid] for rid in ids]
+        outputs = [done[rid] for rid in ids]
+        for out, report in zip(outputs, reports):
+            out.compression = report
+        return outputs
 
-    def stream(self, prompt: Prompt, params: SamplingParams | None = None) -> Iterator[RequestOutput]:
+    def stream(self, prompt: Prompt, params: SamplingParams | None = None, *,
+               compression: Compression = None) -> Iterator[RequestOutput]:
         """Yield outputs as tokens arrive; each has ``delta_text`` / ``delta_token_ids``."""
+        (prompt,), (report,) = self._compress([prompt], compression)
         rid = self._add(prompt, params or SamplingParams())
         try:
             while True:
                 for out in self.engine.step():
                     if out.request_id == rid:
+                        out.compression = report
                         yield out
                         if out.finished:
                             return
         finally:
             self.engine.abort_request(rid)
 
-    def chat(self, messages: list[dict] | list[list[dict]], params: SamplingParams | None = None,
-             **template_kwargs: Any) -> list[RequestOutput]:
-        """Apply the model's chat template and generate; one conversation or a list of them."""
+    def chat(self, messages: list[dict] | list[list[dict]], params: SamplingParams | None = None, *,
+             compression: Compression = None, **template_kwargs: Any) -> list[RequestOutput]:
+        """Apply the model's chat template and generate; one conversation or a list of them.
+        ``compression`` shortens message contents (system messages, the last paragraph of the
+        last user message and the template's markup are kept) before the template is applied."""
         convs = [messages] if messages and isinstance(messages[0], dict) else messages
+        reports: list[CompressionReport | None] = [None] * len(convs)
+        if self._compressing(compression):
+            cparams = None if isinstance(compression, bool) else CompressionParams.coerce(compression)
+            pairs = [self.compressor.compress_messages(c, cparams, **template_kwargs) for c in convs]
+            convs, reports = [c for c, _ in pairs], [r for _, r in pairs]
         prompts = [self.apply_chat_template(c, **template_kwargs) for c in convs]
-        return self.generate(prompts, params)
+        params_list = [params or SamplingParams()] * len(prompts)
+        return self._run(prompts, params_list, reports)
 
     def apply_chat_template(self, messages: list[dict], **kwargs: Any) -> list[int]:
         if self.tokenizer is None:
             raise ConfigError("this model has no tokenizer, so it has no chat template")
         # the template writes the special tokens (BOS included); those in messages stay text
         return self.tokenizer.chat_ids(messages, add_generation_prompt=True, **kwargs)
+
+    def _compressing(self, compression: Compression) -> bool:
+        if compression is None:
+            return self.compressor.enabled_by_default
+        return compression is not False
+
+    def _compress(self, prompts: list, compression: Compression) -> tuple[list, list[CompressionReport | None]]:
+        """Text prompts compressed (token-id prompts only with the config's default: left as they
+        are, since there is no text to compress), and one report per prompt."""
+        reports: list[CompressionReport | None] = [None] * len(prompts)
+        if not self._compressing(compression):
+            return prompts, reports
+        cparams = None if isinstance(compression, bool) else CompressionParams.coerce(compression)
+        out = list(prompts)
+        for k, prompt in enumerate(prompts):
+            text = prompt.get("prompt") if isinstance(prompt, dict) and "prompt_token_ids" not in prompt else prompt
+            if not isinstance(text, str):
+                if compression is None:
+                    continue
+                raise ConfigError("compression: needs a text prompt (got token ids); pass the text, or "
+                                  "compression=False")
+            out[k], reports[k] = self.compressor.compress_text(text, cparams)
+        return out, reports
 
     def _as_list(self, prompts) -> list:
         if isinstance(prompts, (str, dict)):

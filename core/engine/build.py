@@ -21,6 +21,7 @@ from lmplug.interfaces import (
     Scheduler,
     SchedulerLimits,
 )
+from lmplug.interfaces.constraint import ConstraintBackend, ConstraintTokenizer
 from lmplug.interfaces.model_config import ModelConfig
 from lmplug.interfaces.quant import Unquantized
 from lmplug.loading import open_source
@@ -48,6 +49,7 @@ class EngineParts:
     eos_token_ids: frozenset[int]
     load_time_s: float
     drafter: Drafter | None = None  # speculative decoding, when configured
+    constraint: ConstraintBackend | None = None  # the grammar engine for structured output
     # weight bytes and KV bytes per token of every tensor-parallel rank (``parallel.setup``)
     memory: dict | None = None
     plan: EnginePlan | None = None  # what was chosen (``plan.resolved.backends``: every backend in use)
@@ -130,8 +132,14 @@ def build_engine_parts(resolved: ResolvedConfig, parallel: ParallelState | None 
                 model_config.model_type, model_config.num_layers, load_time, kv.name,
                 kv.spec.kv_dtype if kv.spec.quantized else resolved.dtype, kv.bytes_per_token)
     memory = parallel_setup.memory_report(model, kv, parallel)
+    eos_ids = _eos_ids(source)
+    constraint = None
+    if "structured_output" in backends and source.tokenizer is not None:
+        chosen = backends["structured_output"]
+        constraint = chosen.cls(chosen.options, ConstraintTokenizer(
+            source.tokenizer.backend, model_config.vocab_size, eos_ids))
     return EngineParts(model_config, model, source.tokenizer, kv, scheduler, runner, max_model_len,
-                       _eos_ids(source), load_time, drafter, memory=memory, plan=plan)
+                       eos_ids, load_time, drafter, constraint=constraint, memory=memory, plan=plan)
 
 
 def fit_pool(kv: KVCacheBackend, max_model_len: int) -> int:

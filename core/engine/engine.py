@@ -13,10 +13,11 @@ import time
 from collections.abc import Sequence as Seq
 
 from lmplug.config import ResolvedConfig
+from lmplug.constraints import Constraints
 from lmplug.engine.build import EngineParts, build_engine_parts
 from lmplug.engine.isolation import Observers, StepFailures
 from lmplug.engine.select import Sampler
-from lmplug.interfaces.params import SamplingParams
+from lmplug.interfaces.params import SamplingParams, check_token_ids
 from lmplug.interfaces.scheduler import ScheduledSeq, SchedulerOutput
 from lmplug.interfaces.sequence import Sequence, SequenceStatus
 from lmplug.outputs import RequestOutput, RequestTable
@@ -56,9 +57,11 @@ class LLMEngine:
         self.runner = parts.runner
         self.max_model_len = parts.max_model_len
         self.eos_token_ids = parts.eos_token_ids
+        self.constraints = Constraints(parts.constraint, self.model_config.vocab_size)
         self.speculator = None if parts.drafter is None else Speculator(
-            parts.drafter, parts.drafter.options.num_tokens, self.kv, self.max_model_len)
-        self.selector = self.speculator or Sampler()
+            parts.drafter, parts.drafter.options.num_tokens, self.kv, self.max_model_len,
+            self.constraints, self.eos_token_ids)
+        self.selector = self.speculator or Sampler(self.constraints, self.eos_token_ids)
         # n > 1 shares the prompt's KV when the cache and the scheduler both declare "fork"
         # (not under tensor parallelism: a fork's copy-on-write block copies happen in rank 0's pool only)
         can_fork = (self.parallel is None and "fork" in self.kv.capabilities.features
@@ -78,7 +81,13 @@ class LLMEngine:
     # -- requests --------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | Seq[int], params: SamplingParams | None = None,
                     *, priority: int = 0) -> None:
-        for seq in self.requests.add(request_id, prompt, params or SamplingParams(), priority):
+        """Admit a request. Everything that can be wrong with it fails here, before any state: token
+        ids past the vocabulary (``logit_bias``, ``stop_token_ids``), a constraint that does not
+        compile (``ConstraintError`` naming the field)."""
+        params = params or SamplingParams()
+        check_token_ids(params, self.model_config.vocab_size)
+        self.constraints.admit(params)
+        for seq in self.requests.add(request_id, prompt, params, priority):
             self.scheduler.add(seq)
 
     def abort_request(self, request_id: str) -> None:

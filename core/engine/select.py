@@ -7,6 +7,10 @@ Two implementations with the same methods, called by ``LLMEngine.step`` in this 
 once the tokens are appended; ``release(seq)`` when a sequence ends early and ``stats()`` for the
 step's report. ``Sampler`` (here) draws one token per sequence; ``lmplug.speculation.Speculator``
 drafts, verifies and rolls back.
+
+Both shape each row the same way before drawing (``lmplug.interfaces.sampling.sample``): penalties,
+logit bias and ``min_tokens``, then the structured-output mask (``lmplug.constraints``; filled on a
+worker thread while the forward runs), then temperature and the filters.
 """
 
 from __future__ import annotations
@@ -15,19 +19,31 @@ from collections.abc import Callable
 
 import torch
 
+from lmplug.constraints import Constraints
 from lmplug.interfaces.sampling import sample
 from lmplug.interfaces.scheduler import ScheduledSeq
 from lmplug.interfaces.sequence import Sequence
 
 
+def samples_now(item: ScheduledSeq) -> bool:
+    """The scheduled sequence catches up this step, so the step samples its next token."""
+    return item.seq.num_computed_tokens + item.num_new_tokens >= item.seq.num_tokens
+
+
 class Sampler:
-    """No speculation: nothing to propose or plan, one sampled token per sequence."""
+    """No speculation: nothing to propose, one sampled token per sequence."""
+
+    def __init__(self, constraints: Constraints | None = None, eos_token_ids: frozenset[int] = frozenset()) -> None:
+        self.constraints = constraints or Constraints(None, 0)
+        self.eos_token_ids = eos_token_ids
+        self._masks = None  # this step's mask job (lmplug.constraints), started in plan
 
     def propose(self, seqs: list[Sequence]) -> dict[int, int]:
         return {}
 
     def plan(self, scheduled: list[ScheduledSeq]) -> None:
-        pass
+        """Start filling the structured-output masks of the sequences that sample this step."""
+        self._masks = self.constraints.start([item.seq for item in scheduled if samples_now(item)])
 
     def select(self, logits: torch.Tensor, num_rows: list[int], seqs: list[Sequence],
                hidden: torch.Tensor | None = None,
@@ -37,8 +53,10 @@ class Sampler:
         a time: a sequence whose row raises gets no token and goes to ``on_error``; the others
         get what the batch would give (``sample`` shapes every row before it draws any, so a
         batch that raised drew nothing and no generator moved)."""
+        filled, self._masks = self.constraints.result(self._masks), None
         try:
-            tokens = sample(logits, seqs)
+            masks = self.constraints.assemble(seqs, [1] * len(seqs), filled)
+            tokens = sample(logits, seqs, self.eos_token_ids, masks.bitmask, masks.rows)
             return [[t] for t in tokens], [[i] for i in range(len(tokens))]
         except Exception:
             if on_error is None:
@@ -46,17 +64,20 @@ class Sampler:
         out: list[list[int]] = []
         for i, seq in enumerate(seqs):
             try:
-                out.append(sample(logits[i:i + 1], [seq])[:1])
+                masks = self.constraints.assemble([seq], [1], filled)
+                out.append(sample(logits[i:i + 1], [seq], self.eos_token_ids, masks.bitmask, masks.rows)[:1])
             except Exception as exc:  # noqa: BLE001  (reported to on_error, which logs it)
                 on_error(seq, exc)
                 out.append([])
         return out, [[i] for i in range(len(seqs))]
 
     def settle(self, seqs: list[Sequence]) -> None:
-        pass
+        for seq in seqs:
+            if seq.is_finished:
+                self.constraints.release(seq)
 
     def release(self, seq: Sequence) -> None:
-        pass
+        self.constraints.release(seq)
 
     def stats(self) -> dict:
         return {}

@@ -10,6 +10,15 @@ addresses, draft-tree shapes). This package imports nothing from ``lmplug.engine
 from lmplug.interfaces.attention import AttentionBackend, KVLayerView, MLAAttentionBackend
 from lmplug.interfaces.checkpoint import ModelSource
 from lmplug.interfaces.common import BackendInfo, BackendOptions, Capabilities
+from lmplug.interfaces.compressor import (
+    CompressionInput,
+    CompressionParams,
+    CompressionResult,
+    Compressor,
+    CompressorOptions,
+    Scorer,
+    Segment,
+)
 from lmplug.interfaces.drafter import (
     Drafter,
     DrafterOptions,
@@ -51,6 +60,11 @@ __all__ = [
     "BackendOptions",
     "CalibrationSpec",
     "Capabilities",
+    "CompressionInput",
+    "CompressionParams",
+    "CompressionResult",
+    "Compressor",
+    "CompressorOptions",
     "DraftModel",
     "DraftProposal",
     "DraftTarget",
@@ -76,6 +90,8 @@ __all__ = [
     "SchedulerLimits",
     "SchedulerOptions",
     "SchedulerOutput",
+    "Scorer",
+    "Segment",
     "Sequence",
     "SequenceStatus",
     "StepContext",

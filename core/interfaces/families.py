@@ -20,6 +20,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from lmplug.interfaces.attention import AttentionBackend
+from lmplug.interfaces.compressor import Compressor
+from lmplug.interfaces.constraint import ConstraintBackend
 from lmplug.interfaces.drafter import Drafter
 from lmplug.interfaces.kvcache import KVCacheBackend
 from lmplug.interfaces.moe import MoEBackend
@@ -50,6 +52,9 @@ TABLE: tuple[Family, ...] = (
     Family("quant", QuantMethod, "lmplug_register_quant_methods", "quant", "method", optional=True),
     Family("drafter", Drafter, "lmplug_register_drafters", "speculative", "method", optional=True),
     Family("moe", MoEBackend, "lmplug_register_moe_backends", "moe", auto=True, optional=True),
+    Family("constraint", ConstraintBackend, "lmplug_register_constraint_backends", "structured_output",
+           auto=True),
+    Family("compressor", Compressor, "lmplug_register_compressors", "compression", "method", optional=True),
     Family("quantizer", Quantizer, "lmplug_register_quantizers"),
 )
 

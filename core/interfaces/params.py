@@ -5,6 +5,13 @@ step raise: ``top_k`` <= ``MAX_TOP_K``, ``seed`` in [0, 2**64), ``n`` <= ``MAX_N
 ``temperature`` / ``top_p`` / ``min_p``, at most ``MAX_STOP_STRINGS`` stop strings of at most
 ``MAX_STOP_CHARS`` characters each. A temperature below ``GREEDY_EPSILON`` (but above 0) is
 greedy: dividing logits by it overflows float32 to inf/NaN, which would sample garbage.
+
+The logits adjustments (``lmplug.interfaces.penalties``) take OpenAI's ranges: presence and
+frequency penalties in [-2, 2], ``logit_bias`` values in [-100, 100] for at most
+``MAX_LOGIT_BIAS`` token ids (JSON sends the ids as strings, so digit strings are accepted and
+converted); ``repetition_penalty`` (HF / vLLM) in (0, ``MAX_REPETITION_PENALTY``]. Token ids
+are checked against the model's vocabulary when the engine admits a request
+(``check_token_ids``), since the params alone do not know it.
 """
 
 from __future__ import annotations
@@ -13,6 +20,7 @@ import math
 from dataclasses import dataclass, field
 
 from lmplug.errors import ConfigError
+from lmplug.interfaces.constraint import StructuredOutput
 
 MAX_N = 64  # samples of one request
 MAX_TOP_K = 2**31 - 1
@@ -20,6 +28,11 @@ MAX_SEED = 2**64  # exclusive: what torch.Generator.manual_seed accepts
 MAX_STOP_STRINGS = 64
 MAX_STOP_CHARS = 1024
 MAX_STOP_TOKEN_IDS = 1024
+MAX_LOGIT_BIAS = 1024  # token ids in one logit_bias (OpenAI's limit is lower; vLLM takes any)
+MAX_LOGIT_BIAS_VALUE = 100.0
+MAX_PENALTY = 2.0  # presence / frequency: OpenAI's range [-2, 2]
+MAX_REPETITION_PENALTY = 100.0  # multiplicative; any larger is a mask, not a penalty
+MAX_TOKEN_ID = 2**63  # exclusive: what a torch.long index holds
 GREEDY_EPSILON = 1e-5  # temperatures in (0, GREEDY_EPSILON) decode greedily
 
 
@@ -39,6 +52,14 @@ class SamplingParams:
     logprobs: int | None = None  # top-k logprobs per generated token (the chosen one always included)
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    # structured output: what the output must match (``lmplug.interfaces.constraint``); None: free text
+    structured: StructuredOutput | None = None
+    # logits adjustments, applied before the constraint mask and temperature (``lmplug.interfaces.penalties``)
+    presence_penalty: float = 0.0  # subtracted once from every token already in the output
+    frequency_penalty: float = 0.0  # subtracted per occurrence in the output
+    repetition_penalty: float = 1.0  # HF: tokens seen in prompt or output, logit < 0 ? * p : / p
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit
+    min_tokens: int = 0  # EOS and stop_token_ids are blocked until this many tokens are out
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -57,6 +78,11 @@ class SamplingParams:
         _check(self.seed is None or (_is_int(self.seed) and 0 <= self.seed < MAX_SEED), "seed", self.seed,
                "None or an integer in [0, 2**64)")
         self._check_stops()
+        if isinstance(self.structured, dict):
+            self.structured = StructuredOutput(**self.structured)
+        _check(self.structured is None or isinstance(self.structured, StructuredOutput), "structured",
+               type(self.structured).__name__, "None, a StructuredOutput or a dict of its fields")
+        self._check_adjustments()
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             _check(value is None or (isinstance(value, int) and 0 <= value <= 20), name, value,
@@ -69,8 +95,28 @@ class SamplingParams:
                _first_bad_stop(self.stop), f"non-empty strings of at most {MAX_STOP_CHARS} characters")
         _check(len(self.stop_token_ids) <= MAX_STOP_TOKEN_IDS, "stop_token_ids", _count(self.stop_token_ids),
                f"at most {MAX_STOP_TOKEN_IDS} token ids")
-        _check(all(_is_int(t) and 0 <= t < 2**63 for t in self.stop_token_ids), "stop_token_ids",
+        _check(all(_is_int(t) and 0 <= t < MAX_TOKEN_ID for t in self.stop_token_ids), "stop_token_ids",
                self.stop_token_ids, "token ids (integers >= 0)")
+
+    def _check_adjustments(self) -> None:
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            _check(_is_number(value) and -MAX_PENALTY <= value <= MAX_PENALTY, name, value,
+                   f"a number in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}]")
+        _check(_is_number(self.repetition_penalty) and 0 < self.repetition_penalty <= MAX_REPETITION_PENALTY,
+               "repetition_penalty", self.repetition_penalty,
+               f"a number in (0, {MAX_REPETITION_PENALTY:g}] (1 = off)")
+        _check(_is_int(self.min_tokens) and self.min_tokens >= 0, "min_tokens", self.min_tokens,
+               "an integer >= 0")
+        _check(self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens", self.min_tokens,
+               f"at most max_tokens ({self.max_tokens})")
+        self.logit_bias = _logit_bias(self.logit_bias)
+
+    @property
+    def needs_adjusting(self) -> bool:
+        """Any of penalties, logit_bias or min_tokens is on (``lmplug.interfaces.penalties``)."""
+        return (self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
+                or bool(self.logit_bias) or self.min_tokens > 0)
 
     @property
     def is_greedy(self) -> bool:
@@ -79,6 +125,43 @@ class SamplingParams:
     @property
     def needs_filtering(self) -> bool:
         return self.top_k > 0 or self.top_p < 1 or self.min_p > 0
+
+
+def check_token_ids(params: SamplingParams, vocab_size: int) -> None:
+    """Refuse token ids the model cannot produce: ``logit_bias`` keys and ``stop_token_ids`` must be
+    below ``vocab_size``. The engine calls this when it admits a request (an id past the logits row
+    would otherwise fail inside a batched step)."""
+    for name, ids in (("logit_bias", params.logit_bias or {}), ("stop_token_ids", params.stop_token_ids)):
+        bad = [t for t in ids if t >= vocab_size]
+        if bad:
+            raise ConfigError(f"SamplingParams.{name} has token id {bad[0]}, but the model's vocabulary has "
+                              f"{vocab_size} tokens (ids 0..{vocab_size - 1})")
+
+
+def _logit_bias(bias: object) -> dict[int, float] | None:
+    """Checked ``logit_bias`` with int keys and float values; None when empty."""
+    if bias is None:
+        return None
+    _check(isinstance(bias, dict), "logit_bias", _Shown(type(bias).__name__), "None or a dict {token id: bias}")
+    _check(len(bias) <= MAX_LOGIT_BIAS, "logit_bias", _count(list(bias)), f"at most {MAX_LOGIT_BIAS} token ids")
+    out: dict[int, float] = {}
+    for key, value in bias.items():
+        token = _token_id(key)
+        _check(token is not None, "logit_bias", _Shown(f"{{{key!r}: ...}}"),
+               "token ids (integers >= 0, or strings of digits) as keys")
+        _check(_is_number(value) and -MAX_LOGIT_BIAS_VALUE <= value <= MAX_LOGIT_BIAS_VALUE, "logit_bias",
+               _Shown(f"{{{key!r}: {value!r}}}"), f"biases that are numbers in [-{MAX_LOGIT_BIAS_VALUE:g}, "
+               f"{MAX_LOGIT_BIAS_VALUE:g}]")
+        _check(token not in out, "logit_bias", _Shown(f"{{{key!r}: ...}}"), "each token id once")
+        out[token] = float(value)
+    return out or None
+
+
+def _token_id(key: object) -> int | None:
+    """An int token id, or a string of ASCII digits (OpenAI's JSON keys), as an int; else None."""
+    if isinstance(key, str) and key.isascii() and key.isdigit() and len(key) <= 19:  # int() refuses huge strings
+        key = int(key)
+    return key if _is_int(key) and 0 <= key < MAX_TOKEN_ID else None
 
 
 def _is_number(value: object) -> bool:

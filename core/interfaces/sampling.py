@@ -1,7 +1,9 @@
 """Turn the last position's logits into next tokens, per sequence params; logprobs on request.
 
-Order of processing matches HF transformers: temperature, top-k, top-p,
-min-p. Sampling draws with each sequence's own ``torch.Generator`` (the
+``sample`` first adjusts the logits (``lmplug.interfaces.penalties``: penalties, logit_bias,
+min_tokens, the structured-output bitmask); then greedy rows take the argmax and sampled rows
+go through ``processed_logits``, whose order matches HF transformers: temperature, top-k,
+top-p, min-p. Sampling draws with each sequence's own ``torch.Generator`` (the
 exponential-race form of multinomial sampling: ``argmax(p / E)`` with
 ``E ~ Exp(1)``), so a seeded request gives the same tokens whatever else is
 in the batch.
@@ -15,6 +17,7 @@ from dataclasses import replace
 import torch
 
 from lmplug.interfaces.params import SamplingParams
+from lmplug.interfaces.penalties import NO_HISTORY, RowHistory, adjust_logits
 from lmplug.interfaces.sequence import Logprob, Sequence
 
 
@@ -61,9 +64,18 @@ def processed_logits(logits: torch.Tensor, params: list[SamplingParams]) -> torc
     return scaled
 
 
-def sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
-    """logits [N, V] (one row per sequence) -> next token id per sequence."""
+def sample(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: frozenset[int] = frozenset(),
+           bitmask: torch.Tensor | None = None, bitmask_rows: torch.Tensor | list[int] | None = None) -> list[int]:
+    """logits [N, V] (one row per sequence) -> next token id per sequence.
+
+    ``eos_token_ids`` (the model's) are what ``min_tokens`` blocks besides each request's stop
+    ids; ``bitmask`` / ``bitmask_rows`` are the structured-output masks (``adjust_logits``).
+    Every row is shaped before any is drawn, so a batch that raises has moved no generator."""
     logits = logits.float()
+    if bitmask is not None or any(s.params.needs_adjusting for s in seqs):
+        histories = [RowHistory(s.prompt_token_ids, s.output_token_ids) if s.params.needs_adjusting
+                     else NO_HISTORY for s in seqs]
+        logits = adjust_logits(logits, [s.params for s in seqs], histories, eos_token_ids, bitmask, bitmask_rows)
     if all(s.params.is_greedy for s in seqs):
         return logits.argmax(-1).tolist()
     probs = processed_logits(logits, [s.params for s in seqs]).softmax(-1)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from lmplug.interfaces.compressor import CompressionReport
 from lmplug.interfaces.sequence import Logprob
 
 
@@ -65,6 +66,8 @@ class RequestOutput:
     metrics: RequestMetrics | None = None
     delta_text: str = ""  # streaming: text added since the previous output of this request
     delta_token_ids: list[int] = field(default_factory=list)
+    # prompt compression (``LLM.generate(..., compression=...)``): tokens before/after, method, seconds
+    compression: CompressionReport | None = None
 
     # The first sample's fields, for the common n == 1 case.
     @property

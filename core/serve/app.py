@@ -16,6 +16,7 @@ import secrets
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, ClassVar
 
 import anyio
@@ -25,9 +26,11 @@ from pydantic import BaseModel, ValidationError
 from starlette.concurrency import run_in_threadpool
 from starlette.middleware.cors import CORSMiddleware
 
+from lmplug.compression import PromptCompressor
 from lmplug.interfaces.params import SamplingParams
 from lmplug.llm import LLM
-from lmplug.serve import convert
+from lmplug.serve import compress, convert
+from lmplug.serve import tools as tool_calls
 from lmplug.serve.async_engine import AsyncEngine
 from lmplug.serve.errors import APIError, from_validation_error, install_handlers
 from lmplug.serve.metrics import Metrics
@@ -55,6 +58,8 @@ class ServeSettings:
     public_metrics: bool = False  # /metrics without the API key
     allow_special_in_content: bool = False  # special-token text in chat messages stays text
     max_num_seqs: int = 1024  # sequences (n x prompts) of all open requests together; past it: 429
+    tool_parser: str = "auto"  # reads tool calls out of chat output: auto (by the chat template), hermes,
+    #                            llama3, mistral, none (lmplug.serve.tools.parser_for)
 
     def __post_init__(self) -> None:
         if self.api_key is None:
@@ -72,6 +77,8 @@ def create_app(llm: LLM, settings: ServeSettings | None = None) -> FastAPI:
     metrics = Metrics()
     engine = AsyncEngine(llm.engine, metrics, max_num_seqs=settings.max_num_seqs)
     model_name = settings.served_model_name or llm.engine.config.model
+    template = llm.engine.tokenizer.chat_template if llm.engine.tokenizer is not None else None
+    parser = tool_calls.parser_for(settings.tool_parser, template)  # an unknown name fails here, at start
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -91,7 +98,7 @@ def create_app(llm: LLM, settings: ServeSettings | None = None) -> FastAPI:
     app.add_middleware(_CountRequests, metrics=metrics)
     install_handlers(app)
     _add_plain_routes(app, engine, metrics, settings)
-    app.include_router(_v1_router(engine, settings, model_name))
+    app.include_router(_v1_router(engine, settings, model_name, parser, llm.compressor))
     return app
 
 
@@ -112,7 +119,8 @@ def _add_plain_routes(app: FastAPI, engine: AsyncEngine, metrics: Metrics, setti
         return Response(metrics.render(), media_type=metrics.content_type)
 
 
-def _v1_router(engine: AsyncEngine, settings: ServeSettings, model_name: str) -> APIRouter:
+def _v1_router(engine: AsyncEngine, settings: ServeSettings, model_name: str,
+               parser: tool_calls.ToolParser | None, compressor: PromptCompressor) -> APIRouter:
     router = APIRouter(prefix="/v1", dependencies=[Depends(_api_key_check(settings.api_key))])
     core = engine.engine
     names = convert.TokenText(core.tokenizer)
@@ -131,29 +139,53 @@ def _v1_router(engine: AsyncEngine, settings: ServeSettings, model_name: str) ->
     async def chat(request: Request) -> Response:
         req = _parse(ChatCompletionRequest, await read_json(request, settings.max_body_bytes))
         check_model(req.model)
-        prompts = [await run_in_threadpool(convert.chat_prompt_ids, core.tokenizer, req)]
-        params = convert.sampling_params(req, prompts, core.max_model_len, None)
-        fmt = ChatFormat(model_name, params.logprobs, names)
-        return await _respond(request, engine, req, prompts, params, fmt)
+        tools = convert.tool_plan(req, parser)
+        constraint = convert.structured_output(req, tools)
+        tool_list = None if tools is None else tools.tools
+        messages, report = None, None
+        if compress.wanted(compressor, req.compression):
+            messages, report = await compress.compress_chat(
+                compressor, req.compression, convert.template_messages(req),
+                **({} if tool_list is None else {"tools": tool_list}))
+        prompts = [await run_in_threadpool(convert.chat_prompt_ids, core.tokenizer, req, tool_list, messages)]
+        params = convert.sampling_params(req, prompts, core.max_model_len, None, constraint)
+        fmt = ChatFormat(model_name, params.logprobs, names, tools)
+        return await _respond(request, engine, req, prompts, params, fmt, constraint,
+                              compress.tokens_before([report]))
 
     @router.post("/completions")
     async def completions(request: Request) -> Response:
         req = _parse(CompletionRequest, await read_json(request, settings.max_body_bytes))
         check_model(req.model)
+        constraint = convert.structured_output(req)
+        texts, reports = await compress.compress_texts(compressor, req.compression, convert.prompt_list(req))
         prompts = await run_in_threadpool(convert.completion_prompt_ids, core.tokenizer, req,
-                                          core.model_config.vocab_size)
-        params = convert.sampling_params(req, prompts, core.max_model_len, COMPLETIONS_DEFAULT_MAX_TOKENS)
-        fmt = CompletionFormat(model_name, params.logprobs, names)
-        return await _respond(request, engine, req, prompts, params, fmt)
+                                          core.model_config.vocab_size, texts)
+        params = convert.sampling_params(req, prompts, core.max_model_len, COMPLETIONS_DEFAULT_MAX_TOKENS,
+                                         constraint)
+        echo = convert.echo_texts(core.tokenizer, req, prompts) if req.echo else None
+        fmt = CompletionFormat(model_name, params.logprobs, names, echo, prompts)
+        return await _respond(request, engine, req, prompts, params, fmt, constraint,
+                              compress.tokens_before(reports))
 
     return router
 
 
 async def _respond(request: Request, engine: AsyncEngine, req: ChatCompletionRequest | CompletionRequest,
-                   prompts: list[list[int]], params: SamplingParams,
-                   fmt: ChatFormat | CompletionFormat) -> Response:
-    group = engine.generate(prompts, params, fmt.id)
+                   prompts: list[list[int]], params: SamplingParams, fmt: ChatFormat | CompletionFormat,
+                   constraint: convert.Constraint | None, tokens_before_compression: int | None = None,
+                   ) -> Response:
+    group = engine.generate(prompts, params, fmt.id, on_refused=partial(convert.admission_error,
+                                                                         constraint=constraint))
+    try:
+        # what the engine refuses on admission (a schema that does not compile, ...) is a 400,
+        # streamed or not: no headers go out before the engine has taken the request
+        await group.admitted()
+    except BaseException:
+        group.close()
+        raise
     acc = Accumulator(len(prompts), params.n)
+    acc.prompt_tokens_before_compression = tokens_before_compression
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         return _SSEResponse(stream_events(group, fmt, acc, include_usage), on_close=group.close)

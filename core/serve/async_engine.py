@@ -9,6 +9,12 @@ go back to the event loop as per-choice deltas, one ``asyncio.Queue`` per
 ``RequestGroup`` (a completions call with several prompts is one group of
 engine requests).
 
+A request the engine refuses when it admits it (``add_request`` raising, e.g. a
+JSON schema that does not compile) is a 400: ``RequestGroup.admitted()`` resolves
+once the engine thread has taken every request of the group, so a handler can
+answer with a status before it starts a stream; ``on_refused`` turns the
+engine's error into the response (naming the request field).
+
 One request's failure stays its own: the engine ends it with
 ``finish_reason="error"`` and it gets a 500 (``engine_error``) while the others
 go on. Only an exception that escapes a step (e.g. the forward pass itself)
@@ -26,7 +32,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 from typing_extensions import Self
@@ -61,6 +67,9 @@ class Update:
     choices: list[ChoiceDelta]
     finished: bool  # the whole engine request is done
     error: APIError | None = None
+    # with SamplingParams.prompt_logprobs: the prompt's logprobs (entry 0 None), on the first
+    # update that has generated tokens (the prompt is complete then)
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
 
 @dataclass
@@ -73,6 +82,7 @@ class _Tracked:
     n: int
     submitted_at: float
     first_token_at: float | None = None
+    sent_prompt_logprobs: bool = False
     sent_text: list[int] = field(default_factory=list)
     sent_tokens: list[int] = field(default_factory=list)
     done: list[bool] = field(default_factory=list)
@@ -85,12 +95,31 @@ class RequestGroup:
     """Engine requests whose updates share one queue. Use as ``async with``: leaving the block
     early (client gone, error, cancellation) aborts whatever is still running."""
 
-    def __init__(self, engine: AsyncEngine, request_ids: list[str], num_seqs: int = 0) -> None:
+    def __init__(self, engine: AsyncEngine, request_ids: list[str], num_seqs: int = 0,
+                 on_refused: Callable[[LmplugError], APIError] | None = None) -> None:
         self._engine = engine
         self.request_ids = request_ids
         self.num_seqs = num_seqs  # sequences it holds (n x prompts), for the server-wide limit
+        self.on_refused = on_refused  # called on the engine thread: must not touch the event loop
         self.queue: asyncio.Queue[Update] = asyncio.Queue()
         self._unfinished = set(request_ids)
+        self._to_admit = len(request_ids)
+        self._admitted: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+    async def admitted(self) -> None:
+        """Wait until the engine has taken every request of the group; raise the ``APIError`` of
+        the first it refused (the others are aborted when the group closes)."""
+        await self._admitted
+
+    def _admission(self, error: APIError | None) -> None:
+        """Event loop side: one request was taken (``error`` None) or refused."""
+        if self._admitted.done():
+            return
+        self._to_admit -= 1
+        if error is not None:
+            self._admitted.set_exception(error)
+        elif self._to_admit == 0:
+            self._admitted.set_result(None)
 
     async def __aenter__(self) -> Self:
         return self
@@ -137,6 +166,7 @@ class AsyncEngine:
         self._loop = asyncio.get_running_loop()
         self._thread = threading.Thread(target=self._run, name="lmplug-engine", daemon=True)
         self._thread.start()
+        self.engine.constraints.prepare_in_background()  # the first constrained request skips the set-up
 
     def stop(self, timeout: float = 10.0) -> None:
         self._stopping = True
@@ -169,8 +199,11 @@ class AsyncEngine:
             await asyncio.sleep(0.05)
 
     # -- requests (event loop side) ---------------------------------------------------------------
-    def generate(self, prompts: list[list[int]], params: SamplingParams, request_id: str) -> RequestGroup:
-        """Queue one engine request per prompt (ids ``{request_id}-{i}``); outputs arrive on the group."""
+    def generate(self, prompts: list[list[int]], params: SamplingParams, request_id: str,
+                 on_refused: Callable[[LmplugError], APIError] | None = None) -> RequestGroup:
+        """Queue one engine request per prompt (ids ``{request_id}-{i}``); outputs arrive on the group.
+        ``on_refused``: the response for a request ``add_request`` refuses (default: a 400 with its
+        message)."""
         if self.draining:
             raise APIError(503, "the server is shutting down; retry on another instance")
         if not self.is_running:
@@ -185,7 +218,7 @@ class AsyncEngine:
                                 f"(n x prompts) would pass its limit of {self.max_num_seqs}; retry later",
                            code="too_many_sequences", type="rate_limit_error")
         ids = [f"{request_id}-{i}" for i in range(len(prompts))]
-        group = RequestGroup(self, ids, num_seqs)
+        group = RequestGroup(self, ids, num_seqs, on_refused)
         self._groups.add(group)
         now = time.perf_counter()
         for i, (rid, prompt) in enumerate(zip(ids, prompts)):
@@ -208,6 +241,19 @@ class AsyncEngine:
                 logger.exception("engine loop failed; failing %d request(s)", len(self._tracked))
                 self._fail_all(exc)
         self._cut_all()
+        self._refuse_pending()
+
+    def _refuse_pending(self) -> None:
+        """The thread is ending: requests still queued are never added; tell their handlers."""
+        while True:
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if command[0] == "add":
+                rid, index, prompt, _, group, _ = command[1:]
+                error = APIError(503, "the server is shutting down; retry on another instance")
+                self._deliver([(group, Update(rid, index, len(prompt), [], True, error))], admission=error)
 
     def _iterate(self) -> None:
         self._apply_commands()
@@ -243,14 +289,17 @@ class AsyncEngine:
         try:
             self.engine.add_request(rid, prompt, params)
         except LmplugError as exc:
-            self._deliver([(group, Update(rid, index, len(prompt), [], True, APIError(400, str(exc))))])
+            error = group.on_refused(exc) if group.on_refused is not None else APIError(400, str(exc))
+            self._deliver([(group, Update(rid, index, len(prompt), [], True, error))], admission=error)
             return
         except Exception as exc:
             logger.exception("add_request %s failed", rid)
-            self._deliver([(group, Update(rid, index, len(prompt), [], True, _server_error(exc)))])
+            error = _server_error(exc)
+            self._deliver([(group, Update(rid, index, len(prompt), [], True, error))], admission=error)
             return
         self._tracked[rid] = _Tracked(group, index, len(prompt), params.n, submitted_at)
         self.metrics.prompt_tokens.inc(len(prompt))
+        self._deliver([], admitted=group)
 
     def _abort(self, rid: str) -> None:
         tracked = self._tracked.pop(rid, None)
@@ -317,11 +366,14 @@ class AsyncEngine:
         if tracked.first_token_at is None and tracked.sent_tokens[0]:
             tracked.first_token_at = now
             self.metrics.ttft.observe(now - tracked.submitted_at)
+        prompt_logprobs = None
+        if output.prompt_logprobs is not None and choices and not tracked.sent_prompt_logprobs:
+            prompt_logprobs, tracked.sent_prompt_logprobs = list(output.prompt_logprobs), True
         if output.finished:
             del self._tracked[output.request_id]
             self._observe_end(tracked, output.outputs[0].finish_reason or "stop", tracked.sent_tokens[0])
         return Update(output.request_id, tracked.prompt_index, tracked.num_prompt_tokens, choices,
-                      output.finished)
+                      output.finished, prompt_logprobs=prompt_logprobs)
 
     def _observe_end(self, tracked: _Tracked, reason: str, num_tokens: int) -> None:
         elapsed = time.perf_counter() - tracked.submitted_at
@@ -333,17 +385,25 @@ class AsyncEngine:
         self.metrics.observe_stats({"kv_usage": self.engine.kv.usage, "num_running": scheduler.num_running,
                                     "num_waiting": scheduler.num_waiting})
 
-    def _deliver(self, items: list[tuple[RequestGroup, Update]]) -> None:
-        if not items or self._loop is None:
+    def _deliver(self, items: list[tuple[RequestGroup, Update]], *, admitted: RequestGroup | None = None,
+                 admission: APIError | None = None) -> None:
+        """Hand updates to the event loop; ``admitted``: a group one of whose requests the engine
+        took; ``admission``: the error of the (one) refused request in ``items``."""
+        if not (items or admitted) or self._loop is None:
             return
         try:
-            self._loop.call_soon_threadsafe(_put_all, items)
+            self._loop.call_soon_threadsafe(_put_all, items, admitted, admission)
         except RuntimeError:  # the event loop is closed: nobody is listening any more
             pass
 
 
-def _put_all(items: list[tuple[RequestGroup, Update]]) -> None:
+def _put_all(items: list[tuple[RequestGroup, Update]], admitted: RequestGroup | None,
+             admission: APIError | None) -> None:
+    if admitted is not None:
+        admitted._admission(None)
     for group, update in items:
+        if admission is not None:
+            group._admission(admission)
         group.queue.put_nowait(update)
 
 

@@ -32,6 +32,9 @@ _EXPECTED = {
     "stop": "a string or a list of strings",
     "content": "a string or a list of {\"type\": \"text\", \"text\": ...} parts",
     "tool_choice": "a string or an object",
+    "guided_json": "a JSON schema (an object) or its JSON text",
+    "json": "a JSON schema (an object) or its JSON text",
+    "schema": "a JSON schema (an object)",
 }
 _UNION_TAGS = {"str", "int", "float", "bool", "none", "TextPart", "StreamOptions"}
 

@@ -3,8 +3,15 @@
 Requests are validated strictly (``strict=True``: ``"0.5"`` is not a number,
 ``1.0`` is not an integer) and unknown fields are refused, as OpenAI does, so a
 misspelt option fails with a 400 naming it instead of being silently ignored.
-The fields OpenAI defines that lmplug cannot honour are accepted only at their
-neutral value (``presence_penalty: 0``, ``logit_bias: {}``, ...).
+The few fields OpenAI defines that lmplug cannot honour (``best_of`` other than ``n``,
+``suffix``) are accepted only at their neutral value.
+
+Structured output comes in three spellings, at most one per request: OpenAI's
+``response_format`` (``json_object``, or ``json_schema``: the schema constrains the output
+whether ``strict`` is true or false), vLLM's ``guided_json`` / ``guided_regex`` /
+``guided_choice`` / ``guided_grammar``, and vLLM's newer ``structured_outputs`` object.
+Chat requests may carry OpenAI ``tools`` / ``tool_choice``, assistant messages with
+``tool_calls`` and ``tool`` messages answering them.
 Responses are built as these models and sent with ``model_dump_json``.
 """
 
@@ -12,10 +19,10 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_serializer
 
 _STRICT = ConfigDict(extra="forbid", strict=True)
-Role = Literal["system", "developer", "user", "assistant"]
+Role = Literal["system", "developer", "user", "assistant", "tool"]
 
 
 # -- requests ----------------------------------------------------------------------------------
@@ -32,16 +39,62 @@ class TextPart(BaseModel):
     text: str
 
 
+class FunctionCall(BaseModel):
+    model_config = _STRICT
+    name: str
+    arguments: str  # JSON text, as the API returned it
+
+
+class MessageToolCall(BaseModel):
+    """A call an earlier assistant turn made (sent back with the conversation)."""
+
+    model_config = _STRICT
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
+    """``content`` may be null only on an assistant message with ``tool_calls``; a ``tool``
+    message names the call it answers (``tool_call_id``). Checked in ``convert``, where the
+    error can name the exact field."""
+
     model_config = _STRICT
     role: Role
-    content: str | list[TextPart]
+    content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[MessageToolCall] | None = None
+    tool_call_id: str | None = None
 
-    def text(self) -> str:
-        if isinstance(self.content, str):
+    def text(self) -> str | None:
+        if self.content is None or isinstance(self.content, str):
             return self.content
         return "".join(part.text for part in self.content)
+
+
+class JsonSchemaFormat(BaseModel):
+    model_config = _STRICT
+    name: str
+    description: str | None = None
+    schema_: dict[str, Any] | bool = Field(alias="schema")
+    strict: bool | None = None  # true or false: lmplug constrains the output to the schema either way
+
+
+class ResponseFormat(BaseModel):
+    model_config = _STRICT
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputs(BaseModel):
+    """vLLM's ``structured_outputs``: exactly one of the fields."""
+
+    model_config = _STRICT
+    json_: dict[str, Any] | bool | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
 
 
 class _SamplingFields(BaseModel):
@@ -49,6 +102,9 @@ class _SamplingFields(BaseModel):
 
     model_config = _STRICT
     model: str | None = None  # default: the served model
+    # lmplug: prompt compression (``lmplug.serve.compress``): a method name, {method, rate, protect,
+    # options}, true (the config's default) or false; absent: the config's default, if any
+    compression: str | bool | dict[str, Any] | None = None
     n: int = Field(default=1, ge=1, le=64)
     temperature: float = Field(default=1.0, ge=0, le=2)
     top_p: float = Field(default=1.0, gt=0, le=1)
@@ -58,28 +114,28 @@ class _SamplingFields(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
-    # accepted at their neutral value only (see ``unsupported``)
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
-    logit_bias: dict[str, float] | None = None
-    # lmplug extensions
+    logit_bias: dict[str, float] | None = None  # {"token id": bias}, as OpenAI sends it
+    response_format: ResponseFormat | None = None
+    # extensions (vLLM's names)
     top_k: int = 0
     min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    min_tokens: int = 0
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    guided_json: dict[str, Any] | bool | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    structured_outputs: StructuredOutputs | None = None
 
     def unsupported(self) -> list[str]:
         """Fields set to something lmplug cannot do (each becomes a 400 naming it)."""
-        bad = []
-        if self.presence_penalty != 0:
-            bad.append("presence_penalty")
-        if self.frequency_penalty != 0:
-            bad.append("frequency_penalty")
-        if self.logit_bias:
-            bad.append("logit_bias")
-        return bad
+        return []
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -87,20 +143,9 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
-    response_format: dict[str, Any] | None = None
-    tools: list[dict[str, Any]] | None = None
+    tools: list[dict[str, Any]] | None = None  # checked by ``lmplug.serve.tools.check_tools``
     tool_choice: str | dict[str, Any] | None = None
-    parallel_tool_calls: bool | None = None
-
-    def unsupported(self) -> list[str]:
-        bad = super().unsupported()
-        if self.response_format and self.response_format.get("type") != "text":
-            bad.append("response_format")
-        if self.tools:
-            bad.append("tools")
-        if self.tool_choice not in (None, "none", "auto"):
-            bad.append("tool_choice")
-        return bad
+    parallel_tool_calls: bool | None = None  # false: tool_choice "required" makes exactly one call
 
     @property
     def max_new_tokens(self) -> int | None:
@@ -109,6 +154,10 @@ class ChatCompletionRequest(_SamplingFields):
     @property
     def num_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
+
+    @property
+    def num_prompt_logprobs(self) -> int | None:
+        return None
 
 
 class CompletionRequest(_SamplingFields):
@@ -120,8 +169,6 @@ class CompletionRequest(_SamplingFields):
 
     def unsupported(self) -> list[str]:
         bad = super().unsupported()
-        if self.echo:
-            bad.append("echo")
         if self.best_of not in (None, self.n):
             bad.append("best_of")
         if self.suffix:
@@ -136,6 +183,11 @@ class CompletionRequest(_SamplingFields):
     def num_logprobs(self) -> int | None:
         return self.logprobs
 
+    @property
+    def num_prompt_logprobs(self) -> int | None:
+        """``echo`` with ``logprobs``: the prompt's tokens come first in the logprobs, with theirs."""
+        return self.logprobs if self.echo else None
+
 
 # -- responses ---------------------------------------------------------------------------------
 
@@ -144,6 +196,15 @@ class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    # an lmplug extension, sent only when the prompt was compressed (the ``compression`` field)
+    prompt_tokens_before_compression: int | None = None
+
+    @model_serializer(mode="wrap")
+    def _without_unset(self, handler: Any) -> dict:
+        data = handler(self)
+        if data.get("prompt_tokens_before_compression") is None:
+            data.pop("prompt_tokens_before_compression", None)
+        return data
 
 
 class TopLogprob(BaseModel):
@@ -167,9 +228,21 @@ class CompletionLogprobs(BaseModel):
     text_offset: list[int] = Field(default_factory=list)
 
 
+class ResponseFunction(BaseModel):
+    name: str
+    arguments: str  # JSON text
+
+
+class ResponseToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: ResponseFunction
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None  # None: the answer is only tool calls
+    tool_calls: list[ResponseToolCall] | None = None
 
 
 class ChatChoice(BaseModel):
@@ -189,9 +262,25 @@ class ChatCompletion(BaseModel):
     system_fingerprint: str | None = None
 
 
+class DeltaFunction(BaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(BaseModel):
+    """A piece of call ``index``: its first piece carries id, type and name; later ones
+    append to ``function.arguments``."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunction
+
+
 class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatChunkChoice(BaseModel):

@@ -75,7 +75,7 @@ def serve_from_args(args: argparse.Namespace, llm: LLM) -> int:
                              cors_origins=tuple(_split(args.cors_origins)), read_timeout_s=args.read_timeout,
                              public_health=args.public_health, public_metrics=args.public_metrics,
                              allow_special_in_content=args.allow_special_tokens_in_content,
-                             max_num_seqs=args.max_open_seqs)
+                             max_num_seqs=args.max_open_seqs, tool_parser=args.tool_call_parser)
     log_level = "debug" if args.verbose > 1 else "info"
     serve(llm, settings, host=args.host, port=args.port, log_level=log_level)
     return 0

@@ -35,9 +35,11 @@ from dataclasses import dataclass
 
 import torch
 
+from lmplug.constraints import Constraints
 from lmplug.interfaces.draft_tree import depths, is_chain, tree_rows
 from lmplug.interfaces.drafter import Drafter
 from lmplug.interfaces.kvcache import KVCacheBackend
+from lmplug.interfaces.penalties import RowHistory
 from lmplug.interfaces.scheduler import ScheduledSeq
 from lmplug.interfaces.sequence import Sequence, SequenceStatus
 from lmplug.speculation.tree import first_child_chain, head, move_kv, subtree
@@ -59,8 +61,12 @@ class Draft:
 
 
 class Speculator:
-    def __init__(self, drafter: Drafter, num_tokens: int, kv: KVCacheBackend, max_model_len: int) -> None:
+    def __init__(self, drafter: Drafter, num_tokens: int, kv: KVCacheBackend, max_model_len: int,
+                 constraints: Constraints | None = None, eos_token_ids: frozenset[int] = frozenset()) -> None:
         self.drafter = drafter
+        self.constraints = constraints or Constraints(None, 0)
+        self.eos_token_ids = eos_token_ids
+        self._masks = None  # this step's mask job (structured output), started in plan
         self.num_tokens = num_tokens
         self.kv = kv
         self.max_model_len = max_model_len
@@ -108,7 +114,7 @@ class Speculator:
         if len(parents) != len(tokens):
             raise RuntimeError(f"speculative: drafter {self.drafter.name!r} proposed {len(tokens)} "
                                f"tokens with {len(parents)} parents")
-        if not seq.params.is_greedy:
+        if not seq.params.is_greedy or seq.params.structured is not None or seq.params.needs_adjusting:
             keep = first_child_chain(parents)
             return [tokens[j] for j in keep], None if probs is None else probs[keep], None
         nodes_room = self.max_model_len - seq.num_tokens - 1
@@ -141,6 +147,10 @@ class Speculator:
             keep = 0 if draft is None else min(len(draft.tokens), item.num_new_tokens - 1)
             if keep > 0:
                 self.add_draft(item, draft.head(keep))
+        sampling = [item.seq for item in scheduled if item.seq.num_computed_tokens + item.num_new_tokens
+                    >= item.seq.num_tokens]
+        self._masks = self.constraints.start(
+            sampling, [self._planned[s.seq_id].tokens if s.seq_id in self._planned else [] for s in sampling])
 
     def add_draft(self, item: ScheduledSeq, draft: Draft) -> None:
         """Append ``draft`` to the scheduled sequence and describe its rows to the runner."""
@@ -169,11 +179,13 @@ class Speculator:
         ``hidden`` (the target's final hidden states behind ``logits``) is kept for ``observe``.
         With ``on_error``, a sequence whose verification raises gets nothing and goes there.
         """
+        # the masks were filled with the drafts in place: wait for them before the drafts go
+        filled, self._masks = self.constraints.result(self._masks), None
         drafts = [self._planned.pop(s.seq_id, None) or Draft([]) for s in seqs]
         for seq, draft in zip(seqs, drafts):
             if draft.tokens:
                 del seq.token_ids[seq.num_tokens - len(draft.tokens):]
-        verdicts = self._verdicts(logits, num_rows, seqs, drafts, on_error)
+        verdicts = self._verdicts(logits, num_rows, seqs, drafts, filled, on_error)
         emitted, rows, last, start = [], [], [], 0
         for seq, draft, verdict, n in zip(seqs, drafts, verdicts, num_rows):
             last.append(start + (verdict.rows[-1] if verdict else 0))
@@ -188,27 +200,41 @@ class Speculator:
             self._hidden = hidden[last]
         return emitted, rows
 
-    @staticmethod
-    def _verdicts(logits: torch.Tensor, num_rows: list[int], seqs: list[Sequence], drafts: list[Draft],
-                  on_error) -> list:
+    def _verdicts(self, logits: torch.Tensor, num_rows: list[int], seqs: list[Sequence], drafts: list[Draft],
+                  filled: dict, on_error) -> list:
         """``verify_batch`` over all sequences; if it raises and ``on_error`` is given, one
-        sequence at a time (None for those that raise)."""
+        sequence at a time (None for those that raise). Each row is shaped as the plain sampler
+        shapes it (penalties over the tokens before it, drafts included; the constraint's mask
+        after the drafts before it), so the verified distribution is the one sampling would use."""
         columns = ([s.params for s in seqs], [d.tokens for d in drafts], [d.probs for d in drafts],
                    [s.generator for s in seqs], [d.parents for d in drafts])
         try:
-            return verify_batch(logits, num_rows, *columns)
+            return verify_batch(logits, num_rows, *columns, **self._shaping(seqs, num_rows, drafts, filled))
         except Exception:
             if on_error is None:
                 raise
         out, start = [], 0
         for i, (seq, n) in enumerate(zip(seqs, num_rows)):
             try:
-                out.append(verify_batch(logits[start:start + n], [n], *[[c[i]] for c in columns])[0])
+                shaping = self._shaping([seq], [n], [drafts[i]], filled)
+                out.append(verify_batch(logits[start:start + n], [n], *[[c[i]] for c in columns], **shaping)[0])
             except Exception as exc:  # noqa: BLE001  (reported to on_error, which logs it)
                 on_error(seq, exc)
                 out.append(None)
             start += n
         return out
+
+    def _shaping(self, seqs: list[Sequence], num_rows: list[int], drafts: list[Draft], filled: dict) -> dict:
+        """``verify_batch``'s keyword arguments for penalties and masks (none when no row needs them)."""
+        masks = self.constraints.assemble(seqs, num_rows, filled)
+        histories = None
+        if any(s.params.needs_adjusting for s in seqs):
+            histories = []
+            for seq, draft, n in zip(seqs, drafts, num_rows):
+                prompt, output = seq.prompt_token_ids, seq.output_token_ids
+                histories += [RowHistory(prompt, output + draft.tokens[:j]) for j in range(n)]
+        return {"histories": histories, "eos_token_ids": self.eos_token_ids,
+                "bitmask": masks.bitmask, "bitmask_rows": masks.rows}
 
     def _move_accepted_path(self, seq: Sequence, nodes: list[int]) -> None:
         """A tree's accepted nodes sit at start + j; move their K/V to the positions a chain has."""
@@ -257,6 +283,7 @@ class Speculator:
             self.kv.truncate(seq, valid)
 
     def release(self, seq: Sequence) -> None:
+        self.constraints.release(seq)
         self._proposed.pop(seq.seq_id, None)
         self._planned.pop(seq.seq_id, None)
         self.drafter.release(seq)

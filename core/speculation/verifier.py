@@ -13,6 +13,11 @@ were accepted. So every verification emits between 1 and ``k + 1`` tokens.
   min-p shape the target distribution ``p`` here (``processed_logits``) and the draft's
   in the drafter, by the same rules.
 
+Penalties, logit_bias, min_tokens and the structured-output bitmask adjust every row first
+(``penalties.adjust_logits``, row ``j`` seeing the output plus ``draft[:j]``), so greedy
+verification takes the adjusted argmax and speculative sampling targets the adjusted ``p``:
+the output keeps exactly the distribution plain decoding with the same adjustments has.
+
 Draft trees (greedy requests only) are verified by ``tree.verify_tree_greedy``; their
 ``Verdict.nodes`` name the accepted path, ``Verdict.rows`` the logits row of each token.
 
@@ -27,6 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from lmplug.interfaces.params import SamplingParams
+from lmplug.interfaces.penalties import NO_HISTORY, RowHistory, adjust_logits
 from lmplug.interfaces.sampling import draw, processed_logits
 from lmplug.speculation.tree import verify_tree_greedy
 
@@ -99,16 +105,27 @@ def point_mass(token: int, vocab: int, dtype: torch.dtype) -> torch.Tensor:
 def verify_batch(logits: torch.Tensor, num_rows: list[int], params: list[SamplingParams],
                  drafts: list[list[int]], draft_probs: list[torch.Tensor | None],
                  generators: list[torch.Generator | None],
-                 parents: list[list[int] | None] | None = None) -> list[Verdict]:
+                 parents: list[list[int] | None] | None = None,
+                 histories: list[RowHistory] | None = None, eos_token_ids: frozenset[int] = frozenset(),
+                 bitmask: torch.Tensor | None = None,
+                 bitmask_rows: torch.Tensor | list[int] | None = None) -> list[Verdict]:
     """Verify a batch: sequence i owns ``num_rows[i] == len(drafts[i]) + 1`` consecutive rows
     of ``logits`` [sum(num_rows), V]. Acceptance lengths differ per sequence.
 
     ``parents[i]`` (greedy sequences only) makes sequence i's drafts a tree
-    (``tree.verify_tree_greedy``); None entries are chains."""
+    (``tree.verify_tree_greedy``); None entries are chains. ``histories`` has one ``RowHistory``
+    per logits row (required when any params need adjusting); ``eos_token_ids``, ``bitmask`` and
+    ``bitmask_rows`` (indices into the logits rows) are as in ``penalties.adjust_logits``."""
     logits = logits.float()
+    row_params = [p for p, n in zip(params, num_rows) for _ in range(n)]
+    if bitmask is not None or any(p.needs_adjusting for p in params):
+        if histories is None:
+            if any(p.needs_adjusting for p in params):
+                raise ValueError("verifier: penalties, logit_bias or min_tokens need one RowHistory per logits row")
+            histories = [NO_HISTORY] * len(row_params)
+        logits = adjust_logits(logits, row_params, histories, eos_token_ids, bitmask, bitmask_rows)
     probs = None
     if not all(p.is_greedy for p in params):
-        row_params = [p for p, n in zip(params, num_rows) for _ in range(n)]
         probs = processed_logits(logits, row_params).softmax(-1)
     verdicts, start = [], 0
     for n, sp, draft, q, gen in zip(num_rows, params, drafts, draft_probs, generators):

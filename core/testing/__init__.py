@@ -23,9 +23,11 @@ from typing import TYPE_CHECKING, Any
 
 _EXPORTS = {
     "AttentionConformance": "lmplug.testing.attention",
+    "CompressorConformance": "lmplug.testing.compressor",
     "BATCH_SPECS": "lmplug.testing.batches",
     "BatchSpec": "lmplug.testing.batches",
     "Conformance": "lmplug.testing.base",
+    "ConstraintConformance": "lmplug.testing.constraint",
     "DrafterConformance": "lmplug.testing.drafter",
     "KVCacheConformance": "lmplug.testing.kvcache",
     "MoEConformance": "lmplug.testing.moe",
@@ -37,7 +39,9 @@ __all__ = [
     "BATCH_SPECS",
     "AttentionConformance",
     "BatchSpec",
+    "CompressorConformance",
     "Conformance",
+    "ConstraintConformance",
     "DrafterConformance",
     "KVCacheConformance",
     "MoEConformance",
@@ -50,6 +54,8 @@ if TYPE_CHECKING:
     from lmplug.testing.base import Conformance as Conformance
     from lmplug.testing.batches import BATCH_SPECS as BATCH_SPECS
     from lmplug.testing.batches import BatchSpec as BatchSpec
+    from lmplug.testing.compressor import CompressorConformance as CompressorConformance
+    from lmplug.testing.constraint import ConstraintConformance as ConstraintConformance
     from lmplug.testing.drafter import DrafterConformance as DrafterConformance
     from lmplug.testing.kvcache import KVCacheConformance as KVCacheConformance
     from lmplug.testing.moe import MoEConformance as MoEConformance

@@ -26,6 +26,7 @@ RUNNABLE = {
     "scheduler": "SchedulerConformance",
     "drafter": "DrafterConformance",
     "moe": "MoEConformance",
+    "constraint": "ConstraintConformance",
 }
 
 

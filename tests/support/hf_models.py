@@ -175,7 +175,7 @@ def vocab_strings() -> list[str]:
 def write_tokenizer(path: Path) -> None:
     """``tokenizer.json`` (BPE over ``vocab_strings``, no merges: encoding splits into
     single characters, decoding concatenates pieces) + ``tokenizer_config.json``."""
-    from tokenizers import AddedToken, Tokenizer, decoders, processors
+    from tokenizers import AddedToken, Tokenizer, decoders
     from tokenizers.models import BPE
 
     vocab = {s: i for i, s in enumerate(vocab_strings())}
@@ -183,6 +183,14 @@ def write_tokenizer(path: Path) -> None:
     tok = Tokenizer(BPE(vocab=vocab, merges=[], unk_token="<unk>"))
     tok.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in SPECIALS])
     tok.decoder = decoders.Fuse()
+    save_with_bos(tok, path)
+
+
+def save_with_bos(tok, path: Path) -> None:
+    """Save ``tok`` (a ``tokenizers.Tokenizer`` with the tiny configs' specials) with a post-processor
+    that adds ``<s>``, and the ``tokenizer_config.json`` naming the specials."""
+    from tokenizers import processors
+
     tok.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A $B",
                                                        special_tokens=[("<s>", 1)])
     tok.save(str(path / "tokenizer.json"))

@@ -8,43 +8,14 @@ import json
 
 import httpx
 import pytest
-import torch
-from support.serve_util import running_server
 
-from lmplug import LLM, SamplingParams
-from lmplug.serve import ServeSettings
+from lmplug import SamplingParams
 
 openai = pytest.importorskip("openai")
 
 KEY = "test-key"
 CHAT = [{"role": "user", "content": "What is the capital of France?"}]
 MAX_LEN = 256
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    saved = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(saved)
-
-
-@pytest.fixture(scope="module")
-def ref(demo_gguf):
-    """A second engine on the same model: the reference answers (the served one is busy)."""
-    return LLM(str(demo_gguf), dtype="float32", max_model_len=MAX_LEN)
-
-
-@pytest.fixture(scope="module")
-def server(demo_gguf):
-    llm = LLM(str(demo_gguf), dtype="float32", max_model_len=MAX_LEN)
-    with running_server(llm, ServeSettings(api_key=KEY, served_model_name="demo")) as running:
-        yield running
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=server.v1, api_key=KEY, max_retries=0, timeout=120)
 
 
 def post(server, path: str, body=None, *, content: bytes | None = None, key: str | None = KEY) -> httpx.Response:
@@ -173,7 +144,7 @@ BAD = [
     ("bad-role", "/chat/completions", {**OK_CHAT, "messages": [{"role": "robot", "content": "x"}]},
      400, "messages[0].role"),
     ("unknown-field", "/chat/completions", {**OK_CHAT, "temprature": 0.5}, 400, "temprature"),
-    ("unsupported", "/chat/completions", {**OK_CHAT, "presence_penalty": 0.5}, 400, "presence_penalty"),
+    ("unsupported", "/completions", {"model": "demo", "prompt": "a", "suffix": "b"}, 400, "suffix"),
     ("top-k-invalid", "/chat/completions", {**OK_CHAT, "top_k": -3}, 400, "top_k"),
     ("max-tokens-zero", "/chat/completions", {**OK_CHAT, "max_tokens": 0}, 400, "max_tokens"),
     ("max-tokens-too-large", "/chat/completions", {**OK_CHAT, "max_tokens": MAX_LEN}, 400, "max_tokens"),

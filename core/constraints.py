@@ -1,0 +1,176 @@
+"""The engine's side of structured output: compile at admission, one matcher per sequence, masks.
+
+``Constraints`` holds the configured grammar engine (a ``ConstraintBackend``). A request with
+``SamplingParams.structured`` is compiled when it is admitted (``admit``), so a bad schema, regex or
+grammar fails that request at once with an error naming the field. Each sequence gets its own
+``Matcher`` when it first needs a mask (so ``n > 1`` siblings, forked at the first token, start from
+the beginning like their parent did). A matcher is kept in step with its sequence lazily: before a
+mask is filled, it accepts the output tokens it has not seen (``_sync``), so whatever appended them
+(the sampler, the speculative verifier, a stop check that cut the output) the matcher follows the
+tokens the sequence really kept, and a preempted sequence (recomputed, its tokens kept) loses
+nothing.
+
+Masks are filled for a whole step at once (``masks``): one bitmask row per logits row of a
+constrained sequence. With drafts (speculative decoding), row ``j`` is the mask after the first ``j``
+draft tokens: the matcher accepts them one by one and is rolled back afterwards; a draft token the
+constraint forbids gets a masked probability of 0 from the target, so verification stops there and the
+rows after it are never read (they repeat its mask). ``start``/``result`` run the filling on a worker
+thread while the model's forward runs (the grammar engines release the GIL while they fill).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
+import torch
+
+from lmplug.interfaces.constraint import ConstraintBackend, ConstraintError, Matcher, new_bitmask
+from lmplug.interfaces.sequence import Sequence
+
+logger = logging.getLogger(__name__)
+
+
+
+@dataclass
+class StepMasks:
+    """One step's masks: ``bitmask`` int32 [M, W] and ``rows`` long [M], the logits row of each
+    mask row (None, None: no constrained row)."""
+
+    bitmask: torch.Tensor | None
+    rows: torch.Tensor | None
+
+
+NO_MASKS = StepMasks(None, None)
+
+
+class _State:
+    __slots__ = ("consumed", "matcher")
+
+    def __init__(self, matcher: Matcher) -> None:
+        self.matcher = matcher
+        self.consumed = 0  # output tokens the matcher has accepted
+
+
+class Constraints:
+    def __init__(self, backend: ConstraintBackend | None, vocab_size: int) -> None:
+        self.backend = backend
+        self.vocab_size = vocab_size
+        self._states: dict[int, _State] = {}  # seq_id -> its matcher
+        self._pool: ThreadPoolExecutor | None = None
+
+    # -- requests ------------------------------------------------------------------------------
+    def admit(self, params) -> None:
+        """Compile the request's constraint (cached by the backend); raises ``ConstraintError``."""
+        spec = params.structured
+        if spec is None:
+            return
+        if self.backend is None:
+            raise ConstraintError("structured", "structured output was asked for, but no constraint backend "
+                                  "is configured (config section `structured_output`)")
+        self.backend.compile_cached(spec)
+
+    def prepare_in_background(self) -> None:
+        """The backend's one-off set-up (``ConstraintBackend.prepare``) on a daemon thread; a failure
+        is logged, and the first constrained request then meets it and reports it."""
+        if self.backend is None:
+            return
+
+        def run() -> None:
+            try:
+                self.backend.prepare()
+            except Exception:
+                logger.warning("structured output: preparing the %r backend failed", self.backend.name,
+                               exc_info=True)
+
+        threading.Thread(target=run, name="lmplug-constraint-prepare", daemon=True).start()
+
+    def release(self, seq: Sequence) -> None:
+        self._states.pop(seq.seq_id, None)
+
+    @staticmethod
+    def wanted(seq: Sequence) -> bool:
+        return seq.params.structured is not None
+
+    # -- masks ---------------------------------------------------------------------------------
+    def fill(self, seqs: list[Sequence], drafts: list[list[int]] | None = None,
+             ) -> dict[int, torch.Tensor | Exception]:
+        """For each constrained sequence: its mask rows, int32 [1 + len(draft), W] (row j: after the
+        first j draft tokens), or the exception its matcher raised (reported per sequence).
+        ``drafts[i]``: the draft tokens sequence i carries at the end of its ``token_ids`` (the
+        speculator appends them for the forward); they are not output yet."""
+        out: dict[int, torch.Tensor | Exception] = {}
+        for i, seq in enumerate(seqs):
+            if not self.wanted(seq):
+                continue
+            draft = [] if drafts is None else drafts[i]
+            rows = new_bitmask(1 + len(draft), self.vocab_size)
+            try:
+                self._fill(seq, rows, draft)
+                out[seq.seq_id] = rows
+            except Exception as exc:  # noqa: BLE001  (reported per sequence through on_error)
+                out[seq.seq_id] = exc
+        return out
+
+    def assemble(self, seqs: list[Sequence], num_rows: list[int],
+                 filled: dict[int, torch.Tensor | Exception]) -> StepMasks:
+        """One bitmask for the step's logits (sequence i owns ``num_rows[i]`` consecutive rows; its
+        first rows take its filled masks). A constrained sequence missing from ``filled`` (a sibling
+        forked this step) is filled now. Raises the matcher's exception if all sequences share one
+        batch; callers redo one sequence at a time to isolate it."""
+        parts, rows, start = [], [], 0
+        for seq, n in zip(seqs, num_rows):
+            if self.wanted(seq):
+                mask = filled.get(seq.seq_id)
+                if mask is None:
+                    mask = self.fill([seq])[seq.seq_id]
+                    filled[seq.seq_id] = mask
+                if isinstance(mask, Exception):
+                    raise mask
+                parts.append(mask[:n])
+                rows.append(torch.arange(start, start + min(n, mask.shape[0])))
+            start += n
+        if not parts:
+            return NO_MASKS
+        return StepMasks(torch.cat(parts), torch.cat(rows))
+
+    def _fill(self, seq: Sequence, out: torch.Tensor, draft: list[int]) -> None:
+        state = self._sync(seq, len(draft))
+        state.matcher.fill_mask(out[0])
+        accepted = 0
+        for j, token in enumerate(draft, start=1):
+            if not state.matcher.accept(token):
+                out[j:] = out[j - 1]  # never read: the target cannot accept the forbidden draft j - 1
+                break
+            accepted += 1
+            state.matcher.fill_mask(out[j])
+        if accepted:
+            state.matcher.rollback(accepted)
+
+    def _sync(self, seq: Sequence, num_draft: int = 0) -> _State:
+        state = self._states.get(seq.seq_id)
+        if state is None:
+            compiled = self.backend.compile_cached(seq.params.structured)  # compiled at admission: cached
+            state = self._states[seq.seq_id] = _State(self.backend.matcher(compiled))
+        output = seq.token_ids[seq.num_prompt_tokens:seq.num_tokens - num_draft]
+        for token in output[state.consumed:]:
+            if not state.matcher.accept(token):
+                raise RuntimeError(f"structured output: token {token} of request {seq.request_id!r} is not "
+                                   "allowed by its constraint (the matcher and the output diverged)")
+            state.consumed += 1
+        return state
+
+    # -- overlap with the forward --------------------------------------------------------------
+    def start(self, seqs: list[Sequence], drafts: list[list[int]] | None = None) -> Future | None:
+        """``fill`` on a worker thread, while the forward runs; None when no sequence is constrained."""
+        if not any(self.wanted(s) for s in seqs):
+            return None
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lmplug-masks")
+        return self._pool.submit(self.fill, list(seqs), None if drafts is None else [list(d) for d in drafts])
+
+    @staticmethod
+    def result(job: Future | None) -> dict[int, torch.Tensor | Exception]:
+        return {} if job is None else job.result()
