@@ -20,7 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationIn
 
 from lmplug.errors import ConfigError
 from lmplug.interfaces import BackendInfo, BackendOptions
-from lmplug.interfaces.families import by_section, configured
+from lmplug.interfaces.families import Family, by_section, configured, nested
 from lmplug.plugins import Registry, get_registry
 
 logger = logging.getLogger(__name__)
@@ -254,6 +254,13 @@ def resolve(config: EngineConfig, *, device: str, dtype: str, registry: Registry
             chosen[section], reasons[section] = _resolve_section(
                 config, section, device=device, dtype=dtype, registry=registry, chosen=chosen,
                 source=source, model=model)
+    for family in nested():  # e.g. speculative.acceptance, once its parent section is set
+        key = f"{family.within}.{family.name}"
+        raw = (getattr(config, family.within) or {}).get(family.name)
+        if family.within in chosen and raw is not None:
+            chosen[key] = _resolve_nested(raw, family, key, device=device, dtype=dtype, registry=registry,
+                                          source=source)
+            reasons[key] = "named in the config"
     if model is not None and not model.moe and "moe" in chosen:
         logger.warning("%s: moe: ignored, a %s model has no mixture-of-experts layers", source, model.model_type)
         del chosen["moe"], reasons["moe"]
@@ -277,6 +284,9 @@ def _resolve_section(config: EngineConfig, section: str, *, device: str, dtype: 
     family = by_section(section)
     raw = dict(getattr(config, section) or {family.name_key: "auto"})
     name = raw.pop(family.name_key, "auto" if family.auto else None)
+    for inner in nested():  # chosen inside this section, resolved by ``_resolve_nested``
+        if inner.within == section:
+            raw.pop(inner.name, None)
     if name is None:
         raise ConfigError(f"{source}: {section}: missing `{family.name_key}` (which {family.name} to use)")
     if name == "auto":
@@ -289,6 +299,27 @@ def _resolve_section(config: EngineConfig, section: str, *, device: str, dtype: 
     except ValidationError as exc:
         raise ConfigError(_explain_section(exc, source, section, info)) from None
     return ResolvedBackend(info, options), reason
+
+
+def _resolve_nested(raw: Any, family: Family, key: str, *, device: str, dtype: str, registry: Registry,
+                    source: str) -> ResolvedBackend:
+    """A family chosen inside another section (``speculative: {acceptance: typical}`` or
+    ``{acceptance: {rule: typical, posterior_threshold: 0.1}}``): always named, never ``auto``."""
+    if isinstance(raw, str):
+        raw = {family.name_key: raw}
+    if not isinstance(raw, Mapping):
+        raise ConfigError(f"{source}: {key}: expected a name or a mapping {{{family.name_key}: NAME, "
+                          f"...options}}, got {type(raw).__name__}")
+    raw = dict(raw)
+    name = raw.pop(family.name_key, None)
+    if not isinstance(name, str):
+        raise ConfigError(f"{source}: {key}: missing `{family.name_key}` (which {family.name} to use; "
+                          f"installed: {', '.join(sorted(registry.backends(family.name))) or 'none'})")
+    info = _choose_named(registry, key, family.name, name, device, dtype, source)
+    try:
+        return ResolvedBackend(info, info.cls.Options(**raw))
+    except ValidationError as exc:
+        raise ConfigError(_explain_section(exc, source, key, info)) from None
 
 
 def _choose_named(registry: Registry, section: str, family: str, name: str, device: str, dtype: str,

@@ -52,6 +52,12 @@ def lmplug_register_drafters() -> list[type]:
 
 
 @hookspec
+def lmplug_register_acceptance_rules() -> list[type]:
+    """Return ``AcceptanceRule`` subclasses this plugin provides: how speculative decoding decides
+    which draft tokens to keep (chosen by ``speculative: {acceptance: {rule: NAME}}``)."""
+
+
+@hookspec
 def lmplug_register_moe_backends() -> list[type]:
     """Return ``MoEBackend`` subclasses this plugin provides."""
 

@@ -15,7 +15,7 @@ from pathlib import Path
 os.environ.pop("TRITON_INTERPRET", None)
 
 from lmplug.config import EngineConfig, ParallelConfig  # noqa: E402
-from lmplug.interfaces.families import configured  # noqa: E402
+from lmplug.interfaces.families import configured, nested  # noqa: E402
 from lmplug.plugins import Registry  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -66,7 +66,9 @@ def render() -> str:
     registry = Registry()
     out = [HEADER, "## Top level", "", *_rows(EngineConfig), ""]
     out += ["## `parallel:` (tensor parallelism; `--tp N` on the command line)", "", *_rows(ParallelConfig), ""]
-    for section, family, name_key in ((f.section, f.name, f.name_key) for f in configured()):
+    sections = [(f.section, f.name, f.name_key) for f in configured()]
+    sections += [(f"{f.within}.{f.name}", f.name, f.name_key) for f in nested()]
+    for section, family, name_key in sections:
         out += [f"## `{section}:` ({family} backends, chosen by `{name_key}:`)", ""]
         backends = {n: i for n, i in registry.backends(family).items() if i.distribution.startswith("lmplug ")}
         if not backends:

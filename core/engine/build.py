@@ -21,6 +21,7 @@ from lmplug.interfaces import (
     Scheduler,
     SchedulerLimits,
 )
+from lmplug.interfaces.acceptance import AcceptanceRule
 from lmplug.interfaces.constraint import ConstraintBackend, ConstraintTokenizer
 from lmplug.interfaces.model_config import ModelConfig
 from lmplug.interfaces.quant import Unquantized
@@ -49,6 +50,7 @@ class EngineParts:
     eos_token_ids: frozenset[int]
     load_time_s: float
     drafter: Drafter | None = None  # speculative decoding, when configured
+    acceptance: AcceptanceRule | None = None  # speculative.acceptance (None: exact speculative sampling)
     constraint: ConstraintBackend | None = None  # the grammar engine for structured output
     # weight bytes and KV bytes per token of every tensor-parallel rank (``parallel.setup``)
     memory: dict | None = None
@@ -103,6 +105,7 @@ def build_engine_parts(resolved: ResolvedConfig, parallel: ParallelState | None 
     if "speculative" in backends:
         drafter = backends["speculative"].cls(backends["speculative"].options)
         _check_tree_support(drafter, backends["attention"], device, parallel)
+    acceptance = _built(backends, "speculative.acceptance")
     check_fits(model_config, config_file(source), dtype, device, quantized="quant" in backends,
                world_size=parallel.world_size)
     with torch.device(device):
@@ -139,7 +142,7 @@ def build_engine_parts(resolved: ResolvedConfig, parallel: ParallelState | None 
         constraint = chosen.cls(chosen.options, ConstraintTokenizer(
             source.tokenizer.backend, model_config.vocab_size, eos_ids))
     return EngineParts(model_config, model, source.tokenizer, kv, scheduler, runner, max_model_len,
-                       eos_ids, load_time, drafter, constraint=constraint, memory=memory, plan=plan)
+                       eos_ids, load_time, drafter, acceptance, constraint=constraint, memory=memory, plan=plan)
 
 
 def fit_pool(kv: KVCacheBackend, max_model_len: int) -> int:

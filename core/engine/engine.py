@@ -60,7 +60,7 @@ class LLMEngine:
         self.constraints = Constraints(parts.constraint, self.model_config.vocab_size)
         self.speculator = None if parts.drafter is None else Speculator(
             parts.drafter, parts.drafter.options.num_tokens, self.kv, self.max_model_len,
-            self.constraints, self.eos_token_ids)
+            self.constraints, self.eos_token_ids, rule=parts.acceptance)
         self.selector = self.speculator or Sampler(self.constraints, self.eos_token_ids)
         # n > 1 shares the prompt's KV when the cache and the scheduler both declare "fork"
         # (not under tensor parallelism: a fork's copy-on-write block copies happen in rank 0's pool only)
@@ -83,9 +83,11 @@ class LLMEngine:
                     *, priority: int = 0) -> None:
         """Admit a request. Everything that can be wrong with it fails here, before any state: token
         ids past the vocabulary (``logit_bias``, ``stop_token_ids``), a constraint that does not
-        compile (``ConstraintError`` naming the field)."""
+        compile (``ConstraintError`` naming the field), ``exact`` under a lossy acceptance rule."""
         params = params or SamplingParams()
         check_token_ids(params, self.model_config.vocab_size)
+        if self.speculator is not None:
+            self.speculator.admit(params)
         self.constraints.admit(params)
         for seq in self.requests.add(request_id, prompt, params, priority):
             self.scheduler.add(seq)
@@ -121,6 +123,10 @@ class LLMEngine:
         self.scheduler.update(finished)
         self._end_failed(failed)
         outputs = self.requests.outputs([item.seq for item in plan.scheduled])
+        if self.speculator is not None:  # which acceptance rule decided these tokens, and whether it is exact
+            for out in outputs:
+                if out.metrics is not None:
+                    out.metrics.acceptance_rule, out.metrics.lossy = self.speculator.rule_name, self.speculator.lossy
         for out in outputs:
             if out.finished:
                 self.observers.notify("lmplug_request_finished", engine=self, output=out)

@@ -7,6 +7,7 @@ addresses, draft-tree shapes). This package imports nothing from ``lmplug.engine
 ``models``, ``loading``, ``config`` or ``parallel`` (import-linter holds it).
 """
 
+from lmplug.interfaces.acceptance import AcceptanceOptions, AcceptanceRule, Decision
 from lmplug.interfaces.attention import AttentionBackend, KVLayerView, MLAAttentionBackend
 from lmplug.interfaces.checkpoint import ModelSource
 from lmplug.interfaces.common import BackendInfo, BackendOptions, Capabilities
@@ -55,6 +56,8 @@ FAMILIES: dict[str, type] = {f.name: f.base for f in FAMILY_TABLE}
 __all__ = [
     "FAMILIES",
     "FAMILY_TABLE",
+    "AcceptanceOptions",
+    "AcceptanceRule",
     "AttentionBackend",
     "BackendInfo",
     "BackendOptions",
@@ -65,6 +68,7 @@ __all__ = [
     "CompressionResult",
     "Compressor",
     "CompressorOptions",
+    "Decision",
     "DraftModel",
     "DraftProposal",
     "DraftTarget",

@@ -10,6 +10,10 @@ section and the key in it that names the backend. Derived from this table:
   which accept ``auto``, and the order they are resolved in;
 - the generated docs (``docs/gen_config.py``, ``docs/gen_hooks.py``).
 
+A family chosen inside another family's section (``within``: the acceptance rule, a key
+``acceptance`` of the ``speculative`` section) has no section of its own; ``nested()`` lists
+them and ``lmplug.config`` resolves them after their parent.
+
 The hook specifications themselves stay plain functions in ``lmplug.hookspecs`` (pluggy reads
 their signatures); a test checks that every ``hook`` below is one of them and every
 registration spec there has a row here.
@@ -19,6 +23,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from lmplug.interfaces.acceptance import AcceptanceRule
 from lmplug.interfaces.attention import AttentionBackend
 from lmplug.interfaces.compressor import Compressor
 from lmplug.interfaces.constraint import ConstraintBackend
@@ -42,6 +47,8 @@ class Family:
     auto: bool = False  # a section without the key means ``auto`` (chosen by capabilities)
     optional: bool = False  # an absent section is off (or, moe, decided by the model)
     after: tuple[str, ...] = ()  # sections resolved first: this one's ``auto`` reads their choice
+    # chosen by the key ``name`` inside this section (e.g. ``speculative: {acceptance: {rule: ...}}``)
+    within: str | None = None
 
 
 TABLE: tuple[Family, ...] = (
@@ -51,6 +58,8 @@ TABLE: tuple[Family, ...] = (
     Family("scheduler", Scheduler, "lmplug_register_schedulers", "scheduler", auto=True),
     Family("quant", QuantMethod, "lmplug_register_quant_methods", "quant", "method", optional=True),
     Family("drafter", Drafter, "lmplug_register_drafters", "speculative", "method", optional=True),
+    Family("acceptance", AcceptanceRule, "lmplug_register_acceptance_rules", name_key="rule",
+           within="speculative"),
     Family("moe", MoEBackend, "lmplug_register_moe_backends", "moe", auto=True, optional=True),
     Family("constraint", ConstraintBackend, "lmplug_register_constraint_backends", "structured_output",
            auto=True),
@@ -76,6 +85,11 @@ def configured() -> tuple[Family, ...]:
         if family.section is not None:
             visit(family)
     return tuple(out)
+
+
+def nested() -> tuple[Family, ...]:
+    """The families chosen inside another family's section (``within``)."""
+    return tuple(f for f in TABLE if f.within is not None)
 
 
 def by_section(section: str) -> Family:

@@ -60,6 +60,9 @@ class SamplingParams:
     repetition_penalty: float = 1.0  # HF: tokens seen in prompt or output, logit < 0 ? * p : / p
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit
     min_tokens: int = 0  # EOS and stop_token_ids are blocked until this many tokens are out
+    # this request must sample the target distribution exactly: refused where speculative decoding
+    # verifies with a lossy acceptance rule (``lmplug.interfaces.acceptance``)
+    exact: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -83,6 +86,7 @@ class SamplingParams:
         _check(self.structured is None or isinstance(self.structured, StructuredOutput), "structured",
                type(self.structured).__name__, "None, a StructuredOutput or a dict of its fields")
         self._check_adjustments()
+        _check(isinstance(self.exact, bool), "exact", self.exact, "a bool")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             _check(value is None or (isinstance(value, int) and 0 <= value <= 20), name, value,

@@ -33,6 +33,10 @@ class RequestMetrics:
     # target forwards (engine steps) that produced tokens for the request (with n > 1: the most
     # of any of its sequences, which step together); without speculation one per token
     num_target_forwards: int = 0
+    # the speculative acceptance rule that decided the tokens (None: no speculation) and whether it
+    # is lossy (its tokens may depart from the target distribution: ``lmplug.interfaces.acceptance``)
+    acceptance_rule: str | None = None
+    lossy: bool = False
 
     @property
     def acceptance_rate(self) -> float | None:

@@ -320,7 +320,8 @@ def sampling_params(req: ChatCompletionRequest | CompletionRequest, prompts: lis
             skip_special_tokens=req.skip_special_tokens,
             presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
             repetition_penalty=req.repetition_penalty, logit_bias=req.logit_bias or None,
-            min_tokens=req.min_tokens, structured=None if constraint is None else constraint.spec)
+            min_tokens=req.min_tokens, structured=None if constraint is None else constraint.spec,
+            exact=req.exact)
     except LmplugError as exc:
         # "SamplingParams.top_k=-3 is invalid: ..." -> "top_k=-3 is invalid: ..."
         message = str(exc).removeprefix("SamplingParams.")

@@ -123,6 +123,9 @@ class _SamplingFields(BaseModel):
     min_p: float = 0.0
     repetition_penalty: float = 1.0
     min_tokens: int = 0
+    # lmplug: sample the target distribution exactly (refused when the server verifies drafts with a lossy
+    # acceptance rule)
+    exact: bool = False
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True

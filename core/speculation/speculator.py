@@ -26,6 +26,11 @@ would have used before the rollback. A sampling request gets only the chain of f
 which the speculative-sampling verifier keeps exact. Stats: a tree counts its nodes as drafted
 and its accepted path length as accepted, so the acceptance rate falls with the tree's size;
 tokens per target forward is the figure that matters.
+
+Acceptance (``rule``, an ``AcceptanceRule`` from ``speculative.acceptance``; None: exact
+speculative sampling): the verifier hands it each chain's shaped target and draft
+distributions. ``admit`` refuses a request asking for exact sampling under a lossy rule;
+``rule_name`` / ``lossy`` are what the engine reports in each request's metrics.
 """
 
 from __future__ import annotations
@@ -36,9 +41,11 @@ from dataclasses import dataclass
 import torch
 
 from lmplug.constraints import Constraints
+from lmplug.interfaces.acceptance import AcceptanceRule, check_exact_request
 from lmplug.interfaces.draft_tree import depths, is_chain, tree_rows
 from lmplug.interfaces.drafter import Drafter
 from lmplug.interfaces.kvcache import KVCacheBackend
+from lmplug.interfaces.params import SamplingParams
 from lmplug.interfaces.penalties import RowHistory
 from lmplug.interfaces.scheduler import ScheduledSeq
 from lmplug.interfaces.sequence import Sequence, SequenceStatus
@@ -62,8 +69,10 @@ class Draft:
 
 class Speculator:
     def __init__(self, drafter: Drafter, num_tokens: int, kv: KVCacheBackend, max_model_len: int,
-                 constraints: Constraints | None = None, eos_token_ids: frozenset[int] = frozenset()) -> None:
+                 constraints: Constraints | None = None, eos_token_ids: frozenset[int] = frozenset(),
+                 rule: AcceptanceRule | None = None) -> None:
         self.drafter = drafter
+        self.rule = rule
         self.constraints = constraints or Constraints(None, 0)
         self.eos_token_ids = eos_token_ids
         self._masks = None  # this step's mask job (structured output), started in plan
@@ -77,6 +86,18 @@ class Speculator:
         self.num_verified = 0  # sequence-steps that verified at least one draft
         self._step = {"drafted": 0, "accepted": 0}
         self._hidden: torch.Tensor | None = None  # [B, h] of the last verify, for observe
+
+    @property
+    def rule_name(self) -> str:
+        return "exact" if self.rule is None else self.rule.name
+
+    @property
+    def lossy(self) -> bool:
+        return self.rule is not None and self.rule.lossy
+
+    def admit(self, params: SamplingParams) -> None:
+        """Refuse (``ConfigError``) a request that asks for exact sampling under a lossy rule."""
+        check_exact_request(params, self.rule)
 
     # -- before scheduling -----------------------------------------------------------------------
     def propose(self, seqs: list[Sequence]) -> dict[int, int]:
@@ -209,7 +230,8 @@ class Speculator:
         columns = ([s.params for s in seqs], [d.tokens for d in drafts], [d.probs for d in drafts],
                    [s.generator for s in seqs], [d.parents for d in drafts])
         try:
-            return verify_batch(logits, num_rows, *columns, **self._shaping(seqs, num_rows, drafts, filled))
+            return verify_batch(logits, num_rows, *columns, **self._shaping(seqs, num_rows, drafts, filled),
+                                rule=self.rule)
         except Exception:
             if on_error is None:
                 raise
@@ -217,7 +239,8 @@ class Speculator:
         for i, (seq, n) in enumerate(zip(seqs, num_rows)):
             try:
                 shaping = self._shaping([seq], [n], [drafts[i]], filled)
-                out.append(verify_batch(logits[start:start + n], [n], *[[c[i]] for c in columns], **shaping)[0])
+                out.append(verify_batch(logits[start:start + n], [n], *[[c[i]] for c in columns], **shaping,
+                                        rule=self.rule)[0])
             except Exception as exc:  # noqa: BLE001  (reported to on_error, which logs it)
                 on_error(seq, exc)
                 out.append(None)

@@ -1,4 +1,4 @@
-"""The speculative verifier: accept draft tokens so that the output keeps the target's distribution.
+"""The speculative verifier: accept draft tokens by the engine's acceptance rule (default: exact).
 
 The target scores a sequence's last accepted token plus its ``k`` draft tokens in one
 forward, giving ``k + 1`` rows of logits: row ``j`` is the target's next-token
@@ -7,11 +7,14 @@ returns the accepted drafts followed by exactly one token from the target: the
 correction at the first rejection, or the *bonus* token from row ``k`` when all ``k``
 were accepted. So every verification emits between 1 and ``k + 1`` tokens.
 
-- Greedy (temperature 0): accept draft ``j`` while it equals the target's argmax.
-- Sampling: speculative sampling (Leviathan et al., 2023; Chen et al., 2023), exact for
-  any draft distribution ``q``; see ``verify_sampling``. Temperature, top-k, top-p and
-  min-p shape the target distribution ``p`` here (``processed_logits``) and the draft's
-  in the drafter, by the same rules.
+- Greedy (temperature 0): accept draft ``j`` while it equals the target's argmax
+  (``AcceptanceRule.accept_greedy``; every first-party rule keeps this).
+- Sampling: the acceptance rule (``lmplug.interfaces.acceptance``) decides from the shaped
+  target distribution ``p`` and the draft's ``q``; without one (the default), speculative
+  sampling (Leviathan et al., 2023; Chen et al., 2023), exact for any draft distribution
+  ``q``; see ``verify_sampling``. Temperature, top-k, top-p and min-p shape ``p`` here
+  (``processed_logits``) and the draft's in the drafter, by the same rules. A lossy rule
+  (typical acceptance, speculative cascades, routing) trades exactness for longer runs.
 
 Penalties, logit_bias, min_tokens and the structured-output bitmask adjust every row first
 (``penalties.adjust_logits``, row ``j`` seeing the output plus ``draft[:j]``), so greedy
@@ -31,10 +34,21 @@ from dataclasses import dataclass
 
 import torch
 
+from lmplug.interfaces.acceptance import (
+    AcceptanceRule,
+    Decision,
+    greedy_prefix,
+    point_mass,
+    rejection_sample,
+    residual_distribution,
+)
 from lmplug.interfaces.params import SamplingParams
 from lmplug.interfaces.penalties import NO_HISTORY, RowHistory, adjust_logits
-from lmplug.interfaces.sampling import draw, processed_logits
+from lmplug.interfaces.sampling import processed_logits
 from lmplug.speculation.tree import verify_tree_greedy
+
+# (``point_mass`` and ``residual_distribution`` stay importable from here)
+__all__ = ["Verdict", "point_mass", "residual_distribution", "verify_batch", "verify_greedy", "verify_sampling"]
 
 
 @dataclass(frozen=True)
@@ -54,52 +68,27 @@ class Verdict:
 
 def verify_greedy(logits: torch.Tensor, draft: list[int]) -> Verdict:
     """logits [k+1, V]: accept the longest prefix of ``draft`` equal to the target's argmax."""
-    best = logits.argmax(-1).tolist()
-    m = 0
-    while m < len(draft) and draft[m] == best[m]:
-        m += 1
-    return Verdict(draft[:m] + [best[m]], m)
+    m, tokens = greedy_prefix(logits, draft)
+    return Verdict(tokens, m)
 
 
 def verify_sampling(p: torch.Tensor, q: torch.Tensor | None, draft: list[int],
                     generator: torch.Generator | None) -> Verdict:
-    """Speculative sampling. p [k+1, V] target probabilities, q [k, V] draft probabilities
-    (None: each draft token was chosen deterministically, i.e. q is a point mass on it).
-
-    Accept rule: draft token x ~ q is accepted with probability min(1, p(x) / q(x)); at the
-    first rejection the emitted token is drawn from the residual norm(max(0, p - q)) and the
-    rest of the draft is dropped. Then P(emit x) = q(x) min(1, p/q) + (1 - sum_y min(p, q))
-    * max(0, p(x) - q(x)) / sum_y max(0, p - q) = min(p, q)(x) + max(0, p - q)(x) = p(x),
-    because sum_y max(0, p - q) = 1 - sum_y min(p, q). Each emitted token is therefore an
-    exact sample from the target; after k acceptances the bonus token is drawn from p[k].
-    """
-    k = len(draft)
-    if k == 0:
-        return Verdict([draw(p[0], generator)], 0)
-    rows = torch.arange(k)
-    ids = torch.tensor(draft, dtype=torch.long)
-    p_draft = p[rows, ids]
-    q_draft = torch.ones(k) if q is None else q[rows, ids].to(p.dtype)
-    u = torch.rand(k, generator=generator, dtype=p.dtype)
-    # u < p/q without dividing (q may be 0 for a token the drafter could not have drawn)
-    rejected = (u * q_draft >= p_draft).tolist()
-    m = rejected.index(True) if True in rejected else k
-    if m == k:
-        return Verdict(list(draft) + [draw(p[k], generator)], k)
-    q_row = point_mass(draft[m], p.shape[-1], p.dtype) if q is None else q[m].to(p.dtype)
-    return Verdict(list(draft[:m]) + [draw(residual_distribution(p[m], q_row), generator)], m)
+    """Speculative sampling (``acceptance.rejection_sample`` towards p): p [k+1, V] target
+    probabilities, q [k, V] draft probabilities (None: point masses on the drafts). Every
+    emitted token is an exact sample from the target."""
+    m, tokens = rejection_sample(p, q, draft, generator)
+    return Verdict(tokens, m)
 
 
-def residual_distribution(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
-    """max(0, p - q), unnormalised (``draw`` normalises); falls back to p if it vanishes."""
-    residual = (p - q).clamp_(min=0)
-    return residual if float(residual.sum()) > 0 else p
-
-
-def point_mass(token: int, vocab: int, dtype: torch.dtype) -> torch.Tensor:
-    out = torch.zeros(vocab, dtype=dtype)
-    out[token] = 1
-    return out
+def checked_verdict(decision: Decision, draft: list[int], rule: AcceptanceRule) -> Verdict:
+    """A rule's decision as a ``Verdict``, refused unless it keeps a prefix of the draft and
+    emits exactly one token past it (a broken third-party rule fails here, not in the KV rollback)."""
+    m, tokens = decision
+    if not (0 <= m <= len(draft) and len(tokens) == m + 1 and list(tokens[:m]) == list(draft[:m])):
+        raise RuntimeError(f"verifier: acceptance rule {rule.name!r} returned {decision!r} for draft {draft}: "
+                           "expected the accepted prefix of the draft, then one token")
+    return Verdict(list(tokens), m)
 
 
 def verify_batch(logits: torch.Tensor, num_rows: list[int], params: list[SamplingParams],
@@ -108,14 +97,16 @@ def verify_batch(logits: torch.Tensor, num_rows: list[int], params: list[Samplin
                  parents: list[list[int] | None] | None = None,
                  histories: list[RowHistory] | None = None, eos_token_ids: frozenset[int] = frozenset(),
                  bitmask: torch.Tensor | None = None,
-                 bitmask_rows: torch.Tensor | list[int] | None = None) -> list[Verdict]:
+                 bitmask_rows: torch.Tensor | list[int] | None = None,
+                 rule: AcceptanceRule | None = None) -> list[Verdict]:
     """Verify a batch: sequence i owns ``num_rows[i] == len(drafts[i]) + 1`` consecutive rows
     of ``logits`` [sum(num_rows), V]. Acceptance lengths differ per sequence.
 
     ``parents[i]`` (greedy sequences only) makes sequence i's drafts a tree
     (``tree.verify_tree_greedy``); None entries are chains. ``histories`` has one ``RowHistory``
     per logits row (required when any params need adjusting); ``eos_token_ids``, ``bitmask`` and
-    ``bitmask_rows`` (indices into the logits rows) are as in ``penalties.adjust_logits``."""
+    ``bitmask_rows`` (indices into the logits rows) are as in ``penalties.adjust_logits``.
+    ``rule`` decides each chain (None: exact speculative sampling, greedy prefix matching)."""
     logits = logits.float()
     row_params = [p for p, n in zip(params, num_rows) for _ in range(n)]
     if bitmask is not None or any(p.needs_adjusting for p in params):
@@ -137,6 +128,11 @@ def verify_batch(logits: torch.Tensor, num_rows: list[int], params: list[Samplin
                 raise ValueError("verifier: draft trees are verified for greedy requests only")
             v = verify_tree_greedy(logits[start:start + n], draft, tree)
             verdicts.append(Verdict(v.tokens, len(v.nodes), v.nodes))
+        elif rule is not None:
+            rows = slice(start, start + n)
+            decision = rule.accept_greedy(logits[rows], draft) if sp.is_greedy else \
+                rule.accept(probs[rows], q, draft, gen)
+            verdicts.append(checked_verdict(decision, draft, rule))
         elif sp.is_greedy:
             verdicts.append(verify_greedy(logits[start:start + n], draft))
         else:

@@ -22,6 +22,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 _EXPORTS = {
+    "AcceptanceConformance": "lmplug.testing.acceptance",
     "AttentionConformance": "lmplug.testing.attention",
     "CompressorConformance": "lmplug.testing.compressor",
     "BATCH_SPECS": "lmplug.testing.batches",
@@ -37,6 +38,7 @@ _EXPORTS = {
 
 __all__ = [
     "BATCH_SPECS",
+    "AcceptanceConformance",
     "AttentionConformance",
     "BatchSpec",
     "CompressorConformance",
@@ -50,6 +52,7 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
+    from lmplug.testing.acceptance import AcceptanceConformance as AcceptanceConformance
     from lmplug.testing.attention import AttentionConformance as AttentionConformance
     from lmplug.testing.base import Conformance as Conformance
     from lmplug.testing.batches import BATCH_SPECS as BATCH_SPECS

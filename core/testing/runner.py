@@ -27,6 +27,7 @@ RUNNABLE = {
     "drafter": "DrafterConformance",
     "moe": "MoEConformance",
     "constraint": "ConstraintConformance",
+    "acceptance": "AcceptanceConformance",
 }
 
 

@@ -7,6 +7,9 @@
   ``lmplug train-drafter --method medusa MODEL OUT``);
 - ``eagle``: an EAGLE-1/2 head (fc + one decoder layer) over the target's features (train with
   ``lmplug train-drafter --method eagle MODEL OUT``).
+
+Acceptance rules (``speculative: {..., acceptance: {rule: NAME}}``, ``acceptance.py``): ``exact``
+(the default), and the lossy ``typical``, ``cascade`` and ``route``.
 """
 
 from lmplug.hookspecs import hookimpl
@@ -22,3 +25,10 @@ def lmplug_register_drafters() -> list[type]:
     from lmplug_speculative.ngram import NgramDrafter
 
     return [NgramDrafter, DraftModelDrafter, LayerSkipDrafter, MedusaDrafter, EagleDrafter]
+
+
+@hookimpl
+def lmplug_register_acceptance_rules() -> list[type]:
+    from lmplug_speculative.acceptance import CascadeRule, ExactRule, RouteRule, TypicalRule
+
+    return [ExactRule, TypicalRule, CascadeRule, RouteRule]
