@@ -148,7 +148,7 @@ def _v1_router(engine: AsyncEngine, settings: ServeSettings, model_name: str,
                 compressor, req.compression, convert.template_messages(req),
                 **({} if tool_list is None else {"tools": tool_list}))
         prompts = [await run_in_threadpool(convert.chat_prompt_ids, core.tokenizer, req, tool_list, messages)]
-        params = convert.sampling_params(req, prompts, core.max_model_len, None, constraint)
+        params = convert.sampling_params(req, prompts, core.max_model_len, None, constraint, tools)
         fmt = ChatFormat(model_name, params.logprobs, names, tools)
         return await _respond(request, engine, req, prompts, params, fmt, constraint,
                               compress.tokens_before([report]))

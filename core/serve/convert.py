@@ -290,8 +290,9 @@ def _strip_params_prefix(message: str) -> str:
 
 def sampling_params(req: ChatCompletionRequest | CompletionRequest, prompts: list[list[int]],
                     max_model_len: int, default_max_tokens: int | None,
-                    constraint: Constraint | None = None) -> SamplingParams:
-    """Check the lengths against the context and build the params (bad values -> 400)."""
+                    constraint: Constraint | None = None, tools: ToolPlan | None = None) -> SamplingParams:
+    """Check the lengths against the context and build the params (bad values -> 400). A tool
+    parser whose markers are special tokens gets them in the text (``keeps_special_tokens``)."""
     bad = req.unsupported()
     if bad:
         raise APIError(400, f"{bad[0]}: not supported by lmplug (leave it unset or at its default)",
@@ -317,7 +318,8 @@ def sampling_params(req: ChatCompletionRequest | CompletionRequest, prompts: lis
             min_p=req.min_p, seed=req.seed, stop=req.stop, stop_token_ids=req.stop_token_ids or [],
             ignore_eos=req.ignore_eos, include_stop_str_in_output=req.include_stop_str_in_output,
             logprobs=req.num_logprobs, prompt_logprobs=req.num_prompt_logprobs,
-            skip_special_tokens=req.skip_special_tokens,
+            skip_special_tokens=req.skip_special_tokens and not (
+                tools is not None and tools.parser is not None and tools.parser.keeps_special_tokens),
             presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
             repetition_penalty=req.repetition_penalty, logit_bias=req.logit_bias or None,
             min_tokens=req.min_tokens, structured=None if constraint is None else constraint.spec,

@@ -35,6 +35,9 @@ class ToolParser(ABC):
     so joining a stream's deltas always gives what ``parse`` returns for the full text."""
 
     name: ClassVar[str]
+    # its markers are special tokens of the models that use it: the output must be detokenized
+    # with them (``SamplingParams.skip_special_tokens=False``) or the parser never sees a call
+    keeps_special_tokens: ClassVar[bool] = False
 
     @abstractmethod
     def streamer(self) -> ToolStreamer:
@@ -246,6 +249,7 @@ class _MistralStreamer(ToolStreamer):
 
 class MistralParser(ToolParser):
     name = "mistral"
+    keeps_special_tokens = True  # [TOOL_CALLS] and [ARGS] are control tokens of Mistral's vocabularies
 
     def streamer(self) -> ToolStreamer:
         return _MistralStreamer()

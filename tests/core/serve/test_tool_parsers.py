@@ -457,3 +457,19 @@ def test_template_messages_bad_arguments_name_the_field():
     with pytest.raises(ToolError) as err:
         template_messages([{"role": "assistant", "tool_calls": [{"id": "c", "function": "now"}]}])
     assert err.value.field == "messages[0].tool_calls[0]"
+
+
+def test_a_parser_of_special_token_markers_gets_them_in_the_text():
+    """Mistral's [TOOL_CALLS] is a control token: with that parser the request's output keeps
+    special tokens, or ``auto`` could never see a call; the other parsers leave the default."""
+    from lmplug.serve import convert
+    from lmplug.serve.protocol import ChatCompletionRequest
+
+    req = ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}],
+                                tools=[{"type": "function", "function": {"name": "f"}}], max_tokens=4)
+    for option, skipped in [("mistral", False), ("hermes", True), ("llama3", True)]:
+        plan = convert.tool_plan(req, parser_for(option, None))
+        params = convert.sampling_params(req, [[1, 2, 3]], 64, None, None, plan)
+        assert params.skip_special_tokens is skipped, option
+    plain = convert.sampling_params(req, [[1, 2, 3]], 64, None, None, None)
+    assert plain.skip_special_tokens is True
