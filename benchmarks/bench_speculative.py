@@ -6,6 +6,7 @@
         [--medusa-tree PRESET_OR_JSON]  # adds medusa_tree: the same heads with tree candidates
         [--eagle-heads DIR]    # heads from: lmplug train-drafter --method eagle MODEL DIR
         [--configs ...,eagle_tree] [--eagle-tree-width 3]  # EAGLE's chain plus runner-up leaves
+        [--mtp-path DIR]       # an MTP module from: lmplug train-drafter --method mtp MODEL DIR
         [--dtype bfloat16] [--kv paged] [--repeats 1]
 
 Two prompt sets: (a) *copy*: rewrite / fix / extract tasks whose answer copies from the
@@ -76,6 +77,7 @@ def speculative_configs(args) -> dict[str, dict | None]:
                        "tree_width": args.eagle_tree_width},
         "eagle_dynamic": {"method": "eagle", "num_tokens": args.eagle_dynamic_depth, "heads": args.eagle_heads,
                           "dynamic_tree": True, "top_k": args.eagle_top_k, "total_tokens": args.eagle_total_tokens},
+        "mtp": {"method": "mtp", "num_tokens": args.mtp_k, "path": args.mtp_path},
     }
 
 
@@ -163,6 +165,8 @@ def main() -> None:
     p.add_argument("--eagle-dynamic-depth", type=int, default=3, help="eagle_dynamic (EAGLE-2): tree depth")
     p.add_argument("--eagle-top-k", type=int, default=4, help="eagle_dynamic: nodes expanded per depth")
     p.add_argument("--eagle-total-tokens", type=int, default=10, help="eagle_dynamic: nodes verified per step")
+    p.add_argument("--mtp-path", help="MTP module folder (lmplug train-drafter --method mtp); adds the mtp config")
+    p.add_argument("--mtp-k", type=int, default=3)
     p.add_argument("--repeats", type=int, default=1, help="passes over the prompts (configs interleaved)")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
@@ -174,6 +178,8 @@ def main() -> None:
         chosen.append("medusa_tree")
     if args.eagle_heads and "eagle" not in chosen:
         chosen.append("eagle")
+    if args.mtp_path and "mtp" not in chosen:
+        chosen.append("mtp")
     if "plain" not in chosen:
         chosen.insert(0, "plain")
     tok_llm = LLM(args.model, dtype=args.dtype, device=args.device, max_model_len=2048)

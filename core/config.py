@@ -3,7 +3,10 @@
 Each plugin section names a backend (``backend:``, or ``method:`` for quant
 and speculative) and its options; the options are validated by that
 backend's pydantic ``Options`` model, so unknown keys and bad values fail
-here, with the file, the key, the value and what is allowed.
+here, with the file, the key, the value and what is allowed. ``resolve`` turns
+the config into a ``ResolvedConfig``, one section at a time
+(``lmplug.config_sections``: named or ``auto`` backends, nested families, the
+checks across attention and the KV cache).
 """
 
 from __future__ import annotations
@@ -18,9 +21,18 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
+from lmplug.config_sections import (
+    ModelFacts,
+    ResolvedBackend,
+    check_kv_dtype,
+    check_layouts,
+    got,
+    kv_dtype_of,  # noqa: F401  (imported from here by lmplug.engine.plan)
+    resolve_nested,
+    resolve_one,
+)
 from lmplug.errors import ConfigError
-from lmplug.interfaces import BackendInfo, BackendOptions
-from lmplug.interfaces.families import Family, by_section, configured, nested
+from lmplug.interfaces.families import configured, nested
 from lmplug.plugins import Registry, get_registry
 
 logger = logging.getLogger(__name__)
@@ -167,14 +179,8 @@ def _explain(exc: ValidationError, source: str) -> str:
         if err["type"] == "extra_forbidden":
             lines.append(f"  {key}: unknown option (allowed: {', '.join(EngineConfig.model_fields)})")
         else:
-            lines.append(f"  {key}: {err['msg']}{_got(err)}")
+            lines.append(f"  {key}: {err['msg']}{got(err)}")
     return "\n".join(lines)
-
-
-def _got(err: Mapping[str, Any]) -> str:
-    """`` (got VALUE)``, unless the message already says what it got."""
-    value = err.get("input")
-    return "" if f"got {value}" in err["msg"] or f"got {value!r}" in err["msg"] else f" (got {value!r})"
 
 
 def _check_sections() -> None:
@@ -190,31 +196,6 @@ _check_sections()
 
 
 # -- choosing backends ------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class ModelFacts:
-    """What choosing backends needs to know of the model, read from its config before any
-    weight: MLA models take an attention backend with the "mla" feature (and others one
-    without), MoE models a moe backend (``auto`` without a section), dense models none."""
-
-    model_type: str
-    mla: bool = False
-    moe: bool = False
-
-
-@dataclass(frozen=True)
-class ResolvedBackend:
-    info: BackendInfo
-    options: BackendOptions
-
-    @property
-    def name(self) -> str:
-        return self.info.name
-
-    @property
-    def cls(self) -> type:
-        return self.info.cls
 
 
 @dataclass(frozen=True)
@@ -251,20 +232,20 @@ def resolve(config: EngineConfig, *, device: str, dtype: str, registry: Registry
     for section in SECTIONS:
         needed = section == "moe" and model is not None and model.moe
         if getattr(config, section) is not None or needed:
-            chosen[section], reasons[section] = _resolve_section(
-                config, section, device=device, dtype=dtype, registry=registry, chosen=chosen,
-                source=source, model=model)
+            chosen[section], reasons[section] = resolve_one(
+                section, getattr(config, section), device=device, dtype=dtype, registry=registry,
+                chosen=chosen, source=source, model=model)
     for family in nested():  # e.g. speculative.acceptance, once its parent section is set
         key = f"{family.within}.{family.name}"
         raw = (getattr(config, family.within) or {}).get(family.name)
         if family.within in chosen and raw is not None:
-            chosen[key] = _resolve_nested(raw, family, key, device=device, dtype=dtype, registry=registry,
-                                          source=source)
+            chosen[key] = resolve_nested(raw, family, key, device=device, dtype=dtype, registry=registry,
+                                         source=source)
             reasons[key] = "named in the config"
     if model is not None and not model.moe and "moe" in chosen:
         logger.warning("%s: moe: ignored, a %s model has no mixture-of-experts layers", source, model.model_type)
         del chosen["moe"], reasons["moe"]
-    _check_layouts(chosen, source)
+    check_layouts(chosen, source)
     check_kv_dtype(chosen, source)
     return ResolvedConfig(config, device, dtype, chosen, source, reasons, model, registry)
 
@@ -274,151 +255,5 @@ def resolve_section(config: EngineConfig, section: str, *, device: str, dtype: s
                     source: str = "config", model: ModelFacts | None = None) -> ResolvedBackend:
     """Choose one section's backend and validate its options; an absent section is ``auto``
     where the family has it. Raises ``ConfigError``."""
-    return _resolve_section(config, section, device=device, dtype=dtype, registry=registry or get_registry(),
-                            chosen=chosen or {}, source=source, model=model)[0]
-
-
-def _resolve_section(config: EngineConfig, section: str, *, device: str, dtype: str, registry: Registry,
-                     chosen: Mapping[str, ResolvedBackend], source: str,
-                     model: ModelFacts | None) -> tuple[ResolvedBackend, str]:
-    family = by_section(section)
-    raw = dict(getattr(config, section) or {family.name_key: "auto"})
-    name = raw.pop(family.name_key, "auto" if family.auto else None)
-    for inner in nested():  # chosen inside this section, resolved by ``_resolve_nested``
-        if inner.within == section:
-            raw.pop(inner.name, None)
-    if name is None:
-        raise ConfigError(f"{source}: {section}: missing `{family.name_key}` (which {family.name} to use)")
-    if name == "auto":
-        info, reason = _choose_auto(registry, section, family.name, device, dtype, chosen, source, model)
-    else:
-        info, reason = _choose_named(registry, section, family.name, name, device, dtype, source), \
-            "named in the config"
-    try:
-        options = info.cls.Options(**raw)
-    except ValidationError as exc:
-        raise ConfigError(_explain_section(exc, source, section, info)) from None
-    return ResolvedBackend(info, options), reason
-
-
-def _resolve_nested(raw: Any, family: Family, key: str, *, device: str, dtype: str, registry: Registry,
-                    source: str) -> ResolvedBackend:
-    """A family chosen inside another section (``speculative: {acceptance: typical}`` or
-    ``{acceptance: {rule: typical, posterior_threshold: 0.1}}``): always named, never ``auto``."""
-    if isinstance(raw, str):
-        raw = {family.name_key: raw}
-    if not isinstance(raw, Mapping):
-        raise ConfigError(f"{source}: {key}: expected a name or a mapping {{{family.name_key}: NAME, "
-                          f"...options}}, got {type(raw).__name__}")
-    raw = dict(raw)
-    name = raw.pop(family.name_key, None)
-    if not isinstance(name, str):
-        raise ConfigError(f"{source}: {key}: missing `{family.name_key}` (which {family.name} to use; "
-                          f"installed: {', '.join(sorted(registry.backends(family.name))) or 'none'})")
-    info = _choose_named(registry, key, family.name, name, device, dtype, source)
-    try:
-        return ResolvedBackend(info, info.cls.Options(**raw))
-    except ValidationError as exc:
-        raise ConfigError(_explain_section(exc, source, key, info)) from None
-
-
-def _choose_named(registry: Registry, section: str, family: str, name: str, device: str, dtype: str,
-                  source: str) -> BackendInfo:
-    try:
-        info = registry.get(family, name)
-    except Exception as exc:
-        raise ConfigError(f"{source}: {section}: {exc}") from None
-    caps = info.cls.capabilities
-    if not caps.fits(device, dtype):
-        raise ConfigError(f"{source}: {section}: {family} backend {name!r} does not run on "
-                          f"device {device!r} with dtype {dtype!r} ({caps.describe()})")
-    return info
-
-
-def _choose_auto(registry: Registry, section: str, family: str, device: str, dtype: str,
-                 chosen: Mapping[str, ResolvedBackend], source: str,
-                 model: ModelFacts | None) -> tuple[BackendInfo, str]:
-    """The highest-priority backend that fits, and why (the candidates, the winner's priority)."""
-    candidates = [i for i in registry.backends(family).values() if i.cls.capabilities.fits(device, dtype)]
-    fits = [f"device {device}", f"dtype {dtype}"]
-    if section == "attention" and model is not None:  # MLA models need the "mla" feature, others not
-        candidates = [i for i in candidates if ("mla" in i.cls.capabilities.features) == model.mla]
-        fits.append(f"{'MLA' if model.mla else 'non-MLA'} model {model.model_type}")
-    if section == "attention" and "kvcache" in chosen:
-        candidates = _kv_readers(candidates, chosen["kvcache"], device, source, fits,
-                                 check_dtype=model is None or not model.mla)
-    if not candidates:
-        available = ", ".join(sorted(registry.backends(family))) or "none installed"
-        note = f"; {registry.allowlist_note}" if getattr(registry, "allowlist_note", "") else ""
-        raise ConfigError(f"{source}: {section}: no {family} backend fits device {device!r} and "
-                          f"dtype {dtype!r} (installed: {available}{note})")
-    best = max(candidates, key=lambda i: (i.cls.capabilities.priority, i.name))
-    listed = ", ".join(f"{i.name} ({i.distribution}, priority {i.cls.capabilities.priority})" for i in
-                       sorted(candidates, key=lambda i: (-i.cls.capabilities.priority, i.name)))
-    return best, f"auto: fit {', '.join(fits)}: {listed}; highest priority wins"
-
-
-def _kv_readers(candidates: list[BackendInfo], kvcache: ResolvedBackend, device: str, source: str,
-                fits: list[str], check_dtype: bool) -> list[BackendInfo]:
-    """The attention candidates that read the chosen cache's layout (and stored dtype)."""
-    layout = _layout_of(kvcache.info)
-    candidates = [i for i in candidates if layout in i.cls.capabilities.kv_layouts]
-    kv_dtype = kv_dtype_of(kvcache)
-    fits.append(f"KV layout {layout or kvcache.name}")
-    if not check_dtype:  # an MLA model: check_kv_dtype names the chosen backend
-        return candidates
-    readers = [i for i in candidates if kv_dtype in i.cls.capabilities.kv_dtypes]
-    if candidates and not readers:
-        raise ConfigError(f"{source}: kvcache.dtype={kv_dtype!r}: no attention backend that fits "
-                          f"device {device!r} and the {layout or 'chosen'} KV layout reads it "
-                          f"(candidates: {', '.join(sorted(i.name for i in candidates))})")
-    fits.append(f"KV dtype {kv_dtype}")
-    return readers
-
-
-def kv_dtype_of(kvcache: ResolvedBackend) -> str:
-    """What the chosen kvcache stores (``KVCacheBackend.kv_dtype_of``; "auto": the model dtype)."""
-    return str(kvcache.cls.kv_dtype_of(kvcache.options))
-
-
-def check_kv_dtype(chosen: Mapping[str, ResolvedBackend], source: str) -> None:
-    """The attention backend must claim (``Capabilities.kv_dtypes``) the dtype the KV cache stores."""
-    if "attention" not in chosen or "kvcache" not in chosen:
-        return
-    att, kv_dtype = chosen["attention"].info, kv_dtype_of(chosen["kvcache"])
-    if kv_dtype not in att.cls.capabilities.kv_dtypes:
-        raise ConfigError(
-            f"{source}: kvcache.dtype={kv_dtype!r} is not read by attention backend {att.name!r} "
-            f"(plugin {att.plugin}; it reads kv_dtypes {sorted(att.cls.capabilities.kv_dtypes)}); "
-            f"use kvcache.dtype: auto or an attention backend that reads {kv_dtype!r} (`lmplug plugins`)")
-
-
-def _layout_of(info: BackendInfo) -> str:
-    layouts = info.cls.capabilities.kv_layouts
-    return next(iter(layouts)) if len(layouts) == 1 else ""
-
-
-def _check_layouts(chosen: Mapping[str, ResolvedBackend], source: str) -> None:
-    if "attention" not in chosen or "kvcache" not in chosen:
-        return
-    att, kv = chosen["attention"].info, chosen["kvcache"].info
-    provided = kv.cls.capabilities.kv_layouts
-    if not provided & att.cls.capabilities.kv_layouts:
-        raise ConfigError(
-            f"{source}: attention backend {att.name!r} (plugin {att.plugin}) reads KV layouts "
-            f"{sorted(att.cls.capabilities.kv_layouts)}, but kvcache backend {kv.name!r} "
-            f"(plugin {kv.plugin}) provides {sorted(provided)}; choose a matching pair")
-
-
-def _explain_section(exc: ValidationError, source: str, section: str, info: BackendInfo) -> str:
-    fields = info.cls.Options.model_fields
-    allowed = ", ".join(fields) or "none"
-    lines = [f"{source}: {section}: invalid options for {info.family} backend {info.name!r} "
-             f"(plugin {info.plugin})"]
-    for err in exc.errors():
-        key = ".".join(str(p) for p in err["loc"])
-        if err["type"] == "extra_forbidden":
-            lines.append(f"  {section}.{key}: unknown option (allowed: {allowed})")
-        else:
-            lines.append(f"  {section}.{key}: {err['msg']}{_got(err)}")
-    return "\n".join(lines)
+    return resolve_one(section, getattr(config, section), device=device, dtype=dtype,
+                       registry=registry or get_registry(), chosen=chosen or {}, source=source, model=model)[0]

@@ -108,8 +108,9 @@ def build_engine_parts(resolved: ResolvedConfig, parallel: ParallelState | None 
     acceptance = _built(backends, "speculative.acceptance")
     check_fits(model_config, config_file(source), dtype, device, quantized="quant" in backends,
                world_size=parallel.world_size)
+    quant = _built(backends, "quant", Unquantized())
     with torch.device(device):
-        model = arch(model_config, dtype, _built(backends, "quant", Unquantized()), attention, max_model_len,
+        model = arch(model_config, dtype, quant, attention, max_model_len,
                      parallel=parallel, **({"moe": _built(backends, "moe")} if "moe" in backends else {}))
     _load_with_progress(model, source, parallel)
     model.eval()
@@ -129,7 +130,7 @@ def build_engine_parts(resolved: ResolvedConfig, parallel: ParallelState | None 
     if drafter is not None:
         drafter.setup(draft_target(model, model_config, kv, source.tokenizer, device, dtype,
                                    max_model_len, sched_opts.max_num_seqs, attention,
-                                   build=build_engine_parts))
+                                   build=build_engine_parts, checkpoint=str(source.path), quant=quant))
     load_time = time.perf_counter() - started
     logger.info("loaded %s (%s, %d layers) in %.2f s; KV: %s (%s), %d bytes/token", source.path,
                 model_config.model_type, model_config.num_layers, load_time, kv.name,

@@ -20,14 +20,10 @@ from collections.abc import Callable
 import torch
 
 from lmplug.constraints import Constraints
+from lmplug.interfaces.penalties import PromptIds
 from lmplug.interfaces.sampling import sample
-from lmplug.interfaces.scheduler import ScheduledSeq
+from lmplug.interfaces.scheduler import ScheduledSeq, samples_now
 from lmplug.interfaces.sequence import Sequence
-
-
-def samples_now(item: ScheduledSeq) -> bool:
-    """The scheduled sequence catches up this step, so the step samples its next token."""
-    return item.seq.num_computed_tokens + item.num_new_tokens >= item.seq.num_tokens
 
 
 class Sampler:
@@ -37,6 +33,7 @@ class Sampler:
         self.constraints = constraints or Constraints(None, 0)
         self.eos_token_ids = eos_token_ids
         self._masks = None  # this step's mask job (lmplug.constraints), started in plan
+        self._prompts = PromptIds()  # each penalised sequence's prompt, for the repetition penalty
 
     def propose(self, seqs: list[Sequence]) -> dict[int, int]:
         return {}
@@ -56,7 +53,7 @@ class Sampler:
         filled, self._masks = self.constraints.result(self._masks), None
         try:
             masks = self.constraints.assemble(seqs, [1] * len(seqs), filled)
-            tokens = sample(logits, seqs, self.eos_token_ids, masks.bitmask, masks.rows)
+            tokens = sample(logits, seqs, self.eos_token_ids, masks.bitmask, masks.rows, self._prompts)
             return [[t] for t in tokens], [[i] for i in range(len(tokens))]
         except Exception:
             if on_error is None:
@@ -65,7 +62,8 @@ class Sampler:
         for i, seq in enumerate(seqs):
             try:
                 masks = self.constraints.assemble([seq], [1], filled)
-                out.append(sample(logits[i:i + 1], [seq], self.eos_token_ids, masks.bitmask, masks.rows)[:1])
+                out.append(sample(logits[i:i + 1], [seq], self.eos_token_ids, masks.bitmask, masks.rows,
+                                  self._prompts)[:1])
             except Exception as exc:  # noqa: BLE001  (reported to on_error, which logs it)
                 on_error(seq, exc)
                 out.append([])
@@ -74,10 +72,11 @@ class Sampler:
     def settle(self, seqs: list[Sequence]) -> None:
         for seq in seqs:
             if seq.is_finished:
-                self.constraints.release(seq)
+                self.release(seq)
 
     def release(self, seq: Sequence) -> None:
         self.constraints.release(seq)
+        self._prompts.release(seq)
 
     def stats(self) -> dict:
         return {}

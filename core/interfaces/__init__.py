@@ -26,6 +26,7 @@ from lmplug.interfaces.drafter import (
     DraftModel,
     DraftProposal,
     DraftTarget,
+    MTPDraft,
 )
 from lmplug.interfaces.families import TABLE as FAMILY_TABLE
 from lmplug.interfaces.families import Family
@@ -81,6 +82,7 @@ __all__ = [
     "KVLayerView",
     "Logprob",
     "MLAAttentionBackend",
+    "MTPDraft",
     "MoEBackend",
     "ModelConfig",
     "ModelSource",

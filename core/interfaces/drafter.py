@@ -62,6 +62,25 @@ class DraftModel:
 
 
 @dataclass(frozen=True)
+class MTPDraft:
+    """A multi-token-prediction module the core loaded for a drafter (``DraftTarget.open_mtp``):
+    one module of the checkpoint (DeepSeek-V3 / GLM-4.5 layers after the last decoder layer,
+    Qwen3-Next's ``mtp.*``), its decoder layer of the target's architecture, with a one-layer
+    cache of the target's KV class.
+
+    ``module(input_ids, features, ctx) -> hidden`` [T, h]: at each position of a context the
+    runner built, the module's output from the pair (token t+1, the target's final normed hidden
+    state at t); ``module.compute_logits(hidden) -> logits`` through its head's norm and the
+    shared (or its own) output head. ``lmplug.models.mtp`` has the equations and layouts."""
+
+    module: torch.nn.Module
+    kv: KVCacheBackend  # one layer, the target's KV class and layout, no prefix caching
+    runner: ForwardRunner  # over ``module`` and ``kv``: ``build_context``
+    num_modules: int  # modules the checkpoint holds
+    source: str  # the checkpoint or folder it came from
+
+
+@dataclass(frozen=True)
 class DraftTarget:
     """What a drafter may use of the engine it serves, handed to ``Drafter.setup``.
 
@@ -80,7 +99,11 @@ class DraftTarget:
     - ``new_kv_cache(num_layers, **spec) -> KVCacheBackend``: a fresh cache of the target's KV
       class and options for ``num_layers`` layers, without prefix caching (a draft's cached
       blocks may hold tokens the target later rejects); ``spec`` overrides other
-      ``KVCacheSpec`` fields (e.g. a draft head's ``num_kv_heads``, ``head_dim``).
+      ``KVCacheSpec`` fields (e.g. a draft head's ``num_kv_heads``, ``head_dim``);
+    - ``open_mtp(path, module) -> MTPDraft``: module ``module`` of the multi-token-prediction
+      weights in the target's checkpoint (``path`` None) or in a folder ``path`` (written by
+      ``lmplug train-drafter --method mtp``); ``ConfigError`` when there are none. None where
+      a caller built the target by hand without it.
     """
 
     model: torch.nn.Module
@@ -95,6 +118,7 @@ class DraftTarget:
     open_model: Callable[[str], DraftModel]
     new_runner: Callable[[torch.nn.Module, KVCacheBackend], ForwardRunner]
     new_kv_cache: Callable[..., KVCacheBackend]
+    open_mtp: Callable[[str | None, int], MTPDraft] | None = None
 
 
 @dataclass

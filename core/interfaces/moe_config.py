@@ -36,8 +36,11 @@ def moe_config_from_hf(cfg: dict[str, Any], num_layers: int, where: str = "confi
     if parse is None:
         return None
     r = ConfigReader(cfg, where)
+    # multi-token-prediction layers follow the last decoder layer and have its kind of MLP
+    # (DeepSeek-V3: layer 61 is an MoE layer), so the sparse layers cover them too
+    mtp_layers = r.int("num_nextn_predict_layers", 0, low=0)
     try:
-        moe = parse(r, num_layers)
+        moe = parse(r, num_layers + mtp_layers)
     except ValueError as exc:
         raise ModelLoadError(f"{where}: a {cfg.get('model_type')!r} model: {exc}") from None
     if 0 < moe.num_experts < moe.routing.top_k:

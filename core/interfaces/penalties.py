@@ -17,7 +17,9 @@ arithmetic, is the reference one where a reference exists:
 
 Batched and sparse: each step is one gather / scatter over a flattened ``row * V + token`` index
 of all the rows that need it, so the cost follows the histories' lengths, not batch x vocabulary,
-and rows that need nothing cost nothing.
+and rows that need nothing cost nothing. A prompt does not change while its sequence lives, so a
+select stage keeps each one's distinct ids as a tensor (``PromptIds``) instead of packing the
+prompt's Python list again at every step and for every speculative row.
 """
 
 from __future__ import annotations
@@ -25,23 +27,51 @@ from __future__ import annotations
 import array
 import itertools
 from collections.abc import Sequence
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
 from lmplug.interfaces.constraint import apply_bitmask, bitmask_words
 from lmplug.interfaces.params import SamplingParams
 
+if TYPE_CHECKING:
+    from lmplug.interfaces.sequence import Sequence as Seq
+
 
 class RowHistory(NamedTuple):
     """The tokens behind one logits row: the prompt, then what was generated before that row
-    (for a speculative row ``j``: the output plus the first ``j`` draft tokens)."""
+    (for a speculative row ``j``: the output plus the first ``j`` draft tokens). The prompt may
+    also be a CPU int64 tensor of its distinct ids (``PromptIds``): only the repetition penalty
+    reads it, and only as a set."""
 
-    prompt_ids: Sequence[int]
+    prompt_ids: Sequence[int] | torch.Tensor
     output_ids: Sequence[int]
 
 
 NO_HISTORY = RowHistory((), ())  # for rows whose params need no adjusting (their history is not read)
+
+
+class PromptIds:
+    """seq_id -> the sequence's distinct prompt ids (CPU int64), built on first use.
+
+    Owned by a select stage, which calls ``release`` when the sequence ends."""
+
+    def __init__(self) -> None:
+        self._ids: dict[int, torch.Tensor] = {}
+
+    def history(self, seq: Seq, output_ids: Sequence[int]) -> RowHistory:
+        """``seq``'s prompt (cached) with ``output_ids`` as the tokens generated before the row;
+        the prompt is left out (empty) where no repetition penalty would read it."""
+        if seq.params.repetition_penalty == 1:
+            return RowHistory((), output_ids)
+        ids = self._ids.get(seq.seq_id)
+        if ids is None:
+            ids = self._ids[seq.seq_id] = torch.tensor(seq.prompt_token_ids, dtype=torch.long).unique()
+        return RowHistory(ids, output_ids)
+
+    def release(self, seq: Seq) -> None:
+        self._ids.pop(seq.seq_id, None)
+
 
 NO_TOKEN_LEFT = "the structured-output constraint allows no token at this position"
 
@@ -87,14 +117,21 @@ def adjust_logits(logits: torch.Tensor, params: Sequence[SamplingParams], histor
 
 
 def _flat_index(rows: list[tuple[int, Sequence[int]]], vocab: int, device: torch.device) -> torch.Tensor:
-    """``row * vocab + token`` for every (row, token) pair, ids outside [0, vocab) dropped (a
-    prompt may hold ids of an embedding larger than the LM head; the head cannot emit them)."""
+    """``row * vocab + token`` for every (row, token) pair, in order."""
     packed = array.array("q", itertools.chain.from_iterable(ids for _, ids in rows))  # ~4x torch.tensor(list)
     if not packed:
         return torch.empty(0, dtype=torch.long, device=device)
-    ids = torch.frombuffer(packed, dtype=torch.long)
-    row_of = torch.repeat_interleave(torch.tensor([r for r, _ in rows], dtype=torch.long),
-                                     torch.tensor([len(ids) for _, ids in rows], dtype=torch.long))
+    return _row_major(torch.frombuffer(packed, dtype=torch.long), [r for r, _ in rows],
+                      [len(ids) for _, ids in rows], vocab, device)
+
+
+def _row_major(ids: torch.Tensor, rows: list[int], lengths: list[int], vocab: int,
+               device: torch.device) -> torch.Tensor:
+    """``row * vocab + id`` for ``ids`` laid out row after row (``lengths[k]`` ids of ``rows[k]``),
+    ids outside [0, vocab) dropped (a prompt may hold ids of an embedding larger than the LM
+    head; the head cannot emit them)."""
+    row_of = torch.repeat_interleave(torch.tensor(rows, dtype=torch.long),
+                                     torch.tensor(lengths, dtype=torch.long))
     keep = (ids >= 0) & (ids < vocab)
     return (row_of[keep] * vocab + ids[keep]).to(device, non_blocking=True)
 
@@ -108,8 +145,16 @@ def _per_element(index: torch.Tensor, vocab: int, rows: list[int], values: list[
 
 def _repetition(flat: torch.Tensor, vocab: int, rows: list[int], params: Sequence[SamplingParams],
                 histories: Sequence[RowHistory]) -> None:
-    pairs = [(i, ids) for i in rows for ids in (histories[i].prompt_ids, histories[i].output_ids)]
-    index = _flat_index(pairs, vocab, flat.device).unique()
+    # the set of (row, token) in prompt or output; cached prompts (PromptIds) join as tensors
+    prompts = [(i, histories[i].prompt_ids) for i in rows]
+    cached = [(i, ids) for i, ids in prompts if isinstance(ids, torch.Tensor)]
+    listed = [(i, ids) for i, ids in prompts if not isinstance(ids, torch.Tensor)]
+    index = _flat_index(listed + [(i, histories[i].output_ids) for i in rows], vocab, flat.device)
+    if cached:
+        ids = torch.cat([t for _, t in cached])
+        index = torch.cat([index, _row_major(ids, [i for i, _ in cached], [t.numel() for _, t in cached],
+                                             vocab, flat.device)])
+    index = index.unique()
     penalty = _per_element(index, vocab, rows, [params[i].repetition_penalty for i in rows])
     seen = flat[index]
     flat[index] = torch.where(seen < 0, seen * penalty, seen / penalty)

@@ -17,7 +17,7 @@ from dataclasses import replace
 import torch
 
 from lmplug.interfaces.params import SamplingParams
-from lmplug.interfaces.penalties import NO_HISTORY, RowHistory, adjust_logits
+from lmplug.interfaces.penalties import NO_HISTORY, PromptIds, RowHistory, adjust_logits
 from lmplug.interfaces.sequence import Logprob, Sequence
 
 
@@ -65,16 +65,19 @@ def processed_logits(logits: torch.Tensor, params: list[SamplingParams]) -> torc
 
 
 def sample(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: frozenset[int] = frozenset(),
-           bitmask: torch.Tensor | None = None, bitmask_rows: torch.Tensor | list[int] | None = None) -> list[int]:
+           bitmask: torch.Tensor | None = None, bitmask_rows: torch.Tensor | list[int] | None = None,
+           prompts: PromptIds | None = None) -> list[int]:
     """logits [N, V] (one row per sequence) -> next token id per sequence.
 
     ``eos_token_ids`` (the model's) are what ``min_tokens`` blocks besides each request's stop
-    ids; ``bitmask`` / ``bitmask_rows`` are the structured-output masks (``adjust_logits``).
+    ids; ``bitmask`` / ``bitmask_rows`` are the structured-output masks (``adjust_logits``);
+    ``prompts`` (the caller's, kept across steps) caches the penalised sequences' prompts.
     Every row is shaped before any is drawn, so a batch that raises has moved no generator."""
     logits = logits.float()
     if bitmask is not None or any(s.params.needs_adjusting for s in seqs):
-        histories = [RowHistory(s.prompt_token_ids, s.output_token_ids) if s.params.needs_adjusting
-                     else NO_HISTORY for s in seqs]
+        histories = [NO_HISTORY if not s.params.needs_adjusting
+                     else RowHistory(s.prompt_token_ids, s.output_token_ids) if prompts is None
+                     else prompts.history(s, s.output_token_ids) for s in seqs]
         logits = adjust_logits(logits, [s.params for s in seqs], histories, eos_token_ids, bitmask, bitmask_rows)
     if all(s.params.is_greedy for s in seqs):
         return logits.argmax(-1).tolist()

@@ -48,6 +48,12 @@ class ScheduledSeq:
     num_logit_rows: int = 1
 
 
+def samples_now(item: ScheduledSeq) -> bool:
+    """The scheduled sequence catches up this step, so the step samples its next token (with
+    speculative drafts appended to ``token_ids``, ``num_new_tokens`` counts them too)."""
+    return item.seq.num_computed_tokens + item.num_new_tokens >= item.seq.num_tokens
+
+
 @dataclass
 class SchedulerOutput:
     scheduled: list[ScheduledSeq] = field(default_factory=list)

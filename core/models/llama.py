@@ -123,10 +123,7 @@ class LlamaForCausalLM(torch.nn.Module):
         self.embed_tokens = (QuantEmbedding(cfg.vocab_size, cfg.hidden_size, dtype, quant) if packed else
                              embedding(cfg.vocab_size, cfg.hidden_size, dtype, self.tp))
         vocab_rows = self.tp.vocab_range(cfg.vocab_size)[1]
-        self.layers = torch.nn.ModuleList(
-            DecoderLayer(cfg, i, dtype, quant, attention, self.make_mlp(cfg, i, dtype, quant),
-                         self.make_attention(cfg, i, dtype, quant, attention), tp=self.tp)
-            for i in range(cfg.num_layers))
+        self.layers = torch.nn.ModuleList(self.new_layer(i, dtype, quant, attention) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         if cfg.tie_word_embeddings:
             self.lm_head = None
@@ -139,6 +136,16 @@ class LlamaForCausalLM(torch.nn.Module):
         self.rope = RotaryEmbedding(cfg.head_dim, max(max_model_len, cfg.max_position_embeddings),
                                     cfg.rope_theta, cfg.rope_scaling, dtype)
         self.kv_views: list[KVLayerView] = []
+
+    def new_layer(self, index: int, dtype: torch.dtype, quant: QuantMethod, attention: AttentionBackend,
+                  kv_layer: int | None = None) -> DecoderLayer:
+        """Decoder layer ``index`` of this architecture (its feed-forward block as layer ``index``
+        has it: dense or MoE), attending through cache layer ``kv_layer`` (default ``index``). A
+        checkpoint's multi-token-prediction layers (``lmplug.models.mtp``) are built with it too."""
+        cfg = self.config
+        kv_layer = index if kv_layer is None else kv_layer
+        return DecoderLayer(cfg, kv_layer, dtype, quant, attention, self.make_mlp(cfg, index, dtype, quant),
+                            self.make_attention(cfg, kv_layer, dtype, quant, attention), tp=self.tp)
 
     def make_mlp(self, cfg: ModelConfig, layer: int, dtype: torch.dtype,
                  quant: QuantMethod) -> torch.nn.Module | None:
@@ -190,9 +197,13 @@ class LlamaForCausalLM(torch.nn.Module):
     def weight_target(self, name: str) -> tuple[str, str | None] | None:
         """Map a checkpoint (HF) tensor name to (parameter path, shard) or None to skip it.
         (The loader also takes (path, shard, expert) for stacked expert weights.)"""
+        if name.startswith("mtp."):
+            return None  # Qwen3-Next's multi-token-prediction module: the mtp drafter loads it
         if name.startswith("model.layers."):
             rest = name[len("model.layers."):]
             idx, _, tail = rest.partition(".")
+            if idx.isdigit() and int(idx) >= self.config.num_layers:
+                return None  # DeepSeek-V3 / GLM-4.5 multi-token-prediction layers: the mtp drafter's
             module, _, param = tail.rpartition(".")
             if module in self.STACKED:
                 path, shard = self.STACKED[module]

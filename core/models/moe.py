@@ -273,17 +273,19 @@ class MoEForCausalLM(LlamaForCausalLM):
     def _canonical(self, name: str) -> str:
         return name if self.block_name == "mlp" else name.replace(f".{self.block_name}.", ".mlp.")
 
-    def split_tensor(self, name: str, tensor) -> list[tuple[str, torch.Tensor]]:
+    def split_tensor(self, name: str, tensor, layers=None) -> list[tuple[str, torch.Tensor]]:
         """A transformers-5 stacked expert tensor -> the per-expert tensors it holds (views, named
         as this family names them one by one); any other tensor as is. Raises ``ValueError`` for a
         stacked tensor of the wrong shape. Under expert parallelism only the rank's experts are
         returned; a lazy safetensors slice (tensor-parallel loading) gives lazy pieces, so a rank
-        reads only its experts (or its slice of each)."""
+        reads only its experts (or its slice of each). ``layers``: the decoder layers the names
+        number (default this model's; an MTP module's own layer, ``lmplug.models.mtp``)."""
+        layers = self.layers if layers is None else layers
         match = _STACKED_EXPERTS.fullmatch(self._canonical(name))
         layer = int(match[1]) if match else -1
-        if match is None or layer >= len(self.layers) or not isinstance(self.layers[layer].mlp, SparseMoeBlock):
+        if match is None or layer >= len(layers) or not isinstance(layers[layer].mlp, SparseMoeBlock):
             return [(name, tensor)]  # not stacked experts (or a dense layer's: reported as unused)
-        experts = self.layers[layer].mlp.experts
+        experts = layers[layer].mlp.experts
         # the checkpoint holds every expert at full width (a rank's share is taken from the pieces)
         num, hidden, inter = self.config.moe.num_experts, experts.hidden, self.config.moe.intermediate_size
         gate_up = match[2] == "gate_up_proj"

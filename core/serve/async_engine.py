@@ -70,6 +70,9 @@ class Update:
     # with SamplingParams.prompt_logprobs: the prompt's logprobs (entry 0 None), on the first
     # update that has generated tokens (the prompt is complete then)
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    # on the finishing update of a speculatively decoded request: its acceptance rule, lossy or
+    # not, and drafted / accepted token counts (``RequestMetrics``)
+    speculative: dict | None = None
 
 
 @dataclass
@@ -372,8 +375,13 @@ class AsyncEngine:
         if output.finished:
             del self._tracked[output.request_id]
             self._observe_end(tracked, output.outputs[0].finish_reason or "stop", tracked.sent_tokens[0])
+        m = output.metrics
+        speculative = None
+        if output.finished and m is not None and m.acceptance_rule is not None:
+            speculative = {"acceptance_rule": m.acceptance_rule, "lossy": m.lossy,
+                           "drafted_tokens": m.num_drafted_tokens, "accepted_tokens": m.num_accepted_tokens}
         return Update(output.request_id, tracked.prompt_index, tracked.num_prompt_tokens, choices,
-                      output.finished, prompt_logprobs=prompt_logprobs)
+                      output.finished, prompt_logprobs=prompt_logprobs, speculative=speculative)
 
     def _observe_end(self, tracked: _Tracked, reason: str, num_tokens: int) -> None:
         elapsed = time.perf_counter() - tracked.submitted_at

@@ -195,18 +195,31 @@ class CompletionRequest(_SamplingFields):
 # -- responses ---------------------------------------------------------------------------------
 
 
+class SpeculativeUsage(BaseModel):
+    """An lmplug extension: how speculative decoding decided the response's tokens. ``lossy``: the
+    acceptance rule may depart from the target distribution (``lmplug.interfaces.acceptance``)."""
+
+    acceptance_rule: str
+    lossy: bool
+    drafted_tokens: int
+    accepted_tokens: int
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
-    # an lmplug extension, sent only when the prompt was compressed (the ``compression`` field)
+    # lmplug extensions, sent only when set: the prompt was compressed (the ``compression``
+    # field); the server decodes speculatively
     prompt_tokens_before_compression: int | None = None
+    speculative: SpeculativeUsage | None = None
 
     @model_serializer(mode="wrap")
     def _without_unset(self, handler: Any) -> dict:
         data = handler(self)
-        if data.get("prompt_tokens_before_compression") is None:
-            data.pop("prompt_tokens_before_compression", None)
+        for key in ("prompt_tokens_before_compression", "speculative"):
+            if data.get(key) is None:
+                data.pop(key, None)
         return data
 
 

@@ -40,6 +40,7 @@ from lmplug.serve.protocol import (
     DeltaToolCall,
     ResponseFunction,
     ResponseToolCall,
+    SpeculativeUsage,
     Usage,
 )
 
@@ -61,12 +62,20 @@ class Accumulator:
         self.prompt_tokens: dict[int, int] = {}
         self.prompt_logprobs: dict[int, list] = {}  # per prompt, when asked for (echo)
         self.prompt_tokens_before_compression: int | None = None  # set when the prompts were compressed
+        self.speculative: dict | None = None  # summed over the group's requests (``Update.speculative``)
 
     def add(self, update: Update) -> list[tuple[int, ChoiceDelta, int]]:
         """Fold in an update; return (response index, delta, text offset before it) per delta."""
         self.prompt_tokens[update.prompt_index] = update.num_prompt_tokens
         if update.prompt_logprobs is not None:
             self.prompt_logprobs[update.prompt_index] = update.prompt_logprobs
+        if update.speculative is not None:
+            spec = update.speculative
+            if self.speculative is None:
+                self.speculative = dict(spec)
+            else:
+                for key in ("drafted_tokens", "accepted_tokens"):
+                    self.speculative[key] += spec[key]
         out = []
         for delta in update.choices:
             index = update.prompt_index * self.n + delta.index
@@ -82,7 +91,8 @@ class Accumulator:
         prompt = sum(self.prompt_tokens.values())
         completion = sum(len(c.token_ids) for c in self.choices)
         return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
-                     prompt_tokens_before_compression=self.prompt_tokens_before_compression)
+                     prompt_tokens_before_compression=self.prompt_tokens_before_compression,
+                     speculative=None if self.speculative is None else SpeculativeUsage(**self.speculative))
 
 
 class _Format:

@@ -46,8 +46,8 @@ from lmplug.interfaces.draft_tree import depths, is_chain, tree_rows
 from lmplug.interfaces.drafter import Drafter
 from lmplug.interfaces.kvcache import KVCacheBackend
 from lmplug.interfaces.params import SamplingParams
-from lmplug.interfaces.penalties import RowHistory
-from lmplug.interfaces.scheduler import ScheduledSeq
+from lmplug.interfaces.penalties import NO_HISTORY, PromptIds
+from lmplug.interfaces.scheduler import ScheduledSeq, samples_now
 from lmplug.interfaces.sequence import Sequence, SequenceStatus
 from lmplug.speculation.tree import first_child_chain, head, move_kv, subtree
 from lmplug.speculation.verifier import verify_batch
@@ -86,6 +86,7 @@ class Speculator:
         self.num_verified = 0  # sequence-steps that verified at least one draft
         self._step = {"drafted": 0, "accepted": 0}
         self._hidden: torch.Tensor | None = None  # [B, h] of the last verify, for observe
+        self._prompts = PromptIds()  # each penalised sequence's prompt, for its rows' histories
 
     @property
     def rule_name(self) -> str:
@@ -168,8 +169,7 @@ class Speculator:
             keep = 0 if draft is None else min(len(draft.tokens), item.num_new_tokens - 1)
             if keep > 0:
                 self.add_draft(item, draft.head(keep))
-        sampling = [item.seq for item in scheduled if item.seq.num_computed_tokens + item.num_new_tokens
-                    >= item.seq.num_tokens]
+        sampling = [item.seq for item in scheduled if samples_now(item)]
         self._masks = self.constraints.start(
             sampling, [self._planned[s.seq_id].tokens if s.seq_id in self._planned else [] for s in sampling])
 
@@ -254,8 +254,11 @@ class Speculator:
         if any(s.params.needs_adjusting for s in seqs):
             histories = []
             for seq, draft, n in zip(seqs, drafts, num_rows):
-                prompt, output = seq.prompt_token_ids, seq.output_token_ids
-                histories += [RowHistory(prompt, output + draft.tokens[:j]) for j in range(n)]
+                if not seq.params.needs_adjusting:
+                    histories += [NO_HISTORY] * n
+                    continue
+                output = seq.output_token_ids
+                histories += [self._prompts.history(seq, output + draft.tokens[:j]) for j in range(n)]
         return {"histories": histories, "eos_token_ids": self.eos_token_ids,
                 "bitmask": masks.bitmask, "bitmask_rows": masks.rows}
 
@@ -307,6 +310,7 @@ class Speculator:
 
     def release(self, seq: Sequence) -> None:
         self.constraints.release(seq)
+        self._prompts.release(seq)
         self._proposed.pop(seq.seq_id, None)
         self._planned.pop(seq.seq_id, None)
         self.drafter.release(seq)

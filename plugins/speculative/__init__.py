@@ -6,7 +6,9 @@
 - ``medusa``: heads on the target's hidden state (FasterDecoding format; train with
   ``lmplug train-drafter --method medusa MODEL OUT``);
 - ``eagle``: an EAGLE-1/2 head (fc + one decoder layer) over the target's features (train with
-  ``lmplug train-drafter --method eagle MODEL OUT``).
+  ``lmplug train-drafter --method eagle MODEL OUT``);
+- ``mtp``: the checkpoint's multi-token-prediction module (DeepSeek-V3, GLM-4.5, Qwen3-Next
+  layouts), or one trained with ``lmplug train-drafter --method mtp MODEL OUT``.
 
 Acceptance rules (``speculative: {..., acceptance: {rule: NAME}}``, ``acceptance.py``): ``exact``
 (the default), and the lossy ``typical``, ``cascade`` and ``route``.
@@ -22,9 +24,10 @@ def lmplug_register_drafters() -> list[type]:
     from lmplug_speculative.draft_model import DraftModelDrafter, LayerSkipDrafter
     from lmplug_speculative.eagle import EagleDrafter
     from lmplug_speculative.medusa import MedusaDrafter
+    from lmplug_speculative.mtp import MTPDrafter
     from lmplug_speculative.ngram import NgramDrafter
 
-    return [NgramDrafter, DraftModelDrafter, LayerSkipDrafter, MedusaDrafter, EagleDrafter]
+    return [NgramDrafter, DraftModelDrafter, LayerSkipDrafter, MedusaDrafter, EagleDrafter, MTPDrafter]
 
 
 @hookimpl

@@ -58,11 +58,9 @@ from lmplug.interfaces.sequence import Sequence
 _MIRROR_PARAMS = SamplingParams(max_tokens=None)
 
 
-class EagleOptions(DrafterOptions):
-    heads: str = Field(description="folder with config.json and model.safetensors (or pytorch_model.bin) "
-                                   "of EAGLE-1/2 heads")
-    draft_vocab: bool = Field(default=True, description="draft only the tokens listed in the heads' "
-                                                        "draft_vocab.safetensors, when present")
+class FeatureDraftOptions(DrafterOptions):
+    """Options of a drafter that drafts from the target's features (EAGLE heads, MTP modules)."""
+
     tree_width: int = Field(default=1, ge=1, le=8, description="candidates per draft position for greedy "
                                                                "requests: the chain's token plus the next "
                                                                "tree_width - 1 most likely ones of the same "
@@ -79,10 +77,17 @@ class EagleOptions(DrafterOptions):
                                                                    "verifies per step")
 
     @model_validator(mode="after")
-    def _one_tree_kind(self) -> EagleOptions:
+    def _one_tree_kind(self) -> FeatureDraftOptions:
         if self.dynamic_tree and self.tree_width > 1:
             raise ValueError("dynamic_tree and tree_width > 1 are two kinds of draft tree; choose one")
         return self
+
+
+class EagleOptions(FeatureDraftOptions):
+    heads: str = Field(description="folder with config.json and model.safetensors (or pytorch_model.bin) "
+                                   "of EAGLE-1/2 heads")
+    draft_vocab: bool = Field(default=True, description="draft only the tokens listed in the heads' "
+                                                        "draft_vocab.safetensors, when present")
 
 
 class EagleDrafter(Drafter):
@@ -95,6 +100,17 @@ class EagleDrafter(Drafter):
         return self.options.tree_width > 1 or self.options.dynamic_tree
 
     def setup(self, target: DraftTarget) -> None:
+        self._open_head(target)
+        self.vocab = target.model_config.vocab_size
+        self._vocab_list = None if self._vocab_ids is None else self._vocab_ids.tolist()
+        self.store = FeatureStore(target.model, target.kv, target.model_config.hidden_size, target.dtype,
+                                  target.device)
+        self.max_len = target.max_model_len
+        self._mirrors: dict[int, _Mirror] = {}
+
+    def _open_head(self, target: DraftTarget) -> None:
+        """Build the head and its one-layer cache: sets ``kv``, ``runner``, ``_compute_logits`` and
+        ``_vocab_ids`` (None: the whole vocabulary), and whatever ``_compute`` needs."""
         cfg = target.model_config
         head = load_head(self.options.heads, max_position=target.max_model_len + 64)
         hc = head.config
@@ -111,22 +127,17 @@ class EagleDrafter(Drafter):
         self.head: EagleHead = head.to(target.device, target.dtype).eval()
         self._embed = embed
         self._compute_logits = target.model.compute_logits
-        self.vocab = cfg.vocab_size
         ids = load_draft_vocab(self.options.heads, cfg.vocab_size) if self.options.draft_vocab else None
         head_matrix = _lm_head_matrix(target.model)
         self._vocab_ids = None if ids is None or head_matrix is None else ids.to(target.device)
         if self._vocab_ids is not None:  # those rows of the lm_head, contiguous: one small matmul
             self._sub_head = head_matrix[self._vocab_ids].contiguous()
-        self._vocab_list = None if self._vocab_ids is None else self._vocab_ids.tolist()
         self.kv = target.new_kv_cache(1, num_kv_heads=hc.num_kv_heads, head_dim=hc.head_dim)
         self.attention = type(backend)(backend.options, num_heads=hc.num_heads, num_kv_heads=hc.num_kv_heads,
                                        head_dim=hc.head_dim, scale=hc.head_dim ** -0.5,
                                        sliding_window=cfg.sliding_window)
         self.runner = target.new_runner(_OneLayer(), self.kv)
         self.view = self.kv.layer_view(0)
-        self.store = FeatureStore(target.model, target.kv, cfg.hidden_size, target.dtype, target.device)
-        self.max_len = target.max_model_len
-        self._mirrors: dict[int, _Mirror] = {}
 
     @classmethod
     def train(cls, host, model: str, out: str, options: dict) -> None:
@@ -299,10 +310,7 @@ class EagleDrafter(Drafter):
                 positions, mask = tree_rows(m.num_computed_tokens, parents)
                 batch.append(ScheduledSeq(m, n, positions=positions, mask=mask))
         input_ids, ctx = self.runner.build_context(batch)
-        feats = torch.cat([features[j] for j in order])
-        x = self.head.fuse(self._embed(input_ids), feats)
-        out = self.head.layer(x, ctx.positions,
-                              lambda q, k, v: self.attention.forward(0, q, k, v, self.view, ctx))
+        out = self._compute(input_ids, torch.cat([features[j] for j in order]), ctx)
         for item in batch:
             item.seq.num_computed_tokens += item.num_new_tokens
         if all_rows:
@@ -316,6 +324,12 @@ class EagleDrafter(Drafter):
         rows = torch.empty(len(mirrors), dtype=torch.long)
         rows[torch.tensor(order)] = last.cpu()
         return out[rows.to(out.device)]
+
+
+    def _compute(self, input_ids: torch.Tensor, features: torch.Tensor, ctx) -> torch.Tensor:
+        """The head's output at each position of ``ctx`` from (token, feature) pairs."""
+        x = self.head.fuse(self._embed(input_ids), features)
+        return self.head.layer(x, ctx.positions, lambda q, k, v: self.attention.forward(0, q, k, v, self.view, ctx))
 
 
 def _runners_up(logits: torch.Tensor, chosen: list[int], n: int, vocab: int) -> list[list[int]]:

@@ -107,21 +107,30 @@ class EagleHead(torch.nn.Module):
 
     def layer(self, x: torch.Tensor, positions: torch.Tensor, attend: Attend) -> torch.Tensor:
         """x [T, h] (the fc output) -> the predicted next features [T, h]."""
-        cfg, layer = self.config, self.layers[0]
-        attn = layer.self_attn
-        q = attn.q_proj(x).view(-1, cfg.num_heads, cfg.head_dim)
-        k = attn.k_proj(x).view(-1, cfg.num_kv_heads, cfg.head_dim)
-        v = attn.v_proj(x).view(-1, cfg.num_kv_heads, cfg.head_dim)
-        if self.rope.cos.dtype != x.dtype:
-            self.rope.to(x.dtype)
-        q, k = self.rope(positions, q, k)
-        x = x + attn.o_proj(attend(q, k, v).reshape(-1, cfg.num_heads * cfg.head_dim))
+        layer = self.layers[0]
+        x = x + attention(layer.self_attn, self.config, self.rope, x, positions, attend)
         return x + layer.mlp(layer.post_attention_layernorm(x))
 
     def forward_dense(self, embeds: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
         """One whole sequence [T, h] with causal attention and no cache (training, tests)."""
         positions = torch.arange(embeds.shape[0], device=embeds.device)
         return self.layer(self.fuse(embeds, features), positions, causal_attention)
+
+    def draft_feature(self, out: torch.Tensor) -> torch.Tensor:
+        """What the target's ``lm_head`` reads of the head's output: the output itself."""
+        return out
+
+
+def attention(attn: _Attention, cfg: ModelConfig, rope: RotaryEmbedding, x: torch.Tensor,
+              positions: torch.Tensor, attend: Attend) -> torch.Tensor:
+    """A Llama attention block's output [T, h] over x [T, h]: q/k/v projections, RoPE, ``attend``, o_proj."""
+    q = attn.q_proj(x).view(-1, cfg.num_heads, cfg.head_dim)
+    k = attn.k_proj(x).view(-1, cfg.num_kv_heads, cfg.head_dim)
+    v = attn.v_proj(x).view(-1, cfg.num_kv_heads, cfg.head_dim)
+    if rope.cos.dtype != q.dtype:
+        rope.to(q.dtype)
+    q, k = rope(positions, q, k)
+    return attn.o_proj(attend(q, k, v).reshape(-1, cfg.num_heads * cfg.head_dim))
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

@@ -33,7 +33,9 @@ from pydantic import BaseModel, ConfigDict, Field
 from lmplug.interfaces.training import TrainingHost, TrainingTarget
 
 
-class EagleTrainOptions(BaseModel):
+class HeadTrainOptions(BaseModel):
+    """Options of a trainer of a head over the target's features (EAGLE, MTP)."""
+
     model_config = ConfigDict(extra="forbid")
 
     num_prompts: int = Field(default=48, ge=2, description="instructions the model answers")
@@ -43,10 +45,6 @@ class EagleTrainOptions(BaseModel):
     lr: float = Field(default=1e-3, gt=0)
     cls_weight: float = Field(default=0.1, ge=0, description="weight of the token cross-entropy")
     batch_size: int = Field(default=1, ge=1, description="answers per optimizer step")
-    init_from_target: bool = Field(default=False, description="start the layer from the target's last layer "
-                                                              "(else random, residual branches zeroed)")
-    draft_vocab: int = Field(default=8192, ge=0, description="also save the N most frequent tokens of the "
-                                                             "answers as the draft vocabulary (0: none)")
     answers: str | None = Field(default=None, description="JSON file: reuse the generated answers from it "
                                                           "if it exists, else save them there")
     max_num_seqs: int = Field(default=16, ge=1, description="answers generated at once")
@@ -56,6 +54,13 @@ class EagleTrainOptions(BaseModel):
         default="float32", description="the target's dtype while it writes answers and features: train for "
                                        "the dtype you serve with; bfloat16 also runs the head's training "
                                        "matmuls under bf16 autocast (weights and optimizer stay float32)")
+
+
+class EagleTrainOptions(HeadTrainOptions):
+    init_from_target: bool = Field(default=False, description="start the layer from the target's last layer "
+                                                              "(else random, residual branches zeroed)")
+    draft_vocab: int = Field(default=8192, ge=0, description="also save the N most frequent tokens of the "
+                                                             "answers as the draft vocabulary (0: none)")
 
 
 @dataclass(frozen=True)
@@ -83,7 +88,7 @@ def train_eagle(host: TrainingHost, model: str, out: str, options: dict) -> Trai
     return TrainResult(folder, before, after)
 
 
-def cached_answers(target: TrainingTarget, opts: EagleTrainOptions) -> list[tuple[list[int], int]]:
+def cached_answers(target: TrainingTarget, opts: HeadTrainOptions) -> list[tuple[list[int], int]]:
     """Generated answers, read from / written to ``opts.answers`` when given."""
     import json
 
@@ -131,10 +136,20 @@ def init_head(head: EagleHead, target: torch.nn.Module, from_target: bool) -> No
     layer = head.layers[0]
     torch.nn.init.zeros_(layer.self_attn.o_proj.weight)  # both residual branches start at zero
     torch.nn.init.zeros_(layer.mlp.down_proj.weight)
+    if from_target:
+        copy_last_layer(head.layers[0], target)
+
+
+@torch.no_grad()
+def copy_last_layer(layer: torch.nn.Module, target: torch.nn.Module) -> bool:
+    """Copy the target's last decoder layer (the engine's fused projections, split back) into a
+    plain Llama ``layer`` (``self_attn.{q,k,v,o}_proj``, ``mlp.*``, its norms where it has them);
+    False when the target's layer cannot be read (quantized, another kind): ``layer`` keeps its
+    weights."""
     last = getattr(target, "layers", [None])[-1]
-    if not from_target or last is None or not hasattr(last.self_attn, "qkv_proj"):
-        return
-    attn, mlp, layer = last.self_attn, last.mlp, head.layers[0]
+    if last is None or not hasattr(last.self_attn, "qkv_proj"):
+        return False
+    attn, mlp = last.self_attn, last.mlp
     try:
         for name in ("q_proj", "k_proj", "v_proj"):
             a, b = attn.qkv_proj.shard_range(name)
@@ -144,13 +159,18 @@ def init_head(head: EagleHead, target: torch.nn.Module, from_target: bool) -> No
             a, b = mlp.gate_up_proj.shard_range(name)
             getattr(layer.mlp, name).weight.copy_(mlp.gate_up_proj.weight[a:b])
         layer.mlp.down_proj.weight.copy_(mlp.down_proj.weight)
-        layer.post_attention_layernorm.weight.copy_(last.post_attention_layernorm.weight)
+        for norm in ("input_layernorm", "post_attention_layernorm"):
+            if hasattr(layer, norm):
+                getattr(layer, norm).weight.copy_(getattr(last, norm).weight)
     except (AttributeError, RuntimeError, KeyError):  # quantized or differently shaped: keep random
-        pass
+        return False
+    return True
 
 
-def fit(head: EagleHead, embed: torch.nn.Module, lm_head: torch.Tensor, train, held_out,
-        opts: EagleTrainOptions) -> tuple[float, float]:
+def fit(head: torch.nn.Module, embed: torch.nn.Module, lm_head: torch.Tensor, train, held_out,
+        opts: HeadTrainOptions, label: str = "the EAGLE head") -> tuple[float, float]:
+    """Train ``head`` (``forward_dense(embeds, features)``, ``draft_feature(out)``: what the
+    target's ``lm_head`` reads) on (ids, features) answers; first-draft top-1 before and after."""
     from tqdm import tqdm
 
     optimizer = torch.optim.AdamW(head.parameters(), lr=opts.lr, weight_decay=0.0)
@@ -160,7 +180,7 @@ def fit(head: EagleHead, embed: torch.nn.Module, lm_head: torch.Tensor, train, h
           f"{len(held_out)} answers held out; first-draft top-1 before: {before:.3f}")
     steps = opts.epochs * -(-len(train) // opts.batch_size)
     schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=opts.lr, total_steps=steps, pct_start=0.1)
-    bar = tqdm(total=steps, desc="training the EAGLE head", unit="step")
+    bar = tqdm(total=steps, desc=f"training {label}", unit="step")
     for epoch in range(opts.epochs):
         perm = torch.randperm(len(train), generator=gen).tolist()
         for start in range(0, len(perm), opts.batch_size):
@@ -183,11 +203,12 @@ def fit(head: EagleHead, embed: torch.nn.Module, lm_head: torch.Tensor, train, h
 
 
 def sequence_loss(head, embed, lm_head, ids, feats, cls_weight: float) -> torch.Tensor:
-    """EAGLE's loss over one answer: position t sees (token t+1, f_t) and predicts f_{t+1}."""
+    """EAGLE's loss over one answer: position t sees (token t+1, f_t) and predicts f_{t+1} (an
+    MTP module: its output after its head's norm, ``draft_feature``, is what is compared)."""
     with torch.no_grad():
         embeds = embed(ids[1:]).float()
         target_probs = (feats[1:] @ lm_head.T).softmax(-1)
-    pred = head.forward_dense(embeds, feats[:-1])
+    pred = head.draft_feature(head.forward_dense(embeds, feats[:-1]))
     reg = F.smooth_l1_loss(pred, feats[1:])
     cls = -(target_probs * (pred @ lm_head.T).log_softmax(-1)).sum(-1).mean()
     return reg + cls_weight * cls
@@ -198,7 +219,7 @@ def accuracy(head, embed, lm_head, data) -> float:
     """How often the head's first draft token equals the target's next token (teacher forced)."""
     hits = total = 0
     for ids, feats in data:
-        pred = head.forward_dense(embed(ids[1:]).float(), feats[:-1])
+        pred = head.draft_feature(head.forward_dense(embed(ids[1:]).float(), feats[:-1]))
         hits += int(((pred @ lm_head.T).argmax(-1) == (feats[1:] @ lm_head.T).argmax(-1)).sum())
         total += len(ids) - 1
     return hits / max(total, 1)

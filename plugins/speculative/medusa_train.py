@@ -188,5 +188,15 @@ def _accuracy(heads, lm_head, x, y) -> list[float]:
 
 
 def _lm_head(model: torch.nn.Module) -> torch.Tensor:
+    """The target's output matrix [V, h]: its ``lm_head`` (tied: the embedding's table), or, when
+    a quant method holds it packed (GGUF blocks), the matrix read back through its own matmul."""
     head = getattr(model, "lm_head", None)
-    return model.embed_tokens.weight if head is None else head
+    if isinstance(head, torch.Tensor):
+        return head
+    weight = getattr(model.embed_tokens if head is None else head, "weight", None)
+    if isinstance(weight, torch.Tensor) and weight.is_floating_point() and weight.dim() == 2:
+        return weight
+    norm = model.norm.weight
+    with torch.no_grad():
+        eye = torch.eye(model.config.hidden_size, dtype=norm.dtype, device=norm.device)
+        return model.compute_logits(eye).T.contiguous()  # row v of the head = logits of basis vectors

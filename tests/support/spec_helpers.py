@@ -116,6 +116,37 @@ def target_probs(hf, ids: list[int]) -> torch.Tensor:
     return processed_logits(logits, [SamplingParams(**SAMPLING)]).softmax(-1)[0].double()
 
 
+def pair_distribution(hf) -> dict[tuple[int, int], float]:
+    """P(first two output tokens of ``STAT_PROMPT`` under ``SAMPLING``) from transformers."""
+    p1 = target_probs(hf, STAT_PROMPT)
+    expected = {}
+    for t1 in p1.nonzero().flatten().tolist():
+        p2 = target_probs(hf, STAT_PROMPT + [t1])
+        for t2 in p2.nonzero().flatten().tolist():
+            expected[(t1, t2)] = float(p1[t1] * p2[t2])
+    return expected
+
+
+def pair_counts(engine: LLMEngine, expected: dict, num: int,
+                accepted: tuple[float, float] = (0.05, 0.95)) -> tuple[torch.Tensor, torch.Tensor]:
+    """Counts of the first two output tokens of ``num`` seeded ``SAMPLING`` runs of ``STAT_PROMPT``
+    over the categories of ``expected`` (+ one for pairs outside it), and their probabilities.
+    Every request must draft once and the acceptance rate lie within ``accepted``, so both the
+    accept and the reject path are exercised."""
+    from lmplug.interfaces.params import SamplingParams
+
+    outs = run(engine, [STAT_PROMPT] * num, [SamplingParams(**SAMPLING, seed=s) for s in range(num)])
+    assert engine.speculator.num_drafted == num  # one draft per request (max_tokens=3)
+    low, high = accepted
+    assert low < engine.speculator.num_accepted / num < high
+    keys = list(expected)
+    counts = torch.zeros(len(keys) + 1)
+    for o in outs:
+        pair = tuple(o.token_ids[:2])
+        counts[keys.index(pair) if pair in expected else -1] += 1
+    return counts, torch.tensor([expected[k] for k in keys] + [0.0])
+
+
 def check_observed_hidden(engine: LLMEngine, prompts: list[list[int]], params) -> int:
     """Run ``prompts``; after every step the (Medusa) drafter must hold, per running sequence, the
     target's hidden state at the position whose logits chose its last token, as a fresh prefill

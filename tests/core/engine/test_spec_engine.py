@@ -16,11 +16,11 @@ import torch
 from support.hf_models import get_model, one_torch_thread, prompt_ids  # noqa: F401 - fixture
 from support.spec_helpers import (
     REFERENCE,
-    SAMPLING,
     STAT_PROMPT,
     TABLE,
     chi_square_pvalue,
     make_engine,
+    pair_counts,
     run,
     target_probs,
 )
@@ -217,16 +217,7 @@ def pair_distribution(model):
 def _pair_counts(model, expected: dict, num: int) -> tuple[torch.Tensor, torch.Tensor]:
     engine = make_engine(model.path, {"method": "test_table", "num_tokens": 2},
                          scheduler={"backend": "continuous", "max_num_seqs": 128})
-    params = [SamplingParams(**SAMPLING, seed=s) for s in range(num)]
-    outs = run(engine, [STAT_PROMPT] * num, params)
-    assert engine.speculator.num_drafted == num  # one draft per request (max_tokens=3)
-    assert 0.1 < engine.speculator.num_accepted / num < 0.9
-    keys = list(expected)
-    counts = torch.zeros(len(keys) + 1)
-    for o in outs:
-        pair = tuple(o.token_ids[:2])
-        counts[keys.index(pair) if pair in expected else -1] += 1
-    return counts, torch.tensor([expected[k] for k in keys] + [0.0])
+    return pair_counts(engine, expected, num, accepted=(0.1, 0.9))
 
 
 def test_sampled_continuations_follow_the_target(model, pair_distribution):

@@ -112,7 +112,9 @@ def test_deepseek_moe_block_matches_transformers(version):
             p.copy_(0.02 * torch.randn(p.shape, generator=g) if p.dim() == 1 else
                     torch.randn(p.shape, generator=g) * p.shape[-1] ** -0.5)
         mc = ModelConfig.from_hf(cfg.to_dict())
-        assert mc.moe.sparse_layers == {1, 2}  # dense below first_k_dense_replace
+        # dense below first_k_dense_replace; V3's multi-token-prediction layer (3) is an MoE one too
+        mtp = cfg.to_dict().get("num_nextn_predict_layers", 0)
+        assert mc.moe.sparse_layers == {1, 2, *range(3, 3 + mtp)}
         ours = SparseMoeBlock(mc, torch.float32, Unquantized(), ReferenceMoE(BackendOptions()))
         _copy_from_hf(ours, hf)
         x = torch.randn(2, 9, 64, generator=g)

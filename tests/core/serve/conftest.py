@@ -4,21 +4,13 @@ port with an API key (``MAX_LEN`` of the test module, 256 by default), and an ``
 from __future__ import annotations
 
 import pytest
-import torch
+from support.hf_models import one_torch_thread  # noqa: F401  (autouse fixture: one torch thread per module)
 from support.serve_util import running_server
 
 from lmplug import LLM
 from lmplug.serve import ServeSettings
 
 KEY = "test-key"
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    saved = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(saved)
 
 
 def max_len(request) -> int:

@@ -224,3 +224,25 @@ def test_exact_requests_are_served_under_exact(model):
         assert (out.metrics.acceptance_rule, out.metrics.lossy) == ("exact", False)
     with pytest.raises(ConfigError, match="SamplingParams.exact"):
         SamplingParams(exact="yes")
+
+
+def test_the_server_reports_the_rule_and_refuses_exact_requests_under_a_lossy_one(model):
+    """The HTTP response's usage names the rule and says it is lossy; a request with ``exact:
+    true`` gets a 400 naming the rule, before any token."""
+    import httpx
+    from support.serve_util import running_server
+
+    from lmplug import LLM
+
+    llm = LLM(str(model.path), device="cpu", dtype="float32", max_model_len=256,
+              speculative={**LAYER_SKIP, "acceptance": "typical"})
+    body = {"model": str(model.path), "prompt": prompt_ids(6, 1), "max_tokens": 12, "temperature": 1.0,
+            "seed": 3, "ignore_eos": True}
+    with running_server(llm) as srv:
+        reply = httpx.post(srv.v1 + "/completions", json=body, timeout=60)
+        assert reply.status_code == 200, reply.text
+        spec = reply.json()["usage"]["speculative"]
+        assert (spec["acceptance_rule"], spec["lossy"]) == ("typical", True)
+        assert 0 <= spec["accepted_tokens"] <= spec["drafted_tokens"] and spec["drafted_tokens"] > 0
+        refused = httpx.post(srv.v1 + "/completions", json={**body, "exact": True}, timeout=60)
+        assert refused.status_code == 400 and "typical" in refused.text, refused.text

@@ -16,14 +16,8 @@ import torch
 from lmplug_speculative.eagle_head import load_head
 from lmplug_speculative.eagle_train import train_eagle
 from support.hf_models import get_model, make_config, one_torch_thread, prompt_ids  # noqa: F401 - fixture
-from support.spec_helpers import (
-    SAMPLING,
-    STAT_PROMPT,
-    chi_square_pvalue,
-    make_engine,
-    run,
-    target_probs,
-)
+from support.spec_helpers import SAMPLING, chi_square_pvalue, make_engine, pair_counts, run
+from support.spec_helpers import pair_distribution as pair_distribution_of
 
 from lmplug.cli import main
 from lmplug.engine.build import build_engine_parts
@@ -409,28 +403,13 @@ def test_training_improves_the_head(trained):
 
 @pytest.fixture(scope="module")
 def pair_distribution(model):
-    """P(first two output tokens) from transformers."""
-    p1 = target_probs(model.hf, STAT_PROMPT)
-    expected = {}
-    for t1 in p1.nonzero().flatten().tolist():
-        p2 = target_probs(model.hf, STAT_PROMPT + [t1])
-        for t2 in p2.nonzero().flatten().tolist():
-            expected[(t1, t2)] = float(p1[t1] * p2[t2])
-    return expected
+    return pair_distribution_of(model.hf)
 
 
 def _pair_counts(model, heads, expected: dict, num: int):
     engine = make_engine(model.path, {"method": "eagle", "heads": str(heads), "num_tokens": 2},
                          kvcache=PAGED, scheduler={"backend": "continuous", "max_num_seqs": 64})
-    outs = run(engine, [STAT_PROMPT] * num, [SamplingParams(**SAMPLING, seed=s) for s in range(num)])
-    assert engine.speculator.num_drafted == num  # one draft per request (max_tokens=3)
-    assert 0.05 < engine.speculator.num_accepted / num < 0.95
-    keys = list(expected)
-    counts = torch.zeros(len(keys) + 1)
-    for o in outs:
-        pair = tuple(o.token_ids[:2])
-        counts[keys.index(pair) if pair in expected else -1] += 1
-    return counts, torch.tensor([expected[k] for k in keys] + [0.0])
+    return pair_counts(engine, expected, num)
 
 
 def test_sampled_continuations_follow_the_target(model, trained, pair_distribution):

@@ -1,0 +1,201 @@
+"""Lightning attention (MiniMax) in Triton: the chunked prefill over flattened sequences and the fused decode step.
+
+The math and the block decomposition are ``lightning_ref``'s: with ``lambda = exp(-slope)`` per head,
+``S_t = lambda S_{t-1} + k_t^T v_t`` and ``o_t = q_t S_t``; a block of ``c`` tokens (local positions
+``i = 1..c``) adds ``((Q K^T) * lambda^(i-j) [j <= i]) V`` inside the block and ``(Q * lambda^i) S`` from
+the blocks before, then carries ``S <- lambda^c S + (K * lambda^(c-i))^T V``.
+
+Prefill: one program per (sequence, head, tile of ``BLOCK_V`` value columns). It holds its slice of
+the state, ``[Dk, BLOCK_V]`` fp32, in registers and walks its sequence ``BLOCK_T`` tokens at a time,
+so the recurrence between blocks never leaves the chip and the state is read once (the initial
+state) and written once (the final one). Splitting the value columns is exact (each column of
+``S`` evolves on its own) and gives more programs to small batches. The decay terms are computed
+in-kernel from the slope, in fp32. q/k/v may be strided views (the split of one qkv projection):
+only the last dimension must be contiguous.
+
+Decode: one program per (sequence, head, value tile) updates its state tile in place,
+``S <- lambda S + k^T v``, and reduces ``o = q S`` over Dk: elementwise work on a memory-bound
+state, no ``tl.dot``.
+
+Precision: the state and every accumulation are fp32. fp32 inputs take exact fp32 dot products
+(``input_precision="ieee"``). fp16/bf16 inputs feed the tensor cores in their own dtype where the
+operands are bounded by the inputs (the decayed scores and keys are rounded to it, as in FLA's
+linear-attention kernels; fp16 scores beyond 65504 would overflow), and in TF32 for the product with
+the state, which stays fp32 (it grows with the context); every product accumulates in fp32.
+
+Launch configuration per architecture: ``LIGHTNING_TABLE``. The GPU entries are a reasoned first
+choice (a 128 x 64 fp32 state tile is 64 registers a thread at 4 warps), not yet measured.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from lmplug_attention.attn_ops import arch_entry, dot_precision
+from lmplug_attention.lightning_ref import check_decode, check_prefill
+
+from lmplug.interfaces.devices import capability
+
+# (BLOCK_T, BLOCK_V, num_warps, num_stages) per architecture (``attn_ops.arch_entry``); None: the interpreter.
+LIGHTNING_TABLE: dict[tuple[int, int] | None, tuple[int, int, int, int]] = {
+    None: (16, 32, 4, 1),
+    (8, 0): (64, 64, 4, 2),
+    (9, 0): (64, 64, 4, 2),
+}
+DECODE_BLOCK_V = 64  # value columns per decode program; the state tile is [Dk, DECODE_BLOCK_V]
+
+
+@triton.jit
+def _lightning_prefill_kernel(
+    q_ptr, k_ptr, v_ptr, slope_ptr, cu_seqlens_ptr, init_ptr, out_ptr, final_ptr,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
+    stride_ib, stride_ih, stride_ik, stride_iv,
+    stride_fb, stride_fh, stride_fk, stride_fv,
+    HEAD_K: tl.constexpr, HEAD_V: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_V: tl.constexpr, HAS_INIT: tl.constexpr, PRECISION: tl.constexpr,
+):
+    tl.static_assert(BLOCK_K >= HEAD_K)
+    seq = tl.program_id(0).to(tl.int64)  # sequence x state stride can pass 2^31
+    head = tl.program_id(1).to(tl.int64)
+    offs_t = tl.arange(0, BLOCK_T)
+    offs_k = tl.arange(0, BLOCK_K)
+    offs_v = tl.program_id(2) * BLOCK_V + tl.arange(0, BLOCK_V)
+    mask_k = offs_k < HEAD_K
+    mask_v = offs_v < HEAD_V
+    mask_kv = mask_k[:, None] & mask_v[None, :]
+    bos = tl.load(cu_seqlens_ptr + seq).to(tl.int64)
+    eos = tl.load(cu_seqlens_ptr + seq + 1).to(tl.int64)
+    slope = tl.load(slope_ptr + head).to(tl.float32)
+    dtype = q_ptr.dtype.element_ty
+
+    if HAS_INIT:
+        init = init_ptr + seq * stride_ib + head * stride_ih
+        state = tl.load(init + offs_k[:, None] * stride_ik + offs_v[None, :] * stride_iv, mask=mask_kv, other=0.0)
+    else:
+        state = tl.zeros([BLOCK_K, BLOCK_V], dtype=tl.float32)
+    # block-invariant decays: lambda^i for the state seen at local position i (1-based), and the
+    # causal mask lambda^(i-j), j <= i, inside a block
+    q_decay = tl.exp(-slope * (offs_t + 1).to(tl.float32))
+    diff = (offs_t[:, None] - offs_t[None, :]).to(tl.float32)
+    intra_decay = tl.where(diff >= 0, tl.exp(-slope * tl.maximum(diff, 0.0)), 0.0)
+
+    for start in range(bos, eos, BLOCK_T):
+        rows = start + offs_t
+        mask_t = rows < eos
+        count = tl.minimum(eos - start, BLOCK_T).to(tl.float32)  # c, the tokens of this block
+        q = tl.load(q_ptr + rows[:, None] * stride_qt + head * stride_qh + offs_k[None, :],
+                    mask=mask_t[:, None] & mask_k[None, :], other=0.0)
+        k = tl.load(k_ptr + rows[:, None] * stride_kt + head * stride_kh + offs_k[None, :],
+                    mask=mask_t[:, None] & mask_k[None, :], other=0.0)
+        v = tl.load(v_ptr + rows[:, None] * stride_vt + head * stride_vh + offs_v[None, :],
+                    mask=mask_t[:, None] & mask_v[None, :], other=0.0)
+        scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * intra_decay  # [BLOCK_T, BLOCK_T]
+        o = tl.dot(scores.to(dtype), v, input_precision=PRECISION)
+        # the state stays fp32 in the product: over a long context of a slow-decaying head its
+        # entries can pass fp16's range
+        q_old = q.to(tl.float32) * q_decay[:, None]
+        o += tl.dot(q_old, state, input_precision=PRECISION)
+        tl.store(out_ptr + rows[:, None] * stride_ot + head * stride_oh + offs_v[None, :],
+                 o.to(out_ptr.dtype.element_ty), mask=mask_t[:, None] & mask_v[None, :])
+        # lambda^(c-i) for the key at local position i; padded rows get 0 (their exponent may overflow)
+        k_decay = tl.where(mask_t, tl.exp(-slope * (count - 1.0 - offs_t.to(tl.float32))), 0.0)
+        k_new = (k.to(tl.float32) * k_decay[:, None]).to(dtype)
+        state = state * tl.exp(-slope * count) + tl.dot(tl.trans(k_new), v, input_precision=PRECISION)
+
+    final = final_ptr + seq * stride_fb + head * stride_fh
+    tl.store(final + offs_k[:, None] * stride_fk + offs_v[None, :] * stride_fv, state, mask=mask_kv)
+
+
+@triton.jit
+def _lightning_decode_kernel(
+    q_ptr, k_ptr, v_ptr, slope_ptr, state_ptr, out_ptr,
+    stride_qb, stride_qh, stride_kb, stride_kh, stride_vb, stride_vh, stride_ob, stride_oh,
+    stride_sb, stride_sh, stride_sk, stride_sv,
+    HEAD_K: tl.constexpr, HEAD_V: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
+):
+    tl.static_assert(BLOCK_K >= HEAD_K)
+    seq = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1).to(tl.int64)
+    offs_k = tl.arange(0, BLOCK_K)
+    offs_v = tl.program_id(2) * BLOCK_V + tl.arange(0, BLOCK_V)
+    mask_k = offs_k < HEAD_K
+    mask_v = offs_v < HEAD_V
+    q = tl.load(q_ptr + seq * stride_qb + head * stride_qh + offs_k, mask=mask_k, other=0.0).to(tl.float32)
+    k = tl.load(k_ptr + seq * stride_kb + head * stride_kh + offs_k, mask=mask_k, other=0.0).to(tl.float32)
+    v = tl.load(v_ptr + seq * stride_vb + head * stride_vh + offs_v, mask=mask_v, other=0.0).to(tl.float32)
+    decay = tl.exp(-tl.load(slope_ptr + head).to(tl.float32))
+    tile = (state_ptr + seq * stride_sb + head * stride_sh
+            + offs_k[:, None] * stride_sk + offs_v[None, :] * stride_sv)
+    mask_kv = mask_k[:, None] & mask_v[None, :]
+    state = tl.load(tile, mask=mask_kv, other=0.0) * decay + k[:, None] * v[None, :]
+    tl.store(tile, state, mask=mask_kv)
+    o = tl.sum(q[:, None] * state, axis=0)  # [BLOCK_V]
+    tl.store(out_ptr + seq * stride_ob + head * stride_oh + offs_v, o.to(out_ptr.dtype.element_ty), mask=mask_v)
+
+
+def _rows_contiguous(*tensors: torch.Tensor) -> list[torch.Tensor]:
+    """The kernels take strides for the token and head dims; the feature dim must be dense."""
+    return [t if t.stride(-1) == 1 else t.contiguous() for t in tensors]
+
+
+def _check_dtypes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, what: str) -> None:
+    if not q.dtype == k.dtype == v.dtype or q.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise ValueError(f"lightning {what}: q, k, v must share one of fp32/fp16/bf16; got "
+                         f"{q.dtype}, {k.dtype}, {v.dtype}")
+
+
+def lightning_attention_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slope: torch.Tensor,
+                                cu_seqlens: torch.Tensor, initial_state: torch.Tensor | None = None,
+                                block_size: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Flattened sequences: q, k [T, H, Dk], v [T, H, Dv] -> (o [T, H, Dv] in q's dtype, final_state
+    [B, H, Dk, Dv] fp32), as ``lightning_ref.lightning_attention_prefill``. ``initial_state`` (None: zeros)
+    is read, not modified. ``block_size`` (a power of two >= 16; None: the architecture's) is the
+    tokens per step of the walk; it changes only the rounding."""
+    block_t, block_v, num_warps, num_stages = arch_entry(LIGHTNING_TABLE, capability(q.device))
+    block_t = block_size or block_t
+    check_prefill(q, k, v, slope, cu_seqlens, initial_state, block_t)
+    _check_dtypes(q, k, v, "prefill")
+    if block_t < 16 or block_t & (block_t - 1):
+        raise ValueError(f"lightning prefill: the Triton block_size must be a power of two >= 16, got {block_t}")
+    q, k, v = _rows_contiguous(q, k, v)
+    num_seqs, num_heads, head_k, head_v = cu_seqlens.shape[0] - 1, q.shape[1], q.shape[2], v.shape[2]
+    out = torch.empty(q.shape[0], num_heads, head_v, dtype=q.dtype, device=q.device)
+    final_state = torch.empty(num_seqs, num_heads, head_k, head_v, dtype=torch.float32, device=q.device)
+    if num_seqs == 0:
+        return out, final_state
+    init = final_state if initial_state is None else initial_state.float()
+    block_v = min(block_v, max(16, triton.next_power_of_2(head_v)))
+    grid = (num_seqs, num_heads, triton.cdiv(head_v, block_v))
+    _lightning_prefill_kernel[grid](
+        q, k, v, slope.float().contiguous(), cu_seqlens.contiguous(), init, out, final_state,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
+        *init.stride(), *final_state.stride(),
+        HEAD_K=head_k, HEAD_V=head_v, BLOCK_T=block_t, BLOCK_K=max(16, triton.next_power_of_2(head_k)),
+        BLOCK_V=block_v, HAS_INIT=initial_state is not None, PRECISION=dot_precision(q.dtype),
+        num_warps=num_warps, num_stages=num_stages,
+    )
+    return out, final_state
+
+
+def lightning_attention_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slope: torch.Tensor,
+                               state: torch.Tensor) -> torch.Tensor:
+    """One token per sequence: q, k [B, H, Dk], v [B, H, Dv] -> o [B, H, Dv] in q's dtype; ``state``
+    [B, H, Dk, Dv] fp32 (any strides) is updated in place, as ``lightning_ref.lightning_attention_decode``."""
+    check_decode(q, k, v, slope, state)
+    _check_dtypes(q, k, v, "decode")
+    q, k, v = _rows_contiguous(q, k, v)
+    batch, num_heads, head_k = q.shape
+    head_v = v.shape[2]
+    out = torch.empty(batch, num_heads, head_v, dtype=q.dtype, device=q.device)
+    if batch == 0:
+        return out
+    block_v = min(DECODE_BLOCK_V, triton.next_power_of_2(head_v))
+    grid = (batch, num_heads, triton.cdiv(head_v, block_v))
+    _lightning_decode_kernel[grid](
+        q, k, v, slope.float().contiguous(), state, out,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
+        *state.stride(),
+        HEAD_K=head_k, HEAD_V=head_v, BLOCK_K=triton.next_power_of_2(head_k), BLOCK_V=block_v,
+    )
+    return out
