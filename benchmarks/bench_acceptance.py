@@ -2,10 +2,13 @@
 
     python benchmarks/bench_acceptance.py [--model smollm2-135m-instruct] [--max-tokens 64]
         [--drafter layer_skip] [--layer-skip-layers 12] [--k 3] [--temperature 1.0] [--threads 1]
+        [--drafter mtp --mtp-path DIR]     # a module from: lmplug train-drafter --method mtp MODEL DIR
+        [--drafter eagle --eagle-heads DIR]  # heads from: lmplug train-drafter --method eagle MODEL DIR
 
 One target (the demo model by default), one drafter engine (``layer_skip``: the target's first
-layers and its head, whose distributions ``q`` the cascade and route rules need; ``ngram`` has no
-``q``, so under it cascade and route defer everywhere), and plain decoding. Each configuration is
+layers and its head; ``mtp`` / ``eagle``: a trained module or head; each gives the distributions
+``q`` the cascade and route rules need; ``ngram`` has no ``q``, so under it cascade and route
+defer everywhere), and plain decoding. Each configuration is
 an acceptance rule set on the same speculative engine before its run; the configurations run
 interleaved (each prompt through every one in turn, ``--repeats`` times), sampled (temperature 1,
 no filters, so the shaped target p is the model's own distribution), seeded alike.
@@ -106,7 +109,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="smollm2-135m-instruct")
     ap.add_argument("--max-tokens", type=int, default=64)
-    ap.add_argument("--drafter", default="layer_skip", choices=["layer_skip", "ngram"])
+    ap.add_argument("--drafter", default="layer_skip", choices=["layer_skip", "ngram", "mtp", "eagle"])
+    ap.add_argument("--mtp-path", help="the mtp drafter's module folder (lmplug train-drafter --method mtp)")
+    ap.add_argument("--eagle-heads", help="the eagle drafter's heads folder (lmplug train-drafter --method eagle)")
     ap.add_argument("--layer-skip-layers", type=int, default=12)
     ap.add_argument("--k", type=int, default=3, help="draft tokens per step")
     ap.add_argument("--temperature", type=float, default=1.0)
@@ -123,6 +128,10 @@ def main() -> None:
     drafter = {"method": args.drafter, "num_tokens": args.k}
     if args.drafter == "layer_skip":
         drafter["num_layers"] = args.layer_skip_layers
+    elif args.drafter == "mtp":
+        drafter["path"] = args.mtp_path
+    elif args.drafter == "eagle":
+        drafter["heads"] = args.eagle_heads
     plain = LLM(args.model, dtype="float32", device="cpu")
     spec = LLM(args.model, dtype="float32", device="cpu", speculative={**drafter, "acceptance": "exact"})
     prompts = [plain.apply_chat_template([{"role": "user", "content": t}]) for t in PROMPTS[:args.prompts]]

@@ -21,6 +21,14 @@ state is ours behind one extra oldest column).
 - ``causal_conv1d_update``: decode, one token per sequence; the state is rolled
   in place (oldest column out, the token in).
 
+State slots: both take an optional ``state_indices [B]`` (int32/int64). Then
+the state argument is a pool ``[num_slots, C, K-1]`` (one slot per running
+sequence, as a state cache keeps them) and sequence b reads and writes row
+``state_indices[b]``, in place: the prefill writes its new states into the pool
+and returns None in their place, the update rolls those rows. Indices must be
+distinct and in range; other rows are left alone. Without indices, nothing
+changes. (``check_state_indices`` is shared by the other state ops.)
+
 Sums are taken in fp32; outputs come back in x's dtype, states in the state's.
 """
 
@@ -48,6 +56,18 @@ def sequence_positions(cu_seqlens: torch.Tensor, num_tokens: int) -> tuple[torch
     return seq_ids, positions
 
 
+def check_state_indices(state_indices: torch.Tensor, pool: torch.Tensor | None, batch: int, what: str) -> None:
+    """Raise ``ValueError`` unless ``state_indices`` is an int32/int64 ``[B]`` beside a pool to index."""
+    if pool is None:
+        raise ValueError(f"{what}: state_indices needs the state pool [num_slots, ...] to read and write")
+    if state_indices.dim() != 1 or state_indices.shape[0] != batch or \
+            state_indices.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"{what}: state_indices must be int32/int64 [B] = [{batch}]; got {state_indices.dtype} "
+                         f"{list(state_indices.shape)}")
+    if state_indices.device != pool.device:
+        raise ValueError(f"{what}: state_indices must be on the pool's device {pool.device}, got {state_indices.device}")
+
+
 def _window_rows(cu: torch.Tensor, seq_ids: torch.Tensor, pos: torch.Tensor, width: int,
                  num_state_rows: int) -> torch.Tensor:
     """Rows of ``[state rows (B*(K-1)); x rows (T)]`` holding inputs ``pos - width .. pos - 1`` of
@@ -60,13 +80,20 @@ def _window_rows(cu: torch.Tensor, seq_ids: torch.Tensor, pos: torch.Tensor, wid
 
 def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                   cu_seqlens: torch.Tensor, conv_state: torch.Tensor | None = None,
-                  activation: str | None = "silu") -> tuple[torch.Tensor, torch.Tensor]:
+                  activation: str | None = "silu", *, state_indices: torch.Tensor | None = None,
+                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """x [T, C], weight [C, K], bias [C] or None, cu_seqlens [B+1], conv_state [B, C, K-1] (None:
-    zeros, fresh sequences) -> (y [T, C] in x's dtype, new conv_state [B, C, K-1])."""
+    zeros, fresh sequences) -> (y [T, C] in x's dtype, new conv_state [B, C, K-1]). With
+    ``state_indices`` [B]: conv_state is the pool [num_slots, C, K-1], rows updated in place, None returned."""
     check_activation(activation, "causal_conv1d")
     num_tokens, channels = x.shape
     width = weight.shape[1] - 1
     batch = cu_seqlens.shape[0] - 1
+    if state_indices is not None:
+        check_state_indices(state_indices, conv_state, batch, "causal_conv1d")
+        y, new_state = causal_conv1d(x, weight, bias, cu_seqlens, conv_state[state_indices], activation)
+        conv_state[state_indices] = new_state
+        return y, None
     if conv_state is None:
         conv_state = x.new_zeros(batch, channels, width)
     cu = cu_seqlens.long().to(x.device)
@@ -88,9 +115,17 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 
 
 def causal_conv1d_update(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor,
-                         bias: torch.Tensor | None, activation: str | None = "silu") -> torch.Tensor:
-    """One token per sequence: x [B, C], conv_state [B, C, K-1] (rolled in place) -> y [B, C]."""
+                         bias: torch.Tensor | None, activation: str | None = "silu", *,
+                         state_indices: torch.Tensor | None = None) -> torch.Tensor:
+    """One token per sequence: x [B, C], conv_state [B, C, K-1] (rolled in place) -> y [B, C]. With
+    ``state_indices`` [B]: conv_state is the pool [num_slots, C, K-1], rows state_indices rolled in place."""
     check_activation(activation, "causal_conv1d_update")
+    if state_indices is not None:
+        check_state_indices(state_indices, conv_state, x.shape[0], "causal_conv1d_update")
+        rows = conv_state[state_indices]
+        y = causal_conv1d_update(x, rows, weight, bias, activation)
+        conv_state[state_indices] = rows
+        return y
     window = torch.cat([conv_state.float(), x.float()[:, :, None]], dim=2)  # [B, C, K]
     y = (window * weight.float()).sum(dim=2)
     if bias is not None:

@@ -3,24 +3,42 @@
 Same arguments, results and math as ``delta_ref`` (read its docstring for the recurrence and the
 chunked WY / UT-transform form); everything past the loads is fp32, whatever the input dtype.
 
-Columns of the state are independent: every value column of ``S [Dk, Dv]`` is read and written by
-the same keys, so a program owns one ``BLOCK_V`` slice of one head's state of one sequence
-(grid ``(Dv / BLOCK_V, Hv, B)``), which keeps the slice in registers (Dk = 128 x 32 floats).
+Prefill, in three launches (the split of flash-linear-attention's ``chunk_gated_delta_rule``), over
+fp32 scratch buffers; a chunk never crosses a sequence start, and its rows past the sequence end are
+masked (``k = v = beta = g = 0``: tokens that neither decay nor write):
 
-- ``_chunk_kernel`` (prefill): one program walks its sequence a chunk of ``CHUNK`` tokens at a time,
-  carrying its state slice from chunk to chunk; inside a chunk all tokens are handled at once by
-  matmuls (the WY form). ``(I + A)^-1`` of the strictly lower ``A`` is built by forward substitution
-  (``_unit_lower_inverse``, a row per step on a ``[CHUNK, CHUNK]`` tile), which keeps the stability
-  of a triangular solve. Programs of one sequence's other value slices recompute the same ``W``
-  (it depends on the keys only): cheap next to the ``CHUNK`` substitution steps, and no second
-  launch or scratch buffer.
-- ``_step_kernel`` (decode): one token, decay / delta-rule write / read fused over the state slice,
-  written back in place.
+1. ``_wy_kernel``, one program per (chunk, value head), all chunks in parallel: ``A`` (strictly
+   lower ``diag(beta) K K^T * D``), ``(I + A)^-1`` by forward substitution (``_unit_lower_inverse``,
+   a row per step on a ``[CHUNK, CHUNK]`` tile: the stability of a triangular solve), then
+   ``W = (I + A)^-1 diag(beta exp(G)) K`` and ``U = (I + A)^-1 diag(beta) V`` to buffers, and the
+   per-token factor ``F = exp(G_C - G) / |k|`` with which a key enters the chunk's end state.
+2. ``_state_kernel``, one program per (``BLOCK_V`` state columns, value head, sequence): the only
+   sequential pass. Chunk by chunk, ``V' = U - W S`` (over ``U`` in place) and
+   ``S <- exp(G_C) S + (diag(F) K)^T V'``. Columns of ``S`` are independent (each is read and
+   written by the same keys), so value slices split exactly. The state entering every chunk goes
+   to a buffer ``h [chunks, Hv, Dk, Dv]``, which is also where the pass reads it back from: every
+   product takes ``STATE_TILE`` key rows of it at a time, so no ``[Dk, BLOCK_V]`` tile is held in
+   registers (a barrier orders a chunk's writes before the next chunk's reads).
+3. ``_output_kernel``, one program per (chunk, value head, ``OUT_BLOCK_V`` columns), in parallel:
+   ``O = diag(exp(G)) Q S + lower(Q K^T * D) V'``.
+
+Why split: one program doing all of it (the state in registers) spilled on sm_80 / sm_90 at
+Dk = Dv = 128 (940 B bf16, 30 KB fp32, chunk 64). Here every product accumulates over ``LANE_TILE``
+/ ``STATE_TILE`` key lanes read from memory (fp32's CUDA-core ``ieee`` products spill first with a
+long K), and q, k enter the products raw, their l2norm applied as a row / column scale of the
+product: no spills for fp16 / bf16 / fp32 at chunks 16 / 32 / 64 on sm_80 and sm_90 (Triton 3.7.1,
+compiled offline; head sizes are runtime ints, so all compile to the same code). Launch sizes
+are chosen to fit, not yet timed on a GPU. Scratch, fp32: ``W``, ``U``, ``F`` and ``h``, the
+latter ``T // CHUNK + B`` states (a bound on the chunk count that needs no read-back of
+``cu_seqlens``) of ``Hv * Dk * Dv * 4`` bytes.
+
+Decode, ``_step_kernel``: one token, decay / delta-rule write / read fused over a ``[Dk, BLOCK_V]``
+state slice in registers, written back in place.
 
 Precision: fp32 inputs take exact fp32 dot products (``input_precision="ieee"``); 16-bit inputs
-TF32 (``attn_ops.dot_precision``), as the attention kernels do. ``tl.dot`` needs every dimension
->= 16: ``CHUNK`` (``chunk_size``) is a power of two >= 16 and head dims are padded to one
-(``attn_ops.head_dim_pad``), surplus lanes masked.
+TF32 (``attn_ops.dot_precision``) on their fp32-widened values, as the attention kernels do.
+``tl.dot`` needs every dimension >= 16: ``CHUNK`` (``chunk_size``) is a power of two >= 16 and
+head dims are covered by tiles of 16 or more lanes, surplus lanes masked.
 """
 
 from __future__ import annotations
@@ -31,8 +49,13 @@ import triton.language as tl
 from lmplug_attention.attn_ops import DTYPES, check_power_of_two, dot_precision, head_dim_pad
 from lmplug_attention.delta_ref import L2NORM_EPS, check_gated_delta, check_state
 
-MAX_HEAD_DIM = 256  # a head's keys are one tile of head_dim_pad lanes
-BLOCK_V = 32  # state columns per program: a Dk = 128 slice is 4096 floats, 32 per thread at 4 warps
+MAX_HEAD_DIM = 256  # the decode kernel holds a head's keys as one tile of head_dim_pad lanes
+# prefill launch sizes; at chunk 64 the largest uses 170 registers a thread (fp32 WY, 8 warps)
+LANE_TILE = 16  # key / value lanes per product step of the WY and output kernels
+STATE_TILE = 32  # state rows per product step of the state pass
+BLOCK_V = 32  # state columns per program of the state pass (and of decode)
+OUT_BLOCK_V = 32  # output columns per program of the output kernel
+WY_WARPS, STATE_WARPS, OUT_WARPS = 8, 4, 4
 _EPS = tl.constexpr(L2NORM_EPS)
 
 
@@ -42,6 +65,16 @@ def _normalized(x, L2NORM: tl.constexpr):
     if L2NORM:
         x = x * tl.math.rsqrt(tl.sum(x * x, axis=1) + _EPS)[:, None]
     return x
+
+
+@triton.jit
+def _inverse_norm(norm2, L2NORM: tl.constexpr):
+    """1 / sqrt(norm2 + eps) (the l2norm's row factor) of squared norms [N] when L2NORM, else ones."""
+    if L2NORM:
+        factor = tl.math.rsqrt(norm2 + _EPS)
+    else:
+        factor = tl.full(norm2.shape, 1.0, tl.float32)
+    return factor
 
 
 @triton.jit
@@ -58,69 +91,193 @@ def _unit_lower_inverse(a, CHUNK: tl.constexpr):
 
 
 @triton.jit
-def _chunk_kernel(
-    q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, cu_seqlens_ptr, h0_ptr, ht_ptr, o_ptr,
-    scale, group, head_k, head_v,
-    stride_qt, stride_qh, stride_vt, stride_vh, stride_gt, stride_ot, stride_oh,
-    stride_sb, stride_sh, stride_sk,
-    CHUNK: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
-    HAS_INITIAL: tl.constexpr, L2NORM: tl.constexpr, PRECISION: tl.constexpr,
+def _wy_kernel(
+    k_ptr, v_ptr, g_ptr, beta_ptr, chunk_bos_ptr, chunk_eos_ptr, w_ptr, u_ptr, f_ptr,
+    group, head_k, head_v,
+    stride_kt, stride_kh, stride_vt, stride_vh, stride_gt, stride_wt, stride_wh, stride_ut, stride_uh,
+    CHUNK: tl.constexpr, TILE_K: tl.constexpr, TILE_V: tl.constexpr,
+    L2NORM: tl.constexpr, PRECISION: tl.constexpr,
 ):
+    """One chunk of one value head: W = (I + A)^-1 diag(beta exp(G)) K, U = (I + A)^-1 diag(beta) V
+    and F = exp(G_C - G) / |k| (k's normalization as row factors: K here is the raw keys)."""
     tl.static_assert(CHUNK >= 16)
+    chunk = tl.program_id(0)
+    head = tl.program_id(1)
+    bos = tl.load(chunk_bos_ptr + chunk)  # int64: token x stride passes 2^31 in long prompts
+    eos = tl.load(chunk_eos_ptr + chunk)
+    offs_c = tl.arange(0, CHUNK)
+    offs_tk = tl.arange(0, TILE_K)
+    offs_tv = tl.arange(0, TILE_V)
+    pos = bos + offs_c
+    mask_c = pos < eos
+    k_rows = k_ptr + pos[:, None] * stride_kt + (head // group) * stride_kh
+    # past the end: k = v = beta = g = 0, tokens that neither decay nor write
+    g = tl.load(g_ptr + pos * stride_gt + head, mask=mask_c, other=0.0).to(tl.float32)
+    beta = tl.load(beta_ptr + pos * stride_gt + head, mask=mask_c, other=0.0).to(tl.float32)
+    cum = tl.cumsum(g, axis=0)  # G, inclusive
+
+    # K K^T and the squared row norms, TILE_K key lanes at a time
+    gram = tl.zeros([CHUNK, CHUNK], tl.float32)
+    norm2 = tl.zeros([CHUNK], tl.float32)
+    for lo in range(0, head_k, TILE_K):
+        lanes = lo + offs_tk
+        k = tl.load(k_rows + lanes[None, :], mask=mask_c[:, None] & (lanes < head_k)[None, :],
+                    other=0.0).to(tl.float32)
+        gram += tl.dot(k, tl.trans(k), input_precision=PRECISION)
+        norm2 += tl.sum(k * k, axis=1)
+    rnorm = _inverse_norm(norm2, L2NORM)
+    lower = offs_c[:, None] >= offs_c[None, :]
+    strict = offs_c[:, None] > offs_c[None, :]
+    # D_ij = exp(G_i - G_j) on and below the diagonal; masked before exp (no overflow above it)
+    decay = tl.exp(tl.where(lower, cum[:, None] - cum[None, :], float("-inf")))
+    a = tl.where(strict, (beta * rnorm)[:, None] * gram * rnorm[None, :] * decay, 0.0)
+    inv = _unit_lower_inverse(a, CHUNK)
+    # F: how much of each key the chunk's end state keeps (g sums to G_C: zero past the end)
+    tl.store(f_ptr + pos * stride_gt + head, rnorm * tl.exp(tl.sum(g, axis=0) - cum), mask=mask_c)
+
+    key_scale = (beta * rnorm * tl.exp(cum))[:, None]
+    for lo in range(0, head_k, TILE_K):
+        lanes = lo + offs_tk
+        mask = mask_c[:, None] & (lanes < head_k)[None, :]
+        k = tl.load(k_rows + lanes[None, :], mask=mask, other=0.0).to(tl.float32)
+        w = tl.dot(inv, k * key_scale, input_precision=PRECISION)
+        tl.store(w_ptr + pos[:, None] * stride_wt + head * stride_wh + lanes[None, :], w, mask=mask)
+    for lo in range(0, head_v, TILE_V):
+        lanes = lo + offs_tv
+        mask = mask_c[:, None] & (lanes < head_v)[None, :]
+        v = tl.load(v_ptr + pos[:, None] * stride_vt + head * stride_vh + lanes[None, :], mask=mask,
+                    other=0.0).to(tl.float32)
+        u = tl.dot(inv, v * beta[:, None], input_precision=PRECISION)
+        tl.store(u_ptr + pos[:, None] * stride_ut + head * stride_uh + lanes[None, :], u, mask=mask)
+
+
+@triton.jit
+def _state_kernel(
+    k_ptr, g_ptr, w_ptr, u_ptr, f_ptr, cu_seqlens_ptr, first_chunk_ptr, h0_ptr, ht_ptr, h_ptr,
+    group, head_k, head_v,
+    stride_kt, stride_kh, stride_gt, stride_wt, stride_wh, stride_ut, stride_uh,
+    stride_sb, stride_sh, stride_hn, stride_hh, stride_dk,
+    CHUNK: tl.constexpr, TILE_K: tl.constexpr, BLOCK_V: tl.constexpr,
+    HAS_INITIAL: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """One BLOCK_V slice of one head's state along one sequence, chunk by chunk: V' = U - W S over U
+    in place, S = exp(G_C) S + (F K)^T V' (F = diag(1/|k| exp(G_C - G)), ``_wy_kernel``'s factors).
+
+    The state lives in ``h`` (the state entering each chunk, which the output kernel reads), not in
+    registers: each product takes TILE_K rows of it from memory, which bounds the registers of the
+    fp32 products (CUDA-core FMA, no tensor cores) whatever the head size."""
     i_v = tl.program_id(0)
     head = tl.program_id(1)
     seq = tl.program_id(2).to(tl.int64)
-    bos = tl.load(cu_seqlens_ptr + seq).to(tl.int64)  # token x stride passes 2^31 in long prompts
+    bos = tl.load(cu_seqlens_ptr + seq).to(tl.int64)
     eos = tl.load(cu_seqlens_ptr + seq + 1).to(tl.int64)
-    head_qk = head // group
+    chunk = tl.load(first_chunk_ptr + seq)
     offs_c = tl.arange(0, CHUNK)
-    offs_k = tl.arange(0, BLOCK_K)
+    offs_tk = tl.arange(0, TILE_K)
     offs_v = i_v * BLOCK_V + tl.arange(0, BLOCK_V)
-    mask_k = offs_k < head_k
     mask_v = offs_v < head_v
-    lower = offs_c[:, None] >= offs_c[None, :]
-    strict = offs_c[:, None] > offs_c[None, :]
+    tile_at = offs_tk[:, None] * stride_dk + offs_v[None, :]  # one TILE_K x BLOCK_V tile of a state
+    h_head = h_ptr + head * stride_hh + tile_at
+    final = ht_ptr + seq * stride_sb + head * stride_sh + tile_at
 
-    state_at = seq * stride_sb + head * stride_sh + offs_k[:, None] * stride_sk + offs_v[None, :]
-    state_mask = mask_k[:, None] & mask_v[None, :]
-    if HAS_INITIAL:
-        state = tl.load(h0_ptr + state_at, mask=state_mask, other=0.0)  # [BLOCK_K, BLOCK_V]
-    else:
-        state = tl.zeros([BLOCK_K, BLOCK_V], tl.float32)
+    # the starting state: to the first chunk's slot (if any) and to the final state (an empty
+    # sequence keeps it)
+    for lo in range(0, head_k, TILE_K):
+        mask = ((lo + offs_tk) < head_k)[:, None] & mask_v[None, :]
+        if HAS_INITIAL:
+            state = tl.load(h0_ptr + seq * stride_sb + head * stride_sh + lo * stride_dk + tile_at, mask=mask)
+        else:
+            state = tl.zeros([TILE_K, BLOCK_V], tl.float32)
+        tl.store(final + lo * stride_dk, state, mask=mask)
+        tl.store(h_head + chunk * stride_hn + lo * stride_dk, state, mask=mask & (bos < eos))
 
     for start in range(bos, eos, CHUNK):
+        tl.debug_barrier()  # the state slot written by every thread of the program
+        source = h_head + chunk * stride_hn
+        if start + CHUNK >= eos:
+            target = final
+        else:
+            target = source + stride_hn
         pos = start + offs_c
         mask_c = pos < eos
-        qk_at = pos[:, None] * stride_qt + head_qk * stride_qh + offs_k[None, :]
-        qk_mask = mask_c[:, None] & mask_k[None, :]
-        # past the end: k = v = beta = g = 0, tokens that neither decay nor write
-        k = _normalized(tl.load(k_ptr + qk_at, mask=qk_mask, other=0.0).to(tl.float32), L2NORM)
-        q = _normalized(tl.load(q_ptr + qk_at, mask=qk_mask, other=0.0).to(tl.float32), L2NORM) * scale
-        v = tl.load(v_ptr + pos[:, None] * stride_vt + head * stride_vh + offs_v[None, :],
-                    mask=mask_c[:, None] & mask_v[None, :], other=0.0).to(tl.float32)
+        rows_v = mask_c[:, None] & mask_v[None, :]
+        u_at = u_ptr + pos[:, None] * stride_ut + head * stride_uh + offs_v[None, :]
+        v_new = tl.load(u_at, mask=rows_v, other=0.0)
+        for lo in range(0, head_k, TILE_K):
+            lanes = lo + offs_tk
+            w = tl.load(w_ptr + pos[:, None] * stride_wt + head * stride_wh + lanes[None, :],
+                        mask=mask_c[:, None] & (lanes < head_k)[None, :], other=0.0)
+            state = tl.load(source + lo * stride_dk, mask=(lanes < head_k)[:, None] & mask_v[None, :], other=0.0)
+            v_new -= tl.dot(w, state, input_precision=PRECISION)
+        tl.store(u_at, v_new, mask=rows_v)
+
         g = tl.load(g_ptr + pos * stride_gt + head, mask=mask_c, other=0.0).to(tl.float32)
-        beta = tl.load(beta_ptr + pos * stride_gt + head, mask=mask_c, other=0.0).to(tl.float32)
+        f = tl.load(f_ptr + pos * stride_gt + head, mask=mask_c, other=0.0)
+        v_write = v_new * f[:, None]
+        for lo in range(0, head_k, TILE_K):
+            lanes = lo + offs_tk
+            mask = (lanes < head_k)[:, None] & mask_v[None, :]
+            k = tl.load(k_ptr + pos[:, None] * stride_kt + (head // group) * stride_kh + lanes[None, :],
+                        mask=mask_c[:, None] & (lanes < head_k)[None, :], other=0.0).to(tl.float32)
+            state = tl.load(source + lo * stride_dk, mask=mask, other=0.0) * tl.exp(tl.sum(g, axis=0))
+            state += tl.dot(tl.trans(k), v_write, input_precision=PRECISION)
+            tl.store(target + lo * stride_dk, state, mask=mask)
+        chunk += 1
 
-        cum = tl.cumsum(g, axis=0)  # G, inclusive
-        g_last = tl.sum(g, axis=0)
-        # D_ij = exp(G_i - G_j) on and below the diagonal; masked before exp (no overflow above it)
-        decay = tl.exp(tl.where(lower, cum[:, None] - cum[None, :], float("-inf")))
-        a = tl.where(strict, beta[:, None] * tl.dot(k, tl.trans(k), input_precision=PRECISION) * decay, 0.0)
-        inv = _unit_lower_inverse(a, CHUNK)
-        u = tl.dot(inv, v * beta[:, None], input_precision=PRECISION)  # [CHUNK, BLOCK_V]
-        w = tl.dot(inv, k * (beta * tl.exp(cum))[:, None], input_precision=PRECISION)  # [CHUNK, BLOCK_K]
-        v_new = u - tl.dot(w, state, input_precision=PRECISION)
 
-        scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * decay  # zero above the diagonal
-        out = (tl.dot(q * tl.exp(cum)[:, None], state, input_precision=PRECISION)
-               + tl.dot(scores, v_new, input_precision=PRECISION))
-        tl.store(o_ptr + pos[:, None] * stride_ot + head * stride_oh + offs_v[None, :],
-                 out.to(o_ptr.dtype.element_ty), mask=mask_c[:, None] & mask_v[None, :])
+@triton.jit
+def _output_kernel(
+    q_ptr, k_ptr, g_ptr, v_ptr, h_ptr, chunk_bos_ptr, chunk_eos_ptr, o_ptr,
+    scale, group, head_k, head_v,
+    stride_qt, stride_qh, stride_gt, stride_vt, stride_vh, stride_hn, stride_hh, stride_hk,
+    stride_ot, stride_oh,
+    CHUNK: tl.constexpr, TILE_K: tl.constexpr, BLOCK_V: tl.constexpr,
+    L2NORM: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """One chunk, one head, BLOCK_V output columns: O = diag(exp(G)) Q S + lower(Q K^T * D) V'."""
+    chunk = tl.program_id(0)
+    head = tl.program_id(1)
+    i_v = tl.program_id(2)
+    bos = tl.load(chunk_bos_ptr + chunk)
+    eos = tl.load(chunk_eos_ptr + chunk)
+    offs_c = tl.arange(0, CHUNK)
+    offs_tk = tl.arange(0, TILE_K)
+    offs_v = i_v * BLOCK_V + tl.arange(0, BLOCK_V)
+    mask_v = offs_v < head_v
+    pos = bos + offs_c
+    mask_c = pos < eos
+    qk_rows = pos[:, None] * stride_qt + (head // group) * stride_qh
+    h_at = h_ptr + chunk * stride_hn + head * stride_hh + offs_v[None, :]
 
-        k_write = k * tl.exp(g_last - cum)[:, None]
-        state = state * tl.exp(g_last) + tl.dot(tl.trans(k_write), v_new, input_precision=PRECISION)
-
-    tl.store(ht_ptr + state_at, state, mask=state_mask)
+    # Q S and Q K^T with the raw q, k, TILE_K key lanes at a time; the normalizations are row
+    # (q) and column (k) scales of the products
+    q_state = tl.zeros([CHUNK, BLOCK_V], tl.float32)
+    scores = tl.zeros([CHUNK, CHUNK], tl.float32)
+    q_norm2 = tl.zeros([CHUNK], tl.float32)
+    k_norm2 = tl.zeros([CHUNK], tl.float32)
+    for lo in range(0, head_k, TILE_K):
+        lanes = lo + offs_tk
+        mask = mask_c[:, None] & (lanes < head_k)[None, :]
+        q = tl.load(q_ptr + qk_rows + lanes[None, :], mask=mask, other=0.0).to(tl.float32)
+        k = tl.load(k_ptr + qk_rows + lanes[None, :], mask=mask, other=0.0).to(tl.float32)
+        state = tl.load(h_at + lanes[:, None] * stride_hk, mask=(lanes < head_k)[:, None] & mask_v[None, :],
+                        other=0.0)
+        q_state += tl.dot(q, state, input_precision=PRECISION)
+        scores += tl.dot(q, tl.trans(k), input_precision=PRECISION)
+        q_norm2 += tl.sum(q * q, axis=1)
+        k_norm2 += tl.sum(k * k, axis=1)
+    q_scale = _inverse_norm(q_norm2, L2NORM) * scale
+    k_scale = _inverse_norm(k_norm2, L2NORM)
+    g = tl.load(g_ptr + pos * stride_gt + head, mask=mask_c, other=0.0).to(tl.float32)
+    cum = tl.cumsum(g, axis=0)
+    lower = offs_c[:, None] >= offs_c[None, :]
+    decay = tl.exp(tl.where(lower, cum[:, None] - cum[None, :], float("-inf")))  # zero above the diagonal
+    scores = scores * (q_scale[:, None] * k_scale[None, :] * decay)
+    rows_v = mask_c[:, None] & mask_v[None, :]
+    v_new = tl.load(v_ptr + pos[:, None] * stride_vt + head * stride_vh + offs_v[None, :], mask=rows_v, other=0.0)
+    out = q_state * (q_scale * tl.exp(cum))[:, None] + tl.dot(scores, v_new, input_precision=PRECISION)
+    tl.store(o_ptr + pos[:, None] * stride_ot + head * stride_oh + offs_v[None, :],
+             out.to(o_ptr.dtype.element_ty), mask=rows_v)
 
 
 @triton.jit
@@ -182,6 +339,23 @@ def _block_v(head_v: int, block_v: int | None, what: str) -> int:
     return block
 
 
+def _chunk_bounds(cu_seqlens: torch.Tensor, chunk_size: int,
+                  tokens: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(first token, sequence end) of every chunk of every sequence, int64 [tokens // chunk_size + B]
+    (a bound on the chunk count known without reading ``cu_seqlens`` back; spare entries are (0, 0),
+    chunks without tokens), and each sequence's first chunk, int64 [B]."""
+    cu = cu_seqlens.long()
+    batch = cu.shape[0] - 1
+    counts = (cu.diff() + chunk_size - 1) // chunk_size
+    ends = counts.cumsum(0)  # one past each sequence's last chunk
+    ids = torch.arange(tokens // chunk_size + batch, device=cu.device)
+    seq = torch.searchsorted(ends, ids, right=True)
+    used = seq < batch
+    seq = seq.clamp(max=batch - 1)
+    bos = cu[seq] + (ids - ends[seq] + counts[seq]) * chunk_size
+    return torch.where(used, bos, 0), torch.where(used, cu[seq + 1], 0), ends - counts
+
+
 def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                            beta: torch.Tensor, cu_seqlens: torch.Tensor,
                            initial_state: torch.Tensor | None = None, chunk_size: int = 64,
@@ -189,7 +363,8 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
                            block_v: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """q, k [T, Hk, Dk], v [T, Hv, Dv], g (log-decay), beta [T, Hv], cu_seqlens [B+1] (int32/int64),
     initial_state (fp32 [B, Hv, Dk, Dv], None: zeros) -> (o [T, Hv, Dv] in q's dtype, final_state
-    fp32 [B, Hv, Dk, Dv], a new tensor). ``block_v``: state columns per program (None: chosen)."""
+    fp32 [B, Hv, Dk, Dv], a new tensor). ``block_v``: state columns per program of the sequential
+    pass (None: chosen)."""
     what = "chunk_gated_delta_rule"
     group = _check(q, k, v, g, beta, what)
     check_power_of_two(chunk_size, "chunk_size", what)
@@ -207,16 +382,36 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
         return out, final
     bv = _block_v(head_v, block_v, what)
     h0 = final if initial_state is None else _rows(initial_state)[0]
-    grid = (triton.cdiv(head_v, bv), v.shape[1], batch)
-    # 8 warps: compiled for sm_90 at Dk = Dv = 128, chunk 64 (Triton 3.7), 4 warps spilled 884 B (bf16)
-    # and 74 KB (fp32), 8 warps 940 B and 30 KB; untuned beyond that (no GPU run yet)
-    _chunk_kernel[grid](
-        q, k, v, g, beta, cu_seqlens.to(q.device), h0, final, out,
-        head_k ** -0.5 if scale is None else scale, group, head_k, head_v,
-        q.stride(0), q.stride(1), v.stride(0), v.stride(1), g.stride(0), out.stride(0), out.stride(1),
-        final.stride(0), final.stride(1), final.stride(2),
-        CHUNK=chunk_size, BLOCK_K=head_dim_pad(head_k), BLOCK_V=bv, HAS_INITIAL=initial_state is not None,
-        L2NORM=use_qk_l2norm, PRECISION=dot_precision(q.dtype), num_warps=8, num_stages=1,
+    precision = dot_precision(q.dtype)
+    heads = v.shape[1]
+    cu = cu_seqlens.to(q.device)
+    bos, eos, first_chunk = _chunk_bounds(cu, chunk_size, q.shape[0])
+    w = torch.empty(k.shape[0], heads, head_k, dtype=torch.float32, device=q.device)
+    u = torch.empty(v.shape, dtype=torch.float32, device=q.device)  # U, then V'
+    f = torch.empty(g.shape, dtype=torch.float32, device=q.device)
+    states = torch.empty(bos.shape[0], heads, head_k, head_v, dtype=torch.float32, device=q.device)
+    tile_k = min(LANE_TILE, head_dim_pad(head_k))
+    _wy_kernel[(bos.shape[0], heads)](
+        k, v, g, beta, bos, eos, w, u, f, group, head_k, head_v,
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0), w.stride(0), w.stride(1),
+        u.stride(0), u.stride(1),
+        CHUNK=chunk_size, TILE_K=tile_k, TILE_V=min(LANE_TILE, head_dim_pad(head_v)),
+        L2NORM=use_qk_l2norm, PRECISION=precision, num_warps=WY_WARPS, num_stages=1,
+    )
+    _state_kernel[(triton.cdiv(head_v, bv), heads, batch)](
+        # h0, final and states are row-major with [Dk, Dv] last: one key-row stride serves all three
+        k, g, w, u, f, cu, first_chunk, h0, final, states, group, head_k, head_v,
+        k.stride(0), k.stride(1), g.stride(0), w.stride(0), w.stride(1), u.stride(0), u.stride(1),
+        final.stride(0), final.stride(1), states.stride(0), states.stride(1), final.stride(2),
+        CHUNK=chunk_size, TILE_K=min(STATE_TILE, head_dim_pad(head_k)), BLOCK_V=bv,
+        HAS_INITIAL=initial_state is not None, PRECISION=precision, num_warps=STATE_WARPS, num_stages=1,
+    )
+    _output_kernel[(bos.shape[0], heads, triton.cdiv(head_v, OUT_BLOCK_V))](
+        q, k, g, u, states, bos, eos, out, head_k ** -0.5 if scale is None else scale, group, head_k, head_v,
+        q.stride(0), q.stride(1), g.stride(0), u.stride(0), u.stride(1), states.stride(0), states.stride(1),
+        states.stride(2), out.stride(0), out.stride(1),
+        CHUNK=chunk_size, TILE_K=tile_k, BLOCK_V=min(OUT_BLOCK_V, head_dim_pad(head_v)),
+        L2NORM=use_qk_l2norm, PRECISION=precision, num_warps=OUT_WARPS, num_stages=1,
     )
     return out, final
 

@@ -17,6 +17,11 @@ Decode: one program per (sequence, head, value tile) updates its state tile in p
 ``S <- lambda S + k^T v``, and reduces ``o = q S`` over Dk: elementwise work on a memory-bound
 state, no ``tl.dot``.
 
+State slots (``state_indices``, semantics in ``lightning_ref``): the kernels offset the pool by
+``slot * stride`` where they would offset a per-batch state by ``sequence * stride``; nothing is
+gathered or copied. The prefill then reads its initial state from the slot and writes the final one
+over it, after a barrier (so no thread of the program can still be reading it).
+
 Precision: the state and every accumulation are fp32. fp32 inputs take exact fp32 dot products
 (``input_precision="ieee"``). fp16/bf16 inputs feed the tensor cores in their own dtype where the
 operands are bounded by the inputs (the decayed scores and keys are rounded to it, as in FLA's
@@ -48,15 +53,19 @@ DECODE_BLOCK_V = 64  # value columns per decode program; the state tile is [Dk, 
 
 @triton.jit
 def _lightning_prefill_kernel(
-    q_ptr, k_ptr, v_ptr, slope_ptr, cu_seqlens_ptr, init_ptr, out_ptr, final_ptr,
+    q_ptr, k_ptr, v_ptr, slope_ptr, cu_seqlens_ptr, idx_ptr, init_ptr, out_ptr, final_ptr,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
     stride_ib, stride_ih, stride_ik, stride_iv,
     stride_fb, stride_fh, stride_fk, stride_fv,
     HEAD_K: tl.constexpr, HEAD_V: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
-    BLOCK_V: tl.constexpr, HAS_INIT: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_V: tl.constexpr, HAS_INIT: tl.constexpr, HAS_INDICES: tl.constexpr, PRECISION: tl.constexpr,
 ):
     tl.static_assert(BLOCK_K >= HEAD_K)
     seq = tl.program_id(0).to(tl.int64)  # sequence x state stride can pass 2^31
+    if HAS_INDICES:
+        row = tl.load(idx_ptr + seq).to(tl.int64)  # the sequence's slot in the state pool
+    else:
+        row = seq
     head = tl.program_id(1).to(tl.int64)
     offs_t = tl.arange(0, BLOCK_T)
     offs_k = tl.arange(0, BLOCK_K)
@@ -70,7 +79,7 @@ def _lightning_prefill_kernel(
     dtype = q_ptr.dtype.element_ty
 
     if HAS_INIT:
-        init = init_ptr + seq * stride_ib + head * stride_ih
+        init = init_ptr + row * stride_ib + head * stride_ih
         state = tl.load(init + offs_k[:, None] * stride_ik + offs_v[None, :] * stride_iv, mask=mask_kv, other=0.0)
     else:
         state = tl.zeros([BLOCK_K, BLOCK_V], dtype=tl.float32)
@@ -103,19 +112,26 @@ def _lightning_prefill_kernel(
         k_new = (k.to(tl.float32) * k_decay[:, None]).to(dtype)
         state = state * tl.exp(-slope * count) + tl.dot(tl.trans(k_new), v, input_precision=PRECISION)
 
-    final = final_ptr + seq * stride_fb + head * stride_fh
+    if HAS_INDICES:
+        tl.debug_barrier()  # the final state overwrites the initial one: all reads of it are done
+    final = final_ptr + row * stride_fb + head * stride_fh
     tl.store(final + offs_k[:, None] * stride_fk + offs_v[None, :] * stride_fv, state, mask=mask_kv)
 
 
 @triton.jit
 def _lightning_decode_kernel(
-    q_ptr, k_ptr, v_ptr, slope_ptr, state_ptr, out_ptr,
+    q_ptr, k_ptr, v_ptr, slope_ptr, state_ptr, idx_ptr, out_ptr,
     stride_qb, stride_qh, stride_kb, stride_kh, stride_vb, stride_vh, stride_ob, stride_oh,
     stride_sb, stride_sh, stride_sk, stride_sv,
     HEAD_K: tl.constexpr, HEAD_V: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
+    HAS_INDICES: tl.constexpr,
 ):
     tl.static_assert(BLOCK_K >= HEAD_K)
     seq = tl.program_id(0).to(tl.int64)
+    if HAS_INDICES:
+        row = tl.load(idx_ptr + seq).to(tl.int64)  # the sequence's slot in the state pool
+    else:
+        row = seq
     head = tl.program_id(1).to(tl.int64)
     offs_k = tl.arange(0, BLOCK_K)
     offs_v = tl.program_id(2) * BLOCK_V + tl.arange(0, BLOCK_V)
@@ -125,7 +141,7 @@ def _lightning_decode_kernel(
     k = tl.load(k_ptr + seq * stride_kb + head * stride_kh + offs_k, mask=mask_k, other=0.0).to(tl.float32)
     v = tl.load(v_ptr + seq * stride_vb + head * stride_vh + offs_v, mask=mask_v, other=0.0).to(tl.float32)
     decay = tl.exp(-tl.load(slope_ptr + head).to(tl.float32))
-    tile = (state_ptr + seq * stride_sb + head * stride_sh
+    tile = (state_ptr + row * stride_sb + head * stride_sh
             + offs_k[:, None] * stride_sk + offs_v[None, :] * stride_sv)
     mask_kv = mask_k[:, None] & mask_v[None, :]
     state = tl.load(tile, mask=mask_kv, other=0.0) * decay + k[:, None] * v[None, :]
@@ -147,42 +163,51 @@ def _check_dtypes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, what: str) 
 
 def lightning_attention_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slope: torch.Tensor,
                                 cu_seqlens: torch.Tensor, initial_state: torch.Tensor | None = None,
-                                block_size: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                                block_size: int | None = None, *, state_indices: torch.Tensor | None = None,
+                                ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Flattened sequences: q, k [T, H, Dk], v [T, H, Dv] -> (o [T, H, Dv] in q's dtype, final_state
     [B, H, Dk, Dv] fp32), as ``lightning_ref.lightning_attention_prefill``. ``initial_state`` (None: zeros)
     is read, not modified. ``block_size`` (a power of two >= 16; None: the architecture's) is the
-    tokens per step of the walk; it changes only the rounding."""
+    tokens per step of the walk; it changes only the rounding. With ``state_indices`` [B]: initial_state
+    is the fp32 pool [num_slots, H, Dk, Dv], its rows state_indices overwritten in place by the final
+    states, and None returned for them."""
     block_t, block_v, num_warps, num_stages = arch_entry(LIGHTNING_TABLE, capability(q.device))
     block_t = block_size or block_t
-    check_prefill(q, k, v, slope, cu_seqlens, initial_state, block_t)
+    check_prefill(q, k, v, slope, cu_seqlens, initial_state, block_t, state_indices)
     _check_dtypes(q, k, v, "prefill")
     if block_t < 16 or block_t & (block_t - 1):
         raise ValueError(f"lightning prefill: the Triton block_size must be a power of two >= 16, got {block_t}")
     q, k, v = _rows_contiguous(q, k, v)
     num_seqs, num_heads, head_k, head_v = cu_seqlens.shape[0] - 1, q.shape[1], q.shape[2], v.shape[2]
     out = torch.empty(q.shape[0], num_heads, head_v, dtype=q.dtype, device=q.device)
-    final_state = torch.empty(num_seqs, num_heads, head_k, head_v, dtype=torch.float32, device=q.device)
+    if state_indices is not None:
+        final_state = initial_state  # rows state_indices written in place
+    else:
+        final_state = torch.empty(num_seqs, num_heads, head_k, head_v, dtype=torch.float32, device=q.device)
+    result = None if state_indices is not None else final_state
     if num_seqs == 0:
-        return out, final_state
+        return out, result
     init = final_state if initial_state is None else initial_state.float()
     block_v = min(block_v, max(16, triton.next_power_of_2(head_v)))
     grid = (num_seqs, num_heads, triton.cdiv(head_v, block_v))
     _lightning_prefill_kernel[grid](
-        q, k, v, slope.float().contiguous(), cu_seqlens.contiguous(), init, out, final_state,
+        q, k, v, slope.float().contiguous(), cu_seqlens.contiguous(),
+        state_indices if state_indices is not None else cu_seqlens, init, out, final_state,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
         *init.stride(), *final_state.stride(),
         HEAD_K=head_k, HEAD_V=head_v, BLOCK_T=block_t, BLOCK_K=max(16, triton.next_power_of_2(head_k)),
-        BLOCK_V=block_v, HAS_INIT=initial_state is not None, PRECISION=dot_precision(q.dtype),
-        num_warps=num_warps, num_stages=num_stages,
+        BLOCK_V=block_v, HAS_INIT=initial_state is not None, HAS_INDICES=state_indices is not None,
+        PRECISION=dot_precision(q.dtype), num_warps=num_warps, num_stages=num_stages,
     )
-    return out, final_state
+    return out, result
 
 
 def lightning_attention_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slope: torch.Tensor,
-                               state: torch.Tensor) -> torch.Tensor:
+                               state: torch.Tensor, *, state_indices: torch.Tensor | None = None) -> torch.Tensor:
     """One token per sequence: q, k [B, H, Dk], v [B, H, Dv] -> o [B, H, Dv] in q's dtype; ``state``
-    [B, H, Dk, Dv] fp32 (any strides) is updated in place, as ``lightning_ref.lightning_attention_decode``."""
-    check_decode(q, k, v, slope, state)
+    [B, H, Dk, Dv] fp32 (any strides) is updated in place, as ``lightning_ref.lightning_attention_decode``.
+    With ``state_indices`` [B]: state is the pool [num_slots, H, Dk, Dv], rows state_indices updated in place."""
+    check_decode(q, k, v, slope, state, state_indices)
     _check_dtypes(q, k, v, "decode")
     q, k, v = _rows_contiguous(q, k, v)
     batch, num_heads, head_k = q.shape
@@ -193,9 +218,10 @@ def lightning_attention_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     block_v = min(DECODE_BLOCK_V, triton.next_power_of_2(head_v))
     grid = (batch, num_heads, triton.cdiv(head_v, block_v))
     _lightning_decode_kernel[grid](
-        q, k, v, slope.float().contiguous(), state, out,
+        q, k, v, slope.float().contiguous(), state, state_indices if state_indices is not None else out, out,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
         *state.stride(),
         HEAD_K=head_k, HEAD_V=head_v, BLOCK_K=triton.next_power_of_2(head_k), BLOCK_V=block_v,
+        HAS_INDICES=state_indices is not None,
     )
     return out

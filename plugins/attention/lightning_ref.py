@@ -22,11 +22,17 @@ MiniMax's checkpoints use 256. States are fp32 whatever the input dtype.
 Layout: sequences flattened along dim 0 (``q/k: [T, H, Dk]``, ``v: [T, H, Dv]``) with
 ``cu_seqlens [B + 1]``; states ``[B, H, Dk, Dv]`` fp32. ``lightning_slopes`` gives the per-head
 slopes of one layer, as the model derives them from the layer index.
+
+State slots: prefill and decode take an optional ``state_indices [B]`` (int32/int64); the state
+argument is then a pool ``[num_slots, H, Dk, Dv]`` fp32 and sequence b reads and writes row
+``state_indices[b]`` in place (the prefill returns None for the final states, which are in the
+pool), as ``conv1d_ref`` describes.
 """
 
 from __future__ import annotations
 
 import torch
+from lmplug_attention.conv1d_ref import check_state_indices
 
 DEFAULT_BLOCK_SIZE = 256  # MiniMax-Text-01's config.block_size
 
@@ -52,13 +58,21 @@ def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slope: torch.Tenso
 
 
 def check_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slope: torch.Tensor,
-                  cu_seqlens: torch.Tensor, initial_state: torch.Tensor | None, block_size: int) -> None:
+                  cu_seqlens: torch.Tensor, initial_state: torch.Tensor | None, block_size: int,
+                  state_indices: torch.Tensor | None = None) -> None:
     """Raise ``ValueError`` unless the prefill's arguments fit together (shared with the kernel wrapper)."""
     _check(q, k, v, slope, "prefill")
     if cu_seqlens.dim() != 1 or cu_seqlens.shape[0] < 1:
         raise ValueError(f"lightning prefill: cu_seqlens must be [B + 1], got {tuple(cu_seqlens.shape)}")
     state_shape = (cu_seqlens.shape[0] - 1, q.shape[1], q.shape[2], v.shape[2])
-    if initial_state is not None and tuple(initial_state.shape) != state_shape:
+    if state_indices is not None:
+        check_state_indices(state_indices, initial_state, state_shape[0], "lightning prefill")
+        pool_shape = (initial_state.shape[0], *state_shape[1:])
+        if tuple(initial_state.shape) != pool_shape or initial_state.dtype != torch.float32:
+            raise ValueError(f"lightning prefill: with state_indices, initial_state must be the fp32 pool "
+                             f"[num_slots, H, Dk, Dv] = {list(pool_shape)}, got {initial_state.dtype} "
+                             f"{tuple(initial_state.shape)}")
+    elif initial_state is not None and tuple(initial_state.shape) != state_shape:
         raise ValueError(f"lightning prefill: initial_state must be [B, H, Dk, Dv] = {list(state_shape)}, "
                          f"got {tuple(initial_state.shape)}")
     if block_size < 1:
@@ -66,10 +80,13 @@ def check_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slope: torc
 
 
 def check_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slope: torch.Tensor,
-                 state: torch.Tensor) -> None:
+                 state: torch.Tensor, state_indices: torch.Tensor | None = None) -> None:
     """Raise ``ValueError`` unless the decode step's arguments fit together (shared with the kernel wrapper)."""
     _check(q, k, v, slope, "decode")
     state_shape = (*q.shape, v.shape[2])
+    if state_indices is not None:
+        check_state_indices(state_indices, state, q.shape[0], "lightning decode")
+        state_shape = (state.shape[0], *state_shape[1:])  # a pool: any number of slots
     if tuple(state.shape) != state_shape or state.dtype != torch.float32:
         raise ValueError(f"lightning decode: state must be fp32 [B, H, Dk, Dv] = {list(state_shape)}, got "
                          f"{state.dtype} {tuple(state.shape)}")
@@ -97,10 +114,18 @@ def _prefill_sequence(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slope: 
 
 def lightning_attention_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slope: torch.Tensor,
                                 cu_seqlens: torch.Tensor, initial_state: torch.Tensor | None = None,
-                                block_size: int = DEFAULT_BLOCK_SIZE) -> tuple[torch.Tensor, torch.Tensor]:
+                                block_size: int = DEFAULT_BLOCK_SIZE, *, state_indices: torch.Tensor | None = None,
+                                ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Flattened sequences: q, k [T, H, Dk], v [T, H, Dv] -> (o [T, H, Dv] in q's dtype, final_state [B, H, Dk, Dv]
-    fp32). ``initial_state`` [B, H, Dk, Dv] (None: zeros, fresh sequences) is not modified."""
-    check_prefill(q, k, v, slope, cu_seqlens, initial_state, block_size)
+    fp32). ``initial_state`` [B, H, Dk, Dv] (None: zeros, fresh sequences) is not modified. With
+    ``state_indices`` [B]: initial_state is the fp32 pool [num_slots, H, Dk, Dv], its rows state_indices
+    overwritten in place by the final states, and None returned for them."""
+    check_prefill(q, k, v, slope, cu_seqlens, initial_state, block_size, state_indices)
+    if state_indices is not None:
+        out, final_state = lightning_attention_prefill(q, k, v, slope, cu_seqlens, initial_state[state_indices],
+                                                       block_size)
+        initial_state[state_indices] = final_state
+        return out, None
     num_seqs, num_heads, head_k, head_v = cu_seqlens.shape[0] - 1, q.shape[1], q.shape[2], v.shape[2]
     if initial_state is None:
         initial_state = torch.zeros(num_seqs, num_heads, head_k, head_v, dtype=torch.float32, device=q.device)
@@ -117,10 +142,16 @@ def lightning_attention_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
 
 
 def lightning_attention_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slope: torch.Tensor,
-                               state: torch.Tensor) -> torch.Tensor:
+                               state: torch.Tensor, *, state_indices: torch.Tensor | None = None) -> torch.Tensor:
     """One token per sequence: q, k [B, H, Dk], v [B, H, Dv] -> o [B, H, Dv] in q's dtype.
-    ``state`` [B, H, Dk, Dv] fp32 is updated in place: ``S <- exp(-slope) S + k^T v``, then ``o = q S``."""
-    check_decode(q, k, v, slope, state)
+    ``state`` [B, H, Dk, Dv] fp32 is updated in place: ``S <- exp(-slope) S + k^T v``, then ``o = q S``.
+    With ``state_indices`` [B]: state is the pool [num_slots, H, Dk, Dv], rows state_indices updated in place."""
+    check_decode(q, k, v, slope, state, state_indices)
+    if state_indices is not None:
+        rows = state[state_indices]
+        out = lightning_attention_decode(q, k, v, slope, rows)
+        state[state_indices] = rows
+        return out
     decay = torch.exp(-slope.float())[None, :, None, None]
     state.mul_(decay).add_(k.float()[..., :, None] * v.float()[..., None, :])
     return torch.einsum("bhk,bhkv->bhv", q.float(), state).to(q.dtype)

@@ -36,6 +36,12 @@ operands were 16-bit already, so only the fp32 intermediates are rounded, to
 TF32's 10 mantissa bits: no coarser than the inputs). Accumulation and the state are always fp32.
 
 State update: one program per (sequence, head, head-dim tile); no dot products.
+
+State slots (``state_indices``, semantics in ``ssd_ref``): the kernels offset the
+pool by ``slot * stride`` where they would offset a per-batch state by
+``sequence * stride``; nothing is gathered or copied. The scan then reads its
+initial state from the slot and writes the final one over it, after a barrier
+(so no thread of the program can still be reading it).
 """
 
 from __future__ import annotations
@@ -46,6 +52,7 @@ import torch
 import triton
 import triton.language as tl
 from lmplug_attention.attn_ops import dot_precision
+from lmplug_attention.conv1d_ref import check_state_indices
 
 MIN_CHUNK, MAX_CHUNK = 16, 64
 MAX_BLOCK_P = 32
@@ -72,7 +79,7 @@ def _discretize_dt(dt, dt_bias_ptr, head, dt_min, dt_max, HAS_DT_BIAS: tl.conste
 
 @triton.jit
 def _ssd_chunk_scan_kernel(
-    x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, dt_bias_ptr, cu_ptr, init_ptr, y_ptr, final_ptr,
+    x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, dt_bias_ptr, cu_ptr, idx_ptr, init_ptr, y_ptr, final_ptr,
     dt_min, dt_max, heads_per_group, head_dim, state_size,
     stride_xt, stride_xh, stride_xp,
     stride_dtt, stride_dth,
@@ -80,12 +87,16 @@ def _ssd_chunk_scan_kernel(
     stride_ct, stride_cg, stride_cn,
     stride_ib, stride_ih, stride_ip, stride_in,
     stride_yt, stride_yh,
-    stride_fb, stride_fh, stride_fp,
+    stride_fb, stride_fh, stride_fp, stride_fn,
     CHUNK: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_D: tl.constexpr, HAS_DT_BIAS: tl.constexpr, DT_SOFTPLUS: tl.constexpr, HAS_INIT: tl.constexpr,
-    PRECISION: tl.constexpr,
+    HAS_INDICES: tl.constexpr, PRECISION: tl.constexpr,
 ):
     seq = tl.program_id(0).to(tl.int64)  # sequence x state stride passes 2^31 in a large pool
+    if HAS_INDICES:
+        row = tl.load(idx_ptr + seq).to(tl.int64)  # the sequence's slot in the state pool
+    else:
+        row = seq
     head = tl.program_id(1)
     offs_p = tl.program_id(2) * BLOCK_P + tl.arange(0, BLOCK_P)
     offs_n = tl.arange(0, BLOCK_N)
@@ -102,7 +113,7 @@ def _ssd_chunk_scan_kernel(
 
     state_offs = offs_p[:, None] * stride_ip + offs_n[None, :] * stride_in
     if HAS_INIT:
-        state = tl.load(init_ptr + seq * stride_ib + head * stride_ih + state_offs, mask=mask_pn,
+        state = tl.load(init_ptr + row * stride_ib + head * stride_ih + state_offs, mask=mask_pn,
                         other=0.0).to(tl.float32)  # [BLOCK_P, BLOCK_N]
     else:
         state = tl.zeros([BLOCK_P, BLOCK_N], dtype=tl.float32)
@@ -139,13 +150,15 @@ def _ssd_chunk_scan_kernel(
         weighted = x * (dt * tl.exp(total - cum))[:, None]  # [CHUNK, BLOCK_P]
         state = state * tl.exp(total) + tl.dot(tl.trans(weighted), b, input_precision=PRECISION)
 
-    tl.store(final_ptr + seq * stride_fb + head * stride_fh + offs_p[:, None] * stride_fp + offs_n[None, :],
-             state, mask=mask_pn)
+    if HAS_INDICES:
+        tl.debug_barrier()  # the final state overwrites the initial one: all reads of it are done
+    tl.store(final_ptr + row * stride_fb + head * stride_fh + offs_p[:, None] * stride_fp
+             + offs_n[None, :] * stride_fn, state, mask=mask_pn)
 
 
 @triton.jit
 def _ssd_state_update_kernel(
-    state_ptr, x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, dt_bias_ptr, y_ptr,
+    state_ptr, idx_ptr, x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, dt_bias_ptr, y_ptr,
     dt_min, dt_max, heads_per_group, head_dim, state_size,
     stride_sb, stride_sh, stride_sp, stride_sn,
     stride_xb, stride_xh, stride_xp,
@@ -154,9 +167,13 @@ def _ssd_state_update_kernel(
     stride_cb, stride_cg, stride_cn,
     stride_yb, stride_yh,
     BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
-    HAS_D: tl.constexpr, HAS_DT_BIAS: tl.constexpr, DT_SOFTPLUS: tl.constexpr,
+    HAS_D: tl.constexpr, HAS_DT_BIAS: tl.constexpr, DT_SOFTPLUS: tl.constexpr, HAS_INDICES: tl.constexpr,
 ):
     seq = tl.program_id(0).to(tl.int64)  # a pool of states passes 2^31 elements quickly
+    if HAS_INDICES:
+        row = tl.load(idx_ptr + seq).to(tl.int64)  # the sequence's slot in the state pool
+    else:
+        row = seq
     head = tl.program_id(1)
     offs_p = tl.program_id(2) * BLOCK_P + tl.arange(0, BLOCK_P)
     offs_n = tl.arange(0, BLOCK_N)
@@ -174,7 +191,7 @@ def _ssd_state_update_kernel(
                 other=0.0).to(tl.float32)
     c = tl.load(C_ptr + seq * stride_cb + group * stride_cg + offs_n * stride_cn, mask=mask_n,
                 other=0.0).to(tl.float32)
-    state_ptrs = (state_ptr + seq * stride_sb + head * stride_sh + offs_p[:, None] * stride_sp
+    state_ptrs = (state_ptr + row * stride_sb + head * stride_sh + offs_p[:, None] * stride_sp
                   + offs_n[None, :] * stride_sn)
     state = tl.load(state_ptrs, mask=mask_pn, other=0.0)
     state = state * tl.exp(dt * A) + (dt * x)[:, None] * b[None, :]
@@ -198,8 +215,13 @@ def _check(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, 
         raise ValueError(f"{what}: A and D must be [H] = [{num_heads}]")
 
 
-def _state_check(state: torch.Tensor | None, batch: int, x: torch.Tensor, state_size: int, what: str) -> None:
-    expected = (batch, x.shape[1], x.shape[2], state_size)
+def _state_check(state: torch.Tensor | None, batch: int, x: torch.Tensor, state_size: int,
+                 state_indices: torch.Tensor | None, what: str) -> None:
+    rows = batch
+    if state_indices is not None:
+        check_state_indices(state_indices, state, batch, what)
+        rows = state.shape[0]  # a pool: any number of slots
+    expected = (rows, x.shape[1], x.shape[2], state_size)
     if state is not None and (tuple(state.shape) != expected or state.dtype != torch.float32):
         raise ValueError(f"{what}: the state must be float32 {list(expected)}; got {state.dtype} "
                          f"{list(state.shape)}")
@@ -218,54 +240,64 @@ def _meta(state_size: int, D: torch.Tensor | None, dt_bias: torch.Tensor | None,
 def ssd_chunk_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
                    D: torch.Tensor | None, cu_seqlens: torch.Tensor, initial_state: torch.Tensor | None,
                    chunk_size: int, *, dt_bias: torch.Tensor | None = None, dt_softplus: bool = True,
-                   dt_limit: tuple[float, float] = (0.0, math.inf)) -> tuple[torch.Tensor, torch.Tensor]:
+                   dt_limit: tuple[float, float] = (0.0, math.inf), state_indices: torch.Tensor | None = None,
+                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """x [T, H, P], dt [T, H], A [H], B and C [T, G, N], D [H] or None, cu_seqlens [B+1],
     initial_state [B, H, P, N] fp32 or None (zeros) -> (y [T, H, P] in x's dtype, final_state
-    [B, H, P, N] fp32). Inputs may be strided views (the split of Mamba2's projection)."""
+    [B, H, P, N] fp32). Inputs may be strided views (the split of Mamba2's projection). With
+    ``state_indices`` [B]: initial_state is the pool [num_slots, H, P, N] fp32, its rows
+    state_indices overwritten in place by the final states, and None returned for them."""
     _check(x, dt, A, B, C, D, "ssd_chunk_scan")
     num_tokens, num_heads, head_dim = x.shape
     num_groups, state_size = B.shape[1:]
     batch = cu_seqlens.shape[0] - 1
-    _state_check(initial_state, batch, x, state_size, "ssd_chunk_scan")
+    _state_check(initial_state, batch, x, state_size, state_indices, "ssd_chunk_scan")
     y = torch.empty(num_tokens, num_heads, head_dim, dtype=x.dtype, device=x.device)
-    final = torch.empty(batch, num_heads, head_dim, state_size, dtype=torch.float32, device=x.device)
+    if state_indices is not None:
+        final = initial_state  # rows state_indices written in place
+    else:
+        final = torch.empty(batch, num_heads, head_dim, state_size, dtype=torch.float32, device=x.device)
+    result = None if state_indices is not None else final
     if batch == 0:
-        return y, final
+        return y, result
     block_p = _block_p(head_dim)
     init = initial_state if initial_state is not None else final  # not read without HAS_INIT
     grid = (batch, num_heads, triton.cdiv(head_dim, block_p))
     _ssd_chunk_scan_kernel[grid](
         x, dt, A, B, C, D if D is not None else A, dt_bias if dt_bias is not None else A,
-        cu_seqlens, init, y, final,
+        cu_seqlens, state_indices if state_indices is not None else cu_seqlens, init, y, final,
         float(dt_limit[0]), float(dt_limit[1]), num_heads // num_groups, head_dim, state_size,
         *x.stride(), *dt.stride(), *B.stride(), *C.stride(), *init.stride(), y.stride(0), y.stride(1),
-        *final.stride()[:3],
+        *final.stride(),
         CHUNK=max(MIN_CHUNK, min(MAX_CHUNK, triton.next_power_of_2(chunk_size))), BLOCK_P=block_p,
-        HAS_INIT=initial_state is not None, PRECISION=dot_precision(x.dtype),
-        **_meta(state_size, D, dt_bias, dt_softplus),
+        HAS_INIT=initial_state is not None, HAS_INDICES=state_indices is not None,
+        PRECISION=dot_precision(x.dtype), **_meta(state_size, D, dt_bias, dt_softplus),
     )
-    return y, final
+    return y, result
 
 
 def ssd_state_update(state: torch.Tensor, x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor,
                      B: torch.Tensor, C: torch.Tensor, D: torch.Tensor | None = None,
                      dt_bias: torch.Tensor | None = None, *, dt_softplus: bool = True,
-                     dt_limit: tuple[float, float] = (0.0, math.inf)) -> torch.Tensor:
+                     dt_limit: tuple[float, float] = (0.0, math.inf),
+                     state_indices: torch.Tensor | None = None) -> torch.Tensor:
     """One token per sequence: state [B, H, P, N] fp32 (updated in place), x [B, H, P], dt [B, H],
-    A [H], B and C [B, G, N], D [H] or None -> y [B, H, P] in x's dtype."""
+    A [H], B and C [B, G, N], D [H] or None -> y [B, H, P] in x's dtype. With ``state_indices``
+    [B]: state is the pool [num_slots, H, P, N], rows state_indices updated in place."""
     _check(x, dt, A, B, C, D, "ssd_state_update")
     batch, num_heads, head_dim = x.shape
     num_groups, state_size = B.shape[1:]
-    _state_check(state, batch, x, state_size, "ssd_state_update")
+    _state_check(state, batch, x, state_size, state_indices, "ssd_state_update")
     y = torch.empty_like(x, memory_format=torch.contiguous_format)
     if batch == 0:
         return y
     block_p = _block_p(head_dim)
     grid = (batch, num_heads, triton.cdiv(head_dim, block_p))
     _ssd_state_update_kernel[grid](
-        state, x, dt, A, B, C, D if D is not None else A, dt_bias if dt_bias is not None else A, y,
+        state, state_indices if state_indices is not None else y, x, dt, A, B, C, D if D is not None else A,
+        dt_bias if dt_bias is not None else A, y,
         float(dt_limit[0]), float(dt_limit[1]), num_heads // num_groups, head_dim, state_size,
         *state.stride(), *x.stride(), *dt.stride(), *B.stride(), *C.stride(), y.stride(0), y.stride(1),
-        BLOCK_P=block_p, **_meta(state_size, D, dt_bias, dt_softplus),
+        BLOCK_P=block_p, HAS_INDICES=state_indices is not None, **_meta(state_size, D, dt_bias, dt_softplus),
     )
     return y

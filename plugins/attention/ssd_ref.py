@@ -25,6 +25,11 @@ recurrence from chunk to chunk. The chunk size changes only the rounding.
   have dt = 0 (no decay, no input), so they leave the final state alone.
 - ``ssd_state_update``: decode, one token per sequence, state updated in place.
 
+State slots: both take an optional ``state_indices [B]`` (int32/int64); the
+state argument is then a pool ``[num_slots, H, P, N]`` fp32 and sequence b reads
+and writes row ``state_indices[b]`` in place (the scan returns None for the
+final states, which are in the pool), as ``conv1d_ref`` describes.
+
 Everything is computed in fp32; outputs come back in x's dtype. transformers'
 ``Mamba2Mixer`` (``mamba2_chunk_scan`` / ``mamba2_selective_state_update``) is
 the model this matches; its decode path does not apply ``dt_limit``, here both
@@ -38,7 +43,7 @@ import math
 
 import torch
 import torch.nn.functional as F
-from lmplug_attention.conv1d_ref import sequence_positions
+from lmplug_attention.conv1d_ref import check_state_indices, sequence_positions
 
 
 def discretize_dt(dt: torch.Tensor, dt_bias: torch.Tensor | None, dt_softplus: bool,
@@ -70,10 +75,18 @@ def _segment_sums(a: torch.Tensor) -> torch.Tensor:
 def ssd_chunk_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
                    D: torch.Tensor | None, cu_seqlens: torch.Tensor, initial_state: torch.Tensor | None,
                    chunk_size: int, *, dt_bias: torch.Tensor | None = None, dt_softplus: bool = True,
-                   dt_limit: tuple[float, float] = (0.0, math.inf)) -> tuple[torch.Tensor, torch.Tensor]:
+                   dt_limit: tuple[float, float] = (0.0, math.inf), state_indices: torch.Tensor | None = None,
+                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """x [T, H, P], dt [T, H], A [H], B and C [T, G, N], D [H] or None, cu_seqlens [B+1],
     initial_state [B, H, P, N] or None (zeros) -> (y [T, H, P] in x's dtype, final_state
-    [B, H, P, N] fp32)."""
+    [B, H, P, N] fp32). With ``state_indices`` [B]: initial_state is the pool [num_slots, H, P, N]
+    fp32, its rows state_indices overwritten by the final states, and None returned for them."""
+    if state_indices is not None:
+        check_state_indices(state_indices, initial_state, cu_seqlens.shape[0] - 1, "ssd_chunk_scan")
+        y, final = ssd_chunk_scan(x, dt, A, B, C, D, cu_seqlens, initial_state[state_indices], chunk_size,
+                                  dt_bias=dt_bias, dt_softplus=dt_softplus, dt_limit=dt_limit)
+        initial_state[state_indices] = final
+        return y, None
     num_tokens, num_heads, head_dim = x.shape
     state_size = B.shape[-1]
     batch = cu_seqlens.shape[0] - 1
@@ -120,9 +133,17 @@ def ssd_chunk_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.
 def ssd_state_update(state: torch.Tensor, x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor,
                      B: torch.Tensor, C: torch.Tensor, D: torch.Tensor | None = None,
                      dt_bias: torch.Tensor | None = None, *, dt_softplus: bool = True,
-                     dt_limit: tuple[float, float] = (0.0, math.inf)) -> torch.Tensor:
+                     dt_limit: tuple[float, float] = (0.0, math.inf),
+                     state_indices: torch.Tensor | None = None) -> torch.Tensor:
     """One token per sequence: state [B, H, P, N] fp32 (updated in place), x [B, H, P], dt [B, H],
-    A [H], B and C [B, G, N], D [H] or None -> y [B, H, P] in x's dtype."""
+    A [H], B and C [B, G, N], D [H] or None -> y [B, H, P] in x's dtype. With ``state_indices``
+    [B]: state is the pool [num_slots, H, P, N], rows state_indices updated in place."""
+    if state_indices is not None:
+        check_state_indices(state_indices, state, x.shape[0], "ssd_state_update")
+        rows = state[state_indices]
+        y = ssd_state_update(rows, x, dt, A, B, C, D, dt_bias, dt_softplus=dt_softplus, dt_limit=dt_limit)
+        state[state_indices] = rows
+        return y
     num_heads = x.shape[1]
     dt = discretize_dt(dt, dt_bias, dt_softplus, dt_limit)  # [b, h]
     xf = x.float()

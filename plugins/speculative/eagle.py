@@ -40,6 +40,7 @@ from lmplug_speculative.draft_runner import choose_tokens, common_prefix, fit_vo
 from lmplug_speculative.eagle_dynamic import DynamicTree
 from lmplug_speculative.eagle_head import EagleHead, load_draft_vocab, load_head
 from lmplug_speculative.feature_store import FeatureStore
+from lmplug_speculative.head_matrix import head_matrix
 from pydantic import Field, model_validator
 
 from lmplug.errors import ConfigError
@@ -128,10 +129,9 @@ class EagleDrafter(Drafter):
         self._embed = embed
         self._compute_logits = target.model.compute_logits
         ids = load_draft_vocab(self.options.heads, cfg.vocab_size) if self.options.draft_vocab else None
-        head_matrix = _lm_head_matrix(target.model)
-        self._vocab_ids = None if ids is None or head_matrix is None else ids.to(target.device)
+        self._vocab_ids = None if ids is None else ids.to(target.device)
         if self._vocab_ids is not None:  # those rows of the lm_head, contiguous: one small matmul
-            self._sub_head = head_matrix[self._vocab_ids].contiguous()
+            self._sub_head = head_matrix(target.model)[self._vocab_ids].contiguous()
         self.kv = target.new_kv_cache(1, num_kv_heads=hc.num_kv_heads, head_dim=hc.head_dim)
         self.attention = type(backend)(backend.options, num_heads=hc.num_heads, num_kv_heads=hc.num_kv_heads,
                                        head_dim=hc.head_dim, scale=hc.head_dim ** -0.5,
@@ -365,14 +365,6 @@ class _OneLayer(torch.nn.Module):
 
     def bind_kv(self, views: list) -> None:
         self.views = views
-
-
-def _lm_head_matrix(model: torch.nn.Module) -> torch.Tensor | None:
-    """The target's output matrix [V, h] (tied: the embedding), or None if it has no plain one."""
-    head = getattr(model, "lm_head", None)
-    if head is None and getattr(model, "embed_tokens", None) is not None:
-        head = model.embed_tokens.weight
-    return head if isinstance(head, torch.Tensor) and head.dim() == 2 else None
 
 
 def _attention_backend(target: DraftTarget):

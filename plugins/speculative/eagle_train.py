@@ -27,7 +27,8 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 from lmplug_speculative.eagle_head import EagleHead, head_config, save_draft_vocab, save_head
-from lmplug_speculative.medusa_train import _lm_head, generate_answers, open_target
+from lmplug_speculative.head_matrix import head_matrix
+from lmplug_speculative.medusa_train import generate_answers, open_target
 from pydantic import BaseModel, ConfigDict, Field
 
 from lmplug.interfaces.training import TrainingHost, TrainingTarget
@@ -78,7 +79,7 @@ def train_eagle(host: TrainingHost, model: str, out: str, options: dict) -> Trai
     config = eagle_config(target.model_config)
     head = EagleHead(head_config(config), fc_bias=True, max_position=1024)
     init_head(head, target.model, opts.init_from_target)
-    lm_head = _lm_head(target.model).detach().float().clone()
+    lm_head = head_matrix(target.model).detach().float().clone()
     before, after = fit(head, target.model.embed_tokens, lm_head, data[n_eval:], data[:n_eval], opts)
     folder = save_head(head, out, {**config, "base_model_name_or_path": model})
     if opts.draft_vocab:

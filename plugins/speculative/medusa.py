@@ -20,6 +20,7 @@ frozen), the target's head is used, so all heads share one matrix multiply.
 from __future__ import annotations
 
 import torch
+from lmplug_speculative.head_matrix import plain_head
 from lmplug_speculative.medusa_heads import MedusaHeads, load_heads
 from pydantic import Field, field_validator
 
@@ -219,9 +220,7 @@ def tree_for_heads(tree: list[list[int]] | str | None, num_heads: int) -> Medusa
 
 
 def _equals_lm_head(heads: MedusaHeads, model: torch.nn.Module) -> bool:
-    head = getattr(model, "lm_head", None)
-    if head is None and getattr(model, "embed_tokens", None) is not None:
-        head = model.embed_tokens.weight  # tied embeddings
-    if not isinstance(head, torch.Tensor):
+    head = plain_head(model)  # tied: the embedding's table; packed: None
+    if head is None:
         return False
     return all(w.shape == head.shape and torch.equal(w, head.to(w.dtype)) for w in heads.head_weights())

@@ -22,6 +22,7 @@ from typing import Literal
 
 import torch
 import torch.nn.functional as F
+from lmplug_speculative.head_matrix import head_matrix
 from lmplug_speculative.medusa_heads import MedusaHeads, save_heads
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -91,7 +92,7 @@ def train_medusa(host: TrainingHost, model: str, out: str, options: dict) -> Tra
     n_eval = max(1, len(answers) // 10)  # whole answers held out: neighbouring positions leak
     train = collect_features(target, answers[n_eval:], opts.num_heads)
     held_out = collect_features(target, answers[:n_eval], opts.num_heads)
-    lm_head = _lm_head(target.model).detach().float()
+    lm_head = head_matrix(target.model).detach().float()
     heads = MedusaHeads(lm_head.shape[1], lm_head.shape[0], opts.num_heads, opts.num_layers)
     heads.to(lm_head.device)
     before, after = fit(heads, lm_head, train, held_out, opts)
@@ -185,18 +186,3 @@ def _accuracy(heads, lm_head, x, y) -> list[float]:
         valid = y[:, i] != -100
         out.append(round(float((pred[i][valid] == y[valid, i]).float().mean()), 3))
     return out
-
-
-def _lm_head(model: torch.nn.Module) -> torch.Tensor:
-    """The target's output matrix [V, h]: its ``lm_head`` (tied: the embedding's table), or, when
-    a quant method holds it packed (GGUF blocks), the matrix read back through its own matmul."""
-    head = getattr(model, "lm_head", None)
-    if isinstance(head, torch.Tensor):
-        return head
-    weight = getattr(model.embed_tokens if head is None else head, "weight", None)
-    if isinstance(weight, torch.Tensor) and weight.is_floating_point() and weight.dim() == 2:
-        return weight
-    norm = model.norm.weight
-    with torch.no_grad():
-        eye = torch.eye(model.config.hidden_size, dtype=norm.dtype, device=norm.device)
-        return model.compute_logits(eye).T.contiguous()  # row v of the head = logits of basis vectors

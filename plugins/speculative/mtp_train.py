@@ -27,7 +27,8 @@ from lmplug_speculative.eagle_train import (
     copy_last_layer,
     fit,
 )
-from lmplug_speculative.medusa_train import _lm_head, open_target
+from lmplug_speculative.head_matrix import head_matrix
+from lmplug_speculative.medusa_train import open_target
 from lmplug_speculative.mtp_head import MTPHead, save_mtp
 from pydantic import Field
 
@@ -47,7 +48,7 @@ def train_mtp(host: TrainingHost, model: str, out: str, options: dict) -> TrainR
     n_eval = max(1, len(data) // 10)  # whole answers held out
     head = MTPHead(target.model_config, max_position=1024)
     init_mtp(head, target.model, opts.init_from_target)
-    lm_head = _lm_head(target.model).detach().float().clone()
+    lm_head = head_matrix(target.model).detach().float().clone()
     before, after = fit(head, target.model.embed_tokens, lm_head, data[n_eval:], data[:n_eval], opts,
                         label="the MTP module")
     folder = save_mtp(head, out, model)

@@ -5,7 +5,10 @@ cached inputs followed by the new tokens, as ``Mamba2Mixer`` runs it, and
 ``causal_conv1d_update``). Its cache keeps K columns where ours keeps K-1, so
 its state is ours behind one extra (random, never read) oldest column. Then:
 chunks carried one after another equal one pass, decode steps equal the
-prefill, and the kernels (on ``kernel_device``) equal the reference.
+prefill, and the kernels (on ``kernel_device``) equal the reference. Each op on a
+pool of state slots (``state_indices``, slots shuffled, more slots than
+sequences) equals it on the gathered per-batch states, leaving other slots
+bit-identical.
 Tolerance fp32: atol = rtol = 1e-5 (the sums are K terms).
 """
 
@@ -14,6 +17,7 @@ from __future__ import annotations
 import pytest
 import torch
 from lmplug_attention import conv1d_kernels, conv1d_ref
+from support.state_pools import others, pool_with
 from transformers.models.mamba2 import modeling_mamba2 as hf
 
 TOL = {torch.float32: {"atol": 1e-5, "rtol": 1e-5}, torch.float16: {"atol": 2e-3, "rtol": 2e-3},
@@ -121,3 +125,70 @@ def test_bad_arguments_are_refused():
         conv1d_ref.causal_conv1d(x, weight, bias, cu_of([4]), state, activation="gelu")
     with pytest.raises(ValueError, match=r"conv_state must be \[B, C, K-1\]"):
         conv1d_kernels.causal_conv1d(x, weight, bias, cu_of([4]), torch.zeros(1, 6, 4))
+
+
+# -- a pool of state slots ------------------------------------------------------------------------------
+
+
+def check_pool_prefill(ops, device: str, index_dtype: torch.dtype, state_dtype: torch.dtype) -> None:
+    lens = [5, 1, 0, 12]  # shorter than K-1 and empty: new states partly from the old ones
+    x, weight, bias, state = (t.to(device) for t in inputs(lens, 70, 4, seed=4))
+    state = state.to(state_dtype)
+    cu = cu_of(lens).to(device)
+    y, new_state = ops.causal_conv1d(x, weight, bias, cu, state)
+    slots, pool = pool_with(state, 9, index_dtype, seed=5)
+    before = pool.clone()
+    y_pool, returned = ops.causal_conv1d(x, weight, bias, cu, pool, state_indices=slots)
+    assert returned is None
+    torch.testing.assert_close(y_pool, y, atol=0, rtol=0)
+    torch.testing.assert_close(pool[slots.long()], new_state, atol=0, rtol=0)
+    torch.testing.assert_close(others(pool, slots), others(before, slots), atol=0, rtol=0)
+
+
+def check_pool_update(ops, device: str, index_dtype: torch.dtype) -> None:
+    x, weight, bias, state = (t.to(device) for t in inputs([1] * 3, 70, 4, seed=6))
+    slots, pool = pool_with(state, 7, index_dtype, seed=7)
+    before = pool.clone()
+    for step in range(2):
+        expected = ops.causal_conv1d_update(x + step, state, weight, bias)
+        got = ops.causal_conv1d_update(x + step, pool, weight, bias, state_indices=slots)
+        torch.testing.assert_close(got, expected, atol=0, rtol=0)
+        torch.testing.assert_close(pool[slots.long()], state, atol=0, rtol=0)
+    torch.testing.assert_close(others(pool, slots), others(before, slots), atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
+def test_reference_on_a_state_pool(index_dtype):
+    check_pool_prefill(conv1d_ref, "cpu", index_dtype, torch.float32)
+    check_pool_update(conv1d_ref, "cpu", index_dtype)
+
+
+@pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
+def test_kernels_on_a_state_pool(index_dtype, kernel_device):
+    check_pool_prefill(conv1d_kernels, kernel_device, index_dtype, torch.float32)
+    check_pool_update(conv1d_kernels, kernel_device, index_dtype)
+
+
+def test_kernel_keeps_an_fp32_state_of_16_bit_inputs(kernel_device):
+    """The state in fp32 beside fp16 x (a cache may keep states wider than the activations): the old
+    columns a short sequence keeps come through unrounded."""
+    lens = [1, 2, 9]
+    x, weight, bias, state = (t.to(kernel_device) for t in inputs(lens, 20, 4, seed=8))
+    x, weight, bias = x.half(), weight.half(), bias.half()
+    cu = cu_of(lens).to(kernel_device)
+    y, expected = conv1d_ref.causal_conv1d(x, weight, bias, cu, state)
+    got_y, got = conv1d_kernels.causal_conv1d(x, weight, bias, cu, state)
+    torch.testing.assert_close(got_y, y, **TOL[torch.float16])
+    torch.testing.assert_close(got, expected, atol=0, rtol=0)
+
+
+def test_state_indices_are_checked():
+    x, weight, bias, state = inputs([4, 2], 6, 4)
+    for ops in (conv1d_ref, conv1d_kernels):
+        with pytest.raises(ValueError, match="needs the state pool"):
+            ops.causal_conv1d(x, weight, bias, cu_of([4, 2]), None, state_indices=torch.tensor([0, 1]))
+        with pytest.raises(ValueError, match=r"state_indices must be int32/int64 \[B\] = \[2\]"):
+            ops.causal_conv1d_update(x[:2], state, weight, bias, state_indices=torch.tensor([0, 1, 2]))
+    with pytest.raises(ValueError, match=r"conv_state must be the pool \[num_slots, C, K-1\]"):
+        conv1d_kernels.causal_conv1d(x, weight, bias, cu_of([4, 2]), torch.zeros(5, 6, 4),
+                                     state_indices=torch.tensor([3, 1]))

@@ -201,6 +201,9 @@ KERNEL_CASES = {
     # two value slices (block_v 16 < Dv 20), head dims not powers of two, an empty sequence
     "grouped-varlen": ({"lens": [5, 17, 0, 33], "hk": 1, "hv": 2, "dk": 12, "dv": 20}, 16, 16),
     "fresh-one-seq": ({"lens": [40], "hk": 1, "hv": 1, "dk": 16, "dv": 16, "fresh": True}, 32, None),
+    # key dims over several product tiles (16 and 32 lanes) with a partial last one; a sequence of
+    # exactly one chunk, an empty one between others (chunk bookkeeping of the three prefill launches)
+    "multi-tile": ({"lens": [33, 16, 0, 5], "hk": 1, "hv": 2, "dk": 40, "dv": 24}, 16, 16),
 }
 
 

@@ -8,7 +8,9 @@ block path covers fresh prompts, its token-by-token path a non-zero initial stat
 
 Then: chunked prefill (state carried) == one pass; T decode steps == the prefill over the same
 T tokens; the Triton kernels (on ``kernel_device``: the CPU under ``TRITON_INTERPRET=1``, or a CUDA GPU)
-== the reference at small sizes, fp32 and fp16 (bf16 where a GPU runs it).
+== the reference at small sizes, fp32 and fp16 (bf16 where a GPU runs it). Prefill and decode on
+a pool of state slots (``state_indices``, slots shuffled, more slots than sequences) == on the
+gathered per-batch states, other slots left bit-identical.
 
 Tolerances: fp32 ``atol = rtol = 1e-5`` on the layer outputs and states (both sides compute in fp32,
 in a different order); fp16 kernel inputs ``atol = rtol = 1e-2`` (products rounded to fp16), bf16 5e-2.
@@ -21,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from lmplug_attention import lightning_kernels, lightning_ref
 from support.devices import NO_KERNEL_DEVICE, bf16_param, kernel_device
+from support.state_pools import others, pool_with
 from transformers import MiniMaxConfig
 from transformers.models.minimax.modeling_minimax import MiniMaxCache, MiniMaxLightningAttention
 
@@ -244,3 +247,44 @@ def test_errors_name_the_problem():
         lightning_ref.lightning_attention_decode(q, q, q, slope, torch.zeros(4, 2, 16, 16, dtype=torch.float16))
     with pytest.raises(ValueError, match="power of two"):
         lightning_kernels.lightning_attention_prefill(q, q, q, slope, cu([4]), block_size=24)
+
+
+@pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
+def test_state_pool_equals_per_batch(ops, index_dtype):
+    """Prefill (an empty sequence keeps its state), then two decode steps, on a pool == per batch."""
+    prefill, decode, device = ops
+    tol = {"atol": 0, "rtol": 0} if prefill is lightning_ref.lightning_attention_prefill else FP32
+    lens = [19, 0, 5]
+    slope = lightning_ref.lightning_slopes(2, 1, 4).to(device)
+    q, k, v = (t.to(device) for t in random_qkv(sum(lens), 2, 16, 24, torch.float32, seed=3))
+    init = (torch.randn(len(lens), 2, 16, 24) * 0.5).to(device)
+    out, final = prefill(q, k, v, slope, cu(lens).to(device), init)
+    slots, pool = pool_with(init, 8, index_dtype, seed=4)
+    before = pool.clone()
+    out_pool, returned = prefill(q, k, v, slope, cu(lens).to(device), pool, state_indices=slots)
+    assert returned is None
+    torch.testing.assert_close(out_pool, out, **tol)
+    torch.testing.assert_close(pool[slots.long()], final, **tol)
+    state = pool[slots.long()]
+    for seed in (5, 6):
+        q, k, v = (t.to(device).view(len(lens), 2, -1) for t in random_qkv(len(lens), 2, 16, 24, torch.float32,
+                                                                           seed=seed))
+        expected = decode(q, k, v, slope, state)
+        got = decode(q, k, v, slope, pool, state_indices=slots)
+        torch.testing.assert_close(got, expected, **tol)
+        torch.testing.assert_close(pool[slots.long()], state, **tol)
+    torch.testing.assert_close(others(pool, slots), others(before, slots), atol=0, rtol=0)
+
+
+def test_state_indices_are_checked():
+    q = torch.zeros(4, 2, 16)
+    slope = torch.ones(2)
+    for prefill, decode in ((lightning_ref.lightning_attention_prefill, lightning_ref.lightning_attention_decode),
+                            (lightning_kernels.lightning_attention_prefill,
+                             lightning_kernels.lightning_attention_decode)):
+        with pytest.raises(ValueError, match="needs the state pool"):
+            prefill(q, q, q, slope, cu([4]), None, 16, state_indices=torch.tensor([0]))
+        with pytest.raises(ValueError, match="the fp32 pool"):
+            prefill(q, q, q, slope, cu([4]), torch.zeros(3, 2, 16, 8), 16, state_indices=torch.tensor([2]))
+        with pytest.raises(ValueError, match=r"state_indices must be int32/int64 \[B\] = \[4\]"):
+            decode(q, q, q, slope, torch.zeros(6, 2, 16, 16), state_indices=torch.tensor([0, 1]))

@@ -6,6 +6,9 @@ itself in float64, and transformers' ``Mamba2Mixer`` (random weights), whose
 prefill and cached decode the ops rebuild: in_proj split, conv + SiLU, SSD,
 gated RMSNorm, out_proj, with the ``ref`` ops and with the Triton ones (on
 ``kernel_device``: the CPU under ``TRITON_INTERPRET=1`` or compiled on a GPU).
+Both ops on a pool of state slots (``state_indices``, slots shuffled, more slots
+than sequences) equal them on the gathered per-batch states, other slots left
+bit-identical.
 Tolerance fp32: atol = rtol = 2e-5 (outputs of magnitude ~10, sums over a
 few dozen tokens); 16-bit inputs are compared after the same rounding of the
 inputs, with the output's precision (the kernels widen 16-bit operands to
@@ -19,6 +22,7 @@ import math
 import pytest
 import torch
 from lmplug_attention import conv1d_kernels, conv1d_ref, ssd_kernels, ssd_ref
+from support.state_pools import others, pool_with
 from transformers import DynamicCache, Mamba2Config
 from transformers.models.mamba2 import modeling_mamba2 as hf
 
@@ -203,6 +207,56 @@ def test_bad_state_is_refused():
     with pytest.raises(ValueError, match="state must be float32"):
         ssd_kernels.ssd_state_update(inp["initial_state"].half(), inp["x"][:1], inp["dt"][:1], inp["A"],
                                      inp["B"][:1], inp["C"][:1])
+
+
+# -- a pool of state slots ------------------------------------------------------------------------------
+
+
+def check_pool(ops, device: str, index_dtype: torch.dtype, tol: dict) -> None:
+    """The scan, then two decode steps, on a pool == on the per-batch states; other slots untouched."""
+    lens = [5, 0, 19]  # an empty sequence keeps its state
+    inp = strided(inputs(lens, heads=2, head_dim=8, groups=1, state=16, seed=8), device, torch.float32)
+    cu = cu_of(lens).to(device)
+    y, final = scan(ops, inp, cu, 16, dt_limit=LIMIT)
+    slots, pool = pool_with(inp["initial_state"], 8, index_dtype, seed=9)
+    before = pool.clone()
+    y_pool, returned = scan(ops, {**inp, "initial_state": pool}, cu, 16, dt_limit=LIMIT, state_indices=slots)
+    assert returned is None
+    torch.testing.assert_close(y_pool, y, **tol)
+    torch.testing.assert_close(pool[slots.long()], final, **tol)
+    state = pool[slots.long()]  # the per-batch states continue from the same values
+    for seed in (10, 11):  # one new token of each sequence per step
+        step = strided(inputs([1] * 3, heads=2, head_dim=8, groups=1, state=16, seed=seed), device, torch.float32)
+        args = (step["x"], step["dt"], inp["A"], step["B"], step["C"], inp["D"], inp["dt_bias"])
+        expected = ops.ssd_state_update(state, *args, dt_limit=LIMIT)
+        got = ops.ssd_state_update(pool, *args, dt_limit=LIMIT, state_indices=slots)
+        torch.testing.assert_close(got, expected, **tol)
+        torch.testing.assert_close(pool[slots.long()], state, **tol)
+    torch.testing.assert_close(others(pool, slots), others(before, slots), atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
+def test_reference_on_a_state_pool(index_dtype):
+    check_pool(ssd_ref, "cpu", index_dtype, {"atol": 0, "rtol": 0})
+
+
+@pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
+def test_kernels_on_a_state_pool(index_dtype, kernel_device):
+    check_pool(ssd_kernels, kernel_device, index_dtype, TOL[torch.float32])
+
+
+def test_state_indices_are_checked():
+    inp = inputs([4, 2])
+    for ops in (ssd_ref, ssd_kernels):
+        with pytest.raises(ValueError, match="needs the state pool"):
+            ops.ssd_chunk_scan(inp["x"], inp["dt"], inp["A"], inp["B"], inp["C"], None, cu_of([4, 2]), None, 8,
+                               state_indices=torch.tensor([0, 1]))
+        with pytest.raises(ValueError, match=r"state_indices must be int32/int64 \[B\] = \[2\]"):
+            ops.ssd_state_update(inp["initial_state"], inp["x"][:2], inp["dt"][:2], inp["A"], inp["B"][:2],
+                                 inp["C"][:2], state_indices=torch.tensor([0.0, 1.0]))
+    with pytest.raises(ValueError, match="state must be float32"):
+        ssd_kernels.ssd_state_update(torch.zeros(5, 4, 8, 16, dtype=torch.float16), inp["x"][:2], inp["dt"][:2],
+                                     inp["A"], inp["B"][:2], inp["C"][:2], state_indices=torch.tensor([3, 1]))
 
 
 # -- a whole Mamba2 mixer from the ops ----------------------------------------------------------------

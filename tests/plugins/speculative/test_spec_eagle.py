@@ -472,3 +472,29 @@ class TestEagleConformance(DrafterConformance):
         drafter.store.close()
         drafter.store = TokenFeatures(parts.model.embed_tokens)
         return drafter
+
+
+# -- a target whose LM head stays packed (GGUF blocks held by the quant method) -------------------------
+@pytest.mark.parametrize("tied", [True, False])
+def test_drafters_read_a_packed_head(tmp_path, tied):
+    """The demo model's case: a GGUF read without dequantizing keeps the (tied) head in packed
+    blocks, which have no float ``weight``; the head's rows are read back exactly, and an EAGLE head
+    with a draft vocabulary runs over it."""
+    import numpy as np
+    from lmplug_speculative.head_matrix import head_matrix, plain_head
+    from safetensors.torch import save_file as save
+    from support.gguf_fixtures import write_tiny_gguf
+    
+    path = tmp_path / "m.gguf"
+    expected = write_tiny_gguf(path, tied=tied)
+    engine = make_engine(path)
+    model = engine.parts.model
+    assert plain_head(model) is None  # packed: no float matrix to share
+    rows = expected["token_embd.weight" if tied else "output.weight"]
+    torch.testing.assert_close(head_matrix(model), torch.from_numpy(np.ascontiguousarray(rows)), atol=1e-5, rtol=1e-5)
+    heads = RefEagle(seed=2).write(tmp_path / "heads")
+    save({"token_ids": torch.arange(3, 60)}, str(heads / "draft_vocab.safetensors"))
+    prompts = [[5, 9, 13, 7, 22, 31], [40, 2 + 1, 17]]
+    plain = [o.token_ids for o in run(engine, prompts, GREEDY)]
+    eagle = make_engine(path, {"method": "eagle", "heads": str(heads), "num_tokens": 2})
+    assert [o.token_ids for o in run(eagle, prompts, GREEDY)] == plain

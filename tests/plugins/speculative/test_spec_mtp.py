@@ -308,3 +308,20 @@ def test_biased_verifier_is_caught(llama, trained, pair_distribution, monkeypatc
     monkeypatch.setattr(acceptance, "residual_distribution", lambda p, q: p)
     counts, probs = _pair_counts(llama, trained, pair_distribution, 1000)
     assert chi_square_pvalue(counts, probs) < 1e-3
+
+
+
+# -- a target whose LM head stays packed (GGUF blocks held by the quant method) -------------------------
+def test_mtp_trains_and_drafts_over_a_packed_head(tmp_path):
+    """The demo model's case (a GGUF read without dequantizing: the tied head stays packed)."""
+    from support.gguf_fixtures import write_tiny_gguf
+
+    path = tmp_path / "m.gguf"
+    write_tiny_gguf(path, tied=True)
+    prompts = [[5, 9, 13, 7, 22, 31], [40, 3, 17]]
+    plain = [o.token_ids for o in run(make_engine(path), prompts, GREEDY)]
+    out = train_mtp(LLMTrainingHost(), str(path), str(tmp_path / "mtp"),
+                    {"num_prompts": 4, "max_tokens": 8, "epochs": 1, "device": "cpu"})
+    engine = make_engine(path, {"method": "mtp", "path": str(out.folder), "num_tokens": 2})
+    assert [o.token_ids for o in run(engine, prompts, GREEDY)] == plain
+    assert engine.speculator.num_drafted > 0
