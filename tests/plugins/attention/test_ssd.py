@@ -357,8 +357,9 @@ def test_mixer_from_ops_equals_transformers(groups, ops, kernel_device):
     for i, exp in enumerate(expected):
         torch.testing.assert_close(torch.cat(outs[i]), exp, **TOL[torch.float32])
         torch.testing.assert_close(ssm_state[i], caches[i].get_recurrent_state(0)[0], **TOL[torch.float32])
-        # transformers keeps K conv columns, the oldest never read
-        torch.testing.assert_close(conv_state[i], caches[i].get_conv_state(0)[0, :, 1:], atol=0, rtol=0)
+        # transformers keeps K conv columns, the oldest never read; the columns are in_proj outputs,
+        # which a matmul over a chunk and one over the whole prompt may round differently
+        torch.testing.assert_close(conv_state[i], caches[i].get_conv_state(0)[0, :, 1:], **TOL[torch.float32])
 
     for t in range(steps):
         out = mine.decode(tokens[t], conv_state, ssm_state)
