@@ -41,7 +41,7 @@ from lmplug.engine.engine import LLMEngine
 from lmplug.errors import LmplugError
 from lmplug.interfaces.params import SamplingParams
 from lmplug.interfaces.sequence import Logprob
-from lmplug.outputs import RequestOutput
+from lmplug.outputs import RequestMetrics, RequestOutput
 from lmplug.serve.errors import APIError
 from lmplug.serve.metrics import Metrics
 
@@ -70,9 +70,8 @@ class Update:
     # with SamplingParams.prompt_logprobs: the prompt's logprobs (entry 0 None), on the first
     # update that has generated tokens (the prompt is complete then)
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
-    # on the finishing update of a speculatively decoded request: its acceptance rule, lossy or
-    # not, and drafted / accepted token counts (``RequestMetrics``)
-    speculative: dict | None = None
+    # on the finishing update: the request's metrics (the usage reports its speculative decoding)
+    metrics: RequestMetrics | None = None
 
 
 @dataclass
@@ -375,13 +374,9 @@ class AsyncEngine:
         if output.finished:
             del self._tracked[output.request_id]
             self._observe_end(tracked, output.outputs[0].finish_reason or "stop", tracked.sent_tokens[0])
-        m = output.metrics
-        speculative = None
-        if output.finished and m is not None and m.acceptance_rule is not None:
-            speculative = {"acceptance_rule": m.acceptance_rule, "lossy": m.lossy,
-                           "drafted_tokens": m.num_drafted_tokens, "accepted_tokens": m.num_accepted_tokens}
         return Update(output.request_id, tracked.prompt_index, tracked.num_prompt_tokens, choices,
-                      output.finished, prompt_logprobs=prompt_logprobs, speculative=speculative)
+                      output.finished, prompt_logprobs=prompt_logprobs,
+                      metrics=output.metrics if output.finished else None)
 
     def _observe_end(self, tracked: _Tracked, reason: str, num_tokens: int) -> None:
         elapsed = time.perf_counter() - tracked.submitted_at

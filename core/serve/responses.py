@@ -62,20 +62,19 @@ class Accumulator:
         self.prompt_tokens: dict[int, int] = {}
         self.prompt_logprobs: dict[int, list] = {}  # per prompt, when asked for (echo)
         self.prompt_tokens_before_compression: int | None = None  # set when the prompts were compressed
-        self.speculative: dict | None = None  # summed over the group's requests (``Update.speculative``)
+        self.speculative: SpeculativeUsage | None = None  # summed over the group's requests
 
     def add(self, update: Update) -> list[tuple[int, ChoiceDelta, int]]:
         """Fold in an update; return (response index, delta, text offset before it) per delta."""
         self.prompt_tokens[update.prompt_index] = update.num_prompt_tokens
         if update.prompt_logprobs is not None:
             self.prompt_logprobs[update.prompt_index] = update.prompt_logprobs
-        if update.speculative is not None:
-            spec = update.speculative
-            if self.speculative is None:
-                self.speculative = dict(spec)
-            else:
-                for key in ("drafted_tokens", "accepted_tokens"):
-                    self.speculative[key] += spec[key]
+        m = update.metrics
+        if m is not None and m.acceptance_rule is not None:
+            drafted = m.num_drafted_tokens + (self.speculative.drafted_tokens if self.speculative else 0)
+            accepted = m.num_accepted_tokens + (self.speculative.accepted_tokens if self.speculative else 0)
+            self.speculative = SpeculativeUsage(acceptance_rule=m.acceptance_rule, lossy=m.lossy,
+                                                drafted_tokens=drafted, accepted_tokens=accepted)
         out = []
         for delta in update.choices:
             index = update.prompt_index * self.n + delta.index
@@ -92,7 +91,7 @@ class Accumulator:
         completion = sum(len(c.token_ids) for c in self.choices)
         return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
                      prompt_tokens_before_compression=self.prompt_tokens_before_compression,
-                     speculative=None if self.speculative is None else SpeculativeUsage(**self.speculative))
+                     speculative=self.speculative)
 
 
 class _Format:
