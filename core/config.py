@@ -82,6 +82,8 @@ class EngineConfig(BaseModel):
     kvcache: dict[str, Any] = Field(default_factory=lambda: {"backend": "auto"}, description="see below")
     scheduler: dict[str, Any] = Field(default_factory=lambda: {"backend": "auto"}, description="see below")
     moe: dict[str, Any] | None = Field(default=None, description="MoE models only; see below")
+    mixer: dict[str, Any] | None = Field(
+        default=None, description="models with linear-attention / state-space layers only; see below")
     quant: dict[str, Any] | None = Field(default=None, description="absent: the checkpoint's own format")
     speculative: dict[str, Any] | None = Field(default=None, description="absent: no speculative decoding")
     structured_output: dict[str, Any] = Field(
@@ -230,7 +232,7 @@ def resolve(config: EngineConfig, *, device: str, dtype: str, registry: Registry
     chosen: dict[str, ResolvedBackend] = {}
     reasons: dict[str, str] = {}
     for section in SECTIONS:
-        needed = section == "moe" and model is not None and model.moe
+        needed = model is not None and ((section == "moe" and model.moe) or (section == "mixer" and model.states))
         if getattr(config, section) is not None or needed:
             chosen[section], reasons[section] = resolve_one(
                 section, getattr(config, section), device=device, dtype=dtype, registry=registry,
@@ -245,6 +247,10 @@ def resolve(config: EngineConfig, *, device: str, dtype: str, registry: Registry
     if model is not None and not model.moe and "moe" in chosen:
         logger.warning("%s: moe: ignored, a %s model has no mixture-of-experts layers", source, model.model_type)
         del chosen["moe"], reasons["moe"]
+    if model is not None and not model.states and "mixer" in chosen:
+        logger.warning("%s: mixer: ignored, a %s model has no linear-attention or state-space layers",
+                       source, model.model_type)
+        del chosen["mixer"], reasons["mixer"]
     check_layouts(chosen, source)
     check_kv_dtype(chosen, source)
     return ResolvedConfig(config, device, dtype, chosen, source, reasons, model, registry)

@@ -33,6 +33,7 @@ class ModelFacts:
     model_type: str
     mla: bool = False
     moe: bool = False
+    states: bool = False  # linear-attention / state-space layers: a mixer backend (``auto``)
 
 
 @dataclass(frozen=True)

@@ -63,6 +63,13 @@ def lmplug_register_moe_backends() -> list[type]:
 
 
 @hookspec
+def lmplug_register_mixer_backends() -> list[type]:
+    """Return ``MixerBackend`` subclasses this plugin provides: the sequence-mixing ops of
+    linear-attention and state-space layers (SSD scan, gated delta rule, lightning attention,
+    causal conv1d), chosen by ``mixer: {backend: NAME}`` for models with state layers."""
+
+
+@hookspec
 def lmplug_register_constraint_backends() -> list[type]:
     """Return ``ConstraintBackend`` subclasses this plugin provides: grammar engines for structured
     output (JSON schema, regex, choice, EBNF)."""

@@ -110,16 +110,20 @@ def build_engine_parts(resolved: ResolvedConfig, parallel: ParallelState | None 
                world_size=parallel.world_size)
     quant = _built(backends, "quant", Unquantized())
     with torch.device(device):
-        model = arch(model_config, dtype, quant, attention, max_model_len,
-                     parallel=parallel, **({"moe": _built(backends, "moe")} if "moe" in backends else {}))
+        # model-decided families: an MoE backend for MoE layers, a mixer backend for state layers
+        extra = {section: _built(backends, section) for section in ("moe", "mixer") if section in backends}
+        model = arch(model_config, dtype, quant, attention, max_model_len, parallel=parallel, **extra)
     _load_with_progress(model, source, parallel)
     model.eval()
 
     sched_opts = backends["scheduler"].options
-    spec = KVCacheSpec(num_layers=model_config.num_layers, **kv_shape, dtype=dtype, device=device,
+    # state layers (linear attention, SSM) keep a fixed-size state per sequence; the K/V cache
+    # holds the softmax layers only
+    states = model.state_specs() if model_config.has_states else ()
+    spec = KVCacheSpec(num_layers=model_config.num_kv_layers, **kv_shape, dtype=dtype, device=device,
                        max_model_len=max_model_len, max_num_seqs=sched_opts.max_num_seqs,
                        sliding_window=model_config.sliding_window,
-                       max_num_batched_tokens=sched_opts.max_num_batched_tokens)
+                       max_num_batched_tokens=sched_opts.max_num_batched_tokens, states=states)
     kv = parallel_setup.build_kv(backends["kvcache"].cls, backends["kvcache"].options, spec, parallel)
     max_model_len = fit_pool(kv, max_model_len)
     limits = SchedulerLimits(sched_opts.max_num_seqs, sched_opts.max_num_batched_tokens, max_model_len)

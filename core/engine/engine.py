@@ -63,9 +63,11 @@ class LLMEngine:
             self.constraints, self.eos_token_ids, rule=parts.acceptance)
         self.selector = self.speculator or Sampler(self.constraints, self.eos_token_ids)
         # n > 1 shares the prompt's KV when the cache and the scheduler both declare "fork"
-        # (not under tensor parallelism: a fork's copy-on-write block copies happen in rank 0's pool only)
+        # (not under tensor parallelism: a fork's copy-on-write block copies happen in rank 0's pool only;
+        # not with state layers: a fork takes a state slot at once, and forks can outnumber
+        # max_num_seqs, the slots the pool has, so each sample runs as its own sequence)
         can_fork = (self.parallel is None and "fork" in self.kv.capabilities.features
-                    and "fork" in self.scheduler.capabilities.features)
+                    and "fork" in self.scheduler.capabilities.features and not self.kv.spec.states)
         self.requests = RequestTable(self.tokenizer, self.eos_token_ids, self.max_model_len,
                                      self.model_config.vocab_size, self.kv, can_fork, self.config.seed)
         self.observers = Observers(self.registry)

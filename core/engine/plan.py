@@ -47,7 +47,7 @@ class EnginePlan:
 
 def model_facts(model_config: ModelConfig) -> ModelFacts:
     return ModelFacts(model_config.model_type, mla=model_config.mla is not None,
-                      moe=model_config.moe is not None)
+                      moe=model_config.moe is not None, states=model_config.has_states)
 
 
 def make_plan(resolved: ResolvedConfig, hf_config: Mapping, model_config: ModelConfig, where: str,
@@ -58,6 +58,7 @@ def make_plan(resolved: ResolvedConfig, hf_config: Mapping, model_config: ModelC
     attention = final.backends["attention"]
     _check_window_support(model_config, attention)
     _check_attention_fits(model_config, attention)
+    _check_state_support(model_config, final, parallel)
     kv_shape, scale = _kv_shape(model_config)
     if final.device == "cuda":  # what the attention kernels cannot build for this GPU, now
         attention.cls.check_target(attention.options, kv_dtype_of(final.backends["kvcache"]),
@@ -97,6 +98,27 @@ def _check_window_support(model_config: ModelConfig, attention: ResolvedBackend)
                           f"attention, which this {model_config.model_type} model uses "
                           f"(window {model_config.sliding_window}); choose one that lists the "
                           "'sliding_window' feature (`lmplug plugins`)")
+
+
+def _check_state_support(model_config: ModelConfig, resolved: ResolvedConfig, parallel: ParallelState) -> None:
+    """A model with state layers (linear attention, SSM) needs a kvcache backend that keeps
+    per-sequence states ("state" feature) and cannot run what would have to roll a state back
+    (speculative decoding) or split its heads (tensor parallelism, not built for state layers)."""
+    if not model_config.has_states:
+        return
+    kinds = sorted({k for k in model_config.layer_types if k != "attention"})
+    what = f"this {model_config.model_type} model has state layers ({', '.join(kinds)})"
+    kv = resolved.backends["kvcache"]
+    if "state" not in kv.cls.capabilities.features:
+        raise ConfigError(f"kvcache: backend {kv.name!r} (plugin {kv.info.plugin}) keeps no per-sequence "
+                          f"state, which {what} need; choose one that lists the 'state' feature, e.g. "
+                          "`kvcache: paged` or `kvcache: contiguous`")
+    if "speculative" in resolved.backends:
+        raise ConfigError(f"speculative: {what}, whose state cannot be rolled back past rejected draft "
+                          "tokens; speculative decoding is not supported for it: remove the speculative section")
+    if parallel.world_size > 1:
+        raise ConfigError(f"parallel.tensor_parallel_size={parallel.world_size}: {what}; tensor "
+                          "parallelism is not built for state layers: use tensor_parallel_size 1")
 
 
 def _check_attention_fits(model_config: ModelConfig, chosen: ResolvedBackend) -> None:

@@ -22,7 +22,9 @@ class ModelRunner:
         # this many tokens before longer ones
         self.short_query_tokens = short_query_tokens
         self.keep_hidden = keep_hidden  # return the final hidden states behind the logits (Medusa)
-        model.bind_kv([kv.layer_view(i) for i in range(model.config.num_layers)])
+        model.bind_kv([kv.layer_view(i) for i in range(kv.spec.num_layers)])
+        if kv.spec.states:  # state layers read their pools through ``ctx.state_slots``
+            model.bind_states([kv.state_view(i) for i in range(len(kv.spec.states))])
 
     def build_context(self, batch: list[ScheduledSeq]) -> tuple[torch.Tensor, StepContext]:
         """Flatten the batch (decodes first) into input ids and the per-step record.
@@ -71,7 +73,9 @@ class ModelRunner:
             query_lens=ql.to(dev), seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
             cu_query_lens=cu.to(dev), slot_mapping=slots.to(dev),
             block_tables=block_tables.to(dev), query_lens_cpu=query_lens, seq_lens_cpu=seq_lens,
-            num_decodes=num_decodes, query_masks=query_masks)
+            num_decodes=num_decodes, query_masks=query_masks,
+            state_slots=(torch.tensor([self.kv.state_slot(item.seq) for item in batch], dtype=torch.int32,
+                                      device=dev) if self.kv.spec.states else None))
         return torch.tensor(ids, dtype=torch.int64, device=dev), ctx
 
     @torch.inference_mode()

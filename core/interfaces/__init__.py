@@ -33,6 +33,7 @@ from lmplug.interfaces.families import Family
 from lmplug.interfaces.kv_layout import kv_slots, kv_slots_list
 from lmplug.interfaces.kvcache import KVCacheBackend, KVCacheSpec
 from lmplug.interfaces.model_config import ModelConfig
+from lmplug.interfaces.mixer import MixerBackend
 from lmplug.interfaces.moe import MoEBackend, RoutingConfig
 from lmplug.interfaces.params import SamplingParams
 from lmplug.interfaces.paths import cache_dir
@@ -48,6 +49,7 @@ from lmplug.interfaces.scheduler import (
     SchedulerOutput,
 )
 from lmplug.interfaces.sequence import Logprob, Sequence, SequenceStatus
+from lmplug.interfaces.state import StatePool, StateSpec, StateTensor
 from lmplug.interfaces.step import StepContext
 from lmplug.interfaces.training import TrainingHost, TrainingTarget
 
@@ -83,6 +85,7 @@ __all__ = [
     "Logprob",
     "MLAAttentionBackend",
     "MTPDraft",
+    "MixerBackend",
     "MoEBackend",
     "ModelConfig",
     "ModelSource",
@@ -100,6 +103,9 @@ __all__ = [
     "Segment",
     "Sequence",
     "SequenceStatus",
+    "StatePool",
+    "StateSpec",
+    "StateTensor",
     "StepContext",
     "StepResult",
     "TrainingHost",

@@ -29,6 +29,7 @@ from lmplug.interfaces.compressor import Compressor
 from lmplug.interfaces.constraint import ConstraintBackend
 from lmplug.interfaces.drafter import Drafter
 from lmplug.interfaces.kvcache import KVCacheBackend
+from lmplug.interfaces.mixer import MixerBackend
 from lmplug.interfaces.moe import MoEBackend
 from lmplug.interfaces.quant import QuantMethod
 from lmplug.interfaces.quantizer import Quantizer
@@ -45,7 +46,7 @@ class Family:
     section: str | None = None  # the ``EngineConfig`` section that chooses one; None: not configured
     name_key: str = "backend"  # the key of that section naming the backend (``backend`` / ``method``)
     auto: bool = False  # a section without the key means ``auto`` (chosen by capabilities)
-    optional: bool = False  # an absent section is off (or, moe, decided by the model)
+    optional: bool = False  # an absent section is off (or, moe and mixer, decided by the model)
     after: tuple[str, ...] = ()  # sections resolved first: this one's ``auto`` reads their choice
     # chosen by the key ``name`` inside this section (e.g. ``speculative: {acceptance: {rule: ...}}``)
     within: str | None = None
@@ -61,6 +62,7 @@ TABLE: tuple[Family, ...] = (
     Family("acceptance", AcceptanceRule, "lmplug_register_acceptance_rules", name_key="rule",
            within="speculative"),
     Family("moe", MoEBackend, "lmplug_register_moe_backends", "moe", auto=True, optional=True),
+    Family("mixer", MixerBackend, "lmplug_register_mixer_backends", "mixer", auto=True, optional=True),
     Family("constraint", ConstraintBackend, "lmplug_register_constraint_backends", "structured_output",
            auto=True),
     Family("compressor", Compressor, "lmplug_register_compressors", "compression", "method", optional=True),

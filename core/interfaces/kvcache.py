@@ -19,6 +19,7 @@ import torch
 from lmplug.errors import ConfigError
 from lmplug.interfaces.attention import KVLayerView
 from lmplug.interfaces.common import BackendOptions, Capabilities
+from lmplug.interfaces.state import StatePool, StateSpec, state_bytes
 
 if TYPE_CHECKING:
     from lmplug.interfaces.sequence import Sequence
@@ -94,6 +95,15 @@ class KVCacheSpec:
     # the kvcache backend's `dtype` option: "auto" stores ``dtype``; "int8" / "fp8_e4m3" store
     # one byte per value plus a float32 scale per (token, KV head) (see quantize_kv)
     kv_dtype: str = "auto"
+    # linear-attention / SSM layers: one fixed-size state per sequence and layer, in state-layer
+    # order (``lmplug.interfaces.state``); ``num_layers`` then counts the softmax layers only.
+    # Backends listing the "state" feature keep them in a ``StatePool`` beside the K/V
+    states: tuple[StateSpec, ...] = ()
+
+    @property
+    def state_bytes_per_seq(self) -> int:
+        """Bytes of one sequence's state over every state layer (0 without state layers)."""
+        return state_bytes(self.states)
 
     @property
     def cache_dtype(self) -> torch.dtype:
@@ -144,6 +154,22 @@ class KVCacheBackend(ABC):
     def __init__(self, options: BackendOptions, spec: KVCacheSpec) -> None:
         self.options = options
         self.spec = spec
+        # the per-sequence states of state layers (``spec.states``): backends with the "state"
+        # feature build one (``StatePool``) and keep its slots in step with their accounting
+        self.states: StatePool | None = None
+
+    # -- state layers (``spec.states``) --------------------------------------------------------
+    def state_view(self, index: int) -> dict[str, torch.Tensor]:
+        """State layer ``index``'s pools by tensor name, ``[num_slots, *shape]`` each."""
+        if self.states is None:
+            raise NotImplementedError(f"kvcache backend {self.name!r} keeps no per-sequence state")
+        return self.states.layer(index)
+
+    def state_slot(self, seq: Sequence) -> int:
+        """The state slot ``seq`` holds (from its first ``allocate`` until ``free``)."""
+        if self.states is None:
+            raise NotImplementedError(f"kvcache backend {self.name!r} keeps no per-sequence state")
+        return self.states.slot(seq.seq_id)
 
     # -- what the core asks of the options, before and across instances -------------
     @classmethod

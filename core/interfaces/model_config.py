@@ -6,8 +6,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lmplug.interfaces.config_fields import ConfigReader, check_depth
+from lmplug.interfaces.layer_types import layer_types_from_hf, mamba2_fields
 from lmplug.interfaces.mla_config import MLA_TYPES, MLAConfig, mla_config_from_hf
 from lmplug.interfaces.moe_config import MoEConfig, moe_config_from_hf
+from lmplug.interfaces.state import ATTENTION
 
 QKV_BIAS_TYPES = ("qwen2", "qwen2_moe")  # q/k/v biases unless the config says otherwise
 QK_NORM_TYPES = ("qwen3", "qwen3_moe")
@@ -37,7 +39,21 @@ class ModelConfig:
     hidden_act: str = "silu"
     moe: MoEConfig | None = None  # mixture-of-experts layers (None: a dense model)
     mla: MLAConfig | None = None  # multi-head latent attention (DeepSeek-V2/V3); None: ordinary
+    # each layer's kind: "attention" or a state layer (``lmplug.interfaces.state``); (): all attention
+    layer_types: tuple[str, ...] = ()
     raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+
+    @property
+    def has_states(self) -> bool:
+        """Whether some layer carries a fixed-size state (linear attention, SSM)."""
+        return any(kind != ATTENTION for kind in self.layer_types)
+
+    @property
+    def num_kv_layers(self) -> int:
+        """Layers whose K/V the cache stores: the softmax-attention ones."""
+        if not self.layer_types:
+            return self.num_layers
+        return sum(kind == ATTENTION for kind in self.layer_types)
 
     @classmethod
     def from_hf(cls, cfg: dict[str, Any], where: str = "config.json") -> ModelConfig:
@@ -45,6 +61,8 @@ class ModelConfig:
         r = ConfigReader(cfg, where)
         check_depth(cfg, where)
         model_type = r.text("model_type")
+        if model_type == "mamba2":  # no attention: heads are the SSM's (``layer_types``)
+            return cls._mamba2(r, cfg)
         hidden, heads = r.int("hidden_size"), r.int("num_attention_heads")
         kv_heads = r.int("num_key_value_heads", heads)
         if heads % kv_heads and model_type not in MLA_TYPES:  # MLA has no KV heads to group
@@ -82,8 +100,16 @@ class ModelConfig:
             hidden_act=r.text("hidden_act", "silu"),
             moe=moe_config_from_hf(cfg, num_layers, where),
             mla=mla_config_from_hf(cfg, rope_scaling, where),
+            layer_types=layer_types_from_hf(r, model_type, num_layers),
             raw=cfg,
         )
+
+    @classmethod
+    def _mamba2(cls, r: ConfigReader, cfg: dict[str, Any]) -> ModelConfig:
+        num_layers = r.int("num_hidden_layers")
+        return cls(model_type="mamba2", vocab_size=r.int("vocab_size"), num_layers=num_layers,
+                   tie_word_embeddings=r.flag("tie_word_embeddings", False), hidden_act=r.text("hidden_act", "silu"),
+                   layer_types=layer_types_from_hf(r, "mamba2", num_layers), raw=cfg, **mamba2_fields(r))
 
 
 def _rope(r: ConfigReader) -> tuple[float, dict[str, Any] | None]:

@@ -67,8 +67,9 @@ def _qwen_moe(r: ConfigReader, num_layers: int) -> MoEConfig:
         r.fail("mlp_only_layers", "must be a list of layer numbers")
     dense = set(dense)
     sparse = {i for i in range(num_layers) if i not in dense and num_experts > 0 and (i + 1) % step == 0}
-    qwen2 = cfg["model_type"] == "qwen2_moe"
-    shared = r.int("shared_expert_intermediate_size", 0, low=0) if qwen2 else 0
+    # Qwen2-MoE and Qwen3-Next have a gated shared expert; Qwen3-MoE none
+    gated_shared = cfg["model_type"] in ("qwen2_moe", "qwen3_next")
+    shared = r.int("shared_expert_intermediate_size", 0, low=0) if gated_shared else 0
     return MoEConfig(
         num_experts=num_experts,
         intermediate_size=r.int("moe_intermediate_size"),
@@ -114,8 +115,10 @@ def _deepseek(r: ConfigReader, num_layers: int) -> MoEConfig:
 
 _PARSERS: dict[str, Callable[[ConfigReader, int], MoEConfig]] = {
     "mixtral": _mixtral,
+    "minimax": _mixtral,  # MiniMax-Text-01: Mixtral's block_sparse_moe in every layer
     "qwen2_moe": _qwen_moe,
     "qwen3_moe": _qwen_moe,
+    "qwen3_next": _qwen_moe,
     "deepseek_v2": _deepseek,
     "deepseek_v3": _deepseek,
 }

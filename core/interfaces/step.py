@@ -42,6 +42,9 @@ class StepContext:
     # context, and the sliding window by position). Empty when every row is causal; backends
     # without the "tree_attention" feature never see one (refused at load time)
     query_masks: dict[int, torch.Tensor] = field(default_factory=dict)
+    # models with state layers (``KVCacheSpec.states``): [B] int32, each sequence's state slot
+    # (``KVCacheBackend.state_slot``), in step order; None otherwise
+    state_slots: torch.Tensor | None = None
     # what the attention backend derives from the fields above once per step and every layer
     # reuses (``AttentionBackend.prepare``): built on first use by ``metadata_for``, never by
     # the runner. Not an __init__ field, so ``dataclasses.replace`` (a copy moved to another

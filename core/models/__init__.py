@@ -5,6 +5,7 @@ from __future__ import annotations
 from lmplug.errors import ModelLoadError
 from lmplug.models.deepseek_v2 import DeepseekV2ForCausalLM
 from lmplug.models.llama import LlamaForCausalLM
+from lmplug.models.mamba2 import Mamba2ForCausalLM
 from lmplug.models.moe import MoEForCausalLM
 
 ARCHITECTURES: dict[str, type] = {
@@ -17,6 +18,7 @@ ARCHITECTURES: dict[str, type] = {
     "qwen3_moe": MoEForCausalLM,
     "deepseek_v2": DeepseekV2ForCausalLM,
     "deepseek_v3": DeepseekV2ForCausalLM,  # the same MLA; V3's routing differs only in moe_config
+    "mamba2": Mamba2ForCausalLM,
 }
 
 
@@ -31,6 +33,7 @@ __all__ = [
     "ARCHITECTURES",
     "DeepseekV2ForCausalLM",
     "LlamaForCausalLM",
+    "Mamba2ForCausalLM",
     "MoEForCausalLM",
     "architecture_for",
 ]

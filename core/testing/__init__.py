@@ -34,6 +34,7 @@ _EXPORTS = {
     "MoEConformance": "lmplug.testing.moe",
     "QuantConformance": "lmplug.testing.quant",
     "SchedulerConformance": "lmplug.testing.scheduler",
+    "StateCacheConformance": "lmplug.testing.state_cache",
 }
 
 __all__ = [
@@ -49,6 +50,7 @@ __all__ = [
     "MoEConformance",
     "QuantConformance",
     "SchedulerConformance",
+    "StateCacheConformance",
 ]
 
 if TYPE_CHECKING:
@@ -64,6 +66,7 @@ if TYPE_CHECKING:
     from lmplug.testing.moe import MoEConformance as MoEConformance
     from lmplug.testing.quant import QuantConformance as QuantConformance
     from lmplug.testing.scheduler import SchedulerConformance as SchedulerConformance
+    from lmplug.testing.state_cache import StateCacheConformance as StateCacheConformance
 
 
 def __getattr__(name: str) -> Any:

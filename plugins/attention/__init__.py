@@ -1,4 +1,5 @@
-"""First-party attention backends. Registered through the ``lmplug.plugins`` entry point."""
+"""First-party attention backends and the mixer backends of state layers (linear attention, SSM).
+Registered through the ``lmplug.plugins`` entry point."""
 
 from lmplug.hookspecs import hookimpl
 
@@ -13,3 +14,10 @@ def lmplug_register_attention_backends() -> list[type]:
     from lmplug_attention.sdpa import SdpaAttention
 
     return [SdpaAttention, PagedAttention, FlashAttention, MLAAttention]
+
+
+@hookimpl
+def lmplug_register_mixer_backends() -> list[type]:
+    from lmplug_attention.mixers import TorchMixer, TritonMixer
+
+    return [TorchMixer, TritonMixer]

@@ -26,7 +26,14 @@ import torch
 from pydantic import Field
 
 from lmplug.errors import ConfigError
-from lmplug.interfaces import BackendOptions, Capabilities, KVCacheBackend, KVCacheSpec, KVLayerView
+from lmplug.interfaces import (
+    BackendOptions,
+    Capabilities,
+    KVCacheBackend,
+    KVCacheSpec,
+    KVLayerView,
+    StatePool,
+)
 
 
 class ContiguousOptions(BackendOptions):
@@ -40,7 +47,7 @@ class ContiguousOptions(BackendOptions):
 class ContiguousKVCache(KVCacheBackend):
     name = "contiguous"
     capabilities = Capabilities(devices=frozenset({"cpu", "cuda"}), kv_layouts=frozenset({"contiguous"}),
-                                features=frozenset({"sliding_window"}), priority=10)
+                                features=frozenset({"sliding_window", "state"}), priority=10)
     Options = ContiguousOptions
 
     @classmethod
@@ -69,6 +76,8 @@ class ContiguousKVCache(KVCacheBackend):
         self._views = [KVLayerView(k, v, "contiguous", ks, vs)
                        for k, v, ks, vs in zip(self._k, self._v, self._k_scale, self._v_scale)]
         self._free_rows = list(range(self.num_rows - 1, -1, -1))
+        # state layers: a state slot per row's sequence, taken and released with the row
+        self.states = StatePool(spec.states, self.num_rows, spec.device) if spec.states else None
         self._row_of: dict[int, int] = {}
 
     @property
@@ -93,12 +102,16 @@ class ContiguousKVCache(KVCacheBackend):
                                f"({num_tokens} tokens; {len(self._free_rows)} free rows)")
         if seq.seq_id not in self._row_of:
             self._row_of[seq.seq_id] = self._free_rows.pop()
+            if self.states is not None:
+                self.states.take(seq.seq_id)
         return 0
 
     def free(self, seq) -> None:
         row = self._row_of.pop(seq.seq_id, None)
         if row is not None:
             self._free_rows.append(row)
+        if self.states is not None:
+            self.states.release(seq.seq_id)
 
     def block_table(self, seq) -> list[int]:
         # the ring's row repeats for every `row_slots` positions (once when there is no ring)
@@ -112,7 +125,7 @@ class ContiguousKVCache(KVCacheBackend):
 def _check_reservation(rows: int, slots: int, spec: KVCacheSpec) -> None:
     """The rows are reserved up front (address space on a CPU, memory on a GPU): more than the
     machine has available is a start-up error, not an out-of-memory crash mid-run."""
-    need = rows * slots * spec.bytes_per_token
+    need = rows * (slots * spec.bytes_per_token + spec.state_bytes_per_seq)
     available, where = _available(spec.device)
     if available is None or need <= available:
         return

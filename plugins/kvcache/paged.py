@@ -25,7 +25,14 @@ from lmplug_kvcache.block_manager import BlockManager
 from pydantic import Field, field_validator
 
 from lmplug.errors import ConfigError
-from lmplug.interfaces import BackendOptions, Capabilities, KVCacheBackend, KVCacheSpec, KVLayerView
+from lmplug.interfaces import (
+    BackendOptions,
+    Capabilities,
+    KVCacheBackend,
+    KVCacheSpec,
+    KVLayerView,
+    StatePool,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -59,7 +66,7 @@ class PagedOptions(BackendOptions):
 class PagedKVCache(KVCacheBackend):
     name = "paged"
     capabilities = Capabilities(devices=frozenset({"cpu", "cuda"}), kv_layouts=frozenset({"paged"}),
-                                features=frozenset({"fork", "prefix_caching", "sliding_window"}), priority=5)
+                                features=frozenset({"fork", "prefix_caching", "sliding_window", "state"}), priority=5)
     Options = PagedOptions
 
     @classmethod
@@ -76,7 +83,14 @@ class PagedKVCache(KVCacheBackend):
     def __init__(self, options: PagedOptions, spec: KVCacheSpec) -> None:
         spec = spec.with_kv_dtype(options.dtype, self.name)
         super().__init__(options, spec)
+        if spec.states and options.prefix_caching:
+            raise ConfigError(f"kvcache: paged: prefix_caching cannot serve this model: its state layers "
+                              f"({len(spec.states)}, e.g. layer {spec.states[0].layer}, {spec.states[0].kind}) "
+                              "keep one running state per sequence, not per-block K/V, and state snapshots "
+                              "at block boundaries are not built; set prefix_caching: false")
         self.num_blocks = pool_blocks(options, spec)
+        # state layers: one slot per running sequence (the scheduler admits at most max_num_seqs)
+        self.states = StatePool(spec.states, spec.max_num_seqs, spec.device) if spec.states else None
         shape = (spec.num_layers, spec.num_kv_tensors, self.num_blocks, options.block_size,
                  spec.num_kv_heads, spec.head_dim)
         # zeros, not empty: attention masks unused slots, but 0 x NaN garbage would still be NaN
@@ -88,10 +102,12 @@ class PagedKVCache(KVCacheBackend):
         self.blocks = BlockManager(self.num_blocks, options.block_size,
                                    enable_prefix_caching=options.prefix_caching,
                                    sliding_window=spec.sliding_window)
-        logger.info("paged KV cache: %s, %d bytes/token, %d blocks of %d tokens = %d tokens (%.2f GiB)%s",
+        logger.info("paged KV cache: %s, %d bytes/token, %d blocks of %d tokens = %d tokens (%.2f GiB)%s%s",
                     _dtype_name(spec), spec.bytes_per_token, self.num_blocks, options.block_size,
                     self.num_tokens, self.memory_bytes / 2**30,
-                    ", prefix caching on" if options.prefix_caching else "")
+                    ", prefix caching on" if options.prefix_caching else "",
+                    f"; states: {spec.max_num_seqs} slots x {spec.state_bytes_per_seq} bytes "
+                    f"({len(spec.states)} layers)" if spec.states else "")
 
     def _view(self, layer: int) -> KVLayerView:
         pool, spec = self._pool[layer], self.spec
@@ -117,8 +133,10 @@ class PagedKVCache(KVCacheBackend):
 
     @property
     def memory_bytes(self) -> int:
+        """The K/V pool, its scales and the state slots."""
         scales = 0 if self._scales is None else self._scales.numel() * self._scales.element_size()
-        return self._pool.numel() * self._pool.element_size() + scales
+        states = 0 if self.states is None else self.states.nbytes
+        return self._pool.numel() * self._pool.element_size() + scales + states
 
     def layer_view(self, layer: int) -> KVLayerView:
         return self._views[layer]
@@ -127,22 +145,36 @@ class PagedKVCache(KVCacheBackend):
     def can_allocate(self, seq, num_tokens: int) -> bool:
         if num_tokens > self.spec.max_model_len:
             return False
+        if self.states is not None and not self.states.can_take(seq.seq_id):
+            return False
         return self.blocks.can_allocate(seq.seq_id, seq.token_ids, num_tokens, seq.num_computed_tokens)
 
     def allocate(self, seq, num_tokens: int) -> int:
+        if self.states is not None and not self.states.can_take(seq.seq_id):
+            raise RuntimeError(f"paged KV cache: no free state slot for sequence {seq.seq_id} "
+                               f"({self.states.num_slots} slots)")
         alloc = self.blocks.allocate(seq.seq_id, seq.token_ids, num_tokens, seq.num_computed_tokens)
         if alloc.copies:
             self._copy_blocks(alloc.copies)
+        if self.states is not None:
+            self.states.take(seq.seq_id)
         return alloc.num_cached_tokens
 
     def free(self, seq) -> None:
         self.blocks.free(seq.seq_id, seq.token_ids, seq.num_computed_tokens)
+        if self.states is not None:
+            self.states.release(seq.seq_id)
 
     def truncate(self, seq, num_tokens: int) -> None:
         self.blocks.truncate(seq.seq_id, num_tokens)
 
     def fork(self, parent, child) -> None:
+        if self.states is not None and not self.states.can_take(child.seq_id):
+            raise RuntimeError(f"paged KV cache: no free state slot to fork sequence {parent.seq_id} "
+                               f"into {child.seq_id} ({self.states.num_slots} slots)")
         self.blocks.fork(parent.seq_id, child.seq_id)
+        if self.states is not None:
+            self.states.copy(parent.seq_id, child.seq_id)
 
     def block_table(self, seq) -> list[int]:
         return self.blocks.block_table(seq.seq_id)
@@ -176,9 +208,19 @@ def pool_blocks(options: PagedOptions, spec: KVCacheSpec) -> int:
         budget, what = options.memory_gb * 2**30, f"memory_gb={options.memory_gb}"
     else:
         budget, what = _default_budget(options, spec), "memory_fraction"
+    states = spec.max_num_seqs * spec.state_bytes_per_seq  # one state slot per sequence, first
+    if states and states > budget:
+        raise ConfigError(f"kvcache: paged: {what} gives {budget / 2**30:.3f} GiB, less than the state "
+                          f"slots of max_num_seqs={spec.max_num_seqs} sequences x {spec.state_bytes_per_seq} "
+                          f"bytes ({len(spec.states)} state layers) = {states / 2**30:.3f} GiB; raise "
+                          "memory_gb or lower scheduler.max_num_seqs")
+    budget -= states
+    if block_bytes == 0:  # state layers only (a pure SSM): blocks count positions, they hold no bytes
+        return spec.max_num_seqs * -(-spec.max_model_len // options.block_size)
     num_blocks = int(budget // block_bytes)
     if num_blocks < 1:
-        raise ConfigError(f"kvcache: paged: {what} gives {budget / 2**30:.3f} GiB, less than one block "
+        raise ConfigError(f"kvcache: paged: {what} gives {budget / 2**30:.3f} GiB"
+                          f"{' after the state slots' if states else ''}, less than one block "
                           f"of {options.block_size} tokens ({block_bytes} bytes); raise memory_gb or "
                           f"memory_fraction, or set num_blocks")
     return num_blocks  # a pool under max_model_len: the engine clamps max_model_len (a warning)
@@ -191,7 +233,8 @@ def _default_budget(options: PagedOptions, spec: KVCacheSpec) -> float:
     budget = (options.memory_fraction or CPU_MEMORY_FRACTION) * _mem_available()
     if options.memory_fraction is None:
         # by default never more than every sequence at full length would need
-        budget = min(budget, spec.max_num_seqs * spec.max_model_len * spec.bytes_per_token)
+        budget = min(budget, spec.max_num_seqs * (spec.max_model_len * spec.bytes_per_token
+                                                  + spec.state_bytes_per_seq))
     return budget
 
 

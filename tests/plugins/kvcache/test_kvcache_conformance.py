@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from lmplug.testing import KVCacheConformance
+from lmplug.testing import KVCacheConformance, StateCacheConformance
 
 # -- KV storage -------------------------------------------------------------------------------------
 
@@ -20,3 +20,15 @@ class TestPagedKVCache(KVCacheConformance):
 class TestPagedKVCachePrefixCaching(KVCacheConformance):
     backend = "paged"
     options = {"num_blocks": 48, "block_size": 4, "prefix_caching": True}
+
+
+# -- per-sequence state slots (linear-attention / SSM layers) -----------------------------------------
+
+
+class TestContiguousStateCache(StateCacheConformance):
+    backend = "contiguous"
+
+
+class TestPagedStateCache(StateCacheConformance):
+    backend = "paged"
+    options = {"num_blocks": 48, "block_size": 4}

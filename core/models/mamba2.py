@@ -1,0 +1,220 @@
+"""Mamba2 (``Mamba2ForCausalLM``): a pure state-space model, every layer an SSD mixer.
+
+A block is ``x + mixer(RMSNorm(x))``; the mixer (Dao & Gu 2024, transformers' ``Mamba2Mixer``):
+
+    z, xBC, dt = in_proj(h)                      widths I, I + 2 G N, H   (I = expand * hidden)
+    xBC = silu(causal_conv1d(xBC))               depthwise, kernel K, state: the last K - 1 inputs
+    x, B, C = xBC                                x [H, P], B and C [G, N]
+    y = SSD(x, dt, A = -exp(A_log), B, C, D, dt_bias)      state [H, P, N] fp32
+    out = out_proj(RMSNormGated(y, z))           y * silu(z), normalised in G groups of I / G
+
+Each layer keeps two state tensors per sequence (``state_specs``): ``conv`` [I + 2GN, K - 1] in
+the model dtype and ``ssm`` [H, P, N] in fp32. The ops run through the mixer backend
+(``lmplug.interfaces.mixer``), decode rows and prefill chunks apart (``state_layers``).
+Checkpoint names are transformers': ``backbone.embeddings``, ``backbone.layers.N.{norm, mixer.*}``,
+``backbone.norm_f``, ``lm_head``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import ClassVar
+
+import torch
+import torch.nn.functional as F
+
+from lmplug.errors import ModelLoadError
+from lmplug.interfaces.config_fields import ConfigReader
+from lmplug.interfaces.mixer import MixerBackend
+from lmplug.interfaces.model_config import ModelConfig
+from lmplug.interfaces.quant import QuantMethod
+from lmplug.interfaces.state import MAMBA2, StateSpec, StateTensor
+from lmplug.interfaces.step import StepContext
+from lmplug.models.layers import Linear, RMSNorm
+from lmplug.models.state_layers import StateRows, run_split
+from lmplug.parallel import ParallelState
+
+
+class Mamba2Facts:
+    """The SSM keys of a Mamba2 config.json (types and bounds checked)."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        r = ConfigReader(cfg.raw, "config.json")
+        self.state_size = r.int("state_size")
+        self.n_groups = r.int("n_groups", 1)
+        self.conv_kernel = r.int("conv_kernel", 4, high=64)
+        self.chunk_size = r.int("chunk_size", 256, high=1 << 16)
+        self.use_conv_bias = r.flag("use_conv_bias", True)
+        self.use_bias = r.flag("use_bias", False)
+        self.residual_in_fp32 = r.flag("residual_in_fp32", True)
+        limit = cfg.raw.get("time_step_limit", (0.0, math.inf))
+        values = [_number(v) for v in limit] if isinstance(limit, (list, tuple)) else []
+        if len(values) != 2 or None in values or math.isnan(values[0]) or values[0] > values[1]:
+            r.fail("time_step_limit", f"must be two numbers [min, max], min <= max, got {limit!r}")
+        self.dt_limit = (values[0], values[1])
+        if cfg.intermediate_size % self.n_groups or cfg.num_heads % self.n_groups:
+            r.fail("n_groups", f"({self.n_groups}) must divide num_heads ({cfg.num_heads}) and the inner "
+                   f"width ({cfg.intermediate_size})")
+        if cfg.hidden_act not in ("silu", "swish"):
+            r.fail("hidden_act", f"is {cfg.hidden_act!r}; Mamba2's conv activation is silu")
+        self.conv_dim = cfg.intermediate_size + 2 * self.n_groups * self.state_size
+
+
+def gated_rms_norm(y: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, groups: int,
+                   eps: float) -> torch.Tensor:
+    """Mamba2's ``RMSNormGated``: ``y * silu(gate)``, normalised over each of ``groups`` equal
+    slices of the last dim (fp32), times ``weight``."""
+    h = y.float() * F.silu(gate.float())
+    g = h.view(*h.shape[:-1], groups, -1)
+    g = g * torch.rsqrt(g.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * g.view(h.shape).to(y.dtype)
+
+
+class Mamba2Mixer(torch.nn.Module):
+    def __init__(self, cfg: ModelConfig, ssm: Mamba2Facts, state_index: int, dtype: torch.dtype,
+                 quant: QuantMethod, mixer: MixerBackend) -> None:
+        super().__init__()
+        self.cfg, self.ssm, self.state_index, self.ops = cfg, ssm, state_index, mixer
+        inner, heads = cfg.intermediate_size, cfg.num_heads
+        self.in_proj = Linear(cfg.hidden_size, {"in_proj": inner + ssm.conv_dim + heads}, bias=ssm.use_bias,
+                              dtype=dtype, quant=quant)
+        # checkpoint layout [C, 1, K] (nn.Conv1d, depthwise); the ops read [C, K]
+        self.conv_weight = _param(ssm.conv_dim, 1, ssm.conv_kernel, dtype=dtype)
+        self.conv_bias = _param(ssm.conv_dim, dtype=dtype) if ssm.use_conv_bias else None
+        self.dt_bias = _param(heads, dtype=dtype)
+        self.A_log = _param(heads, dtype=dtype)
+        self.D = _param(heads, dtype=dtype)
+        self.norm_weight = _param(inner, dtype=dtype)
+        self.out_proj = Linear(inner, {"out_proj": cfg.hidden_size}, bias=ssm.use_bias, dtype=dtype, quant=quant)
+
+    def state_tensors(self, dtype: torch.dtype) -> tuple[StateTensor, ...]:
+        cfg, ssm = self.cfg, self.ssm
+        return (StateTensor("conv", (ssm.conv_dim, ssm.conv_kernel - 1), dtype),
+                StateTensor("ssm", (cfg.num_heads, cfg.head_dim, ssm.state_size), torch.float32))
+
+    def forward(self, h: torch.Tensor, rows: StateRows, pools: dict[str, torch.Tensor]) -> torch.Tensor:
+        cfg, ssm, ops = self.cfg, self.ssm, self.ops
+        inner, heads, groups, n = cfg.intermediate_size, cfg.num_heads, ssm.n_groups, ssm.state_size
+        z, xbc, dt = self.in_proj(h).split([inner, ssm.conv_dim, heads], dim=-1)
+        weight = self.conv_weight.squeeze(1)
+        conv, state = pools["conv"], pools["ssm"]
+        xbc = run_split(
+            rows,
+            lambda s: ops.conv1d_update(xbc[s], weight, self.conv_bias, conv, rows.decode_slots),
+            lambda s: ops.conv1d_scan(xbc[s].contiguous(), weight, self.conv_bias, rows.prefill_cu, conv,
+                                      rows.prefill_slots))
+        x, B, C = xbc.split([inner, groups * n, groups * n], dim=-1)
+        x = x.reshape(-1, heads, cfg.head_dim)
+        B, C = B.reshape(-1, groups, n), C.reshape(-1, groups, n)
+        A = -torch.exp(self.A_log.float())
+        dt = dt.contiguous()
+        kw = {"dt_bias": self.dt_bias, "dt_softplus": True, "dt_limit": ssm.dt_limit}
+        y = run_split(
+            rows,
+            lambda s: ops.ssd_update(x[s], dt[s], A, B[s], C[s], self.D, state, rows.decode_slots, **kw),
+            lambda s: ops.ssd_scan(x[s], dt[s], A, B[s], C[s], self.D, rows.prefill_cu, state,
+                                   rows.prefill_slots, chunk_size=ssm.chunk_size, **kw))
+        y = gated_rms_norm(y.reshape(-1, inner), z, self.norm_weight, groups, cfg.rms_norm_eps)
+        return self.out_proj(y)
+
+
+class Mamba2Block(torch.nn.Module):
+    def __init__(self, cfg: ModelConfig, ssm: Mamba2Facts, state_index: int, dtype: torch.dtype,
+                 quant: QuantMethod, mixer: MixerBackend) -> None:
+        super().__init__()
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.mixer = Mamba2Mixer(cfg, ssm, state_index, dtype, quant, mixer)
+        self.residual_in_fp32 = ssm.residual_in_fp32
+
+    def forward(self, x: torch.Tensor, rows: StateRows, pools: dict[str, torch.Tensor]) -> torch.Tensor:
+        out = self.mixer(self.norm(x), rows, pools)
+        if self.residual_in_fp32 and x.dtype != torch.float32:
+            return (x.float() + out.float()).to(x.dtype)
+        return x + out
+
+
+class Mamba2ForCausalLM(torch.nn.Module):
+    """``forward(input_ids [T], positions [T], ctx) -> hidden [T, h]``; the state pools come from
+    the KV cache (``bind_states``)."""
+
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, quant: QuantMethod, attention,
+                 max_model_len: int, *, parallel: ParallelState | None = None,
+                 mixer: MixerBackend | None = None) -> None:
+        super().__init__()
+        if mixer is None:
+            raise ModelLoadError("mamba2: the model's SSD layers need a mixer backend (`mixer:` section)")
+        if parallel is not None and parallel.is_parallel:
+            raise ModelLoadError("mamba2: tensor parallelism is not built for state layers")
+        self.config = cfg
+        self.dtype = dtype
+        ssm = Mamba2Facts(cfg)
+        self.embed_tokens = torch.nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
+        self.embed_tokens.weight.requires_grad_(False)
+        self.layers = torch.nn.ModuleList(Mamba2Block(cfg, ssm, i, dtype, quant, mixer)
+                                          for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.lm_head = None if cfg.tie_word_embeddings else _param(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
+        self.state_pools: list[dict[str, torch.Tensor]] = []
+
+    def state_specs(self) -> tuple[StateSpec, ...]:
+        return tuple(StateSpec(i, MAMBA2, block.mixer.state_tensors(self.dtype))
+                     for i, block in enumerate(self.layers))
+
+    def bind_kv(self, views: list) -> None:
+        if views:
+            raise RuntimeError(f"mamba2 has no attention layers; got {len(views)} KV layer views")
+
+    def bind_states(self, pools: list[dict[str, torch.Tensor]]) -> None:
+        self.state_pools = pools
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+        rows = StateRows.of(ctx)
+        x = self.embed_tokens(input_ids)
+        for layer, pools in zip(self.layers, self.state_pools, strict=True):
+            x = layer(x, rows, pools)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        head = self.embed_tokens.weight if self.lm_head is None else self.lm_head
+        return F.linear(hidden, head)
+
+    # -- checkpoint names ---------------------------------------------------------------------
+    _PARAMS: ClassVar[dict[str, str]] = {"mixer.conv1d.weight": "mixer.conv_weight", "mixer.conv1d.bias": "mixer.conv_bias",
+                                         "mixer.norm.weight": "mixer.norm_weight"}
+    _LINEARS: ClassVar[dict[str, str]] = {"mixer.in_proj": "in_proj", "mixer.out_proj": "out_proj"}
+
+    def weight_target(self, name: str) -> tuple[str, str | None] | None:
+        if name.startswith("backbone.layers."):
+            idx, _, tail = name[len("backbone.layers."):].partition(".")
+            module = tail.rpartition(".")[0]
+            if module in self._LINEARS:
+                return f"layers.{idx}.{tail}", self._LINEARS[module]
+            return f"layers.{idx}.{self._PARAMS.get(tail, tail)}", None
+        if name in ("backbone.embeddings.weight", "backbone.embedding.weight"):
+            return "embed_tokens.weight", None
+        if name == "backbone.norm_f.weight":
+            return "norm.weight", None
+        if name == "lm_head.weight":
+            return None if self.lm_head is None else ("lm_head", None)
+        return name, None
+
+    def checkpoint_name(self, path: str, shard: str | None) -> str:
+        if path.startswith("layers."):
+            idx, _, tail = path[len("layers."):].partition(".")
+            inverse = {v: k for k, v in self._PARAMS.items()}
+            return f"backbone.layers.{idx}.{inverse.get(tail, tail)}"
+        return {"embed_tokens.weight": "backbone.embeddings.weight", "norm.weight": "backbone.norm_f.weight",
+                "lm_head": "lm_head.weight"}.get(path, path)
+
+
+def _number(value) -> float | None:
+    """A JSON number, or transformers' spelling of a non-finite one (``{"__float__": "Infinity"}``)."""
+    if isinstance(value, dict) and set(value) == {"__float__"}:
+        value = {"Infinity": math.inf, "-Infinity": -math.inf}.get(value["__float__"])
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    return float(value)
+
+
+def _param(*shape: int, dtype: torch.dtype) -> torch.nn.Parameter:
+    return torch.nn.Parameter(torch.empty(shape, dtype=dtype), requires_grad=False)

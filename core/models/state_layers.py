@@ -1,0 +1,51 @@
+"""What every layer with a per-sequence state (Mamba2, lightning attention, gated DeltaNet) shares.
+
+A state layer runs its mixer ops (``lmplug.interfaces.mixer``) twice per step at most: once over
+the decode rows (one token each, the step's first ``num_decodes`` sequences and tokens, the
+``*_update`` ops) and once over the other rows (prefill and chunked-prefill chunks, the ``*_scan``
+ops, each chunk starting from the state its slot carries). ``StateRows`` is that split, made once
+per step by the model and handed to every state layer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from lmplug.interfaces.step import StepContext
+
+
+@dataclass(frozen=True)
+class StateRows:
+    num_decode_tokens: int  # tokens [:n] are decode rows, one per sequence (sequences [:n])
+    decode_slots: torch.Tensor  # [n] int32: their state slots
+    prefill_slots: torch.Tensor  # [B - n] int32: the other sequences' slots
+    prefill_cu: torch.Tensor  # [B - n + 1] int32: token offsets of those sequences in tokens [n:]
+
+    @property
+    def has_prefill(self) -> bool:
+        return self.prefill_slots.numel() > 0
+
+    @staticmethod
+    def of(ctx: StepContext) -> StateRows:
+        if ctx.state_slots is None:
+            raise RuntimeError("a model with state layers ran a step without state slots "
+                               "(the KV cache keeps no per-sequence state)")
+        n = ctx.num_decodes
+        cu = ctx.cu_query_lens[n:]
+        return StateRows(n, ctx.state_slots[:n], ctx.state_slots[n:], cu - cu[0])
+
+
+def run_split(rows: StateRows, decode: Callable[[slice], torch.Tensor],
+              prefill: Callable[[slice], torch.Tensor]) -> torch.Tensor:
+    """``decode(slice(0, n))`` over the decode tokens and ``prefill(slice(n, None))`` over the
+    rest, joined along dim 0 (either part may be absent)."""
+    n = rows.num_decode_tokens
+    parts = []
+    if n:
+        parts.append(decode(slice(0, n)))
+    if rows.has_prefill:
+        parts.append(prefill(slice(n, None)))
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
