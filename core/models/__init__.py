@@ -6,7 +6,9 @@ from lmplug.errors import ModelLoadError
 from lmplug.models.deepseek_v2 import DeepseekV2ForCausalLM
 from lmplug.models.llama import LlamaForCausalLM
 from lmplug.models.mamba2 import Mamba2ForCausalLM
+from lmplug.models.minimax import MiniMaxForCausalLM
 from lmplug.models.moe import MoEForCausalLM
+from lmplug.models.qwen3_next import Qwen3NextForCausalLM
 
 ARCHITECTURES: dict[str, type] = {
     "llama": LlamaForCausalLM,
@@ -19,6 +21,8 @@ ARCHITECTURES: dict[str, type] = {
     "deepseek_v2": DeepseekV2ForCausalLM,
     "deepseek_v3": DeepseekV2ForCausalLM,  # the same MLA; V3's routing differs only in moe_config
     "mamba2": Mamba2ForCausalLM,
+    "minimax": MiniMaxForCausalLM,
+    "qwen3_next": Qwen3NextForCausalLM,
 }
 
 
@@ -34,6 +38,8 @@ __all__ = [
     "DeepseekV2ForCausalLM",
     "LlamaForCausalLM",
     "Mamba2ForCausalLM",
+    "MiniMaxForCausalLM",
     "MoEForCausalLM",
+    "Qwen3NextForCausalLM",
     "architecture_for",
 ]

@@ -208,12 +208,13 @@ class SparseMoeBlock(torch.nn.Module):
 
 
 # checkpoint names: the MoE block's module name and its experts' projections, per family
-BLOCK_NAMES = {"mixtral": "block_sparse_moe"}
+BLOCK_NAMES = {"mixtral": "block_sparse_moe", "minimax": "block_sparse_moe"}
 EXPERT_PROJECTIONS = {
     "mixtral": {"w1": ("w_gate_up", "gate"), "w3": ("w_gate_up", "up"), "w2": ("w_down", None)},
     "default": {"gate_proj": ("w_gate_up", "gate"), "up_proj": ("w_gate_up", "up"),
                 "down_proj": ("w_down", None)},
 }
+EXPERT_PROJECTIONS["minimax"] = EXPERT_PROJECTIONS["mixtral"]  # MiniMax-Text-01 saves Mixtral's names
 # the quantized experts' holders (``ExpertWeights``): stacked parameter -> (holder list, Linear shard)
 _HOLDERS = {("w_gate_up", "gate"): ("gate_up_proj", "gate"), ("w_gate_up", "up"): ("gate_up_proj", "up"),
             ("w_down", None): ("down_proj", "down")}
