@@ -31,6 +31,7 @@ _EXPORTS = {
     "ConstraintConformance": "lmplug.testing.constraint",
     "DrafterConformance": "lmplug.testing.drafter",
     "KVCacheConformance": "lmplug.testing.kvcache",
+    "MixerConformance": "lmplug.testing.mixer",
     "MoEConformance": "lmplug.testing.moe",
     "QuantConformance": "lmplug.testing.quant",
     "SchedulerConformance": "lmplug.testing.scheduler",
@@ -47,6 +48,7 @@ __all__ = [
     "ConstraintConformance",
     "DrafterConformance",
     "KVCacheConformance",
+    "MixerConformance",
     "MoEConformance",
     "QuantConformance",
     "SchedulerConformance",
@@ -63,6 +65,7 @@ if TYPE_CHECKING:
     from lmplug.testing.constraint import ConstraintConformance as ConstraintConformance
     from lmplug.testing.drafter import DrafterConformance as DrafterConformance
     from lmplug.testing.kvcache import KVCacheConformance as KVCacheConformance
+    from lmplug.testing.mixer import MixerConformance as MixerConformance
     from lmplug.testing.moe import MoEConformance as MoEConformance
     from lmplug.testing.quant import QuantConformance as QuantConformance
     from lmplug.testing.scheduler import SchedulerConformance as SchedulerConformance

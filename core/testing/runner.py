@@ -28,6 +28,7 @@ RUNNABLE = {
     "moe": "MoEConformance",
     "constraint": "ConstraintConformance",
     "acceptance": "AcceptanceConformance",
+    "mixer": "MixerConformance",
 }
 
 
