@@ -34,7 +34,8 @@ test-all: $(STAMP)
 
 # the conformance suite's table for every first-party backend that runs on the CPU
 CONFORMANCE ?= attention:sdpa attention:paged kvcache:contiguous kvcache:paged scheduler:static \
-	scheduler:continuous moe:reference drafter:ngram constraint:xgrammar constraint:llguidance mixer:torch
+	scheduler:continuous moe:reference drafter:ngram constraint:xgrammar constraint:llguidance mixer:torch \
+	kvconnector:host
 conformance: $(STAMP)
 	@for b in $(CONFORMANCE); do OMP_NUM_THREADS=1 $(VENV)/bin/lmplug plugins --check $$b || exit 1; done
 

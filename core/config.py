@@ -80,6 +80,8 @@ class EngineConfig(BaseModel):
                       description="seeds requests that give no seed of their own (0 to 2**64-1)")
     attention: dict[str, Any] = Field(default_factory=lambda: {"backend": "auto"}, description="see below")
     kvcache: dict[str, Any] = Field(default_factory=lambda: {"backend": "auto"}, description="see below")
+    kvconnector: dict[str, Any] | None = Field(
+        default=None, description="absent: KV blocks stay in the pool; a tier for prefix-cached blocks")
     scheduler: dict[str, Any] = Field(default_factory=lambda: {"backend": "auto"}, description="see below")
     moe: dict[str, Any] | None = Field(default=None, description="MoE models only; see below")
     mixer: dict[str, Any] | None = Field(

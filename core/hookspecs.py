@@ -37,6 +37,12 @@ def lmplug_register_kvcache_backends() -> list[type]:
 
 
 @hookspec
+def lmplug_register_kvconnectors() -> list[type]:
+    """Return ``KVConnector`` subclasses this plugin provides: tiers KV blocks move to and come back
+    from (host memory, disk, another engine), chosen by ``kvconnector: {backend: NAME}``."""
+
+
+@hookspec
 def lmplug_register_schedulers() -> list[type]:
     """Return ``Scheduler`` subclasses this plugin provides."""
 

@@ -66,7 +66,8 @@ class LLM:
         self._ids = itertools.count()
 
     def close(self) -> None:
-        """Release the engine's worker processes (tensor parallelism); a no-op otherwise."""
+        """Release the engine's worker processes (tensor parallelism) and flush a KV connector's
+        pending writes."""
         self.engine.close()
 
     def __enter__(self) -> Self:

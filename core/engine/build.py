@@ -26,6 +26,7 @@ from lmplug.interfaces.constraint import ConstraintBackend, ConstraintTokenizer
 from lmplug.interfaces.model_config import ModelConfig
 from lmplug.interfaces.quant import Unquantized
 from lmplug.loading import open_source
+from lmplug.loading.identity import model_identity
 from lmplug.loading.memory import check_fits
 from lmplug.loading.weights import load_weights
 from lmplug.models import architecture_for
@@ -125,6 +126,9 @@ def build_engine_parts(resolved: ResolvedConfig, parallel: ParallelState | None 
                        sliding_window=model_config.sliding_window,
                        max_num_batched_tokens=sched_opts.max_num_batched_tokens, states=states)
     kv = parallel_setup.build_kv(backends["kvcache"].cls, backends["kvcache"].options, spec, parallel)
+    if "kvconnector" in backends:  # a tier for prefix-cached blocks (host memory, disk)
+        kv.attach_connector(_built(backends, "kvconnector"), model_identity(
+            source.path, source.hf_config, resolved.dtype, backends["quant"].name if "quant" in backends else None))
     max_model_len = fit_pool(kv, max_model_len)
     limits = SchedulerLimits(sched_opts.max_num_seqs, sched_opts.max_num_batched_tokens, max_model_len)
     scheduler = backends["scheduler"].cls(sched_opts, kv, limits)

@@ -76,9 +76,13 @@ class LLMEngine:
         self.observers.notify("lmplug_engine_started", engine=self)
 
     def close(self) -> None:
-        """Stop the tensor-parallel workers, if any (also done at interpreter exit)."""
+        """Stop the tensor-parallel workers, if any (also done at interpreter exit), and let the
+        KV cache finish what outlives it (a KV connector's pending writes)."""
         if self.parallel is not None:
             self.parallel.close()
+        kv = getattr(self, "kv", None)  # None: the build failed before the cache existed
+        if kv is not None:
+            kv.close()
 
     # -- requests --------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | Seq[int], params: SamplingParams | None = None,

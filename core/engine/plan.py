@@ -58,7 +58,9 @@ def make_plan(resolved: ResolvedConfig, hf_config: Mapping, model_config: ModelC
     attention = final.backends["attention"]
     _check_window_support(model_config, attention)
     _check_attention_fits(model_config, attention)
-    _check_state_support(model_config, final, parallel)
+    _check_state_support(model_config, final)
+    _check_connector_support(final, parallel)
+    _check_swap_support(final, parallel)
     kv_shape, scale = _kv_shape(model_config)
     if final.device == "cuda":  # what the attention kernels cannot build for this GPU, now
         attention.cls.check_target(attention.options, kv_dtype_of(final.backends["kvcache"]),
@@ -100,10 +102,11 @@ def _check_window_support(model_config: ModelConfig, attention: ResolvedBackend)
                           "'sliding_window' feature (`lmplug plugins`)")
 
 
-def _check_state_support(model_config: ModelConfig, resolved: ResolvedConfig, parallel: ParallelState) -> None:
+def _check_state_support(model_config: ModelConfig, resolved: ResolvedConfig) -> None:
     """A model with state layers (linear attention, SSM) needs a kvcache backend that keeps
     per-sequence states ("state" feature) and cannot run what would have to roll a state back
-    (speculative decoding) or split its heads (tensor parallelism, not built for state layers)."""
+    (speculative decoding). Tensor parallelism splits the state layers' heads (the models check
+    their head counts at build)."""
     if not model_config.has_states:
         return
     kinds = sorted({k for k in model_config.layer_types if k != "attention"})
@@ -116,9 +119,31 @@ def _check_state_support(model_config: ModelConfig, resolved: ResolvedConfig, pa
     if "speculative" in resolved.backends:
         raise ConfigError(f"speculative: {what}, whose state cannot be rolled back past rejected draft "
                           "tokens; speculative decoding is not supported for it: remove the speculative section")
+
+
+def _check_connector_support(resolved: ResolvedConfig, parallel: ParallelState) -> None:
+    """A KV connector needs a kvcache backend that moves blocks ("kv_connector" feature) and one
+    process (each tensor-parallel rank's pool holds only its heads)."""
+    connector = resolved.backends.get("kvconnector")
+    if connector is None:
+        return
+    kv = resolved.backends["kvcache"]
+    if "kv_connector" not in kv.cls.capabilities.features:
+        raise ConfigError(f"kvconnector: {connector.name!r} needs a kvcache backend that moves blocks to a tier "
+                          f"(the 'kv_connector' feature); {kv.name!r} (plugin {kv.info.plugin}) does not: "
+                          "use `kvcache: {backend: paged, prefix_caching: true}`")
     if parallel.world_size > 1:
-        raise ConfigError(f"parallel.tensor_parallel_size={parallel.world_size}: {what}; tensor "
-                          "parallelism is not built for state layers: use tensor_parallel_size 1")
+        raise ConfigError(f"kvconnector: {connector.name!r} is not built for tensor parallelism "
+                          f"(tensor_parallel_size={parallel.world_size}); remove the kvconnector section")
+
+
+def _check_swap_support(resolved: ResolvedConfig, parallel: ParallelState) -> None:
+    """Swap preemption copies blocks in rank 0's pool only: one process (as forks)."""
+    scheduler = resolved.backends["scheduler"]
+    if parallel.world_size > 1 and getattr(scheduler.options, "preemption", None) == "swap":
+        raise ConfigError(f"scheduler: {scheduler.name}: preemption: swap is not built for tensor parallelism "
+                          f"(tensor_parallel_size={parallel.world_size}): each rank's pool holds its own heads; "
+                          "use preemption: recompute")
 
 
 def _check_attention_fits(model_config: ModelConfig, chosen: ResolvedBackend) -> None:

@@ -32,8 +32,9 @@ from lmplug.interfaces.families import TABLE as FAMILY_TABLE
 from lmplug.interfaces.families import Family
 from lmplug.interfaces.kv_layout import kv_slots, kv_slots_list
 from lmplug.interfaces.kvcache import KVCacheBackend, KVCacheSpec
-from lmplug.interfaces.model_config import ModelConfig
+from lmplug.interfaces.kvconnector import KVBlockFormat, KVConnector
 from lmplug.interfaces.mixer import MixerBackend
+from lmplug.interfaces.model_config import ModelConfig
 from lmplug.interfaces.moe import MoEBackend, RoutingConfig
 from lmplug.interfaces.params import SamplingParams
 from lmplug.interfaces.paths import cache_dir
@@ -79,8 +80,10 @@ __all__ = [
     "DrafterOptions",
     "Family",
     "ForwardRunner",
+    "KVBlockFormat",
     "KVCacheBackend",
     "KVCacheSpec",
+    "KVConnector",
     "KVLayerView",
     "Logprob",
     "MLAAttentionBackend",

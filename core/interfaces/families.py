@@ -29,6 +29,7 @@ from lmplug.interfaces.compressor import Compressor
 from lmplug.interfaces.constraint import ConstraintBackend
 from lmplug.interfaces.drafter import Drafter
 from lmplug.interfaces.kvcache import KVCacheBackend
+from lmplug.interfaces.kvconnector import KVConnector
 from lmplug.interfaces.mixer import MixerBackend
 from lmplug.interfaces.moe import MoEBackend
 from lmplug.interfaces.quant import QuantMethod
@@ -56,6 +57,7 @@ TABLE: tuple[Family, ...] = (
     Family("attention", AttentionBackend, "lmplug_register_attention_backends", "attention",
            auto=True, after=("kvcache",)),
     Family("kvcache", KVCacheBackend, "lmplug_register_kvcache_backends", "kvcache", auto=True),
+    Family("kvconnector", KVConnector, "lmplug_register_kvconnectors", "kvconnector", optional=True),
     Family("scheduler", Scheduler, "lmplug_register_schedulers", "scheduler", auto=True),
     Family("quant", QuantMethod, "lmplug_register_quant_methods", "quant", "method", optional=True),
     Family("drafter", Drafter, "lmplug_register_drafters", "speculative", "method", optional=True),

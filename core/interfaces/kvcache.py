@@ -19,6 +19,7 @@ import torch
 from lmplug.errors import ConfigError
 from lmplug.interfaces.attention import KVLayerView
 from lmplug.interfaces.common import BackendOptions, Capabilities
+from lmplug.interfaces.kvconnector import KVConnector
 from lmplug.interfaces.state import StatePool, StateSpec, state_bytes
 
 if TYPE_CHECKING:
@@ -240,6 +241,31 @@ class KVCacheBackend(ABC):
     @abstractmethod
     def usage(self) -> float:
         """Fraction of the pool in use, 0..1."""
+
+    # -- swap preemption (the "swap" feature; ``scheduler: {preemption: swap}``) ---------------
+    def swap_out(self, seq: Sequence) -> bool:
+        """Move ``seq``'s computed K/V (and state) out of the pool into swap space and release its
+        blocks, keeping ``seq.num_computed_tokens``; ``swap_in`` brings it back. False: not swapped
+        (no room, or nothing to keep) and nothing changed; the caller frees and recomputes it."""
+        return False
+
+    def is_swapped(self, seq: Sequence) -> bool:
+        return False
+
+    def swap_in(self, seq: Sequence) -> None:
+        """Allocate ``seq``'s computed tokens again and restore what ``swap_out`` kept (check
+        ``can_allocate(seq, seq.num_computed_tokens + n)`` first). ``free`` drops swapped data."""
+        raise NotImplementedError(f"kvcache backend {self.name!r} cannot swap sequences")
+
+    def attach_connector(self, connector: KVConnector, model: str) -> None:
+        """Write computed blocks through to ``connector`` and serve prefix blocks missing from
+        the pool from it (``lmplug.interfaces.kvconnector``); ``model``: the model's identity
+        for ``KVBlockFormat``. Backends that implement it list ``"kv_connector"`` in
+        ``capabilities.features``."""
+        raise NotImplementedError(f"kvcache backend {self.name!r} cannot use a KV connector")
+
+    def close(self) -> None:
+        """Release what outlives the engine (a connector's pending writes); called at shutdown."""
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """Let ``child`` share ``parent``'s stored tokens (copy-on-write backends).

@@ -143,6 +143,18 @@ class StatePool:
             for t in layer.values():
                 t[dst].copy_(t[src])
 
+    def snapshot(self, seq_id: int) -> list[dict[str, torch.Tensor]]:
+        """Copies of ``seq_id``'s state (every layer), e.g. to swap it out of the pool."""
+        slot = self.slot(seq_id)
+        return [{name: t[slot].clone() for name, t in layer.items()} for layer in self.tensors]
+
+    def restore(self, seq_id: int, snapshot: list[dict[str, torch.Tensor]]) -> None:
+        """Take a slot for ``seq_id`` and fill it from ``snapshot``."""
+        slot = self.take(seq_id)
+        for layer, saved in zip(self.tensors, snapshot, strict=True):
+            for name, t in layer.items():
+                t[slot].copy_(saved[name])
+
     def slot(self, seq_id: int) -> int:
         slot = self._slot_of.get(seq_id)
         if slot is None:

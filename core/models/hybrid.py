@@ -8,6 +8,11 @@ the same ``DecoderLayer`` slot (``self_attn``) and take the same call,
 ``mixer(x, positions, rope, cache, ctx)``, where ``cache`` is the layer's ``KVLayerView`` or its
 state pools (``{name: [num_slots, ...]}``); the feed-forward blocks (dense or MoE) are the MoE
 decoder's.
+
+Tensor parallelism: every rank holds its heads' state in its own pool, but only rank 0's KV cache
+hands out slots (zeroing each one it takes); the other ranks see the slots in the step's context.
+So under tensor parallelism each rank zeroes the slots of the sequences a step starts
+(``zero_fresh_states``); on one process nothing is added to a step.
 """
 
 from __future__ import annotations
@@ -26,6 +31,18 @@ from lmplug.models.moe import MoEForCausalLM
 from lmplug.parallel import ParallelState
 
 
+def zero_fresh_states(pools: list[dict[str, torch.Tensor]], ctx: StepContext) -> None:
+    """Zero, in every state pool, the slots of the sequences this step starts (no context before
+    their first chunk: a new sequence, or one recomputed after preemption)."""
+    fresh = [i for i, (new, total) in enumerate(zip(ctx.query_lens_cpu, ctx.seq_lens_cpu)) if new == total]
+    if not fresh or ctx.state_slots is None:
+        return
+    slots = ctx.state_slots[fresh].long()
+    for layer in pools:
+        for tensor in layer.values():
+            tensor.index_fill_(0, slots, 0)
+
+
 class HybridForCausalLM(MoEForCausalLM):
     """The MoE decoder whose layers' mixers follow ``cfg.layer_types``. Subclasses build their
     state mixers (``make_state_mixer``); a state mixer module has ``state_tensors(dtype)``."""
@@ -39,8 +56,6 @@ class HybridForCausalLM(MoEForCausalLM):
         if mixer is None:
             raise ModelLoadError(f"model_type {cfg.model_type!r}: its state layers need a mixer backend "
                                  "(`mixer:` section)")
-        if parallel is not None and parallel.is_parallel:
-            raise ModelLoadError(f"model_type {cfg.model_type!r}: tensor parallelism is not built for state layers")
         # read while the base class builds the layers
         self.mixer_backend = mixer
         self.cache_index = cache_indices(cfg.layer_types)
@@ -80,6 +95,8 @@ class HybridForCausalLM(MoEForCausalLM):
         self.state_pools = pools
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+        if self.tp.is_parallel:  # the slots rank 0's KV cache zeroed when it handed them out
+            zero_fresh_states(self.state_pools, ctx)
         x = self.embed_tokens(input_ids)
         for layer, kind, index in zip(self.layers, self.config.layer_types, self.cache_index, strict=True):
             cache = self.kv_views[index] if kind == ATTENTION else self.state_pools[index]

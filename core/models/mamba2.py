@@ -13,6 +13,15 @@ the model dtype and ``ssm`` [H, P, N] in fp32. The ops run through the mixer bac
 (``lmplug.interfaces.mixer``), decode rows and prefill chunks apart (``state_layers``).
 Checkpoint names are transformers': ``backbone.embeddings``, ``backbone.layers.N.{norm, mixer.*}``,
 ``backbone.norm_f``, ``lm_head``.
+
+Tensor parallelism (N ranks): rank r holds heads ``[r H/N, (r+1) H/N)`` (their x, z, dt, A, D,
+dt_bias, inner channels and norm weight), B and C's groups split when N divides G, else the one
+group its heads read (N a multiple of G; heads map to groups by ``h // (H/G)``, so a rank's heads
+share one), out_proj split by rows (one all-reduce). in_proj's rank columns are five ranges of the
+checkpoint tensor ([z | x | B | C | dt]), the conv's rows three ([x | B | C]): ``RangeShard``. A
+norm group (I/G channels) spread over N/G ranks sums its squares over them (one all-reduce). The
+vocabulary is split as in the Llama family. Each rank zeroes the state slots of the sequences a
+step starts (``hybrid.zero_fresh_states``: only rank 0's KV cache hands slots out).
 """
 
 from __future__ import annotations
@@ -30,15 +39,18 @@ from lmplug.interfaces.model_config import ModelConfig
 from lmplug.interfaces.quant import QuantMethod
 from lmplug.interfaces.state import MAMBA2, StateSpec, StateTensor
 from lmplug.interfaces.step import StepContext
+from lmplug.models.hybrid import zero_fresh_states
 from lmplug.models.layers import Linear, RMSNorm
+from lmplug.models.parallel_layers import embedding, row_linear
 from lmplug.models.state_layers import StateRows, run_split
-from lmplug.parallel import ParallelState
+from lmplug.parallel import ParallelState, single
+from lmplug.parallel.sharding import Ranges, RangeShard
 
 
 class Mamba2Facts:
     """The SSM keys of a Mamba2 config.json (types and bounds checked)."""
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, world_size: int = 1) -> None:
         r = ConfigReader(cfg.raw, "config.json")
         self.state_size = r.int("state_size")
         self.n_groups = r.int("n_groups", 1)
@@ -57,6 +69,9 @@ class Mamba2Facts:
                    f"width ({cfg.intermediate_size})")
         if cfg.hidden_act not in ("silu", "swish"):
             r.fail("hidden_act", f"is {cfg.hidden_act!r}; Mamba2's conv activation is silu")
+        if self.n_groups % world_size and world_size % self.n_groups:
+            r.fail("n_groups", f"({self.n_groups}) must divide parallel.tensor_parallel_size ({world_size}) "
+                   "or be a multiple of it (each rank holds whole B/C groups)")
         self.conv_dim = cfg.intermediate_size + 2 * self.n_groups * self.state_size
 
 
@@ -70,32 +85,73 @@ def gated_rms_norm(y: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, gr
     return weight * g.view(h.shape).to(y.dtype)
 
 
-class Mamba2Mixer(torch.nn.Module):
+def gated_rms_norm_shared(y: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float,
+                          tp: ParallelState, group: int, groups: int, width: int) -> torch.Tensor:
+    """``gated_rms_norm`` of a rank that holds part of norm group ``group`` (``width`` channels in
+    all, spread over several ranks): each rank's sum of squares goes in its group's column of a
+    [T, groups] table, zeros elsewhere, and one all-reduce gives every group's total."""
+    h = y.float() * F.silu(gate.float())
+    sums = h.new_zeros(h.shape[0], groups)
+    sums[:, group] = h.pow(2).sum(-1)
+    tp.all_reduce(sums)
+    h = h * torch.rsqrt(sums[:, group:group + 1] / width + eps)
+    return weight * h.to(y.dtype)
+
+
+class RangeParallelLinear(Linear, RangeShard):
+    """A ``Linear`` whose one checkpoint shard is read as several ranges of its output features
+    (``tp_ranges``: shard name -> ranges; the layer's size is theirs summed)."""
+
+    def __init__(self, in_features: int, shard: str, ranges: Ranges, *, bias: bool, dtype: torch.dtype,
+                 quant: QuantMethod) -> None:
+        super().__init__(in_features, {shard: sum(size for _, size in ranges)}, bias=bias, dtype=dtype,
+                         quant=quant)
+        self.tp_ranges = {shard: ranges}
+
+
+class Mamba2Mixer(torch.nn.Module, RangeShard):
+    """Under tensor parallelism: this rank's heads and B/C groups (module docstring); ``tp_ranges``
+    names the rows of the conv and of the per-head and per-channel parameters it holds."""
+
     def __init__(self, cfg: ModelConfig, ssm: Mamba2Facts, state_index: int, dtype: torch.dtype,
-                 quant: QuantMethod, mixer: MixerBackend) -> None:
+                 quant: QuantMethod, mixer: MixerBackend, tp: ParallelState) -> None:
         super().__init__()
-        self.cfg, self.ssm, self.state_index, self.ops = cfg, ssm, state_index, mixer
-        inner, heads = cfg.intermediate_size, cfg.num_heads
-        self.in_proj = Linear(cfg.hidden_size, {"in_proj": inner + ssm.conv_dim + heads}, bias=ssm.use_bias,
-                              dtype=dtype, quant=quant)
+        self.cfg, self.ssm, self.state_index, self.ops, self.tp = cfg, ssm, state_index, mixer, tp
+        inner, heads, n, groups = cfg.intermediate_size, cfg.num_heads, ssm.state_size, ssm.n_groups
+        head0, self.heads = tp.split(heads)
+        inner0, self.inner = tp.split(inner)
+        self.group0, self.groups = tp.kv_heads(groups)  # whole groups, or the one this rank's heads read
+        bc0, bc = self.group0 * n, self.groups * n
+        self.conv_dim = self.inner + 2 * bc
+        # a norm group (inner / G channels) wider than this rank's channels: its squares are summed over ranks
+        self.norm_shared = tp.world_size > groups
+        conv_rows = ((inner0, self.inner), (inner + bc0, bc), (inner + groups * n + bc0, bc))
+        self.in_proj = RangeParallelLinear(
+            cfg.hidden_size, "in_proj",
+            ((inner0, self.inner), *((inner + start, size) for start, size in conv_rows),
+             (inner + ssm.conv_dim + head0, self.heads)),
+            bias=ssm.use_bias, dtype=dtype, quant=quant)
+        head_rows = ((head0, self.heads),)
+        self.tp_ranges = {"conv_weight": conv_rows, "conv_bias": conv_rows, "dt_bias": head_rows,
+                          "A_log": head_rows, "D": head_rows, "norm_weight": ((inner0, self.inner),)}
         # checkpoint layout [C, 1, K] (nn.Conv1d, depthwise); the ops read [C, K]
-        self.conv_weight = _param(ssm.conv_dim, 1, ssm.conv_kernel, dtype=dtype)
-        self.conv_bias = _param(ssm.conv_dim, dtype=dtype) if ssm.use_conv_bias else None
-        self.dt_bias = _param(heads, dtype=dtype)
-        self.A_log = _param(heads, dtype=dtype)
-        self.D = _param(heads, dtype=dtype)
-        self.norm_weight = _param(inner, dtype=dtype)
-        self.out_proj = Linear(inner, {"out_proj": cfg.hidden_size}, bias=ssm.use_bias, dtype=dtype, quant=quant)
+        self.conv_weight = _param(self.conv_dim, 1, ssm.conv_kernel, dtype=dtype)
+        self.conv_bias = _param(self.conv_dim, dtype=dtype) if ssm.use_conv_bias else None
+        self.dt_bias = _param(self.heads, dtype=dtype)
+        self.A_log = _param(self.heads, dtype=dtype)
+        self.D = _param(self.heads, dtype=dtype)
+        self.norm_weight = _param(self.inner, dtype=dtype)
+        self.out_proj = row_linear(inner, {"out_proj": cfg.hidden_size}, bias=ssm.use_bias, dtype=dtype,
+                                   quant=quant, tp=tp)
 
     def state_tensors(self, dtype: torch.dtype) -> tuple[StateTensor, ...]:
-        cfg, ssm = self.cfg, self.ssm
-        return (StateTensor("conv", (ssm.conv_dim, ssm.conv_kernel - 1), dtype),
-                StateTensor("ssm", (cfg.num_heads, cfg.head_dim, ssm.state_size), torch.float32))
+        return (StateTensor("conv", (self.conv_dim, self.ssm.conv_kernel - 1), dtype),
+                StateTensor("ssm", (self.heads, self.cfg.head_dim, self.ssm.state_size), torch.float32))
 
     def forward(self, h: torch.Tensor, rows: StateRows, pools: dict[str, torch.Tensor]) -> torch.Tensor:
         cfg, ssm, ops = self.cfg, self.ssm, self.ops
-        inner, heads, groups, n = cfg.intermediate_size, cfg.num_heads, ssm.n_groups, ssm.state_size
-        z, xbc, dt = self.in_proj(h).split([inner, ssm.conv_dim, heads], dim=-1)
+        inner, heads, groups, n = self.inner, self.heads, self.groups, ssm.state_size
+        z, xbc, dt = self.in_proj(h).split([inner, self.conv_dim, heads], dim=-1)
         weight = self.conv_weight.squeeze(1)
         conv, state = pools["conv"], pools["ssm"]
         xbc = run_split(
@@ -104,8 +160,8 @@ class Mamba2Mixer(torch.nn.Module):
             lambda s: ops.conv1d_scan(xbc[s].contiguous(), weight, self.conv_bias, rows.prefill_cu, conv,
                                       rows.prefill_slots))
         x, B, C = xbc.split([inner, groups * n, groups * n], dim=-1)
-        x = x.reshape(-1, heads, cfg.head_dim)
-        B, C = B.reshape(-1, groups, n), C.reshape(-1, groups, n)
+        x = x.reshape(-1, heads, cfg.head_dim)  # [T, H, P] (this rank's heads)
+        B, C = B.reshape(-1, groups, n), C.reshape(-1, groups, n)  # [T, G, N] (this rank's groups)
         A = -torch.exp(self.A_log.float())
         dt = dt.contiguous()
         kw = {"dt_bias": self.dt_bias, "dt_softplus": True, "dt_limit": ssm.dt_limit}
@@ -114,16 +170,21 @@ class Mamba2Mixer(torch.nn.Module):
             lambda s: ops.ssd_update(x[s], dt[s], A, B[s], C[s], self.D, state, rows.decode_slots, **kw),
             lambda s: ops.ssd_scan(x[s], dt[s], A, B[s], C[s], self.D, rows.prefill_cu, state,
                                    rows.prefill_slots, chunk_size=ssm.chunk_size, **kw))
-        y = gated_rms_norm(y.reshape(-1, inner), z, self.norm_weight, groups, cfg.rms_norm_eps)
+        y = y.reshape(-1, inner)
+        if self.norm_shared:
+            y = gated_rms_norm_shared(y, z, self.norm_weight, cfg.rms_norm_eps, self.tp, self.group0,
+                                      ssm.n_groups, cfg.intermediate_size // ssm.n_groups)
+        else:
+            y = gated_rms_norm(y, z, self.norm_weight, groups, cfg.rms_norm_eps)
         return self.out_proj(y)
 
 
 class Mamba2Block(torch.nn.Module):
     def __init__(self, cfg: ModelConfig, ssm: Mamba2Facts, state_index: int, dtype: torch.dtype,
-                 quant: QuantMethod, mixer: MixerBackend) -> None:
+                 quant: QuantMethod, mixer: MixerBackend, tp: ParallelState) -> None:
         super().__init__()
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.mixer = Mamba2Mixer(cfg, ssm, state_index, dtype, quant, mixer)
+        self.mixer = Mamba2Mixer(cfg, ssm, state_index, dtype, quant, mixer, tp)
         self.residual_in_fp32 = ssm.residual_in_fp32
 
     def forward(self, x: torch.Tensor, rows: StateRows, pools: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -143,17 +204,16 @@ class Mamba2ForCausalLM(torch.nn.Module):
         super().__init__()
         if mixer is None:
             raise ModelLoadError("mamba2: the model's SSD layers need a mixer backend (`mixer:` section)")
-        if parallel is not None and parallel.is_parallel:
-            raise ModelLoadError("mamba2: tensor parallelism is not built for state layers")
         self.config = cfg
         self.dtype = dtype
-        ssm = Mamba2Facts(cfg)
-        self.embed_tokens = torch.nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
-        self.embed_tokens.weight.requires_grad_(False)
-        self.layers = torch.nn.ModuleList(Mamba2Block(cfg, ssm, i, dtype, quant, mixer)
+        self.tp = parallel or single()  # tensor parallel: heads split, the vocabulary split in rows
+        ssm = Mamba2Facts(cfg, self.tp.world_size)
+        self.embed_tokens = embedding(cfg.vocab_size, cfg.hidden_size, dtype, self.tp)
+        self.layers = torch.nn.ModuleList(Mamba2Block(cfg, ssm, i, dtype, quant, mixer, self.tp)
                                           for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.lm_head = None if cfg.tie_word_embeddings else _param(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
+        vocab_rows = self.tp.vocab_range(cfg.vocab_size)[1]
+        self.lm_head = None if cfg.tie_word_embeddings else _param(vocab_rows, cfg.hidden_size, dtype=dtype)
         self.state_pools: list[dict[str, torch.Tensor]] = []
 
     def state_specs(self) -> tuple[StateSpec, ...]:
@@ -169,6 +229,8 @@ class Mamba2ForCausalLM(torch.nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         rows = StateRows.of(ctx)
+        if self.tp.is_parallel:  # the slots rank 0's KV cache zeroed when it handed them out
+            zero_fresh_states(self.state_pools, ctx)
         x = self.embed_tokens(input_ids)
         for layer, pools in zip(self.layers, self.state_pools, strict=True):
             x = layer(x, rows, pools)
@@ -176,7 +238,11 @@ class Mamba2ForCausalLM(torch.nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         head = self.embed_tokens.weight if self.lm_head is None else self.lm_head
-        return F.linear(hidden, head)
+        logits = F.linear(hidden, head)  # [N, V] (tensor parallel: [N, V / N] per rank)
+        if not self.tp.is_parallel:
+            return logits
+        full = self.tp.gather_last_dim(logits)  # rank 0: every rank's vocabulary slice; others: None
+        return None if full is None else full[:, :self.config.vocab_size]
 
     # -- checkpoint names ---------------------------------------------------------------------
     _PARAMS: ClassVar[dict[str, str]] = {"mixer.conv1d.weight": "mixer.conv_weight", "mixer.conv1d.bias": "mixer.conv_bias",

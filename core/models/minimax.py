@@ -20,6 +20,12 @@ with ``slope_h = (2^(-8/H))^(h+1) * (1 - layer / (L - 1 + 1e-5) + 1e-5)`` from t
 (``lightning_slopes``). The scan runs through the mixer backend, decode rows and prefill chunks
 apart (``state_layers``). The checkpoint's precomputed decay buffers (``slope_rate``,
 ``query_decay``, ``key_decay``, ``diagonal_decay``) are derived from the config and not read.
+
+Tensor parallelism (N ranks): a lightning layer's heads are split (rank r: heads
+``[r H/N, (r+1) H/N)``, their rows of qkv_proj, per head q|k|v, and of output_gate, their slopes and
+their [H/N, D, D] state), out_proj by rows (one all-reduce). The output RMSNorm spans all H D
+channels: each rank holds its heads' part of the weight and the sums of squares are all-reduced
+(``SplitRMSNorm``). Softmax layers and experts split as in the Llama / MoE decoders.
 """
 
 from __future__ import annotations
@@ -38,10 +44,12 @@ from lmplug.interfaces.rope import RotaryEmbedding
 from lmplug.interfaces.state import ATTENTION, StateTensor
 from lmplug.interfaces.step import StepContext
 from lmplug.models.hybrid import HybridForCausalLM
-from lmplug.models.layers import Linear, RMSNorm
+from lmplug.models.layers import RMSNorm
 from lmplug.models.llama import Attention
+from lmplug.models.parallel_layers import column_linear, row_linear
 from lmplug.models.state_layers import StateRows, run_split
 from lmplug.parallel import ParallelState
+from lmplug.parallel.sharding import RangeShard
 
 # transformers' MiniMaxLightningAttention builds its output norm with MiniMaxRMSNorm's default eps
 OUTPUT_NORM_EPS = 1e-6
@@ -73,20 +81,44 @@ class ResidualFactors:
         self.full_attn, self.linear_attn, self.mlp = pair("full_attn"), pair("linear_attn"), pair("mlp")
 
 
+class SplitRMSNorm(torch.nn.Module, RangeShard):
+    """RMSNorm over ``full`` channels of which this rank holds ``[start, start + size)`` (its
+    heads): the sum of squares is all-reduced, then each rank scales its own channels (fp32)."""
+
+    def __init__(self, full: int, start: int, size: int, eps: float, dtype: torch.dtype,
+                 tp: ParallelState) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.ones(size, dtype=dtype), requires_grad=False)
+        self.full, self.eps, self.tp = full, eps, tp
+        self.tp_ranges = {"weight": ((start, size),)}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        sums = self.tp.all_reduce(xf.pow(2).sum(-1, keepdim=True))  # [T, 1]: over every rank's channels
+        return self.weight * (xf * torch.rsqrt(sums / self.full + self.eps)).to(x.dtype)
+
+
 class LightningAttention(torch.nn.Module):
     """``mixer(h [T, hidden], positions, rope, pools, ctx) -> [T, hidden]``; its state lives in
-    ``pools["lightning"]`` [num_slots, H, D, D] fp32."""
+    ``pools["lightning"]`` [num_slots, H, D, D] fp32 (this rank's heads under tensor parallelism)."""
 
     def __init__(self, cfg: ModelConfig, layer: int, dtype: torch.dtype, quant: QuantMethod,
-                 mixer: MixerBackend) -> None:
+                 mixer: MixerBackend, tp: ParallelState) -> None:
         super().__init__()
-        self.num_heads, self.head_dim, self.ops = cfg.num_heads, cfg.head_dim, mixer
-        inner = self.num_heads * self.head_dim
-        self.qkv_proj = Linear(cfg.hidden_size, {"qkv_proj": 3 * inner}, bias=False, dtype=dtype, quant=quant)
-        self.output_gate = Linear(cfg.hidden_size, {"output_gate": inner}, bias=False, dtype=dtype, quant=quant)
-        self.out_proj = Linear(inner, {"out_proj": cfg.hidden_size}, bias=False, dtype=dtype, quant=quant)
-        self.norm = RMSNorm(inner, OUTPUT_NORM_EPS, dtype)
-        self.register_buffer("slope", lightning_slopes(cfg.num_heads, layer, cfg.num_layers), persistent=False)
+        head0, self.num_heads = tp.split(cfg.num_heads)
+        self.head_dim, self.ops = cfg.head_dim, mixer
+        d, inner = cfg.head_dim, self.num_heads * cfg.head_dim
+        self.qkv_proj = column_linear(cfg.hidden_size, {"qkv_proj": (3 * d * head0, 3 * inner)}, bias=False,
+                                      dtype=dtype, quant=quant, tp=tp)
+        self.output_gate = column_linear(cfg.hidden_size, {"output_gate": (d * head0, inner)}, bias=False,
+                                         dtype=dtype, quant=quant, tp=tp)
+        full = cfg.num_heads * d
+        self.out_proj = row_linear(full, {"out_proj": cfg.hidden_size}, bias=False, dtype=dtype, quant=quant,
+                                   tp=tp)
+        self.norm = (SplitRMSNorm(full, d * head0, inner, OUTPUT_NORM_EPS, dtype, tp) if tp.is_parallel
+                     else RMSNorm(inner, OUTPUT_NORM_EPS, dtype))
+        slope = lightning_slopes(cfg.num_heads, layer, cfg.num_layers)[head0:head0 + self.num_heads]
+        self.register_buffer("slope", slope.contiguous(), persistent=False)
 
     def state_tensors(self, dtype: torch.dtype) -> tuple[StateTensor, ...]:
         return (StateTensor("lightning", (self.num_heads, self.head_dim, self.head_dim), torch.float32),)
@@ -156,7 +188,7 @@ class MiniMaxForCausalLM(HybridForCausalLM):
 
     def make_state_mixer(self, cfg: ModelConfig, layer: int, state_index: int, dtype: torch.dtype,
                          quant: QuantMethod) -> torch.nn.Module:
-        return LightningAttention(cfg, layer, dtype, quant, self.mixer_backend)
+        return LightningAttention(cfg, layer, dtype, quant, self.mixer_backend, self.tp)
 
     def weight_target(self, name: str) -> tuple[str, str | None] | tuple[str, str | None, int] | None:
         """As the MoE decoder's, plus the lightning layers' projections (one shard each, named as

@@ -14,6 +14,11 @@ give dense layers). Where Qwen3-Next differs from the Llama / Qwen3 family (tran
   each q/k head (frequencies over ``rotary_dim``), the rest pass through.
 
 The multi-token-prediction weights (``mtp.*``) are not the target model's and are skipped.
+
+Tensor parallelism: the attention's query heads are split (``q_proj``'s rows of a head are its
+[query | gate] pair, so a rank's are one range), its KV heads as in the Llama family, ``o_proj``
+by rows; the DeltaNet layers split their key heads (``gated_deltanet``); experts as in the MoE
+decoder.
 """
 
 from __future__ import annotations
@@ -35,8 +40,9 @@ from lmplug.interfaces.state import ATTENTION
 from lmplug.interfaces.step import StepContext
 from lmplug.models.gated_deltanet import GatedDeltaFacts, GatedDeltaNet
 from lmplug.models.hybrid import HybridForCausalLM
-from lmplug.models.layers import Linear, RMSNorm
-from lmplug.parallel import ParallelState
+from lmplug.models.layers import RMSNorm
+from lmplug.models.parallel_layers import column_linear, row_linear
+from lmplug.parallel import ParallelState, single
 
 
 class ZeroCentredRMSNorm(RMSNorm):
@@ -71,16 +77,19 @@ class GatedAttention(torch.nn.Module):
     gated by ``sigmoid(gate)`` from ``q_proj``'s second half of each head."""
 
     def __init__(self, cfg: ModelConfig, layer: int, dtype: torch.dtype, quant: QuantMethod,
-                 backend: AttentionBackend) -> None:
+                 backend: AttentionBackend, tp: ParallelState | None = None) -> None:
         super().__init__()
+        tp = tp or single()  # tensor parallel: this rank's query heads and KV heads
         self.layer, self.backend = layer, backend
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.q_size = cfg.num_heads * cfg.head_dim
-        kv_size = cfg.num_kv_heads * cfg.head_dim
-        self.qkv_proj = Linear(cfg.hidden_size, {"q_proj": 2 * self.q_size, "k_proj": kv_size, "v_proj": kv_size},
-                               bias=cfg.attention_bias, dtype=dtype, quant=quant)
-        self.o_proj = Linear(self.q_size, {"o_proj": cfg.hidden_size}, bias=cfg.attention_bias, dtype=dtype,
-                             quant=quant)
+        first_kv, self.num_kv_heads = tp.kv_heads(cfg.num_kv_heads)
+        self.num_heads, self.head_dim = cfg.num_heads // tp.world_size, cfg.head_dim
+        self.q_size = self.num_heads * cfg.head_dim
+        kv_size, kv_start = self.num_kv_heads * cfg.head_dim, first_kv * cfg.head_dim
+        self.qkv_proj = column_linear(cfg.hidden_size, {"q_proj": (2 * self.q_size * tp.rank, 2 * self.q_size),
+                                                        "k_proj": (kv_start, kv_size), "v_proj": (kv_start, kv_size)},
+                                      bias=cfg.attention_bias, dtype=dtype, quant=quant, tp=tp)
+        self.o_proj = row_linear(cfg.num_heads * cfg.head_dim, {"o_proj": cfg.hidden_size}, bias=cfg.attention_bias,
+                                 dtype=dtype, quant=quant, tp=tp)
         self.q_norm = ZeroCentredRMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype)
         self.k_norm = ZeroCentredRMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype)
 
@@ -112,7 +121,8 @@ class Qwen3NextForCausalLM(HybridForCausalLM):
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, quant: QuantMethod,
                  attention: AttentionBackend, max_model_len: int, *, moe: MoEBackend,
                  parallel: ParallelState | None = None, mixer: MixerBackend | None = None) -> None:
-        self.delta_facts = GatedDeltaFacts(cfg)  # read by make_state_mixer while the layers are built
+        # read by make_state_mixer while the layers are built
+        self.delta_facts = GatedDeltaFacts(cfg, 1 if parallel is None else parallel.world_size)
         super().__init__(cfg, dtype, quant, attention, max_model_len, moe=moe, parallel=parallel, mixer=mixer)
         self.norm = ZeroCentredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.rope = RotaryEmbedding(rotary_dim(cfg), max(max_model_len, cfg.max_position_embeddings),
@@ -128,11 +138,11 @@ class Qwen3NextForCausalLM(HybridForCausalLM):
 
     def make_attention(self, cfg: ModelConfig, layer: int, dtype: torch.dtype, quant: QuantMethod,
                        backend: AttentionBackend) -> torch.nn.Module:
-        return GatedAttention(cfg, layer, dtype, quant, backend)
+        return GatedAttention(cfg, layer, dtype, quant, backend, self.tp)
 
     def make_state_mixer(self, cfg: ModelConfig, layer: int, state_index: int, dtype: torch.dtype,
                          quant: QuantMethod) -> torch.nn.Module:
-        return GatedDeltaNet(cfg, self.delta_facts, state_index, dtype, quant, self.mixer_backend)
+        return GatedDeltaNet(cfg, self.delta_facts, state_index, dtype, quant, self.mixer_backend, self.tp)
 
     # -- checkpoint names: ``linear_attn.*`` is the mixer in ``self_attn`` -------------------------
     _DELTA_LINEARS: ClassVar[dict[str, str]] = {"in_proj_qkvz": "in_proj", "in_proj_ba": "in_proj", "out_proj": "out_proj"}

@@ -11,6 +11,11 @@ experts by name, before anything is read; ``LazyPiece`` lets it cut a transforme
 ``[E, ...]`` tensor into experts without reading it). The loader then checks the slice's shape
 like any other tensor.
 
+A layer or module whose rank part of a tensor is several pieces of it (Mamba2's fused in_proj:
+the rank's columns of each of its z, x, B, C and dt sections; a conv weight over [x | B | C]
+channels; a norm over all heads) declares them in a ``RangeShard`` record: ``(start, size)``
+ranges of the output axis, read one by one and concatenated.
+
 The layers that hold a slice (``lmplug.models.parallel_layers``) declare it by subclassing one of
 the shard records below; ``lmplug.parallel`` never imports the models.
 """
@@ -34,6 +39,18 @@ class RowShard:
     input_start: int
 
 
+Ranges = tuple[tuple[int, int], ...]
+
+
+class RangeShard:
+    """A module holding, of some checkpoint tensors, the concatenation of several ``(start, size)``
+    ranges of their output axis: ``tp_ranges`` maps a ``Linear`` shard name (output axis and packing
+    from its quant method's ``shard_layout``, the bias alike) or a plain parameter's name (rows,
+    unpacked) to the ranges. A tensor not named there is read whole."""
+
+    tp_ranges: dict[str, Ranges]
+
+
 class VocabShard:
     """An embedding holding rows ``[vocab_start, vocab_start + weight.shape[0])``."""
 
@@ -44,6 +61,15 @@ def rank_piece(model: torch.nn.Module, path: str, owner: torch.nn.Module | None,
                shard: str | None, tensor) -> torch.Tensor:
     """This rank's part of checkpoint ``tensor`` for parameter ``path`` (shard ``shard``).
     Raises ``ValueError`` (the loader names file and tensor) when it does not split."""
+    if isinstance(owner, RangeShard):
+        ranges = owner.tp_ranges.get(param_name if shard is None else shard)
+        if ranges is not None:
+            layout = (0, 1) if shard is None else owner.quant.shard_layout(owner, param_name)
+            if layout is None:
+                return _read(tensor)
+            axis, pack = layout
+            return torch.cat([_narrow(tensor, axis, start, size, pack, "output") for start, size in ranges],
+                             dim=axis)
     if isinstance(owner, ColumnShard) and shard is not None:
         layout = owner.quant.shard_layout(owner, param_name)
         if layout is None:

@@ -31,6 +31,7 @@ _EXPORTS = {
     "ConstraintConformance": "lmplug.testing.constraint",
     "DrafterConformance": "lmplug.testing.drafter",
     "KVCacheConformance": "lmplug.testing.kvcache",
+    "KVConnectorConformance": "lmplug.testing.kvconnector",
     "MixerConformance": "lmplug.testing.mixer",
     "MoEConformance": "lmplug.testing.moe",
     "QuantConformance": "lmplug.testing.quant",
@@ -48,6 +49,7 @@ __all__ = [
     "ConstraintConformance",
     "DrafterConformance",
     "KVCacheConformance",
+    "KVConnectorConformance",
     "MixerConformance",
     "MoEConformance",
     "QuantConformance",
@@ -65,6 +67,7 @@ if TYPE_CHECKING:
     from lmplug.testing.constraint import ConstraintConformance as ConstraintConformance
     from lmplug.testing.drafter import DrafterConformance as DrafterConformance
     from lmplug.testing.kvcache import KVCacheConformance as KVCacheConformance
+    from lmplug.testing.kvconnector import KVConnectorConformance as KVConnectorConformance
     from lmplug.testing.mixer import MixerConformance as MixerConformance
     from lmplug.testing.moe import MoEConformance as MoEConformance
     from lmplug.testing.quant import QuantConformance as QuantConformance

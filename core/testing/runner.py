@@ -29,6 +29,7 @@ RUNNABLE = {
     "constraint": "ConstraintConformance",
     "acceptance": "AcceptanceConformance",
     "mixer": "MixerConformance",
+    "kvconnector": "KVConnectorConformance",
 }
 
 

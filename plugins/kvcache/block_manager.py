@@ -11,8 +11,9 @@ count (how many tables hold it). Three disjoint kinds of block:
 - *in use*: referenced by at least one table (``ref_count > 0``).
 
 Prefix caching: a full block is identified by a hash chained over every
-token before it, ``hash((hash of the previous block, tokens of this block))``,
-so equal hashes mean equal prefixes (up to hash collisions). A block is
+token before it, ``H(hash of the previous block, tokens of this block)`` (128-bit BLAKE2b,
+so the same prefix gets the same hash in every process: a KV tier on disk outlives the
+engine), so equal hashes mean equal prefixes (up to hash collisions). A block is
 registered under its hash only once its tokens are *computed* (below the
 sequence's ``num_computed_tokens``): ``allocate`` runs before the step that
 writes the K/V, so registration waits for the next ``allocate`` or the
@@ -25,6 +26,12 @@ below that are released as the sequence grows (its table keeps their ids in
 place, so positions still map to ``table[p // block_size]``; attention never
 reads them). Memory per sequence then stays bounded by the window.
 
+A KV tier (``set_tier``, a KV connector behind the paged backend): a prefix's blocks past
+the last one found in the pool are looked up in the tier too; ``allocate`` hands them out as
+fresh blocks to fill (``Allocation.loads``), and only those the caller then reports loaded
+(``loaded``) count as cached and are registered. Every block registered from a computation
+is listed once in ``drain_registered()``, so the caller can write it through to the tier.
+
 Copy-on-write: ``fork`` lets a child share all of its parent's blocks. When a
 sequence is about to write into a block it shares, it gets a fresh block; if
 that block already holds computed tokens the caller must copy it first (the
@@ -33,8 +40,10 @@ copies are returned by ``allocate``).
 
 from __future__ import annotations
 
+import hashlib
+from array import array
 from collections import OrderedDict, deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 
@@ -46,6 +55,9 @@ class OutOfBlocksError(RuntimeError):
 class Allocation:
     num_cached_tokens: int  # leading tokens whose K/V are already stored (prefix-cache hit)
     copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) blocks to copy now
+    # (block, hash) of a prefix's blocks the KV tier holds: fill them, then report ``loaded``
+    # (``num_cached_tokens`` counts them until then)
+    loads: list[tuple[int, int]] = field(default_factory=list)
 
 
 @dataclass
@@ -61,8 +73,12 @@ class _SeqBlocks:
 
 
 def chain_hash(prev_hash: int | None, tokens: Sequence[int]) -> int:
-    """The hash of a full block: its tokens chained onto the hash of the block before it."""
-    return hash((prev_hash, tuple(tokens)))
+    """The hash of a full block: its tokens chained onto the hash of the block before it
+    (128-bit BLAKE2b of the previous hash and the token ids; the same in every process)."""
+    h = hashlib.blake2b(digest_size=16)
+    h.update(b"-" if prev_hash is None else prev_hash.to_bytes(16, "little"))
+    h.update(array("q", tokens).tobytes())
+    return int.from_bytes(h.digest(), "little")
 
 
 class BlockManager:
@@ -81,6 +97,30 @@ class BlockManager:
         self._block_hash: list[int | None] = [None] * num_blocks
         self._hash_to_block: dict[int, int] = {}
         self._seqs: dict[int, _SeqBlocks] = {}
+        self._tier: Callable[[int], bool] | None = None  # "does the KV tier hold this hash"
+        self._registered: list[tuple[int, int]] = []  # (block, hash) registered since the last drain
+
+    def set_tier(self, contains: Callable[[int], bool]) -> None:
+        """Look prefix blocks missing from the pool up in a KV tier (``contains(hash)``)."""
+        if not self.enable_prefix_caching:
+            raise ValueError("BlockManager.set_tier needs prefix caching")
+        self._tier = contains
+
+    def drain_registered(self) -> list[tuple[int, int]]:
+        """(block, hash) of every block registered from a computation since the last call."""
+        out, self._registered = self._registered, []
+        return out
+
+    def loaded(self, seq_id: int, loads: list[tuple[int, int]]) -> int:
+        """Register the leading ``loads`` of ``seq_id``'s last ``Allocation`` that were filled
+        from the tier; returns the sequence's cached tokens (pool hits + these)."""
+        seq = self._seqs[seq_id]
+        for block, h in loads:
+            seq.hashes.append(h)
+            if h not in self._hash_to_block:
+                self._block_hash[block] = h
+                self._hash_to_block[h] = block
+        return len(seq.hashes) * self.block_size
 
     # -- state ------------------------------------------------------------------------
     @property
@@ -135,9 +175,9 @@ class BlockManager:
                                    f"{self.num_blocks} are free")
         first = seq_id not in self._seqs
         seq = self._seqs.setdefault(seq_id, _SeqBlocks())
-        num_cached = 0
+        num_cached, loads = 0, []
         if first:
-            num_cached = self._take_prefix_hits(seq, token_ids)
+            num_cached, loads = self._take_prefix_hits(seq, token_ids)
             num_computed = max(num_computed, num_cached)
         else:
             self._register_computed(seq, token_ids, num_computed)
@@ -145,7 +185,7 @@ class BlockManager:
         copies = self._unshare_write_blocks(seq, num_computed, num_tokens)
         while len(seq.table) * self.block_size < num_tokens:
             seq.table.append(self._take_fresh())
-        return Allocation(num_cached, copies)
+        return Allocation(num_cached, copies, loads)
 
     def fork(self, parent_id: int, child_id: int) -> None:
         """``child_id`` shares every block of ``parent_id`` (copy-on-write)."""
@@ -190,34 +230,46 @@ class BlockManager:
         """Blocks this allocation takes out of the free + cached pool."""
         seq = self._seqs.get(seq_id)
         if seq is None:
-            hits = self._find_prefix_hits(token_ids)
+            hits, _ = self._find_prefix_hits(token_ids)
             num_new = max(0, -(-num_tokens // self.block_size) - len(hits))
             return num_new + sum(1 for b in hits if self._ref_counts[b] == 0)
         num_new = max(0, -(-num_tokens // self.block_size) - len(seq.table))
         return num_new + len(self._shared_write_blocks(seq, num_computed, num_tokens))
 
-    def _find_prefix_hits(self, token_ids: Sequence[int]) -> list[int]:
+    def _find_prefix_hits(self, token_ids: Sequence[int]) -> tuple[list[int], list[int]]:
+        """(blocks of the pool holding the prefix's leading full blocks, hashes of the full
+        blocks after them that the tier holds)."""
         if not self.enable_prefix_caching:
-            return []
+            return [], []
         hits: list[int] = []
+        tiered: list[int] = []
         prev = None
         # the last token is never served from the cache: its logits are needed
         for i in range((len(token_ids) - 1) // self.block_size):
             prev = chain_hash(prev, token_ids[i * self.block_size:(i + 1) * self.block_size])
-            block = self._hash_to_block.get(prev)
-            if block is None:
+            block = None if tiered else self._hash_to_block.get(prev)
+            if block is not None:
+                hits.append(block)
+            elif self._tier is not None and self._tier(prev):
+                tiered.append(prev)
+            else:
                 break
-            hits.append(block)
-        return hits
+        return hits, tiered
 
-    def _take_prefix_hits(self, seq: _SeqBlocks, token_ids: Sequence[int]) -> int:
-        for block in self._find_prefix_hits(token_ids):
+    def _take_prefix_hits(self, seq: _SeqBlocks, token_ids: Sequence[int]) -> tuple[int, list[tuple[int, int]]]:
+        hits, tiered = self._find_prefix_hits(token_ids)
+        for block in hits:
             if self._ref_counts[block] == 0:
                 del self._cached[block]
             self._ref_counts[block] += 1
             seq.table.append(block)
             seq.hashes.append(self._block_hash[block])
-        return len(seq.table) * self.block_size
+        loads = []
+        for h in tiered:
+            block = self._take_fresh()
+            seq.table.append(block)
+            loads.append((block, h))
+        return len(seq.table) * self.block_size, loads
 
     def _register_computed(self, seq: _SeqBlocks, token_ids: Sequence[int], num_computed: int) -> None:
         """Register every full block whose tokens are all computed."""
@@ -233,6 +285,8 @@ class BlockManager:
             if self._block_hash[block] is None and h not in self._hash_to_block:
                 self._block_hash[block] = h
                 self._hash_to_block[h] = block
+                if self._tier is not None:
+                    self._registered.append((block, h))
 
     def _drop_out_of_window(self, seq: _SeqBlocks, num_computed: int) -> None:
         """Release leading blocks that no query from position ``num_computed`` on can see."""

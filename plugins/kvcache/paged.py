@@ -22,6 +22,8 @@ from typing import Literal
 
 import torch
 from lmplug_kvcache.block_manager import BlockManager
+from lmplug_kvcache.swap import Swapped, SwapSpace
+from lmplug_kvcache.tier import BlockTier
 from pydantic import Field, field_validator
 
 from lmplug.errors import ConfigError
@@ -33,6 +35,7 @@ from lmplug.interfaces import (
     KVLayerView,
     StatePool,
 )
+from lmplug.interfaces.kvconnector import KVBlockFormat, KVConnector
 
 logger = logging.getLogger(__name__)
 
@@ -49,6 +52,8 @@ class PagedOptions(BackendOptions):
                     f"{CUDA_MEMORY_FRACTION} on CUDA; {CPU_MEMORY_FRACTION} of MemAvailable on CPU, "
                     f"capped at max_num_seqs x max_model_len tokens)")
     prefix_caching: bool = Field(default=False, description="reuse the K/V of full blocks of shared prefixes")
+    swap_space_gb: float = Field(default=4.0, ge=0, description="host memory for the K/V of sequences "
+                                 "preempted with `scheduler: {preemption: swap}`")
     num_blocks: int | None = Field(default=None, ge=1, description="pool size in blocks (overrides memory_*)")
     dtype: Literal["auto", "fp8_e4m3", "int8"] = Field(
         default="auto", description="K/V storage: auto = the model dtype; int8 / fp8_e4m3 = one byte per "
@@ -66,7 +71,8 @@ class PagedOptions(BackendOptions):
 class PagedKVCache(KVCacheBackend):
     name = "paged"
     capabilities = Capabilities(devices=frozenset({"cpu", "cuda"}), kv_layouts=frozenset({"paged"}),
-                                features=frozenset({"fork", "prefix_caching", "sliding_window", "state"}), priority=5)
+                                features=frozenset({"fork", "prefix_caching", "sliding_window", "state", "kv_connector", "swap"}),
+                                priority=5)
     Options = PagedOptions
 
     @classmethod
@@ -102,6 +108,8 @@ class PagedKVCache(KVCacheBackend):
         self.blocks = BlockManager(self.num_blocks, options.block_size,
                                    enable_prefix_caching=options.prefix_caching,
                                    sliding_window=spec.sliding_window)
+        self.tier: BlockTier | None = None  # a KV connector's tier of blocks (``attach_connector``)
+        self.swap = SwapSpace(int(options.swap_space_gb * 2**30), spec.device)  # preempted sequences' K/V
         logger.info("paged KV cache: %s, %d bytes/token, %d blocks of %d tokens = %d tokens (%.2f GiB)%s%s",
                     _dtype_name(spec), spec.bytes_per_token, self.num_blocks, options.block_size,
                     self.num_tokens, self.memory_bytes / 2**30,
@@ -158,12 +166,76 @@ class PagedKVCache(KVCacheBackend):
             self._copy_blocks(alloc.copies)
         if self.states is not None:
             self.states.take(seq.seq_id)
-        return alloc.num_cached_tokens
+        cached = alloc.num_cached_tokens
+        if self.tier is not None:
+            if alloc.loads:  # prefix blocks the tier holds: filled before the step, or computed
+                cached = self.blocks.loaded(seq.seq_id, self.tier.load(alloc.loads))
+            self.tier.save(self.blocks.drain_registered())
+        return cached
 
     def free(self, seq) -> None:
+        self.swap.drop(seq.seq_id)
         self.blocks.free(seq.seq_id, seq.token_ids, seq.num_computed_tokens)
         if self.states is not None:
             self.states.release(seq.seq_id)
+        if self.tier is not None:
+            self.tier.save(self.blocks.drain_registered())
+
+    # -- swap preemption ----------------------------------------------------------------------
+    def swap_out(self, seq) -> bool:
+        computed = seq.num_computed_tokens
+        # a sliding window releases leading blocks as it goes: recompute instead
+        if computed == 0 or self.spec.sliding_window is not None or not self.blocks.has_seq(seq.seq_id):
+            return False
+        table = self.blocks.block_table(seq.seq_id)[:-(-computed // self.block_size)]
+        idx = torch.tensor(table, device=self._pool.device)
+        pool = self._pool.view(torch.uint8) if self._pool.dtype == torch.float8_e4m3fn else self._pool
+        nbytes = (pool[:, :, :1].numel() * pool.element_size()
+                  + (0 if self._scales is None else self._scales[:, :, :1].numel() * 4)) * len(table)
+        nbytes += self.spec.state_bytes_per_seq
+        if not self.swap.fits(nbytes):
+            return False
+        swapped = Swapped(computed, self.swap.to_host(pool[:, :, idx]),
+                          None if self._scales is None else self.swap.to_host(self._scales[:, :, idx]),
+                          None if self.states is None else self.states.snapshot(seq.seq_id))
+        self.free(seq)
+        self.swap.store(seq.seq_id, swapped)
+        return True
+
+    def is_swapped(self, seq) -> bool:
+        return seq.seq_id in self.swap
+
+    def swap_in(self, seq) -> None:
+        swapped = self.swap.take(seq.seq_id)
+        if seq.num_computed_tokens != swapped.num_tokens:
+            raise RuntimeError(f"paged KV cache: sequence {seq.seq_id} was swapped out with "
+                               f"{swapped.num_tokens} computed tokens, comes back with {seq.num_computed_tokens}")
+        # prefix-cache hits (pool or tier) already hold these tokens' K/V; the rest comes back
+        first = self.allocate(seq, swapped.num_tokens) // self.block_size
+        table = self.blocks.block_table(seq.seq_id)[first:swapped.kv.shape[2]]
+        if table:
+            idx = torch.tensor(table, device=self._pool.device)
+            pool = self._pool.view(torch.uint8) if self._pool.dtype == torch.float8_e4m3fn else self._pool
+            pool[:, :, idx] = swapped.kv[:, :, first:].to(pool.device)
+            if self._scales is not None:
+                self._scales[:, :, idx] = swapped.scales[:, :, first:].to(self._scales.device)
+        if self.states is not None:
+            self.states.release(seq.seq_id)  # allocate took a zeroed slot
+            self.states.restore(seq.seq_id, swapped.state)
+
+    def attach_connector(self, connector: KVConnector, model: str) -> None:
+        if not self.options.prefix_caching:
+            raise ConfigError(f"kvconnector: {connector.name}: the paged KV cache moves blocks to and from a "
+                              "tier by their prefix hash, which needs kvcache.prefix_caching: true")
+        spec = self.spec
+        layout = (f"paged bs={self.block_size} layers={spec.num_layers} tensors={spec.num_kv_tensors} "
+                  f"kv_heads={spec.num_kv_heads} head_dim={spec.head_dim} {_dtype_name(spec)}")
+        self.tier = BlockTier(connector, KVBlockFormat(model, layout), self._pool, self._scales)
+        self.blocks.set_tier(connector.contains)
+
+    def close(self) -> None:
+        if self.tier is not None:
+            self.tier.connector.close()
 
     def truncate(self, seq, num_tokens: int) -> None:
         self.blocks.truncate(seq.seq_id, num_tokens)

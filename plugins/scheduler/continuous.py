@@ -9,11 +9,14 @@ Chunked prefill: a prompt longer than what is left of the budget is split;
 its chunks share steps with the running decodes, which therefore never stall
 behind a long prompt.
 
-Preemption by recomputation: when the KV cache cannot grow a running
-sequence, the lowest-priority one (the newest under FCFS) gives back all its
-blocks and returns to the front of the queue with ``num_computed_tokens =
-0``; later it recomputes its prompt and the tokens it already generated in
-one prefill, so its output does not change.
+Preemption: when the KV cache cannot grow a running sequence, the lowest-priority
+one (the newest under FCFS) gives back all its blocks and returns to the front of
+the queue. By recomputation (``preemption: recompute``, the default) it restarts
+with ``num_computed_tokens = 0`` and later recomputes its prompt and the tokens it
+already generated in one prefill; by swapping (``preemption: swap``, a KV cache with
+the "swap" feature) its K/V (and state) are copied out of the pool and come back
+when it is admitted again, so it continues where it stopped. Either way its output
+does not change. A sequence the swap space cannot take is recomputed.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from typing import Literal
 from lmplug_scheduler.running_batch import RunningBatch
 from pydantic import Field
 
+from lmplug.errors import ConfigError
 from lmplug.interfaces import (
     Capabilities,
     ScheduledSeq,
@@ -39,6 +43,9 @@ class ContinuousOptions(SchedulerOptions):
     policy: Literal["fcfs", "priority"] = Field(
         default="fcfs", description="fcfs: arrival order; priority: lower `priority` value first, then arrival")
     chunked_prefill: bool = Field(default=True, description="split long prompts across steps")
+    preemption: Literal["recompute", "swap"] = Field(
+        default="recompute", description="what a preempted sequence loses: recompute = its K/V (computed "
+                                         "again on return); swap = nothing (K/V copied out and back)")
 
 
 class _Waiting:
@@ -102,9 +109,14 @@ class ContinuousScheduler(RunningBatch):
     Options = ContinuousOptions
 
     def __init__(self, options: ContinuousOptions, kv, limits) -> None:
+        if options.preemption == "swap" and "swap" not in kv.capabilities.features:
+            raise ConfigError(f"scheduler: continuous: preemption: swap needs a kvcache backend with the "
+                              f"'swap' feature; {kv.name!r} has {sorted(kv.capabilities.features)}: use "
+                              "`kvcache: paged` or `preemption: recompute`")
         super().__init__(options, kv, limits)
         self.waiting = _Waiting(options.policy == "priority")
         self.num_preemptions = 0
+        self.num_swaps = 0  # preemptions that swapped the K/V out instead of dropping it
 
     def add(self, seq: Sequence) -> None:
         self.waiting.push(seq)
@@ -156,8 +168,11 @@ class ContinuousScheduler(RunningBatch):
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         self.running.remove(seq)
         out.scheduled = [s for s in out.scheduled if s.seq is not seq]
-        self.kv.free(seq)
-        seq.num_computed_tokens = 0
+        if self.options.preemption == "swap" and self.kv.swap_out(seq):
+            self.num_swaps += 1  # keeps its computed tokens
+        else:
+            self.kv.free(seq)
+            seq.num_computed_tokens = 0
         seq.status = SequenceStatus.WAITING
         self.waiting.push(seq)
         out.preempted.append(seq)
@@ -166,6 +181,11 @@ class ContinuousScheduler(RunningBatch):
     def _admit(self, out: SchedulerOutput, budget: int) -> int:
         while len(self.waiting) and budget > 0 and len(self.running) < self.limits.max_num_seqs:
             seq = self.waiting.peek()
+            if self.kv.is_swapped(seq):
+                if not self._swap_in(seq, out, budget):
+                    break
+                budget -= out.scheduled[-1].num_new_tokens
+                continue
             first = min(seq.num_tokens, budget)
             if not self.options.chunked_prefill and seq.num_tokens > budget:
                 break
@@ -189,6 +209,24 @@ class ContinuousScheduler(RunningBatch):
                 out.scheduled.append(ScheduledSeq(seq, n))
                 budget -= n
         return budget
+
+    def _swap_in(self, seq: Sequence, out: SchedulerOutput, budget: int) -> bool:
+        """Admit swapped-out ``seq``: its K/V back, then its next tokens; False if it does not fit."""
+        n = min(self.num_pending(seq), budget)
+        if not self.options.chunked_prefill and self.num_pending(seq) > budget:
+            return False
+        if not self.kv.can_allocate(seq, seq.num_computed_tokens + n):
+            if not self.running and not out.scheduled:
+                raise RuntimeError(f"KV cache backend {self.kv.name!r} cannot hold {seq.num_computed_tokens + n} "
+                                   f"tokens of request {seq.request_id!r} even with nothing else running")
+            return False
+        self.waiting.pop()
+        self.kv.swap_in(seq)
+        self.kv.allocate(seq, seq.num_computed_tokens + n)
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+        out.scheduled.append(ScheduledSeq(seq, n))
+        return True
 
     # -- bookkeeping -----------------------------------------------------------------------------
     def update(self, finished: list[Sequence]) -> None:

@@ -189,12 +189,13 @@ def test_the_family_table_matches_the_hookspecs_and_the_config():
     for family in TABLE:
         assert inspect.signature(getattr(hookspecs, family.hook)).parameters == {}
     assert FAMILIES == {f.name: f.base for f in TABLE}
-    assert SECTIONS == {"kvcache": ("kvcache", "backend"), "attention": ("attention", "backend"),
+    assert SECTIONS == {"kvcache": ("kvcache", "backend"), "kvconnector": ("kvconnector", "backend"),
+                        "attention": ("attention", "backend"),
                         "scheduler": ("scheduler", "backend"), "quant": ("quant", "method"),
                         "speculative": ("drafter", "method"), "moe": ("moe", "backend"),
                         "mixer": ("mixer", "backend"), "structured_output": ("constraint", "backend"), "compression": ("compressor", "method")}
     assert list(SECTIONS).index("kvcache") < list(SECTIONS).index("attention")  # attention's auto reads it
-    assert OPTIONAL_SECTIONS == {"quant", "speculative", "moe", "mixer", "compression"}
+    assert OPTIONAL_SECTIONS == {"quant", "speculative", "moe", "mixer", "compression", "kvconnector"}
     assert set(SECTIONS) <= set(EngineConfig.model_fields)
 
 

@@ -1,0 +1,14 @@
+"""First-party KV connectors: tiers for the paged cache's prefix blocks. Registered through the
+``lmplug.plugins`` entry point."""
+
+from lmplug.hookspecs import hookimpl
+
+LMPLUG_API_VERSION = 2
+
+
+@hookimpl
+def lmplug_register_kvconnectors() -> list[type]:
+    from lmplug_kvconnector.disk import DiskConnector
+    from lmplug_kvconnector.host import HostConnector
+
+    return [HostConnector, DiskConnector]
