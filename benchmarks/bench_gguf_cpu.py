@@ -1,6 +1,6 @@
 """GGUF CPU GEMV: the native kernels over packed blocks against dense float32 F.linear.
 
-    python benchmarks/bench_gguf_cpu.py [--types Q4_0 Q8_0 ...] [--threads 1 2] [--m 1]
+    python benchmarks/bench_gguf_cpu.py [--types Q4_0 Q8_0 ...] [--threads 1 2] [--m 1] [--rounds 10 --head Q8_0]
 
 Batch-1 decode reads every weight once per token, so its floor is (packed bytes) / (memory
 bandwidth). For the demo model's (SmolLM2-135M) layer shapes, N x K = out x in, and each ggml
@@ -15,7 +15,11 @@ The load average is printed first: other processes on the machine skew every fig
 1 thread the ``cpu us`` columns (this thread's CPU time per call, ``time.thread_time``) are
 less sensitive to them than wall time. ``--rounds R`` then times R whole tokens of the first
 type for each thread count, the counts taking turns, so that load spikes hit them alike: the
-min and median wall time and the median CPU time of the process (all its threads) per token.
+min and median wall time, the GB/s of packed bytes at the median, and the median CPU time of the
+process (all its threads) per token. Each of a token's matmuls there has its own weight (30 layers
+of distinct tensors, as in a decode step: about 100 MB for the 4-bit types, more than the
+caches hold), so that the weights come from memory, not from the cache as in the table above;
+``--head TYPE`` gives the output head another type (the demo model: Q4_1 layers, Q8_0 head).
 """
 
 from __future__ import annotations
@@ -70,6 +74,8 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=7)
     parser.add_argument("--rounds", type=int, default=0,
                         help="whole tokens per thread count, interleaved (0: none)")
+    parser.add_argument("--head", choices=list(names), default=None,
+                        help="the output head's type in --rounds (default: the first of --types)")
     args = parser.parse_args()
     ok, why = gguf_native.available()
     if not ok:
@@ -109,32 +115,38 @@ def main() -> None:
                 print(f"{name:6} one token's matmuls: {token_s * 1e3:.2f} ms (dense fp32 {token_fp32_s * 1e3:.2f} ms), "
                       f"1-thread CPU time {token_cpu_s * 1e3:.2f} ms")
     if args.rounds > 0:
-        interleaved(kernel, names[args.types[0]], args.types[0], args.threads, args.m, args.rounds, gen)
+        head = args.head or args.types[0]
+        interleaved(kernel, names[args.types[0]], names[head], f"{args.types[0]} (head {head})", args.threads,
+                    args.m, args.rounds, gen)
     print(f"\nload average {os.getloadavg()}")
 
 
-def interleaved(kernel, ggml_type: int, name: str, thread_counts: list[int], m: int, rounds: int,
+def interleaved(kernel, ggml_type: int, head_type: int, name: str, thread_counts: list[int], m: int, rounds: int,
                 gen: torch.Generator) -> None:
-    """One token's matmuls of ``ggml_type``, timed whole, the thread counts taking turns."""
+    """One token's matmuls, each with its own weight, timed whole, the thread counts taking turns."""
     from lmplug_quant.gguf_native import BLOCKS
 
-    calls = [((torch.randn(m, k, generator=gen), random_weight(ggml_type, n, k, gen), ggml_type, k), PER_TOKEN[(n, k)])
-             for n, k in SHAPES if k % BLOCKS[ggml_type][0] == 0]
+    calls = []
+    for n, k in SHAPES:
+        kind = head_type if n == SHAPES[-1][0] else ggml_type
+        if k % BLOCKS[kind][0] == 0:
+            x = torch.randn(m, k, generator=gen)
+            calls += [(x, random_weight(kind, n, k, gen), kind, k) for _ in range(PER_TOKEN[(n, k)])]
+    size = sum(call[1].numel() for call in calls)
     wall: dict[int, list[float]] = {t: [] for t in thread_counts}
     cpu: dict[int, list[float]] = {t: [] for t in thread_counts}
     for _ in range(rounds + 1):  # the first round warms up
         for threads in thread_counts:
             start, start_cpu = time.perf_counter(), time.process_time()
-            for call, count in calls:
-                for _ in range(count):
-                    kernel.mul_mat(*call, threads)
+            for call in calls:
+                kernel.mul_mat(*call, threads)
             wall[threads].append(time.perf_counter() - start)
             cpu[threads].append(time.process_time() - start_cpu)
-    print(f"\n{name}, one token's matmuls, {rounds} rounds interleaved")
+    print(f"\n{name}, one token's matmuls ({len(calls)} weights, {size / 1e6:.0f} MB), {rounds} rounds interleaved")
     for threads in thread_counts:
         w, c = wall[threads][1:], cpu[threads][1:]
-        print(f"{threads} thread(s): wall min {min(w) * 1e3:.2f} ms, median {statistics.median(w) * 1e3:.2f} ms; "
-              f"process CPU median {statistics.median(c) * 1e3:.2f} ms")
+        print(f"{threads} thread(s): wall min {min(w) * 1e3:.2f} ms, median {statistics.median(w) * 1e3:.2f} ms "
+              f"({size / statistics.median(w) / 1e9:.1f} GB/s); process CPU median {statistics.median(c) * 1e3:.2f} ms")
 
 
 if __name__ == "__main__":

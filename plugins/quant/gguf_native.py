@@ -101,20 +101,25 @@ class GGUFKernel:
                 num_threads: int | None = None) -> torch.Tensor:
         """x [M, k] @ dequantize(w [N, row_bytes])^T -> float32 [M, N] (module docstring)."""
         size = row_bytes(ggml_type, k)
-        if x.dim() != 2 or x.shape[1] != k or not x.is_floating_point() or x.device.type != "cpu":
+        # is_cpu, shape and stride() rather than device.type and dim(): this runs for every linear
+        # layer of a decode step, and each tensor attribute costs a little
+        xs, ws = x.shape, w.shape
+        if len(xs) != 2 or xs[1] != k or not x.is_floating_point() or not x.is_cpu:
             raise ValueError(f"{_WHAT}: x must be a float CPU tensor [M, k={k}], got {x.dtype} "
-                             f"{tuple(x.shape)} on {x.device}")
-        if (w.dim() != 2 or w.dtype != torch.uint8 or w.device.type != "cpu" or w.shape[1] != size
-                or (w.shape[0] > 1 and w.stride(0) < size) or (size > 1 and w.stride(1) != 1)):
+                             f"{tuple(xs)} on {x.device}")
+        wst = w.stride()
+        if (len(ws) != 2 or w.dtype != torch.uint8 or not w.is_cpu or ws[1] != size
+                or (ws[0] > 1 and wst[0] < size) or (size > 1 and wst[1] != 1)):
             raise ValueError(f"{_WHAT}: w must be a uint8 CPU tensor [N, {size}] ({k} {NAMES[ggml_type]} "
-                             f"values a row) with contiguous rows, got {w.dtype} {tuple(w.shape)} strides "
-                             f"{w.stride()} on {w.device}")
-        x = x.to(torch.float32).contiguous()
-        out = torch.empty((x.shape[0], w.shape[0]), dtype=torch.float32)
+                             f"values a row) with contiguous rows, got {w.dtype} {tuple(ws)} strides "
+                             f"{wst} on {w.device}")
+        if x.dtype != torch.float32 or not x.is_contiguous():
+            x = x.to(torch.float32).contiguous()
+        out = torch.empty(xs[0], ws[0], dtype=torch.float32)
         if out.numel() == 0:
             return out
         threads = num_threads if num_threads is not None else _threads()
-        status = self._fn(x.data_ptr(), x.shape[0], k, w.data_ptr(), w.stride(0), w.shape[0], ggml_type,
+        status = self._fn(x.data_ptr(), xs[0], k, w.data_ptr(), wst[0], ws[0], ggml_type,
                           out.data_ptr(), max(1, threads), self.isa())
         if status != 0:
             raise RuntimeError(f"{_WHAT}: {_ERRORS.get(status, f'error {status}')}")

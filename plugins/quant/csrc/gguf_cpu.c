@@ -27,14 +27,18 @@
  * of up to MR: each weight block is unpacked once for the MR rows of a group (the GEMV case,
  * M <= MR, reads every weight byte once), and a tile's weights stay in cache while the groups
  * pass over it (GEMM). Every output element is computed by one thread with one fixed sequence
- * of operations, so the result does not depend on the number of threads or on M.
+ * of operations, so the result does not depend on the number of threads or on M. A kernel call
+ * takes all the rows of a tile (one after the other: the weights are read in memory order,
+ * which the hardware prefetcher follows; interleaving 4 rows to share the activation loads
+ * measured slower here, 4 streams at once being prefetched worse) and prefetches PF_BYTES ahead.
  *
  * Kernels: a portable C one per type, and AVX2 (+FMA, F16C) ones compiled with target
  * attributes on x86-64 and chosen at run time when the CPU reports them
  * (__builtin_cpu_supports), so the library is built without -march and runs on any x86-64.
  * Threads: a pool of pthreads kept between calls (see "thread pool" below; 1 thread: none); no
  * OpenMP, whose runtime would be a second one next to torch's. A call with little work uses
- * fewer threads (MIN_WORK each).
+ * fewer threads (MIN_WORK each). The AVX2 set quantizes the activations with AVX2 too (the same
+ * float operations, so the same bytes).
  */
 #include <pthread.h>
 #include <stdint.h>
@@ -66,7 +70,11 @@ typedef struct {
     int64_t K, nb, ns;
 } acts_t;
 
+/* One weight row times activation rows m0 .. m0 + mc - 1 -> out[r * ldo] (a portable kernel). */
 typedef void (*row_fn)(const uint8_t *w, const acts_t *a, int64_t m0, int mc, float *out, int64_t ldo);
+/* The same for nr weight rows at w + i * ws, one after the other -> out[r * ldo + i]. */
+typedef void (*rows_fn)(const uint8_t *w, int64_t ws, int64_t nr, const acts_t *a, int64_t m0, int mc, float *out,
+                        int64_t ldo);
 
 static inline float fp16_to_f32(uint16_t h) {
     const uint32_t sign = (uint32_t)(h & 0x8000) << 16;
@@ -266,23 +274,38 @@ static void q6_k_generic(const uint8_t *w, const acts_t *a, int64_t m0, int mc, 
     for (int r = 0; r < mc; r++) out[r * ldo] = acc[r];
 }
 
+/* The portable kernels over nr weight rows. */
+#define ROWS(name)                                                                                   \
+    static void name##_rows(const uint8_t *w, int64_t ws, int64_t nr, const acts_t *a, int64_t m0, int mc,    \
+                            float *out, int64_t ldo) {                                                   \
+        for (int64_t i = 0; i < nr; i++) name##_generic(w + i * ws, a, m0, mc, out + i, ldo);           \
+    }
+ROWS(q4_0)
+ROWS(q4_1)
+ROWS(q8_0)
+ROWS(q4_k)
+ROWS(q5_k)
+ROWS(q6_k)
+
 /* ---------------------------------------------------------------- AVX2 kernels */
 #if HAVE_X86
 #define AVX2 __attribute__((target("avx2,fma,f16c")))
 
 #define INLINE __attribute__((always_inline))
+#define PF_BYTES 2048 /* how far ahead of the blocks in use the weights are prefetched */
 
-/* The kernel with mc a constant for 1 row (decode) and MR rows (full groups): the loops over
- * rows unroll and the accumulators stay in registers; other counts loop (same operations). */
-#define SPECIALIZE(name)                                                                          \
-    static AVX2 void name##_avx2(const uint8_t *w, const acts_t *a, int64_t m0, int mc, float *out, \
-                                 int64_t ldo) {                                                   \
-        if (mc == 1)                                                                              \
-            name##_body(w, a, m0, 1, out, ldo);                                                   \
-        else if (mc == MR)                                                                        \
-            name##_body(w, a, m0, MR, out, ldo);                                                  \
-        else                                                                                      \
-            name##_body(w, a, m0, mc, out, ldo);                                                  \
+/* The kernel over nr weight rows with mc a constant for 1 row (decode) and MR rows (full
+ * groups): the loops over activation rows unroll, the accumulators stay in registers and the
+ * constants are set up once a call; other counts loop (same operations). */
+#define SPECIALIZE(name)                                                                             \
+    static AVX2 void name##_avx2(const uint8_t *w, int64_t ws, int64_t nr, const acts_t *a, int64_t m0, int mc, \
+                                 float *out, int64_t ldo) {                                          \
+        if (mc == 1)                                                                                 \
+            for (int64_t i = 0; i < nr; i++) name##_body(w + i * ws, a, m0, 1, out + i, ldo);        \
+        else if (mc == MR)                                                                           \
+            for (int64_t i = 0; i < nr; i++) name##_body(w + i * ws, a, m0, MR, out + i, ldo);       \
+        else                                                                                         \
+            for (int64_t i = 0; i < nr; i++) name##_body(w + i * ws, a, m0, mc, out + i, ldo);       \
     }
 
 /* The 8 lanes of one accumulator added in a fixed order. */
@@ -308,68 +331,185 @@ static inline AVX2 __m256i dot_s8(__m256i abs_w, __m256i sign_w, __m256i y) {
     return _mm256_madd_epi16(p16, _mm256_set1_epi16(1));
 }
 
-static inline INLINE AVX2 void q4_0_body(const uint8_t *w, const acts_t *a, int64_t m0, const int mc, float *out,
-                                           int64_t ldo) {
+/* The 32-block types go 4 blocks at a time: each block's dot product with an activation row is
+ * 8 int32 partial sums (dot_s8), two horizontal adds fold the 4 blocks into one vector (lane l:
+ * block l % 4, half l / 4; integers, exact) and one FMA adds it, times the 4 scales (d_w * d_x,
+ * rounded to float32 as in the portable kernels), to the row's 8 float accumulators. The last
+ * group of a row is padded with zero blocks (adding 0 * 0). */
+
+static inline AVX2 __m256i hadd4(__m256i p0, __m256i p1, __m256i p2, __m256i p3) {
+    return _mm256_hadd_epi32(_mm256_hadd_epi32(p0, p1), _mm256_hadd_epi32(p2, p3));
+}
+
+/* The fp16 at p, p + stride, ... for n (<= 4) blocks as 4 floats, zeros past n. */
+static inline INLINE AVX2 __m128 f16x4(const uint8_t *p, int64_t stride, const int n) {
+    __m128i h = _mm_cvtsi32_si128(load_u16(p));
+    if (n > 1) h = _mm_insert_epi16(h, load_u16(p + stride), 1);
+    if (n > 2) h = _mm_insert_epi16(h, load_u16(p + 2 * stride), 2);
+    if (n > 3) h = _mm_insert_epi16(h, load_u16(p + 3 * stride), 3);
+    return _mm_cvtph_ps(h);
+}
+
+/* 4 floats at p, zeros past n. */
+static inline INLINE AVX2 __m128 load4(const float *p, const int n) {
+    if (n == 4) return _mm_loadu_ps(p);
+    float t[4] = {0};
+    memcpy(t, p, (size_t)n * sizeof *t);
+    return _mm_loadu_ps(t);
+}
+
+/* The 4 scales of a group (d_w * d_x), for both halves of the partial sums. */
+static inline AVX2 __m256 scales8(__m128 dw, __m128 dx) {
+    const __m128 s = _mm_mul_ps(dw, dx);
+    return _mm256_set_m128(s, s);
+}
+
+/* A hint to bring the bytes PF_BYTES past [blk, blk + bytes) into the cache (no fault past the end). */
+static inline INLINE AVX2 void prefetch_ahead(const uint8_t *blk, int bytes) {
+    for (int o = 0; o < bytes; o += 64) _mm_prefetch((const char *)blk + PF_BYTES + o, _MM_HINT_T0);
+}
+
+/* Q4_0 and Q8_0: signed weights (|w| and its sign for maddubs); n blocks from blk. */
+static inline INLINE AVX2 void signed_group(const uint8_t *blk, const int bytes, const int n, const acts_t *a,
+                                              const int8_t *x, const float *dx, const int mc, __m256 *acc) {
+    prefetch_ahead(blk, 4 * bytes);
+    __m256i qw[4];
+    for (int i = 0; i < 4; i++) {
+        if (i >= n)
+            qw[i] = _mm256_setzero_si256();
+        else if (bytes == 18)
+            qw[i] = _mm256_sub_epi8(nibbles32(blk + i * 18 + 2), _mm256_set1_epi8(8));
+        else
+            qw[i] = _mm256_loadu_si256((const __m256i *)(blk + i * bytes + 2));
+    }
+    const __m128 dw = f16x4(blk, bytes, n);
+    for (int r = 0; r < mc; r++) {
+        const int8_t *y = x + r * a->K;
+        __m256i p[4];
+        for (int i = 0; i < 4; i++)
+            p[i] = i < n ? dot_s8(_mm256_sign_epi8(qw[i], qw[i]), qw[i],
+                                  _mm256_loadu_si256((const __m256i *)(y + 32 * i)))
+                         : _mm256_setzero_si256();
+        const __m256 s = scales8(dw, load4(dx + r * a->nb, n));
+        acc[r] = _mm256_fmadd_ps(s, _mm256_cvtepi32_ps(hadd4(p[0], p[1], p[2], p[3])), acc[r]);
+    }
+}
+
+static inline INLINE AVX2 void signed_body(const uint8_t *w, const int bytes, const acts_t *a, int64_t m0,
+                                             const int mc, float *out, int64_t ldo) {
     __m256 acc[MR];
     for (int r = 0; r < mc; r++) acc[r] = _mm256_setzero_ps();
-    for (int64_t b = 0; b < a->nb; b++) {
-        const uint8_t *blk = w + b * 18;
-        const __m256 dw = _mm256_set1_ps(f16(blk));
-        const __m256i qw = _mm256_sub_epi8(nibbles32(blk + 2), _mm256_set1_epi8(8));
-        const __m256i aw = _mm256_sign_epi8(qw, qw);
-        for (int r = 0; r < mc; r++) {
-            const int64_t m = m0 + r;
-            const __m256i y = _mm256_loadu_si256((const __m256i *)(ROW(a, m) + b * 32));
-            const __m256 p = _mm256_cvtepi32_ps(dot_s8(aw, qw, y));
-            acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(dw, _mm256_broadcast_ss(a->d + m * a->nb + b)), p, acc[r]);
-        }
+    const int64_t nb = a->nb;
+    const int8_t *x = ROW(a, m0);
+    const float *dx = a->d + m0 * nb;
+    int64_t b = 0;
+    for (; b + 4 <= nb; b += 4) signed_group(w + b * bytes, bytes, 4, a, x + b * 32, dx + b, mc, acc);
+    switch (nb - b) { /* the last group's block count a constant: its loops unroll too */
+    case 1: signed_group(w + b * bytes, bytes, 1, a, x + b * 32, dx + b, mc, acc); break;
+    case 2: signed_group(w + b * bytes, bytes, 2, a, x + b * 32, dx + b, mc, acc); break;
+    case 3: signed_group(w + b * bytes, bytes, 3, a, x + b * 32, dx + b, mc, acc); break;
     }
     for (int r = 0; r < mc; r++) out[r * ldo] = hsum(acc[r]);
 }
+
+static inline INLINE AVX2 void q4_0_body(const uint8_t *w, const acts_t *a, int64_t m0, const int mc, float *out,
+                                           int64_t ldo) {
+    signed_body(w, 18, a, m0, mc, out, ldo);
+}
 SPECIALIZE(q4_0)
+
+static inline INLINE AVX2 void q8_0_body(const uint8_t *w, const acts_t *a, int64_t m0, const int mc, float *out,
+                                           int64_t ldo) {
+    signed_body(w, 34, a, m0, mc, out, ldo);
+}
+SPECIALIZE(q8_0)
+
+/* Q4_1: unsigned weights; the min term m_w * d_x * (sum of the block's activations) goes to a
+ * second accumulator of 4 lanes (one per block of the group). */
+static inline INLINE AVX2 void q4_1_group(const uint8_t *blk, const int n, const acts_t *a, const int8_t *x,
+                                            const float *dx, const int16_t *sx, const int mc, __m256 *acc,
+                                            __m128 *accm) {
+    prefetch_ahead(blk, 4 * 20);
+    __m256i qw[4];
+    for (int i = 0; i < 4; i++) qw[i] = i < n ? nibbles32(blk + i * 20 + 4) : _mm256_setzero_si256();
+    const __m128 dw = f16x4(blk, 20, n), mw = f16x4(blk + 2, 20, n);
+    const __m256i one = _mm256_set1_epi16(1);
+    for (int r = 0; r < mc; r++) {
+        const int8_t *y = x + r * a->K;
+        __m256i p[4];
+        for (int i = 0; i < 4; i++) {
+            p[i] = _mm256_setzero_si256();
+            if (i < n) {
+                const __m256i yi = _mm256_loadu_si256((const __m256i *)(y + 32 * i));
+                p[i] = _mm256_madd_epi16(_mm256_maddubs_epi16(qw[i], yi), one);
+            }
+        }
+        const __m128 d = load4(dx + r * a->nb, n);
+        acc[r] = _mm256_fmadd_ps(scales8(dw, d), _mm256_cvtepi32_ps(hadd4(p[0], p[1], p[2], p[3])), acc[r]);
+        int16_t st[4] = {0};
+        memcpy(st, sx + r * a->ns, (size_t)n * sizeof *st);
+        const __m128 sums = _mm_cvtepi32_ps(_mm_cvtepi16_epi32(_mm_loadl_epi64((const __m128i *)st)));
+        accm[r] = _mm_add_ps(accm[r], _mm_mul_ps(_mm_mul_ps(mw, d), sums));
+    }
+}
 
 static inline INLINE AVX2 void q4_1_body(const uint8_t *w, const acts_t *a, int64_t m0, const int mc, float *out,
                                            int64_t ldo) {
     __m256 acc[MR];
-    float accm[MR] = {0};
-    for (int r = 0; r < mc; r++) acc[r] = _mm256_setzero_ps();
-    for (int64_t b = 0; b < a->nb; b++) {
-        const uint8_t *blk = w + b * 20;
-        const float mw = f16(blk + 2);
-        const __m256 dw = _mm256_set1_ps(f16(blk));
-        const __m256i qw = nibbles32(blk + 4);
-        for (int r = 0; r < mc; r++) {
-            const int64_t m = m0 + r;
-            const __m256i y = _mm256_loadu_si256((const __m256i *)(ROW(a, m) + b * 32));
-            const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(qw, y), _mm256_set1_epi16(1));
-            const float dx = a->d[m * a->nb + b];
-            acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(dw, _mm256_set1_ps(dx)), _mm256_cvtepi32_ps(p), acc[r]);
-            accm[r] += mw * dx * (float)a->s[m * a->ns + b];
-        }
+    __m128 accm[MR];
+    for (int r = 0; r < mc; r++) acc[r] = _mm256_setzero_ps(), accm[r] = _mm_setzero_ps();
+    const int64_t nb = a->nb;
+    const int8_t *x = ROW(a, m0);
+    const float *dx = a->d + m0 * nb;
+    const int16_t *sx = a->s + m0 * a->ns;
+    int64_t b = 0;
+    for (; b + 4 <= nb; b += 4) q4_1_group(w + b * 20, 4, a, x + b * 32, dx + b, sx + b, mc, acc, accm);
+    switch (nb - b) {
+    case 1: q4_1_group(w + b * 20, 1, a, x + b * 32, dx + b, sx + b, mc, acc, accm); break;
+    case 2: q4_1_group(w + b * 20, 2, a, x + b * 32, dx + b, sx + b, mc, acc, accm); break;
+    case 3: q4_1_group(w + b * 20, 3, a, x + b * 32, dx + b, sx + b, mc, acc, accm); break;
     }
-    for (int r = 0; r < mc; r++) out[r * ldo] = hsum(acc[r]) + accm[r];
+    for (int r = 0; r < mc; r++) {
+        __m128 m = _mm_add_ps(accm[r], _mm_movehl_ps(accm[r], accm[r]));
+        m = _mm_add_ss(m, _mm_movehdup_ps(m));
+        out[r * ldo] = hsum(acc[r]) + _mm_cvtss_f32(m);
+    }
 }
 SPECIALIZE(q4_1)
 
-static inline INLINE AVX2 void q8_0_body(const uint8_t *w, const acts_t *a, int64_t m0, const int mc, float *out,
-                                           int64_t ldo) {
-    __m256 acc[MR];
-    for (int r = 0; r < mc; r++) acc[r] = _mm256_setzero_ps();
-    for (int64_t b = 0; b < a->nb; b++) {
-        const uint8_t *blk = w + b * 34;
-        const __m256 dw = _mm256_set1_ps(f16(blk));
-        const __m256i qw = _mm256_loadu_si256((const __m256i *)(blk + 2));
-        const __m256i aw = _mm256_sign_epi8(qw, qw); /* -128 -> 0x80, read as unsigned 128 */
-        for (int r = 0; r < mc; r++) {
-            const int64_t m = m0 + r;
-            const __m256i y = _mm256_loadu_si256((const __m256i *)(ROW(a, m) + b * 32));
-            const __m256 p = _mm256_cvtepi32_ps(dot_s8(aw, qw, y));
-            acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(dw, _mm256_broadcast_ss(a->d + m * a->nb + b)), p, acc[r]);
+/* quantize_block with AVX2 (n a multiple of 32, group 16 or 32): the same float operations
+ * element by element (max is exact in any order), so the same q, d and sums. */
+static AVX2 float quantize_block_avx2(const float *x, int n, int group, int8_t *q, int16_t *s) {
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    __m256 mx = _mm256_setzero_ps();
+    for (int i = 0; i < n; i += 8) mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, _mm256_loadu_ps(x + i)));
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    const float amax = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
+    const float d = amax / 127.0f;
+    const __m256 id = _mm256_set1_ps(d != 0.0f ? 1.0f / d : 0.0f);
+    const __m256 shifter = _mm256_set1_ps(12582912.0f), hi = _mm256_set1_ps(127.0f), lo = _mm256_set1_ps(-127.0f);
+    for (int c = 0; c < n; c += 32) {
+        __m256i v[4];
+        for (int k = 0; k < 4; k++) {
+            const __m256 xi = _mm256_mul_ps(_mm256_loadu_ps(x + c + 8 * k), id);
+            const __m256 r = _mm256_sub_ps(_mm256_add_ps(xi, shifter), shifter);
+            v[k] = _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(r, lo), hi));
+        }
+        const __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(v[0], v[1]), _mm256_packs_epi32(v[2], v[3]));
+        const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7); /* undo the packs' lane interleave */
+        _mm256_storeu_si256((__m256i *)(q + c), _mm256_permutevar8x32_epi32(packed, order));
+        const __m256i h[2] = {_mm256_add_epi32(v[0], v[1]), _mm256_add_epi32(v[2], v[3])};
+        for (int g = 0; g < 32 / group; g++) {
+            const __m256i t = group == 32 ? _mm256_add_epi32(h[0], h[1]) : h[g];
+            __m128i u = _mm_add_epi32(_mm256_castsi256_si128(t), _mm256_extracti128_si256(t, 1));
+            u = _mm_add_epi32(u, _mm_shuffle_epi32(u, 0x4E));
+            u = _mm_add_epi32(u, _mm_shuffle_epi32(u, 0xB1));
+            s[c / group + g] = (int16_t)_mm_cvtsi128_si32(u);
         }
     }
-    for (int r = 0; r < mc; r++) out[r * ldo] = hsum(acc[r]);
+    return d;
 }
-SPECIALIZE(q8_0)
 
 /* One 256-block's 8 sub-blocks of 32 unsigned values, their int16 scales, and the mins
  * repeated per 16 (one per bsum), ready for every activation row. */
@@ -378,33 +518,40 @@ typedef struct {
 } kblock_t;
 
 static inline INLINE AVX2 void kblock_dot(const kblock_t *k, const acts_t *a, int64_t m0, int mc, int64_t b,
-                                   float d, float dmin, __m256 *acc) {
+                                          float d, float dmin, __m256 *acc) {
     const __m256 vd = _mm256_set1_ps(d), vm = _mm256_set1_ps(-dmin);
     for (int r = 0; r < mc; r++) {
         const int64_t m = m0 + r;
         const int8_t *qx = ROW(a, m) + b * 256;
-        __m256i sumi = _mm256_setzero_si256();
+        __m256i sumi[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()}; /* two chains (exact integers) */
         for (int s = 0; s < 8; s++) {
             const __m256i y = _mm256_loadu_si256((const __m256i *)(qx + 32 * s));
-            sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(_mm256_maddubs_epi16(k->q[s], y), k->sc[s]));
+            sumi[s & 1] = _mm256_add_epi32(sumi[s & 1], _mm256_madd_epi16(_mm256_maddubs_epi16(k->q[s], y), k->sc[s]));
         }
         const __m256i bs = _mm256_loadu_si256((const __m256i *)(a->s + m * a->ns + b * 16));
         const __m256i msum = _mm256_madd_epi16(bs, k->mn);
         const __m256 dx = _mm256_broadcast_ss(a->d + m * a->nb + b);
-        acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(vd, dx), _mm256_cvtepi32_ps(sumi), acc[r]);
+        acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(vd, dx), _mm256_cvtepi32_ps(_mm256_add_epi32(sumi[0], sumi[1])), acc[r]);
         acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(vm, dx), _mm256_cvtepi32_ps(msum), acc[r]);
     }
 }
 
-static inline AVX2 void kblock_scales(kblock_t *k, const uint8_t *p) {
-    uint8_t sc[8], mn[8];
-    k_scales(p, sc, mn);
-    int16_t mins[16];
-    for (int s = 0; s < 8; s++) {
-        k->sc[s] = _mm256_set1_epi16(sc[s]);
-        mins[2 * s] = mins[2 * s + 1] = mn[s];
-    }
-    k->mn = _mm256_loadu_si256((const __m256i *)mins);
+/* The 12 bytes of 6-bit scales and mins (k_scales) -> bytes 0-7 the scales, 8-15 the mins, with
+ * 32-bit operations (as ggml's AVX2 code: utmp and kmask1-3). */
+static inline AVX2 __m128i k_scales16(const uint8_t *p) {
+    uint32_t u[3];
+    memcpy(u, p, sizeof u);
+    const uint32_t six = 0x3f3f3f3f, low4 = 0x0f0f0f0f, two = 0x03030303;
+    return _mm_set_epi32((int)(((u[2] >> 4) & low4) | (((u[1] >> 6) & two) << 4)), (int)(u[1] & six),
+                         (int)((u[2] & low4) | (((u[0] >> 6) & two) << 4)), (int)(u[0] & six));
+}
+
+static inline INLINE AVX2 void kblock_scales(kblock_t *k, const uint8_t *p) {
+    const __m128i sm = k_scales16(p);
+    const __m256i sc = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(sm)); /* 8 int16 scales, both lanes */
+    for (int s = 0; s < 8; s++) /* int16 s in every lane */
+        k->sc[s] = _mm256_shuffle_epi8(sc, _mm256_set1_epi16((short)((2 * s + 1) << 8 | 2 * s)));
+    k->mn = _mm256_cvtepu8_epi16(_mm_unpackhi_epi8(sm, sm)); /* each min twice: one per 16 values */
 }
 
 static inline INLINE AVX2 void q4_k_body(const uint8_t *w, const acts_t *a, int64_t m0, const int mc, float *out,
@@ -415,6 +562,7 @@ static inline INLINE AVX2 void q4_k_body(const uint8_t *w, const acts_t *a, int6
     kblock_t k;
     for (int64_t b = 0; b < a->nb; b++) {
         const uint8_t *blk = w + b * 144;
+        prefetch_ahead(blk, 144);
         kblock_scales(&k, blk + 4);
         for (int j = 0; j < 4; j++) {
             const __m256i x = _mm256_loadu_si256((const __m256i *)(blk + 16 + 32 * j));
@@ -435,6 +583,7 @@ static inline INLINE AVX2 void q5_k_body(const uint8_t *w, const acts_t *a, int6
     kblock_t k;
     for (int64_t b = 0; b < a->nb; b++) {
         const uint8_t *blk = w + b * 176;
+        prefetch_ahead(blk, 176);
         kblock_scales(&k, blk + 4);
         const __m256i hv = _mm256_loadu_si256((const __m256i *)(blk + 16));
         for (int j = 0; j < 4; j++) {
@@ -458,6 +607,7 @@ static inline INLINE AVX2 void q6_k_body(const uint8_t *w, const acts_t *a, int6
     __m256i q[8], sc[8];
     for (int64_t b = 0; b < a->nb; b++) {
         const uint8_t *blk = w + b * 210;
+        prefetch_ahead(blk, 210);
         const int8_t *scales = (const int8_t *)(blk + 192);
         for (int h = 0; h < 2; h++) {
             const __m256i l0 = _mm256_loadu_si256((const __m256i *)(blk + 64 * h));
@@ -471,20 +621,27 @@ static inline INLINE AVX2 void q6_k_body(const uint8_t *w, const acts_t *a, int6
                 q[4 * h + t] = _mm256_or_si256(lo[t], _mm256_slli_epi16(hi, 4));
             }
         }
-        for (int g = 0; g < 8; g++) /* the scales of elements 32 g .. +16 and +16 .. +32 */
-            sc[g] = _mm256_set_m128i(_mm_set1_epi16(scales[2 * g + 1]), _mm_set1_epi16(scales[2 * g]));
         const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)scales));
+        const __m256i sc_lo = _mm256_permute2x128_si256(sc16, sc16, 0x00); /* scales 0-7 in both lanes */
+        const __m256i sc_hi = _mm256_permute2x128_si256(sc16, sc16, 0x11); /* 8-15 */
+        for (int g = 0; g < 8; g++) { /* the scales of elements 32 g .. +16 and +16 .. +32, by halves */
+            const int j = (2 * g) & 7;
+            const __m256i pick = _mm256_set_m128i(_mm_set1_epi16((short)((2 * j + 3) << 8 | (2 * j + 2))),
+                                                  _mm_set1_epi16((short)((2 * j + 1) << 8 | 2 * j)));
+            sc[g] = _mm256_shuffle_epi8(g < 4 ? sc_lo : sc_hi, pick);
+        }
         const __m256 vd = _mm256_set1_ps(f16(blk + 208));
         for (int r = 0; r < mc; r++) {
             const int64_t m = m0 + r;
             const int8_t *qx = ROW(a, m) + b * 256;
-            __m256i sumi = _mm256_setzero_si256();
+            __m256i part[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()}; /* two chains (exact integers) */
             for (int g = 0; g < 8; g++) {
                 const __m256i y = _mm256_loadu_si256((const __m256i *)(qx + 32 * g));
-                sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(_mm256_maddubs_epi16(q[g], y), sc[g]));
+                part[g & 1] = _mm256_add_epi32(part[g & 1], _mm256_madd_epi16(_mm256_maddubs_epi16(q[g], y), sc[g]));
             }
             const __m256i bs = _mm256_loadu_si256((const __m256i *)(a->s + m * a->ns + b * 16));
-            sumi = _mm256_sub_epi32(sumi, _mm256_slli_epi32(_mm256_madd_epi16(bs, sc16), 5)); /* the -32 */
+            const __m256i offset = _mm256_slli_epi32(_mm256_madd_epi16(bs, sc16), 5); /* the -32 */
+            const __m256i sumi = _mm256_sub_epi32(_mm256_add_epi32(part[0], part[1]), offset);
             const __m256 dx = _mm256_broadcast_ss(a->d + m * a->nb + b);
             acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(vd, dx), _mm256_cvtepi32_ps(sumi), acc[r]);
         }
@@ -498,14 +655,14 @@ SPECIALIZE(q6_k)
 
 typedef struct {
     int type, elems, bytes, group; /* group: activation sum size (16 for k-quants, else 32) */
-    row_fn fn[2];
+    rows_fn fn[2];
 } type_t;
 
 static const type_t TYPES[] = {
 #if HAVE_X86
-#define KERNELS(name) {name##_generic, name##_avx2}
+#define KERNELS(name) {name##_rows, name##_avx2}
 #else
-#define KERNELS(name) {name##_generic, name##_generic}
+#define KERNELS(name) {name##_rows, name##_rows}
 #endif
     {T_Q4_0, 32, 18, 32, KERNELS(q4_0)}, {T_Q4_1, 32, 20, 32, KERNELS(q4_1)},
     {T_Q8_0, 32, 34, 32, KERNELS(q8_0)}, {T_Q4_K, 256, 144, 16, KERNELS(q4_k)},
@@ -520,7 +677,7 @@ static const type_t *find_type(int type) {
 
 /* One product, as the threads share it: rows [chunk * c, chunk * (c + 1)) of W are chunk c. */
 typedef struct {
-    row_fn fn;
+    rows_fn fn;
     const uint8_t *w;
     int64_t w_stride, N, M, chunk, nchunks;
     const acts_t *a;
@@ -533,7 +690,7 @@ static void run(const job_t *j, int64_t n0, int64_t n1) {
         const int64_t t1 = t0 + NT < n1 ? t0 + NT : n1;
         for (int64_t m0 = 0; m0 < j->M; m0 += MR) {
             const int mc = j->M - m0 < MR ? (int)(j->M - m0) : MR;
-            for (int64_t n = t0; n < t1; n++) j->fn(j->w + n * j->w_stride, j->a, m0, mc, j->out + m0 * j->N + n, j->N);
+            j->fn(j->w + t0 * j->w_stride, j->w_stride, t1 - t0, j->a, m0, mc, j->out + m0 * j->N + t0, j->N);
         }
     }
 }
@@ -723,10 +880,14 @@ EXPORT int gguf_mul_mat(const float *x, int64_t M, int64_t K, const uint8_t *w, 
         free(q); free(d); free(s);
         return -1;
     }
+    float (*quantize)(const float *, int, int, int8_t *, int16_t *) = quantize_block;
+#if HAVE_X86
+    if (isa == ISA_AVX2) quantize = quantize_block_avx2;
+#endif
     for (int64_t m = 0; m < M; m++)
         for (int64_t b = 0; b < nb; b++)
-            d[m * nb + b] = quantize_block(x + m * K + b * t->elems, t->elems, t->group, q + m * K + b * t->elems,
-                                           s + m * ns + b * (t->elems / t->group));
+            d[m * nb + b] = quantize(x + m * K + b * t->elems, t->elems, t->group, q + m * K + b * t->elems,
+                                     s + m * ns + b * (t->elems / t->group));
     const acts_t a = {q, d, s, K, nb, ns};
 
     job_t j = {t->fn[isa], w, w_stride, N, M, N, 1, &a, out, gguf_cpu_threads(M, K, N, num_threads)};

@@ -185,6 +185,44 @@ def test_threads_give_identical_bits(kernel, name):
     assert torch.equal(kernel.mul_mat(x[2:5], w, type_id(name), k, num_threads=1), one[2:5])
 
 
+@pytest.mark.parametrize("blocks", [1, 2, 3, 5, 6, 7, 18])
+@pytest.mark.parametrize("name", ["Q4_0", "Q4_1", "Q8_0"])
+def test_block_counts_not_a_multiple_of_four(kernel, monkeypatch, name, blocks):
+    """The SIMD kernels take the 32-blocks 4 at a time: rows of 1-3 blocks past a multiple of 4
+    (576 = 18 blocks is the demo model's width) match the simulation, in both kernel sets, and a
+    row gives the same bits in a batch of 9 (groups of 8 and 1), alone and with 2 threads."""
+    k, n = 32 * blocks, 67
+    w = torch.from_numpy(make_weight(name, n, k, seed=blocks))
+    x = torch.randn(9, k, generator=torch.Generator().manual_seed(blocks))
+    want, scale = simulate(name, x, w)
+    batch = kernel.mul_mat(x, w, type_id(name), k, num_threads=2)
+    assert ((batch.double() - want).abs() <= 3e-7 * scale + 1e-30).all()
+    for m in (0, 5, 8):
+        assert torch.equal(kernel.mul_mat(x[m:m + 1], w, type_id(name), k, num_threads=1), batch[m:m + 1])
+    monkeypatch.setenv("LMPLUG_GGUF_ISA", "generic")
+    portable = kernel.mul_mat(x, w, type_id(name), k)
+    assert ((portable.double() - want).abs() <= 3e-7 * scale + 1e-30).all()
+
+
+@pytest.mark.parametrize("isa", ["generic", "auto"])
+@pytest.mark.parametrize("name", ["Q8_0", "Q4_K"])
+def test_activation_ties_round_to_even(kernel, monkeypatch, name, isa):
+    """Activations exactly halfway between two steps (amax 127: step 1, values n + 1/2) round to
+    the even neighbour, as the simulation's torch.round does, in both kernel sets."""
+    k = 256
+    x = torch.arange(k, dtype=torch.float32).remainder(21).sub(10).add(0.5)  # -9.5 .. 10.5
+    x[::32] = 127.0  # every block's amax: d = 1, 1 / d = 1
+    x = torch.stack([x, -x])
+    w = torch.from_numpy(make_weight(name, 5, k, seed=7))
+    monkeypatch.setenv("LMPLUG_GGUF_ISA", isa)
+    got = kernel.mul_mat(x, w, type_id(name), k)
+    want, scale = simulate(name, x, w)
+    assert ((got.double() - want).abs() <= 3e-7 * scale + 1e-30).all()
+    # rounding the halves away from zero instead moves the result by far more than the tolerance
+    away, _ = simulate(name, x + torch.sign(x) * 1e-3 * (x.abs() != 127), w)
+    assert ((away - want).abs() > 1e-3 * scale).any()
+
+
 def test_concurrent_calls_share_the_pool_correctly(kernel):
     """Two Python threads at once (ctypes releases the GIL: one gets the worker pool, the other
     runs alone while it is busy), both bit-identical to one thread."""
