@@ -7,6 +7,7 @@ import logging
 import os
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 from lmplug.cli_checks import check_port, label_set_error, version_text
@@ -18,6 +19,7 @@ DEFAULT_CHAT_SYSTEM = None
 def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # `serve --role pd` starts children with it
     if not sys.stderr.isatty():  # progress bars (tqdm, here and in worker processes) flood logs
         os.environ.setdefault("TQDM_DISABLE", "1")
     logging.basicConfig(level=logging.DEBUG if args.verbose > 1 else logging.INFO if args.verbose else logging.WARNING,
@@ -112,12 +114,13 @@ def _merge_model_option(args: argparse.Namespace) -> None:
     args.model = option
 
 
-def _build_llm(args: argparse.Namespace):
+def _build_llm(args: argparse.Namespace, adjust: Callable[[dict[str, Any]], dict[str, Any]] | None = None):
+    """``adjust``: a function of the overrides (``serve --role`` adds its KV connector)."""
     from lmplug.errors import ConfigError
     from lmplug.llm import LLM
 
     started = time.perf_counter()
-    overrides = _overrides(args)
+    overrides = _overrides(args) if adjust is None else adjust(_overrides(args))
     try:
         llm = LLM(config=args.config, **overrides)
     except ConfigError as exc:
@@ -207,6 +210,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from lmplug.serve.server import serve_from_args
 
     check_port(args.host, args.port)  # before the model loads, which can take minutes
+    if args.role != "single":  # prefill/decode disaggregation
+        from lmplug.serve.roles import serve_role
+
+        return serve_role(args, _build_llm)
     return serve_from_args(args, _build_llm(args))
 
 
@@ -376,6 +383,15 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--tool-call-parser", default="auto", choices=("auto", "hermes", "llama3", "mistral", "none"),
                    help="how tool calls are read out of chat output (tool_choice \"auto\"); auto: by the "
                    "chat template's markers, hermes when it has none (default: auto)")
+    r = s.add_argument_group("prefill/decode disaggregation")
+    r.add_argument("--role", default="single", choices=("single", "prefill", "decode", "router", "pd"),
+                   help="prefill / decode: one side, KV blocks sent over --kv-peer; router: only the router "
+                   "(--prefill URL --decode URL); pd: both sides as child processes plus the router")
+    r.add_argument("--kv-peer", metavar="HOST:PORT", help="where the decode instance listens for KV blocks")
+    r.add_argument("--prefill", metavar="URL", help="--role router: the prefill instance")
+    r.add_argument("--decode", metavar="URL", help="--role router: the decode instance")
+    r.add_argument("--prefill-timeout", type=float, default=60.0, help="seconds the router waits for a "
+                   "prefill before decode computes the prompt itself (default: 60)")
     _engine_args(s, model_positional=True)
     s.set_defaults(func=cmd_serve)
 

@@ -13,9 +13,11 @@ import dataclasses
 import logging
 import os
 import socket
+from collections.abc import Callable
 from pathlib import Path
 
 import uvicorn
+from fastapi import FastAPI
 
 from lmplug.llm import LLM
 from lmplug.serve.app import ServeSettings, create_app
@@ -45,9 +47,13 @@ class Server(uvicorn.Server):
 
 
 def build_server(llm: LLM, settings: ServeSettings | None = None, *, host: str = "127.0.0.1",
-                 port: int = 8000, log_level: str = "info") -> Server:
+                 port: int = 8000, log_level: str = "info",
+                 prepare: Callable[[FastAPI], None] | None = None) -> Server:
+    """``prepare``: called on the app before it runs (middleware, metrics; ``lmplug.serve.roles``)."""
     settings = dataclasses.replace(settings or ServeSettings(), bind_host=host)
     app = create_app(llm, settings)
+    if prepare is not None:
+        prepare(app)
     keep_alive = max(1, min(5, int(settings.read_timeout_s)))  # idle connections between requests
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="on",
                             timeout_graceful_shutdown=5, access_log=log_level == "debug",
@@ -57,17 +63,17 @@ def build_server(llm: LLM, settings: ServeSettings | None = None, *, host: str =
 
 
 def serve(llm: LLM, settings: ServeSettings | None = None, *, host: str = "127.0.0.1", port: int = 8000,
-          log_level: str = "info") -> None:
+          log_level: str = "info", prepare: Callable[[FastAPI], None] | None = None) -> None:
     """Serve until interrupted (blocks)."""
     settings = settings or ServeSettings()
     if not is_loopback(host) and not settings.api_key:
         logger.warning("listening on %s without an API key: anyone who can reach this port can use the "
                        "model (set --api-key or $LMPLUG_API_KEY)", host)
-    server = build_server(llm, settings, host=host, port=port, log_level=log_level)
+    server = build_server(llm, settings, host=host, port=port, log_level=log_level, prepare=prepare)
     server.run()
 
 
-def serve_from_args(args: argparse.Namespace, llm: LLM) -> int:
+def serve_from_args(args: argparse.Namespace, llm: LLM, prepare: Callable[[FastAPI], None] | None = None) -> int:
     """``lmplug serve``: the CLI's flags -> settings -> ``serve``."""
     settings = ServeSettings(api_key=_api_key(args), max_body_bytes=args.max_body_bytes,
                              served_model_name=args.served_model_name, shutdown_grace_s=args.shutdown_timeout,
@@ -77,7 +83,7 @@ def serve_from_args(args: argparse.Namespace, llm: LLM) -> int:
                              allow_special_in_content=args.allow_special_tokens_in_content,
                              max_num_seqs=args.max_open_seqs, tool_parser=args.tool_call_parser)
     log_level = "debug" if args.verbose > 1 else "info"
-    serve(llm, settings, host=args.host, port=args.port, log_level=log_level)
+    serve(llm, settings, host=args.host, port=args.port, log_level=log_level, prepare=prepare)
     return 0
 
 

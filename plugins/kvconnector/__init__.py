@@ -10,5 +10,6 @@ LMPLUG_API_VERSION = 2
 def lmplug_register_kvconnectors() -> list[type]:
     from lmplug_kvconnector.disk import DiskConnector
     from lmplug_kvconnector.host import HostConnector
+    from lmplug_kvconnector.torch_distributed import TorchDistributedConnector
 
-    return [HostConnector, DiskConnector]
+    return [HostConnector, DiskConnector, TorchDistributedConnector]

@@ -17,6 +17,13 @@ import pytest
 import torch
 from support.hf_models import build_hf_model, hf_logprobs, one_torch_thread, prompt_ids  # noqa: F401
 from support.moe_models import hf_greedy_loop
+from support.state_models import (
+    PROMPT_LEN,
+    StateModelParity,
+    TinyStateModel,
+    hf_prompt_logprobs,
+    prompt_logprobs,
+)
 
 from lmplug import LLM, SamplingParams
 from lmplug.errors import ModelLoadError
@@ -50,46 +57,20 @@ SPECS = {
               "linear_key_head_dim": 16, "linear_value_head_dim": 16, "num_experts": 0,
               "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 1.0}},
 }
-PROMPT_LEN = 24
-NEW_TOKENS = 32
 
 
-class TinyQwen3Next:
+class TinyQwen3Next(TinyStateModel):
     def __init__(self, name: str, root) -> None:
         from transformers import AutoConfig
 
         cfg = AutoConfig.for_model("qwen3_next", **{**_BASE, **SPECS[name]})
         cfg._attn_implementation = "eager"
-        self.hf = build_hf_model(cfg)
-        self.path = root / name
-        self.hf.save_pretrained(self.path)
-        self._llms: dict[str, LLM] = {}
-
-    def llm(self, **overrides) -> LLM:
-        key = json.dumps(overrides, sort_keys=True)
-        if key not in self._llms:
-            self._llms[key] = LLM(str(self.path), dtype="float32", device="cpu", max_model_len=256, **overrides)
-        return self._llms[key]
+        super().__init__(build_hf_model(cfg), root / name)
 
 
 @pytest.fixture(scope="module", params=list(SPECS))
 def tiny(request, tmp_path_factory):
     return TinyQwen3Next(request.param, tmp_path_factory.mktemp("qwen3_next"))
-
-
-def _prompt_logprobs(llm: LLM, prompt: list[int]) -> torch.Tensor:
-    out = llm.generate([prompt], SamplingParams(prompt_logprobs=0, max_tokens=1))[0]
-    return torch.tensor([out.prompt_logprobs[i][prompt[i]].logprob for i in range(1, len(prompt))],
-                        dtype=torch.float64)
-
-
-def _hf_prompt_logprobs(hf, prompt: list[int]) -> torch.Tensor:
-    ref = hf_logprobs(hf, prompt)
-    return torch.tensor([ref[i - 1, prompt[i]].item() for i in range(1, len(prompt))], dtype=torch.float64)
-
-
-GREEDY = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
-CACHES = {"contiguous": {"kvcache": "contiguous"}, "paged": {"kvcache": "paged"}}
 
 
 def test_the_engine_keeps_kv_and_states_per_layer_kind(tiny):
@@ -110,56 +91,7 @@ def test_the_engine_keeps_kv_and_states_per_layer_kind(tiny):
     assert mlps == [{"SparseMoeBlock": "SparseMoeBlock", "MLP": "MLP"}[m] for m in hf_mlps]
 
 
-@pytest.mark.parametrize("cache", list(CACHES))
-def test_prompt_logprobs_match_hf(tiny, cache):
-    prompt = prompt_ids(PROMPT_LEN, seed=1)
-    ref = _hf_prompt_logprobs(tiny.hf, prompt)
-    torch.testing.assert_close(_prompt_logprobs(tiny.llm(**CACHES[cache]), prompt), ref, atol=1e-4, rtol=0)
-    assert ref.std() > 0.1  # the prompt was not trivially predictable
-
-
-@pytest.mark.parametrize("cache", list(CACHES))
-def test_greedy_matches_hf(tiny, cache):
-    prompt = prompt_ids(PROMPT_LEN, seed=3)
-    out = tiny.llm(**CACHES[cache]).generate([prompt], GREEDY)[0]
-    assert out.token_ids == hf_greedy_loop(tiny.hf, prompt, NEW_TOKENS)
-
-
-@pytest.mark.parametrize("budget", [1, 7, 64])
-def test_chunked_prefill_carries_the_state(tiny, budget):
-    """A prompt cut into chunks of ``budget`` tokens (with other sequences decoding beside it):
-    every chunk starts from the state the last one left in the slot."""
-    llm = tiny.llm(kvcache="paged", scheduler={"backend": "continuous", "max_num_batched_tokens": budget,
-                                               "max_num_seqs": 4})
-    prompts = [prompt_ids(n, seed=20 + n) for n in (PROMPT_LEN, 9, 17)]
-    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
-    for prompt, out in zip(prompts, outs):
-        assert out.token_ids == hf_greedy_loop(tiny.hf, prompt, 12)
-    torch.testing.assert_close(_prompt_logprobs(llm, prompts[0]), _hf_prompt_logprobs(tiny.hf, prompts[0]),
-                               atol=1e-4, rtol=0)
-
-
-@pytest.mark.parametrize("cache", list(CACHES))
-def test_batch_matches_alone(tiny, cache):
-    prompts = [prompt_ids(n, seed=10 + n) for n in (5, 13, 24)]
-    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-    llm = tiny.llm(**CACHES[cache])
-    together = [o.token_ids for o in llm.generate(prompts, params)]
-    assert together == [llm.generate([p], params)[0].token_ids for p in prompts]
-
-
-def test_preemption_recomputes_from_a_fresh_state(tiny):
-    """A pool too small for every sequence at once: the continuous scheduler preempts (frees the
-    sequence's blocks and state slot) and recomputes it; outputs equal HF's."""
-    llm = tiny.llm(kvcache={"backend": "paged", "block_size": 4, "num_blocks": 16},
-                   scheduler={"backend": "continuous", "max_num_seqs": 4})
-    prompts = [prompt_ids(n, seed=40 + n) for n in (10, 12, 14, 9)]
-    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
-    assert llm.engine.scheduler.num_preemptions > 0
-    for prompt, out in zip(prompts, outs):
-        assert out.token_ids == hf_greedy_loop(tiny.hf, prompt, 12)
-
-
+@pytest.mark.slow  # the interpreted kernels; Mamba2's engine test and TestTritonMixer stay in make test
 def test_triton_mixer_generates_the_same_tokens(tiny):
     """The Triton conv1d and gated-delta kernels (interpreted on CPU) inside the engine: HF's
     greedy tokens, through a prefill and decodes."""
@@ -193,7 +125,7 @@ def test_stacked_experts_and_mtp_weights_load(moe_model, tmp_path):
     save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
     prompt = prompt_ids(PROMPT_LEN, seed=1)
     llm = LLM(str(path), dtype="float32", device="cpu", max_model_len=256)
-    torch.testing.assert_close(_prompt_logprobs(llm, prompt), _hf_prompt_logprobs(moe_model.hf, prompt),
+    torch.testing.assert_close(prompt_logprobs(llm, prompt), hf_prompt_logprobs(moe_model.hf, prompt),
                                atol=1e-4, rtol=0)
 
 
@@ -217,3 +149,7 @@ def test_layer_types_of_the_wrong_length_are_refused(moe_model, tmp_path):
     (path / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ModelLoadError, match="layer_types"):
         LLM(str(path), dtype="float32", device="cpu", max_model_len=64)
+
+
+class TestEngineParity(StateModelParity):
+    """Logprobs, greedy tokens, chunked prefill, batching and preemption against transformers."""
