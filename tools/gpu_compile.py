@@ -17,7 +17,7 @@ ptxas's verbose log gives registers and spills, ``metadata.shared`` the shared m
 It exits 1 on a compile error, shared memory over the architecture's per-block limit, spills
 over the path's budget (``SPILL_BUDGET``), or a wrapper that raises before launching; only
 configurations in ``ALLOW`` (ones the engine refuses at config time) do not count. Families in
-``PENDING`` (kernels no engine path calls yet) run only when named with ``--only``.
+``PENDING`` (known to break the limits, each with its reason) run only when named with ``--only``.
 Compiled kernels are cached by Triton under ``<lmplug cache>/triton-compile``; registers
 and spills by this tool next to them, so a warm run compiles nothing.
 """
@@ -123,13 +123,9 @@ CASES: dict[str, dict[str, tuple]] = {
     "delta_update": {"dtype": DTYPES, "group": (1, 2)},
 }
 
-# families the default run leaves out (``--only NAME`` compiles them): kernels the engine does not call
-# yet, whose compile results are known to break the limits; each with the reason
-_LINEAR = ("linear-attention / SSM kernels beside their references (issue 22), not yet called by a model; "
-           "fp32 tiles spill, and lightning prefill spills on sm_80 in 16-bit")
-PENDING: dict[str, str] = {family: _LINEAR for family in (
-    "lightning_prefill", "lightning_decode", "ssd_scan", "ssd_update", "conv1d", "conv1d_update",
-    "delta_chunk", "delta_update")}
+# families the default run leaves out (``--only NAME`` compiles them): ones whose compile results are
+# known to break the limits, each with the reason
+PENDING: dict[str, str] = {}
 
 # families whose 16-bit, unquantized configurations are hot paths (a spill budget of 0)
 HOT = {"flash_varlen", "flash_prefill", "flash_decode", "paged_decode", "decode_reduce", "paged_prefill",

@@ -37,7 +37,14 @@ import triton
 import triton.language as tl
 from lmplug_attention.conv1d_ref import check_activation, check_state_indices, sequence_positions
 
-BLOCK_T, BLOCK_C = 16, 64
+# tokens x channels per prefill program (BLOCK_C also per program of the state and update kernels).
+# 16 x 64 spilled 32-108 B in fp16 on sm_80 / sm_90 (Triton 3.7.1) at 48-72 registers: ptxas's
+# choice for 8 fp16 values a thread (32 x 64 at 8 warps does the same), not register pressure.
+# 32 x 64 at 4 warps compiles without spills for every dtype and state layout of ``make
+# gpu-compile`` under 3.7.1; under 3.6.0 too, but for fp32 with a carried state and a bias on sm_80 (64 B,
+# inside the fp32 budget). It also halves the share of the K-1 rows a tile reads twice. Not yet
+# timed on a GPU.
+BLOCK_T, BLOCK_C = 32, 64
 
 
 @triton.jit

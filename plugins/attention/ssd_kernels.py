@@ -4,25 +4,38 @@ Same arguments and results as ``ssd_ref.ssd_chunk_scan`` / ``ssd_ref.ssd_state_u
 (the math is written there).
 
 Chunked scan: one program per (sequence, head, tile of ``BLOCK_P`` head dims)
-holds that slice of the state ``S [BLOCK_P, N]`` in fp32 registers and walks
-its sequence ``CHUNK`` tokens at a time. Per chunk it builds the running sum
-``c`` of ``dt A`` (``tl.cumsum``), the masked quadratic form
+walks its sequence ``CHUNK`` tokens at a time. Per chunk it builds the running
+sum ``c`` of ``dt A`` (``tl.cumsum``), the masked quadratic form
 ``(C B^T) * exp(c_l - c_s) * dt_s`` (``[CHUNK, CHUNK]``), and writes
-``y = form @ x + exp(c) * (C @ S^T) + D x``; then moves the state to the
-chunk's end, ``S = exp(c_last) S + (x * dt * exp(c_last - c))^T @ B``. So the
-chunk-to-chunk recurrence stays in registers and the whole scan is one launch,
-with no intermediate chunk states in memory. The price: the chunks of one
-sequence are walked one after another, so parallelism is over sequences,
-heads and head-dim tiles only (H * P / BLOCK_P programs per sequence: 48 to
-256 for the published Mamba2 sizes, H = 24..128, P = 64); mamba_ssm's
-five-kernel split also parallelizes over chunks, which matters for one very
-long prompt. The kernel's chunk is the model's ``chunk_size`` clamped to a
-power of two in [16, 64]: the result is the same sum, only rounded
-differently, and a [CHUNK, CHUNK] fp32 tile beyond 64 would spill.
+``y = form @ x + exp(c) * (C @ S^T) + D x``; and moves the state to the
+chunk's end, ``S = exp(c_last) S + (x * dt * exp(c_last - c))^T @ B``. The
+program's slice of the state, ``S [BLOCK_P, N]`` fp32, lives in its own rows
+of the final state (the initial state copied there first, or already there
+with a pool): per chunk, a loop over the state lanes ``BLOCK_N`` at a time
+loads those columns of ``S``, B and C, accumulates ``C B^T`` and ``C S^T``
+over them, moves the columns to the chunk's end and stores them back.
+Barriers order every thread's read of a column before its overwrite, and a
+chunk's writes before the next chunk's reads; the slice is the program's
+alone, so the round trips stay in L1/L2. Why not the whole slice in
+registers (the first version): products over all N = 128 lanes at once
+spilled on sm_80 and sm_90 (Triton 3.7.1, ``make gpu-compile``): 0.3-5 KB
+in fp16/bf16 at CHUNK 64, and 0.5-13.5 KB in fp32 at every chunk, whose
+exact (``ieee``) products run on the CUDA cores and hold a whole N of
+operands per thread.
+The whole scan is one launch, with no intermediate chunk states in memory.
+The price: the chunks of one sequence are walked one after another, so
+parallelism is over sequences, heads and head-dim tiles only (H * P /
+BLOCK_P programs per sequence: 96 to 512 for the published Mamba2 sizes,
+H = 24..128, P = 64); mamba_ssm's five-kernel split also parallelizes over
+chunks, which matters for one very long prompt. The kernel's chunk is the
+model's ``chunk_size`` clamped to a power of two in [16, 64]: the result is
+the same sum, only rounded differently, and a [CHUNK, CHUNK] fp32 tile
+beyond 64 would spill.
 
-Launch sizes (not yet measured on a GPU): BLOCK_P at most 32 and 8 warps
-from N = 128 (Mamba2's state size) keep the fp32 tiles of one program
-(B and C chunks, the state slice, the form) near 100 registers a thread.
+Launch sizes per architecture and input width: ``SCAN_TABLE``, chosen so
+that every configuration ``make gpu-compile`` builds (N = 64 / 128, chunks
+16 / 32 / 64) compiles without spills on sm_80 and sm_90; not yet timed on a
+GPU (nor whether software pipelining, ``num_stages`` > 1, would pay).
 
 Sequences are flattened along dim 0 (``cu_seqlens``); a chunk never crosses a
 sequence start, and its tail past the sequence end is masked with dt = 0.
@@ -39,9 +52,8 @@ State update: one program per (sequence, head, head-dim tile); no dot products.
 
 State slots (``state_indices``, semantics in ``ssd_ref``): the kernels offset the
 pool by ``slot * stride`` where they would offset a per-batch state by
-``sequence * stride``; nothing is gathered or copied. The scan then reads its
-initial state from the slot and writes the final one over it, after a barrier
-(so no thread of the program can still be reading it).
+``sequence * stride``; nothing is gathered or copied. The scan then walks its
+state in the slot itself.
 """
 
 from __future__ import annotations
@@ -51,11 +63,21 @@ import math
 import torch
 import triton
 import triton.language as tl
-from lmplug_attention.attn_ops import dot_precision
+from lmplug_attention.attn_ops import arch_entry, dot_precision
 from lmplug_attention.conv1d_ref import check_state_indices
 
-MIN_CHUNK, MAX_CHUNK = 16, 64
-MAX_BLOCK_P = 32
+from lmplug.interfaces.devices import capability
+
+MIN_CHUNK = 16
+# the scan's launch sizes per architecture (``attn_ops.arch_entry``) and input width (16-bit / fp32):
+# (largest CHUNK, BLOCK_P, BLOCK_N, num_warps); None: the interpreter, whose BLOCK_N of 16 walks the
+# state lanes in tiles
+SCAN_TABLE: dict[tuple[int, int] | None, dict[str, tuple[int, int, int, int]]] = {
+    None: {"16-bit": (64, 32, 16, 4), "fp32": (64, 32, 16, 4)},
+    (8, 0): {"16-bit": (64, 16, 32, 8), "fp32": (64, 16, 32, 4)},
+    (9, 0): {"16-bit": (64, 16, 32, 8), "fp32": (64, 16, 32, 4)},
+}
+UPDATE_BLOCK_P = 32  # head dims per program of the state update, which holds all N state lanes
 
 
 @triton.jit
@@ -102,24 +124,27 @@ def _ssd_chunk_scan_kernel(
     offs_n = tl.arange(0, BLOCK_N)
     offs_l = tl.arange(0, CHUNK)
     mask_p = offs_p < head_dim
-    mask_n = offs_n < state_size
-    mask_pn = mask_p[:, None] & mask_n[None, :]
     group = head // heads_per_group
     bos = tl.load(cu_ptr + seq).to(tl.int64)
     eos = tl.load(cu_ptr + seq + 1).to(tl.int64)
     A = tl.load(A_ptr + head).to(tl.float32)
-    if HAS_D:
-        D = tl.load(D_ptr + head).to(tl.float32)
+    # the program's state slice [BLOCK_P, N] lives in its rows of the final state
+    state_ptrs = (final_ptr + row * stride_fb + head * stride_fh + offs_p[:, None] * stride_fp
+                  + offs_n[None, :] * stride_fn)
 
-    state_offs = offs_p[:, None] * stride_ip + offs_n[None, :] * stride_in
-    if HAS_INIT:
-        state = tl.load(init_ptr + row * stride_ib + head * stride_ih + state_offs, mask=mask_pn,
-                        other=0.0).to(tl.float32)  # [BLOCK_P, BLOCK_N]
-    else:
-        state = tl.zeros([BLOCK_P, BLOCK_N], dtype=tl.float32)
+    if not HAS_INDICES:  # with indices the initial state already is the final one (in place)
+        for n0 in range(0, state_size, BLOCK_N):
+            mask_pn = mask_p[:, None] & (n0 + offs_n < state_size)[None, :]
+            if HAS_INIT:
+                tile = tl.load(init_ptr + row * stride_ib + head * stride_ih + offs_p[:, None] * stride_ip
+                               + (n0 + offs_n)[None, :] * stride_in, mask=mask_pn, other=0.0)
+            else:
+                tile = tl.zeros([BLOCK_P, BLOCK_N], dtype=tl.float32)
+            tl.store(state_ptrs + n0 * stride_fn, tile, mask=mask_pn)
     causal = offs_l[:, None] >= offs_l[None, :]
 
     for start in range(bos, eos, CHUNK):
+        tl.debug_barrier()  # the state tiles written before (other threads' stores) are visible
         t = start + offs_l
         mask_t = t < eos
         dt = tl.load(dt_ptr + t * stride_dtt + head * stride_dth, mask=mask_t, other=0.0).to(tl.float32)
@@ -129,31 +154,32 @@ def _ssd_chunk_scan_kernel(
         total = tl.sum(dt * A, axis=0)
         x = tl.load(x_ptr + t[:, None] * stride_xt + head * stride_xh + offs_p[None, :] * stride_xp,
                     mask=mask_t[:, None] & mask_p[None, :], other=0.0).to(tl.float32)  # [CHUNK, BLOCK_P]
-        mask_tn = mask_t[:, None] & mask_n[None, :]
-        b = tl.load(B_ptr + t[:, None] * stride_bt + group * stride_bg + offs_n[None, :] * stride_bn,
-                    mask=mask_tn, other=0.0).to(tl.float32)  # [CHUNK, BLOCK_N]
-        c = tl.load(C_ptr + t[:, None] * stride_ct + group * stride_cg + offs_n[None, :] * stride_cn,
-                    mask=mask_tn, other=0.0).to(tl.float32)
-
-        # inside the chunk: (C_l . B_s) exp(c_l - c_s) dt_s for s <= l
-        scores = tl.dot(c, tl.trans(b), input_precision=PRECISION)  # [CHUNK (l), CHUNK (s)]
+        weighted = x * (dt * tl.exp(total - cum))[:, None]  # how each token enters the chunk's end state
+        scores = tl.zeros([CHUNK, CHUNK], dtype=tl.float32)
+        y_state = tl.zeros([CHUNK, BLOCK_P], dtype=tl.float32)
+        # over the state lanes BLOCK_N at a time: C B^T, C S^T with the chunk's start state, and
+        # the state's columns moved to the chunk's end
+        for n0 in range(0, state_size, BLOCK_N):
+            mask_n = n0 + offs_n < state_size
+            mask_tn = mask_t[:, None] & mask_n[None, :]
+            b = tl.load(B_ptr + t[:, None] * stride_bt + group * stride_bg + (n0 + offs_n)[None, :] * stride_bn,
+                        mask=mask_tn, other=0.0).to(tl.float32)  # [CHUNK, BLOCK_N]
+            c = tl.load(C_ptr + t[:, None] * stride_ct + group * stride_cg + (n0 + offs_n)[None, :] * stride_cn,
+                        mask=mask_tn, other=0.0).to(tl.float32)
+            mask_pn = mask_p[:, None] & mask_n[None, :]
+            state = tl.load(state_ptrs + n0 * stride_fn, mask=mask_pn, other=0.0)  # [BLOCK_P, BLOCK_N]
+            scores += tl.dot(c, tl.trans(b), input_precision=PRECISION)  # [CHUNK (l), CHUNK (s)]
+            y_state += tl.dot(c, tl.trans(state), input_precision=PRECISION)
+            state = state * tl.exp(total) + tl.dot(tl.trans(weighted), b, input_precision=PRECISION)
+            tl.debug_barrier()  # every thread's read of these columns is done before they are overwritten
+            tl.store(state_ptrs + n0 * stride_fn, state, mask=mask_pn)
+        # inside the chunk: (C_l . B_s) exp(c_l - c_s) dt_s for s <= l; and from the chunk's start state
         decay = tl.exp(tl.where(causal, cum[:, None] - cum[None, :], float("-inf")))
-        scores = scores * decay * dt[None, :]
-        y = tl.dot(scores, x, input_precision=PRECISION)
-        # from the chunk's start state
-        y += tl.exp(cum)[:, None] * tl.dot(c, tl.trans(state), input_precision=PRECISION)
+        y = tl.dot(scores * decay * dt[None, :], x, input_precision=PRECISION) + tl.exp(cum)[:, None] * y_state
         if HAS_D:
-            y += D * x
+            y += tl.load(D_ptr + head).to(tl.float32) * x
         tl.store(y_ptr + t[:, None] * stride_yt + head * stride_yh + offs_p[None, :],
                  y.to(y_ptr.dtype.element_ty), mask=mask_t[:, None] & mask_p[None, :])
-        # the state at the chunk's end
-        weighted = x * (dt * tl.exp(total - cum))[:, None]  # [CHUNK, BLOCK_P]
-        state = state * tl.exp(total) + tl.dot(tl.trans(weighted), b, input_precision=PRECISION)
-
-    if HAS_INDICES:
-        tl.debug_barrier()  # the final state overwrites the initial one: all reads of it are done
-    tl.store(final_ptr + row * stride_fb + head * stride_fh + offs_p[:, None] * stride_fp
-             + offs_n[None, :] * stride_fn, state, mask=mask_pn)
 
 
 @triton.jit
@@ -227,14 +253,12 @@ def _state_check(state: torch.Tensor | None, batch: int, x: torch.Tensor, state_
                          f"{list(state.shape)}")
 
 
-def _block_p(head_dim: int) -> int:
-    return max(16, min(MAX_BLOCK_P, triton.next_power_of_2(head_dim)))
+def _block_p(head_dim: int, largest: int) -> int:
+    return max(16, min(largest, triton.next_power_of_2(head_dim)))
 
 
-def _meta(state_size: int, D: torch.Tensor | None, dt_bias: torch.Tensor | None, dt_softplus: bool) -> dict:
-    block_n = max(16, triton.next_power_of_2(state_size))
-    return {"BLOCK_N": block_n, "num_warps": 8 if block_n >= 128 else 4, "HAS_D": D is not None,
-            "HAS_DT_BIAS": dt_bias is not None, "DT_SOFTPLUS": dt_softplus}
+def _flags(D: torch.Tensor | None, dt_bias: torch.Tensor | None, dt_softplus: bool) -> dict:
+    return {"HAS_D": D is not None, "HAS_DT_BIAS": dt_bias is not None, "DT_SOFTPLUS": dt_softplus}
 
 
 def ssd_chunk_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
@@ -260,7 +284,9 @@ def ssd_chunk_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.
     result = None if state_indices is not None else final
     if batch == 0:
         return y, result
-    block_p = _block_p(head_dim)
+    entry = arch_entry(SCAN_TABLE, capability(x.device))["fp32" if x.dtype == torch.float32 else "16-bit"]
+    max_chunk, block_p, block_n, num_warps = entry
+    block_p = _block_p(head_dim, block_p)
     init = initial_state if initial_state is not None else final  # not read without HAS_INIT
     grid = (batch, num_heads, triton.cdiv(head_dim, block_p))
     _ssd_chunk_scan_kernel[grid](
@@ -269,9 +295,10 @@ def ssd_chunk_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.
         float(dt_limit[0]), float(dt_limit[1]), num_heads // num_groups, head_dim, state_size,
         *x.stride(), *dt.stride(), *B.stride(), *C.stride(), *init.stride(), y.stride(0), y.stride(1),
         *final.stride(),
-        CHUNK=max(MIN_CHUNK, min(MAX_CHUNK, triton.next_power_of_2(chunk_size))), BLOCK_P=block_p,
-        HAS_INIT=initial_state is not None, HAS_INDICES=state_indices is not None,
-        PRECISION=dot_precision(x.dtype), **_meta(state_size, D, dt_bias, dt_softplus),
+        CHUNK=max(MIN_CHUNK, min(max_chunk, triton.next_power_of_2(chunk_size))), BLOCK_P=block_p,
+        BLOCK_N=min(block_n, max(16, triton.next_power_of_2(state_size))), HAS_INIT=initial_state is not None,
+        HAS_INDICES=state_indices is not None, PRECISION=dot_precision(x.dtype), num_warps=num_warps,
+        num_stages=1, **_flags(D, dt_bias, dt_softplus),
     )
     return y, result
 
@@ -291,13 +318,15 @@ def ssd_state_update(state: torch.Tensor, x: torch.Tensor, dt: torch.Tensor, A: 
     y = torch.empty_like(x, memory_format=torch.contiguous_format)
     if batch == 0:
         return y
-    block_p = _block_p(head_dim)
+    block_p = _block_p(head_dim, UPDATE_BLOCK_P)
+    block_n = max(16, triton.next_power_of_2(state_size))
     grid = (batch, num_heads, triton.cdiv(head_dim, block_p))
     _ssd_state_update_kernel[grid](
         state, state_indices if state_indices is not None else y, x, dt, A, B, C, D if D is not None else A,
         dt_bias if dt_bias is not None else A, y,
         float(dt_limit[0]), float(dt_limit[1]), num_heads // num_groups, head_dim, state_size,
         *state.stride(), *x.stride(), *dt.stride(), *B.stride(), *C.stride(), y.stride(0), y.stride(1),
-        BLOCK_P=block_p, HAS_INDICES=state_indices is not None, **_meta(state_size, D, dt_bias, dt_softplus),
+        BLOCK_P=block_p, BLOCK_N=block_n, HAS_INDICES=state_indices is not None,
+        num_warps=8 if block_n >= 128 else 4, **_flags(D, dt_bias, dt_softplus),
     )
     return y

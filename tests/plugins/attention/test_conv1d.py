@@ -91,11 +91,13 @@ def test_update_steps_equal_prefill_and_transformers():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("lens,channels,width", [([1, 5, 20], 70, 4), ([3, 0, 17], 24, 2), ([2, 9], 12, 5)])
+@pytest.mark.parametrize("lens,channels,width", [([1, 5, 20], 70, 4), ([3, 0, 17], 24, 2), ([2, 9], 12, 5),
+                                                 ([30, 7, 40], 20, 4)])
 @pytest.mark.parametrize("carried", [False, True])
 def test_kernel_equals_reference(lens, channels, width, carried, dtype, kernel_device):
-    """Tiles straddling sequences, sequences shorter than K-1 or empty, channels past one tile; x a strided
-    view (a slice of a wider projection, as Mamba2 splits its xBC)."""
+    """Tiles straddling sequences (77 tokens: several token tiles), sequences shorter than K-1 or
+    empty, channels past one tile; x a strided view (a slice of a wider projection, as Mamba2 splits
+    its xBC)."""
     x, weight, bias, state = (t.to(kernel_device, dtype) for t in inputs(lens, channels + 3, width))
     x, weight, bias, state = x[:, 2:channels + 2], weight[:channels], bias[:channels], state[:, :channels]
     cu = cu_of(lens).to(kernel_device, torch.int64 if carried else torch.int32)  # both index types

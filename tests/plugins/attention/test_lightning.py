@@ -205,9 +205,11 @@ def test_decode_steps_equal_prefill(ops):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, bf16_param()])
-@pytest.mark.parametrize("heads, head_k, head_v, block_size", [(2, 16, 16, None), (3, 12, 40, 32)])
+@pytest.mark.parametrize("heads, head_k, head_v, block_size",
+                         [(2, 16, 16, None), (3, 12, 40, 32), (2, 40, 24, None)])
 def test_triton_prefill_equals_reference(dtype, heads, head_k, head_v, block_size, kernel_device):
-    """Heads not powers of two, Dk != Dv, value tiles, a zero-length sequence, a carried state."""
+    """Heads not powers of two, Dk != Dv, value tiles, key lanes in tiles (Dk 40: the interpreter's 16
+    lanes at a time, the last tile partial), a zero-length sequence, a carried state."""
     lens = [19, 0, 33, 1]
     q, k, v = random_qkv(sum(lens), heads, head_k, head_v, dtype)
     slope = lightning_ref.lightning_slopes(heads, 1, 5)

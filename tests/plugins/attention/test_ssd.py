@@ -167,6 +167,7 @@ def strided(inp: dict, device: str, dtype: torch.dtype) -> dict:
     ([1, 17, 30], 4, 8, 2, 16, 16),
     ([9, 0, 24], 2, 20, 1, 12, 8),  # an empty sequence; head_dim and state past a power of two
     ([40], 2, 72, 2, 8, 32),  # three head-dim tiles, the last one partial
+    ([7, 26], 2, 16, 1, 40, 16),  # state lanes in tiles (the interpreter's 16 at a time), the last partial
 ])
 def test_chunk_scan_kernel_equals_reference(lens, heads, head_dim, groups, state, chunk_size, dtype,
                                             kernel_device):
