@@ -26,20 +26,9 @@ import time
 from pathlib import Path
 
 import torch
+from bench_prefix_cache import ttft  # the same add-to-first-token clock
 
-from lmplug import LLM, SamplingParams
-
-
-def ttft(llm: LLM, request_id: str, prompt: list[int]) -> tuple[float, int]:
-    """Seconds from adding the request to its first token, and the prompt tokens computed."""
-    engine = llm.engine
-    started = time.perf_counter()
-    engine.add_request(request_id, prompt, SamplingParams(temperature=0, max_tokens=1))
-    computed = 0
-    while engine.has_unfinished_requests():
-        engine.step()
-        computed += engine.last_stats["num_prefill_tokens"]
-    return time.perf_counter() - started, computed
+from lmplug import LLM
 
 
 def build(args, connector: dict | None) -> LLM:
