@@ -42,7 +42,7 @@ from lmplug.interfaces.sequence import Sequence, SequenceStatus
 class ContinuousOptions(SchedulerOptions):
     policy: Literal["fcfs", "priority"] = Field(
         default="fcfs", description="fcfs: arrival order; priority: lower `priority` value first, then arrival")
-    chunked_prefill: bool = Field(default=True, description="split long prompts across steps")
+    chunked_prefill: bool = Field(default=True, description="split long prompts across steps (false: max_num_batched_tokens must be >= max_model_len)")
     preemption: Literal["recompute", "swap"] = Field(
         default="recompute", description="what a preempted sequence loses: recompute = its K/V (computed "
                                          "again on return); swap = nothing (K/V copied out and back)")
@@ -113,6 +113,12 @@ class ContinuousScheduler(RunningBatch):
             raise ConfigError(f"scheduler: continuous: preemption: swap needs a kvcache backend with the "
                               f"'swap' feature; {kv.name!r} has {sorted(kv.capabilities.features)}: use "
                               "`kvcache: paged` or `preemption: recompute`")
+        if not options.chunked_prefill and limits.max_num_batched_tokens < limits.max_model_len:
+            # a whole prompt (or a preempted sequence's whole recompute) must fit one step's budget
+            raise ConfigError(f"scheduler: continuous: chunked_prefill: false needs max_num_batched_tokens "
+                              f"({limits.max_num_batched_tokens}) >= the context limit max_model_len "
+                              f"({limits.max_model_len}): raise scheduler.max_num_batched_tokens, lower "
+                              "max_model_len, or set chunked_prefill: true")
         super().__init__(options, kv, limits)
         self.waiting = _Waiting(options.policy == "priority")
         self.num_preemptions = 0

@@ -71,10 +71,9 @@ def test_greedy_speculation_equals_plain_greedy(model, reference, case):
         assert engine.scheduler.num_preemptions > 0
 
 
-def test_drafts_are_cut_to_the_budget_without_chunked_prefill(model, reference):
+def test_drafts_are_cut_to_the_budget(model, reference):
     """A budget below 1 + k: the decode still runs, with the drafts that fit."""
-    engine = make_engine(model.path, ORACLE, scheduler={
-        "backend": "continuous", "max_num_batched_tokens": 3, "chunked_prefill": False})
+    engine = make_engine(model.path, ORACLE, scheduler={"backend": "continuous", "max_num_batched_tokens": 3})
     outs = run(engine, PROMPTS[:1], GREEDY, max_steps=100)
     assert outs[0].token_ids == reference[0]
     assert engine.speculator.num_drafted > 0

@@ -99,3 +99,16 @@ def test_budgets_respected_every_step(model, prompts):
     sched.schedule = checked
     while engine.has_unfinished_requests():
         engine.step()
+
+
+def test_unchunked_budget_below_the_context_is_refused_at_load(model, prompts, alone):
+    """Without chunked prefill a prompt longer than the budget could never be admitted: the
+    config is refused naming the option, and a budget that holds the context runs."""
+    from lmplug import LLM
+    from lmplug.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="max_num_batched_tokens .*64.* max_model_len .*256"):
+        LLM(str(model.path), device="cpu", dtype="float32", max_model_len=256,
+            scheduler={"backend": "continuous", "max_num_batched_tokens": 64, "chunked_prefill": False})
+    outs = continuous(model, budget=256, chunked_prefill=False).generate(prompts, GREEDY)
+    assert [o.token_ids for o in outs] == alone
