@@ -12,7 +12,7 @@ decoder's.
 Tensor parallelism: every rank holds its heads' state in its own pool, but only rank 0's KV cache
 hands out slots (zeroing each one it takes); the other ranks see the slots in the step's context.
 So under tensor parallelism each rank zeroes the slots of the sequences a step starts
-(``zero_fresh_states``); on one process nothing is added to a step.
+(``state_layers.zero_fresh_states``); on one process nothing is added to a step.
 """
 
 from __future__ import annotations
@@ -28,19 +28,8 @@ from lmplug.interfaces.quant import QuantMethod
 from lmplug.interfaces.state import ATTENTION, StateSpec, cache_indices
 from lmplug.interfaces.step import StepContext
 from lmplug.models.moe import MoEForCausalLM
+from lmplug.models.state_layers import zero_fresh_states
 from lmplug.parallel import ParallelState
-
-
-def zero_fresh_states(pools: list[dict[str, torch.Tensor]], ctx: StepContext) -> None:
-    """Zero, in every state pool, the slots of the sequences this step starts (no context before
-    their first chunk: a new sequence, or one recomputed after preemption)."""
-    fresh = [i for i, (new, total) in enumerate(zip(ctx.query_lens_cpu, ctx.seq_lens_cpu)) if new == total]
-    if not fresh or ctx.state_slots is None:
-        return
-    slots = ctx.state_slots[fresh].long()
-    for layer in pools:
-        for tensor in layer.values():
-            tensor.index_fill_(0, slots, 0)
 
 
 class HybridForCausalLM(MoEForCausalLM):

@@ -21,7 +21,7 @@ share one), out_proj split by rows (one all-reduce). in_proj's rank columns are 
 checkpoint tensor ([z | x | B | C | dt]), the conv's rows three ([x | B | C]): ``RangeShard``. A
 norm group (I/G channels) spread over N/G ranks sums its squares over them (one all-reduce). The
 vocabulary is split as in the Llama family. Each rank zeroes the state slots of the sequences a
-step starts (``hybrid.zero_fresh_states``: only rank 0's KV cache hands slots out).
+step starts (``state_layers.zero_fresh_states``: only rank 0's KV cache hands slots out).
 """
 
 from __future__ import annotations
@@ -39,10 +39,9 @@ from lmplug.interfaces.model_config import ModelConfig
 from lmplug.interfaces.quant import QuantMethod
 from lmplug.interfaces.state import MAMBA2, StateSpec, StateTensor
 from lmplug.interfaces.step import StepContext
-from lmplug.models.hybrid import zero_fresh_states
 from lmplug.models.layers import Linear, RMSNorm
 from lmplug.models.parallel_layers import embedding, row_linear
-from lmplug.models.state_layers import StateRows, run_split
+from lmplug.models.state_layers import StateRows, run_split, zero_fresh_states
 from lmplug.parallel import ParallelState, single
 from lmplug.parallel.sharding import Ranges, RangeShard
 

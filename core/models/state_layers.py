@@ -30,12 +30,30 @@ class StateRows:
 
     @staticmethod
     def of(ctx: StepContext) -> StateRows:
+        """The step's split, made by the first state layer that asks and kept on ``ctx``."""
+        rows = ctx.__dict__.get("_state_rows")
+        if rows is not None:
+            return rows
         if ctx.state_slots is None:
             raise RuntimeError("a model with state layers ran a step without state slots "
                                "(the KV cache keeps no per-sequence state)")
         n = ctx.num_decodes
         cu = ctx.cu_query_lens[n:]
-        return StateRows(n, ctx.state_slots[:n], ctx.state_slots[n:], cu - cu[0])
+        rows = ctx.__dict__["_state_rows"] = StateRows(n, ctx.state_slots[:n], ctx.state_slots[n:], cu - cu[0])
+        return rows
+
+
+def zero_fresh_states(pools: list[dict[str, torch.Tensor]], ctx: StepContext) -> None:
+    """Zero, in every state pool, the slots of the sequences this step starts (no context before
+    their first chunk: a new sequence, or one recomputed after preemption). Tensor-parallel
+    workers call it: only rank 0's KV cache zeroes a slot when it hands it out."""
+    fresh = [i for i, (new, total) in enumerate(zip(ctx.query_lens_cpu, ctx.seq_lens_cpu)) if new == total]
+    if not fresh or ctx.state_slots is None:
+        return
+    slots = ctx.state_slots[fresh].long()
+    for layer in pools:
+        for tensor in layer.values():
+            tensor.index_fill_(0, slots, 0)
 
 
 def run_split(rows: StateRows, decode: Callable[[slice], torch.Tensor],
