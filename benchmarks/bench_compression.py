@@ -1,13 +1,15 @@
 """Prompt compression's quality and speed on a seeded long-context retrieval set.
 
-    python benchmarks/bench_compression.py [--items 200] [--context-tokens 2000] [--rates 0.5 0.33]
+    python benchmarks/bench_compression.py [--items 200] [--context-tokens 2048] [--rates 0.5 0.33]
                                            [--methods truncate selective llmlingua] [--seed 0]
+                                           [--scorer MODEL]
 
 Each item is a chat with one user message: distractor paragraphs (seeded filler sentences, plus
 decoy facts about other doors), one planted fact ("The access code for the <color> <thing> is
 <4 digits>.") at a random paragraph, and a final question asking for that code (the final
-paragraph: protected). The target is the engine's default config (the demo model); the scorers
-are the target model itself (the default: ``compression.scorer`` unset).
+paragraph: protected), ``--context-tokens`` target tokens in all. The target is the engine's
+default config (the demo model); the scorer is the target model itself unless ``--scorer`` names
+another (``compression.scorer``).
 
 For the full prompt and each method at each rate: accuracy (the code appears in the greedy
 answer), mean KL(full || compressed) of the answer tokens' distributions (the full prompt's
@@ -35,12 +37,13 @@ THINGS = ["door", "gate", "locker", "vault", "safe", "cabinet", "hatch", "chest"
 FILLER = ["The committee reviewed the quarterly figures and agreed to postpone the decision", "Rain fell over the valley for most of the afternoon, and the river rose slowly", "Several visitors asked about the history of the old mill near the bridge", "The library extended its opening hours during the examination period", "A new bakery opened on the corner and quickly drew a loyal crowd", "The engineers replaced the worn bearings before the next inspection", "Most of the orchard was harvested before the first frost arrived", "The choir practiced twice a week in the hall behind the school", "Traffic was diverted while the crews repaired the northern road", "The museum acquired a collection of maps drawn by a local surveyor."]
 
 
-def make_item(rng: random.Random, context_tokens: int) -> tuple[str, str]:
-    """(user message, the code): ~``context_tokens`` tokens of paragraphs, then the question."""
+def make_item(rng: random.Random, context_tokens: int, count=len) -> tuple[str, str]:
+    """(user message, the code): paragraphs, then the question, ~``context_tokens`` tokens by
+    ``count`` (the target's token counter; the default counts characters)."""
     color, thing = rng.choice(COLORS), rng.choice(THINGS)
     code = f"{rng.randint(1000, 9999)}"
-    paragraphs = []
-    for _ in range(max(2, context_tokens // 75)):  # a paragraph of 4 filler sentences is ~75 tokens
+    paragraphs: list[str] = []
+    while len(paragraphs) < 2 or count("\n\n".join(paragraphs)) < context_tokens - 60:  # facts, question
         paragraphs.append(". ".join(rng.sample(FILLER, 4)).rstrip(".") + ".")
     for _ in range(3):  # decoys: other doors, other codes
         c, t = rng.choice([x for x in COLORS if x != color]), rng.choice(THINGS)
@@ -77,17 +80,21 @@ def kl(p: dict[int, float], q: dict[int, float]) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--items", type=int, default=200)
-    ap.add_argument("--context-tokens", type=int, default=2000)
+    ap.add_argument("--context-tokens", type=int, default=2048)
     ap.add_argument("--rates", type=float, nargs="+", default=[0.5, 0.33])
     ap.add_argument("--methods", nargs="+", default=["truncate", "selective", "llmlingua"])
     ap.add_argument("--max-tokens", type=int, default=20)
     ap.add_argument("--kl-top", type=int, default=20)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--scorer", default=None, help="the scoring model (default: the target's own)")
     args = ap.parse_args()
     print(f"load average: {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
-    llm = LLM(max_model_len=max(2048, args.context_tokens + 256))
+    scorer = {} if args.scorer is None else {"scorer": args.scorer}
+    llm = LLM(max_model_len=max(2048, args.context_tokens + 256),
+              compression={"method": args.methods[0], **scorer})
     rng = random.Random(args.seed)
-    items = [make_item(rng, args.context_tokens) for _ in range(args.items)]
+    count = llm.compressor.count_tokens
+    items = [make_item(rng, args.context_tokens, count) for _ in range(args.items)]
     configs = [("full", None, None)] + [(m, m, r) for r in args.rates for m in args.methods]
     greedy = SamplingParams(temperature=0, max_tokens=args.max_tokens)
     warm = [{"role": "user", "content": make_item(random.Random(-1), 200)[0]}]

@@ -160,6 +160,14 @@ def split_text(text: str, protect: Sequence[str], final_question: bool = True) -
     return [Segment(text[a:b], flag) for flag, a, b in _runs(marks)]
 
 
+def final_paragraph(text: str) -> str | None:
+    """The final question ``split_text`` protects: the text's last paragraph, stripped."""
+    body = text.rstrip()
+    breaks = list(_BLANK_LINE.finditer(body))
+    question = body[breaks[-1].end() if breaks else 0:].strip()
+    return question or None
+
+
 def _runs(marks: list[bool]) -> list[tuple[bool, int, int]]:
     runs, start = [], 0
     for k in range(1, len(marks) + 1):
@@ -256,7 +264,7 @@ class PromptCompressor:
         compressor, protect = self.settle(params)
         _check_protect(protect, [prompt])
         segments = split_text(prompt, protect)
-        result, seconds, fallback = self._run(compressor, segments)
+        result, seconds, fallback = self._run(compressor, segments, final_paragraph(prompt))
         text = prompt if result is None else result.text
         before = len(self.engine.tokenizer.encode(prompt))
         after = before if result is None else len(self.engine.tokenizer.encode(text))
@@ -283,7 +291,8 @@ class PromptCompressor:
                 parts = split_text(content, protect, final_question=k == last_user)
             segments.extend(parts)
             owners.extend([k] * len(parts))
-        result, seconds, fallback = self._run(compressor, segments)
+        question = None if last_user is None else final_paragraph(contents[last_user])
+        result, seconds, fallback = self._run(compressor, segments, question)
         out = [dict(m) if isinstance(m, dict) else m for m in messages]
         if result is not None:
             new = {k: "" for k in owners}
@@ -296,11 +305,11 @@ class PromptCompressor:
         after = before if result is None else len(tok.chat_ids(out, add_generation_prompt=True, **template_kwargs))
         return out, self._report(compressor, before, after, seconds, fallback)
 
-    def _run(self, compressor: Compressor, segments: list[Segment]
+    def _run(self, compressor: Compressor, segments: list[Segment], question: str | None
              ) -> tuple[CompressionResult | None, float, str | None]:
         """The method's result (None: fell back), its seconds, and why it fell back."""
         scorer = self.scorer(compressor)  # a scorer that cannot load is an error, not a fallback
-        request = CompressionInput(tuple(segments), compressor.options.rate, self.count_tokens)
+        request = CompressionInput(tuple(segments), compressor.options.rate, self.count_tokens, question)
         started = time.perf_counter()
         try:
             result = compressor.compress(request, scorer)

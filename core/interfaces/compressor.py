@@ -55,11 +55,14 @@ class Segment:
 @dataclass(frozen=True)
 class CompressionInput:
     """What a compressor gets: the segments in order, the target rate (compressed / original
-    unprotected target tokens) and the target tokenizer's counter (no special tokens)."""
+    unprotected target tokens), the target tokenizer's counter (no special tokens) and, when the
+    core split one off, the final question's text (also in a protected segment; question-aware
+    methods condition their scores on it)."""
 
     segments: tuple[Segment, ...]
     rate: float
     count_tokens: Callable[[str], int]
+    question: str | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "segments", tuple(self.segments))

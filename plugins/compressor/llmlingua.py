@@ -4,15 +4,23 @@ Accelerated Inference of Large Language Models", EMNLP 2023, arXiv:2310.05736).
 The method, as built here (protected segments play the paper's instruction and question, kept whole):
 
 1. Budget controller (coarse). The unprotected text splits into paragraphs (the paper's
-   demonstrations). When ``coarse_factor * rate < 1``, each paragraph's perplexity under the
-   scorer ranks it, and paragraphs are kept, highest perplexity first, until they hold
-   ``coarse_factor * rate`` of the unprotected tokens; the rest go whole.
-2. Iterative token-level compression (fine). What is left is cut into chunks of ``chunk_tokens``
-   scorer tokens. Chunk by chunk, in prompt order, each token's ``-log p`` is computed *given the
-   already-compressed prompt before it* (its last ``context_tokens`` tokens: protected text as
-   is, earlier chunks as compressed), and the chunk keeps only tokens above a threshold chosen so
-   the chunk meets its share of the remaining budget (the lowest-perplexity, most predictable
-   tokens go first).
+   demonstrations). When ``coarse_factor * rate < 1``, paragraphs are ranked and kept, best
+   first, until they hold ``coarse_factor * rate`` of the unprotected tokens; the rest go whole.
+   The rank is the paragraph's perplexity under the scorer (LLMLingua), or, when the request has
+   a final question and ``question_aware`` is on, how likely the paragraph makes that question:
+   the mean ``log p(question token | paragraph, question so far)`` (the question-aware coarse
+   ranking of LongLLMLingua: Jiang, Wu, Luo, Li, Lin, Yang and Qiu, 2023, "LongLLMLingua:
+   Accelerating and Enhancing LLMs in Long Context Scenarios via Prompt Compression",
+   arXiv:2310.06839). Kept paragraphs stay in prompt order.
+2. Iterative token-level compression (fine). Each kept paragraph is cut into chunks of
+   ``chunk_tokens`` scorer tokens. Chunk by chunk, in prompt order, each token's ``-log p`` is
+   computed *given the already-compressed prompt before it* (its last ``context_tokens`` tokens:
+   protected text as is, earlier chunks as compressed), and the chunk keeps only tokens above a
+   threshold chosen so the chunk meets its paragraph's rate (the lowest-perplexity, most
+   predictable tokens go first). Every paragraph gets the same rate, except with the
+   question-aware ranking: then, as LongLLMLingua's dynamic compression ratio, the rate falls
+   linearly with the paragraph's rank, from 1 for the most relevant paragraph (kept whole) down,
+   the slope chosen so the kept paragraphs together meet the budget.
 3. The cut is then settled once over the whole prompt (``fit_drop``, same order) so the achieved
    rate, in target-model tokens, lands on the target despite seams between chunks and a scorer
    tokenizer that may differ from the target's.
@@ -36,8 +44,10 @@ from lmplug.interfaces.compressor import (
 
 
 class LLMLinguaOptions(CompressorOptions):
-    coarse_factor: float = Field(default=2.0, ge=1, description="the budget controller keeps paragraphs "
+    coarse_factor: float = Field(default=1.5, ge=1, description="the budget controller keeps paragraphs "
                                  "holding coarse_factor * rate of the unprotected tokens (>= 1 / rate: off)")
+    question_aware: bool = Field(default=True, description="rank paragraphs by how likely they make the final "
+                                 "question (LongLLMLingua) when the request has one; false: by perplexity")
     chunk_tokens: int = Field(default=200, ge=8, le=4096, description="scorer tokens per iterative chunk")
     context_tokens: int = Field(default=128, ge=0, le=4096, description="compressed tokens before a chunk "
                                 "that condition its scores")
@@ -52,57 +62,109 @@ class LLMLingua(Compressor):
         if scorer is None:
             raise ValueError("llmlingua needs a scorer")
         count, budget = request.count_tokens, request.budget()
-        kept_text = self._coarse(request, scorer, budget)
+        kept_paras, ranked = self._coarse(request, scorer, budget)
+        rates = _fine_rates([count(p) for ps in kept_paras if ps is not None for p in ps], budget, ranked)
         pieces: list[list[str]] = []
         dropped: list[tuple[float, int, int]] = []  # (nll, segment, piece) the chunks dropped
         kept: list[tuple[float, int, int]] = []
-        unprotected = sum(count(t) for t in kept_text if t is not None)
-        fine_rate = min(1.0, budget / unprotected) if unprotected else 1.0
         prefix: list[int] = []
-        for i, (segment, text) in enumerate(zip(request.segments, kept_text)):
-            ids, toks = scorer.pieces(segment.text if text is None else text)
-            pieces.append([] if text is None else toks)
-            if text is None:
-                prefix.extend(ids)
+        for i, (segment, paras) in enumerate(zip(request.segments, kept_paras)):
+            if paras is None:
+                prefix.extend(scorer.tokenize(segment.text))
+                pieces.append([])
                 continue
-            size = self.options.chunk_tokens
-            for start in range(0, len(ids), size):
-                chunk_ids, chunk_toks = ids[start:start + size], toks[start:start + size]
-                context = prefix[-self.options.context_tokens:] if self.options.context_tokens else []
-                lps = scorer.token_logprobs(context + chunk_ids)[len(context):]
-                nll = [-lp for lp in lps]
-                if not context and nll and lps[0] == 0.0:  # unconditioned first token: nothing known
-                    nll[0] = math.inf
-                order = sorted(range(len(chunk_ids)), key=lambda k: (nll[k], k))
-                chunk_budget = round(fine_rate * count("".join(chunk_toks)))
-                (keep,) = fit_drop([chunk_toks], [(0, k) for k in order], chunk_budget, count)
-                for k, ok in enumerate(keep):
-                    (kept if ok else dropped).append((nll[k], i, start + k))
-                prefix.extend(t for t, ok in zip(chunk_ids, keep) if ok)
+            seg_pieces: list[str] = []
+            for para in paras:
+                rate = rates.pop(0)
+                ids, toks = scorer.pieces(para)
+                offset = len(seg_pieces)
+                seg_pieces.extend(toks)
+                for start in range(0, len(ids), self.options.chunk_tokens):
+                    chunk = slice(start, start + self.options.chunk_tokens)
+                    keep, nll = self._fine_chunk(scorer, prefix, ids[chunk], toks[chunk], rate, count)
+                    for k, ok in enumerate(keep):
+                        (kept if ok else dropped).append((nll[k], i, offset + start + k))
+                    prefix.extend(t for t, ok in zip(ids[chunk], keep) if ok)
+            pieces.append(seg_pieces)
         order = [(i, j) for _, i, j in sorted(dropped)] + [(i, j) for _, i, j in sorted(kept)]
         keep_all = fit_drop(pieces, order, budget, count)
-        texts = [None if t is None else "".join(p for p, ok in zip(pieces[i], keep_all[i]) if ok)
-                 for i, t in enumerate(kept_text)]
+        texts = [None if paras is None else "".join(p for p, ok in zip(pieces[i], keep_all[i]) if ok)
+                 for i, paras in enumerate(kept_paras)]
         return assemble(request, texts)
 
-    def _coarse(self, request: CompressionInput, scorer: Scorer, budget: int) -> list[str | None]:
-        """Per segment: None (protected) or its text after the budget controller."""
+    def _fine_chunk(self, scorer: Scorer, prefix: list[int], ids: list[int], toks: list[str], rate: float,
+                    count) -> tuple[list[bool], list[float]]:
+        """Which tokens of one chunk stay at ``rate``, and each token's ``-log p`` given the
+        compressed prefix (a chunk at rate 1 is kept whole without being scored)."""
+        if rate >= 1:
+            return [True] * len(ids), [math.inf] * len(ids)
+        context = prefix[-self.options.context_tokens:] if self.options.context_tokens else []
+        lps = scorer.token_logprobs(context + ids)[len(context):]
+        nll = [-lp for lp in lps]
+        if not context and nll and lps[0] == 0.0:  # unconditioned first token: nothing known
+            nll[0] = math.inf
+        order = sorted(range(len(ids)), key=lambda k: (nll[k], k))
+        (keep,) = fit_drop([toks], [(0, k) for k in order], round(rate * count("".join(toks))), count)
+        return keep, nll
+
+    def _coarse(self, request: CompressionInput, scorer: Scorer, budget: int
+                ) -> tuple[list[list[str] | None], list[int] | None]:
+        """Per segment: None (protected) or the paragraphs the budget controller keeps, in order;
+        and, when paragraphs were ranked by the question, each kept paragraph's rank (0: best)."""
         texts = [None if s.protected else s.text for s in request.segments]
-        target = self.options.coarse_factor * budget
-        paras = [(i, p) for i, t in enumerate(texts) if t for p in paragraphs(t)]
+        split = [None if t is None else paragraphs(t) for t in texts]
+        paras = [(i, p) for i, ps in enumerate(split) if ps for p in ps]
         total = sum(request.count_tokens(p) for _, p in paras)
-        if len(paras) < 2 or target >= total:
-            return texts
-        scored = scorer.token_logprobs_batch([scorer.tokenize(p) for _, p in paras])
-        ppl = [-sum(lps) / len(lps) if lps else 0.0 for lps in scored]
+        target = self.options.coarse_factor * budget
+        question = request.question if self.options.question_aware else None
+        if len(paras) < 2 or (target >= total and question is None) or budget >= total:
+            return split, None
+        score = self._relevance(scorer, [p for _, p in paras], question)
+        by_rank = sorted(range(len(paras)), key=lambda k: (-score[k], k))
         chosen, have = set(), 0
-        for k in sorted(range(len(paras)), key=lambda k: (-ppl[k], k)):
+        for k in by_rank:
             if have >= target:
                 break
             chosen.add(k)
             have += request.count_tokens(paras[k][1])
-        out = [None if t is None else "" for t in texts]
+        out: list[list[str] | None] = [None if t is None else [] for t in texts]
         for k, (i, p) in enumerate(paras):
             if k in chosen:
-                out[i] += p
-        return out
+                out[i].append(p)
+        rank = {k: r for r, k in enumerate(k for k in by_rank if k in chosen)}
+        return out, [rank[k] for k in sorted(chosen)] if question else None
+
+    def _relevance(self, scorer: Scorer, paras: list[str], question: str | None) -> list[float]:
+        """Per paragraph, higher = keep first: the question's mean log-probability after it
+        (question-aware), else the paragraph's own perplexity (mean negative log-probability)."""
+        if question:
+            q = scorer.tokenize(question)
+            heads = [scorer.tokenize(p.rstrip() + "\n\n") for p in paras]
+            scored = scorer.token_logprobs_batch([h + q for h in heads])
+            return [sum(lps[len(h):]) / len(q) if q else 0.0 for h, lps in zip(heads, scored)]
+        scored = scorer.token_logprobs_batch([scorer.tokenize(p) for p in paras])
+        return [-sum(lps) / len(lps) if lps else 0.0 for lps in scored]
+
+
+def _fine_rates(sizes: list[int], budget: int, ranked: list[int] | None) -> list[float]:
+    """Each kept paragraph's token-level rate: one rate for all, or (``ranked``) 1 for rank 0
+    falling linearly with rank, clipped at 0, the slope found by bisection so that the
+    paragraphs' kept tokens add up to ``budget``."""
+    total = sum(sizes)
+    if not total or budget >= total:
+        return [1.0] * len(sizes)
+    if ranked is None or len(sizes) < 2:
+        return [budget / total] * len(sizes)
+    last = max(ranked)
+
+    def rates(slope: float) -> list[float]:
+        return [min(1.0, max(0.0, 1.0 - slope * r / last)) for r in ranked]
+
+    lo, hi = 0.0, float(len(sizes))  # slope len(sizes) keeps only rank 0 (and < total tokens)
+    for _ in range(50):
+        mid = (lo + hi) / 2
+        if sum(r * n for r, n in zip(rates(mid), sizes)) > budget:
+            lo = mid
+        else:
+            hi = mid
+    return rates(hi)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from typing import ClassVar
 
 import pytest
 import torch
@@ -107,7 +108,35 @@ class FakePlugin:
 
     @hookimpl
     def lmplug_register_compressors(self):
-        return [Broken, Mangler]
+        return [Broken, Mangler, Recorder]
+
+
+class Recorder(Compressor):
+    """Keeps everything; remembers the question each request came with."""
+
+    name = "recorder"
+    questions: ClassVar[list] = []
+
+    def compress(self, request, scorer):
+        from lmplug.interfaces.compressor import CompressionResult
+        Recorder.questions.append(request.question)
+        n = sum(request.count_tokens(s.text) for s in request.segments if not s.protected)
+        return CompressionResult(request.segments, n, n)
+
+
+def test_methods_get_the_final_question(llm, monkeypatch):
+    registry = Registry()
+    assert registry.register(FakePlugin(), name="fake")
+    monkeypatch.setattr(llm.compressor, "registry", registry)
+    Recorder.questions.clear()
+    llm.compressor.compress_text(PROMPT + "\n", {"method": "recorder"})
+    chat = [{"role": "system", "content": "Be brief.\n\nVery."},
+            {"role": "user", "content": "ctx one\n\n  Which one? "},
+            {"role": "assistant", "content": "One.\n\nSure?"}]
+    # the tiny model has no chat template: count the rendered chat's tokens without one
+    monkeypatch.setattr(llm.compressor.engine.tokenizer, "chat_ids", lambda messages, **_: [0] * len(messages))
+    llm.compressor.compress_messages(chat, {"method": "recorder"})
+    assert Recorder.questions == [QUESTION, "Which one?"]
 
 
 def test_failing_compressor_falls_back_to_the_full_prompt(llm, caplog, monkeypatch):
