@@ -25,7 +25,7 @@ run: $(STAMP)
 # tests/conftest.py turns TRITON_INTERPRET=1 on only where no CUDA GPU is visible
 test: $(STAMP)
 	$(VENV)/bin/lint-imports
-	$(PY) -m pytest -q -m "not slow"
+	$(PY) -m pytest -q -m "not slow" --durations=40 --durations-min=5
 
 test-all: $(STAMP)
 	$(VENV)/bin/lint-imports

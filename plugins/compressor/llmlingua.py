@@ -44,7 +44,7 @@ from lmplug.interfaces.compressor import (
 
 
 class LLMLinguaOptions(CompressorOptions):
-    coarse_factor: float = Field(default=1.5, ge=1, description="the budget controller keeps paragraphs "
+    coarse_factor: float = Field(default=2.0, ge=1, description="the budget controller keeps paragraphs "
                                  "holding coarse_factor * rate of the unprotected tokens (>= 1 / rate: off)")
     question_aware: bool = Field(default=True, description="rank paragraphs by how likely they make the final "
                                  "question (LongLLMLingua) when the request has one; false: by perplexity")
