@@ -86,6 +86,7 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=20)
     ap.add_argument("--kl-top", type=int, default=20)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--report-every", type=int, default=10, help="print the table every N items, and at the end")
     ap.add_argument("--scorer", default=None, help="the scoring model (default: the target's own)")
     args = ap.parse_args()
     print(f"load average: {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
@@ -126,8 +127,14 @@ def main() -> None:
                 dists = answer_dists(llm, sent, full_answer, args.kl_top)
                 s["kl"].append(statistics.fmean(kl(p, q) for p, q in zip(full_dists, dists)))
         print(f"item {n + 1}/{len(items)} done ({time.perf_counter() - started:.0f} s)", flush=True)
+        if (n + 1) % args.report_every == 0 or n + 1 == len(items):
+            report(stats, n + 1, args)
+
+
+def report(stats: dict, done: int, args: argparse.Namespace) -> None:
+    """The table over the first ``done`` items (printed every ``--report-every`` items)."""
     full_acc = statistics.fmean(stats["full"]["ok"])
-    print(f"\n{len(items)} items, ~{args.context_tokens} context tokens, seed {args.seed}, "
+    print(f"\n{done} items, ~{args.context_tokens} context tokens, seed {args.seed}, "
           f"load average now {os.getloadavg()[0]:.1f}")
     print(f"{'config':<16} {'accuracy':>8} {'vs full':>8} {'KL':>7} {'tokens':>7} {'TTFT s':>7} {'comp s':>7}")
     for key, s in stats.items():
@@ -135,8 +142,7 @@ def main() -> None:
         rel = f"{acc / full_acc:.0%}" if full_acc else "-"
         print(f"{key:<16} {acc:>8.0%} {rel:>8} {statistics.fmean(s['kl']):>7.3f} "
               f"{statistics.fmean(s['tokens']):>7.0f} {statistics.fmean(s['ttft']):>7.2f} "
-              f"{statistics.fmean(s['comp']):>7.2f}")
-
+              f"{statistics.fmean(s['comp']):>7.2f}", flush=True)
 
 if __name__ == "__main__":
     main()

@@ -100,11 +100,10 @@ def test_filters_shape_both_distributions(params):
     if params.needs_filtering:  # the filter removed tokens and left a choice
         assert (expected == 0).sum() >= 2 and (expected > 0).sum() >= 2
     gen = torch.Generator().manual_seed(4)
-    counts = torch.zeros(8)
-    for _ in range(6000):
-        draft = [draw(q[0], gen)]
-        verdict = verify_batch(target_logits, [2], [params], [draft], [q], [gen])[0]
-        counts[verdict.tokens[0]] += 1
+    n = 6000  # as many sequences in one batch, each with one draft and the same logits
+    drafts = [[draw(q[0], gen)] for _ in range(n)]
+    verdicts = verify_batch(target_logits.repeat(n, 1), [2] * n, [params] * n, drafts, [q] * n, [gen] * n)
+    counts = torch.bincount(torch.tensor([v.tokens[0] for v in verdicts]), minlength=8).float()
     assert chi_square_pvalue(counts, expected) > ALPHA
 
 
