@@ -128,10 +128,10 @@ def main() -> None:
                 s["kl"].append(statistics.fmean(kl(p, q) for p, q in zip(full_dists, dists)))
         print(f"item {n + 1}/{len(items)} done ({time.perf_counter() - started:.0f} s)", flush=True)
         if (n + 1) % args.report_every == 0 or n + 1 == len(items):
-            report(stats, n + 1, args)
+            print_table(stats, n + 1, args)
 
 
-def report(stats: dict, done: int, args: argparse.Namespace) -> None:
+def print_table(stats: dict, done: int, args: argparse.Namespace) -> None:
     """The table over the first ``done`` items (printed every ``--report-every`` items)."""
     full_acc = statistics.fmean(stats["full"]["ok"])
     print(f"\n{done} items, ~{args.context_tokens} context tokens, seed {args.seed}, "
