@@ -68,43 +68,58 @@ class LLMLingua(Compressor):
         dropped: list[tuple[float, int, int]] = []  # (nll, segment, piece) the chunks dropped
         kept: list[tuple[float, int, int]] = []
         prefix: list[int] = []
+        next_para = 0
         for i, (segment, paras) in enumerate(zip(request.segments, kept_paras)):
             if paras is None:
                 prefix.extend(scorer.tokenize(segment.text))
                 pieces.append([])
                 continue
-            seg_pieces: list[str] = []
+            ids: list[int] = []
+            toks: list[str] = []
+            owner: list[int] = []  # each token's paragraph (an index into ``rates``)
             for para in paras:
-                rate = rates.pop(0)
-                ids, toks = scorer.pieces(para)
-                offset = len(seg_pieces)
-                seg_pieces.extend(toks)
-                for start in range(0, len(ids), self.options.chunk_tokens):
-                    chunk = slice(start, start + self.options.chunk_tokens)
-                    keep, nll = self._fine_chunk(scorer, prefix, ids[chunk], toks[chunk], rate, count)
-                    for k, ok in enumerate(keep):
-                        (kept if ok else dropped).append((nll[k], i, offset + start + k))
-                    prefix.extend(t for t, ok in zip(ids[chunk], keep) if ok)
-            pieces.append(seg_pieces)
+                para_ids, para_toks = scorer.pieces(para)
+                ids += para_ids
+                toks += para_toks
+                owner += [next_para] * len(para_ids)
+                next_para += 1
+            for start in range(0, len(ids), self.options.chunk_tokens):
+                chunk = slice(start, start + self.options.chunk_tokens)
+                keep, nll = self._fine_chunk(scorer, prefix, ids[chunk], toks[chunk], owner[chunk], rates, count)
+                for k, ok in enumerate(keep):
+                    (kept if ok else dropped).append((nll[k], i, start + k))
+                prefix.extend(t for t, ok in zip(ids[chunk], keep) if ok)
+            pieces.append(toks)
         order = [(i, j) for _, i, j in sorted(dropped)] + [(i, j) for _, i, j in sorted(kept)]
         keep_all = fit_drop(pieces, order, budget, count)
         texts = [None if paras is None else "".join(p for p, ok in zip(pieces[i], keep_all[i]) if ok)
                  for i, paras in enumerate(kept_paras)]
         return assemble(request, texts)
 
-    def _fine_chunk(self, scorer: Scorer, prefix: list[int], ids: list[int], toks: list[str], rate: float,
-                    count) -> tuple[list[bool], list[float]]:
-        """Which tokens of one chunk stay at ``rate``, and each token's ``-log p`` given the
-        compressed prefix (a chunk at rate 1 is kept whole without being scored)."""
-        if rate >= 1:
+    def _fine_chunk(self, scorer: Scorer, prefix: list[int], ids: list[int], toks: list[str], owner: list[int],
+                    rates: list[float], count) -> tuple[list[bool], list[float]]:
+        """Which tokens of one chunk stay, and each token's ``-log p`` given the compressed prefix
+        (and the chunk's tokens before it). The chunk is scored once; each paragraph's part of it
+        keeps its paragraph's rate (a chunk whose paragraphs all have rate 1 is not scored)."""
+        if all(rates[p] >= 1 for p in owner):
             return [True] * len(ids), [math.inf] * len(ids)
         context = prefix[-self.options.context_tokens:] if self.options.context_tokens else []
         lps = scorer.token_logprobs(context + ids)[len(context):]
         nll = [-lp for lp in lps]
         if not context and nll and lps[0] == 0.0:  # unconditioned first token: nothing known
             nll[0] = math.inf
-        order = sorted(range(len(ids)), key=lambda k: (nll[k], k))
-        (keep,) = fit_drop([toks], [(0, k) for k in order], round(rate * count("".join(toks))), count)
+        keep = [True] * len(ids)
+        for para in dict.fromkeys(owner):  # each paragraph's run of the chunk, in order
+            where = [k for k, p in enumerate(owner) if p == para]
+            if rates[para] >= 1:  # kept whole, and the last to go when the cut is settled
+                for k in where:
+                    nll[k] = math.inf
+                continue
+            part = [toks[k] for k in where]
+            order = sorted(range(len(where)), key=lambda k: (nll[where[k]], k))
+            (flags,) = fit_drop([part], [(0, k) for k in order], round(rates[para] * count("".join(part))), count)
+            for k, ok in zip(where, flags):
+                keep[k] = ok
         return keep, nll
 
     def _coarse(self, request: CompressionInput, scorer: Scorer, budget: int
