@@ -148,9 +148,8 @@ def split_text(text: str, protect: Sequence[str], final_question: bool = True) -
     each ``protect`` string protected, the rest not."""
     marks = [False] * len(text)
     if final_question:
-        body = text.rstrip()
-        breaks = list(_BLANK_LINE.finditer(body))
-        for k in range(breaks[-1].start() if breaks else 0, len(text)):  # with the blank line before it
+        last = _last_blank_line(text)
+        for k in range(last.start() if last else 0, len(text)):  # with the blank line before it
             marks[k] = True
     for span in protect:
         start = text.find(span)
@@ -162,10 +161,14 @@ def split_text(text: str, protect: Sequence[str], final_question: bool = True) -
 
 def final_paragraph(text: str) -> str | None:
     """The final question ``split_text`` protects: the text's last paragraph, stripped."""
-    body = text.rstrip()
-    breaks = list(_BLANK_LINE.finditer(body))
-    question = body[breaks[-1].end() if breaks else 0:].strip()
-    return question or None
+    last = _last_blank_line(text)
+    return text[last.end() if last else 0:].strip() or None
+
+
+def _last_blank_line(text: str) -> re.Match | None:
+    """The blank line before ``text``'s last paragraph (trailing whitespace is not one)."""
+    breaks = list(_BLANK_LINE.finditer(text.rstrip()))
+    return breaks[-1] if breaks else None
 
 
 def _runs(marks: list[bool]) -> list[tuple[bool, int, int]]:

@@ -3,8 +3,8 @@
 A state layer runs its mixer ops (``lmplug.interfaces.mixer``) twice per step at most: once over
 the decode rows (one token each, the step's first ``num_decodes`` sequences and tokens, the
 ``*_update`` ops) and once over the other rows (prefill and chunked-prefill chunks, the ``*_scan``
-ops, each chunk starting from the state its slot carries). ``StateRows`` is that split, made once
-per step by the model and handed to every state layer.
+ops, each chunk starting from the state its slot carries). ``StateRows`` is that split: the first
+state layer of a step builds it (``StateRows.of``) and keeps it on the step's context for the rest.
 """
 
 from __future__ import annotations

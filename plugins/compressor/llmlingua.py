@@ -12,12 +12,12 @@ The method, as built here (protected segments play the paper's instruction and q
    ranking of LongLLMLingua: Jiang, Wu, Luo, Li, Lin, Yang and Qiu, 2023, "LongLLMLingua:
    Accelerating and Enhancing LLMs in Long Context Scenarios via Prompt Compression",
    arXiv:2310.06839). Kept paragraphs stay in prompt order.
-2. Iterative token-level compression (fine). Each kept paragraph is cut into chunks of
-   ``chunk_tokens`` scorer tokens. Chunk by chunk, in prompt order, each token's ``-log p`` is
-   computed *given the already-compressed prompt before it* (its last ``context_tokens`` tokens:
-   protected text as is, earlier chunks as compressed), and the chunk keeps only tokens above a
-   threshold chosen so the chunk meets its paragraph's rate (the lowest-perplexity, most
-   predictable tokens go first). Every paragraph gets the same rate, except with the
+2. Iterative token-level compression (fine). What is left is cut into chunks of ``chunk_tokens``
+   scorer tokens (a chunk may span paragraphs). Chunk by chunk, in prompt order, each token's
+   ``-log p`` is computed *given the already-compressed prompt before it* (its last
+   ``context_tokens`` tokens: protected text as is, earlier chunks as compressed), and each
+   paragraph's part of the chunk keeps only tokens above a threshold chosen so that part meets
+   its paragraph's rate (the lowest-perplexity, most predictable tokens go first). Every paragraph gets the same rate, except with the
    question-aware ranking: then, as LongLLMLingua's dynamic compression ratio, the rate falls
    linearly with the paragraph's rank, from 1 for the most relevant paragraph (kept whole) down,
    the slope chosen so the kept paragraphs together meet the budget.
