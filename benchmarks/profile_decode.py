@@ -10,7 +10,8 @@ steps timed without the profiler (tokens/s, wall and process CPU ms per token: o
 loaded machine the CPU time moves less than the wall time), then the same number under
 ``torch.profiler``. From the profile, per token: the ATen calls (every ``aten::`` event, nested
 ones included, and the top-level ones), and the time inside the kernels, matrix products
-(``aten::mm`` / ``addmm`` / ``bmm`` / the packed int GEMMs / the GGUF kernel, self time) and attention (the
+(``aten::mm`` / ``addmm`` / ``bmm`` / the packed int GEMMs / the GGUF kernel, its bound products
+timed through a ``record_function`` put around them here, self time) and attention (the
 attention backend's C kernel, timed through a ``record_function`` put around it here, and
 torch's SDPA kernels). "Outside the kernels" is one minus kernel time over the *unprofiled*
 ms per token (the profiler slows the Python and dispatch between ops, not the kernels).
@@ -34,7 +35,7 @@ import torch
 # self time of these ops is "matrix product" time (float, packed-int and low-precision GEMMs)
 MATMUL_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::_int_mm",
               "aten::_weight_int4pack_mm", "aten::_weight_int4pack_mm_for_cpu", "aten::_weight_int8pack_mm",
-              "aten::_scaled_mm", "aten::mkldnn_linear", "lmplug_quant::gguf_mul_mat")
+              "aten::_scaled_mm", "aten::mkldnn_linear", "lmplug_quant::gguf_mul_mat", "native::gguf_mul_mat")
 ATTENTION_OPS = ("aten::_scaled_dot_product_flash_attention_for_cpu", "aten::_flash_attention_forward",
                  "native::attention_decode")
 PROMPT = list(range(100, 132))
@@ -62,6 +63,23 @@ def time_the_native_attention() -> None:
             return original(self, *a, **kw)
 
     paged_native.NativeKernel.decode = decode
+
+
+def time_the_bound_products() -> None:
+    """Wrap the GGUF layers' bound C products (``gguf_native.BoundProduct``: the eager hot path
+    calls them through ctypes, not through the registered op) in a ``record_function``, so
+    their time counts as matrix-product time."""
+    try:
+        from lmplug_quant import gguf_native
+    except ImportError:
+        return
+    original = gguf_native.BoundProduct.__call__
+
+    def call(self, x):
+        with torch.profiler.record_function("native::gguf_mul_mat"):
+            return original(self, x)
+
+    gguf_native.BoundProduct.__call__ = call
 
 
 class Decoder:
@@ -160,6 +178,7 @@ def main() -> None:
     print(f"load average before: {' '.join(f'{x:.2f}' for x in os.getloadavg())}  "
           f"(cores: {os.cpu_count()})")
     time_the_native_attention()
+    time_the_bound_products()
     from lmplug.models import fused_cpu
 
     llm = build_llm(args)

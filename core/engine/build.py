@@ -24,7 +24,7 @@ from lmplug.interfaces import (
 from lmplug.interfaces.acceptance import AcceptanceRule
 from lmplug.interfaces.constraint import ConstraintBackend, ConstraintTokenizer
 from lmplug.interfaces.model_config import ModelConfig
-from lmplug.interfaces.quant import Unquantized
+from lmplug.interfaces.quant import QuantMethod, Unquantized
 from lmplug.loading import open_source
 from lmplug.loading.identity import model_identity
 from lmplug.loading.memory import check_fits
@@ -78,6 +78,20 @@ def peek_model_config(resolved: ResolvedConfig) -> tuple[ModelConfig, str]:
     source = open_source(resolve_model(resolved.config.model))
     architecture_for(source.hf_config.get("model_type"))
     return ModelConfig.from_hf(source.hf_config, config_file(source)), str(source.path)
+
+
+# a CPU step of at most this many tokens (batch-1 decode, a few sequences' decodes, a verify)
+# runs torch's small ops on one thread when the products have threads of their own
+SMALL_STEP_TOKENS = 16
+
+
+def small_step_tokens(quant: QuantMethod, device: torch.device, parallel: ParallelState) -> int:
+    """The runner's ``small_step_tokens``: ``SMALL_STEP_TOKENS`` where the quant method's
+    products split across their own threads on this CPU (``QuantMethod.own_threads``; one
+    process: tensor-parallel slices are dense), else 0."""
+    if device.type != "cpu" or parallel.is_parallel or not quant.own_threads(device):
+        return 0
+    return SMALL_STEP_TOKENS
 
 
 def build_engine_parts(resolved: ResolvedConfig, parallel: ParallelState | None = None,
@@ -134,7 +148,8 @@ def build_engine_parts(resolved: ResolvedConfig, parallel: ParallelState | None 
     scheduler = backends["scheduler"].cls(sched_opts, kv, limits)
     # group: rank 0's handle on the tensor-parallel workers (``lmplug.parallel.launch``), if any
     runner = ModelRunner(model, kv, device, parallel=group, short_query_tokens=attention.short_query_tokens,
-                         keep_hidden=drafter is not None and drafter.uses_hidden_states)
+                         keep_hidden=drafter is not None and drafter.uses_hidden_states,
+                         small_step_tokens=small_step_tokens(quant, device, parallel))
     if drafter is not None:
         drafter.setup(draft_target(model, model_config, kv, source.tokenizer, device, dtype,
                                    max_model_len, sched_opts.max_num_seqs, attention,

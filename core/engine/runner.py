@@ -9,11 +9,13 @@ from lmplug.interfaces.kvcache import KVCacheBackend
 from lmplug.interfaces.runner import StepResult
 from lmplug.interfaces.scheduler import ScheduledSeq
 from lmplug.interfaces.step import StepContext
+from lmplug.interfaces.threads import small_ops_single_threaded
 
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, kv: KVCacheBackend, device: torch.device,
-                 parallel=None, *, short_query_tokens: int = 0, keep_hidden: bool = False) -> None:
+                 parallel=None, *, short_query_tokens: int = 0, keep_hidden: bool = False,
+                 small_step_tokens: int = 0) -> None:
         self.model = model
         self.parallel = parallel  # rank 0 of a tensor-parallel group (``lmplug.parallel.launch``)
         self.kv = kv
@@ -22,6 +24,9 @@ class ModelRunner:
         # this many tokens before longer ones
         self.short_query_tokens = short_query_tokens
         self.keep_hidden = keep_hidden  # return the final hidden states behind the logits (Medusa)
+        # a step of at most this many tokens runs with torch on one thread
+        # (``lmplug.interfaces.threads``: the quant method's products keep their own threads); 0: never
+        self.small_step_tokens = small_step_tokens
         model.bind_kv([kv.layer_view(i) for i in range(kv.spec.num_layers)])
         if kv.spec.states:  # state layers read their pools through ``ctx.state_slots``
             model.bind_states([kv.state_view(i) for i in range(len(kv.spec.states))])
@@ -118,6 +123,13 @@ class ModelRunner:
         """The forward over the step's tokens, then logits for each group of rows (a slice or
         a list of row indices). Tensor-parallel workers call it with rank 0's inputs; their
         logits are None (gathered on rank 0)."""
+        if input_ids.shape[0] <= self.small_step_tokens:
+            with small_ops_single_threaded():
+                return self._forward(input_ids, ctx, groups)
+        return self._forward(input_ids, ctx, groups)
+
+    def _forward(self, input_ids: torch.Tensor, ctx: StepContext,
+                 groups: list) -> tuple[list[torch.Tensor | None], torch.Tensor]:
         hidden = self.model(input_ids, ctx.positions, ctx)  # [T, h]
         return [self.model.compute_logits(hidden[where]) for where in groups], hidden
 

@@ -100,6 +100,14 @@ class QuantMethod(ABC):
         packed tensors, tensor-parallel slices). Default: dense tensors only."""
         return False
 
+    def own_threads(self, device: torch.device) -> bool:
+        """True: on ``device`` (a CPU) this method's products split across
+        ``lmplug.interfaces.threads.compute_threads()`` threads of a pool of its own, not
+        torch's intra-op threads; the engine then runs a step of few tokens with torch on one
+        thread (``small_ops_single_threaded``), which its small ops run faster on. Default:
+        False (the products are torch's, and need its threads)."""
+        return False
+
     def embedding(self, layer: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
         """Rows ``ids`` of ``layer``'s weight ``[out, in]`` as ``[len(ids), in]`` floats: the
         lookup of a token embedding held by this method (see ``takes_packed``)."""

@@ -38,6 +38,8 @@ class SdpaStepMetadata:
     without a window: SDPA then runs unmasked)."""
 
     masks: list[torch.Tensor | None]
+    # each sequence's first cache block (a Python int, read once a step, not once a layer)
+    first_blocks: list[int]
 
 
 class SdpaAttention(AttentionBackend):
@@ -57,17 +59,22 @@ class SdpaAttention(AttentionBackend):
             tree = ctx.query_masks.get(i)
             plain = tree is None and self.sliding_window is None and qlen in (1, seq_len)
             masks.append(None if plain else causal_mask(qlen, seq_len, self.sliding_window, device, tree))
-        return SdpaStepMetadata(masks)
+        return SdpaStepMetadata(masks, ctx.block_tables[:, 0].tolist() if ctx.block_tables.shape[-1] else [])
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv: KVLayerView, ctx: StepContext) -> torch.Tensor:
         meta: SdpaStepMetadata = ctx.metadata_for(self, kv)
         write_kv(kv, k, v, ctx.slot_mapping)
+        seq_lens = ctx.seq_lens_cpu
+        if len(seq_lens) == 1 and q.shape[0] == 1 and meta.masks[0] is None:  # batch-1 decode
+            ctx_k, ctx_v = context_kv(kv.k_cache, kv.v_cache, ctx.block_tables[0], seq_lens[0],
+                                      kv.k_scale, kv.v_scale, q.dtype, meta.first_blocks[0])
+            return self._decode(q[0], ctx_k, ctx_v)[None]
         out = torch.empty_like(q)
         start = 0
-        for i, (qlen, seq_len) in enumerate(zip(ctx.query_lens_cpu, ctx.seq_lens_cpu)):
+        for i, (qlen, seq_len) in enumerate(zip(ctx.query_lens_cpu, seq_lens)):
             ctx_k, ctx_v = context_kv(kv.k_cache, kv.v_cache, ctx.block_tables[i], seq_len,
-                                      kv.k_scale, kv.v_scale, q.dtype)
+                                      kv.k_scale, kv.v_scale, q.dtype, meta.first_blocks[i])
             qi = q[start:start + qlen]
             if meta.masks[i] is None and qlen == 1:
                 out[start] = self._decode(qi[0], ctx_k, ctx_v)
@@ -109,14 +116,15 @@ def write_kv(kv: KVLayerView, k: torch.Tensor, v: torch.Tensor, slot_mapping: to
 
 def context_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int,
                k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
-               dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+               dtype: torch.dtype | None = None, first_block: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """One sequence's cached K and V, [seq_len, Hkv, D] each, through its block table [max_blocks]
-    (a view when it fits one block and is not quantized; quantized K/V are dequantized to ``dtype``)."""
+    (a view when it fits one block and is not quantized; quantized K/V are dequantized to ``dtype``).
+    ``first_block``: ``block_table[0]`` where the caller has it as an int already."""
     if seq_len > k_cache.shape[1]:
         table = block_table[None]
         return (gather_context(k_cache, table, seq_len, k_scale, dtype)[0],
                 gather_context(v_cache, table, seq_len, v_scale, dtype)[0])
-    b = int(block_table[0])
+    b = int(block_table[0]) if first_block is None else first_block
     k, v = k_cache[b, :seq_len], v_cache[b, :seq_len]
     if k_scale is None:
         return k, v

@@ -72,6 +72,10 @@ class GGUFQuant(QuantMethod):
     def takes_packed(self, device: torch.device) -> bool:
         return not self.options.dequantize_at_load and torch.device(device).type == "cpu"
 
+    def own_threads(self, device: torch.device) -> bool:
+        """The native kernel's thread pool does the products (dense fallbacks aside)."""
+        return self._native is not None and self.takes_packed(device)
+
     def create_weights(self, layer, in_features, out_features, dtype, bias):
         # a placeholder the loader addresses by name; the shards arrive through load_shard
         layer.weight = torch.nn.Parameter(torch.empty(0, dtype=torch.uint8), requires_grad=False)
@@ -79,6 +83,7 @@ class GGUFQuant(QuantMethod):
                       if bias else None)
         layer.gguf_shards = {}  # output offset -> PackedTensor or dense tensor
         layer.gguf_runs = None  # after loading: [(ggml type or None for dense, buffer name, rows)]
+        layer.gguf_calls = None  # after loading, where the native kernel reads every run: their products
 
     def load_shard(self, layer, param_name, tensor, shard_offset, shard_size):
         if param_name != "weight":
@@ -107,6 +112,17 @@ class GGUFQuant(QuantMethod):
             data = run.data if packed else run.float()  # dense pieces of a mixed layer: float32
             layer.register_buffer(f"gguf_w{i}", data, persistent=False)
             layer.gguf_runs.append((run.ggml_type if packed else None, f"gguf_w{i}", run.shape[0]))
+        layer.gguf_calls = self._bind(layer)
+
+    def _bind(self, layer) -> list | None:
+        """The native products of the layer's runs, checked once (``gguf_native.BoundProduct``),
+        when the kernel reads every run's type; None: ``apply`` takes the op path."""
+        native = self._native
+        if native is None or any(kind not in native.SUPPORTED for kind, _, _ in layer.gguf_runs):
+            return None
+        kernel = native.load()
+        return [native.BoundProduct(kernel, getattr(layer, buf), kind, layer.in_features)
+                for kind, buf, _ in layer.gguf_runs]
 
     @staticmethod
     def _usable(piece):
@@ -123,6 +139,13 @@ class GGUFQuant(QuantMethod):
     def apply(self, layer, x):
         if layer.gguf_runs is None:
             return F.linear(x, layer.weight, layer.bias)
+        calls = layer.gguf_calls
+        # the eager hot path (a decode step's 2-D float32 rows): straight to the bound kernels;
+        # traced / compiled code and every other input take the registered op below
+        if (calls is not None and x.dtype == torch.float32 and x.dim() == 2 and x.is_contiguous()
+                and x.is_cpu and not torch.compiler.is_compiling()):
+            y = calls[0](x) if len(calls) == 1 else torch.cat([call(x) for call in calls], dim=-1)
+            return y if layer.bias is None else y.add_(layer.bias)
         xf = x.reshape(-1, x.shape[-1]).float().contiguous()
         outs = [self._matmul(getattr(layer, buf), kind, xf, layer.in_features)
                 for kind, buf, _ in layer.gguf_runs]

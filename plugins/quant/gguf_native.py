@@ -14,7 +14,8 @@ x86-64 (the cache key still holds the CPU's flags, as for every native kernel).
 ``available()`` says whether it builds here, and why not (logged once); a caller then keeps
 its PyTorch path.
 
-Environment: ``LMPLUG_GGUF_THREADS`` (default ``torch.get_num_threads()``) and
+Environment: ``LMPLUG_GGUF_THREADS`` (default ``lmplug.interfaces.threads.compute_threads()``:
+torch's thread count, also inside a step whose small ops the engine keeps on one thread) and
 ``LMPLUG_GGUF_ISA`` = ``auto`` (default) | ``generic`` (the portable C kernels) | ``avx2``.
 Results do not depend on the thread count; the portable and AVX2 kernels differ only in the
 order of float additions.
@@ -33,6 +34,7 @@ import torch
 from lmplug.interfaces import native_build
 from lmplug.interfaces.native_build import NativeBuildError
 from lmplug.interfaces.paths import cache_dir
+from lmplug.interfaces.threads import compute_threads
 
 logger = logging.getLogger(__name__)
 
@@ -126,10 +128,50 @@ class GGUFKernel:
         return out
 
 
+class BoundProduct:
+    """``x @ dequantize(w)^T`` for one weight, checked once: the decode hot path of a linear
+    layer (``GGUFQuant.apply`` calls it for every linear layer of every step, 121 times a token
+    on the demo model, where the per-call checks, the op dispatch and the environment look-ups
+    of ``mul_mat`` cost more than a small layer's product). ``LMPLUG_GGUF_ISA`` and
+    ``LMPLUG_GGUF_THREADS`` are read when it is bound (the model's load); the thread count
+    otherwise follows ``lmplug.interfaces.threads.compute_threads()`` at each call (torch's
+    thread count, also while the engine keeps torch's small ops on one thread)."""
+
+    __slots__ = ("_fn", "ggml_type", "isa", "k", "n", "stride", "threads", "w")
+
+    def __init__(self, kernel: GGUFKernel, w: torch.Tensor, ggml_type: int, k: int) -> None:
+        size = row_bytes(ggml_type, k)
+        ws, wst = w.shape, w.stride()
+        if (w.dim() != 2 or w.dtype != torch.uint8 or not w.is_cpu or ws[1] != size
+                or (ws[0] > 1 and wst[0] < size) or (size > 1 and wst[1] != 1)):
+            raise ValueError(f"{_WHAT}: w must be a uint8 CPU tensor [N, {size}] ({k} {NAMES[ggml_type]} "
+                             f"values a row) with contiguous rows, got {w.dtype} {tuple(ws)} strides "
+                             f"{wst} on {w.device}")
+        self.w, self.k, self.n, self.ggml_type, self.stride = w, k, ws[0], ggml_type, wst[0]
+        self.isa = kernel.isa()
+        self.threads = _threads() if os.environ.get("LMPLUG_GGUF_THREADS") else None
+        self._fn = kernel._fn
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """x: a contiguous float32 CPU tensor [M, k] (the caller's check) -> float32 [M, N]."""
+        m = x.shape[0]
+        if x.shape[1] != self.k:
+            raise ValueError(f"{_WHAT}: x must be [M, k={self.k}], got {tuple(x.shape)}")
+        out = torch.empty(m, self.n, dtype=torch.float32)
+        if m == 0 or self.n == 0:
+            return out
+        threads = self.threads or compute_threads()
+        status = self._fn(x.data_ptr(), m, self.k, self.w.data_ptr(), self.stride, self.n, self.ggml_type,
+                          out.data_ptr(), threads, self.isa)
+        if status != 0:
+            raise RuntimeError(f"{_WHAT}: {_ERRORS.get(status, f'error {status}')}")
+        return out
+
+
 def _threads() -> int:
     value = os.environ.get("LMPLUG_GGUF_THREADS")
     if not value:
-        return torch.get_num_threads()
+        return compute_threads()
     if not value.isdigit() or int(value) < 1:
         raise ValueError(f"{_WHAT}: LMPLUG_GGUF_THREADS={value!r} must be a positive integer")
     return int(value)

@@ -88,6 +88,23 @@ def test_rope_in_place_is_the_torch_rope_bit_for_bit(lib, scaling):
     assert torch.equal(v, v_before)  # the rows' other heads are untouched
 
 
+def test_rope_of_q_and_k_in_one_call_is_the_torch_rope(lib):
+    """k's heads right after q's in each row (a fused q/k/v projection): one call over both; any
+    other layout: one call each. Either way the torch RoPE's bits, v untouched."""
+    rope = RotaryEmbedding(64, 256, 10000.0, None, torch.float32)
+    positions = torch.tensor([0, 5, 130])
+    qkv = torch.randn(3, (9 + 2 * 3) * 64, generator=gen())
+    adjacent = qkv.view(3, 15, 64).split_with_sizes([9, 3, 3], dim=1)
+    apart = (torch.randn(3, 9, 64, generator=gen(1)), torch.randn(3, 3, 64, generator=gen(2)))
+    swapped = (adjacent[1], adjacent[0])  # k's heads *before* q's: not one run
+    for q, k, v in (adjacent, (*apart, None), (*swapped, None)):
+        ref_q, ref_k = rope(positions, q.clone(), k.clone())
+        v_before = None if v is None else v.clone()
+        fused_cpu.rope_qk_(lib, q, k, positions, rope.cos, rope.sin)
+        assert torch.equal(q, ref_q) and torch.equal(k, ref_k)
+        assert v is None or torch.equal(v, v_before)
+
+
 def test_rope_refuses_a_position_outside_the_table(lib):
     rope = RotaryEmbedding(16, 8, 10000.0, None, torch.float32)
     q = torch.randn(2, 2, 16)

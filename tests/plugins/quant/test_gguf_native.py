@@ -314,6 +314,27 @@ def test_bad_input_is_named(kernel):
         kernel.mul_mat(torch.randn(1, 64), w.t().contiguous().t(), 2, 64)
 
 
+@pytest.mark.parametrize("name", ["Q4_1", "Q6_K"])
+def test_bound_product_is_mul_mat(kernel, name):
+    """The decode hot path (checked once, then straight to the C call) gives mul_mat's bits, at
+    every row count and inside the engine's single-threaded small-op region (its threads are
+    the count torch had before)."""
+    from lmplug.interfaces.threads import small_ops_single_threaded
+
+    w = torch.from_numpy(make_weight(name, N, K, seed=5))
+    bound = gguf_native.BoundProduct(kernel, w, type_id(name), K)
+    for m in (1, 9):
+        x = torch.randn(m, K, generator=torch.Generator().manual_seed(m))
+        assert torch.equal(bound(x), kernel.mul_mat(x, w, type_id(name), K))
+        with small_ops_single_threaded():
+            assert torch.equal(bound(x), kernel.mul_mat(x, w, type_id(name), K))
+    assert bound(torch.empty(0, K)).shape == (0, N)
+    with pytest.raises(ValueError, match=r"x must be \[M, k=512\], got \(1, 256\)"):
+        bound(torch.randn(1, 256))
+    with pytest.raises(ValueError, match=r"w must be a uint8 CPU tensor \[N, \d+\]"):
+        gguf_native.BoundProduct(kernel, w[:, :30], type_id(name), K)
+
+
 def test_bad_environment_is_named(kernel, monkeypatch):
     w = torch.from_numpy(make_weight("Q8_0", 4, 64))
     monkeypatch.setenv("LMPLUG_GGUF_ISA", "sse9")

@@ -257,6 +257,27 @@ def test_native_kernel_matches_reference(files):
         assert (layer(x) - ref).abs().max() / ref.abs().max() < 0.02, name
 
 
+@pytest.mark.skipif(native_kernel()[0] is None, reason="native GGUF kernel not built here")
+def test_bound_products_match_the_registered_op(files):
+    """Every packed layer (mixed-type q/k/v included) binds its runs once; the eager hot path
+    through them gives the op path's bits, and a bfloat16 or 3-D input still takes the op."""
+    llm = LLM(str(files["kquant"]), **ENGINE, quant={"method": "gguf", "kernel": "native"})
+    model = model_of(llm)
+    assert llm.engine.runner.small_step_tokens > 0  # the products keep their own threads
+    layers = [m for m in model.modules() if getattr(m, "gguf_runs", None) is not None]
+    assert layers and all(len(m.gguf_calls) == len(m.gguf_runs) for m in layers)
+    qkv = model.layers[0].self_attn.qkv_proj
+    x = torch.randn(3, qkv.in_features, generator=torch.Generator().manual_seed(3))
+    fast = qkv(x)
+    calls, qkv.gguf_calls = qkv.gguf_calls, None
+    try:
+        assert torch.equal(fast, qkv(x))
+    finally:
+        qkv.gguf_calls = calls
+    assert torch.equal(qkv(x[None])[0], fast)
+    assert torch.equal(qkv(x.bfloat16()), qkv(x.bfloat16().float()).bfloat16())
+
+
 def test_kernel_native_unavailable_is_a_clear_error(monkeypatch):
     from lmplug.errors import ConfigError
 
