@@ -103,18 +103,11 @@ class GGUFKernel:
                 num_threads: int | None = None) -> torch.Tensor:
         """x [M, k] @ dequantize(w [N, row_bytes])^T -> float32 [M, N] (module docstring)."""
         size = row_bytes(ggml_type, k)
-        # is_cpu, shape and stride() rather than device.type and dim(): this runs for every linear
-        # layer of a decode step, and each tensor attribute costs a little
         xs, ws = x.shape, w.shape
         if len(xs) != 2 or xs[1] != k or not x.is_floating_point() or not x.is_cpu:
             raise ValueError(f"{_WHAT}: x must be a float CPU tensor [M, k={k}], got {x.dtype} "
                              f"{tuple(xs)} on {x.device}")
-        wst = w.stride()
-        if (len(ws) != 2 or w.dtype != torch.uint8 or not w.is_cpu or ws[1] != size
-                or (ws[0] > 1 and wst[0] < size) or (size > 1 and wst[1] != 1)):
-            raise ValueError(f"{_WHAT}: w must be a uint8 CPU tensor [N, {size}] ({k} {NAMES[ggml_type]} "
-                             f"values a row) with contiguous rows, got {w.dtype} {tuple(ws)} strides "
-                             f"{wst} on {w.device}")
+        wst = _check_weight(w, ggml_type, k, size)
         if x.dtype != torch.float32 or not x.is_contiguous():
             x = x.to(torch.float32).contiguous()
         out = torch.empty(xs[0], ws[0], dtype=torch.float32)
@@ -140,14 +133,8 @@ class BoundProduct:
     __slots__ = ("_fn", "ggml_type", "isa", "k", "n", "stride", "threads", "w")
 
     def __init__(self, kernel: GGUFKernel, w: torch.Tensor, ggml_type: int, k: int) -> None:
-        size = row_bytes(ggml_type, k)
-        ws, wst = w.shape, w.stride()
-        if (w.dim() != 2 or w.dtype != torch.uint8 or not w.is_cpu or ws[1] != size
-                or (ws[0] > 1 and wst[0] < size) or (size > 1 and wst[1] != 1)):
-            raise ValueError(f"{_WHAT}: w must be a uint8 CPU tensor [N, {size}] ({k} {NAMES[ggml_type]} "
-                             f"values a row) with contiguous rows, got {w.dtype} {tuple(ws)} strides "
-                             f"{wst} on {w.device}")
-        self.w, self.k, self.n, self.ggml_type, self.stride = w, k, ws[0], ggml_type, wst[0]
+        wst = _check_weight(w, ggml_type, k, row_bytes(ggml_type, k))
+        self.w, self.k, self.n, self.ggml_type, self.stride = w, k, w.shape[0], ggml_type, wst[0]
         self.isa = kernel.isa()
         self.threads = _threads() if os.environ.get("LMPLUG_GGUF_THREADS") else None
         self._fn = kernel._fn
@@ -166,6 +153,17 @@ class BoundProduct:
         if status != 0:
             raise RuntimeError(f"{_WHAT}: {_ERRORS.get(status, f'error {status}')}")
         return out
+
+
+def _check_weight(w: torch.Tensor, ggml_type: int, k: int, size: int) -> tuple[int, ...]:
+    """``w``'s strides, once it is checked to be packed rows of ``size`` bytes; ValueError otherwise."""
+    ws, wst = w.shape, w.stride()
+    if (len(ws) != 2 or w.dtype != torch.uint8 or not w.is_cpu or ws[1] != size
+            or (ws[0] > 1 and wst[0] < size) or (size > 1 and wst[1] != 1)):
+        raise ValueError(f"{_WHAT}: w must be a uint8 CPU tensor [N, {size}] ({k} {NAMES[ggml_type]} "
+                         f"values a row) with contiguous rows, got {w.dtype} {tuple(ws)} strides "
+                         f"{wst} on {w.device}")
+    return wst
 
 
 def _threads() -> int:
