@@ -49,37 +49,28 @@ def build_llm(args: argparse.Namespace):
     return LLM(config=args.config, **overrides)
 
 
-def time_the_native_attention() -> None:
-    """Wrap the paged backend's C decode kernel (a ctypes call the profiler cannot see) in a
-    ``record_function``, so its time counts as kernel time."""
-    try:
-        from lmplug_attention import paged_native
-    except ImportError:
-        return
-    original = paged_native.NativeKernel.decode
+def time_native_calls() -> None:
+    """Wrap the C kernels the profiler cannot see (ctypes calls) in a ``record_function`` each,
+    so their time counts as kernel time: the paged backend's decode kernel, and the GGUF
+    layers' bound products (``gguf_native.BoundProduct``: the eager hot path calls them directly,
+    not through the registered op)."""
+    import importlib
 
-    def decode(self, *a, **kw):
-        with torch.profiler.record_function("native::attention_decode"):
-            return original(self, *a, **kw)
+    for module, cls, method, label in (("lmplug_attention.paged_native", "NativeKernel", "decode",
+                                        "native::attention_decode"),
+                                       ("lmplug_quant.gguf_native", "BoundProduct", "__call__",
+                                        "native::gguf_mul_mat")):
+        try:
+            owner = getattr(importlib.import_module(module), cls)
+        except ImportError:
+            continue
+        original = getattr(owner, method)
 
-    paged_native.NativeKernel.decode = decode
+        def timed(self, *a, _original=original, _label=label, **kw):
+            with torch.profiler.record_function(_label):
+                return _original(self, *a, **kw)
 
-
-def time_the_bound_products() -> None:
-    """Wrap the GGUF layers' bound C products (``gguf_native.BoundProduct``: the eager hot path
-    calls them through ctypes, not through the registered op) in a ``record_function``, so
-    their time counts as matrix-product time."""
-    try:
-        from lmplug_quant import gguf_native
-    except ImportError:
-        return
-    original = gguf_native.BoundProduct.__call__
-
-    def call(self, x):
-        with torch.profiler.record_function("native::gguf_mul_mat"):
-            return original(self, x)
-
-    gguf_native.BoundProduct.__call__ = call
+        setattr(owner, method, timed)
 
 
 class Decoder:
@@ -177,8 +168,7 @@ def main() -> None:
         parser.error("--steps must be at least 1")
     print(f"load average before: {' '.join(f'{x:.2f}' for x in os.getloadavg())}  "
           f"(cores: {os.cpu_count()})")
-    time_the_native_attention()
-    time_the_bound_products()
+    time_native_calls()
     from lmplug.models import fused_cpu
 
     llm = build_llm(args)

@@ -709,7 +709,7 @@ static void run(const job_t *j, int64_t n0, int64_t n1) {
  * After fork() the child has none of the workers: the atfork handler forgets them. */
 
 #define CHUNK_BITS 24
-#define SPIN_NS 50000 /* 5 and 300 us measured slower than 50-100 us at batch-1 decode (2 cores, quiet) */
+#define SPIN_NS 50000 /* long enough to outlast the Python between a decode step's products (5 us let the workers sleep there) */
 
 #if HAVE_X86
 #define PAUSE() __builtin_ia32_pause()
