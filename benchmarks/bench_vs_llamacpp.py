@@ -14,6 +14,10 @@ weighs on both alike) and the table gives medians over the rounds:
   lmplug: a fresh random prompt each round, timed to its first token);
 - cold: whole-process wall time of a one-token generation, and its peak RSS (``llama-completion``
   vs ``lmplug generate``), median of ``--cold-runs`` runs per round;
+- batched: ``--batch`` sequences of ``--batch-prompt`` random prompt tokens each, then
+  ``--decode-tokens`` tokens each, all at once: generation tok/s summed over the sequences
+  (llama-batched-bench ``-npp P -ntg G -npl B``'s S_TG; lmplug: the engine's steps, timed from
+  the step after which every sequence has its first token to the last);
 - serve: aggregate output tok/s of ``--concurrency`` concurrent /v1/completions requests (fixed
   prompts, max_tokens 64, temperature 0, ignore_eos) sent by one client to ``llama-server
   --parallel N -c N*slot_ctx`` and to ``lmplug serve`` (with ``scheduler.max_num_seqs=N``, the
@@ -41,7 +45,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-SECTIONS = ("decode", "prefill", "cold", "serve")
+SECTIONS = ("decode", "prefill", "batched", "cold", "serve")
 WORDS = ["the", "quick", "brown", "fox", "jumps", "over", "a", "lazy", "dog", "while", "seven",
          "bright", "stars", "watch", "quietly", "from", "far", "above", "silent", "town"]
 
@@ -158,6 +162,8 @@ def worker_main(args: argparse.Namespace) -> int:
         if req["op"] == "decode":  # a one-token prompt, then `tokens` decode steps
             _, first, last, count = first_and_last(prompt[:1], req["tokens"] + 1)
             reply = {"tok_s": (count - 1) / (last - first)}
+        elif req["op"] == "batched":
+            reply = {"tok_s": batched(llm, rng, vocab, req)}
         elif req["op"] == "prefill":
             started, first, _, _ = first_and_last(prompt, 1)
             reply = {"tok_s": len(prompt) / (first - started)}
@@ -165,6 +171,38 @@ def worker_main(args: argparse.Namespace) -> int:
             reply = {"ready": True}
         print(json.dumps(reply), flush=True)
     return 0
+
+
+def batched(llm, rng: random.Random, vocab: int, req: dict) -> float:
+    """Generation tok/s of ``req["b"]`` sequences of ``req["n"]``-token prompts decoding
+    ``req["tokens"]`` tokens each together, from the step that gave the last one its first token."""
+    from lmplug.interfaces.params import SamplingParams
+
+    engine, size, tokens = llm.engine, req["b"], req["tokens"]
+    params = SamplingParams(temperature=0, max_tokens=tokens + 1, ignore_eos=True)
+    for i in range(size):
+        engine.add_request(f"batched-{req.get('seed', 0)}-{i}",
+                           [rng.randrange(100, min(vocab, 30000)) for _ in range(req["n"])], params)
+    counts: dict[str, int] = {}
+    first = None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            counts[out.request_id] = len(out.outputs[0].token_ids)
+        if first is None and len(counts) == size and min(counts.values()) >= 1:
+            first, at_first = time.perf_counter(), sum(counts.values())
+    return (sum(counts.values()) - at_first) / (time.perf_counter() - first)
+
+
+def llama_batched(bin_dir: Path, model: Path, threads: int, size: int, prompt: int, tokens: int) -> float:
+    """llama-batched-bench's generation tok/s (S_TG) for ``size`` parallel sequences."""
+    cmd = [llama_tool(bin_dir, "llama-batched-bench"), "-m", str(model), "-t", str(threads), "-c",
+           str(size * (prompt + tokens) + 256), "-b", "2048", "-ub", "512", "-npp", str(prompt), "-ntg", str(tokens),
+           "-npl", str(size), "--output-format", "jsonl"]
+    out = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    rows = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    if out.returncode != 0 or not rows:
+        raise SystemExit(f"bench_vs_llamacpp: {' '.join(cmd)} failed:\n{out.stderr[-2000:]}")
+    return rows[-1]["speed_tg"]
 
 
 def llama_bench(bin_dir: Path, model: Path, threads: int, prompts: list[int], tokens: int) -> dict:
@@ -251,7 +289,8 @@ def serve_prompts(count: int) -> list[str]:
 
 def run(args: argparse.Namespace) -> dict:
     bin_dir = llama_bin_dir(args.llama_bin_dir)
-    needs = {"decode": "llama-bench", "prefill": "llama-bench", "cold": "llama-completion", "serve": "llama-server"}
+    needs = {"decode": "llama-bench", "prefill": "llama-bench", "batched": "llama-batched-bench",
+             "cold": "llama-completion", "serve": "llama-server"}
     for section in args.sections:  # before any model loads: a missing binary is the first thing said
         llama_tool(bin_dir, needs[section])
     model = gguf_file(args.model)
@@ -262,7 +301,7 @@ def run(args: argparse.Namespace) -> dict:
         raw.setdefault(key, []).append(value)
 
     for threads in args.threads:
-        worker = LmplugWorker(model, threads, sets) if {"decode", "prefill"} & set(args.sections) else None
+        worker = LmplugWorker(model, threads, sets) if {"decode", "prefill", "batched"} & set(args.sections) else None
         for rnd in range(args.rounds):
             if worker is not None:
                 wanted = (args.prompt_sizes if "prefill" in args.sections else [])
@@ -273,6 +312,11 @@ def run(args: argparse.Namespace) -> dict:
                     add(f"decode|{threads}|lmplug", worker.ask({"op": "decode", "tokens": tokens})["tok_s"])
                 for n in wanted:
                     add(f"{n}|{threads}|lmplug", worker.ask({"op": "prefill", "n": n, "seed": rnd})["tok_s"])
+            if "batched" in args.sections:
+                add(f"batched|{threads}|llama.cpp", llama_batched(bin_dir, model, threads, args.batch, args.batch_prompt,
+                                                                  args.decode_tokens))
+                add(f"batched|{threads}|lmplug", worker.ask({"op": "batched", "b": args.batch, "n": args.batch_prompt,
+                                                            "tokens": args.decode_tokens, "seed": rnd})["tok_s"])
             if "cold" in args.sections:
                 for _ in range(args.cold_runs):
                     wall, rss = run_timed([llama_tool(bin_dir, "llama-completion"), "-m", str(model), "-p", "hi",
@@ -319,6 +363,7 @@ def serve_round(args, bin_dir: Path, model: Path, threads: int, add) -> None:
 ROWS = [  # measurement key, label, higher is better
     ("decode", "decode tok/s (batch 1, {n} tokens)", True),
     ("prefill", "prefill tok/s ({n}-token prompt)", True),
+    ("batched", "batched generation tok/s ({n} sequences)", True),
     ("cold", "cold start s (1-token generate)", False),
     ("rss", "peak RSS MiB (1-token generate)", False),
     ("serve", "serve output tok/s ({n} concurrent)", True),
@@ -335,7 +380,7 @@ def table(raw: dict, args: argparse.Namespace) -> list[dict]:
                 llama, ours = raw.get(f"{key}|{threads}|llama.cpp"), raw.get(f"{key}|{threads}|lmplug")
                 if not llama or not ours:
                     continue
-                n = {"decode": args.decode_tokens, "serve": args.concurrency}.get(kind, key)
+                n = {"decode": args.decode_tokens, "serve": args.concurrency, "batched": args.batch}.get(kind, key)
                 a, b = statistics.median(llama), statistics.median(ours)
                 rows.append({"metric": label.format(n=n), "threads": threads, "llama.cpp": a, "lmplug": b,
                              "ratio": b / a, "better": "higher" if higher else "lower", "runs": len(ours)})
@@ -360,6 +405,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--cold-runs", type=int, default=2, help="cold starts per engine per round")
     p.add_argument("--prompt-sizes", default="128,512")
     p.add_argument("--decode-tokens", type=int, default=64)
+    p.add_argument("--batch", type=int, default=8, help="sequences of the batched section")
+    p.add_argument("--batch-prompt", type=int, default=128, help="prompt tokens per batched sequence")
     p.add_argument("--concurrency", type=int, default=16)
     p.add_argument("--max-tokens", type=int, default=64, help="output tokens per serve request")
     p.add_argument("--slot-ctx", type=int, default=256, help="llama-server context per slot (-c N*this)")

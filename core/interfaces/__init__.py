@@ -36,6 +36,7 @@ from lmplug.interfaces.kvconnector import KVBlockFormat, KVConnector
 from lmplug.interfaces.mixer import MixerBackend
 from lmplug.interfaces.model_config import ModelConfig
 from lmplug.interfaces.moe import MoEBackend, RoutingConfig
+from lmplug.interfaces.native import NativeCall
 from lmplug.interfaces.params import SamplingParams
 from lmplug.interfaces.paths import cache_dir
 from lmplug.interfaces.quant import QuantMethod, Unquantized
@@ -92,6 +93,7 @@ __all__ = [
     "MoEBackend",
     "ModelConfig",
     "ModelSource",
+    "NativeCall",
     "QuantMethod",
     "Quantizer",
     "RotaryEmbedding",

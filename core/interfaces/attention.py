@@ -8,6 +8,7 @@ from typing import ClassVar
 import torch
 
 from lmplug.interfaces.common import BackendOptions, Capabilities
+from lmplug.interfaces.native import NativeCall
 from lmplug.interfaces.step import StepContext
 
 
@@ -72,6 +73,15 @@ class AttentionBackend(ABC):
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv: KVLayerView, ctx: StepContext) -> torch.Tensor:
         """q: [T, H, D]; k, v: [T, Hkv, D] (the step's new tokens). Returns [T, H, D]."""
+
+    def native_decode(self, ctx: StepContext, views: list[KVLayerView]) -> NativeCall | None:
+        """This step's attention as a C function of ``lmplug.interfaces.native.ATTENTION_ABI``
+        (every layer of a native decode step calls it; ``views`` are the model's cache layers),
+        or None: the step keeps the Python path. Asked once per step, only for a step whose
+        rows are all single-token decodes (``ctx.num_decodes`` rows, no ``query_masks``) of a
+        float32 model on the CPU; the function must give what ``forward`` gives, to float
+        rounding. Default: None."""
+        return None
 
 
 class MLAAttentionBackend(AttentionBackend):

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from lmplug.interfaces.common import BackendOptions, Capabilities
+from lmplug.interfaces.native import NativeCall
 
 
 class QuantMethod(ABC):
@@ -107,6 +108,14 @@ class QuantMethod(ABC):
         thread (``small_ops_single_threaded``), which its small ops run faster on. Default:
         False (the products are torch's, and need its threads)."""
         return False
+
+    def native_product(self, layer: torch.nn.Module) -> NativeCall | None:
+        """``layer``'s product (``apply``, bias included) as a C function of
+        ``lmplug.interfaces.native.PRODUCT_ABI``, for the core's native decode step (float32
+        activations on the CPU), or None (the default): the step keeps the Python path. Asked
+        once per layer, after ``process_weights_after_loading``; the result must give what
+        ``apply`` gives, to float rounding."""
+        return None
 
     def embedding(self, layer: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
         """Rows ``ids`` of ``layer``'s weight ``[out, in]`` as ``[len(ids), in]`` floats: the

@@ -39,6 +39,7 @@ _SIGNATURES = {
     "add_rms_norm_f32": [_P, _P, _P, _P, _P, _I64, _I64, _F32],
     "silu_mul_f32": [_P, _I64, _P, _I64, _I64],
     "rope_f32": [_P, _I64, _I64, _I64, _P, _I64, _P, _P, _I64, _I64],
+    "decode_step_f32": [_P, _I64, _P, _P, _P],  # native_step.py
 }
 
 _state = {"enabled": os.environ.get("LMPLUG_FUSED_CPU", "1").strip().lower() not in ("0", "false", "no", "off")}

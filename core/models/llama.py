@@ -15,6 +15,7 @@ from lmplug.interfaces.quant import QuantMethod
 from lmplug.interfaces.rope import RotaryEmbedding
 from lmplug.interfaces.step import StepContext
 from lmplug.models.layers import Linear, RMSNorm, apply_rope, silu_and_mul
+from lmplug.models.native_step import NativeDecodeStep
 from lmplug.models.packed_embedding import QuantEmbedding
 from lmplug.models.parallel_layers import column_linear, embedding, row_linear
 from lmplug.parallel import ParallelState, single
@@ -136,6 +137,8 @@ class LlamaForCausalLM(torch.nn.Module):
         self.rope = RotaryEmbedding(cfg.head_dim, max(max_model_len, cfg.max_position_embeddings),
                                     cfg.rope_theta, cfg.rope_scaling, dtype)
         self.kv_views: list[KVLayerView] = []
+        # planned on the first forward, after loading (``native_step``): None until then, False: none
+        self._native_step: NativeDecodeStep | bool | None = None
 
     def new_layer(self, index: int, dtype: torch.dtype, quant: QuantMethod, attention: AttentionBackend,
                   kv_layer: int | None = None) -> DecoderLayer:
@@ -162,6 +165,13 @@ class LlamaForCausalLM(torch.nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         x = self.embed_tokens(input_ids)  # [T, h]
+        step = self._native_step
+        if step is None:
+            step = self._native_step = NativeDecodeStep.build(self) or False
+        if step and step.fits(x, ctx):
+            out = step.run(x, positions, ctx)  # every layer in one C call (None: not this step)
+            if out is not None:
+                return self.norm(out)
         for layer, kv in zip(self.layers, self.kv_views):
             x = layer(x, positions, self.rope, kv, ctx)
         return self.norm(x)

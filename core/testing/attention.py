@@ -7,7 +7,9 @@ For each (layout, batch spec, dtype) the suite builds one step itself (see
   the dtype's tolerance (on a mismatch it also tries the usual mistakes, e.g.
   no causal mask, and names the one the output matches);
 - the step's K/V were written at ``ctx.slot_mapping`` and no other cache slot
-  changed.
+  changed;
+- where the backend offers a C attention for the native decode step
+  (``native_decode``), it does the same on the decode-only specs (float32, CPU).
 """
 
 from __future__ import annotations
@@ -19,10 +21,18 @@ from typing import ClassVar
 import pytest
 import torch
 
+from lmplug.interfaces.native import call_attention
 from lmplug.testing.attention_case import AttentionCase, build_case, same_or_both_nan
 from lmplug.testing.base import Conformance
 from lmplug.testing.batches import BATCH_SPECS, BatchSpec
-from lmplug.testing.compare import DEFAULT_TOLERANCES, DTYPES, fail, find_mismatch, tolerance_for
+from lmplug.testing.compare import (
+    DEFAULT_TOLERANCES,
+    DTYPES,
+    fail,
+    find_mismatch,
+    reported,
+    tolerance_for,
+)
 from lmplug.testing.reference import reference_attention
 
 LAYOUTS = ("contiguous", "paged")
@@ -173,6 +183,33 @@ class AttentionConformance(Conformance):
                     f"this step's slot_mapping (e.g. slots {slots}, block size {cache.shape[1]}): "
                     f"the backend overwrote other tokens' or other sequences' K/V"
                 )
+
+    def test_native_decode_matches_reference(self, backend_class, backend_options, spec: BatchSpec,
+                                             layout: str) -> None:
+        """Where the backend offers the native decode step a C attention (``native_decode``: a
+        step of single-token decodes, float32 caches on the CPU), it writes the step's K/V at
+        ``ctx.slot_mapping`` and attends as the reference does."""
+        if self.device != "cpu" or spec.num_decodes != len(spec.query_lens):
+            pytest.skip("the native decode step runs decode-only steps on the CPU")
+        case = build_case(spec, layout, torch.float32, self.device)
+        label = f"{self.label()}, batch spec {spec.name!r} (layout {layout}, float32), native decode"
+        with reported(label):
+            impl = backend_class(backend_options, num_heads=spec.num_heads, num_kv_heads=spec.num_kv_heads,
+                                 head_dim=spec.head_dim, scale=spec.softmax_scale,
+                                 sliding_window=spec.sliding_window)
+            call = impl.native_decode(case.ctx, [case.view] * (spec.layer + 1))
+        if call is None:
+            pytest.skip(f"{label}: native_decode returned None")
+        qkv = torch.cat([case.q.flatten(1), case.k.flatten(1), case.v.flatten(1)], dim=1)
+        with reported(label):
+            out = call_attention(call, spec.layer, qkv, spec.num_heads, spec.head_dim)
+        flat = case.view.k_cache.reshape(-1, spec.num_kv_heads, spec.head_dim)
+        if not torch.equal(flat[case.ctx.slot_mapping], case.k):
+            fail(f"{label}\n  the step's K rows were not stored at their slot_mapping slots")
+        atol, rtol = tolerance_for(self.tolerances, "float32")
+        bad = find_mismatch(out, _reference(case), atol, rtol)
+        if bad is not None:
+            fail(f"{label}\n  output differs from the float64 reference: {bad.summary(atol, rtol)}")
 
 
 def _completed(run: AttentionRun) -> AttentionRun:

@@ -14,8 +14,9 @@ tensors (so the loader can fill them by name), that ``dequantize(quantize(W))``
 is close to ``W``, that ``apply`` after loading and
 ``process_weights_after_loading`` equals ``x @ dequantize(tensors).T + b``
 (W8A8 methods: ``quantize_input(x)`` in place of ``x``),
-and that two layers loaded through ``load_shard`` as the output shards of one
-fused layer compute the concatenated product.
+that two layers loaded through ``load_shard`` as the output shards of one
+fused layer compute the concatenated product, and, where the method offers a C
+product for the native decode step (``native_product``), that it equals ``apply``.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from typing import Any, ClassVar
 import pytest
 import torch
 
+from lmplug.interfaces.native import call_product
 from lmplug.testing.base import Conformance
 from lmplug.testing.compare import DTYPES, fail, find_mismatch, reported, tolerance_for
 from lmplug.testing.reference import reference_linear
@@ -166,6 +168,34 @@ class QuantConformance(Conformance):
             fail(f"{self.label()}, fused layer {in_f}->{out_f}+{out_f} filled by load_shard: apply() "
                  f"differs from x @ [W1; W2].T + b: {bad.summary(atol, rtol)} (index = [token, "
                  "output feature]); check shard_layout: where each tensor keeps its output axis")
+
+    def test_native_product_matches_apply(self, backend_class, backend_options, shape) -> None:
+        """Where the method offers the native decode step a C product (``native_product``, on
+        the CPU in float32), it computes what ``apply`` does, bias included."""
+        if self.device != "cpu":
+            pytest.skip("the native decode step runs on the CPU")
+        in_f, out_f = shape
+        bias = torch.randn(out_f, generator=torch.Generator().manual_seed(4))
+        with reported(self.label()):
+            method = backend_class(backend_options)
+            layer = self.make_layer(method, shape, torch.float32, bias=True)
+            load(layer, {**self.quantize(self.weight(shape)), "bias": bias}, self.label())
+            method.process_weights_after_loading(layer)
+            call = method.native_product(layer)
+        if call is None:
+            pytest.skip(f"{self.label()}: no native product (native_product returned None)")
+        atol, rtol = tolerance_for(self.tolerances, "float32")
+        for tokens in self.num_tokens:
+            x = torch.randn(tokens, in_f, generator=torch.Generator().manual_seed(5 + tokens))
+            with reported(self.label()):
+                want = method.apply(layer, x)
+                got = call_product(call, x, out_f)
+            scale = float(want.abs().max())
+            bad = find_mismatch(got, want, atol * scale, rtol)
+            if bad is not None:
+                fail(f"{self.label()}, layer {in_f}->{out_f}, {tokens} tokens: the native product "
+                     f"(native_product) differs from apply(): {bad.summary(atol * scale, rtol)} "
+                     "(index = [token, output feature])")
 
     def test_options_from_checkpoint_config(self, backend_class) -> None:
         if self.checkpoint_config is None:

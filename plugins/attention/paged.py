@@ -36,6 +36,7 @@ from lmplug.interfaces import (
     BackendOptions,
     Capabilities,
     KVLayerView,
+    NativeCall,
     StepContext,
 )
 
@@ -175,6 +176,16 @@ class PagedAttention(AttentionBackend):
                                                          cache.shape[2], max(rows.seq_lens_cpu),
                                                          self.sliding_window)
         return meta
+
+    def native_decode(self, ctx: StepContext, views: list[KVLayerView]) -> NativeCall | None:
+        """A native decode step's attention: the C decode kernel, where this backend decodes
+        with it on the CPU (``cpu_kernel`` auto or native, and it builds)."""
+        if not views or self.ops(views[0].k_cache.device).native is None:
+            return None
+        from lmplug_attention import paged_native
+
+        return paged_native.step_attention(ctx, views, self.num_heads, self.num_kv_heads, self.head_dim,
+                                           self.scale, self.sliding_window, "attention paged")
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv: KVLayerView, ctx: StepContext) -> torch.Tensor:

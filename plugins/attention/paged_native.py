@@ -35,6 +35,7 @@ from pathlib import Path
 import torch
 
 from lmplug.interfaces import native_build
+from lmplug.interfaces.native import NativeCall
 from lmplug.interfaces.native_build import NativeBuildError
 from lmplug.interfaces.paths import cache_dir
 
@@ -91,7 +92,7 @@ def _library(cc: tuple[str, ...], root: str) -> NativeKernel:
         if hasattr(lib, name):
             fn = functions[dtype] = getattr(lib, name)
             fn.argtypes, fn.restype = _ARGTYPES, ctypes.c_int
-    return NativeKernel(functions, path)
+    return NativeKernel(lib, functions, path)
 
 
 @dataclass
@@ -161,8 +162,9 @@ def check_masks(mask_starts: torch.Tensor | None, masks: torch.Tensor | None,
 class NativeKernel:
     """The loaded library: ``decode`` one batch (``prepare`` its tables once per step)."""
 
-    def __init__(self, functions: dict, path: str) -> None:
+    def __init__(self, lib: ctypes.CDLL, functions: dict, path: str) -> None:
         self._functions = functions  # storage dtype -> ctypes function
+        self.step_fn = lib.decode_step_attention  # called from C (lmplug.interfaces.native), not here
         self.path = path
         self.dtypes = frozenset(functions)
 
@@ -239,3 +241,50 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     result = kernel.decode(q, k_cache, v_cache, batch, scale, sliding_window,
                            torch.empty(q.shape, dtype=q.dtype, device=q.device), num_threads)
     return result if out is None else out.copy_(result)
+
+
+class _StepAttention(ctypes.Structure):
+    _fields_ = [("k_caches", ctypes.c_void_p), ("v_caches", ctypes.c_void_p), ("num_layers", ctypes.c_int64),
+                ("block_tables", ctypes.c_void_p), ("bt_stride", ctypes.c_int64), ("seq_lens", ctypes.c_void_p),
+                ("slots", ctypes.c_void_p), ("rows", ctypes.c_int64), ("H", ctypes.c_int64), ("Hkv", ctypes.c_int64),
+                ("D", ctypes.c_int64), ("block_size", ctypes.c_int64), ("num_slots", ctypes.c_int64),
+                ("window", ctypes.c_int64), ("scale", ctypes.c_float), ("q", ctypes.c_void_p)]
+
+
+def step_attention(ctx, views: list, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
+                   sliding_window: int | None, name: str) -> NativeCall | None:
+    """A decode step's attention as a ``lmplug.interfaces.native`` attention function
+    (``decode_step_attention``: the KV write, then this kernel), or None where the step does not
+    fit it: tree masks, caches that are not float32 on the CPU (quantized KV), the kernel not
+    built here. The step's tables are checked as ``prepare`` checks them, its slots against the
+    cache, once per step."""
+    if ctx.query_masks or not views:
+        return None
+    k0 = views[0].k_cache
+    for view in views:
+        if (view.k_scale is not None or view.k_cache.dtype != torch.float32 or not view.k_cache.is_cpu
+                or view.k_cache.shape != k0.shape or view.v_cache.shape != k0.shape
+                or not (view.k_cache.is_contiguous() and view.v_cache.is_contiguous())):
+            return None
+    num_blocks, block_size, hkv, d = k0.shape
+    if hkv != num_kv_heads or d != head_dim:
+        return None
+    try:
+        kernel = load()
+    except NativeKernelUnavailable:
+        return None
+    rows = ctx.num_decodes
+    batch = prepare(ctx.block_tables[:rows], ctx.seq_lens[:rows], block_size, num_blocks)
+    slots = ctx.slot_mapping[:rows].to(torch.int64).contiguous()
+    num_slots = num_blocks * block_size
+    if rows and (int(slots.min()) < 0 or int(slots.max()) >= num_slots):
+        raise ValueError(f"{_WHAT}: slot_mapping names slots outside [0, {num_slots})")
+    k_ptrs = (ctypes.c_void_p * len(views))(*[v.k_cache.data_ptr() for v in views])
+    v_ptrs = (ctypes.c_void_p * len(views))(*[v.v_cache.data_ptr() for v in views])
+    q = torch.empty(rows, num_heads, head_dim, dtype=torch.float32)
+    desc = _StepAttention(ctypes.addressof(k_ptrs), ctypes.addressof(v_ptrs), len(views),
+                          batch.block_tables.data_ptr(), batch.block_tables.stride(0), batch.seq_lens.data_ptr(),
+                          slots.data_ptr(), rows, num_heads, hkv, d, block_size, num_slots, sliding_window or 0,
+                          scale, q.data_ptr())
+    fn = ctypes.cast(kernel.step_fn, ctypes.c_void_p).value
+    return NativeCall(fn, ctypes.addressof(desc), (desc, k_ptrs, v_ptrs, batch, slots, q, kernel, views), name)

@@ -12,7 +12,9 @@ sequence in ``ctx.query_masks`` attends to its cached context plus the new token
 its ancestor mask allows (``causal_mask(..., tree=...)``).
 
 Per step (``prepare``): each sequence's attention mask, built once and read by
-every layer. ``context_kv`` and ``attend`` also serve the ``paged`` backend's
+every layer. A native decode step (``native_decode``: the core runs a float32 CPU decode
+step's layers in one C call) attends through the family's C decode kernel instead, to
+float rounding the same result. ``context_kv`` and ``attend`` also serve the ``paged`` backend's
 PyTorch prefill (``paged_torch``).
 """
 
@@ -22,9 +24,10 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from lmplug_attention import paged_native
 from lmplug_attention.kv_ref import gather_context
 
-from lmplug.interfaces import AttentionBackend, Capabilities, KVLayerView, StepContext
+from lmplug.interfaces import AttentionBackend, Capabilities, KVLayerView, NativeCall, StepContext
 from lmplug.interfaces.kvcache import dequantize_kv, store_kv
 
 # the kvcache `dtype` values the first-party dense backends read
@@ -82,6 +85,12 @@ class SdpaAttention(AttentionBackend):
                 out[start:start + qlen] = attend(qi, ctx_k, ctx_v, seq_len, self.scale, meta.masks[i])
             start += qlen
         return out
+
+    def native_decode(self, ctx: StepContext, views: list[KVLayerView]) -> NativeCall | None:
+        """A native decode step's attention: the family's C decode kernel (``paged_native``),
+        which reads this backend's contiguous and paged layouts alike; float32 caches only."""
+        return paged_native.step_attention(ctx, views, self.num_heads, self.num_kv_heads, self.head_dim,
+                                           self.scale, self.sliding_window, "attention sdpa")
 
     def _decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         # q: [H, D] -> [Hkv, G, D]; k, v: [S, Hkv, D] -> [Hkv, S, D]; no mask: all S keys are visible

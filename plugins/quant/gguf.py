@@ -124,6 +124,28 @@ class GGUFQuant(QuantMethod):
         return [native.BoundProduct(kernel, getattr(layer, buf), kind, layer.in_features)
                 for kind, buf, _ in layer.gguf_runs]
 
+    def native_product(self, layer):
+        """The layer's runs in one C call (``gguf_native.layer_product``), where every packed
+        run is a type the native kernel reads and the dense ones and the bias are float32."""
+        native = self._native
+        if native is None:
+            return None
+        if layer.gguf_runs is None:  # a layer stored in float (F16 / F32): W^T as Unquantized keeps it
+            weight, bias = layer.weight, layer.bias
+            if weight.dtype != torch.float32 or weight.t().stride(1) != 1 or (
+                    bias is not None and bias.dtype != torch.float32):
+                return None
+            return native.layer_product(native.load(), [("t", weight.t())], layer.in_features, bias)
+        if any(kind is not None and kind not in native.SUPPORTED and kind not in native.FLOAT_TYPES
+               for kind, _, _ in layer.gguf_runs):
+            return None
+        if layer.bias is not None and layer.bias.dtype != torch.float32:
+            return None
+        runs = [(kind, getattr(layer, buf)) for kind, buf, _ in layer.gguf_runs]
+        if len(runs) > native.MAX_RUNS:
+            return None
+        return native.layer_product(native.load(), runs, layer.in_features, layer.bias)
+
     @staticmethod
     def _usable(piece):
         """A shard as this layer keeps it: packed where the reference reads its type, else

@@ -32,6 +32,7 @@ from pathlib import Path
 import torch
 
 from lmplug.interfaces import native_build
+from lmplug.interfaces.native import NativeCall
 from lmplug.interfaces.native_build import NativeBuildError
 from lmplug.interfaces.paths import cache_dir
 from lmplug.interfaces.threads import compute_threads
@@ -78,6 +79,7 @@ class GGUFKernel:
         self._threads.restype = ctypes.c_int
         self._pool_workers = lib.gguf_cpu_pool_workers
         self._pool_workers.argtypes, self._pool_workers.restype = [], ctypes.c_int
+        self.layer_fn = lib.gguf_layer_product  # called from C (lmplug.interfaces.native), not here
 
     def threads_used(self, m: int, k: int, n: int, num_threads: int) -> int:
         """The threads a product of this shape runs on (fewer than asked when the work is small)."""
@@ -153,6 +155,68 @@ class BoundProduct:
         if status != 0:
             raise RuntimeError(f"{_WHAT}: {_ERRORS.get(status, f'error {status}')}")
         return out
+
+
+class _Run(ctypes.Structure):
+    _fields_ = [("w", ctypes.c_void_p), ("w_stride", ctypes.c_int64), ("n", ctypes.c_int64),
+                ("type", ctypes.c_int64)]
+
+
+MAX_RUNS = 8  # csrc/gguf_cpu.c
+DENSE = -1  # a run of float32 rows [n, k] (a float shard of a mixed layer)
+FLOAT_TYPES = {0: 4, 1: 2, 30: 2}  # F32, F16, BF16 rows a layer product reads: bytes a value
+DENSE_T = -2  # a run of float32 W^T [k, n] rows (a dense layer as Unquantized keeps it on the CPU)
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [("k", ctypes.c_int64), ("n", ctypes.c_int64), ("isa", ctypes.c_int64), ("n_runs", ctypes.c_int64),
+                ("threads", ctypes.c_int64), ("bias", ctypes.c_void_p), ("runs", _Run * MAX_RUNS)]
+
+
+def layer_product(kernel: GGUFKernel, runs: list[tuple[int | str | None, torch.Tensor]], k: int,
+                  bias: torch.Tensor | None, name: str = "quant gguf") -> NativeCall:
+    """A linear layer's whole product (its runs side by side, then the bias) as a
+    ``lmplug.interfaces.native`` product: ``gguf_layer_product`` with a context describing
+    ``runs`` (ggml type, packed rows, ``SUPPORTED`` or ``FLOAT_TYPES``; None, float32 rows [n, k]; or ``"t"``, float32 W^T [k, n]
+    with dense rows). The weights are checked
+    here, once; ``LMPLUG_GGUF_ISA`` and ``LMPLUG_GGUF_THREADS`` are read now (as ``BoundProduct``
+    reads them)."""
+    if not 1 <= len(runs) <= MAX_RUNS:
+        raise ValueError(f"{_WHAT}: a layer of {len(runs)} runs; at most {MAX_RUNS}")
+    desc = _Layer(k=k, isa=kernel.isa(), n_runs=len(runs),
+                  threads=_threads() if os.environ.get("LMPLUG_GGUF_THREADS") else 0)
+    total = 0
+    for i, (kind, w) in enumerate(runs):
+        if kind == "t":
+            if w.dtype != torch.float32 or w.dim() != 2 or w.shape[0] != k or w.stride(1) != 1 or not w.is_cpu:
+                raise ValueError(f"{_WHAT}: a transposed dense run must be float32 CPU rows [{k}, n], got "
+                                 f"{w.dtype} {tuple(w.shape)} strides {w.stride()}")
+            desc.runs[i] = _Run(w.data_ptr(), w.stride(0) * 4, w.shape[1], DENSE_T)
+            total += w.shape[1]
+            continue
+        if kind in FLOAT_TYPES:  # packed rows of unquantized values
+            size = k * FLOAT_TYPES[kind]
+            if w.dtype != torch.uint8 or w.dim() != 2 or w.shape[1] != size or w.stride(1) != 1 or not w.is_cpu:
+                raise ValueError(f"{_WHAT}: a type-{kind} run must be uint8 CPU rows [n, {size}], got {w.dtype} "
+                                 f"{tuple(w.shape)} strides {w.stride()}")
+            desc.runs[i] = _Run(w.data_ptr(), w.stride(0), w.shape[0], kind)
+        elif kind is None:
+            if w.dtype != torch.float32 or w.dim() != 2 or w.shape[1] != k or w.stride(1) != 1 or not w.is_cpu:
+                raise ValueError(f"{_WHAT}: a dense run must be float32 CPU rows [n, {k}], got {w.dtype} "
+                                 f"{tuple(w.shape)} strides {w.stride()}")
+            desc.runs[i] = _Run(w.data_ptr(), w.stride(0) * 4, w.shape[0], DENSE)
+        else:
+            stride = _check_weight(w, kind, k, row_bytes(kind, k))[0]
+            desc.runs[i] = _Run(w.data_ptr(), stride, w.shape[0], kind)
+        total += w.shape[0]
+    desc.n = total
+    if bias is not None:
+        if bias.dtype != torch.float32 or bias.shape != (total,) or not bias.is_contiguous() or not bias.is_cpu:
+            raise ValueError(f"{_WHAT}: the bias must be a contiguous float32 CPU tensor ({total},), got "
+                             f"{bias.dtype} {tuple(bias.shape)}")
+        desc.bias = bias.data_ptr()
+    fn = ctypes.cast(kernel.layer_fn, ctypes.c_void_p).value
+    return NativeCall(fn, ctypes.addressof(desc), (desc, kernel, [w for _, w in runs], bias), name)
 
 
 def _check_weight(w: torch.Tensor, ggml_type: int, k: int, size: int) -> tuple[int, ...]:

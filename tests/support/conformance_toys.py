@@ -60,6 +60,36 @@ class ToyRtnWrongNames(ToyRtnInt8):
         del layer.scales
 
 
+class ToyRtnNative(ToyRtnInt8):
+    """Correct, with a C product for the native decode step: the dequantized weight as one
+    float32 run of the ``gguf`` plugin's layer product (any C function of the ABI would do)."""
+
+    name = "toy_rtn_native"
+
+    def process_weights_after_loading(self, layer):
+        layer.dense = (layer.qweight.float() * layer.scales.float()[:, None]).contiguous()
+
+    def native_product(self, layer):
+        from lmplug_quant import gguf_native
+
+        if not gguf_native.available()[0]:
+            return None  # no C compiler here: no native product, the check skips
+        return gguf_native.layer_product(gguf_native.load(), [(None, layer.dense)], layer.dense.shape[1],
+                                         self.native_bias(layer))
+
+    def native_bias(self, layer):
+        return layer.bias
+
+
+class ToyRtnNativeNoBias(ToyRtnNative):
+    """Broken: its native product leaves out the bias that ``apply`` adds."""
+
+    name = "toy_rtn_native_no_bias"
+
+    def native_bias(self, layer):
+        return None
+
+
 def rtn_quantize(weight: torch.Tensor) -> dict[str, torch.Tensor]:
     scales = weight.abs().amax(dim=1).clamp(min=1e-8) / 127
     qweight = torch.round(weight / scales[:, None]).clamp(-127, 127).to(torch.int8)

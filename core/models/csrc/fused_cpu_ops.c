@@ -107,3 +107,84 @@ int rope_f32(float *x, int64_t token_stride, int64_t head_stride, int64_t heads,
     }
     return 0;
 }
+
+/* ---------------------------------------------------------------- the native decode step
+ *
+ * Every decoder layer of a Llama-family decode step in one call (lmplug.models.native_step):
+ * the products and the attention are the plugins' C functions (lmplug.interfaces.native's
+ * ABI), the rest is this file's functions above, in the order the Python layer runs them:
+ *   normed = rms_norm(x); qkv = qkv(normed); [q, k heads: rms_norm each (Qwen3)]; rope(q, k);
+ *   att = attention(qkv); x = o(att) + x; normed = rms_norm(x); x = x + down(silu_mul(gate_up(normed)))
+ * so every step but the plugins' gives the Python path's bits. */
+
+typedef int (*product_fn)(void *ctx, const float *x, int64_t m, float *out, int threads);
+typedef int (*attention_fn)(void *ctx, int64_t layer, const float *qkv, int64_t qkv_stride, float *out,
+                            int threads);
+
+typedef struct {
+    product_fn fn;
+    void *ctx;
+} product_t;
+
+typedef struct {
+    const float *input_norm, *post_norm, *q_norm, *k_norm; /* q_norm, k_norm: NULL where absent */
+    product_t qkv, o, gate_up, down;
+    int64_t kv_layer; /* the cache layer its attention reads */
+} step_layer_t;
+
+typedef struct {
+    int64_t rows, hidden, heads, kv_heads, head_dim, intermediate, max_position;
+    float eps;
+    const int64_t *positions; /* [rows] */
+    const float *cos, *sin;   /* [max_position, head_dim] */
+    attention_fn attention;
+    void *attention_ctx;
+    int threads;
+    float *scratch; /* decode_step_scratch(...) floats */
+} step_t;
+
+/* stages reported in *failed (layer * 8 + stage) */
+enum { STAGE_QKV = 1, STAGE_ROPE, STAGE_ATTENTION, STAGE_O, STAGE_GATE_UP, STAGE_DOWN };
+
+int64_t decode_step_scratch(int64_t rows, int64_t hidden, int64_t heads, int64_t kv_heads, int64_t head_dim,
+                            int64_t intermediate) {
+    return rows * (3 * hidden + (heads + 2 * kv_heads) * head_dim + heads * head_dim + 3 * intermediate);
+}
+
+/* x [rows, hidden] in place, through layers [0, n_layers). Returns 0, or the failing stage's
+ * code with *failed = layer * 8 + stage. */
+int decode_step_f32(const step_layer_t *layers, int64_t n_layers, const step_t *s, float *x, int64_t *failed) {
+    const int64_t T = s->rows, h = s->hidden, D = s->head_dim, I = s->intermediate;
+    const int64_t qkv_width = (s->heads + 2 * s->kv_heads) * D;
+    float *normed = s->scratch, *qkv = normed + T * h, *att = qkv + T * qkv_width, *o = att + T * s->heads * D;
+    float *gu = o + T * h, *act = gu + T * 2 * I, *down = act + T * I;
+    for (int64_t l = 0; l < n_layers; l++) {
+        const step_layer_t *L = &layers[l];
+        int status;
+#define STAGE(code, call)                      \
+        if ((status = (call)) != 0) {          \
+            *failed = l * 8 + (code);          \
+            return status;                     \
+        }
+        rms_norm_f32(x, T, h, 1, 0, L->input_norm, normed, h, s->eps);
+        STAGE(STAGE_QKV, L->qkv.fn(L->qkv.ctx, normed, T, qkv, s->threads));
+        if (L->q_norm) {
+            for (int64_t t = 0; t < T; t++) /* in place: norm_row reads a value before writing it */
+                for (int64_t i = 0; i < s->heads + s->kv_heads; i++) {
+                    float *head = qkv + t * qkv_width + i * D;
+                    norm_row(head, i < s->heads ? L->q_norm : L->k_norm, head, D, s->eps);
+                }
+        }
+        STAGE(STAGE_ROPE, rope_f32(qkv, qkv_width, D, s->heads + s->kv_heads, s->positions, T, s->cos, s->sin,
+                                   s->max_position, D));
+        STAGE(STAGE_ATTENTION, s->attention(s->attention_ctx, L->kv_layer, qkv, qkv_width, att, s->threads));
+        STAGE(STAGE_O, L->o.fn(L->o.ctx, att, T, o, s->threads));
+        add_rms_norm_f32(o, x, x, L->post_norm, normed, T, h, s->eps);
+        STAGE(STAGE_GATE_UP, L->gate_up.fn(L->gate_up.ctx, normed, T, gu, s->threads));
+        silu_mul_f32(gu, 2 * I, act, T, I);
+        STAGE(STAGE_DOWN, L->down.fn(L->down.ctx, act, T, down, s->threads));
+        for (int64_t i = 0; i < T * h; i++) x[i] = x[i] + down[i];
+#undef STAGE
+    }
+    return 0;
+}

@@ -603,3 +603,44 @@ EXPORT int paged_decode_bf16(DECODE_ARGS) { return DECODE_CALL(run_bf16); }
 #ifdef __FLT16_MAX__
 EXPORT int paged_decode_f16(DECODE_ARGS) { return DECODE_CALL(run_f16); }
 #endif
+
+/* ---------------------------------------------------------------- one step, for the native decode step
+ *
+ * The attention function of lmplug's native-step ABI (lmplug.interfaces.native): for the step's
+ * `rows` decode rows, row t's q, k, v lie back to back at qkv + t * qkv_stride; k and v go to
+ * slot slots[t] of layer `layer`'s float32 caches, q to a contiguous scratch, and the decode
+ * kernel above attends (the same function, so the same bits as paged_decode_f32). A slot
+ * outside the cache is refused (-2) before anything is written; -3: a layer outside the step's. */
+typedef struct {
+    float *const *k_caches; /* [num_layers], each [num_blocks, block_size, Hkv, D] float32 */
+    float *const *v_caches;
+    int64_t num_layers;
+    const int32_t *block_tables; /* [rows, bt_stride] */
+    int64_t bt_stride;
+    const int32_t *seq_lens; /* [rows] */
+    const int64_t *slots;    /* [rows] */
+    int64_t rows, H, Hkv, D, block_size, num_slots, window;
+    float scale;
+    float *q; /* scratch [rows, H, D] */
+} step_attention_t;
+
+#define STEP_THREADS_MIN_ROWS 4 /* fewer rows: one thread (a thread started per layer costs more) */
+
+EXPORT int decode_step_attention(void *ctx, int64_t layer, const float *qkv, int64_t qkv_stride, float *out,
+                                 int threads) {
+    const step_attention_t *s = ctx;
+    if (layer < 0 || layer >= s->num_layers) return -3;
+    const int64_t qd = s->H * s->D, kd = s->Hkv * s->D;
+    for (int64_t t = 0; t < s->rows; t++)
+        if (s->slots[t] < 0 || s->slots[t] >= s->num_slots) return -2;
+    float *kc = s->k_caches[layer], *vc = s->v_caches[layer];
+    for (int64_t t = 0; t < s->rows; t++) {
+        const float *row = qkv + t * qkv_stride;
+        memcpy(s->q + t * qd, row, (size_t)qd * sizeof(float));
+        memcpy(kc + s->slots[t] * kd, row + qd, (size_t)kd * sizeof(float));
+        memcpy(vc + s->slots[t] * kd, row + qd + kd, (size_t)kd * sizeof(float));
+    }
+    return launch(run_f32, s->q, kc, vc, s->block_tables, s->bt_stride, s->seq_lens, NULL, NULL, out,
+                  (int)s->rows, (int)s->H, (int)s->Hkv, (int)s->D, (int)s->block_size, s->scale, (int)s->window,
+                  s->rows < STEP_THREADS_MIN_ROWS ? 1 : threads);
+}

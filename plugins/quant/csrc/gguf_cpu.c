@@ -682,6 +682,7 @@ typedef struct {
     int64_t w_stride, N, M, chunk, nchunks;
     const acts_t *a;
     float *out;
+    int64_t ldo; /* out's row stride (N, or more where this product fills columns of a wider one) */
     int threads; /* the pool workers with index < threads take part (the caller is index 0) */
 } job_t;
 
@@ -690,7 +691,7 @@ static void run(const job_t *j, int64_t n0, int64_t n1) {
         const int64_t t1 = t0 + NT < n1 ? t0 + NT : n1;
         for (int64_t m0 = 0; m0 < j->M; m0 += MR) {
             const int mc = j->M - m0 < MR ? (int)(j->M - m0) : MR;
-            j->fn(j->w + t0 * j->w_stride, j->w_stride, t1 - t0, j->a, m0, mc, j->out + m0 * j->N + t0, j->N);
+            j->fn(j->w + t0 * j->w_stride, j->w_stride, t1 - t0, j->a, m0, mc, j->out + m0 * j->ldo + t0, j->ldo);
         }
     }
 }
@@ -861,12 +862,10 @@ EXPORT int gguf_cpu_threads(int64_t M, int64_t K, int64_t N, int num_threads) {
  * 0 again in a child after fork(). */
 EXPORT int gguf_cpu_pool_workers(void) { return __atomic_load_n(&pool.workers, __ATOMIC_ACQUIRE); }
 
-/* out[M, N] (contiguous float32) = x[M, K] (contiguous float32) @ W^T, W's row n at
- * w + n * w_stride (K / elems blocks of `type`). isa: the kernel set wanted (at most
- * gguf_cpu_isa()'s). Returns 0; -1 when scratch memory cannot be allocated, -2 for a type
- * not listed here, -3 for K not a multiple of the type's block, -4 for an isa not available. */
-EXPORT int gguf_mul_mat(const float *x, int64_t M, int64_t K, const uint8_t *w, int64_t w_stride, int64_t N,
-                        int type, float *out, int num_threads, int isa) {
+/* out[M, N] (float32, row stride ldo) = x[M, K] (contiguous float32) @ W^T: gguf_mul_mat's
+ * work, for a product that may fill some columns of a wider output (gguf_layer_product). */
+static int mul_mat_into(const float *x, int64_t M, int64_t K, const uint8_t *w, int64_t w_stride, int64_t N,
+                        int type, float *out, int64_t ldo, int num_threads, int isa) {
     const type_t *t = find_type(type);
     if (!t) return -2;
     if (K <= 0 || K % t->elems) return -3;
@@ -890,7 +889,7 @@ EXPORT int gguf_mul_mat(const float *x, int64_t M, int64_t K, const uint8_t *w, 
                                      s + m * ns + b * (t->elems / t->group));
     const acts_t a = {q, d, s, K, nb, ns};
 
-    job_t j = {t->fn[isa], w, w_stride, N, M, N, 1, &a, out, gguf_cpu_threads(M, K, N, num_threads)};
+    job_t j = {t->fn[isa], w, w_stride, N, M, N, 1, &a, out, ldo, gguf_cpu_threads(M, K, N, num_threads)};
     if (j.threads > 1) { /* about 16 chunks a thread, whole tiles, so a late thread's share is taken */
         j.chunk = (N + 16 * j.threads - 1) / (16 * j.threads);
         j.chunk = (j.chunk + NT - 1) / NT * NT;
@@ -899,5 +898,107 @@ EXPORT int gguf_mul_mat(const float *x, int64_t M, int64_t K, const uint8_t *w, 
     }
     run_job(&j);
     free(q); free(d); free(s);
+    return 0;
+}
+
+/* out[M, N] (contiguous float32) = x[M, K] (contiguous float32) @ W^T, W's row n at
+ * w + n * w_stride (K / elems blocks of `type`). isa: the kernel set wanted (at most
+ * gguf_cpu_isa()'s). Returns 0; -1 when scratch memory cannot be allocated, -2 for a type
+ * not listed here, -3 for K not a multiple of the type's block, -4 for an isa not available. */
+EXPORT int gguf_mul_mat(const float *x, int64_t M, int64_t K, const uint8_t *w, int64_t w_stride, int64_t N,
+                        int type, float *out, int num_threads, int isa) {
+    return mul_mat_into(x, M, K, w, w_stride, N, type, out, N, num_threads, isa);
+}
+
+/* ---------------------------------------------------------------- a layer's product, bound
+ *
+ * The product function of lmplug's native-step ABI (lmplug.interfaces.native): a fused linear
+ * layer's runs of equal type, each filling its columns of one output row, plus the bias. A run
+ * with type GGUF_DENSE holds float32 rows (a float shard of a mixed layer, e.g. a BF16 v next
+ * to Q4_K q/k), or GGUF_DENSE_T float32 columns (a layer the file stores in F16/F32 whole):
+ * computed here in float32 on the calling thread. */
+
+#define GGUF_DENSE (-1)   /* float32 rows [N, K] */
+#define GGUF_DENSE_T (-2) /* float32 W^T, [K, N] rows (a dense layer as the Unquantized path keeps it) */
+#define MAX_RUNS 8
+
+typedef struct {
+    const uint8_t *w; /* rows of ggml blocks (or of F32 / F16 / BF16 values), float32 for GGUF_DENSE */
+    int64_t w_stride; /* bytes between rows */
+    int64_t N;        /* the run's rows (output columns) */
+    int64_t type;
+} gguf_run_t;
+
+typedef struct {
+    int64_t K, N, isa, n_runs; /* N: all runs' rows */
+    int64_t threads;           /* > 0: this many threads whatever the caller asks (LMPLUG_GGUF_THREADS) */
+    const float *bias;         /* [N] or NULL */
+    gguf_run_t runs[MAX_RUNS];
+} gguf_layer_t;
+
+#define T_F32 0
+#define T_F16 1
+#define T_BF16 30
+
+static inline float bf16_to_f32(uint16_t h) {
+    union { uint32_t u; float f; } v = {.u = (uint32_t)h << 16};
+    return v.f;
+}
+
+/* Rows of float32 (GGUF_DENSE, T_F32), float16 or bfloat16 values (a shard the file stores
+ * unquantized), each dotted with x in float32, 8 lanes. */
+static void dense_rows(const float *x, int64_t M, int64_t K, const gguf_run_t *r, float *out, int64_t ldo) {
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t n = 0; n < r->N; n++) {
+            const uint8_t *wr = r->w + n * r->w_stride;
+            const float *xr = x + m * K;
+            float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0}, total = 0.0f;
+            for (int64_t i = 0; i < K; i++) {
+                float w;
+                if (r->type == T_F16) w = fp16_to_f32(load_u16(wr + 2 * i));
+                else if (r->type == T_BF16) w = bf16_to_f32(load_u16(wr + 2 * i));
+                else memcpy(&w, wr + 4 * i, sizeof w);
+                acc[i & 7] += xr[i] * w;
+            }
+            for (int l = 0; l < 8; l++) total += acc[l];
+            out[m * ldo + n] = total;
+        }
+}
+
+static void dense_t_rows(const float *x, int64_t M, int64_t K, const gguf_run_t *r, float *out, int64_t ldo) {
+    for (int64_t m = 0; m < M; m++) {
+        float *o = out + m * ldo;
+        for (int64_t n = 0; n < r->N; n++) o[n] = 0.0f;
+        for (int64_t k = 0; k < K; k++) {
+            const float xk = x[m * K + k], *wk = (const float *)(r->w + k * r->w_stride);
+            for (int64_t n = 0; n < r->N; n++) o[n] += xk * wk[n];
+        }
+    }
+}
+
+/* out[M, layer->N] (contiguous) = x[M, K] @ W^T (+ bias); 0 or gguf_mul_mat's error codes,
+ * -5 for a layer description out of range. */
+EXPORT int gguf_layer_product(void *ctx, const float *x, int64_t M, float *out, int num_threads) {
+    const gguf_layer_t *layer = ctx;
+    if (layer->threads > 0) num_threads = (int)layer->threads;
+    if (layer->n_runs < 1 || layer->n_runs > MAX_RUNS) return -5;
+    int64_t col = 0;
+    for (int64_t i = 0; i < layer->n_runs; i++) {
+        const gguf_run_t *r = &layer->runs[i];
+        int status = 0;
+        if (r->type == GGUF_DENSE || r->type == T_F32 || r->type == T_F16 || r->type == T_BF16)
+            dense_rows(x, M, layer->K, r, out + col, layer->N);
+        else if (r->type == GGUF_DENSE_T)
+            dense_t_rows(x, M, layer->K, r, out + col, layer->N);
+        else
+            status = mul_mat_into(x, M, layer->K, r->w, r->w_stride, r->N, (int)r->type, out + col, layer->N,
+                                  num_threads, (int)layer->isa);
+        if (status) return status;
+        col += r->N;
+    }
+    if (col != layer->N) return -5;
+    if (layer->bias)
+        for (int64_t m = 0; m < M; m++)
+            for (int64_t n = 0; n < layer->N; n++) out[m * layer->N + n] += layer->bias[n];
     return 0;
 }

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from lmplug_quant import gguf_native
 
 pytest_plugins = ["pytester"]
 
@@ -213,6 +214,10 @@ class TestQuantWrongNames(Rtn):
     backend_cls = toys.ToyRtnWrongNames
 
 
+class TestQuantNativeNoBias(Rtn):
+    backend_cls = toys.ToyRtnNativeNoBias
+
+
 class TestDrafterOutOfVocab(DrafterConformance):
     backend_cls = toys.ToyNgramOutOfVocab
 
@@ -319,6 +324,9 @@ def test_other_families_catch_broken_backends(project):
         "TestSchedulerOverBudget::test_runs_workload[long_prompts]",
         "TestSchedulerNoRecompute::test_preemption_keeps_outputs",
     }
+    if gguf_native.available()[0]:  # the toy's C product is the gguf plugin's (needs a compiler)
+        expected.add("TestQuantNativeNoBias::test_native_product_matches_apply[in128-out64]")
+        result.stdout.fnmatch_lines(["*the native product (native_product) differs from apply()*"])
     assert expected <= failed, expected - failed
     # what passes must still pass: the broken part is the only thing reported
     assert "TestMoENoRenormalize::test_route_matches_reference[T7-E8-k2-raw]" not in failed
@@ -371,7 +379,8 @@ def test_pytest_plugin_header_and_marker(project):
     )
     result = project.runpytest("-m", "lmplug_conformance", "-p", "no:cacheprovider")
     result.stdout.fnmatch_lines(["lmplug * conformance suite: TRITON_INTERPRET*"])
-    result.assert_outcomes(passed=3, deselected=1)
+    # skipped: the native decode check (the naive backend has no native_decode)
+    result.assert_outcomes(passed=3, skipped=1, deselected=1)
 
 
 def test_known_failures_are_strict_expected_failures(project):
@@ -392,7 +401,7 @@ def test_known_failures_are_strict_expected_failures(project):
     """
     )
     result = project.runpytest("-rxX", "-p", "no:cacheprovider")
-    result.assert_outcomes(passed=3, xfailed=1, failed=1)
+    result.assert_outcomes(passed=3, xfailed=1, failed=1, skipped=2)  # skipped: the native decode checks
     result.stdout.fnmatch_lines_random(
         [
             "*XFAIL*prefill_small-contiguous-float32*known failure: no causal mask yet*",

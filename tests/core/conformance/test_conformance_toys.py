@@ -30,6 +30,10 @@ class TestToyRtnInt8(QuantConformance):
         return toys.rtn_dequantize(tensors)
 
 
+class TestToyRtnNative(TestToyRtnInt8):
+    backend_cls = toys.ToyRtnNative
+
+
 class TestToyNgram(DrafterConformance):
     backend_cls = toys.ToyNgram
 

@@ -224,3 +224,58 @@ def test_build_is_cached_per_source_compiler_and_cpu(native, monkeypatch, tmp_pa
     assert ok and path.startswith(str(tmp_path / "kernels" / "paged_decode_cpu-")) and path.endswith(".so")
     assert [p.name for p in (tmp_path / "kernels").iterdir()] == [path.rsplit("/", 1)[1]]
     assert native.available() == (True, path)  # loaded once, not rebuilt
+
+
+# --- the native decode step's attention (lmplug.interfaces.native) --------------------------------
+
+def step_context(tables, lens, slots, query_masks=None):
+    from lmplug.interfaces.step import StepContext
+
+    b = len(lens)
+    ones = torch.ones(b, dtype=torch.int32)
+    return StepContext(positions=(lens - 1).long(), query_lens=ones, seq_lens=lens,
+                       cu_query_lens=torch.arange(b + 1, dtype=torch.int32), slot_mapping=slots,
+                       block_tables=tables, query_lens_cpu=[1] * b, seq_lens_cpu=lens.tolist(), num_decodes=b,
+                       query_masks=query_masks or {})
+
+
+def test_step_attention_writes_the_rows_then_gives_the_kernels_bits(native):
+    """Each row's k and v go to its slot of the layer's caches, and the output is the decode
+    kernel's over the updated caches, bit for bit (1 row: one thread; 10 rows: several)."""
+    from lmplug.interfaces.attention import KVLayerView
+    from lmplug.interfaces.native import call_attention
+
+    for lens_list in ([33], LENS):
+        q, kc, vc, tables, lens = paged_batch(lens_list, 9, 3, 64, 16, torch.float32, seed=8)
+        slots = torch.tensor([int(tables[i, (n - 1) // 16]) * 16 + (n - 1) % 16 for i, n in enumerate(lens_list)])
+        g = torch.Generator().manual_seed(9)
+        k, v = torch.randn(len(lens_list), 3, 64, generator=g), torch.randn(len(lens_list), 3, 64, generator=g)
+        other = KVLayerView(torch.zeros_like(kc), torch.zeros_like(vc), "paged")
+        views = [other, KVLayerView(kc, vc, "paged")]  # the step's layer 1
+        call = native.step_attention(step_context(tables, lens, slots), views, 9, 3, 64, 0.125, None, "attention t")
+        qkv = torch.cat([q.flatten(1), k.flatten(1), v.flatten(1)], dim=1)
+        got = call_attention(call, 1, qkv, 9, 64, threads=2)
+        assert torch.equal(kc.view(-1, 3, 64)[slots], k) and torch.equal(vc.view(-1, 3, 64)[slots], v)
+        assert not other.k_cache.any()
+        assert torch.equal(got, native.paged_decode_attention(q, kc, vc, tables, lens, 0.125, num_threads=1))
+        with pytest.raises(RuntimeError, match="attention t: returned error -3"):
+            call_attention(call, 2, qkv, 9, 64)  # a layer the step does not have
+
+
+def test_step_attention_declines_or_refuses(native):
+    from lmplug.interfaces.attention import KVLayerView
+
+    _, kc, vc, tables, lens = paged_batch([5, 20], 4, 2, 64, 16, torch.float32)
+    slots = torch.tensor([4, 16 * int(tables[1, 1]) + 3])
+    view = KVLayerView(kc, vc, "paged")
+    args = (4, 2, 64, 0.125, None, "attention t")
+    tree = {0: torch.ones(1, 1, dtype=torch.bool)}
+    assert native.step_attention(step_context(tables, lens, slots, tree), [view], *args) is None
+    int8 = KVLayerView(kc.to(torch.int8), vc.to(torch.int8), "paged", kc[..., 0], vc[..., 0])
+    assert native.step_attention(step_context(tables, lens, slots), [int8], *args) is None
+    assert native.step_attention(step_context(tables, lens, slots), [KVLayerView(kc.bfloat16(), vc.bfloat16(),
+                                                                                 "paged")], *args) is None
+    with pytest.raises(ValueError, match=r"slot_mapping names slots outside \[0, \d+\)"):
+        native.step_attention(step_context(tables, lens, torch.tensor([4, kc.shape[0] * 16])), [view], *args)
+    with pytest.raises(ValueError, match="outside"):
+        native.step_attention(step_context(torch.full_like(tables, kc.shape[0]), lens, slots), [view], *args)

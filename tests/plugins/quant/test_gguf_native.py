@@ -335,6 +335,40 @@ def test_bound_product_is_mul_mat(kernel, name):
         gguf_native.BoundProduct(kernel, w[:, :30], type_id(name), K)
 
 
+def test_layer_product_is_the_runs_side_by_side_plus_bias(kernel):
+    """The native decode step's product of a fused layer: each packed run gives mul_mat's bits
+    in its columns (M = 1 and 9, 1 and 2 threads), the float runs (F16 / BF16 / F32 rows,
+    float32 rows, float32 W^T) their float32 products, and the bias is added last."""
+    from lmplug.interfaces.native import call_product
+
+    gen = torch.Generator().manual_seed(7)
+    q4 = torch.from_numpy(make_weight("Q4_1", N, K, seed=1))
+    q6 = torch.from_numpy(make_weight("Q6_K", 16, K, seed=2))
+    dense = torch.randn(5, K, generator=gen) * 0.05
+    f16 = dense.half()
+    bf16 = dense.bfloat16()
+    runs = [(type_id("Q4_1"), q4), (type_id("Q6_K"), q6), (1, f16.view(torch.uint8)), (30, bf16.view(torch.uint8)),
+            (0, dense.view(torch.uint8)), (None, dense), ("t", dense.t().contiguous())]
+    total = N + 16 + 5 * 5
+    bias = torch.randn(total, generator=gen)
+    call = gguf_native.layer_product(kernel, runs, K, bias)
+    for m in (1, 9):
+        x = torch.randn(m, K, generator=torch.Generator().manual_seed(m))
+        want = torch.cat([kernel.mul_mat(x, q4, type_id("Q4_1"), K), kernel.mul_mat(x, q6, type_id("Q6_K"), K),
+                          x @ f16.float().t(), x @ bf16.float().t(), x @ dense.t(), x @ dense.t(), x @ dense.t()], 1)
+        for threads in (1, 2):
+            got = call_product(call, x, total, threads)
+            assert torch.equal(got[:, :N + 16], want[:, :N + 16] + bias[:N + 16])
+            torch.testing.assert_close(got, want + bias, rtol=1e-5, atol=1e-5)
+    bad = [(type_id("Q4_1"), q4)] * 9
+    with pytest.raises(ValueError, match="a layer of 9 runs; at most 8"):
+        gguf_native.layer_product(kernel, bad, K, None)
+    with pytest.raises(ValueError, match=r"the bias must be a contiguous float32 CPU tensor \(37,\)"):
+        gguf_native.layer_product(kernel, runs[:1], K, bias[:5])
+    with pytest.raises(ValueError, match=r"a type-1 run must be uint8 CPU rows \[n, 1024\]"):
+        gguf_native.layer_product(kernel, [(1, dense)], K, None)
+
+
 def test_bad_environment_is_named(kernel, monkeypatch):
     w = torch.from_numpy(make_weight("Q8_0", 4, 64))
     monkeypatch.setenv("LMPLUG_GGUF_ISA", "sse9")

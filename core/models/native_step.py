@@ -1,0 +1,158 @@
+"""The native decode step: every decoder layer of a Llama-family decode step in one C call.
+
+At batch 1 on a CPU a small model's token is ~30 layers of ~12 ops each, and the Python and
+dispatch between the ops cost about as much as the matrix products. Where every plugin on a
+layer's path hands the core a C function (``lmplug.interfaces.native``: the quant method a
+product per linear layer, the attention backend a decode attention per step), the core runs
+all the layers in ``decode_step_f32`` (``csrc/fused_cpu_ops.c``): the norms, residual adds,
+RoPE and SiLU * mul are the fused CPU ops' own functions, so those give the Python path's
+bits, and the products and attention are the plugins'.
+
+It is planned once per model, on its first forward (after loading): ``NativeDecodeStep.build``
+returns None, and the model keeps the Python path, unless the model is one process (no tensor
+parallelism), float32, with the fused CPU ops built, the plain RoPE, and every layer the dense
+``DecoderLayer`` (``Attention`` + ``MLP``) whose linear layers all have a native product. Each
+step then asks ``fits`` (every row a single-token decode, no draft-tree masks, no state
+layers) and the attention backend's ``native_decode`` (None: this step takes the Python path).
+``LMPLUG_NATIVE_STEP=0`` in the environment turns it off (benchmarks compare the two).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+
+import torch
+
+from lmplug.interfaces.native import NativeCall
+from lmplug.interfaces.rope import RotaryEmbedding
+from lmplug.interfaces.step import StepContext
+from lmplug.interfaces.threads import compute_threads
+from lmplug.models import fused_cpu
+
+_P, _I64 = ctypes.c_void_p, ctypes.c_int64
+# decode_step_f32's stages, as it reports a failure (layer * 8 + stage)
+STAGES = {1: "qkv_proj", 2: "rope", 3: "attention", 4: "o_proj", 5: "gate_up_proj", 6: "down_proj"}
+
+
+class _Product(ctypes.Structure):
+    _fields_ = [("fn", _P), ("ctx", _P)]
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [("input_norm", _P), ("post_norm", _P), ("q_norm", _P), ("k_norm", _P), ("qkv", _Product),
+                ("o", _Product), ("gate_up", _Product), ("down", _Product), ("kv_layer", _I64)]
+
+
+class _Step(ctypes.Structure):
+    _fields_ = [("rows", _I64), ("hidden", _I64), ("heads", _I64), ("kv_heads", _I64), ("head_dim", _I64),
+                ("intermediate", _I64), ("max_position", _I64), ("eps", ctypes.c_float), ("positions", _P),
+                ("cos", _P), ("sin", _P), ("attention", _P), ("attention_ctx", _P), ("threads", ctypes.c_int),
+                ("scratch", _P)]
+
+
+def enabled() -> bool:
+    return os.environ.get("LMPLUG_NATIVE_STEP", "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def _f32(t: torch.Tensor | None) -> bool:
+    return t is not None and t.dtype == torch.float32 and t.is_cpu and t.is_contiguous()
+
+
+class NativeDecodeStep:
+    """One model's plan: its layers as ``decode_step_f32`` reads them, and the plugins' calls."""
+
+    def __init__(self, model: torch.nn.Module, lib: ctypes.CDLL, layers: ctypes.Array, calls: list[list],
+                 eps: float) -> None:
+        self.model = model
+        self.lib = lib
+        self.layers = layers
+        self.calls = calls  # per layer: the four products (NativeCall), kept alive and named on errors
+        self.eps = eps
+        first = model.layers[0]
+        attn, mlp = first.self_attn, first.mlp
+        self.backend = attn.backend
+        self.shape = (model.config.hidden_size, attn.num_heads, attn.num_kv_heads, attn.head_dim, mlp.intermediate)
+        self._scratch = torch.empty(0, dtype=torch.float32)
+
+    @classmethod
+    def build(cls, model: torch.nn.Module) -> NativeDecodeStep | None:
+        """The plan, or None where some part of the model has no native form (module docstring)."""
+        from lmplug.models.llama import MLP, Attention, DecoderLayer
+
+        if not enabled() or model.tp.is_parallel or not len(model.layers):
+            return None
+        lib = fused_cpu.library()
+        rope = model.rope
+        cos, sin = rope._buffers.get("cos"), rope._buffers.get("sin")
+        if lib is None or type(rope).forward is not RotaryEmbedding.forward or not (_f32(cos) and _f32(sin)):
+            return None
+        backend, eps = model.layers[0].self_attn.backend, model.layers[0].input_layernorm.eps
+        table, calls = (_Layer * len(model.layers))(), []
+        for i, layer in enumerate(model.layers):
+            attn, mlp = layer.self_attn, layer.mlp
+            if type(layer) is not DecoderLayer or type(attn) is not Attention or type(mlp) is not MLP:
+                return None
+            if attn.backend is not backend:
+                return None
+            norms = [layer.input_layernorm, layer.post_attention_layernorm]
+            norms += [attn.q_norm, attn.k_norm] if attn.q_norm is not None else []
+            if any(n.eps != eps or not _f32(n._parameters["weight"]) for n in norms):
+                return None
+            products = []
+            for linear in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
+                call = linear.quant.native_product(linear)
+                if call is None:
+                    return None
+                products.append(call)
+            weights = [n._parameters["weight"].data_ptr() for n in norms] + [None, None]
+            table[i] = _Layer(*weights[:4], *(_Product(c.fn, c.ctx) for c in products), attn.layer)
+            calls.append(products)
+        return cls(model, lib, table, calls, eps)
+
+    @staticmethod
+    def fits(x: torch.Tensor, ctx: StepContext) -> bool:
+        """This step can run natively: float32 CPU rows, each a single-token decode (no draft
+        tree, no state layers), eager (not traced)."""
+        return (ctx.num_decodes == x.shape[0] and not ctx.query_masks and ctx.state_slots is None
+                and x.dtype == torch.float32 and x.is_cpu and not x.requires_grad
+                and not torch.compiler.is_compiling())
+
+    def run(self, x: torch.Tensor, positions: torch.Tensor, ctx: StepContext) -> torch.Tensor | None:
+        """The hidden states after the last layer (``x`` [T, hidden], changed in place), or None
+        when the attention backend has no native form for this step (the caller runs the layers)."""
+        attention: NativeCall | None = self.backend.native_decode(ctx, self.model.kv_views)
+        if attention is None:
+            return None
+        rows = x.shape[0]
+        hidden, heads, kv_heads, head_dim, inter = self.shape
+        need = rows * (3 * hidden + (heads + 2 * kv_heads) * head_dim + heads * head_dim + 3 * inter)
+        if self._scratch.numel() < need:
+            self._scratch = torch.empty(need, dtype=torch.float32)
+        x = x.contiguous()
+        positions = positions.to(torch.int64).contiguous()
+        rope = self.model.rope
+        cos, sin = rope._buffers["cos"], rope._buffers["sin"]
+        step = _Step(rows, hidden, heads, kv_heads, head_dim, inter, cos.shape[0], self.eps, positions.data_ptr(),
+                     cos.data_ptr(), sin.data_ptr(), attention.fn, attention.ctx, compute_threads(),
+                     self._scratch.data_ptr())
+        failed = ctypes.c_int64(0)
+        status = self.lib.decode_step_f32(self.layers, len(self.layers), ctypes.byref(step), x.data_ptr(),
+                                          ctypes.byref(failed))
+        if status:
+            self._fail(status, failed.value, attention, positions)
+        return x
+
+    def _fail(self, status: int, where: int, attention: NativeCall, positions: torch.Tensor) -> None:
+        layer, stage = divmod(where, 8)
+        name = STAGES.get(stage, f"stage {stage}")
+        if name == "rope":
+            raise IndexError(f"native decode step: layer {layer}: a position of {positions.tolist()} is outside "
+                             f"the RoPE table [0, {self.model.rope._buffers['cos'].shape[0]})")
+        if name == "attention":
+            who = attention.name or type(self.backend).__name__
+        else:
+            call = self.calls[layer][("qkv_proj", "o_proj", "gate_up_proj", "down_proj").index(name)]
+            who = call.name or "the quant method"
+        raise RuntimeError(f"native decode step: layer {layer} {name}: {who}'s native function returned "
+                           f"error {status}")
