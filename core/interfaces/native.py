@@ -60,6 +60,13 @@ class NativeCall:
     ctx: int
     keep: object = None
     name: str = ""  # who provides it, for error messages (e.g. "quant gguf")
+    errors: dict[int, str] | None = None  # what its nonzero codes mean, for error messages
+
+    def describe(self, status: int) -> str:
+        """``"<name>'s native function returned error <status> (<meaning>)"``."""
+        meaning = (self.errors or {}).get(status)
+        return (f"{self.name or 'a plugin'}'s native function returned error {status}"
+                + (f" ({meaning})" if meaning else ""))
 
 
 _PRODUCT = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
@@ -75,7 +82,7 @@ def call_product(call: NativeCall, x: torch.Tensor, out_features: int, threads: 
     out = torch.empty(x.shape[0], out_features, dtype=torch.float32)
     status = _PRODUCT(call.fn)(call.ctx, x.data_ptr(), x.shape[0], out.data_ptr(), threads)
     if status:
-        raise RuntimeError(f"{call.name or 'native product'}: returned error {status}")
+        raise RuntimeError(call.describe(status))
     return out
 
 
@@ -89,5 +96,5 @@ def call_attention(call: NativeCall, layer: int, qkv: torch.Tensor, num_heads: i
     out = torch.empty(qkv.shape[0], num_heads, head_dim, dtype=torch.float32)
     status = _ATTENTION(call.fn)(call.ctx, layer, qkv.data_ptr(), qkv.stride(0), out.data_ptr(), threads)
     if status:
-        raise RuntimeError(f"{call.name or 'native attention'}: returned error {status}")
+        raise RuntimeError(call.describe(status))
     return out

@@ -149,10 +149,6 @@ class NativeDecodeStep:
         if name == "rope":
             raise IndexError(f"native decode step: layer {layer}: a position of {positions.tolist()} is outside "
                              f"the RoPE table [0, {self.model.rope._buffers['cos'].shape[0]})")
-        if name == "attention":
-            who = attention.name or type(self.backend).__name__
-        else:
-            call = self.calls[layer][("qkv_proj", "o_proj", "gate_up_proj", "down_proj").index(name)]
-            who = call.name or "the quant method"
-        raise RuntimeError(f"native decode step: layer {layer} {name}: {who}'s native function returned "
-                           f"error {status}")
+        call = attention if name == "attention" else \
+            self.calls[layer][("qkv_proj", "o_proj", "gate_up_proj", "down_proj").index(name)]
+        raise RuntimeError(f"native decode step: layer {layer} {name}: {call.describe(status)}")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence as Seq
 
 import torch
@@ -149,7 +150,7 @@ class RequestTable:
         with its own generator, from a copy of the parent's (last) logits (and hidden) row.
         Returns the sequences with the children appended, the rows to match, and the children.
         """
-        last_rows = torch.tensor(num_rows).cumsum(0).sub(1).tolist()
+        last_rows = [end - 1 for end in itertools.accumulate(num_rows)]  # no tensor ops: runs every step
         rows, forked = [], []
         for i, parent in enumerate(seqs):
             req = self._requests[parent.request_id]

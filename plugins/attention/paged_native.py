@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -248,7 +249,37 @@ class _StepAttention(ctypes.Structure):
                 ("block_tables", ctypes.c_void_p), ("bt_stride", ctypes.c_int64), ("seq_lens", ctypes.c_void_p),
                 ("slots", ctypes.c_void_p), ("rows", ctypes.c_int64), ("H", ctypes.c_int64), ("Hkv", ctypes.c_int64),
                 ("D", ctypes.c_int64), ("block_size", ctypes.c_int64), ("num_slots", ctypes.c_int64),
-                ("window", ctypes.c_int64), ("scale", ctypes.c_float), ("q", ctypes.c_void_p)]
+                ("window", ctypes.c_int64), ("scale", ctypes.c_float), ("q", ctypes.c_void_p),
+                ("checked", ctypes.c_int64)]
+
+
+# decode_step_attention's error codes
+STEP_ERRORS = {-1: "could not allocate its scratch memory", -2: "slot_mapping names a slot outside the cache",
+               -3: "a layer outside the step's caches", -4: "seq_lens outside [1, max_blocks * block_size]",
+               -5: "block_tables name a block outside the cache"}
+_step_caches: dict[int, tuple] = {}  # id(views) -> (key, per-layer cache pointers or None)
+
+
+def _layer_pointers(views: list, num_kv_heads: int, head_dim: int) -> tuple | None:
+    """(k pointers, v pointers, cache shape) of the model's cache layers, or None where some layer
+    is not a contiguous float32 CPU cache of the model's heads; cached per views list (the
+    model's own, bound once), checked again when its first or last layer's storage moved."""
+    key = (len(views), views[0].k_cache.data_ptr(), views[-1].k_cache.data_ptr(), views[-1].v_cache.data_ptr(),
+           views[0].k_cache.shape, views[0].k_cache.dtype, views[0].k_scale is None)
+    hit = _step_caches.get(id(views))
+    if hit is not None and hit[0] == key:
+        return hit[1]
+    k0, value = views[0].k_cache, None
+    if all(view.k_scale is None and view.k_cache.dtype == torch.float32 and view.k_cache.is_cpu
+           and view.k_cache.shape == k0.shape and view.v_cache.shape == k0.shape
+           and view.k_cache.is_contiguous() and view.v_cache.is_contiguous() for view in views) \
+            and k0.shape[2] == num_kv_heads and k0.shape[3] == head_dim:
+        value = ((ctypes.c_void_p * len(views))(*[v.k_cache.data_ptr() for v in views]),
+                 (ctypes.c_void_p * len(views))(*[v.v_cache.data_ptr() for v in views]), tuple(k0.shape))
+    if len(_step_caches) > 64:  # engines come and go in one process (tests): keep it small
+        _step_caches.clear()
+    _step_caches[id(views)] = (key, value)
+    return value
 
 
 def step_attention(ctx, views: list, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
@@ -256,35 +287,43 @@ def step_attention(ctx, views: list, num_heads: int, num_kv_heads: int, head_dim
     """A decode step's attention as a ``lmplug.interfaces.native`` attention function
     (``decode_step_attention``: the KV write, then this kernel), or None where the step does not
     fit it: tree masks, caches that are not float32 on the CPU (quantized KV), the kernel not
-    built here. The step's tables are checked as ``prepare`` checks them, its slots against the
-    cache, once per step."""
+    built here. The C function checks the step's tables and slots against the cache
+    (``STEP_ERRORS``)."""
     if ctx.query_masks or not views:
         return None
-    k0 = views[0].k_cache
-    for view in views:
-        if (view.k_scale is not None or view.k_cache.dtype != torch.float32 or not view.k_cache.is_cpu
-                or view.k_cache.shape != k0.shape or view.v_cache.shape != k0.shape
-                or not (view.k_cache.is_contiguous() and view.v_cache.is_contiguous())):
-            return None
-    num_blocks, block_size, hkv, d = k0.shape
-    if hkv != num_kv_heads or d != head_dim:
+    layers = _layer_pointers(views, num_kv_heads, head_dim)
+    kernel = _step_kernel()
+    if layers is None or kernel is None:
         return None
-    try:
-        kernel = load()
-    except NativeKernelUnavailable:
-        return None
+    k_ptrs, v_ptrs, (num_blocks, block_size, hkv, d) = layers
     rows = ctx.num_decodes
-    batch = prepare(ctx.block_tables[:rows], ctx.seq_lens[:rows], block_size, num_blocks)
-    slots = ctx.slot_mapping[:rows].to(torch.int64).contiguous()
-    num_slots = num_blocks * block_size
-    if rows and (int(slots.min()) < 0 or int(slots.max()) >= num_slots):
-        raise ValueError(f"{_WHAT}: slot_mapping names slots outside [0, {num_slots})")
-    k_ptrs = (ctypes.c_void_p * len(views))(*[v.k_cache.data_ptr() for v in views])
-    v_ptrs = (ctypes.c_void_p * len(views))(*[v.v_cache.data_ptr() for v in views])
+    tables, lens, slots = ctx.block_tables[:rows], ctx.seq_lens[:rows], ctx.slot_mapping[:rows]
+    if tables.dtype != torch.int32 or not tables.is_contiguous() or not tables.is_cpu:
+        tables = tables.to("cpu", torch.int32).contiguous()
+    if lens.dtype != torch.int32 or not lens.is_contiguous() or not lens.is_cpu:
+        lens = lens.to("cpu", torch.int32).contiguous()
+    if slots.dtype != torch.int64 or not slots.is_contiguous() or not slots.is_cpu:
+        slots = slots.to("cpu", torch.int64).contiguous()
+    if tables.dim() != 2 or tables.shape[0] != rows or lens.shape != (rows,) or slots.shape != (rows,):
+        raise ValueError(f"{_WHAT}: block_tables must be [{rows}, max_blocks], seq_lens and slot_mapping "
+                         f"[{rows}], got {tuple(tables.shape)}, {tuple(lens.shape)}, {tuple(slots.shape)}")
     q = torch.empty(rows, num_heads, head_dim, dtype=torch.float32)
-    desc = _StepAttention(ctypes.addressof(k_ptrs), ctypes.addressof(v_ptrs), len(views),
-                          batch.block_tables.data_ptr(), batch.block_tables.stride(0), batch.seq_lens.data_ptr(),
-                          slots.data_ptr(), rows, num_heads, hkv, d, block_size, num_slots, sliding_window or 0,
-                          scale, q.data_ptr())
-    fn = ctypes.cast(kernel.step_fn, ctypes.c_void_p).value
-    return NativeCall(fn, ctypes.addressof(desc), (desc, k_ptrs, v_ptrs, batch, slots, q, kernel, views), name)
+    desc = _StepAttention(ctypes.addressof(k_ptrs), ctypes.addressof(v_ptrs), len(views), tables.data_ptr(),
+                          tables.stride(0), lens.data_ptr(), slots.data_ptr(), rows, num_heads, hkv, d, block_size,
+                          num_blocks * block_size, sliding_window or 0, scale, q.data_ptr(), 0)
+    return NativeCall(kernel, ctypes.addressof(desc), (desc, layers, tables, lens, slots, q), name, STEP_ERRORS)
+
+
+_step_fn: dict[tuple, int | None] = {}
+
+
+def _step_kernel() -> int | None:
+    """``decode_step_attention``'s address (None where the library does not build here): a dict
+    look-up per step, keyed by what ``load`` depends on."""
+    key = (os.environ.get("CC"), os.environ.get("LMPLUG_CACHE"), os.environ.get("HOME"))
+    if key not in _step_fn:
+        try:
+            _step_fn[key] = ctypes.cast(load().step_fn, ctypes.c_void_p).value
+        except NativeKernelUnavailable:
+            _step_fn[key] = None
+    return _step_fn[key]

@@ -216,7 +216,8 @@ def layer_product(kernel: GGUFKernel, runs: list[tuple[int | str | None, torch.T
                              f"{bias.dtype} {tuple(bias.shape)}")
         desc.bias = bias.data_ptr()
     fn = ctypes.cast(kernel.layer_fn, ctypes.c_void_p).value
-    return NativeCall(fn, ctypes.addressof(desc), (desc, kernel, [w for _, w in runs], bias), name)
+    return NativeCall(fn, ctypes.addressof(desc), (desc, kernel, [w for _, w in runs], bias), name,
+                      {**_ERRORS, -5: "the layer's description is out of range"})
 
 
 def _check_weight(w: torch.Tensor, ggml_type: int, k: int, size: int) -> tuple[int, ...]:

@@ -609,8 +609,11 @@ EXPORT int paged_decode_f16(DECODE_ARGS) { return DECODE_CALL(run_f16); }
  * The attention function of lmplug's native-step ABI (lmplug.interfaces.native): for the step's
  * `rows` decode rows, row t's q, k, v lie back to back at qkv + t * qkv_stride; k and v go to
  * slot slots[t] of layer `layer`'s float32 caches, q to a contiguous scratch, and the decode
- * kernel above attends (the same function, so the same bits as paged_decode_f32). A slot
- * outside the cache is refused (-2) before anything is written; -3: a layer outside the step's. */
+ * kernel above attends (the same function, so the same bits as paged_decode_f32). The kernel
+ * trusts the tables, so the first call of a step checks them (`checked`): -4 for a length
+ * below 1 or needing more blocks than a table row holds, -5 for a block id outside the cache;
+ * -2 for a slot outside the cache (each call, before anything is written); -3 for a layer
+ * outside the step's. */
 typedef struct {
     float *const *k_caches; /* [num_layers], each [num_blocks, block_size, Hkv, D] float32 */
     float *const *v_caches;
@@ -621,15 +624,34 @@ typedef struct {
     const int64_t *slots;    /* [rows] */
     int64_t rows, H, Hkv, D, block_size, num_slots, window;
     float scale;
-    float *q; /* scratch [rows, H, D] */
+    float *q;        /* scratch [rows, H, D] */
+    int64_t checked; /* the tables were checked (by the step's first call) */
 } step_attention_t;
+
+static int check_tables(const step_attention_t *s) {
+    const int64_t num_blocks = s->num_slots / s->block_size;
+    for (int64_t t = 0; t < s->rows; t++) {
+        const int64_t len = s->seq_lens[t], used = (len + s->block_size - 1) / s->block_size;
+        if (len < 1 || used > s->bt_stride) return -4;
+        for (int64_t b = 0; b < used; b++) {
+            const int32_t id = s->block_tables[t * s->bt_stride + b];
+            if (id < 0 || id >= num_blocks) return -5;
+        }
+    }
+    return 0;
+}
 
 #define STEP_THREADS_MIN_ROWS 4 /* fewer rows: one thread (a thread started per layer costs more) */
 
 EXPORT int decode_step_attention(void *ctx, int64_t layer, const float *qkv, int64_t qkv_stride, float *out,
                                  int threads) {
-    const step_attention_t *s = ctx;
+    step_attention_t *s = ctx;
     if (layer < 0 || layer >= s->num_layers) return -3;
+    if (!s->checked) {
+        const int status = check_tables(s);
+        if (status) return status;
+        s->checked = 1;
+    }
     const int64_t qd = s->H * s->D, kd = s->Hkv * s->D;
     for (int64_t t = 0; t < s->rows; t++)
         if (s->slots[t] < 0 || s->slots[t] >= s->num_slots) return -2;

@@ -258,7 +258,7 @@ def test_step_attention_writes_the_rows_then_gives_the_kernels_bits(native):
         assert torch.equal(kc.view(-1, 3, 64)[slots], k) and torch.equal(vc.view(-1, 3, 64)[slots], v)
         assert not other.k_cache.any()
         assert torch.equal(got, native.paged_decode_attention(q, kc, vc, tables, lens, 0.125, num_threads=1))
-        with pytest.raises(RuntimeError, match="attention t: returned error -3"):
+        with pytest.raises(RuntimeError, match="attention t's native function returned error -3"):
             call_attention(call, 2, qkv, 9, 64)  # a layer the step does not have
 
 
@@ -275,7 +275,17 @@ def test_step_attention_declines_or_refuses(native):
     assert native.step_attention(step_context(tables, lens, slots), [int8], *args) is None
     assert native.step_attention(step_context(tables, lens, slots), [KVLayerView(kc.bfloat16(), vc.bfloat16(),
                                                                                  "paged")], *args) is None
-    with pytest.raises(ValueError, match=r"slot_mapping names slots outside \[0, \d+\)"):
-        native.step_attention(step_context(tables, lens, torch.tensor([4, kc.shape[0] * 16])), [view], *args)
-    with pytest.raises(ValueError, match="outside"):
-        native.step_attention(step_context(torch.full_like(tables, kc.shape[0]), lens, slots), [view], *args)
+    # the C function checks the tables and slots it would trust, before writing anything
+    from lmplug.interfaces.native import call_attention
+
+    qkv = torch.zeros(2, (4 + 2 * 2) * 64)
+    before = kc.clone()
+    cases = [(step_context(tables, lens, torch.tensor([4, kc.shape[0] * 16])), "error -2 .slot_mapping names a slot"),
+             (step_context(torch.full_like(tables, kc.shape[0]), lens, slots), "error -5 .block_tables name a block"),
+             (step_context(tables[:, :1], lens, slots), "error -4 .seq_lens outside"),
+             (step_context(tables, torch.tensor([0, 20], dtype=torch.int32), slots), "error -4")]
+    for ctx, message in cases:
+        call = native.step_attention(ctx, [view], *args)
+        with pytest.raises(RuntimeError, match=f"attention t's native function returned {message}"):
+            call_attention(call, 0, qkv, 4, 64)
+    assert torch.equal(kc, before)
