@@ -13,8 +13,11 @@ ones included, and the top-level ones), and the time inside the kernels, matrix 
 (``aten::mm`` / ``addmm`` / ``bmm`` / the packed int GEMMs / the GGUF kernel, its bound products
 timed through a ``record_function`` put around them here, self time) and attention (the
 attention backend's C kernel, timed through a ``record_function`` put around it here, and
-torch's SDPA kernels). "Outside the kernels" is one minus kernel time over the *unprofiled*
-ms per token (the profiler slows the Python and dispatch between ops, not the kernels).
+torch's SDPA kernels), plus the native decode step (``lmplug.models.native_step``: every decoder
+layer in one C call, products, attention and the fused ops inside, timed through a
+``record_function`` too; ``LMPLUG_NATIVE_STEP=0`` measures the per-layer path). "Outside the
+kernels" is one minus kernel time over the *unprofiled* ms per token (the profiler slows the
+Python and dispatch between ops, not the kernels).
 
 ``--compare-fused`` repeats every measurement with the fused CPU ops off
 (as ``LMPLUG_FUSED_CPU=0`` does; ``lmplug.models.fused_cpu.set_enabled``), in the same process, so that
@@ -38,6 +41,8 @@ MATMUL_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::_i
               "aten::_scaled_mm", "aten::mkldnn_linear", "lmplug_quant::gguf_mul_mat", "native::gguf_mul_mat")
 ATTENTION_OPS = ("aten::_scaled_dot_product_flash_attention_for_cpu", "aten::_flash_attention_forward",
                  "native::attention_decode")
+# the native decode step (lmplug.models.native_step): every decoder layer in one C call
+STEP_OPS = ("native::decode_step",)
 PROMPT = list(range(100, 132))
 
 
@@ -71,6 +76,29 @@ def time_native_calls() -> None:
                 return _original(self, *a, **kw)
 
         setattr(owner, method, timed)
+
+    from lmplug.models import fused_cpu
+
+    library = fused_cpu.library
+
+    class TimedLibrary:
+        """The fused ops' library, its ``decode_step_f32`` (the native decode step) timed."""
+
+        def __init__(self, lib) -> None:
+            self._lib = lib
+
+        def __getattr__(self, name: str):
+            return getattr(self._lib, name)
+
+        def decode_step_f32(self, *args):
+            with torch.profiler.record_function("native::decode_step"):
+                return self._lib.decode_step_f32(*args)
+
+    def timed_library():
+        lib = library()
+        return None if lib is None else TimedLibrary(lib)
+
+    fused_cpu.library = timed_library
 
 
 class Decoder:
@@ -126,11 +154,12 @@ def analyse(prof, steps: int, wall_ms: float, cpu_ms: float, profiled_ms: float,
         calls[e.name] += 1
     matmul = sum(self_us[n] for n in MATMUL_OPS) / 1e3 / steps
     attention = sum(self_us[n] for n in ATTENTION_OPS) / 1e3 / steps
+    step = sum(self_us[n] for n in STEP_OPS) / 1e3 / steps
     ops = sorted(((us / 1e3 / steps, calls[n] / steps, n) for n, us in self_us.items()
                   if not n.startswith("ProfilerStep")), reverse=True)[:top]
     return {"aten": len(aten) / steps, "top_level": len(top_level) / steps, "matmul": matmul,
-            "attention": attention, "wall": wall_ms, "cpu": cpu_ms, "profiled": profiled_ms,
-            "outside": 1 - (matmul + attention) / wall_ms, "ops": ops}
+            "attention": attention, "step": step, "wall": wall_ms, "cpu": cpu_ms, "profiled": profiled_ms,
+            "outside": 1 - (matmul + attention + step) / wall_ms, "ops": ops}
 
 
 def measure(decoder: Decoder, threads: int, top: int) -> dict:
@@ -144,7 +173,7 @@ def measure(decoder: Decoder, threads: int, top: int) -> dict:
 def report(label: str, r: dict, show_ops: bool) -> None:
     print(f"  {label}: {1e3 / r['wall']:6.1f} tok/s  {r['wall']:6.2f} ms/token (CPU {r['cpu']:6.2f} ms)  "
           f"ATen calls/token {r['aten']:7.0f} (top-level {r['top_level']:5.0f})  "
-          f"matmul {r['matmul']:5.2f} ms  attention {r['attention']:5.2f} ms  "
+          f"matmul {r['matmul']:5.2f} ms  attention {r['attention']:5.2f} ms  native step {r['step']:5.2f} ms  "
           f"outside kernels {100 * r['outside']:4.1f}%  (profiled {r['profiled']:.2f} ms/token)")
     if show_ops:
         print(f"    {'self ms/token':>13s} {'calls/token':>11s}  op")
