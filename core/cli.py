@@ -10,6 +10,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from lmplug.cli_args import CommandParser, engine_args, sampling_args
 from lmplug.cli_checks import check_port, label_set_error, version_text
 from lmplug.cli_serve import add_serve_arguments
 from lmplug.errors import LmplugError
@@ -36,41 +37,6 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(file=sys.stderr)
         return 130
-
-
-# -- argument groups shared by the commands that build an engine ------------------------------
-
-
-def _engine_args(p: argparse.ArgumentParser, model_positional: bool = False) -> None:
-    g = p.add_argument_group("engine (flags override --config)")
-    g.add_argument("--config", "-c", help="YAML config file (default: the embedded default config)")
-    if model_positional:  # `serve MODEL` (kept for compatibility) or `serve --model MODEL`
-        g.add_argument("--model", "-m", dest="model_option", metavar="MODEL",
-                       help="model name in the cache, HF folder, or .gguf file (same as the positional MODEL)")
-    else:
-        g.add_argument("--model", "-m", help="model name in the cache, HF folder, or .gguf file")
-    g.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"])
-    g.add_argument("--device", choices=["auto", "cpu", "cuda"])
-    g.add_argument("--max-model-len", type=int)
-    g.add_argument("--attention", help="attention backend name")
-    g.add_argument("--kvcache", help="kvcache backend name")
-    g.add_argument("--scheduler", help="scheduler backend name")
-    g.add_argument("--tp", type=int, metavar="N", help="tensor parallel: split the model across N processes "
-                   "(parallel.tensor_parallel_size; gloo on CPU, NCCL on GPUs)")
-    g.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                   help="any config key, dotted for plugin options (e.g. scheduler.max_num_seqs=4); repeatable")
-
-
-def _sampling_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("sampling")
-    g.add_argument("--max-tokens", type=int, default=256)
-    g.add_argument("--temperature", type=float, default=0.7)
-    g.add_argument("--top-k", type=int, default=0)
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--min-p", type=float, default=0.0)
-    g.add_argument("--seed", type=int)
-    g.add_argument("--stop", action="append", default=[], help="stop string; repeatable")
-    g.add_argument("--ignore-eos", action="store_true")
 
 
 def _overrides(args: argparse.Namespace) -> dict[str, Any]:
@@ -307,60 +273,31 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return run_bench(args, _overrides(args))
 
 
-class _CommandParser(argparse.ArgumentParser):
-    """A command's parser. With ``arguments_from=MODULE``, that module's ``add_arguments(parser)``
-    runs only when this command is parsed or its help shown: ``quantize`` and ``eval`` import
-    torch and the engine to declare their options, which ``lmplug generate`` must not pay for."""
-
-    def __init__(self, *args: Any, arguments_from: str | None = None, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self._arguments_from = arguments_from
-
-    def _add_deferred(self) -> None:
-        if self._arguments_from is not None:
-            import importlib
-
-            module, self._arguments_from = self._arguments_from, None
-            importlib.import_module(module).add_arguments(self)
-
-    def parse_known_args(self, args=None, namespace=None):
-        self._add_deferred()
-        return super().parse_known_args(args, namespace)
-
-    def format_usage(self) -> str:
-        self._add_deferred()
-        return super().format_usage()
-
-    def format_help(self) -> str:
-        self._add_deferred()
-        return super().format_help()
-
-
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="lmplug", description="An LLM inference engine in which every "
                                 "optimization is a plugin.")
     p.add_argument("-v", "--verbose", action="count", default=0, help="more logging (-vv for debug)")
     p.add_argument("--version", action="version", version=f"%(prog)s {version_text()}")
-    sub = p.add_subparsers(metavar="COMMAND", parser_class=_CommandParser)
+    sub = p.add_subparsers(metavar="COMMAND", parser_class=CommandParser)
 
     g = sub.add_parser("generate", help="generate text for prompts (streams to stdout)")
     g.add_argument("prompt", nargs="*", help="prompts (default: read one from stdin)")
     g.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
     g.add_argument("--stats", action="store_true", help="print load time, TTFT, TPOT and tokens/s (and, with "
                    "speculative decoding, drafted / accepted tokens and target forwards) to stderr")
-    _engine_args(g)
-    _sampling_args(g)
+    engine_args(g)
+    sampling_args(g)
     g.set_defaults(func=cmd_generate)
 
     c = sub.add_parser("chat", help="interactive chat, streaming tokens")
     c.add_argument("--system", help="system prompt")
-    _engine_args(c)
-    _sampling_args(c)
+    engine_args(c)
+    sampling_args(c)
     c.set_defaults(func=cmd_chat)
 
     s = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (/v1/chat/completions, /v1/completions)")
     add_serve_arguments(s)
-    _engine_args(s, model_positional=True)
+    engine_args(s, model_positional=True)
     s.set_defaults(func=cmd_serve)
 
     pl = sub.add_parser("plugins", help="list installed backends: family, name, distribution, capabilities")
@@ -402,7 +339,7 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--num-requests", type=int, default=0,
                    help="throughput mode: submit this many mixed-length requests at once and report "
                         "tokens/s and per-step engine statistics")
-    _engine_args(b)
+    engine_args(b)
     b.set_defaults(func=cmd_bench)
     return p
 

@@ -1,4 +1,4 @@
-"""``lmplug serve``'s own flags (the engine flags are ``cli._engine_args``): binding, keys,
+"""``lmplug serve``'s own flags (the engine flags are ``cli_args.engine_args``): binding, keys,
 limits, browser access, tool-call parsing and prefill/decode disaggregation. Only argparse here:
 declaring them must not import the server stack."""
 
