@@ -51,20 +51,24 @@ _ARGTYPES = [ctypes.c_void_p] * 4 + [ctypes.c_int64] + [ctypes.c_void_p] * 4 + \
 MAX_MASK_SPAN = 64  # positions [mask_start, seq_len) one uint64 mask covers
 _WHAT = "paged native decode"
 
-
 NativeKernelUnavailable = NativeBuildError  # the C kernel cannot be built or loaded here (why)
-
 
 def compiler() -> list[str]:
     """``$CC`` split into words (it may carry a launcher such as ``ccache gcc``), default ``cc``."""
     return list(native_build.compiler())
 
+_loaded: dict[tuple[str | None, ...], NativeKernel] = {}
 
 def load() -> NativeKernel:
     """The kernel for the current ``$CC`` and cache folder, built on first use (then cached in
-    the process); raises NativeKernelUnavailable with the reason."""
-    return _library(native_build.compiler(), str(cache_dir()))
-
+    the process); raises NativeKernelUnavailable with the reason. A dict look-up once loaded
+    (the native decode step asks every step): splitting ``$CC`` and resolving the cache folder
+    cost tens of microseconds."""
+    key = (os.environ.get("CC"), os.environ.get("LMPLUG_CACHE"), os.environ.get("HOME"))
+    kernel = _loaded.get(key)
+    if kernel is None:
+        kernel = _loaded[key] = _library(native_build.compiler(), str(cache_dir()))
+    return kernel
 
 def available() -> tuple[bool, str]:
     """(True, path of the library) when the kernel builds and loads here, else (False, why)."""
@@ -73,16 +77,13 @@ def available() -> tuple[bool, str]:
     except NativeKernelUnavailable as exc:
         return False, str(exc)
 
-
 def supported_dtypes() -> frozenset[torch.dtype]:
     """The storage dtypes the built library has a function for (float16 needs ``_Float16``)."""
     return load().dtypes
 
-
 def library_path(cc: tuple[str, ...], root: Path) -> Path:
     """Where the build for this source, compiler, flags and CPU lives."""
     return native_build.library_path(SOURCE, FLAGS, cc, root)
-
 
 @functools.cache
 def _library(cc: tuple[str, ...], root: str) -> NativeKernel:
@@ -95,7 +96,6 @@ def _library(cc: tuple[str, ...], root: str) -> NativeKernel:
             fn.argtypes, fn.restype = _ARGTYPES, ctypes.c_int
     return NativeKernel(lib, functions, path)
 
-
 @dataclass
 class Prepared:
     """One decode batch's block tables and lengths as the kernel reads them (int32, contiguous),
@@ -104,7 +104,6 @@ class Prepared:
     seq_lens: torch.Tensor  # [B]
     mask_starts: torch.Tensor | None = None  # [B] int32, -1: no mask
     masks: torch.Tensor | None = None  # [B] int64, the uint64 bits
-
 
 def prepare(block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size: int, num_blocks: int,
             check: bool = True, mask_starts: torch.Tensor | None = None,
@@ -129,7 +128,6 @@ def prepare(block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size: int,
         if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= num_blocks):
             raise ValueError(f"{_WHAT}: block_tables name blocks outside [0, {num_blocks})")
     return Prepared(tables, lens, *check_masks(mask_starts, masks, lens))
-
 
 def check_masks(mask_starts: torch.Tensor | None, masks: torch.Tensor | None,
                 seq_lens: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
@@ -159,13 +157,13 @@ def check_masks(mask_starts: torch.Tensor | None, masks: torch.Tensor | None,
                          f"{mask_starts[rows].tolist()}, seq_lens {seq_lens[rows].tolist()}")
     return mask_starts.contiguous(), masks.contiguous()
 
-
 class NativeKernel:
     """The loaded library: ``decode`` one batch (``prepare`` its tables once per step)."""
 
     def __init__(self, lib: ctypes.CDLL, functions: dict, path: str) -> None:
         self._functions = functions  # storage dtype -> ctypes function
-        self.step_fn = lib.decode_step_attention  # called from C (lmplug.interfaces.native), not here
+        # decode_step_attention's address: the native decode step calls it from C (lmplug.interfaces.native)
+        self.step_fn = ctypes.cast(lib.decode_step_attention, ctypes.c_void_p).value
         self.path = path
         self.dtypes = frozenset(functions)
 
@@ -215,7 +213,6 @@ class NativeKernel:
                              f"{sorted(str(d) for d in self.dtypes)}")
         return fn
 
-
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float, *,
                            sliding_window: int | None = None, max_seq_len: int | None = None,
@@ -243,7 +240,6 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            torch.empty(q.shape, dtype=q.dtype, device=q.device), num_threads)
     return result if out is None else out.copy_(result)
 
-
 class _StepAttention(ctypes.Structure):
     _fields_ = [("k_caches", ctypes.c_void_p), ("v_caches", ctypes.c_void_p), ("num_layers", ctypes.c_int64),
                 ("block_tables", ctypes.c_void_p), ("bt_stride", ctypes.c_int64), ("seq_lens", ctypes.c_void_p),
@@ -252,13 +248,11 @@ class _StepAttention(ctypes.Structure):
                 ("window", ctypes.c_int64), ("scale", ctypes.c_float), ("q", ctypes.c_void_p),
                 ("checked", ctypes.c_int64)]
 
-
 # decode_step_attention's error codes
 STEP_ERRORS = {-1: "could not allocate its scratch memory", -2: "slot_mapping names a slot outside the cache",
                -3: "a layer outside the step's caches", -4: "seq_lens outside [1, max_blocks * block_size]",
                -5: "block_tables name a block outside the cache"}
 _step_caches: dict[int, tuple] = {}  # id(views) -> (key, per-layer cache pointers or None)
-
 
 def _layer_pointers(views: list, num_kv_heads: int, head_dim: int) -> tuple | None:
     """(k pointers, v pointers, cache shape) of the model's cache layers, or None where some layer
@@ -281,7 +275,6 @@ def _layer_pointers(views: list, num_kv_heads: int, head_dim: int) -> tuple | No
     _step_caches[id(views)] = (key, value)
     return value
 
-
 def step_attention(ctx, views: list, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
                    sliding_window: int | None, name: str) -> NativeCall | None:
     """A decode step's attention as a ``lmplug.interfaces.native`` attention function
@@ -292,8 +285,11 @@ def step_attention(ctx, views: list, num_heads: int, num_kv_heads: int, head_dim
     if ctx.query_masks or not views:
         return None
     layers = _layer_pointers(views, num_kv_heads, head_dim)
-    kernel = _step_kernel()
-    if layers is None or kernel is None:
+    if layers is None:
+        return None
+    try:
+        kernel = load().step_fn
+    except NativeKernelUnavailable:
         return None
     k_ptrs, v_ptrs, (num_blocks, block_size, hkv, d) = layers
     rows = ctx.num_decodes
@@ -313,17 +309,3 @@ def step_attention(ctx, views: list, num_heads: int, num_kv_heads: int, head_dim
                           num_blocks * block_size, sliding_window or 0, scale, q.data_ptr(), 0)
     return NativeCall(kernel, ctypes.addressof(desc), (desc, layers, tables, lens, slots, q), name, STEP_ERRORS)
 
-
-_step_fn: dict[tuple, int | None] = {}
-
-
-def _step_kernel() -> int | None:
-    """``decode_step_attention``'s address (None where the library does not build here): a dict
-    look-up per step, keyed by what ``load`` depends on."""
-    key = (os.environ.get("CC"), os.environ.get("LMPLUG_CACHE"), os.environ.get("HOME"))
-    if key not in _step_fn:
-        try:
-            _step_fn[key] = ctypes.cast(load().step_fn, ctypes.c_void_p).value
-        except NativeKernelUnavailable:
-            _step_fn[key] = None
-    return _step_fn[key]
