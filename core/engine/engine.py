@@ -124,8 +124,9 @@ class LLMEngine:
             return []
         # decode tokens (drafts included): those of sequences already past their prompt
         num_decode = sum(s.num_new_tokens for s in plan.scheduled if not s.seq.is_prefill)
-        result = self.runner.execute(plan.scheduled)
-        finished, failed = self._commit(plan.scheduled, result)
+        with self.runner.threads_for(plan.scheduled):
+            result = self.runner.execute(plan.scheduled)
+            finished, failed = self._commit(plan.scheduled, result)
         self.scheduler.update(finished)
         self._end_failed(failed)
         outputs = self.requests.outputs([item.seq for item in plan.scheduled])

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from lmplug.interfaces.kv_layout import kv_slots
@@ -10,6 +12,11 @@ from lmplug.interfaces.runner import StepResult
 from lmplug.interfaces.scheduler import ScheduledSeq
 from lmplug.interfaces.step import StepContext
 from lmplug.interfaces.threads import small_ops_single_threaded
+
+# query tokens x positions each attends, summed over a step: at most this (a 512-token prompt's
+# 512 x 512), torch's attention and other ops are a small share of a step beside the products
+# (about ctx / (6 x hidden) of them at context ctx), small enough for one thread
+SMALL_ATTENTION = 512 * 512
 
 
 class ModelRunner:
@@ -116,6 +123,22 @@ class ModelRunner:
             return StepResult(sample_rows, None, prompt_logits, num_rows)
         return StepResult(sample_rows, logits[-1], prompt_logits, num_rows,
                           hidden[rows] if self.keep_hidden else None)
+
+    def threads_for(self, batch: list[ScheduledSeq]) -> contextlib.AbstractContextManager:
+        """The engine's whole step over ``batch`` (forward, sampling, commit) runs in this. Where
+        the products have threads of their own (``small_step_tokens`` > 0), torch gets one thread
+        for a step of few tokens, and for a prefill whose attention is small beside its products
+        (``SMALL_ATTENTION``). On more, torch's OpenMP workers would spin between its ops on the
+        cores the products' threads need; sampling's ops over a few rows of logits are as small
+        as the layers' ones."""
+        if not self.small_step_tokens:
+            return contextlib.nullcontext()
+        tokens = sum(item.num_new_tokens for item in batch)
+        attended = sum(item.num_new_tokens * (item.seq.num_computed_tokens + item.num_new_tokens)
+                       for item in batch)
+        if tokens <= self.small_step_tokens or attended <= SMALL_ATTENTION:
+            return small_ops_single_threaded()
+        return contextlib.nullcontext()
 
     @torch.inference_mode()
     def run(self, input_ids: torch.Tensor, ctx: StepContext,

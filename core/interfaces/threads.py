@@ -4,11 +4,14 @@ At batch 1 a decode step on the CPU is a few hundred small ops (norms, RoPE, att
 few KV heads, KV writes) between the matrix products. torch splits some of them across its
 intra-op threads, and on a machine with few cores those threads then wait on each other and
 compete for the cores with the threads of a kernel's own pool (the GGUF products': an idle
-worker there spins a little before it sleeps). The engine therefore runs a step of few tokens
-inside ``small_ops_single_threaded()`` when the model's quant method says its products split
-across threads of their own (``QuantMethod.own_threads``): torch gets one thread, and
-``compute_threads()`` still answers the thread count set before, which such kernels read
-instead of ``torch.get_num_threads()``.
+worker there spins a little before it sleeps). The same holds in a prefill, whose torch ops
+(attention over a short prompt, norms, RoPE) are small beside its products: after each of them
+torch's OpenMP workers spin on the cores the products' threads need. The engine therefore runs
+a whole step (forward, sampling, commit) of few tokens, or a prefill with little attention
+(``ModelRunner.threads_for``), inside ``small_ops_single_threaded()`` when the model's quant
+method says its products split across threads of their own (``QuantMethod.own_threads``):
+torch gets one thread, and ``compute_threads()`` still answers the thread count set before,
+which such kernels read instead of ``torch.get_num_threads()``.
 """
 
 from __future__ import annotations

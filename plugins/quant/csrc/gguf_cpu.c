@@ -18,15 +18,16 @@
  * The activations are quantized first, per row and block, to int8 with one float32 scale:
  * d = amax / 127, q = round-to-nearest-even(x / d) (x * (1 / d), as written below) in
  * [-127, 127], plus the integer sum of every 16 (k-quants, blocks of 256) or 32 (the others,
- * blocks of 32) values. Each output is then a sum over blocks of exact integer dot products
+ * blocks of 32) values, and for blocks of 32 d times that sum (Q4_1's offset term). Each output is then a sum over blocks of exact integer dot products
  * times float scales (see each type's generic kernel: it is the definition; the SIMD kernels
  * compute the same integers and differ only in the order of the float additions).
  *
  * Loops: output rows (weight rows) are split into chunks the threads claim in turn; a thread
  * walks a chunk in tiles of NT weight rows, and for each tile the activation rows in groups
- * of up to MR: each weight block is unpacked once for the MR rows of a group (the GEMV case,
- * M <= MR, reads every weight byte once), and a tile's weights stay in cache while the groups
- * pass over it (GEMM). Every output element is computed by one thread with one fixed sequence
+ * of up to MR (Q8_0: two halves of 4, its weights and their absolute values filling registers
+ * beside 4 rows' accumulators): each weight block is unpacked once for the rows of a group
+ * (the GEMV case, M <= MR, reads every weight byte once), and a tile's weights stay in cache
+ * while the groups pass over it (GEMM). Every output element is computed by one thread with one fixed sequence
  * of operations, so the result does not depend on the number of threads or on M. A kernel call
  * takes all the rows of a tile (one after the other: the weights are read in memory order,
  * which the hardware prefetcher follows; interleaving 4 rows to share the activation loads
@@ -61,13 +62,15 @@
 enum { T_Q4_0 = 2, T_Q4_1 = 3, T_Q8_0 = 8, T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14 };
 enum { ISA_GENERIC = 0, ISA_AVX2 = 1 };
 
-/* The quantized activations: row m's int8 values at q + m * K, its block scales at
- * d + m * nb, its sums of 16 or 32 values at s + m * ns. */
+/* The quantized activations: row m's int8 values at q + m * K, its nb block scales at
+ * d + m * ld, its sums of 16 or 32 values at s + m * ns, and (32-blocks) each block's scale
+ * times its sum at ds + m * ld. ld is nb rounded up to 4, the pad zeros, so the AVX2 kernels
+ * load 4 blocks' values at once. */
 typedef struct {
     const int8_t *q;
-    const float *d;
+    const float *d, *ds;
     const int16_t *s;
-    int64_t K, nb, ns;
+    int64_t K, nb, ns, ld;
 } acts_t;
 
 /* One weight row times activation rows m0 .. m0 + mc - 1 -> out[r * ldo] (a portable kernel). */
@@ -157,7 +160,7 @@ static void q4_0_generic(const uint8_t *w, const acts_t *a, int64_t m0, int mc, 
             const int8_t *qx = ROW(a, m0 + r) + b * 32;
             int32_t isum = 0;
             for (int i = 0; i < 32; i++) isum += qw[i] * qx[i];
-            acc[r] += dw * a->d[(m0 + r) * a->nb + b] * (float)isum;
+            acc[r] += dw * a->d[(m0 + r) * a->ld + b] * (float)isum;
         }
     }
     for (int r = 0; r < mc; r++) out[r * ldo] = acc[r];
@@ -178,8 +181,7 @@ static void q4_1_generic(const uint8_t *w, const acts_t *a, int64_t m0, int mc, 
             const int8_t *qx = ROW(a, m) + b * 32;
             int32_t isum = 0;
             for (int i = 0; i < 32; i++) isum += qw[i] * qx[i];
-            const float dx = a->d[m * a->nb + b];
-            acc[r] += dw * dx * (float)isum + mw * dx * (float)a->s[m * a->ns + b];
+            acc[r] += dw * a->d[m * a->ld + b] * (float)isum + mw * a->ds[m * a->ld + b];
         }
     }
     for (int r = 0; r < mc; r++) out[r * ldo] = acc[r];
@@ -195,7 +197,7 @@ static void q8_0_generic(const uint8_t *w, const acts_t *a, int64_t m0, int mc, 
             const int8_t *qx = ROW(a, m0 + r) + b * 32;
             int32_t isum = 0;
             for (int i = 0; i < 32; i++) isum += qw[i] * qx[i];
-            acc[r] += dw * a->d[(m0 + r) * a->nb + b] * (float)isum;
+            acc[r] += dw * a->d[(m0 + r) * a->ld + b] * (float)isum;
         }
     }
     for (int r = 0; r < mc; r++) out[r * ldo] = acc[r];
@@ -231,7 +233,7 @@ static void k45_generic(const uint8_t *w, const acts_t *a, int64_t m0, int mc, f
                 isum += sc[s] * dot;
                 msum += mn[s] * (bs[2 * s] + bs[2 * s + 1]);
             }
-            const float dx = a->d[m * a->nb + b];
+            const float dx = a->d[m * a->ld + b];
             acc[r] += d * dx * (float)isum - dmin * dx * (float)msum;
         }
     }
@@ -268,7 +270,7 @@ static void q6_k_generic(const uint8_t *w, const acts_t *a, int64_t m0, int mc, 
                 for (int l = 0; l < 16; l++) dot += qw[16 * j + l] * qx[16 * j + l];
                 isum += sc[j] * (dot - 32 * bs[j]);
             }
-            acc[r] += d * a->d[m * a->nb + b] * (float)isum;
+            acc[r] += d * a->d[m * a->ld + b] * (float)isum;
         }
     }
     for (int r = 0; r < mc; r++) out[r * ldo] = acc[r];
@@ -325,20 +327,23 @@ static inline AVX2 __m256i nibbles32(const uint8_t *p) {
     return _mm256_and_si256(both, _mm256_set1_epi8(0x0F));
 }
 
-/* Signed x signed bytes -> 8 int32 sums of 4 products: |w| (unsigned) times y with w's sign. */
-static inline AVX2 __m256i dot_s8(__m256i abs_w, __m256i sign_w, __m256i y) {
-    const __m256i p16 = _mm256_maddubs_epi16(abs_w, _mm256_sign_epi8(y, sign_w));
-    return _mm256_madd_epi16(p16, _mm256_set1_epi16(1));
+/* The 32-block types go 4 blocks at a time. Each block's products with an activation row
+ * (maddubs: 16 int16 sums of 2) fold into one vector of 8 int32 sums of 16, lane l: block
+ * l % 4, half l / 4 (integers, exact). For 4-bit weights (|w| <= 15) two int16 horizontal adds
+ * and one madd do it: a sum of 8 products is at most 8 * 15 * 127 < 2^15. Q8_0's sums of 2 may
+ * already reach 2 * 127 * 127, so each block goes to int32 first and two int32 horizontal adds
+ * fold them. One FMA then adds the vector, times the 4 scales d_w * d_x, to the row's 8 float
+ * accumulators. The last group of a row is padded with zero blocks (adding 0 * 0). */
+
+static inline AVX2 __m256i fold4_16(__m256i p0, __m256i p1, __m256i p2, __m256i p3) {
+    const __m256i s16 = _mm256_hadd_epi16(_mm256_hadd_epi16(p0, p1), _mm256_hadd_epi16(p2, p3));
+    return _mm256_madd_epi16(s16, _mm256_set1_epi16(1));
 }
 
-/* The 32-block types go 4 blocks at a time: each block's dot product with an activation row is
- * 8 int32 partial sums (dot_s8), two horizontal adds fold the 4 blocks into one vector (lane l:
- * block l % 4, half l / 4; integers, exact) and one FMA adds it, times the 4 scales (d_w * d_x,
- * rounded to float32 as in the portable kernels), to the row's 8 float accumulators. The last
- * group of a row is padded with zero blocks (adding 0 * 0). */
-
-static inline AVX2 __m256i hadd4(__m256i p0, __m256i p1, __m256i p2, __m256i p3) {
-    return _mm256_hadd_epi32(_mm256_hadd_epi32(p0, p1), _mm256_hadd_epi32(p2, p3));
+static inline AVX2 __m256i fold4_32(__m256i p0, __m256i p1, __m256i p2, __m256i p3) {
+    const __m256i one = _mm256_set1_epi16(1);
+    return _mm256_hadd_epi32(_mm256_hadd_epi32(_mm256_madd_epi16(p0, one), _mm256_madd_epi16(p1, one)),
+                             _mm256_hadd_epi32(_mm256_madd_epi16(p2, one), _mm256_madd_epi16(p3, one)));
 }
 
 /* The fp16 at p, p + stride, ... for n (<= 4) blocks as 4 floats, zeros past n. */
@@ -350,18 +355,10 @@ static inline INLINE AVX2 __m128 f16x4(const uint8_t *p, int64_t stride, const i
     return _mm_cvtph_ps(h);
 }
 
-/* 4 floats at p, zeros past n. */
-static inline INLINE AVX2 __m128 load4(const float *p, const int n) {
-    if (n == 4) return _mm_loadu_ps(p);
-    float t[4] = {0};
-    memcpy(t, p, (size_t)n * sizeof *t);
-    return _mm_loadu_ps(t);
-}
-
-/* The 4 scales of a group (d_w * d_x), for both halves of the partial sums. */
-static inline AVX2 __m256 scales8(__m128 dw, __m128 dx) {
-    const __m128 s = _mm_mul_ps(dw, dx);
-    return _mm256_set_m128(s, s);
+/* The 4 blocks' scales d_w * d_x for both halves; dx4 is the activation row's 4 block scales
+ * (acts_t pads them with zeros). */
+static inline INLINE AVX2 __m256 scales8(__m256 dw8, const float *dx4) {
+    return _mm256_mul_ps(dw8, _mm256_broadcast_ps((const __m128 *)dx4));
 }
 
 /* A hint to bring the bytes PF_BYTES past [blk, blk + bytes) into the cache (no fault past the end). */
@@ -382,16 +379,19 @@ static inline INLINE AVX2 void signed_group(const uint8_t *blk, const int bytes,
         else
             qw[i] = _mm256_loadu_si256((const __m256i *)(blk + i * bytes + 2));
     }
-    const __m128 dw = f16x4(blk, bytes, n);
+    __m256i aw[4];
+    for (int i = 0; i < 4; i++) aw[i] = _mm256_sign_epi8(qw[i], qw[i]);
+    const __m128 dw4 = f16x4(blk, bytes, n);
+    const __m256 dw = _mm256_set_m128(dw4, dw4);
     for (int r = 0; r < mc; r++) {
         const int8_t *y = x + r * a->K;
         __m256i p[4];
         for (int i = 0; i < 4; i++)
-            p[i] = i < n ? dot_s8(_mm256_sign_epi8(qw[i], qw[i]), qw[i],
-                                  _mm256_loadu_si256((const __m256i *)(y + 32 * i)))
+            p[i] = i < n ? _mm256_maddubs_epi16(aw[i],
+                                                _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)(y + 32 * i)), qw[i]))
                          : _mm256_setzero_si256();
-        const __m256 s = scales8(dw, load4(dx + r * a->nb, n));
-        acc[r] = _mm256_fmadd_ps(s, _mm256_cvtepi32_ps(hadd4(p[0], p[1], p[2], p[3])), acc[r]);
+        const __m256i sums = bytes == 18 ? fold4_16(p[0], p[1], p[2], p[3]) : fold4_32(p[0], p[1], p[2], p[3]);
+        acc[r] = _mm256_fmadd_ps(scales8(dw, dx + r * a->ld), _mm256_cvtepi32_ps(sums), acc[r]);
     }
 }
 
@@ -401,7 +401,7 @@ static inline INLINE AVX2 void signed_body(const uint8_t *w, const int bytes, co
     for (int r = 0; r < mc; r++) acc[r] = _mm256_setzero_ps();
     const int64_t nb = a->nb;
     const int8_t *x = ROW(a, m0);
-    const float *dx = a->d + m0 * nb;
+    const float *dx = a->d + m0 * a->ld;
     int64_t b = 0;
     for (; b + 4 <= nb; b += 4) signed_group(w + b * bytes, bytes, 4, a, x + b * 32, dx + b, mc, acc);
     switch (nb - b) { /* the last group's block count a constant: its loops unroll too */
@@ -418,62 +418,55 @@ static inline INLINE AVX2 void q4_0_body(const uint8_t *w, const acts_t *a, int6
 }
 SPECIALIZE(q4_0)
 
+/* Q8_0 takes the activation rows 4 at a time: its 4 blocks and their absolute values stay in
+ * registers beside the 4 rows' accumulators (a weight row is read again from L1 per 4 rows). */
 static inline INLINE AVX2 void q8_0_body(const uint8_t *w, const acts_t *a, int64_t m0, const int mc, float *out,
                                            int64_t ldo) {
+    if (mc == MR) {
+        for (int r = 0; r < MR; r += 4) signed_body(w, 34, a, m0 + r, 4, out + r * ldo, ldo);
+        return;
+    }
     signed_body(w, 34, a, m0, mc, out, ldo);
 }
 SPECIALIZE(q8_0)
 
-/* Q4_1: unsigned weights; the min term m_w * d_x * (sum of the block's activations) goes to a
- * second accumulator of 4 lanes (one per block of the group). */
+/* Q4_1: unsigned weights; the min term m_w * (d_x * the block's activation sum) goes to the
+ * low lanes of the same accumulator (the high lanes get m_w's zeros). */
 static inline INLINE AVX2 void q4_1_group(const uint8_t *blk, const int n, const acts_t *a, const int8_t *x,
-                                            const float *dx, const int16_t *sx, const int mc, __m256 *acc,
-                                            __m128 *accm) {
+                                            const float *dx, const float *ds, const int mc, __m256 *acc) {
     prefetch_ahead(blk, 4 * 20);
     __m256i qw[4];
     for (int i = 0; i < 4; i++) qw[i] = i < n ? nibbles32(blk + i * 20 + 4) : _mm256_setzero_si256();
-    const __m128 dw = f16x4(blk, 20, n), mw = f16x4(blk + 2, 20, n);
-    const __m256i one = _mm256_set1_epi16(1);
+    const __m128 dw4 = f16x4(blk, 20, n);
+    const __m256 dw = _mm256_set_m128(dw4, dw4), mw = _mm256_castps128_ps256(f16x4(blk + 2, 20, n));
+    const __m256 mw0 = _mm256_insertf128_ps(mw, _mm_setzero_ps(), 1);
     for (int r = 0; r < mc; r++) {
         const int8_t *y = x + r * a->K;
         __m256i p[4];
-        for (int i = 0; i < 4; i++) {
-            p[i] = _mm256_setzero_si256();
-            if (i < n) {
-                const __m256i yi = _mm256_loadu_si256((const __m256i *)(y + 32 * i));
-                p[i] = _mm256_madd_epi16(_mm256_maddubs_epi16(qw[i], yi), one);
-            }
-        }
-        const __m128 d = load4(dx + r * a->nb, n);
-        acc[r] = _mm256_fmadd_ps(scales8(dw, d), _mm256_cvtepi32_ps(hadd4(p[0], p[1], p[2], p[3])), acc[r]);
-        int16_t st[4] = {0};
-        memcpy(st, sx + r * a->ns, (size_t)n * sizeof *st);
-        const __m128 sums = _mm_cvtepi32_ps(_mm_cvtepi16_epi32(_mm_loadl_epi64((const __m128i *)st)));
-        accm[r] = _mm_add_ps(accm[r], _mm_mul_ps(_mm_mul_ps(mw, d), sums));
+        for (int i = 0; i < 4; i++)
+            p[i] = i < n ? _mm256_maddubs_epi16(qw[i], _mm256_loadu_si256((const __m256i *)(y + 32 * i)))
+                         : _mm256_setzero_si256();
+        const __m256 sums = _mm256_cvtepi32_ps(fold4_16(p[0], p[1], p[2], p[3]));
+        acc[r] = _mm256_fmadd_ps(scales8(dw, dx + r * a->ld), sums, acc[r]);
+        acc[r] = _mm256_fmadd_ps(mw0, _mm256_castps128_ps256(_mm_loadu_ps(ds + r * a->ld)), acc[r]);
     }
 }
 
 static inline INLINE AVX2 void q4_1_body(const uint8_t *w, const acts_t *a, int64_t m0, const int mc, float *out,
                                            int64_t ldo) {
     __m256 acc[MR];
-    __m128 accm[MR];
-    for (int r = 0; r < mc; r++) acc[r] = _mm256_setzero_ps(), accm[r] = _mm_setzero_ps();
+    for (int r = 0; r < mc; r++) acc[r] = _mm256_setzero_ps();
     const int64_t nb = a->nb;
     const int8_t *x = ROW(a, m0);
-    const float *dx = a->d + m0 * nb;
-    const int16_t *sx = a->s + m0 * a->ns;
+    const float *dx = a->d + m0 * a->ld, *ds = a->ds + m0 * a->ld;
     int64_t b = 0;
-    for (; b + 4 <= nb; b += 4) q4_1_group(w + b * 20, 4, a, x + b * 32, dx + b, sx + b, mc, acc, accm);
+    for (; b + 4 <= nb; b += 4) q4_1_group(w + b * 20, 4, a, x + b * 32, dx + b, ds + b, mc, acc);
     switch (nb - b) {
-    case 1: q4_1_group(w + b * 20, 1, a, x + b * 32, dx + b, sx + b, mc, acc, accm); break;
-    case 2: q4_1_group(w + b * 20, 2, a, x + b * 32, dx + b, sx + b, mc, acc, accm); break;
-    case 3: q4_1_group(w + b * 20, 3, a, x + b * 32, dx + b, sx + b, mc, acc, accm); break;
+    case 1: q4_1_group(w + b * 20, 1, a, x + b * 32, dx + b, ds + b, mc, acc); break;
+    case 2: q4_1_group(w + b * 20, 2, a, x + b * 32, dx + b, ds + b, mc, acc); break;
+    case 3: q4_1_group(w + b * 20, 3, a, x + b * 32, dx + b, ds + b, mc, acc); break;
     }
-    for (int r = 0; r < mc; r++) {
-        __m128 m = _mm_add_ps(accm[r], _mm_movehl_ps(accm[r], accm[r]));
-        m = _mm_add_ss(m, _mm_movehdup_ps(m));
-        out[r * ldo] = hsum(acc[r]) + _mm_cvtss_f32(m);
-    }
+    for (int r = 0; r < mc; r++) out[r * ldo] = hsum(acc[r]);
 }
 SPECIALIZE(q4_1)
 
@@ -530,7 +523,7 @@ static inline INLINE AVX2 void kblock_dot(const kblock_t *k, const acts_t *a, in
         }
         const __m256i bs = _mm256_loadu_si256((const __m256i *)(a->s + m * a->ns + b * 16));
         const __m256i msum = _mm256_madd_epi16(bs, k->mn);
-        const __m256 dx = _mm256_broadcast_ss(a->d + m * a->nb + b);
+        const __m256 dx = _mm256_broadcast_ss(a->d + m * a->ld + b);
         acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(vd, dx), _mm256_cvtepi32_ps(_mm256_add_epi32(sumi[0], sumi[1])), acc[r]);
         acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(vm, dx), _mm256_cvtepi32_ps(msum), acc[r]);
     }
@@ -642,7 +635,7 @@ static inline INLINE AVX2 void q6_k_body(const uint8_t *w, const acts_t *a, int6
             const __m256i bs = _mm256_loadu_si256((const __m256i *)(a->s + m * a->ns + b * 16));
             const __m256i offset = _mm256_slli_epi32(_mm256_madd_epi16(bs, sc16), 5); /* the -32 */
             const __m256i sumi = _mm256_sub_epi32(_mm256_add_epi32(part[0], part[1]), offset);
-            const __m256 dx = _mm256_broadcast_ss(a->d + m * a->nb + b);
+            const __m256 dx = _mm256_broadcast_ss(a->d + m * a->ld + b);
             acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(vd, dx), _mm256_cvtepi32_ps(sumi), acc[r]);
         }
     }
@@ -871,9 +864,9 @@ static int mul_mat_into(const float *x, int64_t M, int64_t K, const uint8_t *w, 
     if (K <= 0 || K % t->elems) return -3;
     if (isa < 0 || isa > gguf_cpu_isa()) return -4;
     if (M <= 0 || N <= 0) return 0;
-    const int64_t nb = K / t->elems, ns = K / t->group;
+    const int64_t nb = K / t->elems, ns = K / t->group, ld = (nb + 3) / 4 * 4;
     int8_t *q = malloc((size_t)(M * K));
-    float *d = malloc((size_t)(M * nb) * sizeof *d);
+    float *d = calloc((size_t)(2 * M * ld), sizeof *d), *ds = d + M * ld;
     int16_t *s = malloc((size_t)(M * ns) * sizeof *s);
     if (!q || !d || !s) {
         free(q); free(d); free(s);
@@ -884,10 +877,13 @@ static int mul_mat_into(const float *x, int64_t M, int64_t K, const uint8_t *w, 
     if (isa == ISA_AVX2) quantize = quantize_block_avx2;
 #endif
     for (int64_t m = 0; m < M; m++)
-        for (int64_t b = 0; b < nb; b++)
-            d[m * nb + b] = quantize(x + m * K + b * t->elems, t->elems, t->group, q + m * K + b * t->elems,
-                                     s + m * ns + b * (t->elems / t->group));
-    const acts_t a = {q, d, s, K, nb, ns};
+        for (int64_t b = 0; b < nb; b++) {
+            const float db = quantize(x + m * K + b * t->elems, t->elems, t->group, q + m * K + b * t->elems,
+                                      s + m * ns + b * (t->elems / t->group));
+            d[m * ld + b] = db;
+            if (t->elems == t->group) ds[m * ld + b] = db * (float)s[m * ns + b];
+        }
+    const acts_t a = {q, d, ds, s, K, nb, ns, ld};
 
     job_t j = {t->fn[isa], w, w_stride, N, M, N, 1, &a, out, ldo, gguf_cpu_threads(M, K, N, num_threads)};
     if (j.threads > 1) { /* about 16 chunks a thread, whole tiles, so a late thread's share is taken */

@@ -4,6 +4,7 @@ kernels with their own pool still see the thread count set before (``compute_thr
 from __future__ import annotations
 
 import threading
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -86,6 +87,29 @@ def test_runner_runs_small_steps_single_threaded(two_threads, small_step_tokens,
     logits, hidden = runner.run(torch.zeros(tokens, dtype=torch.int64), ctx, [[tokens - 1]])
     assert runner.model.seen == [want] and hidden.shape == (tokens, 4) and logits[0].shape == (1, 4)
     assert torch.get_num_threads() == 2
+
+
+def _item(new: int, computed: int = 0) -> SimpleNamespace:
+    return SimpleNamespace(num_new_tokens=new, seq=SimpleNamespace(num_computed_tokens=computed))
+
+
+@pytest.mark.parametrize("batch,want", [
+    ([_item(1, 300)] * 16, 1),            # 16 decodes: few tokens, whatever their context
+    ([_item(1, 50_000)] * 8, 1),
+    ([_item(512)], 1),                    # a 512-token prompt: 512 x 512 attended
+    ([_item(20)] * 16 + [_item(1, 90)], 1),  # prompts joining decodes (a server's steps)
+    ([_item(513)], 2),                    # more attention than SMALL_ATTENTION: torch's threads
+    ([_item(100, 3000)], 2),              # a chunk late in a long prompt
+])
+def test_engine_step_threads_follow_the_attention_share(two_threads, batch, want):
+    runner = ModelRunner.__new__(ModelRunner)
+    runner.small_step_tokens = 16
+    with runner.threads_for(batch):
+        assert torch.get_num_threads() == want and compute_threads() == 2
+    assert torch.get_num_threads() == 2
+    runner.small_step_tokens = 0  # products without threads of their own: torch keeps its threads
+    with runner.threads_for(batch):
+        assert torch.get_num_threads() == 2
 
 
 def test_build_gives_small_steps_only_to_methods_with_their_own_threads():

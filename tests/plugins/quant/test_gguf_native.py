@@ -204,6 +204,35 @@ def test_block_counts_not_a_multiple_of_four(kernel, monkeypatch, name, blocks):
     assert ((portable.double() - want).abs() <= 3e-7 * scale + 1e-30).all()
 
 
+@pytest.mark.parametrize("name", ["Q4_0", "Q4_1", "Q8_0"])
+def test_largest_products_do_not_overflow(kernel, name):
+    """The SIMD kernels add 4-bit weights' products in int16 before int32 (sums of 8: at most
+    8 * 15 * 127). Blocks of the largest weights (Q4_0 all -8, Q4_1 all 15, Q8_0 -128 and 127)
+    times activations of the largest magnitude, signs matched so no product cancels, must still
+    match the exact simulation, for 1, 8 and 9 rows (the 8-row groups and a lone row)."""
+    k, n, t = 32 * 7, 19, type_id(name)
+    elems, size = gguf_native.BLOCKS[t]
+    blocks = np.zeros((n, k // elems, size), dtype=np.uint8)
+    blocks[..., 0:2] = np.array([0.01], dtype=np.float16).view(np.uint8)
+    if name == "Q4_1":
+        blocks[..., 2:4] = np.array([0.5], dtype=np.float16).view(np.uint8)
+        blocks[..., 4:] = 0xFF  # every nibble 15
+        sign = torch.ones(k)
+    elif name == "Q4_0":
+        blocks[..., 2:] = 0x00  # every nibble 0: the value -8
+        sign = -torch.ones(k)
+    else:  # Q8_0: -128 in the first half of each block, 127 in the second
+        blocks[..., 2:18], blocks[..., 18:] = 0x80, 0x7F
+        sign = torch.tensor([-1.0] * 16 + [1.0] * 16).repeat(k // 32)
+    w = torch.from_numpy(blocks.reshape(n, -1))
+    for m in (1, 8, 9):
+        x = sign.repeat(m, 1) * torch.linspace(1, 2, m)[:, None]
+        want, scale = simulate(name, x, w)
+        got = kernel.mul_mat(x, w, t, k, num_threads=1)
+        assert ((got.double() - want).abs() <= 3e-7 * scale + 1e-30).all(), (got.double() - want).abs().max()
+        assert (quantize_acts(x, elems)[0].abs() == 127).all()  # the products are as large as planned
+
+
 @pytest.mark.parametrize("isa", ["generic", "auto"])
 @pytest.mark.parametrize("name", ["Q8_0", "Q4_K"])
 def test_activation_ties_round_to_even(kernel, monkeypatch, name, isa):

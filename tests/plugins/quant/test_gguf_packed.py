@@ -258,6 +258,29 @@ def test_native_kernel_matches_reference(files):
 
 
 @pytest.mark.skipif(native_kernel()[0] is None, reason="native GGUF kernel not built here")
+def test_small_steps_sample_with_torch_on_one_thread(files):
+    """With the packed products on their own threads, a decode step's sampling (not only its
+    forward) runs with torch on one thread, and torch's count is back after the step."""
+    llm = LLM(str(files["kquant"]), **ENGINE, quant={"method": "gguf", "kernel": "native"})
+    selector, seen = llm.engine.selector, []
+    select = selector.select
+
+    def recording(*args, **kwargs):
+        seen.append(torch.get_num_threads())
+        return select(*args, **kwargs)
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        selector.select = recording
+        llm.generate([[5, 6, 7]] * 3, SamplingParams(temperature=0, max_tokens=4))
+        assert seen and set(seen) == {1}
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.skipif(native_kernel()[0] is None, reason="native GGUF kernel not built here")
 def test_bound_products_match_the_registered_op(files):
     """Every packed layer (mixed-type q/k/v included) binds its runs once; the eager hot path
     through them gives the op path's bits, and a bfloat16 or 3-D input still takes the op."""
