@@ -124,7 +124,8 @@ class LLMEngine:
             return []
         # decode tokens (drafts included): those of sequences already past their prompt
         num_decode = sum(s.num_new_tokens for s in plan.scheduled if not s.seq.is_prefill)
-        with self.runner.threads_for(plan.scheduled):
+        with self.runner.threads_for([s.num_new_tokens for s in plan.scheduled],
+                                     [s.seq.num_computed_tokens + s.num_new_tokens for s in plan.scheduled]):
             result = self.runner.execute(plan.scheduled)
             finished, failed = self._commit(plan.scheduled, result)
         self.scheduler.update(finished)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import operator
 
 import torch
 
@@ -124,19 +125,16 @@ class ModelRunner:
         return StepResult(sample_rows, logits[-1], prompt_logits, num_rows,
                           hidden[rows] if self.keep_hidden else None)
 
-    def threads_for(self, batch: list[ScheduledSeq]) -> contextlib.AbstractContextManager:
-        """The engine's whole step over ``batch`` (forward, sampling, commit) runs in this. Where
-        the products have threads of their own (``small_step_tokens`` > 0), torch gets one thread
-        for a step of few tokens, and for a prefill whose attention is small beside its products
-        (``SMALL_ATTENTION``). On more, torch's OpenMP workers would spin between its ops on the
-        cores the products' threads need; sampling's ops over a few rows of logits are as small
-        as the layers' ones."""
-        if not self.small_step_tokens:
-            return contextlib.nullcontext()
-        tokens = sum(item.num_new_tokens for item in batch)
-        attended = sum(item.num_new_tokens * (item.seq.num_computed_tokens + item.num_new_tokens)
-                       for item in batch)
-        if tokens <= self.small_step_tokens or attended <= SMALL_ATTENTION:
+    def threads_for(self, query_lens: list[int], seq_lens: list[int]) -> contextlib.AbstractContextManager:
+        """Where the products have threads of their own (``small_step_tokens`` > 0), a step of
+        rows with these new tokens and lengths runs with torch on one thread when it has few
+        tokens (``small_step_tokens``) or little attention beside its products
+        (``SMALL_ATTENTION``): otherwise torch's OpenMP workers spin between its ops on the cores
+        the products' threads need. The engine opens it around its whole step (sampling's ops
+        over a few rows of logits are as small as the layers' ones); ``run`` opens it for callers
+        that run a forward alone (nested, it is the outer one)."""
+        if self.small_step_tokens and (sum(query_lens) <= self.small_step_tokens
+                                       or sum(map(operator.mul, query_lens, seq_lens)) <= SMALL_ATTENTION):
             return small_ops_single_threaded()
         return contextlib.nullcontext()
 
@@ -146,10 +144,8 @@ class ModelRunner:
         """The forward over the step's tokens, then logits for each group of rows (a slice or
         a list of row indices). Tensor-parallel workers call it with rank 0's inputs; their
         logits are None (gathered on rank 0)."""
-        if input_ids.shape[0] <= self.small_step_tokens:
-            with small_ops_single_threaded():
-                return self._forward(input_ids, ctx, groups)
-        return self._forward(input_ids, ctx, groups)
+        with self.threads_for(ctx.query_lens_cpu, ctx.seq_lens_cpu):
+            return self._forward(input_ids, ctx, groups)
 
     def _forward(self, input_ids: torch.Tensor, ctx: StepContext,
                  groups: list) -> tuple[list[torch.Tensor | None], torch.Tensor]:

@@ -18,7 +18,7 @@
  * The activations are quantized first, per row and block, to int8 with one float32 scale:
  * d = amax / 127, q = round-to-nearest-even(x / d) (x * (1 / d), as written below) in
  * [-127, 127], plus the integer sum of every 16 (k-quants, blocks of 256) or 32 (the others,
- * blocks of 32) values, and for blocks of 32 d times that sum (Q4_1's offset term). Each output is then a sum over blocks of exact integer dot products
+ * blocks of 32) values, and for Q4_1 d times that sum (its offset term). Each output is then a sum over blocks of exact integer dot products
  * times float scales (see each type's generic kernel: it is the definition; the SIMD kernels
  * compute the same integers and differ only in the order of the float additions).
  *
@@ -63,7 +63,7 @@ enum { T_Q4_0 = 2, T_Q4_1 = 3, T_Q8_0 = 8, T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14
 enum { ISA_GENERIC = 0, ISA_AVX2 = 1 };
 
 /* The quantized activations: row m's int8 values at q + m * K, its nb block scales at
- * d + m * ld, its sums of 16 or 32 values at s + m * ns, and (32-blocks) each block's scale
+ * d + m * ld, its sums of 16 or 32 values at s + m * ns, and (Q4_1) each block's scale
  * times its sum at ds + m * ld. ld is nb rounded up to 4, the pad zeros, so the AVX2 kernels
  * load 4 blocks' values at once. */
 typedef struct {
@@ -881,7 +881,7 @@ static int mul_mat_into(const float *x, int64_t M, int64_t K, const uint8_t *w, 
             const float db = quantize(x + m * K + b * t->elems, t->elems, t->group, q + m * K + b * t->elems,
                                       s + m * ns + b * (t->elems / t->group));
             d[m * ld + b] = db;
-            if (t->elems == t->group) ds[m * ld + b] = db * (float)s[m * ns + b];
+            if (type == T_Q4_1) ds[m * ld + b] = db * (float)s[m * ns + b];
         }
     const acts_t a = {q, d, ds, s, K, nb, ns, ld};
 

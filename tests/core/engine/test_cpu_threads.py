@@ -4,7 +4,6 @@ kernels with their own pool still see the thread count set before (``compute_thr
 from __future__ import annotations
 
 import threading
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -83,32 +82,29 @@ class _Recorder(torch.nn.Module):
 def test_runner_runs_small_steps_single_threaded(two_threads, small_step_tokens, tokens, want):
     runner = ModelRunner.__new__(ModelRunner)  # only run() is exercised: no cache to bind
     runner.model, runner.small_step_tokens = _Recorder(), small_step_tokens
-    ctx = type("Ctx", (), {"positions": torch.arange(tokens)})()
+    ctx = type("Ctx", (), {"positions": torch.arange(tokens), "query_lens_cpu": [tokens],
+                           "seq_lens_cpu": [100_000]})()  # attention past SMALL_ATTENTION: only the token rule
     logits, hidden = runner.run(torch.zeros(tokens, dtype=torch.int64), ctx, [[tokens - 1]])
     assert runner.model.seen == [want] and hidden.shape == (tokens, 4) and logits[0].shape == (1, 4)
     assert torch.get_num_threads() == 2
 
 
-def _item(new: int, computed: int = 0) -> SimpleNamespace:
-    return SimpleNamespace(num_new_tokens=new, seq=SimpleNamespace(num_computed_tokens=computed))
-
-
-@pytest.mark.parametrize("batch,want", [
-    ([_item(1, 300)] * 16, 1),            # 16 decodes: few tokens, whatever their context
-    ([_item(1, 50_000)] * 8, 1),
-    ([_item(512)], 1),                    # a 512-token prompt: 512 x 512 attended
-    ([_item(20)] * 16 + [_item(1, 90)], 1),  # prompts joining decodes (a server's steps)
-    ([_item(513)], 2),                    # more attention than SMALL_ATTENTION: torch's threads
-    ([_item(100, 3000)], 2),              # a chunk late in a long prompt
+@pytest.mark.parametrize("query_lens,seq_lens,want", [
+    ([1] * 16, [300] * 16, 1),             # 16 decodes: few tokens, whatever their context
+    ([1] * 8, [50_000] * 8, 1),
+    ([512], [512], 1),                     # a 512-token prompt: 512 x 512 attended
+    ([20] * 16 + [1], [20] * 16 + [91], 1),  # prompts joining a decode (a server's steps)
+    ([513], [513], 2),                     # more attention than SMALL_ATTENTION: torch's threads
+    ([100], [3100], 2),                    # a chunk late in a long prompt
 ])
-def test_engine_step_threads_follow_the_attention_share(two_threads, batch, want):
+def test_steps_threads_follow_the_attention_share(two_threads, query_lens, seq_lens, want):
     runner = ModelRunner.__new__(ModelRunner)
     runner.small_step_tokens = 16
-    with runner.threads_for(batch):
+    with runner.threads_for(query_lens, seq_lens):
         assert torch.get_num_threads() == want and compute_threads() == 2
     assert torch.get_num_threads() == 2
     runner.small_step_tokens = 0  # products without threads of their own: torch keeps its threads
-    with runner.threads_for(batch):
+    with runner.threads_for(query_lens, seq_lens):
         assert torch.get_num_threads() == 2
 
 
