@@ -93,6 +93,13 @@ def lmplug_register_quantizers() -> list[type]:
     quantized checkpoint (``lmplug quantize MODEL OUT --method NAME``)."""
 
 
+@hookspec
+def lmplug_register_architectures() -> list[type]:
+    """Return ``Architecture`` subclasses this plugin provides: model architectures, each serving
+    the checkpoints whose ``config.json`` it declares (``model_types`` / ``hf_architectures``), or,
+    marked ``fallback``, what no native architecture serves. Chosen by ``model_impl``."""
+
+
 # -- lifecycle: observation points ---------------------------------------------
 
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from lmplug.interfaces.acceptance import AcceptanceRule
+from lmplug.interfaces.architecture import Architecture
 from lmplug.interfaces.attention import AttentionBackend
 from lmplug.interfaces.compressor import Compressor
 from lmplug.interfaces.constraint import ConstraintBackend
@@ -69,6 +70,8 @@ TABLE: tuple[Family, ...] = (
            auto=True),
     Family("compressor", Compressor, "lmplug_register_compressors", "compression", "method", optional=True),
     Family("quantizer", Quantizer, "lmplug_register_quantizers"),
+    # chosen by the top-level key ``model_impl`` from what serves the checkpoint (``engine.plan``)
+    Family("model", Architecture, "lmplug_register_architectures"),
 )
 
 BY_NAME: dict[str, Family] = {f.name: f for f in TABLE}

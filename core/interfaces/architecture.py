@@ -1,0 +1,118 @@
+"""Model architectures: which checkpoints one serves, how it reads them, the module it builds.
+
+An ``Architecture`` is a family like the others (``lmplug_register_architectures``). It says which
+HF checkpoints it serves (``config.json``'s ``model_type`` / ``architectures``), parses that config
+into the contract's ``ModelConfig`` (the core keeps no list of model types), says what the KV cache
+holds per token (``cache_layout``) and builds the model module from the building kit.
+
+The module an architecture builds is a ``torch.nn.Module`` with this protocol (what the engine, the
+weight loader and the runner call):
+
+- ``forward(input_ids [T], positions [T], ctx: StepContext) -> hidden [T, h]`` over the step's
+  flattened tokens; attention through the attention backend it was built with, reading the cache
+  layers bound by ``bind_kv(views: list[KVLayerView])`` (one per cached layer);
+- ``compute_logits(hidden [N, h]) -> [N, vocab]``;
+- ``weight_target(name) -> (parameter path, shard) | (path, shard, expert) | None`` for every
+  checkpoint tensor name (None: not this model's), and ``checkpoint_name(path, shard)``, its inverse,
+  for error messages (``lmplug.loading.weights``);
+- with state layers (``ModelConfig.has_states``): ``state_specs() -> tuple[StateSpec, ...]`` and
+  ``bind_states(views)``.
+
+``Architecture.fallback``: a backend that can serve checkpoints no native architecture declares (the
+``transformers`` fallback); ``auto`` picks it only when no native one serves the checkpoint. The
+engine plan resolves the choice once (config key ``model_impl``: ``auto``, ``native``, ``transformers``
+or an architecture's name) and logs which architecture serves the checkpoint and why.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from lmplug.interfaces.common import BackendOptions, Capabilities
+from lmplug.interfaces.model_config import ModelConfig
+
+# Capabilities.features an architecture may declare (the plan refuses a configuration that needs
+# one the chosen architecture lacks, naming it and the option):
+TENSOR_PARALLEL = "tensor_parallel"  # builds a rank's shard (parallel.tensor_parallel_size > 1)
+GGUF = "gguf"  # reads llama.cpp's GGUF files of ``gguf_architectures``
+MTP = "mtp"  # builds a checkpoint's multi-token-prediction layers (``speculative: mtp``)
+STATE_LAYERS = "state_layers"  # linear-attention / SSM layers with per-sequence states
+MLA = "mla"  # multi-head latent attention (DeepSeek-V2/V3)
+PACKED_WEIGHTS = "packed_weights"  # lets a quant method keep GGUF blocks packed (embedding, LM head)
+
+
+@dataclass(frozen=True)
+class CacheLayout:
+    """What the KV cache holds per token and cached layer (``KVCacheSpec`` fields), and the
+    attention softmax scale. MLA caches one latent row per token and layer (``latent``)."""
+
+    num_kv_heads: int
+    head_dim: int
+    scale: float
+    latent: bool = False
+
+    def kv_shape(self) -> dict[str, Any]:
+        shape: dict[str, Any] = {"num_kv_heads": self.num_kv_heads, "head_dim": self.head_dim}
+        if self.latent:
+            shape["latent"] = True
+        return shape
+
+
+class Architecture(ABC):
+    """One model architecture (one object per engine)."""
+
+    name: ClassVar[str]
+    capabilities: ClassVar[Capabilities]
+    Options: ClassVar[type[BackendOptions]] = BackendOptions
+    model_types: ClassVar[tuple[str, ...]] = ()  # config.json ``model_type`` values served
+    hf_architectures: ClassVar[tuple[str, ...]] = ()  # config.json ``architectures`` entries served
+    gguf_architectures: ClassVar[tuple[str, ...]] = ()  # GGUF ``general.architecture`` values
+    fallback: ClassVar[bool] = False  # serves what no native architecture declares
+
+    def __init__(self, options: BackendOptions) -> None:
+        self.options = options
+
+    @classmethod
+    def serves(cls, hf_config: Mapping[str, Any]) -> str | None:
+        """Why this architecture serves a checkpoint with this ``config.json`` (e.g. "model_type
+        'llama'"), or None. A fallback answers for what it can build (``cannot_serve``)."""
+        model_type = hf_config.get("model_type")
+        if model_type in cls.model_types:
+            return f"model_type {model_type!r}"
+        for name in hf_config.get("architectures") or ():
+            if name in cls.hf_architectures:
+                return f"architectures {name!r}"
+        if cls.fallback and cls.cannot_serve(hf_config) is None:
+            return f"fallback for model_type {model_type!r}"
+        return None
+
+    @classmethod
+    def cannot_serve(cls, hf_config: Mapping[str, Any]) -> str | None:
+        """A fallback's reason it cannot build this checkpoint (named in the load error when no
+        architecture serves it), None when it can. Native architectures: not asked."""
+        return "not a fallback"
+
+    @abstractmethod
+    def parse_config(self, hf_config: Mapping[str, Any], where: str) -> ModelConfig:
+        """The checkpoint's ``config.json`` as the contract's ``ModelConfig``; ``where`` (the file)
+        is named in every error (``lmplug.errors.ModelLoadError``)."""
+
+    def cache_layout(self, model_config: ModelConfig) -> CacheLayout:
+        """What the KV cache stores per token of a cached layer. Default: the config's KV heads and
+        head size, softmax scale ``head_dim ** -0.5``; MLA models one latent row."""
+        mla = model_config.mla
+        if mla is not None:
+            return CacheLayout(1, mla.latent_dim, mla.softmax_scale, latent=True)
+        return CacheLayout(model_config.num_kv_heads, model_config.head_dim, model_config.head_dim ** -0.5)
+
+    @abstractmethod
+    def build(self, model_config: ModelConfig, *, dtype: Any, quant: Any, attention: Any,
+              max_model_len: int, parallel: Any, moe: Any = None, mixer: Any = None) -> Any:
+        """The model module (the protocol above), with empty weights on the current default
+        device: ``quant`` (a ``QuantMethod``) holds its linear layers, ``attention`` (an
+        ``AttentionBackend``) computes its attention, ``parallel`` is this rank's
+        ``ParallelState``; ``moe`` / ``mixer`` the backends of MoE and state layers, when the model
+        has them. The weights are loaded afterwards through ``weight_target``."""
