@@ -80,6 +80,6 @@ def architecture(info: BackendInfo, options: Any = None) -> Architecture:
     """The architecture object (its options validated: an architecture may have some)."""
     try:
         return info.cls(options if options is not None else info.cls.Options())
-    except Exception as exc:  # noqa: BLE001 - a plugin's constructor: named, not a traceback
+    except Exception as exc:  # a plugin's constructor: named, not a traceback
         raise PluginError(f"model: architecture {info.name!r} (plugin {info.plugin}) failed to build: "
                           f"{type(exc).__name__}: {exc}") from exc
