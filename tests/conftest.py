@@ -28,6 +28,8 @@ def demo_gguf():
     try:
         return pull("smollm2-135m-instruct")
     except ModelLoadError as exc:  # no registry reachable: the test cannot run here
+        if os.environ.get("CI", "").lower() in ("1", "true", "yes"):  # CI must run them: fail, never skip
+            pytest.fail(f"demo model not available under CI=true: {exc}")
         pytest.skip(f"demo model not available: {exc}")
 
 

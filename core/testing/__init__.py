@@ -78,6 +78,9 @@ if TYPE_CHECKING:
 def __getattr__(name: str) -> Any:
     if name not in _EXPORTS:
         raise AttributeError(f"module 'lmplug.testing' has no attribute {name!r}")
+    from lmplug.testing.pytest_plugin import for_conformance
+
+    for_conformance()  # before the suite's modules (and a backend's) import triton
     value = getattr(importlib.import_module(_EXPORTS[name]), name)
     globals()[name] = value
     return value

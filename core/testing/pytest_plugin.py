@@ -2,10 +2,11 @@
 
 pytest loads it in every project where lmplug is installed. It
 
-- sets ``TRITON_INTERPRET=1`` on machines without a GPU, before any conftest
-  or test module can import triton (so Triton backends run on the CPU under
-  the interpreter). ``LMPLUG_TRITON_INTERPRET=0`` leaves the environment
-  alone, ``=1`` forces the interpreter; an explicit ``TRITON_INTERPRET`` wins;
+- changes nothing in a project that does not use the suite: ``TRITON_INTERPRET=1`` (Triton
+  backends on the CPU under the interpreter, on machines without a GPU) is set only when a test
+  module asks ``lmplug.testing`` for a conformance class before triton is imported
+  (``for_conformance``), or at start when asked: ``LMPLUG_TRITON_INTERPRET=auto`` (without a
+  GPU) or ``=1`` (always); ``=0`` never sets it; an explicit ``TRITON_INTERPRET`` wins;
 - registers the ``lmplug_conformance`` marker that every conformance test
   carries (``pytest -m lmplug_conformance`` runs just the suite);
 - reports in pytest's header what it decided.
@@ -39,8 +40,7 @@ def _gpu_present() -> bool:
     )
 
 
-def _choose_interpreter() -> str:
-    choice = os.environ.get(ENV_CHOICE, "auto").strip().lower()
+def _choose_interpreter(choice: str) -> str:
     if "TRITON_INTERPRET" in os.environ:
         return f"TRITON_INTERPRET={os.environ['TRITON_INTERPRET']} (from the environment)"
     if choice in ("0", "false", "no", "off"):
@@ -54,8 +54,20 @@ def _choose_interpreter() -> str:
     return f"TRITON_INTERPRET=1 set by lmplug.testing ({why})"
 
 
-# At import: pytest imports entry-point plugins before conftest files, which may import triton.
-_decision = _choose_interpreter()
+# At import, only when asked: pytest imports entry-point plugins before conftest files, which may
+# import triton. Otherwise the environment is left alone until a conformance class is asked for.
+_asked = os.environ.get(ENV_CHOICE, "").strip().lower()
+_decision = (_choose_interpreter(_asked) if _asked else
+             f"TRITON_INTERPRET left alone (set for conformance tests; {ENV_CHOICE}=auto|1|0 decides at start)")
+
+
+def for_conformance() -> None:
+    """A test asked for a conformance class: without a GPU, run Triton under the interpreter
+    (unless the environment or ``LMPLUG_TRITON_INTERPRET`` decided already)."""
+    global _decision, _asked
+    if not _asked:
+        _asked = "auto"
+        _decision = _choose_interpreter("auto")
 
 
 def pytest_configure(config) -> None:
