@@ -63,6 +63,7 @@ class Registry:
         # registration hook imports its backend modules, so a CPU generate imports no drafter,
         # MoE or offline-quantizer code unless its config names one
         self._backends: dict[str, dict[str, BackendInfo]] = {}
+        self._callers: dict[str, list] = {}  # hook -> [(plugin, its subset hook caller)]
         self.allowlist_note = ""  # set when LMPLUG_PLUGINS names what no entry point is
         if autoload:
             self.load_entry_points()
@@ -132,7 +133,7 @@ class Registry:
                        "(mark hooks of newer API versions `@hookimpl(optionalhook=True)`)")
             return False
         self._distributions[name] = distribution
-        self._backends = {}
+        self._backends, self._callers = {}, {}
         return True
 
     def _fail(self, plugin: str, distribution: str, error: str) -> None:
@@ -142,10 +143,39 @@ class Registry:
         self.failures.append(failure)
         logger.warning("lmplug: %s", failure)
 
-    # -- the registry -----------------------------------------------------------------
+    # -- calling hooks ------------------------------------------------------------------
     @property
     def hook(self):
         return self.pm.hook
+
+    def distribution(self, plugin: str) -> str:
+        """The distribution a registered plugin came from ("?" if unknown)."""
+        return self._distributions.get(plugin, "?")
+
+    def implementers(self, hook: str) -> list[str]:
+        """The plugins with a (non-wrapper) implementation of ``hook``, in pluggy's call order."""
+        impls = getattr(self.pm.hook, hook).get_hookimpls()
+        return [i.plugin_name for i in reversed(impls) if not (i.hookwrapper or i.wrapper)]
+
+    def call_each(self, hook: str, **kwargs: Any) -> list[tuple[str, Any, BaseException | None]]:
+        """Call ``hook`` once per implementing plugin through pluggy's hook relay (every wrapper
+        around each call), so one plugin's exception is its own: ``[(plugin, results, error)]``."""
+        callers = self._callers.get(hook)
+        if callers is None:
+            names = self.implementers(hook)
+            plugins = {n: self.pm.get_plugin(n) for n in names}
+            callers = self._callers[hook] = [
+                (n, self.pm.subset_hook_caller(hook, [p for m, p in plugins.items() if m != n]))
+                for n in names]
+        out: list[tuple[str, Any, BaseException | None]] = []
+        for name, caller in callers:
+            try:
+                out.append((name, caller(**kwargs), None))
+            except Exception as exc:  # noqa: BLE001 - attributed to the plugin by the caller
+                out.append((name, None, exc))
+        return out
+
+    # -- the registry -----------------------------------------------------------------
 
     def backends(self, family: str) -> dict[str, BackendInfo]:
         if family not in FAMILIES:
@@ -170,29 +200,28 @@ class Registry:
         """One family's table: call every plugin's registration hook of that family."""
         hook_name = _HOOKS[family]
         table: dict[str, BackendInfo] = {}
-        for impl in getattr(self.pm.hook, hook_name).get_hookimpls():
-            dist = self._distributions.get(impl.plugin_name, "?")
-            try:
-                classes = impl.function() or []
-            except Exception as exc:
-                self._fail(impl.plugin_name, dist, f"{hook_name} raised {type(exc).__name__}: {exc}")
+        for plugin, results, exc in self.call_each(hook_name):
+            dist = self.distribution(plugin)
+            if exc is not None:
+                self._fail(plugin, dist, f"{hook_name} raised {type(exc).__name__}: {exc}")
                 continue
+            classes = results[0] if results else []  # one implementation: one result (None: none)
             if not isinstance(classes, (list, tuple)):
-                self._fail(impl.plugin_name, dist, f"{hook_name} must return a list of backend "
+                self._fail(plugin, dist, f"{hook_name} must return a list of backend "
                            f"classes, got {classes!r}")
                 continue
             for cls in classes:
                 problem = _check_backend_class(family, cls)
                 if problem:
-                    self._fail(impl.plugin_name, dist, problem)
+                    self._fail(plugin, dist, problem)
                     continue
-                info = BackendInfo(family, cls.name, cls, impl.plugin_name, dist)
+                info = BackendInfo(family, cls.name, cls, plugin, dist)
                 if cls.name in table:
                     other = table[cls.name]
                     raise PluginError(
                         f"two {family} backends are named {cls.name!r}: one from plugin "
                         f"{other.plugin!r} (distribution {other.distribution}), one from plugin "
-                        f"{impl.plugin_name!r} (distribution {dist}); uninstall one or rename it")
+                        f"{plugin!r} (distribution {dist}); uninstall one or rename it")
                 table[cls.name] = info
         return table
 

@@ -71,18 +71,15 @@ class Observers:
         self._logged: set[tuple[str, str]] = set()  # (plugin, hook) already reported
 
     def wanted(self, hook: str) -> bool:
-        return bool(getattr(self.registry.hook, hook).get_hookimpls())
+        return bool(self.registry.implementers(hook))
 
     def notify(self, hook: str, **kwargs) -> None:
-        for impl in reversed(getattr(self.registry.hook, hook).get_hookimpls()):
-            if getattr(impl, "hookwrapper", False) or getattr(impl, "wrapper", False):
+        """Each plugin's implementation through pluggy's hook relay (wrappers honoured); one that
+        raises is logged once per plugin and hook, and the others still run."""
+        for plugin, _, exc in self.registry.call_each(hook, **kwargs):
+            if exc is None or (plugin, hook) in self._logged:
                 continue
-            try:
-                impl.function(*[kwargs[name] for name in impl.argnames])
-            except Exception:
-                if (impl.plugin_name, hook) in self._logged:
-                    continue
-                self._logged.add((impl.plugin_name, hook))
-                dist = getattr(self.registry, "_distributions", {}).get(impl.plugin_name, "?")
-                logger.exception("plugin %r (distribution %s): its %s hook raised; ignored (logged "
-                                 "once per plugin and hook)", impl.plugin_name, dist, hook)
+            self._logged.add((plugin, hook))
+            logger.error("plugin %r (distribution %s): its %s hook raised; ignored (logged once per "
+                         "plugin and hook)", plugin, self.registry.distribution(plugin), hook,
+                         exc_info=(type(exc), exc, exc.__traceback__))
