@@ -58,7 +58,10 @@ def check_satisfiable(backend: ConstraintBackend, spec: StructuredOutput, compil
     matcher = backend.matcher(compiled)
     row = new_bitmask(1, vocab_size)
     row.zero_()
-    matcher.fill_mask(row[0])
+    try:
+        matcher.fill_mask(row[0])
+    except ConstraintError as exc:  # the engine stopped at one of its own limits before any token
+        raise ConstraintError(spec.kind, f"structured output {spec.kind}: {exc}") from None
     allowed = bitmask_to_bool(row, vocab_size)[0]
     for stop in backend.tokenizer.eos_token_ids:
         if 0 <= stop < vocab_size:
