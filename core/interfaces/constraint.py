@@ -28,6 +28,7 @@ from pydantic import Field
 
 from lmplug.errors import ConfigError
 from lmplug.interfaces.common import BackendOptions, Capabilities
+from lmplug.interfaces.constraint_checks import check_before_compile, check_satisfiable
 
 if TYPE_CHECKING:
     import torch
@@ -114,6 +115,9 @@ def _schema_text(schema: Any) -> str:
             schema = _json.loads(schema)
         except ValueError as exc:
             raise ConstraintError("json", f"SamplingParams.structured.json: not valid JSON text: {exc}") from None
+        except RecursionError:  # "[" * 5000: nested past what Python's decoder can follow
+            raise ConstraintError("json", "SamplingParams.structured.json: the JSON text nests too deeply "
+                                  "to read") from None
     if not isinstance(schema, (dict, bool)):
         raise ConstraintError("json", "SamplingParams.structured.json: expected a JSON schema (an object), "
                               f"got {type(schema).__name__}")
@@ -122,6 +126,9 @@ def _schema_text(schema: Any) -> str:
         text = _json.dumps(schema, separators=(",", ":"), allow_nan=False)
     except (TypeError, ValueError) as exc:
         raise ConstraintError("json", f"SamplingParams.structured.json: not serialisable as JSON: {exc}") from None
+    except RecursionError:
+        raise ConstraintError("json", "SamplingParams.structured.json: the schema nests too deeply to "
+                              "serialise") from None
     if len(text) > MAX_SPEC_CHARS:
         raise ConstraintError("json", f"SamplingParams.structured.json: a schema of {len(text)} characters "
                               f"(at most {MAX_SPEC_CHARS})")
@@ -146,6 +153,10 @@ class ConstraintOptions(BackendOptions):
     cache_size: int = Field(default=256, ge=1, le=65536, description="compiled constraints kept (LRU)")
     max_compile_s: float = Field(default=30.0, gt=0, description="longest compile of one constraint; "
                                  "slower ones are refused with an error naming the field")
+    max_schema_depth: int = Field(default=64, ge=1, le=10000, description="deepest nesting of a JSON "
+                                  "schema (objects and arrays) accepted; deeper ones are refused before compiling")
+    max_enum_values: int = Field(default=4096, ge=1, le=1_000_000, description="most values one JSON "
+                                 "schema enum may list; larger ones are refused before compiling")
 
 
 class Matcher(ABC):
@@ -211,7 +222,9 @@ class ConstraintBackend(ABC):
             if spec.key in self._cache:
                 self._cache.move_to_end(spec.key)
                 return self._cache[spec.key]
+        check_before_compile(spec, self.options.max_schema_depth, self.options.max_enum_values)
         compiled = self.compile(spec)
+        check_satisfiable(self, spec, compiled)
         with self._lock:
             self._cache[spec.key] = compiled
             while len(self._cache) > self.options.cache_size:

@@ -36,6 +36,7 @@ import pytest
 from lmplug.interfaces.constraint import ConstraintError, ConstraintTokenizer, StructuredOutput
 from lmplug.testing.base import Conformance
 from lmplug.testing.compare import ContractViolation, fail, reported
+from lmplug.testing.constraint_hostile import ConstraintHostile
 from lmplug.testing.constraint_walk import (
     Vocab,
     allowed_ids,
@@ -93,7 +94,7 @@ BAD = {
 }
 
 
-class ConstraintConformance(Conformance):
+class ConstraintConformance(ConstraintHostile, Conformance):
     family = "constraint"
     walks: ClassVar[int] = 6  # random walks per constraint
     max_steps: ClassVar[int] = 200  # a walk that has not reached EOS by then fails

@@ -101,7 +101,9 @@ def _grammar_text(llguidance, spec: StructuredOutput) -> str:
         if kind == "regex":
             return llguidance.LLMatcher.grammar_from_regex(spec.regex)
         if kind == "choice":
-            lark = "start: " + " | ".join(json.dumps(c, ensure_ascii=False) for c in spec.choice)
+            # one terminal (a lexeme the lexer matches), not an alternation of rules: 4,096 alternatives
+            # as rules put 4,097 items in one parser row, past llguidance's max_items_in_row (2,000)
+            lark = "start: CHOICE\nCHOICE: " + " | ".join(json.dumps(c, ensure_ascii=False) for c in spec.choice)
             return llguidance.LLMatcher.grammar_from_lark(lark)
         from llguidance.gbnf_to_lark import gbnf_to_lark
 
@@ -132,6 +134,7 @@ class LLGuidanceMatcher(Matcher):
             self._accepted += self._terminated
             return self._terminated
         if self._m.validate_tokens([token]) != 1 or not self._m.consume_token(token):
+            self._raise_if_error()
             return False
         self._accepted += 1
         return True
@@ -145,6 +148,15 @@ class LLGuidanceMatcher(Matcher):
             allow_only(row, self._stops)
             return
         self._m.unsafe_compute_mask_ptr(row.data_ptr(), row.numel() * row.element_size())
+        self._raise_if_error()
+
+    def _raise_if_error(self) -> None:
+        """llguidance stops for good at one of its parser limits (items per row, lexer states); say
+        so, instead of leaving a mask of EOS alone or a refused token that reads as divergence."""
+        if self._m.is_error():
+            message = trim((self._m.get_error() or "").split("<state>")[0])
+            raise ConstraintError("structured", f"structured output: llguidance stopped at one of its "
+                                  f"parser limits: {message}")
 
     def rollback(self, num_tokens: int) -> None:
         if not 0 <= num_tokens <= self._accepted:
