@@ -37,6 +37,7 @@ from lmplug.serve.metrics import Metrics
 from lmplug.serve.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 from lmplug.serve.responses import Accumulator, ChatFormat, CompletionFormat, collect, stream_events
 from lmplug.serve.security import Guard, allowed_hosts
+from lmplug.serve.unicode import check_unicode
 
 logger = logging.getLogger(__name__)
 
@@ -227,6 +228,7 @@ async def read_json(request: Request, limit: int) -> dict:
     if not isinstance(data, dict):
         raise APIError(400, f"request body: expected a JSON object, got {type(data).__name__}",
                        code="invalid_json")
+    check_unicode(data)  # before any field is used: a lone surrogate is a 400 naming its field
     return data
 
 
