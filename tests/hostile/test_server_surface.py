@@ -23,7 +23,8 @@ def model(tmp_path_factory):
 @pytest.fixture(scope="module")
 def server(model):
     llm = model.llm(kvcache="contiguous", scheduler={"backend": "continuous", "max_num_seqs": 4})
-    with running_server(llm, ServeSettings(api_key="")) as running:
+    # a body limit above the compression bound, so that bound is what refuses the longest prompt
+    with running_server(llm, ServeSettings(api_key="", max_body_bytes=4 << 20)) as running:
         yield running
 
 
@@ -94,3 +95,44 @@ def test_text_json_allows_is_accepted(server):
     raw = b'{"prompt": "a \\ud83d\\ude00 b \\u0000 c \\uffff", "max_tokens": 2, "compression": "truncate"}'
     resp = post(server, "/completions", raw)
     assert resp.status_code == 200, resp.text
+
+
+# -- prompt compression's bounds (issue 45, item 5) ------------------------------------------------
+
+
+def test_protect_over_its_bound_is_a_400(server):
+    from lmplug.interfaces.compressor import MAX_PROTECT_CHARS
+    big = "a" * (MAX_PROTECT_CHARS + 1)
+    body = {"prompt": big + " end", "max_tokens": 2, "compression": {"method": "truncate", "protect": big}}
+    check_400(post(server, "/completions", json.dumps(body).encode()), "compression.protect",
+              f"at most {MAX_PROTECT_CHARS}")
+    still_up(server)
+
+
+def test_prompt_over_the_compression_bound_is_a_400(server):
+    from lmplug.compression import MAX_COMPRESS_CHARS
+    body = {"prompt": "a" * (MAX_COMPRESS_CHARS + 1), "max_tokens": 2, "compression": "truncate"}
+    check_400(post(server, "/completions", json.dumps(body).encode()), "compression",
+              f"at most {MAX_COMPRESS_CHARS}")
+    still_up(server)
+
+
+def test_the_probes_overlapping_protect_is_split_exactly():
+    # the probe: a 128k-character prompt with a 64k-character protect string (O(N*L) before)
+    from lmplug.compression import occurrences, split_text
+    text = "a" * 128_000 + "\n\nWhat?"
+    segments = split_text(text, ["a" * 64_000], final_question=False)
+    assert [(len(s.text), s.protected) for s in segments] == [(128_000, True), (len("\n\nWhat?"), False)]
+    assert occurrences("a" * 10, "aaa") == list(range(8))
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_occurrences_match_a_plain_search(seed):
+    import random
+
+    from lmplug.compression import occurrences
+    rng = random.Random(seed)
+    for _ in range(500):
+        text = "".join(rng.choice("ab") for _ in range(rng.randint(0, 40)))
+        span = "".join(rng.choice("ab") for _ in range(rng.randint(1, 6)))
+        assert occurrences(text, span) == [i for i in range(len(text)) if text.startswith(span, i)]
