@@ -27,6 +27,7 @@ import re
 import threading
 import time
 from collections.abc import Sequence
+from contextvars import ContextVar
 from typing import Any
 
 from pydantic import ValidationError
@@ -50,8 +51,22 @@ logger = logging.getLogger(__name__)
 
 SCORER_KEYS = ("scorer", "scorer_max_len")
 PROTECTED_ROLES = frozenset({"system", "developer"})
+# Set by a caller that may give up (the server, when its client leaves): the scorer checks it
+# between engine steps, so a compression nobody waits for stops within one step. A context
+# variable, because the scorer is shared by requests and each runs in its own copied context.
+CANCEL: ContextVar[threading.Event | None] = ContextVar("lmplug_compression_cancel", default=None)
 MAX_COMPRESS_CHARS = 1 << 20  # characters of prompt (all message contents) one request may compress
 _BLANK_LINE = re.compile(r"\n[ \t]*\n")
+
+
+class CompressionCancelled(LmplugError):
+    """The caller set :data:`CANCEL`: nobody waits for this compression any more."""
+
+
+def check_cancelled() -> None:
+    cancel = CANCEL.get()
+    if cancel is not None and cancel.is_set():
+        raise CompressionCancelled("compression cancelled: its caller left")
 
 
 class EngineScorer(Scorer):
@@ -121,6 +136,7 @@ class EngineScorer(Scorer):
             done = {}
             try:
                 while engine.has_unfinished_requests():
+                    check_cancelled()
                     for o in engine.step():
                         if o.finished:
                             done[o.request_id] = o
@@ -352,6 +368,8 @@ class PromptCompressor:
         try:
             result = compressor.compress(request, scorer)
             _check_result(request, result)
+        except CompressionCancelled:
+            raise  # not a failure of the method: nobody wants the prompt, full or not
         except Exception as exc:  # noqa: BLE001 - any failure of a method falls back to the full prompt
             seconds = time.perf_counter() - started
             reason = f"{type(exc).__name__}: {exc}"

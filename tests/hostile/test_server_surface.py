@@ -136,3 +136,37 @@ def test_occurrences_match_a_plain_search(seed):
         text = "".join(rng.choice("ab") for _ in range(rng.randint(0, 40)))
         span = "".join(rng.choice("ab") for _ in range(rng.randint(1, 6)))
         assert occurrences(text, span) == [i for i in range(len(text)) if text.startswith(span, i)]
+
+
+def test_a_cancelled_compression_stops_its_worker_thread():
+    # the server cancels the awaiting task when the client leaves (app._unless_disconnected); the
+    # worker thread must then stop at its next check instead of scoring on for nobody
+    import asyncio
+    import threading
+    import time
+
+    from lmplug.compression import CompressionCancelled, check_cancelled
+    from lmplug.serve import compress
+
+    started, stopped = threading.Event(), threading.Event()
+
+    def endless_scoring() -> None:
+        started.set()
+        deadline = time.monotonic() + 30
+        try:
+            while time.monotonic() < deadline:
+                check_cancelled()  # what EngineScorer does between engine steps
+                time.sleep(0.005)
+        except CompressionCancelled:
+            stopped.set()
+
+    async def leave_early() -> None:
+        task = asyncio.ensure_future(compress._run(endless_scoring))
+        while not started.is_set():
+            await asyncio.sleep(0.01)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(leave_early())
+    assert stopped.wait(5), "the compression thread went on after its caller left"
