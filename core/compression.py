@@ -27,6 +27,7 @@ import re
 import threading
 import time
 from collections.abc import Sequence
+from contextvars import ContextVar
 from typing import Any
 
 from pydantic import ValidationError
@@ -50,7 +51,22 @@ logger = logging.getLogger(__name__)
 
 SCORER_KEYS = ("scorer", "scorer_max_len")
 PROTECTED_ROLES = frozenset({"system", "developer"})
+# Set by a caller that may give up (the server, when its client leaves): the scorer checks it
+# between engine steps, so a compression nobody waits for stops within one step. A context
+# variable, because the scorer is shared by requests and each runs in its own copied context.
+CANCEL: ContextVar[threading.Event | None] = ContextVar("lmplug_compression_cancel", default=None)
+MAX_COMPRESS_CHARS = 1 << 20  # characters of prompt (all message contents) one request may compress
 _BLANK_LINE = re.compile(r"\n[ \t]*\n")
+
+
+class CompressionCancelled(LmplugError):
+    """The caller set :data:`CANCEL`: nobody waits for this compression any more."""
+
+
+def check_cancelled() -> None:
+    cancel = CANCEL.get()
+    if cancel is not None and cancel.is_set():
+        raise CompressionCancelled("compression cancelled: its caller left")
 
 
 class EngineScorer(Scorer):
@@ -120,6 +136,7 @@ class EngineScorer(Scorer):
             done = {}
             try:
                 while engine.has_unfinished_requests():
+                    check_cancelled()
                     for o in engine.step():
                         if o.finished:
                             done[o.request_id] = o
@@ -152,11 +169,43 @@ def split_text(text: str, protect: Sequence[str], final_question: bool = True) -
         for k in range(last.start() if last else 0, len(text)):  # with the blank line before it
             marks[k] = True
     for span in protect:
-        start = text.find(span)
-        while start >= 0:
-            marks[start:start + len(span)] = [True] * len(span)
-            start = text.find(span, start + 1)
+        covered = 0  # each character is marked once: linear, however the occurrences overlap
+        for start in occurrences(text, span):
+            end = start + len(span)
+            if end > covered:
+                first = max(start, covered)
+                marks[first:end] = [True] * (end - first)
+                covered = end
     return [Segment(text[a:b], flag) for flag, a, b in _runs(marks)]
+
+
+def occurrences(text: str, span: str) -> list[int]:
+    """Every start of ``span`` in ``text``, overlapping ones included, in O(len(text) + len(span)).
+
+    ``str.find`` from each start + 1 costs len(span) per overlapping occurrence: 128k ``a`` with a
+    64k ``a`` span was 64k x 64k steps. The Z-algorithm on ``span + text`` gives, at each text
+    position, how far it agrees with ``span``; a span occurs where that is at least its length.
+    """
+    if not span or len(span) > len(text):
+        return []
+    if span[0] not in span[1:]:  # no two occurrences overlap, so find's cost is linear (and in C)
+        found, at = [], text.find(span)
+        while at >= 0:
+            found.append(at)
+            at = text.find(span, at + len(span))
+        return found
+    whole, n = span + text, len(span)
+    z, left, right, found = [0] * len(whole), 0, 0, []
+    for i in range(1, len(whole)):
+        k = min(right - i, z[i - left]) if i < right else 0
+        while i + k < len(whole) and whole[k] == whole[i + k] and k < n:
+            k += 1
+        z[i] = k
+        if i + k > right:
+            left, right = i, i + k
+        if i >= n and k >= n:
+            found.append(i - n)
+    return found
 
 
 def final_paragraph(text: str) -> str | None:
@@ -265,6 +314,7 @@ class PromptCompressor:
         """The compressed prompt and its report (``params`` None: the config's default)."""
         params = CompressionParams.coerce(params)
         compressor, protect = self.settle(params)
+        _check_size([prompt])
         _check_protect(protect, [prompt])
         segments = split_text(prompt, protect)
         result, seconds, fallback = self._run(compressor, segments, final_paragraph(prompt))
@@ -280,6 +330,7 @@ class PromptCompressor:
         params = CompressionParams.coerce(params)
         compressor, protect = self.settle(params)
         contents = [m.get("content") if isinstance(m, dict) else None for m in messages]
+        _check_size([c for c in contents if isinstance(c, str)])
         _check_protect(protect, [c for c in contents if isinstance(c, str)])
         last_user = max((k for k, m in enumerate(messages) if isinstance(m, dict) and m.get("role") == "user"
                          and isinstance(contents[k], str)), default=None)
@@ -317,6 +368,8 @@ class PromptCompressor:
         try:
             result = compressor.compress(request, scorer)
             _check_result(request, result)
+        except CompressionCancelled:
+            raise  # not a failure of the method: nobody wants the prompt, full or not
         except Exception as exc:  # noqa: BLE001 - any failure of a method falls back to the full prompt
             seconds = time.perf_counter() - started
             reason = f"{type(exc).__name__}: {exc}"
@@ -327,6 +380,13 @@ class PromptCompressor:
     def _report(self, compressor: Compressor, before: int, after: int, seconds: float,
                 fallback: str | None) -> CompressionReport:
         return CompressionReport(compressor.name, compressor.options.rate, before, after, seconds, fallback)
+
+
+def _check_size(texts: Sequence[str]) -> None:
+    size = sum(len(t) for t in texts)
+    if size > MAX_COMPRESS_CHARS:
+        raise ConfigError(f"compression: a prompt of {size} characters; at most {MAX_COMPRESS_CHARS} can be "
+                          "compressed (send it without compression, or shorter)")
 
 
 def _check_protect(protect: Sequence[str], texts: Sequence[str]) -> None:

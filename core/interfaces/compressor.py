@@ -33,6 +33,7 @@ from lmplug.interfaces.common import BackendOptions, Capabilities
 
 RATE_TOLERANCE = 0.05  # relative: an achieved rate within target * (1 +- 0.05)
 MAX_PROTECT = 64  # protected substrings in one request
+MAX_PROTECT_CHARS = 1 << 17  # their characters in all: finding them is linear in this and the prompt
 
 
 def check_rate(rate: Any, where: str = "compression.rate") -> float:
@@ -182,6 +183,9 @@ class CompressionParams:
         protect = (self.protect,) if isinstance(self.protect, str) else tuple(self.protect or ())
         if len(protect) > MAX_PROTECT or not all(isinstance(p, str) and p for p in protect):
             raise ConfigError(f"compression.protect: expected at most {MAX_PROTECT} non-empty strings")
+        total = sum(len(p) for p in protect)
+        if total > MAX_PROTECT_CHARS:
+            raise ConfigError(f"compression.protect: {total} characters in all, at most {MAX_PROTECT_CHARS}")
         object.__setattr__(self, "protect", protect)
         if not isinstance(self.options, dict):
             raise ConfigError(f"compression.options: expected a mapping, got {type(self.options).__name__}")

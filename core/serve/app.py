@@ -37,6 +37,7 @@ from lmplug.serve.metrics import Metrics
 from lmplug.serve.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 from lmplug.serve.responses import Accumulator, ChatFormat, CompletionFormat, collect, stream_events
 from lmplug.serve.security import Guard, allowed_hosts
+from lmplug.serve.unicode import check_unicode
 
 logger = logging.getLogger(__name__)
 
@@ -144,9 +145,13 @@ def _v1_router(engine: AsyncEngine, settings: ServeSettings, model_name: str,
         tool_list = None if tools is None else tools.tools
         messages, report = None, None
         if compress.wanted(compressor, req.compression):
-            messages, report = await compress.compress_chat(
+            # a client that leaves stops its compression (the worker thread checks between steps)
+            done = await _unless_disconnected(request, compress.compress_chat(
                 compressor, req.compression, convert.template_messages(req),
-                **({} if tool_list is None else {"tools": tool_list}))
+                **({} if tool_list is None else {"tools": tool_list})))
+            if done is None:
+                return Response(status_code=499)
+            messages, report = done
         prompts = [await run_in_threadpool(convert.chat_prompt_ids, core.tokenizer, req, tool_list, messages)]
         params = convert.sampling_params(req, prompts, core.max_model_len, None, constraint, tools)
         fmt = ChatFormat(model_name, params.logprobs, names, tools)
@@ -158,7 +163,13 @@ def _v1_router(engine: AsyncEngine, settings: ServeSettings, model_name: str,
         req = _parse(CompletionRequest, await read_json(request, settings.max_body_bytes))
         check_model(req.model)
         constraint = convert.structured_output(req)
-        texts, reports = await compress.compress_texts(compressor, req.compression, convert.prompt_list(req))
+        texts = convert.prompt_list(req)
+        reports: list = [None] * len(texts)
+        if compress.wanted(compressor, req.compression):
+            done = await _unless_disconnected(request, compress.compress_texts(compressor, req.compression, texts))
+            if done is None:  # the client left while its prompt was compressed
+                return Response(status_code=499)
+            texts, reports = done
         prompts = await run_in_threadpool(convert.completion_prompt_ids, core.tokenizer, req,
                                           core.model_config.vocab_size, texts)
         params = convert.sampling_params(req, prompts, core.max_model_len, COMPLETIONS_DEFAULT_MAX_TOKENS,
@@ -227,6 +238,7 @@ async def read_json(request: Request, limit: int) -> dict:
     if not isinstance(data, dict):
         raise APIError(400, f"request body: expected a JSON object, got {type(data).__name__}",
                        code="invalid_json")
+    check_unicode(data)  # before any field is used: a lone surrogate is a 400 naming its field
     return data
 
 
@@ -261,7 +273,7 @@ def _api_key_check(api_key: str | None):
     return check
 
 
-async def _unless_disconnected(request: Request, work: Awaitable[BaseModel]) -> BaseModel | None:
+async def _unless_disconnected(request: Request, work: Awaitable[Any]) -> Any | None:
     """Await ``work``, or cancel it (which aborts its requests) if the client disconnects first."""
     task = asyncio.ensure_future(work)
     watcher = asyncio.ensure_future(_disconnected(request))

@@ -10,11 +10,13 @@ reports ``prompt_tokens_before_compression`` beside ``prompt_tokens``.
 
 from __future__ import annotations
 
+import asyncio
+import threading
 from typing import Any
 
 from starlette.concurrency import run_in_threadpool
 
-from lmplug.compression import PromptCompressor
+from lmplug.compression import CANCEL, PromptCompressor
 from lmplug.errors import ConfigError
 from lmplug.interfaces.compressor import CompressionParams, CompressionReport
 from lmplug.serve.errors import APIError
@@ -66,10 +68,19 @@ async def compress_chat(compressor: PromptCompressor, field: Any, messages: list
 
 
 async def _run(fn, *args: Any, **kwargs: Any):
+    """``fn`` on a worker thread; cancelling the awaiting task (the app does when the client
+    disconnects) tells the thread to stop at its next engine step (``lmplug.compression.CANCEL``)."""
+    cancel = threading.Event()
+    token = CANCEL.set(cancel)  # the thread runs in a copy of this context, so it sees this event
     try:
         return await run_in_threadpool(fn, *args, **kwargs)
     except ConfigError as exc:
         raise _bad(exc) from None
+    except asyncio.CancelledError:
+        cancel.set()
+        raise
+    finally:
+        CANCEL.reset(token)
 
 
 def _bad(exc: Exception) -> APIError:

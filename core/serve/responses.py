@@ -149,7 +149,7 @@ class ChatFormat(_Format):
             pieces = [tool_calls.ToolDelta(content=content)] + [
                 tool_calls.ToolDelta(index=i, id=c.id, name=c.name, arguments=c.arguments) for i, c in enumerate(calls)]
         else:
-            streamer = self._streamers.setdefault(index, self.tools.parser.streamer())
+            streamer = self._streamers.setdefault(index, self.tools.parser.streamer(self.tools.tools))
             pieces = streamer.feed(delta.text) if delta.text else []
             if delta.finish_reason:
                 pieces += streamer.finish()
@@ -163,7 +163,7 @@ class ChatFormat(_Format):
         if self.tools is None:
             return text, []
         if not self.tools.forced:
-            return self.tools.parser.parse(text)
+            return self.tools.parser.parse(text, self.tools.tools)
         try:
             return None, tool_calls.forced_calls(text, self.tools.tools, self.tools.choice)
         except tool_calls.ToolError:

@@ -25,6 +25,7 @@ from lmplug.serve.tools.definitions import (
     new_call_id,
     strict_loads,
 )
+from lmplug.serve.tools.validate import CallCheck
 
 FREE_CHOICES = (None, "auto", "none")
 
@@ -54,6 +55,7 @@ def forced_calls(text: str, tools: list | None, tool_choice: Any) -> list[ToolCa
     ``max_tokens`` ran out mid-call), and the message says so.
     """
     kind, name, _ = _resolve(tools, tool_choice)
+    check = CallCheck(check_tools(tools or []))
     if kind is None:
         raise ToolError("tool_choice", f"tool_choice={tool_choice!r} does not force a call; parse the "
                         "output with a tool parser instead")
@@ -67,7 +69,8 @@ def forced_calls(text: str, tools: list | None, tool_choice: Any) -> list[ToolCa
         if not isinstance(value, dict):
             raise ToolError("tool_choice", f"tool_choice={tool_choice!r}: expected a JSON object of "
                             f"arguments, got {type(value).__name__}")
-        return [ToolCall(new_call_id(), name, compact_json(value))]
+        calls = [ToolCall(new_call_id(), name, compact_json(value))]
+        return _declared(calls, check, tool_choice)
     if not isinstance(value, list) or not value:
         raise ToolError("tool_choice", "tool_choice='required': expected a non-empty JSON array of calls")
     calls = []
@@ -78,6 +81,16 @@ def forced_calls(text: str, tools: list | None, tool_choice: Any) -> list[ToolCa
             raise ToolError("tool_choice", f"tool_choice='required': call {i} of the output is not "
                             "{\"name\": ..., \"parameters\": {...}}")
         calls.append(ToolCall(new_call_id(), item["name"], compact_json(item["parameters"])))
+    return _declared(calls, check, tool_choice)
+
+
+def _declared(calls: list[ToolCall], check: CallCheck, tool_choice: Any) -> list[ToolCall]:
+    """The grammar should keep forced calls declared and valid; they are checked again anyway,
+    since a call the client dispatches must never rest on one component alone."""
+    for i, c in enumerate(calls):
+        if not check.accepts(c.name, c.arguments):
+            raise ToolError("tool_choice", f"tool_choice={tool_choice!r}: call {i} ({c.name!r}) is not a "
+                            "declared tool with arguments valid against its parameters")
     return calls
 
 

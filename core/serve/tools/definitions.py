@@ -24,6 +24,10 @@ from lmplug.errors import ConfigError
 from lmplug.interfaces.constraint import MAX_SPEC_CHARS
 
 MAX_TOOLS = 128
+# A tool's parameters nest at most this deep (objects and arrays): real tool schemas nest a few
+# levels; the schema check (jsonschema) recurses several frames per level and would otherwise
+# hit Python's recursion limit at a few hundred levels, a 500 instead of a 400.
+MAX_SCHEMA_DEPTH = 64
 NAME_RE = re.compile(r"[a-zA-Z0-9_-]{1,64}")
 EMPTY_PARAMETERS = {"type": "object", "properties": {}}
 _ID_CHARS = string.ascii_letters + string.digits
@@ -134,6 +138,9 @@ def _check_parameters(schema: Any, where: str) -> dict:
         return copy.deepcopy(EMPTY_PARAMETERS)
     if not isinstance(schema, Mapping):
         raise ToolError(where, f"{where}: expected a JSON schema object, got {type(schema).__name__}")
+    depth = nesting_depth(schema)
+    if depth > MAX_SCHEMA_DEPTH:
+        raise ToolError(where, f"{where}: nested {depth} levels deep (at most {MAX_SCHEMA_DEPTH})")
     try:
         text = json.dumps(schema, allow_nan=False)
     except (TypeError, ValueError) as exc:
@@ -151,3 +158,16 @@ def _check_parameters(schema: Any, where: str) -> dict:
         path = "".join(f"[{p!r}]" for p in exc.path)
         raise ToolError(where, f"{where}{path}: not a valid JSON schema: {exc.message}") from None
     return schema
+
+
+def nesting_depth(value: Any) -> int:
+    """How deep objects and arrays nest in ``value`` (a scalar: 0), counted without recursion."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        children = item.values() if isinstance(item, Mapping) else item if isinstance(item, (list, tuple)) else None
+        if children is None:
+            continue
+        deepest = max(deepest, depth)
+        stack.extend((child, depth + 1) for child in children)
+    return deepest

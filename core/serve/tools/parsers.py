@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import re
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from typing import ClassVar
 
 from lmplug.serve.tools.definitions import ToolCall, ToolError
@@ -40,12 +41,13 @@ class ToolParser(ABC):
     keeps_special_tokens: ClassVar[bool] = False
 
     @abstractmethod
-    def streamer(self) -> ToolStreamer:
-        """A fresh streamer for one sequence."""
+    def streamer(self, tools: Sequence[dict] | None) -> ToolStreamer:
+        """A fresh streamer for one sequence of a request that declared ``tools`` (normalized by
+        ``check_tools``): only calls to them with valid arguments are calls."""
 
-    def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
+    def parse(self, text: str, tools: Sequence[dict] | None) -> tuple[str | None, list[ToolCall]]:
         """(content outside the calls, stripped, None if empty; the calls in order)."""
-        s = self.streamer()
+        s = self.streamer(tools)
         deltas = s.feed(text) + s.finish()
         content = "".join(d.content for d in deltas if d.content is not None)
         heads = {d.index: d for d in deltas if d.id is not None}
@@ -63,8 +65,8 @@ class ToolParser(ABC):
 class _HermesStreamer(ToolStreamer):
     OPEN, CLOSE = "<tool_call>", "</tool_call>"
 
-    def __init__(self) -> None:
-        super().__init__()
+    def __init__(self, tools: Sequence[dict] | None) -> None:
+        super().__init__(tools)
         self._in_call = False
         self._search = 0
 
@@ -99,8 +101,8 @@ class _HermesStreamer(ToolStreamer):
 class HermesParser(ToolParser):
     name = "hermes"
 
-    def streamer(self) -> ToolStreamer:
-        return _HermesStreamer()
+    def streamer(self, tools: Sequence[dict] | None) -> ToolStreamer:
+        return _HermesStreamer(tools)
 
 
 # -- llama3 ---------------------------------------------------------------------------------
@@ -109,8 +111,8 @@ class HermesParser(ToolParser):
 class _Llama3Streamer(ToolStreamer):
     TAG = "<|python_tag|>"
 
-    def __init__(self) -> None:
-        super().__init__()
+    def __init__(self, tools: Sequence[dict] | None) -> None:
+        super().__init__(tools)
         self._state = "start"
         self._span: JsonSpan | None = None
 
@@ -167,8 +169,8 @@ class _Llama3Streamer(ToolStreamer):
 class Llama3JsonParser(ToolParser):
     name = "llama3"
 
-    def streamer(self) -> ToolStreamer:
-        return _Llama3Streamer()
+    def streamer(self, tools: Sequence[dict] | None) -> ToolStreamer:
+        return _Llama3Streamer(tools)
 
 
 # -- mistral --------------------------------------------------------------------------------
@@ -178,8 +180,8 @@ class _MistralStreamer(ToolStreamer):
     MARK, ARGS = "[TOOL_CALLS]", "[ARGS]"
     _NAME = re.compile(r"[a-zA-Z0-9_-]{0,65}")
 
-    def __init__(self) -> None:
-        super().__init__()
+    def __init__(self, tools: Sequence[dict] | None) -> None:
+        super().__init__(tools)
         self._state = "content"
         self._span: JsonSpan | None = None
         self._name_start = 0
@@ -234,7 +236,8 @@ class _MistralStreamer(ToolStreamer):
             else:
                 items = value if isinstance(value, list) else [value]
                 calls = [call_parts(item) for item in items] if value is not None else []
-            if calls and all(calls):
+            # one list is one decision: a call in it the request may not get makes all of it text
+            if calls and all(calls) and all(self._accepts(*c) for c in calls):
                 for name, arguments in calls:
                     self._call(name, arguments, span.end)
                 self._state = "content"
@@ -251,8 +254,8 @@ class MistralParser(ToolParser):
     name = "mistral"
     keeps_special_tokens = True  # [TOOL_CALLS] and [ARGS] are control tokens of Mistral's vocabularies
 
-    def streamer(self) -> ToolStreamer:
-        return _MistralStreamer()
+    def streamer(self, tools: Sequence[dict] | None) -> ToolStreamer:
+        return _MistralStreamer(tools)
 
 
 # -- choosing one ---------------------------------------------------------------------------

@@ -21,10 +21,12 @@ from __future__ import annotations
 
 import re
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from lmplug.serve.tools.definitions import compact_json, new_call_id, strict_loads
+from lmplug.serve.tools.validate import CallCheck
 
 _SPACE = re.compile(r"\s*")
 _CLOSERS = {"]": "[", "}": "{"}
@@ -123,9 +125,14 @@ class ToolStreamer(ABC):
     before it is decided), emit with ``_content_to`` / ``_call`` and return when the rest cannot
     be decided yet (with ``final``, decide everything). ``_idle`` says no offsets into the text
     are held, so the decided text may be dropped.
+
+    ``tools``: the request's declared tools. Only a call to one of them whose arguments validate
+    against its schema goes out as a call (``_call`` enforces it, so no parser can forget);
+    anything else is content, marker included. With no tools, no text is a call.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, tools: Sequence[dict] | None = None) -> None:
+        self._check = CallCheck(tools)
         self._text = ""
         self._pos = 0
         self._out: list[ToolDelta] = []
@@ -174,8 +181,16 @@ class ToolStreamer(ABC):
             self._out.append(ToolDelta(content=body))
             self._pending = self._pending[len(body):]
 
+    def _accepts(self, name: str, arguments: str) -> bool:
+        """Whether a well-formed call may go out as one (declared, its arguments valid)."""
+        return self._check.accepts(name, arguments)
+
     def _call(self, name: str, arguments: str, end: int) -> None:
-        """``text[pos:end]`` is a call."""
+        """``text[pos:end]`` is a call, if the request declared it and its arguments validate;
+        else it is content."""
+        if not self._accepts(name, arguments):
+            self._content_to(end)
+            return
         index, self._pos = self._calls, end
         self._calls += 1
         self._out.append(ToolDelta(index=index, id=new_call_id(), name=name))

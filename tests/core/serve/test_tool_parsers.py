@@ -38,6 +38,7 @@ WEATHER = {"type": "function", "function": {
                    "required": ["city"], "additionalProperties": False}}}
 CLOCK = {"type": "function", "function": {"name": "now"}}
 TOOLS = [WEATHER, CLOCK]
+DECLARED = check_tools(TOOLS)  # what the server passes its parsers: only these calls are calls
 
 PARSERS = {"hermes": HermesParser(), "llama3": Llama3JsonParser(), "mistral": MistralParser()}
 
@@ -59,8 +60,8 @@ CASES = [
     ("hermes", '<tool_call>{"name": "now"}</tool_call>', None, [call("now")]),
     ("hermes", '<tool_call>{"name": "get_weather", "arguments": "{\\"city\\": \\"Oslo\\"}"}</tool_call>',
      None, [call("get_weather", city="Oslo")]),
-    ("hermes", ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "東京 🌧", "note": "naïve \\u00e9"}}'
-     '\n</tool_call>'), None, [call("get_weather", city="東京 🌧", note="naïve é")]),
+    ("hermes", ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "東京 🌧 naïve \\u00e9"}}'
+     '\n</tool_call>'), None, [call("get_weather", city="東京 🌧 naïve é")]),
     ("hermes", 'Hi <tool_call>\n{"name": "now", "arguments": {}}', "Hi", [call("now")]),  # left open at the end
     ("hermes", 'x <tool_call>{"name": "now", "arguments": {</tool_call> y',
      'x <tool_call>{"name": "now", "arguments": {</tool_call> y', []),
@@ -117,7 +118,7 @@ def summary(content, calls):
 
 @pytest.mark.parametrize("fmt, text, content, calls", CASES)
 def test_parse(fmt, text, content, calls):
-    got_content, got_calls = PARSERS[fmt].parse(text)
+    got_content, got_calls = PARSERS[fmt].parse(text, DECLARED)
     assert summary(got_content, got_calls) == (content, calls)
     for c, (_, args) in zip(got_calls, calls):
         assert c.arguments == json.dumps(args, ensure_ascii=False, separators=(",", ":"))  # compact
@@ -145,7 +146,7 @@ def joined(deltas: list[ToolDelta]) -> tuple[str | None, list[tuple[str, str]]]:
 
 
 def stream(fmt: str, pieces: list[str]) -> tuple[str | None, list[tuple[str, str]]]:
-    s = PARSERS[fmt].streamer()
+    s = PARSERS[fmt].streamer(DECLARED)
     deltas = []
     for piece in pieces:
         deltas += s.feed(piece)
@@ -153,7 +154,7 @@ def stream(fmt: str, pieces: list[str]) -> tuple[str | None, list[tuple[str, str
 
 
 def parsed(fmt: str, text: str) -> tuple[str | None, list[tuple[str, str]]]:
-    content, calls = PARSERS[fmt].parse(text)
+    content, calls = PARSERS[fmt].parse(text, DECLARED)
     return content, [(c.name, c.arguments) for c in calls]
 
 
@@ -197,7 +198,7 @@ def test_random_outputs_stream_like_they_parse(fmt):
 
 
 def test_stream_holds_back_only_what_may_start_a_marker():
-    s = HermesParser().streamer()
+    s = HermesParser().streamer(DECLARED)
     assert s.feed("Hello <tool_") == [ToolDelta(content="Hello")]  # the space waits for more content
     assert s.feed("box> x") == [ToolDelta(content=" <tool_box> x")]
     assert s.feed(" <tool_call>\n{\"name\": \"now\", ") == []
@@ -209,7 +210,7 @@ def test_stream_holds_back_only_what_may_start_a_marker():
 
 
 def test_stream_gives_back_an_unclosed_marker_as_content_at_finish():
-    s = HermesParser().streamer()
+    s = HermesParser().streamer(DECLARED)
     assert s.feed("See <tool_call> here") == [ToolDelta(content="See")]
     assert s.finish() == [ToolDelta(content=" <tool_call> here")]
 
@@ -435,7 +436,7 @@ def test_template_messages_render_through_a_qwen_style_template(tokenizer):
 
     # The calls the template wrote read back as the calls that went in.
     turn = text.split("<|im_start|>assistant")[1].split("<|im_end|>")[0]
-    content, calls = parser_for("auto", QWEN_STYLE).parse(turn)
+    content, calls = parser_for("auto", QWEN_STYLE).parse(turn, DECLARED)
     assert content is None
     assert [(c.name, json.loads(c.arguments)) for c in calls] == [("get_weather", {"city": "Paris"}), ("now", {})]
 
@@ -473,3 +474,49 @@ def test_a_parser_of_special_token_markers_gets_them_in_the_text():
         assert params.skip_special_tokens is skipped, option
     plain = convert.sampling_params(req, [[1, 2, 3]], 64, None, None, None)
     assert plain.skip_special_tokens is True
+
+
+# -- conformance: only declared calls with valid arguments are calls (issue 45) -----------------
+
+DELETE = '{"name": "delete_all_files", "arguments": {"path": "/"}}'
+ODD_NAME = '{"name": "../../x y", "arguments": {}}'
+BAD_ARGS = '{"name": "get_weather", "arguments": {"city": 3}}'  # city is a string
+EXTRA_ARG = '{"name": "get_weather", "arguments": {"city": "Oslo", "x": 1}}'  # additionalProperties: false
+MISSING = '{"name": "get_weather", "arguments": {}}'  # city is required
+
+
+def written_as(fmt: str, call_json: str) -> str:
+    """One call in each format's own spelling."""
+    if fmt == "hermes":
+        return f"<tool_call>\n{call_json}\n</tool_call>"
+    if fmt == "llama3":
+        return call_json.replace('"arguments"', '"parameters"')
+    obj = json.loads(call_json)
+    return f"[TOOL_CALLS]{obj['name']}[ARGS]{json.dumps(obj['arguments'])}" if " " not in obj["name"] and (
+        "/" not in obj["name"]) else f"[TOOL_CALLS] [{call_json}]"
+
+
+@pytest.mark.parametrize("fmt", sorted(PARSERS))
+@pytest.mark.parametrize("bad", [DELETE, ODD_NAME, BAD_ARGS, EXTRA_ARG, MISSING])
+def test_undeclared_or_invalid_calls_stay_content(fmt, bad):
+    text = written_as(fmt, bad)
+    whole = PARSERS[fmt].parse(text, DECLARED)
+    assert whole == (text.strip(), []), whole
+    # streamed in any split: no call delta ever goes out, and the text arrives as content
+    for cut in range(1, len(text)):
+        s = PARSERS[fmt].streamer(DECLARED)
+        deltas = s.feed(text[:cut]) + s.feed(text[cut:]) + s.finish()
+        assert all(d.index is None for d in deltas), (cut, deltas)
+        assert "".join(d.content or "" for d in deltas) == text.strip()
+
+
+@pytest.mark.parametrize("fmt", sorted(PARSERS))
+def test_no_declared_tools_means_no_calls(fmt):
+    text = written_as(fmt, '{"name": "now", "arguments": {}}')
+    assert PARSERS[fmt].parse(text, None) == (text.strip(), [])
+    assert PARSERS[fmt].parse(text, DECLARED)[1][0].name == "now"  # the same text, declared, is a call
+
+
+def test_a_mistral_list_with_one_undeclared_call_is_all_text():
+    text = f'[TOOL_CALLS] [{{"name": "now", "arguments": {{}}}}, {DELETE}]'
+    assert MistralParser().parse(text, DECLARED) == (text, [])
