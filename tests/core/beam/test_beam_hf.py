@@ -1,0 +1,54 @@
+"""Beam search equals transformers' ``generate(num_beams=...)`` token for token, scores within 1e-4."""
+
+from __future__ import annotations
+
+import pytest
+from support.hf_models import get_model, hf_generate, one_torch_thread, prompt_ids  # noqa: F401
+
+from lmplug import SamplingParams
+
+
+def hf_beams(hf, ids, *, width, n, max_new, eos, length_penalty=1.0, early_stopping=False, min_new=0):
+    out = hf_generate(hf, ids, max_new, eos_token_id=eos, num_beams=width, num_return_sequences=n,
+                      length_penalty=length_penalty, early_stopping=early_stopping, min_new_tokens=min_new,
+                      return_dict_in_generate=True, output_scores=True)
+    seqs = []
+    for row in out.sequences[:, len(ids):].tolist():
+        if eos is not None and eos in row:
+            row = row[:row.index(eos) + 1]  # the rest is padding (pad = eos here)
+        seqs.append(row)
+    return seqs, out.sequences_scores.tolist()
+
+
+def frequent_token(hf, ids, steps=12) -> int:
+    """A token the random model emits often in greedy decoding: an EOS that beams do reach."""
+    out = hf_generate(hf, ids, steps)[0, len(ids):].tolist()
+    return max(set(out), key=out.count)
+
+
+CASES = [  # width, n, max_new, length_penalty, early_stopping, min_tokens, with eos
+    (4, 2, 10, 1.0, False, 0, True),
+    (3, 3, 8, 0.0, "never", 0, True),
+    (4, 1, 9, 2.0, True, 0, True),
+    (2, 2, 7, -0.5, "never", 3, True),
+    (5, 5, 6, 1.0, False, 0, False),
+]
+
+
+@pytest.mark.parametrize("width,n,max_new,lp,early,min_tokens,with_eos", CASES)
+def test_beam_matches_transformers(tmp_path_factory, width, n, max_new, lp, early, min_tokens, with_eos):
+    tm = get_model("llama", tmp_path_factory.mktemp("beam"))
+    ids = prompt_ids(12, seed=width * 7 + max_new)
+    eos = frequent_token(tm.hf, ids) if with_eos else None
+    ref, ref_scores = hf_beams(tm.hf, ids, width=width, n=n, max_new=max_new, eos=eos, length_penalty=lp,
+                               early_stopping=early, min_new=min_tokens)
+    llm = tm.llm(kvcache={"backend": "paged", "block_size": 4, "num_blocks": 256})
+    params = SamplingParams(n=n, beam_width=width, max_tokens=max_new, length_penalty=lp, early_stopping=early,
+                            min_tokens=min_tokens, stop_token_ids=[] if eos is None else [eos],
+                            ignore_eos=True)
+    out = llm.generate([ids], params)[0]
+    got = [c.token_ids for c in out.outputs]
+    assert got == ref
+    assert [c.score for c in out.outputs] == pytest.approx(ref_scores, abs=1e-4)
+    for c in out.outputs:  # the cumulative logprob is the score before the length penalty
+        assert c.cumulative_logprob == pytest.approx(c.score * len(c.token_ids) ** lp, abs=1e-3)
