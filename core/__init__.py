@@ -31,6 +31,8 @@ _LAZY = {
     "RequestOutput": "lmplug.outputs",
     "RoutingConfig": "lmplug.interfaces",
     "SamplingParams": "lmplug.interfaces.params",
+    "BeamSearchParams": "lmplug.beam.api",
+    "BeamSearchOutput": "lmplug.beam.api",
     "Scheduler": "lmplug.interfaces",
     "StepContext": "lmplug.interfaces",
     "hookimpl": "lmplug.hookspecs",
@@ -42,6 +44,8 @@ __all__ = [
     "LLM",
     "AttentionBackend",
     "BackendOptions",
+    "BeamSearchOutput",
+    "BeamSearchParams",
     "Capabilities",
     "CompletionOutput",
     "ConfigError",
@@ -78,6 +82,7 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:  # what type checkers and IDEs see; nothing runs here
+    from lmplug.beam.api import BeamSearchOutput, BeamSearchParams
     from lmplug.config import EngineConfig
     from lmplug.hookspecs import hookimpl, hookspec
     from lmplug.interfaces import (

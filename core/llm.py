@@ -7,6 +7,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, Self
 
+from lmplug.beam.api import BeamSearchOutput, BeamSearchParams, to_beam_output
 from lmplug.compression import PromptCompressor
 from lmplug.config import EngineConfig, resolve
 from lmplug.engine.build import pick_device, pick_dtype
@@ -94,6 +95,14 @@ class LLM:
             raise ConfigError(f"got {len(prompts)} prompts but {len(params_list)} SamplingParams")
         prompts, reports = self._compress(prompts, compression)
         return self._run(prompts, params_list, reports)
+
+    def beam_search(self, prompts: Prompt | list[Prompt], params: BeamSearchParams) -> list[BeamSearchOutput]:
+        """Beam search over each prompt (vLLM's ``LLM.beam_search``); ``docs/beam_search.md``."""
+        if not isinstance(params, BeamSearchParams):
+            raise ConfigError(f"beam_search: params must be a BeamSearchParams, got {type(params).__name__}")
+        prompts = self._as_list(prompts)
+        outs = self._run(prompts, [params.sampling_params()] * len(prompts), [None] * len(prompts))
+        return [to_beam_output(out) for out in outs]
 
     def _run(self, prompts: list, params_list: list[SamplingParams],
              reports: list[CompressionReport | None]) -> list[RequestOutput]:

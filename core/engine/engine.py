@@ -12,6 +12,8 @@ import logging
 import time
 from collections.abc import Sequence as Seq
 
+from lmplug.beam.route import SelectRouter
+from lmplug.beam.stage import BeamStage, check_beam_request
 from lmplug.config import ResolvedConfig
 from lmplug.constraints import Constraints
 from lmplug.engine.build import EngineParts, build_engine_parts
@@ -70,6 +72,10 @@ class LLMEngine:
                     and "fork" in self.scheduler.capabilities.features and not self.kv.spec.states)
         self.requests = RequestTable(self.tokenizer, self.eos_token_ids, self.max_model_len,
                                      self.model_config.vocab_size, self.kv, can_fork, self.config.seed)
+        # beam search (lmplug.beam): beam groups select through their own stage, the rest as before
+        self._can_fork = can_fork
+        self.selector = SelectRouter(self.selector, BeamStage(
+            self.kv, self.requests, self.eos_token_ids, self.max_model_len, self.tokenizer))
         self.observers = Observers(self.registry)
         self._observe_steps = self.observers.wanted("lmplug_step_finished")
         self.last_stats: dict = {}
@@ -92,6 +98,9 @@ class LLMEngine:
         compile (``ConstraintError`` naming the field), ``exact`` under a lossy acceptance rule."""
         params = params or SamplingParams()
         check_token_ids(params, self.model_config.vocab_size)
+        if params.beam_width:
+            check_beam_request(params, max_num_seqs=self.kv.spec.max_num_seqs, can_fork=self._can_fork,
+                               speculative=self.speculator is not None)
         if self.speculator is not None:
             self.speculator.admit(params)
         self.constraints.admit(params)
@@ -176,6 +185,8 @@ class LLMEngine:
             if seq not in seqs:  # failed before sampling (prompt logprobs); settle releases the rest
                 self.selector.release(seq)
         self.selector.settle(seqs)  # failed ones are finished: released, not observed
+        # a select stage may end sequences itself (a beam group ends all its beams at once)
+        finished += [s for s in seqs if s.is_finished and s not in finished]
         for seq in forked:
             if seq.is_finished:
                 self.kv.free(seq)  # never reached the scheduler, so it cannot free it

@@ -63,6 +63,10 @@ class SamplingParams:
     # this request must sample the target distribution exactly: refused where speculative decoding
     # verifies with a lossy acceptance rule (``lmplug.interfaces.acceptance``)
     exact: bool = False
+    # beam search (``lmplug.beam``): 0 = off; else this many beams, ``n`` of them returned (n <= beam_width)
+    beam_width: int = 0
+    length_penalty: float = 1.0  # a hypothesis scores cum_logprob / new_tokens ** length_penalty
+    early_stopping: bool | str = False  # True / False / "never", as transformers defines them
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -87,10 +91,22 @@ class SamplingParams:
                type(self.structured).__name__, "None, a StructuredOutput or a dict of its fields")
         self._check_adjustments()
         _check(isinstance(self.exact, bool), "exact", self.exact, "a bool")
+        self._check_beam()
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             _check(value is None or (isinstance(value, int) and 0 <= value <= 20), name, value,
                    "None or an integer in [0, 20]")
+
+    def _check_beam(self) -> None:
+        _check(_is_int(self.beam_width) and self.beam_width >= 0, "beam_width", self.beam_width,
+               "an integer >= 1 (0 = no beam search)")
+        if not self.beam_width:
+            return
+        _check(self.n <= self.beam_width, "n", self.n,
+               f"at most beam_width ({self.beam_width}): beam search returns n of its beams")
+        _check(_is_number(self.length_penalty), "length_penalty", self.length_penalty, "a finite number")
+        _check(self.early_stopping in (True, False, "never"), "early_stopping", self.early_stopping,
+               'True, False or "never"')
 
     def _check_stops(self) -> None:
         _check(len(self.stop) <= MAX_STOP_STRINGS, "stop", _count(self.stop),

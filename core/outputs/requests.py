@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Sequence as Seq
 
@@ -25,6 +26,9 @@ class Request:
         self.sent_tokens = [0] * len(seqs)  # streaming: tokens already reported per sequence
         self.sent_text = [0] * len(seqs)
         self.pending_forks: list[Sequence] = []  # siblings forked from seqs[0] at its first token
+        # beam search: the returned hypotheses (``lmplug.beam.search.Hypothesis``), set when the group ends
+        self.beam_results: list | None = None
+        self.beam_finish: list[tuple[str, str | int | None]] = []  # (finish_reason, stop_reason) each
 
     @property
     def finished(self) -> bool:
@@ -32,6 +36,8 @@ class Request:
 
     def output(self) -> RequestOutput:
         """The request so far; the deltas are what changed since the previous call."""
+        if self.beam_results is not None:
+            return self._beam_output()
         completions, delta_text, delta_ids = [], "", []
         for i, seq in enumerate(self.seqs):
             text = seq.text
@@ -57,6 +63,26 @@ class Request:
             outputs=completions, finished=self.finished,
             prompt_logprobs=first.prompt_logprobs if first.params.prompt_logprobs is not None else None,
             metrics=metrics, delta_text=delta_text, delta_token_ids=delta_ids)
+
+
+    def _beam_output(self) -> RequestOutput:
+        """A finished beam group: one completion per returned hypothesis, best first."""
+        completions = [CompletionOutput(index=i, text=hyp.text, token_ids=hyp.token_ids, logprobs=None,
+                                        finish_reason=reason, stop_reason=stop,
+                                        cumulative_logprob=hyp.cum_logprob, score=hyp.score)
+                       for i, (hyp, (reason, stop)) in enumerate(zip(self.beam_results, self.beam_finish))]
+        first = self.seqs[0]
+        metrics = RequestMetrics(first.arrival_time, first.first_token_time, first.finish_time,
+                                 num_target_forwards=first.num_target_forwards)
+        return RequestOutput(request_id=self.request_id, prompt=self.prompt, prompt_token_ids=self.prompt_ids,
+                             outputs=completions, finished=True, metrics=metrics,
+                             delta_text=completions[0].text, delta_token_ids=completions[0].token_ids)
+
+
+def beam_slot_params(params: SamplingParams) -> SamplingParams:
+    """A beam slot's own params: it never stops by itself (the group decides, ``lmplug.beam``)."""
+    return dataclasses.replace(params, n=1, stop=[], stop_token_ids=[], ignore_eos=True, max_tokens=None,
+                               min_tokens=0)
 
 
 class RequestTable:
@@ -99,14 +125,17 @@ class RequestTable:
         text, ids = self._tokenize(prompt)
         self._check_prompt(request_id, ids)
         seqs, detoks = [], []
-        for i in range(params.n):
+        slot_params = beam_slot_params(params) if params.beam_width else params
+        for i in range(params.beam_width or params.n):
             gen = torch.Generator()
             seed = (params.seed + i) % 2**64 if params.seed is not None else int(
                 torch.randint(0, 2**62, (1,), generator=self._seed_rng))
             gen.manual_seed(seed)
-            seqs.append(Sequence(request_id, ids, params, index=i, priority=priority, generator=gen))
-            detoks.append(self._detokenizer(ids, params))
+            seqs.append(Sequence(request_id, ids, slot_params, index=i, priority=priority, generator=gen))
+            # a beam's text is decoded once, at the end, for the hypotheses returned
+            detoks.append(None if params.beam_width else self._detokenizer(ids, params))
         req = Request(request_id, text, ids, seqs, detoks)
+        req.params = params  # a beam group's own (its slots carry beam_slot_params)
         self._requests[request_id] = req
         if self.can_fork:
             req.pending_forks = seqs[1:]

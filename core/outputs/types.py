@@ -16,6 +16,9 @@ class CompletionOutput:
     logprobs: list[dict[int, Logprob]] | None
     finish_reason: str | None  # "stop", "length", "abort" or None while running
     stop_reason: str | int | None = None  # the stop string or token id that ended it
+    # beam search: the summed logprob of the tokens, and the length-penalised score it was ranked by
+    cumulative_logprob: float | None = None
+    score: float | None = None
 
     @property
     def finished(self) -> bool:

@@ -297,6 +297,9 @@ def sampling_params(req: ChatCompletionRequest | CompletionRequest, prompts: lis
     if bad:
         raise APIError(400, f"{bad[0]}: not supported by lmplug (leave it unset or at its default)",
                        param=bad[0], code="unsupported_parameter")
+    best_of = getattr(req, "best_of", None)
+    if best_of is not None and best_of < req.n:
+        raise APIError(400, f"best_of: {best_of}, but it must be >= n ({req.n})", param="best_of")
     check_request_size(req, len(prompts))
     longest = max(len(p) for p in prompts)
     if longest >= max_model_len:
@@ -323,7 +326,8 @@ def sampling_params(req: ChatCompletionRequest | CompletionRequest, prompts: lis
             presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
             repetition_penalty=req.repetition_penalty, logit_bias=req.logit_bias or None,
             min_tokens=req.min_tokens, structured=None if constraint is None else constraint.spec,
-            exact=req.exact)
+            exact=req.exact, beam_width=req.beam_width, length_penalty=req.length_penalty,
+            early_stopping=req.early_stopping)
     except LmplugError as exc:
         # "SamplingParams.top_k=-3 is invalid: ..." -> "top_k=-3 is invalid: ..."
         message = str(exc).removeprefix("SamplingParams.")

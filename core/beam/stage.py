@@ -1,0 +1,184 @@
+"""Beam search as a select stage: each step, a group's ``width`` beam slots (sequences) get their
+next tokens from ``BeamGroup.step``, and a slot whose new beam descends from another slot takes that
+slot's KV through the cache's copy-on-write ``fork`` (shared blocks, no copy) and its tokens.
+
+The slots never stop by themselves (``beam_slot_params``): the group ends them all at once, and
+the request's output is the group's best hypotheses (``Request.beam_results``).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+
+import torch
+
+from lmplug.beam.search import BeamGroup
+from lmplug.errors import ConfigError
+from lmplug.interfaces.scheduler import ScheduledSeq
+from lmplug.interfaces.sequence import Sequence, SequenceStatus
+
+
+def is_beam(seq: Sequence) -> bool:
+    return seq.params.beam_width > 0
+
+
+class BeamStage:
+    """The select stage of beam groups. ``requests``: the engine's ``RequestTable``."""
+
+    def __init__(self, kv, requests, eos_token_ids: frozenset[int], max_model_len: int, tokenizer) -> None:
+        self.kv = kv
+        self.requests = requests
+        self.eos_token_ids = eos_token_ids
+        self.max_model_len = max_model_len
+        self.tokenizer = tokenizer
+        self._groups: dict[str, BeamGroup] = {}
+
+    def propose(self, seqs: list[Sequence]) -> dict[int, int]:
+        return {}
+
+    def plan(self, scheduled: list[ScheduledSeq]) -> None:
+        pass
+
+    def select(self, logits: torch.Tensor, num_rows: list[int], seqs: list[Sequence],
+               hidden: torch.Tensor | None = None,
+               on_error: Callable[[Sequence, Exception], None] | None = None,
+               ) -> tuple[list[list[int]], list[list[int]]]:
+        last = [end - 1 for end in itertools.accumulate(num_rows)]
+        tokens: list[list[int]] = [[] for _ in seqs]
+        rows: list[list[int]] = [[r] for r in last]
+        where = {seq.seq_id: i for i, seq in enumerate(seqs)}
+        for rid in dict.fromkeys(s.request_id for s in seqs):
+            slots = self.requests[rid].seqs
+            try:
+                if any(s.seq_id not in where for s in slots):
+                    raise RuntimeError(f"beam search: request {rid!r} has beams that did not run this step "
+                                       "(preempted or split by the scheduler); beam groups must step together")
+                idx = [where[s.seq_id] for s in slots]
+                chosen = self._step(rid, logits[[last[i] for i in idx]], slots)
+            except Exception as exc:
+                if on_error is None:
+                    raise
+                for s in slots:
+                    if s.seq_id in where:
+                        on_error(s, exc)
+                continue
+            for slot, i, (parent, token) in zip(slots, idx, chosen):
+                tokens[i], rows[i] = [token], [last[idx[parent]]]
+        return tokens, rows
+
+    def _step(self, rid: str, logits: torch.Tensor, slots: list[Sequence]) -> list[tuple[int, int]]:
+        req = self.requests[rid]
+        params = req.params
+        max_new = params.max_tokens or (self.max_model_len - len(req.prompt_ids))
+        max_new = min(max_new, self.max_model_len - len(req.prompt_ids))
+        ends = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_token_ids)
+        group = self._groups.get(rid)
+        if group is None:
+            group = self._groups[rid] = BeamGroup(params.beam_width, params.length_penalty,
+                                                  params.early_stopping, max_new, len(ends))
+        logprobs = torch.log_softmax(logits.float(), dim=-1)
+        if slots[0].num_output_tokens < params.min_tokens and ends:
+            logprobs[:, sorted(ends)] = float("-inf")  # as transformers' MinNewTokensLength, after the softmax
+        new_len = slots[0].num_output_tokens + 1
+
+        def stops(parent: int, token: int) -> bool:
+            return (token in ends or new_len >= max_new
+                    or (bool(params.stop) and self._stop_string(group.outputs[parent] + [token], params) is not None))
+
+        chosen = group.step(logprobs, stops)
+        if group.finished:
+            self._finish(rid, group, slots)
+        else:
+            self._reorder(slots, [p for p, _ in chosen])
+        return chosen
+
+    def _reorder(self, slots: list[Sequence], parents: list[int]) -> None:
+        """Slot i takes slot parents[i]'s KV and tokens: fork every parent into a temporary first
+        (a parent may itself be overwritten), free the slots that change, fork the temporaries in."""
+        moves = [(i, p) for i, p in enumerate(parents) if p != i]
+        temps = []
+        for i, p in moves:
+            src = slots[p]
+            tmp = Sequence(src.request_id, src.token_ids, src.params)
+            tmp.num_prompt_tokens, tmp.num_computed_tokens = src.num_prompt_tokens, src.num_computed_tokens
+            tmp.logprobs = list(src.logprobs)
+            self.kv.fork(src, tmp)
+            temps.append(tmp)
+        for (i, _), tmp in zip(moves, temps):
+            slot = slots[i]
+            self.kv.free(slot)  # a beam that is dropped frees its blocks now (shared ones stay)
+            slot.token_ids, slot.logprobs = list(tmp.token_ids), tmp.logprobs
+            self.kv.fork(tmp, slot)
+            self.kv.free(tmp)
+
+    def _finish(self, rid: str, group: BeamGroup, slots: list[Sequence]) -> None:
+        req = self.requests[rid]
+        params = req.params
+        results, finish = group.results(params.n), []
+        for hyp in results:
+            text = self._decode(hyp.token_ids, params)
+            cut = self._stop_string(hyp.token_ids, params) if params.stop else None
+            last = hyp.token_ids[-1] if hyp.token_ids else None
+            if cut is not None:
+                stop, at = cut
+                text = text[:at + len(stop)] if params.include_stop_str_in_output else text[:at]
+                finish.append(("stop", stop))
+            elif last in params.stop_token_ids:
+                finish.append(("stop", last))
+            elif not params.ignore_eos and last in self.eos_token_ids:
+                finish.append(("stop", None))
+            else:
+                finish.append(("length", None))
+            hyp.text = text
+        req.beam_results, req.beam_finish = results, finish
+        for slot in slots:
+            slot.status, slot.finish_reason = SequenceStatus.FINISHED, finish[0][0] if finish else "length"
+        del self._groups[rid]
+
+    def _decode(self, token_ids: list[int], params) -> str:
+        if self.tokenizer is None:
+            return ""
+        ends = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_token_ids))
+        if token_ids and token_ids[-1] in ends and not params.include_stop_str_in_output:
+            token_ids = token_ids[:-1]  # a stop token ends the text; it is not part of it
+        return self.tokenizer.decode(token_ids, skip_special_tokens=params.skip_special_tokens)
+
+    def _stop_string(self, token_ids: list[int], params) -> tuple[str, int] | None:
+        text = self._decode(token_ids, params)
+        hits = [(text.find(s), s) for s in params.stop if s in text]
+        return None if not hits else (min(hits)[1], min(hits)[0])
+
+    def settle(self, seqs: list[Sequence]) -> None:
+        pass
+
+    def release(self, seq: Sequence) -> None:
+        self._groups.pop(seq.request_id, None)
+
+    def stats(self) -> dict:
+        return {}
+
+
+def check_beam_request(params, *, max_num_seqs: int, can_fork: bool, speculative: bool) -> None:
+    """Refuse, naming the option, what beam search cannot do here."""
+    width = params.beam_width
+    if width > max_num_seqs:
+        raise ConfigError(f"beam_width={width} is above scheduler max_num_seqs={max_num_seqs}: every beam "
+                          "of a group runs in the same step")
+    if speculative:
+        raise ConfigError("beam search (beam_width) does not combine with speculative decoding "
+                          "(speculative.method): turn one of them off")
+    if not can_fork:
+        raise ConfigError("beam search (beam_width) needs a KV cache and scheduler with the 'fork' feature "
+                          "(the paged cache and continuous scheduler; not under tensor parallelism or with "
+                          "state layers)")
+    if params.structured is not None:
+        raise ConfigError("beam search (beam_width) does not combine with structured output (structured) yet")
+    lossy = [name for name, on in (("presence_penalty", params.presence_penalty != 0),
+                                   ("frequency_penalty", params.frequency_penalty != 0),
+                                   ("repetition_penalty", params.repetition_penalty != 1),
+                                   ("logit_bias", bool(params.logit_bias)), ("logprobs", params.logprobs is not None),
+                                   ("prompt_logprobs", params.prompt_logprobs is not None)) if on]
+    if lossy:
+        raise ConfigError(f"beam search (beam_width) does not support {', '.join(lossy)}: beams are scored "
+                          "by the model's own logprobs")
