@@ -29,7 +29,7 @@ from starlette.middleware.cors import CORSMiddleware
 from lmplug.compression import PromptCompressor
 from lmplug.interfaces.params import SamplingParams
 from lmplug.llm import LLM
-from lmplug.serve import compress, convert, tokenize_routes
+from lmplug.serve import compress, convert, responses_api, tokenize_routes
 from lmplug.serve import tools as tool_calls
 from lmplug.serve.async_engine import AsyncEngine
 from lmplug.serve.errors import APIError, from_validation_error, install_handlers
@@ -155,7 +155,23 @@ def _v1_router(engine: AsyncEngine, settings: ServeSettings, model_name: str,
 
     @router.post("/chat/completions")
     async def chat(request: Request) -> Response:
-        req = _parse(ChatCompletionRequest, await read_json(request, settings.max_body_bytes))
+        return await run_chat(request, _parse(ChatCompletionRequest, await read_json(request, settings.max_body_bytes)))
+
+    store = responses_api.ResponseStore()
+
+    @router.post("/responses")
+    async def responses(request: Request) -> Response:
+        plan = responses_api.plan(await read_json(request, settings.max_body_bytes), store)
+        answer = await run_chat(request, _parse(ChatCompletionRequest, plan.chat))
+        if isinstance(answer, _SSEResponse):
+            events = responses_api.stream(answer.body_iterator, plan, store, model_name)
+            return _SSEResponse(events, on_close=answer._on_close)
+        if answer.status_code != 200:
+            return answer
+        body = responses_api.finish(json.loads(answer.body), plan, store, model_name)
+        return JSONResponse(body)
+
+    async def run_chat(request: Request, req: ChatCompletionRequest) -> Response:
         check_model(req.model)
         tools = convert.tool_plan(req, parser)
         constraint = convert.structured_output(req, tools)
