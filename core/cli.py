@@ -240,11 +240,25 @@ def cmd_train_drafter(args: argparse.Namespace) -> int:
     return 0
 
 
+def _build_kernels() -> None:
+    """Compile the CPU kernels at pull, so that the first run does not (the plugins declare theirs
+    when their families register)."""
+    from lmplug.engine.build import build_cpu_kernels
+    from lmplug.models import fused_cpu  # noqa: F401  (declares the core's kernel)
+    from lmplug.plugins import get_registry
+
+    registry = get_registry()
+    for family in ("attention", "quant"):  # importing a family's backends declares its kernels
+        registry.backends(family)
+    build_cpu_kernels()
+
+
 def cmd_models(args: argparse.Namespace) -> int:
     from lmplug.loading import cache
 
     if args.action == "pull":
         path = cache.pull(args.name)
+        _build_kernels()
         print(path)
     else:
         models = cache.list_models()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +22,7 @@ from lmplug.interfaces import (
     KVCacheSpec,
     Scheduler,
     SchedulerLimits,
+    native_build,
 )
 from lmplug.interfaces.acceptance import AcceptanceRule
 from lmplug.interfaces.constraint import ConstraintBackend, ConstraintTokenizer
@@ -134,6 +136,8 @@ def build_engine_parts(resolved: ResolvedConfig, parallel: ParallelState | None 
                            max_model_len=max_model_len, parallel=parallel, **extra)
     _load_with_progress(model, source, parallel)
     model.eval()
+    if device.type == "cpu":
+        build_cpu_kernels()
 
     sched_opts = backends["scheduler"].options
     # state layers (linear attention, SSM) keep a fixed-size state per sequence; the K/V cache
@@ -171,6 +175,15 @@ def build_engine_parts(resolved: ResolvedConfig, parallel: ParallelState | None 
             source.tokenizer.backend, model_config.vocab_size, eos_ids))
     return EngineParts(model_config, model, source.tokenizer, kv, scheduler, runner, max_model_len,
                        eos_ids, load_time, drafter, acceptance, constraint=constraint, memory=memory, plan=plan)
+
+
+def build_cpu_kernels() -> float:
+    """Compile the declared native CPU kernels not yet cached for this machine, now rather than
+    inside the first (timed) generation; one line on stderr when something was compiled."""
+    spent = native_build.build_declared()
+    if spent > 0:
+        print(f"[lmplug] building CPU kernels for this machine, once: {spent:.1f} s", file=sys.stderr)
+    return spent
 
 
 def fit_pool(kv: KVCacheBackend, max_model_len: int) -> int:

@@ -22,11 +22,41 @@ import shlex
 import subprocess
 import sys
 import tempfile
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 
 class NativeBuildError(RuntimeError):
     """A native kernel cannot be built or loaded here; the message says why."""
+
+
+# the kernels this process may use, declared by their modules at import: built up front at engine
+# load (``build_declared``) so that no compile lands inside a timed generation
+_declared: dict[str, Callable[[], object]] = {}
+_compile_seconds = [0.0]  # spent in the compiler by this process (one-time cost, never decoding)
+
+
+def declare(name: str, load: Callable[[], object]) -> None:
+    """Register ``load`` (builds when not cached, then loads; may raise NativeBuildError)."""
+    _declared[name] = load
+
+
+def compile_seconds() -> float:
+    """Seconds this process has spent compiling kernels so far."""
+    return _compile_seconds[0]
+
+
+def build_declared() -> float:
+    """Build and load every declared kernel; the seconds spent compiling (0.0: all cached). A
+    kernel that cannot build here is left to its module, which falls back and says why on use."""
+    before = compile_seconds()
+    for load in list(_declared.values()):
+        try:
+            load()
+        except NativeBuildError:
+            pass
+    return compile_seconds() - before
 
 
 def compiler() -> tuple[str, ...]:
@@ -93,10 +123,13 @@ def _build(source: Path, flags: tuple[str, ...], cc: tuple[str, ...], path: Path
     os.close(fd)
     try:
         command = [*cc, *flags, "-o", tmp, str(source)]
+        started = time.perf_counter()
         try:
             done = subprocess.run(command, check=False, capture_output=True, text=True, timeout=300)
         except (OSError, subprocess.SubprocessError) as exc:
             raise NativeBuildError(f"compiling {source.name} failed: {exc}") from exc
+        finally:
+            _compile_seconds[0] += time.perf_counter() - started
         if done.returncode != 0:
             tail = (done.stderr or done.stdout).strip()[-2000:]
             raise NativeBuildError(f"compiling {source.name} failed ('{shlex.join(command)}' "

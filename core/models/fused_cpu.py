@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from lmplug.interfaces.native_build import NativeBuildError, compiler, shared_library
+from lmplug.interfaces.native_build import NativeBuildError, compiler, declare, shared_library
 from lmplug.interfaces.paths import cache_dir
 
 logger = logging.getLogger(__name__)
@@ -66,6 +66,9 @@ def _library(cc: tuple[str, ...], root: str) -> ctypes.CDLL | None:
 def library() -> ctypes.CDLL | None:
     """The loaded library (built on first use), None where it cannot be built here."""
     return _library(compiler(), str(cache_dir()))
+
+
+declare("fused_cpu", library)  # built at engine load, not in the first forward
 
 
 def active(x: torch.Tensor) -> ctypes.CDLL | None:

@@ -29,7 +29,7 @@ from starlette.middleware.cors import CORSMiddleware
 from lmplug.compression import PromptCompressor
 from lmplug.interfaces.params import SamplingParams
 from lmplug.llm import LLM
-from lmplug.serve import compress, convert
+from lmplug.serve import compress, convert, responses_api, tokenize_routes
 from lmplug.serve import tools as tool_calls
 from lmplug.serve.async_engine import AsyncEngine
 from lmplug.serve.errors import APIError, from_validation_error, install_handlers
@@ -100,7 +100,25 @@ def create_app(llm: LLM, settings: ServeSettings | None = None) -> FastAPI:
     install_handlers(app)
     _add_plain_routes(app, engine, metrics, settings)
     app.include_router(_v1_router(engine, settings, model_name, parser, llm.compressor))
+    _add_tokenizer_routes(app, engine.engine, settings, model_name)
     return app
+
+
+def _add_tokenizer_routes(app: FastAPI, core: Any, settings: ServeSettings, model_name: str) -> None:
+    """/tokenize, /detokenize (and under /v1), /version: vLLM's shapes (``tokenize_routes``)."""
+    keyed = [Depends(_api_key_check(settings.api_key))]
+
+    async def read(request: Request, model: type[BaseModel]) -> Any:
+        return _parse(model, await read_json(request, settings.max_body_bytes))
+
+    def check_model(requested: str | None) -> None:
+        if requested is not None and requested != model_name:
+            raise APIError(404, f"model: {requested!r} is not served here (available: {model_name!r})",
+                           param="model", code="model_not_found")
+
+    for prefix in ("", "/v1"):
+        app.include_router(tokenize_routes.tokenizer_router(core, read, check_model, prefix, keyed))
+    app.include_router(tokenize_routes.version_router([] if settings.public_health else keyed))
 
 
 def _add_plain_routes(app: FastAPI, engine: AsyncEngine, metrics: Metrics, settings: ServeSettings) -> None:
@@ -138,7 +156,23 @@ def _v1_router(engine: AsyncEngine, settings: ServeSettings, model_name: str,
 
     @router.post("/chat/completions")
     async def chat(request: Request) -> Response:
-        req = _parse(ChatCompletionRequest, await read_json(request, settings.max_body_bytes))
+        return await run_chat(request, _parse(ChatCompletionRequest, await read_json(request, settings.max_body_bytes)))
+
+    store = responses_api.ResponseStore()
+
+    @router.post("/responses")
+    async def responses(request: Request) -> Response:
+        plan = responses_api.plan(await read_json(request, settings.max_body_bytes), store)
+        answer = await run_chat(request, _parse(ChatCompletionRequest, plan.chat))
+        if isinstance(answer, _SSEResponse):
+            events = responses_api.stream(answer.body_iterator, plan, store, model_name)
+            return _SSEResponse(events, on_close=answer._on_close)
+        if answer.status_code != 200:
+            return answer
+        body = responses_api.finish(json.loads(answer.body), plan, store, model_name)
+        return JSONResponse(body)
+
+    async def run_chat(request: Request, req: ChatCompletionRequest) -> Response:
         check_model(req.model)
         tools = convert.tool_plan(req, parser)
         constraint = convert.structured_output(req, tools)

@@ -70,6 +70,9 @@ def load() -> NativeKernel:
         kernel = _loaded[key] = _library(native_build.compiler(), str(cache_dir()))
     return kernel
 
+native_build.declare("paged_decode_cpu", load)  # built at engine load, not in the first decode
+
+
 def available() -> tuple[bool, str]:
     """(True, path of the library) when the kernel builds and loads here, else (False, why)."""
     try:

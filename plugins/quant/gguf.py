@@ -29,7 +29,7 @@ from lmplug_quant import gguf_ref
 from pydantic import Field
 
 from lmplug.errors import ConfigError
-from lmplug.interfaces import BackendOptions, Capabilities, QuantMethod, Unquantized
+from lmplug.interfaces import BackendOptions, Capabilities, QuantMethod, Unquantized, native_build
 from lmplug.interfaces.packed import PackedTensor
 
 logger = logging.getLogger(__name__)
@@ -54,6 +54,9 @@ def native_kernel() -> tuple[object | None, str]:
         return None, f"the native GGUF kernel module is not installed ({exc})"
     ok, reason = gguf_native.available()
     return (gguf_native, "") if ok else (None, reason)
+
+
+native_build.declare("gguf_mul_mat", native_kernel)  # built at engine load, not in the first matmul
 
 
 class GGUFQuant(QuantMethod):
