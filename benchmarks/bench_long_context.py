@@ -49,7 +49,7 @@ from transformers import (
 )
 
 from lmplug import LLM, RequestOutput, SamplingParams
-from lmplug.models import ARCHITECTURES
+from lmplug.plugins import get_registry
 
 VOCAB = 1024
 BLOCK_SIZE = 16
@@ -103,13 +103,14 @@ def model_configs(a: argparse.Namespace) -> dict[str, PretrainedConfig]:
         "llama": lambda: LlamaConfig(**common, **attn, intermediate_size=a.intermediate),
     }
     configs = {}
+    served = {t for info in get_registry().backends("model").values() for t in info.cls.model_types}
     for name in a.models:
         if name not in builders:
             raise SystemExit(f"--models: {name!r} is not one of {', '.join(builders)}")
-        if name in ARCHITECTURES:
+        if name in served:
             configs[name] = builders[name]()
         else:
-            print(f"{name}: skipped (lmplug.models.ARCHITECTURES has no {name!r})")
+            print(f"{name}: skipped (no installed architecture serves model_type {name!r})")
     return configs
 
 

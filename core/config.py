@@ -75,6 +75,11 @@ class EngineConfig(BaseModel):
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         default="auto", description="weights and activations; auto: float32 on CPU, bfloat16 on CUDA")
     device: Literal["auto", "cpu", "cuda"] = Field(default="auto", description="auto: cuda when available")
+    model_impl: str = Field(
+        default="auto", min_length=1, max_length=64,
+        description="the architecture that runs the checkpoint (`model` family, `lmplug plugins`): auto "
+        "(the highest-priority native architecture serving its config.json, else the transformers "
+        "fallback), native (never the fallback), transformers (always the fallback), or an architecture's name")
     max_model_len: int | None = Field(default=None, ge=1, description="context limit; default: the model's")
     seed: int = Field(default=0, ge=0, le=2**64 - 1,
                       description="seeds requests that give no seed of their own (0 to 2**64-1)")

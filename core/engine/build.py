@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 from lmplug.config import ResolvedConfig
+from lmplug.engine.architecture import architecture, choose_architecture
 from lmplug.engine.draft_parts import draft_target
 from lmplug.engine.plan import EnginePlan, make_plan
 from lmplug.engine.runner import ModelRunner
@@ -29,7 +30,6 @@ from lmplug.loading import open_source
 from lmplug.loading.identity import model_identity
 from lmplug.loading.memory import check_fits
 from lmplug.loading.weights import load_weights
-from lmplug.models import architecture_for
 from lmplug.parallel import ParallelState
 from lmplug.parallel import setup as parallel_setup
 from lmplug.parallel import single as single_parallel
@@ -76,8 +76,9 @@ def peek_model_config(resolved: ResolvedConfig) -> tuple[ModelConfig, str]:
     from lmplug.loading.cache import resolve_model
 
     source = open_source(resolve_model(resolved.config.model))
-    architecture_for(source.hf_config.get("model_type"))
-    return ModelConfig.from_hf(source.hf_config, config_file(source)), str(source.path)
+    info, _ = choose_architecture(source.hf_config, resolved.config.model_impl, str(source.path),
+                                  resolved.registry)
+    return architecture(info).parse_config(source.hf_config, config_file(source)), str(source.path)
 
 
 # a CPU step of at most this many tokens (batch-1 decode, a few sequences' decodes, a verify)
@@ -105,9 +106,11 @@ def build_engine_parts(resolved: ResolvedConfig, parallel: ParallelState | None 
     started = time.perf_counter()
     source = open_source(resolve_model(cfg.model))
     # an unsupported architecture is the error to report, not the config keys it lacks
-    arch = architecture_for(source.hf_config.get("model_type"))
-    model_config = ModelConfig.from_hf(source.hf_config, config_file(source))
-    plan = make_plan(resolved, source.hf_config, model_config, str(source.path), parallel)
+    chosen = choose_architecture(source.hf_config, cfg.model_impl, str(source.path), resolved.registry)
+    arch = architecture(chosen[0])
+    model_config = arch.parse_config(source.hf_config, config_file(source))
+    plan = make_plan(resolved, source.hf_config, model_config, str(source.path), parallel,
+                     architecture=chosen, checkpoint_format=source.format)
     backends, kv_shape = plan.resolved.backends, plan.kv_shape
     dtype = DTYPES[resolved.dtype]
     device = torch.device(resolved.device)
@@ -127,7 +130,8 @@ def build_engine_parts(resolved: ResolvedConfig, parallel: ParallelState | None 
     with torch.device(device):
         # model-decided families: an MoE backend for MoE layers, a mixer backend for state layers
         extra = {section: _built(backends, section) for section in ("moe", "mixer") if section in backends}
-        model = arch(model_config, dtype, quant, attention, max_model_len, parallel=parallel, **extra)
+        model = arch.build(model_config, dtype=dtype, quant=quant, attention=attention,
+                           max_model_len=max_model_len, parallel=parallel, **extra)
     _load_with_progress(model, source, parallel)
     model.eval()
 

@@ -20,7 +20,11 @@ from typing import Any
 from pydantic import ValidationError
 
 from lmplug.config import ModelFacts, ResolvedBackend, ResolvedConfig, kv_dtype_of, resolve
+from lmplug.engine.architecture import architecture as make_architecture
+from lmplug.engine.architecture import choose_architecture
 from lmplug.errors import ConfigError, ModelLoadError, PluginError
+from lmplug.interfaces import architecture as arch_features
+from lmplug.interfaces.common import BackendInfo
 from lmplug.interfaces.devices import capability
 from lmplug.interfaces.model_config import ModelConfig
 from lmplug.parallel import ParallelState
@@ -43,6 +47,8 @@ class EnginePlan:
     kv_shape: Mapping[str, Any]  # ``KVCacheSpec`` fields per token: this rank's KV heads, head_dim, latent
     scale: float  # the attention softmax scale
     max_model_len: int
+    architecture: BackendInfo | None = None  # the ``model`` family backend that serves the checkpoint
+    architecture_reason: str = ""  # why (``engine.architecture.choose_architecture``), logged
 
 
 def model_facts(model_config: ModelConfig) -> ModelFacts:
@@ -51,8 +57,12 @@ def model_facts(model_config: ModelConfig) -> ModelFacts:
 
 
 def make_plan(resolved: ResolvedConfig, hf_config: Mapping, model_config: ModelConfig, where: str,
-              parallel: ParallelState) -> EnginePlan:
-    """Resolve once for this model and check it fits. Raises ``ConfigError`` / ``ModelLoadError``."""
+              parallel: ParallelState, *, architecture: tuple[BackendInfo, str] | None = None,
+              checkpoint_format: str = "hf") -> EnginePlan:
+    """Resolve once for this model and check it fits. Raises ``ConfigError`` / ``ModelLoadError``.
+    ``architecture``: the chosen architecture and why (default: chosen here from ``hf_config``)."""
+    arch_info, arch_reason = architecture or choose_architecture(
+        hf_config, resolved.config.model_impl, where, resolved.registry)
     final = resolve(resolved.config, device=resolved.device, dtype=resolved.dtype, registry=resolved.registry,
                     source=resolved.source, model=model_facts(model_config))
     attention = final.backends["attention"]
@@ -61,7 +71,9 @@ def make_plan(resolved: ResolvedConfig, hf_config: Mapping, model_config: ModelC
     _check_state_support(model_config, final)
     _check_connector_support(final, parallel)
     _check_swap_support(final, parallel)
-    kv_shape, scale = _kv_shape(model_config)
+    _check_architecture(arch_info, model_config, parallel, checkpoint_format)
+    layout = make_architecture(arch_info).cache_layout(model_config)
+    kv_shape, scale = layout.kv_shape(), layout.scale
     if final.device == "cuda":  # what the attention kernels cannot build for this GPU, now
         attention.cls.check_target(attention.options, kv_dtype_of(final.backends["kvcache"]),
                                    kv_shape["head_dim"], final.dtype, capability("cuda"))
@@ -74,10 +86,33 @@ def make_plan(resolved: ResolvedConfig, hf_config: Mapping, model_config: ModelC
                            final.model, final.registry)
     plan = EnginePlan(final, model_config, where, parallel,
                       MappingProxyType(parallel_setup.local_kv_shape(kv_shape, parallel)), scale,
-                      resolved.config.max_model_len or model_config.max_position_embeddings)
+                      resolved.config.max_model_len or model_config.max_position_embeddings,
+                      arch_info, arch_reason)
     if parallel.rank == 0:
+        logger.info("%s: model: architecture %r from %s (%s)", final.source, arch_info.name,
+                    arch_info.distribution, arch_reason)
         log_choices(final)
     return plan
+
+
+def _check_architecture(info: BackendInfo, model_config: ModelConfig, parallel: ParallelState,
+                        checkpoint_format: str) -> None:
+    """What the configuration needs of the architecture, against the features it declares."""
+    features = info.cls.capabilities.features
+    needs = []
+    if parallel.world_size > 1:
+        needs.append((arch_features.TENSOR_PARALLEL, f"parallel.tensor_parallel_size={parallel.world_size}"))
+    if checkpoint_format == "gguf":
+        needs.append((arch_features.GGUF, "a GGUF checkpoint (model)"))
+    if model_config.has_states:
+        needs.append((arch_features.STATE_LAYERS, "the model's state layers (config.json layer types)"))
+    if model_config.mla is not None:
+        needs.append((arch_features.MLA, "the model's multi-head latent attention (config.json)"))
+    for feature, what in needs:
+        if feature not in features:
+            raise ConfigError(f"model: architecture {info.name!r} (plugin {info.plugin}) cannot run "
+                              f"{what}: it does not declare the {feature!r} feature; set model_impl to "
+                              "an architecture that does (`lmplug plugins`), or change that option")
 
 
 def log_choices(resolved: ResolvedConfig) -> None:
@@ -156,17 +191,6 @@ def _check_attention_fits(model_config: ModelConfig, chosen: ResolvedBackend) ->
                 "uses ordinary attention, which it cannot run; choose e.g. `attention: auto`")
         raise ConfigError(f"attention: backend {chosen.name!r} (plugin {chosen.info.plugin}) does not "
                           f"fit model_type {model_config.model_type!r}: the model {kind}")
-
-
-def _kv_shape(model_config: ModelConfig) -> tuple[dict, float]:
-    """What the KV cache stores per token (``KVCacheSpec`` fields) and the softmax scale. MLA
-    caches one latent row per token and layer (``num_kv_heads`` 1, ``head_dim`` = kv_lora_rank +
-    rope dims, no V)."""
-    mla = model_config.mla
-    if mla is None:
-        shape = {"num_kv_heads": model_config.num_kv_heads, "head_dim": model_config.head_dim}
-        return shape, model_config.head_dim ** -0.5
-    return {"num_kv_heads": 1, "head_dim": mla.latent_dim, "latent": True}, mla.softmax_scale
 
 
 def checkpoint_quant(resolved: ResolvedConfig, hf_config: Mapping, where: str) -> ResolvedBackend | None:

@@ -16,7 +16,7 @@ import pytest
 
 from lmplug.plugins import ENTRY_POINT_GROUP, Registry
 
-FIRST_PARTY = {"attention", "kvcache", "scheduler", "quant", "speculative", "moe", "constraint", "compressor",
+FIRST_PARTY = {"attention", "kvcache", "scheduler", "quant", "speculative", "moe", "constraint", "compressor", "models",
                "kvconnector"}
 FAMILIES = ("attention", "kvcache", "scheduler", "quant", "drafter", "moe")
 

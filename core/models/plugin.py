@@ -1,0 +1,15 @@
+"""The first-party architectures' plugin: registered through the entry-point group
+``lmplug.plugins`` (pyproject: ``models = "lmplug.models.plugin"``), like any other plugin."""
+
+from __future__ import annotations
+
+from lmplug.hookspecs import hookimpl
+
+LMPLUG_API_VERSION = 2
+
+
+@hookimpl
+def lmplug_register_architectures() -> list[type]:
+    from lmplug.models.architectures import FIRST_PARTY
+
+    return list(FIRST_PARTY)

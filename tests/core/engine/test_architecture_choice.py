@@ -1,0 +1,81 @@
+"""Which architecture (``model`` family) serves a checkpoint: ``model_impl``, priorities, errors."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+
+from lmplug.engine.architecture import choose_architecture
+from lmplug.errors import ModelLoadError
+from lmplug.hookspecs import hookimpl
+from lmplug.interfaces.architecture import Architecture
+from lmplug.interfaces.common import Capabilities
+from lmplug.plugins import Registry
+
+LLAMA = {"model_type": "llama", "architectures": ["LlamaForCausalLM"]}
+GPT2 = {"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}
+
+
+def _arch(name: str, *, types_: tuple[str, ...] = (), priority: int = 0, fallback: bool = False,
+          refuse: str | None = None) -> type[Architecture]:
+    def cannot(cls, hf_config):  # a fallback that takes everything but what it refuses
+        return refuse if hf_config.get("model_type") == "gpt2" else None
+
+    return type(name.title(), (Architecture,), {
+        "name": name, "model_types": types_, "fallback": fallback,
+        "capabilities": Capabilities(priority=priority),
+        "cannot_serve": classmethod(cannot) if fallback else Architecture.cannot_serve,
+        "parse_config": lambda self, hf, where: None, "build": lambda self, *a, **k: None})
+
+
+def _registry(*classes: type[Architecture]) -> Registry:
+    reg = Registry(autoload=False)
+    plugin = types.SimpleNamespace(LMPLUG_API_VERSION=2)
+    plugin.lmplug_register_architectures = hookimpl(lambda: list(classes))
+    assert reg.register(plugin, name="archs", distribution="test-archs 1.0")
+    return reg
+
+
+def test_native_wins_over_fallback_and_the_log_reason_says_why():
+    reg = _registry(_arch("fake_llama", types_=("llama",), priority=10), _arch("tf", fallback=True))
+    info, why = choose_architecture(LLAMA, "auto", "m", reg)
+    assert info.name == "fake_llama" and "model_type 'llama'" in why and "'tf'" in why
+
+
+def test_higher_priority_native_wins_and_the_other_is_named():
+    reg = _registry(_arch("low", types_=("llama",), priority=1), _arch("high", types_=("llama",), priority=5))
+    info, why = choose_architecture(LLAMA, "auto", "m", reg)
+    assert info.name == "high" and "'low'" in why and "priority 1" in why
+
+
+def test_fallback_serves_what_no_native_declares_and_native_refuses_it():
+    reg = _registry(_arch("fake_llama", types_=("llama",), priority=10), _arch("tf", fallback=True))
+    info, why = choose_architecture({"model_type": "phi3"}, "auto", "m", reg)
+    assert info.name == "tf" and "no native architecture" in why
+    with pytest.raises(ModelLoadError, match=r"no architecture serves model_type 'phi3'.*fake_llama.*'native'"):
+        choose_architecture({"model_type": "phi3"}, "native", "m", reg)
+
+
+def test_no_architecture_names_the_checkpoint_the_natives_and_the_fallbacks_reason():
+    reg = _registry(_arch("fake_llama", types_=("llama",)), _arch("tf", fallback=True, refuse="not a causal LM"))
+    with pytest.raises(ModelLoadError) as err:
+        choose_architecture(GPT2, "auto", "/x", reg)
+    msg = str(err.value)
+    assert "GPT2LMHeadModel" in msg and "fake_llama" in msg and "fallback 'tf' cannot take it: not a causal LM" in msg
+
+
+def test_model_impl_names_an_architecture():
+    reg = _registry(_arch("fake_llama", types_=("llama",), priority=10), _arch("tf", fallback=True))
+    assert choose_architecture(LLAMA, "tf", "m", reg)[0].name == "tf"
+    with pytest.raises(ModelLoadError, match="model_impl: 'nope' is not an installed architecture.*fake_llama"):
+        choose_architecture(LLAMA, "nope", "m", reg)
+    with pytest.raises(ModelLoadError, match="model_impl: 'fake_llama' cannot serve model_type 'gpt2'"):
+        choose_architecture(GPT2, "fake_llama", "m", reg)
+
+
+def test_first_party_architectures_come_from_the_entry_points():
+    table = Registry().backends("model")
+    served = {t: info.name for info in table.values() for t in info.cls.model_types}
+    assert served["llama"] == "llama" and served["qwen3_moe"] == "moe" and served["mamba2"] == "mamba2"
+    assert all(info.distribution.startswith("lmplug") for info in table.values() if not info.cls.fallback)
