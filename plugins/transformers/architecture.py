@@ -12,6 +12,7 @@ from lmplug.interfaces.common import Capabilities
 from lmplug.interfaces.config_fields import ConfigReader
 from lmplug.interfaces.model_config import ModelConfig
 
+CAUSAL_HEADS = ("ForCausalLM", "LMHeadModel")
 ATTENTION_LAYERS = frozenset({"full_attention", "sliding_attention", "attention", "chunked_attention"})
 
 
@@ -41,6 +42,9 @@ class TransformersArchitecture(Architecture):
             return f"transformers does not know model_type {model_type!r}"
         if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
             return f"model_type {model_type!r} is not a causal LM in transformers"
+        heads = [a for a in hf_config.get("architectures") or () if isinstance(a, str)]
+        if heads and not any(a.endswith(CAUSAL_HEADS) for a in heads):
+            return f"architectures {heads[0]!r} is not a causal LM head (expected ...ForCausalLM)"
         return cls._unsupported_feature(hf_config)
 
     @staticmethod
