@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import pytest
 
 from lmplug.testing.architecture import ArchitectureConformance
@@ -18,9 +20,9 @@ QWEN3 = {**LLAMA, "model_type": "qwen3", "head_dim": 16, "tie_word_embeddings": 
 
 class TestKitOnNativeLlama(ArchitectureConformance):
     backend = "llama"
-    configs = {"llama": LLAMA, "qwen3": QWEN3}
+    configs: ClassVar[dict] = {"llama": LLAMA, "qwen3": QWEN3}
 
 
 class TestFallbackOnLlama(ArchitectureConformance):
     backend = "transformers"
-    configs = {"llama": LLAMA, "qwen3_tied": QWEN3}
+    configs: ClassVar[dict] = {"llama": LLAMA, "qwen3_tied": QWEN3}
