@@ -15,6 +15,7 @@ prefill at small token budgets; preemption in a tiny block pool.
 
 from __future__ import annotations
 
+import json
 import tempfile
 from pathlib import Path
 from typing import Any, ClassVar
@@ -44,6 +45,33 @@ def build_tiny(config: dict[str, Any], path: Path, seed: int = 0) -> Any:
     model.eval()
     model.save_pretrained(path)
     return model
+
+
+TINY: dict[str, Any] = {
+    "vocab_size": 256, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256,
+    "initializer_range": 0.1, "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0,
+}
+
+
+def kit_configs(cls: type, paths: list[str]) -> tuple[dict[str, dict] | None, str | None]:
+    """The configs ``--check model:NAME`` runs: each ``--hf-config`` file, or a tiny config of
+    the architecture's first model type (a fallback: llama). (configs, None) or (None, problem)."""
+    if not paths:
+        model_type = cls.model_types[0] if cls.model_types else ("llama" if cls.fallback else None)
+        if model_type is None:
+            return None, f"architecture {cls.name!r} declares no model_types: give --hf-config PATH"
+        return {model_type: {**TINY, "model_type": model_type}}, None
+    configs = {}
+    for path in paths:
+        try:
+            config = json.loads(Path(path).read_text())
+        except (OSError, ValueError) as exc:
+            return None, f"--hf-config {path}: cannot read a JSON config ({exc})"
+        if not isinstance(config, dict) or not isinstance(config.get("model_type"), str):
+            return None, f"--hf-config {path}: expected a config.json object with a 'model_type'"
+        configs[Path(path).stem if len(paths) > 1 else config["model_type"]] = config
+    return configs, None
 
 
 def prompt(length: int, seed: int, vocab: int) -> list[int]:
