@@ -190,7 +190,7 @@ def cmd_plugins(args: argparse.Namespace) -> int:
 
     registry = get_registry()
     if args.check:
-        return _check_backend(registry, args.check, args.option, args.device)
+        return _check_backend(registry, args.check, args.option, args.device, args.hf_config)
     if args.device != "cpu":
         raise LmplugError(f"--device {args.device}: only applies to --check")
     rows = []
@@ -206,7 +206,8 @@ def cmd_plugins(args: argparse.Namespace) -> int:
     return 1 if registry.failures else 0
 
 
-def _check_backend(registry, name: str, options: list[str], device: str = "cpu") -> int:
+def _check_backend(registry, name: str, options: list[str], device: str = "cpu",
+                   hf_configs: list[str] | None = None) -> int:
     """Run the conformance suite on one installed backend (``[FAMILY:]NAME``) on ``device``."""
     from lmplug.interfaces import FAMILIES
     from lmplug.testing.runner import check, parse_options
@@ -217,7 +218,7 @@ def _check_backend(registry, name: str, options: list[str], device: str = "cpu")
         where = ", ".join(f"{f}:{backend}" for f in families) if families else "none"
         raise LmplugError(f"--check {name!r}: expected one installed backend, found {where}; "
                           "name it as FAMILY:NAME (see `lmplug plugins`)")
-    return check(families[0], backend, parse_options(options), [], device)
+    return check(families[0], backend, parse_options(options), [], device, hf_configs)
 
 
 def cmd_train_drafter(args: argparse.Namespace) -> int:
@@ -320,6 +321,9 @@ def _parser() -> argparse.ArgumentParser:
                     help="a backend option for --check (repeatable)")
     pl.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
                     help="where --check runs the backend (default: cpu; cuda: compiled kernels on a GPU)")
+    pl.add_argument("--hf-config", action="append", default=[], metavar="PATH",
+                    help="a config.json for --check model:NAME (repeatable): the kit builds a tiny "
+                         "random model of it with transformers")
     pl.set_defaults(func=cmd_plugins)
 
     t = sub.add_parser("train-drafter", help="train a drafter's weights (e.g. Medusa heads) on text the "

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 _EXPORTS = {
     "AcceptanceConformance": "lmplug.testing.acceptance",
+    "ArchitectureConformance": "lmplug.testing.architecture",
     "AttentionConformance": "lmplug.testing.attention",
     "CompressorConformance": "lmplug.testing.compressor",
     "BATCH_SPECS": "lmplug.testing.batches",
@@ -42,6 +43,7 @@ _EXPORTS = {
 __all__ = [
     "BATCH_SPECS",
     "AcceptanceConformance",
+    "ArchitectureConformance",
     "AttentionConformance",
     "BatchSpec",
     "CompressorConformance",
@@ -59,6 +61,7 @@ __all__ = [
 
 if TYPE_CHECKING:
     from lmplug.testing.acceptance import AcceptanceConformance as AcceptanceConformance
+    from lmplug.testing.architecture import ArchitectureConformance as ArchitectureConformance
     from lmplug.testing.attention import AttentionConformance as AttentionConformance
     from lmplug.testing.base import Conformance as Conformance
     from lmplug.testing.batches import BATCH_SPECS as BATCH_SPECS

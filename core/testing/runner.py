@@ -30,6 +30,7 @@ RUNNABLE = {
     "acceptance": "AcceptanceConformance",
     "mixer": "MixerConformance",
     "kvconnector": "KVConnectorConformance",
+    "model": "ArchitectureConformance",
 }
 
 
@@ -66,9 +67,15 @@ class TableReport:
 DEVICES = ("cpu", "cuda")
 
 
-def suite_module(family: str, backend: str, options: dict, device: str = "cpu") -> str:
+def suite_module(family: str, backend: str, options: dict, device: str = "cpu",
+                 hf_configs: dict | None = None) -> str:
     cls = RUNNABLE[family]
     name = "".join(part.capitalize() for part in backend.replace("-", "_").split("_")) or "Backend"
+    if family == "model":  # the architecture kit: tiny transformers models of these configs
+        return (f"from lmplug.testing import {cls}\n\n\n"
+                f"class Test{name}({cls}):\n"
+                f"    backend = {backend!r}\n"
+                f"    configs = {hf_configs!r}\n")
     return (
         f"from lmplug.testing import {cls}\n\n\n"
         f"class Test{name}({cls}):\n"
@@ -119,8 +126,11 @@ def options_problem(info, options: dict) -> str | None:
     return None
 
 
-def check(family: str, backend: str, options: dict, pytest_args: list[str], device: str = "cpu") -> int:
-    """Run the suite for one backend on ``device``; print the table; return pytest's exit status."""
+def check(family: str, backend: str, options: dict, pytest_args: list[str], device: str = "cpu",
+          hf_configs: list[str] | None = None) -> int:
+    """Run the suite for one backend on ``device``; print the table; return pytest's exit status.
+    ``hf_configs``: config.json files for the ``model`` family (default: the kit's tiny config
+    of the architecture's first model type)."""
     import pytest
 
     if family not in RUNNABLE:
@@ -139,14 +149,19 @@ def check(family: str, backend: str, options: dict, pytest_args: list[str], devi
     except Exception as exc:  # noqa: BLE001 - PluginError names what is available
         print(exc, file=sys.stderr)
         return 4
-    problem = device_problem(device) or options_problem(info, options)
+    configs, problem = None, None
+    if family == "model":
+        from lmplug.testing.architecture import kit_configs
+
+        configs, problem = kit_configs(info.cls, hf_configs or [])
+    problem = problem or device_problem(device) or options_problem(info, options)
     if problem:  # once, here, not once per check that builds the backend
         print(problem, file=sys.stderr)
         return 4
     table = TableReport()
     with tempfile.TemporaryDirectory(prefix="lmplug-check-") as tmp:
         path = Path(tmp) / f"test_{family}_{backend.replace('-', '_')}.py"
-        path.write_text(suite_module(family, backend, options, device))
+        path.write_text(suite_module(family, backend, options, device, configs))
         status = pytest.main(
             [str(path), "-q", "-p", "no:cacheprovider", "--rootdir", tmp, *pytest_args],
             plugins=[table],
