@@ -1,0 +1,92 @@
+"""The transformers fallback against the native architecture, side by side in one run.
+
+Random weights at the demo model's size (hidden 576, 30 layers, 9 heads / 3 KV heads, FFN 1536,
+vocab 49152), Llama and Qwen3, fp32 on the CPU: prefill tok/s (prompts of PROMPT tokens, one
+output token) and decode tok/s at batch 1 and 16 sequences. Prints the ratio fallback / native
+(goal: >= 0.7). ``--profile`` prints torch's profile of one fallback decode run.
+
+    .venv/bin/python benchmarks/bench_fallback.py [--layers 30] [--decode 16] [--profile]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+DEMO = {"vocab_size": 49152, "hidden_size": 576, "intermediate_size": 1536, "num_attention_heads": 9,
+        "num_key_value_heads": 3, "max_position_embeddings": 2048, "rms_norm_eps": 1e-5,
+        "tie_word_embeddings": True, "bos_token_id": 1, "eos_token_id": 2}
+PROMPT = 128
+
+
+def build(model_type: str, layers: int, root: Path) -> Path:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    extra = {"head_dim": 64} if model_type == "qwen3" else {}
+    cfg = AutoConfig.for_model(model_type, num_hidden_layers=layers, **DEMO, **extra)
+    torch.manual_seed(0)
+    path = root / model_type
+    AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).save_pretrained(path)
+    return path
+
+
+def rates(llm, batch: int, decode: int) -> tuple[float, float]:
+    from lmplug import SamplingParams
+
+    g = torch.Generator().manual_seed(batch)
+    prompts = [torch.randint(3, 49152, (PROMPT,), generator=g).tolist() for _ in range(batch)]
+    llm.generate(prompts[:1], SamplingParams(max_tokens=2, ignore_eos=True))  # warm-up
+    start = time.perf_counter()
+    llm.generate(prompts, SamplingParams(max_tokens=1, ignore_eos=True))
+    prefill = batch * PROMPT / (time.perf_counter() - start)
+    start = time.perf_counter()
+    llm.generate(prompts, SamplingParams(max_tokens=decode + 1, temperature=0, ignore_eos=True))
+    total = time.perf_counter() - start
+    # decode time: the whole run less its prefill (measured above at the same batch)
+    decode_s = max(total - batch * PROMPT / prefill, 1e-9)
+    return prefill, batch * decode / decode_s
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--layers", type=int, default=30)
+    parser.add_argument("--decode", type=int, default=16)
+    parser.add_argument("--batches", default="1,16")
+    parser.add_argument("--profile", action="store_true")
+    args = parser.parse_args()
+    from lmplug import LLM
+
+    print(f"load average: {os.getloadavg()}, torch threads: {torch.get_num_threads()}")
+    with tempfile.TemporaryDirectory() as tmp:
+        for model_type in ("llama", "qwen3"):
+            path = build(model_type, args.layers, Path(tmp))
+            for batch in map(int, args.batches.split(",")):
+                row = {}
+                for impl in ("native", "transformers"):
+                    llm = LLM(str(path), dtype="float32", device="cpu", max_model_len=512, model_impl=impl)
+                    row[impl] = rates(llm, batch, args.decode)
+                    del llm
+                (np_, nd), (fp, fd) = row["native"], row["transformers"]
+                print(f"{model_type:6} batch {batch:2}: prefill native {np_:8.1f} fallback {fp:8.1f} tok/s "
+                      f"({fp / np_:.2f}x); decode native {nd:7.1f} fallback {fd:7.1f} tok/s ({fd / nd:.2f}x)")
+            if args.profile:
+                profile(path, args.decode)
+
+
+def profile(path: Path, decode: int) -> None:
+    from lmplug import LLM, SamplingParams
+
+    llm = LLM(str(path), dtype="float32", device="cpu", max_model_len=512, model_impl="transformers")
+    llm.generate([[5] * 8], SamplingParams(max_tokens=2, ignore_eos=True))
+    with torch.profiler.profile() as prof:
+        llm.generate([[5] * 8], SamplingParams(max_tokens=decode, ignore_eos=True))
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15))
+
+
+if __name__ == "__main__":
+    main()
