@@ -22,6 +22,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import types
 from dataclasses import dataclass
 from typing import Any
 
@@ -118,6 +119,8 @@ class Registry:
             self._fail(name, distribution, f"targets lmplug API version {version}, "
                        f"but this core implements API version {API_VERSION}")
             return False
+        if type(plugin).__hash__ is None:  # pluggy's subset hook callers keep plugins in sets
+            plugin = _as_module(plugin, name)
         try:
             self.pm.register(plugin, name=name)
         except Exception as exc:
@@ -227,6 +230,13 @@ class Registry:
 
 
 _HOOKS = {f.name: f.hook for f in FAMILY_TABLE}  # family -> its registration hook
+
+
+def _as_module(plugin: Any, name: str) -> types.ModuleType:
+    """An unhashable plugin object (a ``SimpleNamespace``, say) as a module of its attributes."""
+    module = types.ModuleType(name)
+    module.__dict__.update(vars(plugin))
+    return module
 
 
 def _normalize(dist_name: str) -> str:

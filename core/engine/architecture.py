@@ -43,9 +43,12 @@ def choose_architecture(hf_config: Mapping[str, Any], model_impl: str, where: st
             why = info.cls.cannot_serve(hf_config) if info.cls.fallback else "it does not declare it"
             raise ModelLoadError(f"{where}: model_impl: {model_impl!r} cannot serve {_describe(hf_config)}: {why}")
         return info, f"model_impl {model_impl!r}: {reason}"
-    candidates = [(info, info.cls.serves(hf_config)) for info in table.values()
-                  if model_impl == "auto" or not info.cls.fallback]
-    serving = [(info, why) for info, why in candidates if why is not None]
+    # natives first: a fallback is asked (and may import its library) only when none serves
+    serving = [(info, why) for info in table.values() if not info.cls.fallback
+               for why in [info.cls.serves(hf_config)] if why is not None]
+    if not serving and model_impl == "auto":
+        serving = [(info, why) for info in table.values() if info.cls.fallback
+                   for why in [info.cls.serves(hf_config)] if why is not None]
     if not serving:
         raise ModelLoadError(_no_architecture(hf_config, table, model_impl, where))
     # natives before fallbacks, then priority, then distribution and name (stable across runs)
