@@ -26,7 +26,9 @@ import json
 import logging
 import os
 import queue
+import re
 import secrets
+import stat
 import struct
 import threading
 import time
@@ -46,6 +48,40 @@ VERSION = 1
 _PREFIX = struct.Struct("<8sII16s")  # magic, version, header length, checksum
 SUFFIX = ".kvb"
 STALE_TMP_S = 3600  # a temporary file this old was left by a writer that died
+# The only names the tier writes (and so the only ones it ever reads, touches or deletes):
+# <32 hex digits>.kvb, and <that>.tmp.<pid>.<8 hex digits> while one is being written.
+BLOCK_NAME = re.compile(r"[0-9a-f]{32}\.kvb")
+TMP_NAME = re.compile(r"[0-9a-f]{32}\.kvb\.tmp\.[0-9]+\.[0-9a-f]{8}")
+# Never follow a link, never wait on a FIFO or device: a file that is not a plain one is not ours.
+_READ_FLAGS = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
+_WRITE_FLAGS = (os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0)
+                | getattr(os, "O_CLOEXEC", 0))
+
+
+def _own_file(path: Path) -> os.stat_result | None:
+    """``lstat`` of ``path`` when it is a regular file (not a link, FIFO or device) this user owns."""
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return None
+    if not stat.S_ISREG(st.st_mode) or (hasattr(os, "getuid") and st.st_uid != os.getuid()):
+        return None
+    return st
+
+
+def read_regular(path: Path) -> bytes:
+    """The bytes of ``path``, refusing (``OSError``) anything but a regular file: ``O_NOFOLLOW``
+    refuses a link, ``O_NONBLOCK`` keeps a FIFO from blocking the engine thread in ``open``, and
+    ``fstat`` of what was opened refuses FIFOs and devices."""
+    fd = os.open(path, _READ_FLAGS)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(f"{path} is not a regular file")
+        os.set_blocking(fd, True)
+        with os.fdopen(fd, "rb", closefd=False) as fh:
+            return fh.read()
+    finally:
+        os.close(fd)
 DTYPES = {str(d).removeprefix("torch."): d for d in (
     torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2,
     torch.int8, torch.uint8, torch.int32, torch.int64)}
@@ -167,12 +203,14 @@ class DiskConnector(KVConnector):
     def _scan(self) -> None:
         """Index every block file under the root, oldest use first; drop stale temporary files."""
         found, now = [], time.time()
-        for entry in self.root.glob("*/*"):
+        for entry in self._own_entries():
+            st = _own_file(entry)
+            if st is None:  # a link, FIFO, device or another user's file: never ours to touch
+                continue
             try:
-                st = entry.stat()
-                if ".tmp." in entry.name and now - st.st_mtime > STALE_TMP_S:
+                if TMP_NAME.fullmatch(entry.name) and now - st.st_mtime > STALE_TMP_S:
                     entry.unlink()
-                elif entry.name.endswith(SUFFIX):
+                elif BLOCK_NAME.fullmatch(entry.name):
                     found.append((st.st_mtime, entry, st.st_size))
             except OSError:  # gone meanwhile (another engine evicted it)
                 continue
@@ -181,6 +219,21 @@ class DiskConnector(KVConnector):
                 self._index[entry] = size
                 self._bytes += size
             self._evict()
+
+    def _own_entries(self) -> list[Path]:
+        """Files in the root's format folders, each folder a real one (a link to elsewhere is
+        skipped: what it points at is not the tier's to index or evict)."""
+        out = []
+        try:
+            folders = [f for f in self.root.iterdir() if stat.S_ISDIR(os.lstat(f).st_mode)]
+        except OSError:
+            return out
+        for folder in folders:
+            try:
+                out.extend(folder.iterdir())
+            except OSError:
+                continue
+        return out
 
     def file(self, key: int) -> Path:
         return self.folder / f"{key:032x}{SUFFIX}"
@@ -202,7 +255,7 @@ class DiskConnector(KVConnector):
             return payload
         path = self.file(key)
         try:
-            blob = path.read_bytes()
+            blob = read_regular(path)
         except FileNotFoundError:
             self._count("misses")
             return None
@@ -225,7 +278,7 @@ class DiskConnector(KVConnector):
         with self._lock:
             if key in self._pending:
                 return True
-        return self.file(key).exists()
+        return _own_file(self.file(key)) is not None
 
     def flush(self) -> None:
         if self._worker is not None:
@@ -258,11 +311,11 @@ class DiskConnector(KVConnector):
         path = self.file(key)
         tmp = path.with_name(f"{path.name}.tmp.{os.getpid()}.{secrets.token_hex(4)}")
         try:
-            if path.exists():  # stored already, by this engine or another sharing the folder
+            if os.path.lexists(path):  # stored already (or a non-file is in the way: left alone)
                 return
             blob = encode(self.format, key, payload)
             if len(blob) <= self.limit:
-                with open(tmp, "wb") as fh:
+                with os.fdopen(os.open(tmp, _WRITE_FLAGS, 0o600), "wb") as fh:
                     fh.write(blob)
                     if self.options.fsync:
                         fh.flush()
@@ -291,8 +344,8 @@ class DiskConnector(KVConnector):
     def _touch(self, path: Path, size: int) -> None:
         """Mark ``path`` (of ``size`` bytes) as just used, then evict over the limit."""
         try:
-            os.utime(path)
-        except OSError:
+            os.utime(path, follow_symlinks=False)  # a link's target is never touched
+        except (OSError, NotImplementedError):
             pass  # evicted by another engine meanwhile: its next get is a miss
         with self._lock:
             self._bytes += size - self._index.pop(path, 0)

@@ -55,12 +55,16 @@ def test_files_are_named_by_format_and_key(tmp_path, monkeypatch, fsync):
 def test_open_removes_stale_temporary_files_only(tmp_path):
     folder = tmp_path / FMT.digest
     folder.mkdir()
-    stale, fresh = folder / "ab.kvb.tmp.1.00", folder / "cd.kvb.tmp.2.00"
+    # the names the tier writes: <32 hex>.kvb.tmp.<pid>.<8 hex>; other names are never its own
+    stale, fresh = folder / f"{'ab' * 16}.kvb.tmp.1.0000abcd", folder / f"{'cd' * 16}.kvb.tmp.2.0000abcd"
+    foreign = folder / "notes.tmp.1.00"
+    foreign.write_bytes(b"someone else's")
+    os.utime(foreign, (time.time() - 2 * STALE_TMP_S,) * 2)
     stale.write_bytes(b"partial")
     fresh.write_bytes(b"being written")
     os.utime(stale, (time.time() - 2 * STALE_TMP_S,) * 2)
     opened(tmp_path).close()
-    assert not stale.exists() and fresh.exists()
+    assert not stale.exists() and fresh.exists() and foreign.exists()
 
 
 def damage_flip(path):
