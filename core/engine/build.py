@@ -15,7 +15,7 @@ from lmplug.engine.architecture import architecture, choose_architecture
 from lmplug.engine.draft_parts import draft_target
 from lmplug.engine.plan import EnginePlan, make_plan
 from lmplug.engine.runner import ModelRunner
-from lmplug.errors import ConfigError
+from lmplug.errors import ConfigError, ModelLoadError
 from lmplug.interfaces import (
     Drafter,
     KVCacheBackend,
@@ -35,6 +35,7 @@ from lmplug.loading.weights import load_weights
 from lmplug.parallel import ParallelState
 from lmplug.parallel import setup as parallel_setup
 from lmplug.parallel import single as single_parallel
+from lmplug.plugins import get_registry
 
 logger = logging.getLogger(__name__)
 
@@ -80,7 +81,34 @@ def peek_model_config(resolved: ResolvedConfig) -> tuple[ModelConfig, str]:
     source = open_source(resolve_model(resolved.config.model))
     info, _ = choose_architecture(source.hf_config, resolved.config.model_impl, str(source.path),
                                   resolved.registry)
-    return architecture(info).parse_config(source.hf_config, config_file(source)), str(source.path)
+    return parse_model_config(info, source), str(source.path)
+
+
+def parse_model_config(info, source, arch=None) -> ModelConfig:
+    """The chosen architecture's reading of ``config.json`` (a fallback's failure explained)."""
+    arch = arch or architecture(info)
+    try:
+        return arch.parse_config(source.hf_config, config_file(source))
+    except Exception as exc:
+        if not info.cls.fallback:
+            raise
+        raise _fallback_failed(info, source, "read", exc) from None
+
+
+def _fallback_failed(info, source, what: str, exc: Exception) -> Exception:
+    """A fallback that fails on a checkpoint no native architecture serves: say that first (what
+    the user most needs to know), then the fallback's own error. Chosen by name over a native
+    one (``model_impl: transformers``): its own error, any exception named."""
+    table = get_registry().backends("model").values()
+    detail = str(exc) if isinstance(exc, ModelLoadError) else f"{type(exc).__name__}: {exc}"
+    if any(not i.cls.fallback and i.cls.serves(source.hf_config) for i in table):
+        return exc if isinstance(exc, ModelLoadError) else ModelLoadError(
+            f"{config_file(source)}: the {info.name!r} architecture could not {what} it: {detail}")
+    natives = sorted({t for i in table if not i.cls.fallback for t in i.cls.model_types})
+    return ModelLoadError(
+        f"{config_file(source)}: no native architecture serves model_type "
+        f"{source.hf_config.get('model_type')!r} (native model types: {', '.join(natives)}), and the "
+        f"{info.name!r} fallback could not {what} it: {detail}")
 
 
 # a CPU step of at most this many tokens (batch-1 decode, a few sequences' decodes, a verify)
@@ -110,7 +138,7 @@ def build_engine_parts(resolved: ResolvedConfig, parallel: ParallelState | None 
     # an unsupported architecture is the error to report, not the config keys it lacks
     chosen = choose_architecture(source.hf_config, cfg.model_impl, str(source.path), resolved.registry)
     arch = architecture(chosen[0])
-    model_config = arch.parse_config(source.hf_config, config_file(source))
+    model_config = parse_model_config(chosen[0], source, arch)
     plan = make_plan(resolved, source.hf_config, model_config, str(source.path), parallel,
                      architecture=chosen, checkpoint_format=source.format)
     backends, kv_shape = plan.resolved.backends, plan.kv_shape
@@ -132,8 +160,13 @@ def build_engine_parts(resolved: ResolvedConfig, parallel: ParallelState | None 
     with torch.device(device):
         # model-decided families: an MoE backend for MoE layers, a mixer backend for state layers
         extra = {section: _built(backends, section) for section in ("moe", "mixer") if section in backends}
-        model = arch.build(model_config, dtype=dtype, quant=quant, attention=attention,
-                           max_model_len=max_model_len, parallel=parallel, **extra)
+        try:
+            model = arch.build(model_config, dtype=dtype, quant=quant, attention=attention,
+                               max_model_len=max_model_len, parallel=parallel, **extra)
+        except Exception as exc:
+            if not chosen[0].cls.fallback:
+                raise
+            raise _fallback_failed(chosen[0], source, "build", exc) from None
     _load_with_progress(model, source, parallel)
     model.eval()
     if device.type == "cpu":
