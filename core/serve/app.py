@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import os
@@ -111,14 +112,18 @@ def _add_tokenizer_routes(app: FastAPI, core: Any, settings: ServeSettings, mode
     async def read(request: Request, model: type[BaseModel]) -> Any:
         return _parse(model, await read_json(request, settings.max_body_bytes))
 
-    def check_model(requested: str | None) -> None:
-        if requested is not None and requested != model_name:
-            raise APIError(404, f"model: {requested!r} is not served here (available: {model_name!r})",
-                           param="model", code="model_not_found")
+    check_model = functools.partial(_check_model, model_name)
 
     for prefix in ("", "/v1"):
         app.include_router(tokenize_routes.tokenizer_router(core, read, check_model, prefix, keyed))
     app.include_router(tokenize_routes.version_router([] if settings.public_health else keyed))
+
+
+def _check_model(model_name: str, requested: str | None) -> None:
+    """A request naming another model than the one served: 404 in OpenAI's shape."""
+    if requested is not None and requested != model_name:
+        raise APIError(404, f"model: {requested!r} is not served here (available: {model_name!r})",
+                       param="model", code="model_not_found")
 
 
 def _add_plain_routes(app: FastAPI, engine: AsyncEngine, metrics: Metrics, settings: ServeSettings) -> None:
@@ -144,10 +149,7 @@ def _v1_router(engine: AsyncEngine, settings: ServeSettings, model_name: str,
     core = engine.engine
     names = convert.TokenText(core.tokenizer)
 
-    def check_model(requested: str | None) -> None:
-        if requested is not None and requested != model_name:
-            raise APIError(404, f"model: {requested!r} is not served here (available: {model_name!r})",
-                           param="model", code="model_not_found")
+    check_model = functools.partial(_check_model, model_name)
 
     @router.get("/models")
     async def models() -> ModelList:
