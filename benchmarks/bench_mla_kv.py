@@ -10,7 +10,7 @@ the latent spec the engine builds; MHA: the K/V spec, padding V to the key
 width as one-``head_dim`` caches must, and the unpadded count), and checks the
 latent figure against the bytes the real ``paged`` KV backend allocates (on the
 ``meta`` device: no memory is touched). Unless ``--skip-model``, it also builds
-the tiny random DeepSeek-V2 of ``tests/core/models/test_deepseek_parity.py`` with
+the tiny random DeepSeek-V2 of ``tests/plugins/models/test_deepseek_parity.py`` with
 transformers and reads the bytes/token of the running engine.
 """
 
@@ -39,7 +39,7 @@ class MLAShape:
 
 
 SHAPES = [
-    # tests/core/models/test_deepseek_parity.py, fp32 as the tests run it
+    # tests/plugins/models/test_deepseek_parity.py, fp32 as the tests run it
     MLAShape("tiny DeepSeek-V2 (tests)", 2, 4, 32, 8, 16, 12, torch.float32),
     # DeepSeek-V2 (236B) config.json, bf16
     MLAShape("DeepSeek-V2", 60, 128, 512, 64, 128, 128, torch.bfloat16),

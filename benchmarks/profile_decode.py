@@ -13,14 +13,14 @@ ones included, and the top-level ones), and the time inside the kernels, matrix 
 (``aten::mm`` / ``addmm`` / ``bmm`` / the packed int GEMMs / the GGUF kernel, its bound products
 timed through a ``record_function`` put around them here, self time) and attention (the
 attention backend's C kernel, timed through a ``record_function`` put around it here, and
-torch's SDPA kernels), plus the native decode step (``lmplug.models.native_step``: every decoder
+torch's SDPA kernels), plus the native decode step (``lmplug.kit.native_step``: every decoder
 layer in one C call, products, attention and the fused ops inside, timed through a
 ``record_function`` too; ``LMPLUG_NATIVE_STEP=0`` measures the per-layer path). "Outside the
 kernels" is one minus kernel time over the *unprofiled* ms per token (the profiler slows the
 Python and dispatch between ops, not the kernels).
 
 ``--compare-fused`` repeats every measurement with the fused CPU ops off
-(as ``LMPLUG_FUSED_CPU=0`` does; ``lmplug.models.fused_cpu.set_enabled``), in the same process, so that
+(as ``LMPLUG_FUSED_CPU=0`` does; ``lmplug.kit.fused_cpu.set_enabled``), in the same process, so that
 the two columns see the same machine load. The load average is printed before and after:
 timings on a shared machine move with it; compare within one run.
 """
@@ -41,7 +41,7 @@ MATMUL_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::_i
               "aten::_scaled_mm", "aten::mkldnn_linear", "lmplug_quant::gguf_mul_mat", "native::gguf_mul_mat")
 ATTENTION_OPS = ("aten::_scaled_dot_product_flash_attention_for_cpu", "aten::_flash_attention_forward",
                  "native::attention_decode")
-# the native decode step (lmplug.models.native_step): every decoder layer in one C call
+# the native decode step (lmplug.kit.native_step): every decoder layer in one C call
 STEP_OPS = ("native::decode_step",)
 PROMPT = list(range(100, 132))
 
@@ -77,7 +77,7 @@ def time_native_calls() -> None:
 
         setattr(owner, method, timed)
 
-    from lmplug.models import fused_cpu
+    from lmplug.kit import fused_cpu
 
     library = fused_cpu.library
 
@@ -198,7 +198,7 @@ def main() -> None:
     print(f"load average before: {' '.join(f'{x:.2f}' for x in os.getloadavg())}  "
           f"(cores: {os.cpu_count()})")
     time_native_calls()
-    from lmplug.models import fused_cpu
+    from lmplug.kit import fused_cpu
 
     llm = build_llm(args)
     resolved = llm.engine.resolved

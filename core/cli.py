@@ -245,7 +245,7 @@ def _build_kernels() -> None:
     """Compile the CPU kernels at pull, so that the first run does not (the plugins declare theirs
     when their families register)."""
     from lmplug.engine.build import build_cpu_kernels
-    from lmplug.models import fused_cpu  # noqa: F401  (declares the core's kernel)
+    from lmplug.kit import fused_cpu  # noqa: F401  (declares the core's kernel)
     from lmplug.plugins import get_registry
 
     registry = get_registry()

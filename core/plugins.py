@@ -36,7 +36,7 @@ from lmplug.interfaces.families import TABLE as FAMILY_TABLE
 
 logger = logging.getLogger(__name__)
 
-API_VERSION = 2  # 2: plugins import only the contract (lmplug.interfaces, hookspecs, errors)
+API_VERSION = 3  # 2: plugins import only the contract; 3: the model family and the kit (lmplug.kit)
 ENTRY_POINT_GROUP = "lmplug.plugins"
 ENV_ALLOWLIST = "LMPLUG_PLUGINS"
 ENV_DISABLE_AUTOLOAD = "LMPLUG_DISABLE_PLUGIN_AUTOLOAD"
@@ -282,8 +282,8 @@ def _import_failure(target: str, exc: BaseException) -> str:
     if isinstance(exc, ImportError) and (missing == "lmplug" or missing.startswith("lmplug.")):
         return (f"targets an older lmplug API: importing {target!r} failed on {missing!r} "
                 f"({type(exc).__name__}: {exc}); this core implements API version {API_VERSION}, in "
-                "which plugins import only lmplug.interfaces, lmplug.hookspecs and lmplug.errors "
-                "(docs/plugins.md, \"Porting a plugin from API 1\")")
+                "which plugins import only lmplug.interfaces, lmplug.hookspecs, lmplug.errors and "
+                "the building kit lmplug.kit (docs/plugins.md, \"Porting a plugin\")")
     if not isinstance(exc, Exception):
         return (f"failed to import {target!r}: it raised {type(exc).__name__}({exc!s}) while importing "
                 "(contained: a plugin's import may not end the process)")

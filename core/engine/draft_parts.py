@@ -78,12 +78,12 @@ def open_mtp(path: str | None, module: int, *, model: torch.nn.Module, checkpoin
              kv: KVCacheBackend, attention: AttentionBackend, quant: QuantMethod | None, device: torch.device,
              dtype: torch.dtype, new_runner: Callable) -> MTPDraft:
     """Module ``module`` of the MTP weights in ``path`` (None: the target's checkpoint), built as
-    the target architecture's layer after its last one (``lmplug.models.mtp``), loaded and checked
+    the target architecture's layer after its last one (``lmplug.kit.mtp``), loaded and checked
     as the target's weights are, with a one-layer cache of the target's KV class."""
     from lmplug.interfaces.quant import Unquantized
+    from lmplug.kit.mtp import MTPModule, mtp_layout
     from lmplug.loading import open_source
     from lmplug.loading.weights import load_weights
-    from lmplug.models.mtp import MTPModule, mtp_layout
 
     where = path or checkpoint
     if where is None:

@@ -71,7 +71,7 @@ class MTPDraft:
     ``module(input_ids, features, ctx) -> hidden`` [T, h]: at each position of a context the
     runner built, the module's output from the pair (token t+1, the target's final normed hidden
     state at t); ``module.compute_logits(hidden) -> logits`` through its head's norm and the
-    shared (or its own) output head. ``lmplug.models.mtp`` has the equations and layouts."""
+    shared (or its own) output head. ``lmplug.kit.mtp`` has the equations and layouts."""
 
     module: torch.nn.Module
     kv: KVCacheBackend  # one layer, the target's KV class and layout, no prefix caching

@@ -2,7 +2,7 @@
 
 At batch 1 on a CPU, a token of a small model is ~30 layers x ~12 ops, and the Python and
 dispatch between them cost about as much as the products themselves. The core can run every
-decoder layer of a decode step in one C call (``lmplug.models.native_step``) when each
+decoder layer of a decode step in one C call (``lmplug.kit.native_step``) when each
 plugin on that path hands it a C function to call instead of a Python method:
 
 - a quant method, per linear layer: ``QuantMethod.native_product(layer)``, a ``NativeCall``

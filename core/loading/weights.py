@@ -11,7 +11,7 @@ piece lists the pieces of each in ``checkpoint_pieces(param) -> [(shard, expert)
 A model may split a checkpoint tensor into several first (``split_tensor``), and a
 module may finish its own loading once every ``Linear`` is processed (``after_loading``).
 Tensor parallelism (``parallel``): each rank reads only its slice of every split tensor
-(``lmplug.parallel.sharding.rank_piece``; lazily from safetensors), then loads it as above.
+(``lmplug.kit.sharding.rank_piece``; lazily from safetensors), then loads it as above.
 Packed weights (GGUF blocks, ``PackedTensor``): when a ``Linear``'s quant method takes them
 (``QuantMethod.takes_packed``), the checkpoint is read through ``ModelSource.iter_packed`` and
 those layers get the blocks as they are; every other parameter gets them dequantized.
@@ -26,7 +26,7 @@ import torch
 from lmplug.errors import ModelLoadError
 from lmplug.interfaces.checkpoint import ModelSource
 from lmplug.interfaces.packed import PackedTensor
-from lmplug.models.layers import Linear, bind_quant_methods
+from lmplug.kit.layers import Linear, bind_quant_methods
 
 logger = logging.getLogger(__name__)
 
@@ -51,7 +51,7 @@ def load_weights(model: torch.nn.Module, source: ModelSource, progress=None, par
         owner = modules.get(owner_path)
         try:
             if split:
-                from lmplug.parallel.sharding import rank_piece
+                from lmplug.kit.sharding import rank_piece
                 tensor = rank_piece(model, path, owner, param_name, shard, tensor)
             linear = isinstance(owner, Linear) and shard is not None and expert is None
             takes_packed = linear and owner.quant.takes_packed(params[path].device)

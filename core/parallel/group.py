@@ -10,7 +10,7 @@ import os
 
 import torch
 
-from lmplug.parallel.state import ParallelState
+from lmplug.kit.parallel import ParallelState
 
 STOP = None  # the message that ends a worker's loop
 

@@ -26,8 +26,8 @@ from multiprocessing.connection import wait as wait_sentinels
 
 import torch
 
+from lmplug.kit.parallel import ParallelState, TensorParallelError
 from lmplug.parallel.group import STOP, ctx_to, expert_parallel, init_rank, leave_group
-from lmplug.parallel.state import ParallelState, TensorParallelError
 from lmplug.parallel.worker import worker_main
 
 logger = logging.getLogger(__name__)

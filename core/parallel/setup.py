@@ -20,7 +20,7 @@ import logging
 import torch
 
 from lmplug.errors import ConfigError
-from lmplug.parallel.state import ParallelState
+from lmplug.kit.parallel import ParallelState
 
 logger = logging.getLogger(__name__)
 

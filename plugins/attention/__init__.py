@@ -3,7 +3,7 @@ Registered through the ``lmplug.plugins`` entry point."""
 
 from lmplug.hookspecs import hookimpl
 
-LMPLUG_API_VERSION = 2
+LMPLUG_API_VERSION = 3
 
 
 @hookimpl

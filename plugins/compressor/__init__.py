@@ -8,7 +8,7 @@ from lmplug_compressor.truncate import Truncate
 
 from lmplug.hookspecs import hookimpl
 
-LMPLUG_API_VERSION = 2
+LMPLUG_API_VERSION = 3
 
 
 @hookimpl

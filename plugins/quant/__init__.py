@@ -8,7 +8,7 @@ llama.cpp's block-quantized weights, multiplied packed (``gguf.py``).
 
 from lmplug.hookspecs import hookimpl
 
-LMPLUG_API_VERSION = 2
+LMPLUG_API_VERSION = 3
 
 
 @hookimpl

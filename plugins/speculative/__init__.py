@@ -16,7 +16,7 @@ Acceptance rules (``speculative: {..., acceptance: {rule: NAME}}``, ``acceptance
 
 from lmplug.hookspecs import hookimpl
 
-LMPLUG_API_VERSION = 2
+LMPLUG_API_VERSION = 3
 
 
 @hookimpl

@@ -3,7 +3,7 @@
 The module comes from the target's checkpoint, or from a folder ``path`` written by
 ``lmplug train-drafter --method mtp MODEL OUT`` for a model that ships none (``mtp_train.py``).
 The core loads it (``DraftTarget.open_mtp``: its decoder layer is one of the target's
-architecture, its KV a one-layer cache of the target's class; ``lmplug.models.mtp`` has the
+architecture, its KV a one-layer cache of the target's class; ``lmplug.kit.mtp`` has the
 equations); this drafter runs it exactly as the EAGLE drafter runs a head: per target sequence a
 mirror whose position t holds the pair (target feature t, token t+1), caught up with the target's
 real features each step, then chained on its own outputs for drafts 2..k (DeepSeek-V3's single

@@ -4,7 +4,7 @@ through lmplug's scheduler, KV caches and attention backends. Registered through
 
 from lmplug.hookspecs import hookimpl
 
-LMPLUG_API_VERSION = 2
+LMPLUG_API_VERSION = 3
 
 
 @hookimpl

@@ -152,7 +152,7 @@ def test_a_raising_observer_reaches_no_request(model, caplog):
         calls.append(1)
         raise RuntimeError("observer bug")
 
-    plugin = types.SimpleNamespace(LMPLUG_API_VERSION=2)
+    plugin = types.SimpleNamespace(LMPLUG_API_VERSION=3)
     for name in ("lmplug_request_finished", "lmplug_step_finished", "lmplug_engine_started"):
         setattr(plugin, name, hookimpl(specname=name)(lambda engine, _n=name, **kw: boom()))
     registry = get_registry()

@@ -12,7 +12,7 @@ import importlib.util
 import textwrap
 from pathlib import Path
 
-from lmplug.plugins import ENTRY_POINT_GROUP, Registry
+from lmplug.plugins import API_VERSION, ENTRY_POINT_GROUP, Registry
 
 FIRST_PARTY = {"attention", "kvcache", "scheduler", "quant", "speculative", "moe", "constraint", "compressor", "models", "transformers",
                "kvconnector"}
@@ -38,7 +38,7 @@ from pydantic import Field
 from lmplug.hookspecs import hookimpl
 from lmplug.interfaces import AttentionBackend, BackendOptions, Capabilities
 
-LMPLUG_API_VERSION = 2
+LMPLUG_API_VERSION = 3
 CALLS = {"init": 0, "forward": 0, "layers": set()}
 
 
@@ -89,14 +89,14 @@ def make_dist(
     return root
 
 
-def simple_plugin(body: str = "", version: str | None = "2") -> str:
+def simple_plugin(body: str = "", version: str | None = str(API_VERSION)) -> str:
     head = "from lmplug.hookspecs import hookimpl\n"
     if version is not None:
         head += f"LMPLUG_API_VERSION = {version}\n"
     return head + textwrap.dedent(body)
 
 
-def attention_backend_module(backend_name: str, version: str | None = "2") -> str:
+def attention_backend_module(backend_name: str, version: str | None = str(API_VERSION)) -> str:
     return simple_plugin(
         f"""
         from lmplug.interfaces import AttentionBackend, Capabilities

@@ -1,7 +1,7 @@
 """Tiny random MoE checkpoints built by transformers (a helper module, not a test file):
 Mixtral / Qwen2-MoE / Qwen3-MoE (``TinyMoE``) and DeepSeek-V2/V3 (``TinyDeepseek``), their
 transformers-5 stacked-expert form (``save_stacked``), and HF's greedy loop as the reference.
-Shared by the parity tests (tests/core/models), the MoE quant tests and the tensor-parallel tests."""
+Shared by the parity tests (tests/plugins/models), the MoE quant tests and the tensor-parallel tests."""
 
 from __future__ import annotations
 

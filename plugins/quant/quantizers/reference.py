@@ -2,7 +2,7 @@
 
 The offline quantizers need what the engine hides: each linear layer's input
 for whole calibration windows, layer by layer, with weights swapped in place
-as they are quantized. So they run this small twin of ``lmplug.models.llama``
+as they are quantized. So they run this small twin of ``lmplug_models.llama``
 (same math: RMSNorm, rotate-half RoPE from ``lmplug.interfaces.rope``, causal GQA
 attention, SwiGLU) on ``[windows, tokens, hidden]`` batches. Each decoder layer
 is split into the pieces between linear inputs (``attn_input`` -> q/k/v ->

@@ -32,7 +32,7 @@ def _arch(name: str, *, types_: tuple[str, ...] = (), priority: int = 0, fallbac
 def _registry(*classes: type[Architecture]) -> Registry:
     reg = Registry(autoload=False)
     plugin = types.ModuleType("archs")  # a plugin module, as an entry point loads it
-    plugin.LMPLUG_API_VERSION = 2
+    plugin.LMPLUG_API_VERSION = 3
     plugin.lmplug_register_architectures = hookimpl(lambda: list(classes))
     assert reg.register(plugin, name="archs", distribution="test-archs 1.0")
     return reg

@@ -104,7 +104,7 @@ class Mangler(Compressor):
 
 
 class FakePlugin:
-    LMPLUG_API_VERSION = 2
+    LMPLUG_API_VERSION = 3
 
     @hookimpl
     def lmplug_register_compressors(self):

@@ -91,11 +91,12 @@ class TestTP2:
 def test_rank_reads_its_slices(tmp_path):
     """In process, no group needed: rank 1 of 2 builds its shard and loads it lazily from the
     safetensors; every split tensor is the matching slice of the HF model's."""
+    from lmplug_models import LlamaForCausalLM
+
     from lmplug.interfaces.model_config import ModelConfig
     from lmplug.interfaces.quant import Unquantized
     from lmplug.loading import open_source
     from lmplug.loading.weights import load_weights
-    from lmplug.models import LlamaForCausalLM
     from lmplug.parallel import ParallelState
 
     tm = get_model("qwen2", tmp_path)

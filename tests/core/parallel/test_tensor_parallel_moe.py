@@ -88,6 +88,7 @@ class _LocalState:
 
 def _load_rank(path, state, read_log=None):
     """Rank ``state``'s MoE model, loaded (lazily) from ``path``; every indexed slice is logged."""
+    from lmplug_models.moe import MoEForCausalLM
     from lmplug_moe.reference import ReferenceMoE
 
     from lmplug.interfaces import BackendOptions
@@ -95,7 +96,6 @@ def _load_rank(path, state, read_log=None):
     from lmplug.interfaces.quant import Unquantized
     from lmplug.loading import open_source
     from lmplug.loading.weights import load_weights
-    from lmplug.models.moe import MoEForCausalLM
 
     source = open_source(path)
     slices = source.iter_slices

@@ -1,7 +1,7 @@
 """Tensor parallelism for state layers on gloo (CPU): Mamba2, MiniMax (lightning attention) and
 Qwen3-Next (gated DeltaNet) at TP=2 give what TP=1 gives, with each rank holding its heads' state.
 
-The tiny random checkpoints are the parity tests' (tests/core/models/test_*_parity.py), whose TP=1
+The tiny random checkpoints are the parity tests' (tests/plugins/models/test_*_parity.py), whose TP=1
 runs match transformers. Runs use the paged KV cache and the continuous scheduler with a small
 token budget (``support.tensor_parallel.ENGINE``), so prompts are prefilled in chunks and decodes
 share steps with them: every state carries across steps on both ranks. The expected per-rank state
@@ -154,11 +154,12 @@ def mixer_backend():
 
 def _load_rank(path, rank: int, world: int):
     """Rank ``rank`` of ``world``'s shard of the checkpoint at ``path``, read lazily, in process."""
+    from lmplug_models.mamba2 import Mamba2ForCausalLM
+
     from lmplug.interfaces.model_config import ModelConfig
     from lmplug.interfaces.quant import Unquantized
     from lmplug.loading import open_source
     from lmplug.loading.weights import load_weights
-    from lmplug.models.mamba2 import Mamba2ForCausalLM
     from lmplug.parallel import ParallelState
     source = open_source(path)
     source.iter_tensors = None  # the whole-tensor reader must not be used
@@ -198,11 +199,11 @@ def test_mamba2_rank_reads_its_ranges(name, tmp_path):
 
 
 def test_mamba2_groups_the_ranks_cannot_share():
+    from lmplug_models.mamba2 import Mamba2ForCausalLM
     from transformers import Mamba2Config
 
     from lmplug.interfaces.model_config import ModelConfig
     from lmplug.interfaces.quant import Unquantized
-    from lmplug.models.mamba2 import Mamba2ForCausalLM
     from lmplug.parallel import ParallelState
 
     # 6 heads over 3 groups: 2 ranks would split a group's heads between them
@@ -226,7 +227,7 @@ def test_range_shard_reads_each_range_whole_packed_elements():
     packed element is refused."""
     from types import SimpleNamespace
 
-    from lmplug.parallel.sharding import RangeShard, rank_piece
+    from lmplug.kit.sharding import RangeShard, rank_piece
 
     class Owner(RangeShard):
         def __init__(self, ranges: dict) -> None:

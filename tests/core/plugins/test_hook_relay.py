@@ -12,7 +12,7 @@ from lmplug.plugins import Registry
 def _plugin(**hooks) -> types.ModuleType:
     """A plugin module, as an entry point would load it."""
     module = types.ModuleType("fake_plugin")
-    module.LMPLUG_API_VERSION = 2
+    module.LMPLUG_API_VERSION = 3
     for name, impl in hooks.items():
         setattr(module, name, impl)
     return module

@@ -11,6 +11,7 @@ import tomllib
 
 ROOT = Path(__file__).resolve().parents[3]
 CONTRACT = {"lmplug.interfaces", "lmplug.hookspecs", "lmplug.errors"}
+KIT = {"lmplug.kit"}  # the building kit: plugins may import it beside the contract
 
 
 def _contracts() -> list[dict]:
@@ -38,4 +39,23 @@ def test_every_core_module_is_in_a_layer():
 def test_plugins_may_import_only_the_contract():
     forbidden = next(c for c in _contracts() if c["type"] == "forbidden"
                      and "lmplug_attention" in c["source_modules"])["forbidden_modules"]
-    assert set(forbidden) == _core_top_level() - CONTRACT
+    assert set(forbidden) == _core_top_level() - CONTRACT - KIT
+
+
+def test_the_kit_sits_just_above_the_contract():
+    layers = [layer.strip() for layer in next(c for c in _contracts() if c["type"] == "layers")["layers"]]
+    assert layers.index("lmplug.kit") == layers.index("lmplug.interfaces | lmplug.hookspecs") - 1
+
+
+def test_every_plugin_package_is_under_the_plugin_contracts():
+    """A package under plugins/ must be a root package and under each plugin contract."""
+    packages = {f"lmplug_{p.name}" for p in (ROOT / "plugins").iterdir() if (p / "__init__.py").exists()}
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]
+    assert packages <= set(config["root_packages"])
+    for contract in config["contracts"]:
+        if contract["type"] == "independence":
+            assert packages == set(contract["modules"])
+        elif contract["type"] == "forbidden" and contract["source_modules"] == ["lmplug"]:
+            assert packages == set(contract["forbidden_modules"])
+        elif contract["type"] == "forbidden":
+            assert packages == set(contract["source_modules"])

@@ -58,7 +58,7 @@ def test_cpu_generate_imports_only_what_it_runs(tmp_path):
         "import sys\nimport lmplug\nassert 'torch' not in sys.modules, 'import lmplug imported torch'\n"
         # the package's names still resolve, on first use
         "from lmplug import LLM, API_VERSION, EngineConfig, SamplingParams\n"
-        "assert LLM.__module__ == 'lmplug.llm' and API_VERSION == 2\n"
+        "assert LLM.__module__ == 'lmplug.llm' and API_VERSION == 3\n"
         f"from lmplug.cli import main\nassert main({argv!r}) == 0", tmp_path)
     assert "lmplug.engine.engine" in modules  # it did generate
     assert _loaded(modules, NEVER_ON_CPU_GENERATE) == []

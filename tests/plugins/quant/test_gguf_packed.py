@@ -27,8 +27,8 @@ from support.gguf_fixtures import add_byte_level_vocab, write_tiny_gguf
 from lmplug import LLM, SamplingParams
 from lmplug.errors import ModelLoadError
 from lmplug.interfaces.packed import PackedTensor
+from lmplug.kit.packed_embedding import QuantEmbedding
 from lmplug.loading.gguf import load_gguf
-from lmplug.models.packed_embedding import QuantEmbedding
 
 K_HIDDEN, K_HEADS, K_KV_HEADS, K_FFN, K_LAYERS = 256, 4, 2, 512, 2
 K_TYPES = {"attn_q": Q.Q4_K, "attn_k": Q.Q4_K, "attn_v": Q.Q6_K, "attn_output": Q.Q5_K,

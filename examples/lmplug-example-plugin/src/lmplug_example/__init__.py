@@ -7,7 +7,7 @@ calls the hooks below when it builds its registry.
 
 from lmplug.hookspecs import hookimpl
 
-LMPLUG_API_VERSION = 2  # the lmplug core API this plugin is written against
+LMPLUG_API_VERSION = 3  # the lmplug core API this plugin is written against
 
 
 @hookimpl

@@ -16,7 +16,7 @@ the rank's columns of each of its z, x, B, C and dt sections; a conv weight over
 channels; a norm over all heads) declares them in a ``RangeShard`` record: ``(start, size)``
 ranges of the output axis, read one by one and concatenated.
 
-The layers that hold a slice (``lmplug.models.parallel_layers``) declare it by subclassing one of
+The layers that hold a slice (``lmplug.kit.parallel_layers``) declare it by subclassing one of
 the shard records below; ``lmplug.parallel`` never imports the models.
 """
 

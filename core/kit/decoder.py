@@ -1,6 +1,9 @@
-"""The Llama family: Llama 2/3, Mistral, Qwen2, Qwen3 (one decoder, flags from ``ModelConfig``).
+"""The standard decoder an architecture builds on: attention, gated MLP, pre-norm layers and the
+causal LM around them (Llama's shape; Mistral, Qwen2 and Qwen3 are flags of ``ModelConfig``).
 
-A layer asks its attention backend for attention and its linear layers'
+An architecture subclasses ``DecoderForCausalLM`` and overrides what differs: ``make_attention``,
+``make_mlp``, ``new_layer``, the checkpoint names (``STACKED``, ``weight_target``,
+``checkpoint_name``). A layer asks its attention backend for attention and its linear layers'
 quant method for matmuls; it does not know which ones it got.
 """
 
@@ -14,11 +17,11 @@ from lmplug.interfaces.model_config import ModelConfig
 from lmplug.interfaces.quant import QuantMethod
 from lmplug.interfaces.rope import RotaryEmbedding
 from lmplug.interfaces.step import StepContext
-from lmplug.models.layers import Linear, RMSNorm, apply_rope, silu_and_mul
-from lmplug.models.native_step import NativeDecodeStep
-from lmplug.models.packed_embedding import QuantEmbedding
-from lmplug.models.parallel_layers import column_linear, embedding, row_linear
-from lmplug.parallel import ParallelState, single
+from lmplug.kit.layers import Linear, RMSNorm, apply_rope, silu_and_mul
+from lmplug.kit.native_step import NativeDecodeStep
+from lmplug.kit.packed_embedding import QuantEmbedding
+from lmplug.kit.parallel import ParallelState, single
+from lmplug.kit.parallel_layers import column_linear, embedding, row_linear
 
 
 class Attention(torch.nn.Module):
@@ -97,7 +100,7 @@ class DecoderLayer(torch.nn.Module):
         return h.add_(self.mlp(normed))  # h is this layer's own tensor
 
 
-class LlamaForCausalLM(torch.nn.Module):
+class DecoderForCausalLM(torch.nn.Module):
     """Decoder over flattened tokens: ``forward(input_ids [T], positions [T]) -> hidden [T, h]``."""
 
     # checkpoint name (after "model.layers.N.") -> (module path in the layer, shard)
@@ -144,7 +147,7 @@ class LlamaForCausalLM(torch.nn.Module):
                   kv_layer: int | None = None) -> DecoderLayer:
         """Decoder layer ``index`` of this architecture (its feed-forward block as layer ``index``
         has it: dense or MoE), attending through cache layer ``kv_layer`` (default ``index``). A
-        checkpoint's multi-token-prediction layers (``lmplug.models.mtp``) are built with it too."""
+        checkpoint's multi-token-prediction layers (``lmplug.kit.mtp``) are built with it too."""
         cfg = self.config
         kv_layer = index if kv_layer is None else kv_layer
         return DecoderLayer(cfg, kv_layer, dtype, quant, attention, self.make_mlp(cfg, index, dtype, quant),

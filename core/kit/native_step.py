@@ -28,7 +28,7 @@ from lmplug.interfaces.native import NativeCall
 from lmplug.interfaces.rope import RotaryEmbedding
 from lmplug.interfaces.step import StepContext
 from lmplug.interfaces.threads import compute_threads
-from lmplug.models import fused_cpu
+from lmplug.kit import fused_cpu
 
 _P, _I64 = ctypes.c_void_p, ctypes.c_int64
 # decode_step_f32's stages, as it reports a failure (layer * 8 + stage)
@@ -78,7 +78,7 @@ class NativeDecodeStep:
     @classmethod
     def build(cls, model: torch.nn.Module) -> NativeDecodeStep | None:
         """The plan, or None where some part of the model has no native form (module docstring)."""
-        from lmplug.models.llama import MLP, Attention, DecoderLayer
+        from lmplug.kit.decoder import MLP, Attention, DecoderLayer
 
         if not enabled() or model.tp.is_parallel or not len(model.layers):
             return None

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from lmplug.interfaces.quant import QuantMethod
-from lmplug.models.layers import Linear
+from lmplug.kit.layers import Linear
 
 
 class QuantEmbedding(Linear):

@@ -18,6 +18,7 @@ So under tensor parallelism each rank zeroes the slots of the sequences a step s
 from __future__ import annotations
 
 import torch
+from lmplug_models.moe import MoEForCausalLM
 
 from lmplug.errors import ModelLoadError
 from lmplug.interfaces.attention import AttentionBackend
@@ -27,9 +28,8 @@ from lmplug.interfaces.moe import MoEBackend
 from lmplug.interfaces.quant import QuantMethod
 from lmplug.interfaces.state import ATTENTION, StateSpec, cache_indices
 from lmplug.interfaces.step import StepContext
-from lmplug.models.moe import MoEForCausalLM
-from lmplug.models.state_layers import zero_fresh_states
-from lmplug.parallel import ParallelState
+from lmplug.kit.parallel import ParallelState
+from lmplug.kit.state_layers import zero_fresh_states
 
 
 class HybridForCausalLM(MoEForCausalLM):
@@ -65,7 +65,7 @@ class HybridForCausalLM(MoEForCausalLM):
                            attention: AttentionBackend) -> torch.nn.Module:
         """The decoder layer around state mixer ``mixer`` (default: the Llama ``DecoderLayer``
         with this layer's feed-forward block)."""
-        from lmplug.models.llama import DecoderLayer
+        from lmplug.kit.decoder import DecoderLayer
 
         return DecoderLayer(self.config, -1, dtype, quant, attention, self.make_mlp(self.config, index, dtype, quant),
                             mixer, tp=self.tp)

@@ -11,7 +11,7 @@ from support.hf_models import _BASE, build_hf_model, one_torch_thread  # noqa: F
 from lmplug import BackendOptions, ConfigError, ModelLoadError, RoutingConfig
 from lmplug.interfaces.model_config import ModelConfig
 from lmplug.interfaces.quant import Unquantized
-from lmplug.models.moe import SparseMoeBlock
+from lmplug.kit.moe import SparseMoeBlock
 
 ATTN = {"hidden_size": 64, "num_attention_heads": 4, "num_hidden_layers": 4, "vocab_size": 128,
         "intermediate_size": 256}

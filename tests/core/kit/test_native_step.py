@@ -1,4 +1,4 @@
-"""The native decode step (``lmplug.models.native_step``): every decoder layer of a decode step
+"""The native decode step (``lmplug.kit.native_step``): every decoder layer of a decode step
 in one C call, through the plugins' C functions (``lmplug.interfaces.native``).
 
 Reference: the same engine with ``LMPLUG_NATIVE_STEP=0`` (the Python layers, whose parity
@@ -22,8 +22,8 @@ from support.gguf_fixtures import write_tiny_gguf
 
 from lmplug import LLM, SamplingParams
 from lmplug.interfaces.native import NativeCall
-from lmplug.models import fused_cpu, native_step
-from lmplug.models.native_step import NativeDecodeStep
+from lmplug.kit import fused_cpu, native_step
+from lmplug.kit.native_step import NativeDecodeStep
 
 pytestmark = pytest.mark.skipif(fused_cpu.library() is None, reason="no C compiler: no native step")
 

@@ -34,10 +34,10 @@ from lmplug.interfaces.quant import QuantMethod
 from lmplug.interfaces.rope import RotaryEmbedding
 from lmplug.interfaces.state import StateTensor
 from lmplug.interfaces.step import StepContext
-from lmplug.models.parallel_layers import column_linear, row_linear
-from lmplug.models.state_layers import StateRows, run_split
-from lmplug.parallel import ParallelState
-from lmplug.parallel.sharding import RangeShard
+from lmplug.kit.parallel import ParallelState
+from lmplug.kit.parallel_layers import column_linear, row_linear
+from lmplug.kit.sharding import RangeShard
+from lmplug.kit.state_layers import StateRows, run_split
 
 CHUNK_SIZE = 64  # the chunked scan's block (transformers' torch_chunk_gated_delta_rule default)
 

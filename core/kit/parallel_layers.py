@@ -8,7 +8,7 @@ the partial products are summed with one all-reduce. The vocabulary is split in 
 head's logits are gathered on rank 0. On one process the factories return plain ``Linear``.
 
 They live with the models (they subclass ``models.layers.Linear``); the loader finds which
-slice of a checkpoint tensor each reads through the shard records of ``lmplug.parallel.sharding``
+slice of a checkpoint tensor each reads through the shard records of ``lmplug.kit.sharding``
 (``ColumnShard``, ``RowShard``, ``VocabShard``), so ``lmplug.parallel`` never imports the models.
 """
 
@@ -18,9 +18,9 @@ import torch
 import torch.nn.functional as F
 
 from lmplug.interfaces.quant import QuantMethod
-from lmplug.models.layers import Linear
-from lmplug.parallel.sharding import ColumnShard, RowShard, VocabShard
-from lmplug.parallel.state import ParallelState
+from lmplug.kit.layers import Linear
+from lmplug.kit.parallel import ParallelState
+from lmplug.kit.sharding import ColumnShard, RowShard, VocabShard
 
 
 class ColumnParallelLinear(Linear, ColumnShard):

@@ -1,7 +1,7 @@
 """The first-party architectures as ``Architecture`` backends of the ``model`` family.
 
 Each one declares the ``config.json`` model types it serves and builds its module
-(``lmplug.models.llama`` etc.); ``lmplug.models.plugin`` registers them through the entry-point
+(``lmplug_models.llama`` etc.); ``lmplug_models.plugin`` registers them through the entry-point
 group ``lmplug.plugins``, as a third-party architecture package would.
 """
 
@@ -11,6 +11,12 @@ from collections.abc import Mapping
 from typing import Any, ClassVar
 
 import torch
+from lmplug_models.deepseek_v2 import DeepseekV2ForCausalLM
+from lmplug_models.llama import LlamaForCausalLM
+from lmplug_models.mamba2 import Mamba2ForCausalLM
+from lmplug_models.minimax import MiniMaxForCausalLM
+from lmplug_models.moe import MoEForCausalLM
+from lmplug_models.qwen3_next import Qwen3NextForCausalLM
 
 from lmplug.interfaces.architecture import (
     GGUF,
@@ -23,12 +29,6 @@ from lmplug.interfaces.architecture import (
 )
 from lmplug.interfaces.common import Capabilities
 from lmplug.interfaces.model_config import ModelConfig
-from lmplug.models.deepseek_v2 import DeepseekV2ForCausalLM
-from lmplug.models.llama import LlamaForCausalLM
-from lmplug.models.mamba2 import Mamba2ForCausalLM
-from lmplug.models.minimax import MiniMaxForCausalLM
-from lmplug.models.moe import MoEForCausalLM
-from lmplug.models.qwen3_next import Qwen3NextForCausalLM
 
 NATIVE_PRIORITY = 10  # above any fallback (priority 0)
 _ANY = frozenset({"cpu", "cuda"})

@@ -27,6 +27,8 @@ from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
+from lmplug_models.gated_deltanet import GatedDeltaFacts, GatedDeltaNet
+from lmplug_models.hybrid import HybridForCausalLM
 
 from lmplug.errors import ModelLoadError
 from lmplug.interfaces.attention import AttentionBackend, KVLayerView
@@ -38,11 +40,9 @@ from lmplug.interfaces.quant import QuantMethod
 from lmplug.interfaces.rope import RotaryEmbedding
 from lmplug.interfaces.state import ATTENTION
 from lmplug.interfaces.step import StepContext
-from lmplug.models.gated_deltanet import GatedDeltaFacts, GatedDeltaNet
-from lmplug.models.hybrid import HybridForCausalLM
-from lmplug.models.layers import RMSNorm
-from lmplug.models.parallel_layers import column_linear, row_linear
-from lmplug.parallel import ParallelState, single
+from lmplug.kit.layers import RMSNorm
+from lmplug.kit.parallel import ParallelState, single
+from lmplug.kit.parallel_layers import column_linear, row_linear
 
 
 class ZeroCentredRMSNorm(RMSNorm):

@@ -39,11 +39,11 @@ from lmplug.interfaces.model_config import ModelConfig
 from lmplug.interfaces.quant import QuantMethod
 from lmplug.interfaces.state import MAMBA2, StateSpec, StateTensor
 from lmplug.interfaces.step import StepContext
-from lmplug.models.layers import Linear, RMSNorm
-from lmplug.models.parallel_layers import embedding, row_linear
-from lmplug.models.state_layers import StateRows, run_split, zero_fresh_states
-from lmplug.parallel import ParallelState, single
-from lmplug.parallel.sharding import Ranges, RangeShard
+from lmplug.kit.layers import Linear, RMSNorm
+from lmplug.kit.parallel import ParallelState, single
+from lmplug.kit.parallel_layers import embedding, row_linear
+from lmplug.kit.sharding import Ranges, RangeShard
+from lmplug.kit.state_layers import StateRows, run_split, zero_fresh_states
 
 
 class Mamba2Facts:

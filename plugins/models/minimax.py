@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from lmplug_models.hybrid import HybridForCausalLM
 
 from lmplug.errors import ModelLoadError
 from lmplug.interfaces.attention import AttentionBackend
@@ -43,13 +44,12 @@ from lmplug.interfaces.quant import QuantMethod
 from lmplug.interfaces.rope import RotaryEmbedding
 from lmplug.interfaces.state import ATTENTION, StateTensor
 from lmplug.interfaces.step import StepContext
-from lmplug.models.hybrid import HybridForCausalLM
-from lmplug.models.layers import RMSNorm
-from lmplug.models.llama import Attention
-from lmplug.models.parallel_layers import column_linear, row_linear
-from lmplug.models.state_layers import StateRows, run_split
-from lmplug.parallel import ParallelState
-from lmplug.parallel.sharding import RangeShard
+from lmplug.kit.decoder import Attention
+from lmplug.kit.layers import RMSNorm
+from lmplug.kit.parallel import ParallelState
+from lmplug.kit.parallel_layers import column_linear, row_linear
+from lmplug.kit.sharding import RangeShard
+from lmplug.kit.state_layers import StateRows, run_split
 
 # transformers' MiniMaxLightningAttention builds its output norm with MiniMaxRMSNorm's default eps
 OUTPUT_NORM_EPS = 1e-6

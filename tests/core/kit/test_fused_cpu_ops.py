@@ -1,4 +1,4 @@
-"""The fused float32 CPU ops (``lmplug.models.fused_cpu``) against their PyTorch references,
+"""The fused float32 CPU ops (``lmplug.kit.fused_cpu``) against their PyTorch references,
 and the Llama blocks with the fused path on against the same blocks with it off."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import torch
 import torch.nn.functional as F
 
 from lmplug.interfaces.rope import RotaryEmbedding
-from lmplug.models import fused_cpu
-from lmplug.models.layers import RMSNorm, apply_rope, silu_and_mul, silu_and_mul_reference
+from lmplug.kit import fused_cpu
+from lmplug.kit.layers import RMSNorm, apply_rope, silu_and_mul, silu_and_mul_reference
 
 pytestmark = pytest.mark.skipif(fused_cpu.library() is None, reason="no C compiler: the fused ops cannot build")
 
@@ -159,7 +159,7 @@ def test_apply_rope_keeps_a_subclass_forward():
 def _tiny_decoder_layer(qk_norm: bool):
     from lmplug.interfaces.model_config import ModelConfig
     from lmplug.interfaces.quant import Unquantized
-    from lmplug.models.llama import DecoderLayer
+    from lmplug.kit.decoder import DecoderLayer
 
     cfg = ModelConfig.from_hf({"architectures": ["LlamaForCausalLM"], "hidden_size": 64, "num_attention_heads": 4,
                                "num_key_value_heads": 2, "intermediate_size": 96, "num_hidden_layers": 1,

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from lmplug.interfaces.quant import QuantMethod
 from lmplug.interfaces.rope import RotaryEmbedding
-from lmplug.models import fused_cpu
+from lmplug.kit import fused_cpu
 
 
 class RMSNorm(torch.nn.Module):

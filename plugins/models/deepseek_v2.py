@@ -16,6 +16,7 @@ from __future__ import annotations
 from typing import ClassVar
 
 import torch
+from lmplug_models.moe import MoEForCausalLM
 
 from lmplug.errors import ModelLoadError
 from lmplug.interfaces.attention import AttentionBackend, KVLayerView, MLAAttentionBackend
@@ -25,9 +26,8 @@ from lmplug.interfaces.moe import MoEBackend
 from lmplug.interfaces.quant import QuantMethod
 from lmplug.interfaces.rope import RotaryEmbedding
 from lmplug.interfaces.step import StepContext
-from lmplug.models.layers import Linear, RMSNorm
-from lmplug.models.moe import MoEForCausalLM
-from lmplug.parallel import ParallelState
+from lmplug.kit.layers import Linear, RMSNorm
+from lmplug.kit.parallel import ParallelState
 
 
 class MLAttention(torch.nn.Module):

@@ -39,7 +39,7 @@ import torch.nn.functional as F
 from lmplug.interfaces.attention import AttentionBackend, KVLayerView
 from lmplug.interfaces.quant import QuantMethod
 from lmplug.interfaces.step import StepContext
-from lmplug.models.layers import RMSNorm
+from lmplug.kit.layers import RMSNorm
 
 _DEEPSEEK = re.compile(r"model\.layers\.(\d+)\.(.+)")
 _QWEN_LAYER = re.compile(r"mtp\.layers\.(\d+)\.(.+)")

@@ -3,12 +3,12 @@
 
 from __future__ import annotations
 
-from lmplug.models.deepseek_v2 import DeepseekV2ForCausalLM
-from lmplug.models.llama import LlamaForCausalLM
-from lmplug.models.mamba2 import Mamba2ForCausalLM
-from lmplug.models.minimax import MiniMaxForCausalLM
-from lmplug.models.moe import MoEForCausalLM
-from lmplug.models.qwen3_next import Qwen3NextForCausalLM
+from lmplug_models.deepseek_v2 import DeepseekV2ForCausalLM
+from lmplug_models.llama import LlamaForCausalLM
+from lmplug_models.mamba2 import Mamba2ForCausalLM
+from lmplug_models.minimax import MiniMaxForCausalLM
+from lmplug_models.moe import MoEForCausalLM
+from lmplug_models.qwen3_next import Qwen3NextForCausalLM
 
 __all__ = [
     "DeepseekV2ForCausalLM",

@@ -1,15 +1,15 @@
 """The first-party architectures' plugin: registered through the entry-point group
-``lmplug.plugins`` (pyproject: ``models = "lmplug.models.plugin"``), like any other plugin."""
+``lmplug.plugins`` (pyproject: ``models = "lmplug_models.plugin"``), like any other plugin."""
 
 from __future__ import annotations
 
 from lmplug.hookspecs import hookimpl
 
-LMPLUG_API_VERSION = 2
+LMPLUG_API_VERSION = 3
 
 
 @hookimpl
 def lmplug_register_architectures() -> list[type]:
-    from lmplug.models.architectures import FIRST_PARTY
+    from lmplug_models.architectures import FIRST_PARTY
 
     return list(FIRST_PARTY)

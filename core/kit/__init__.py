@@ -1,0 +1,29 @@
+"""The building kit: the layers an architecture plugin is made of (``lmplug.kit``).
+
+Plugins may import the kit beside the contract (``lmplug.interfaces``, ``lmplug.hookspecs``,
+``lmplug.errors``); import-linter holds that nothing else of the core is reachable from a plugin,
+and that the kit imports only the contract. The kit is versioned on its own terms
+(``KIT_VERSION``, see docs/plugins.md): a name may change in a minor core release, and the
+change is listed in the porting table.
+
+Modules (each imported on its own, so a plugin pays only for what it uses):
+
+- ``decoder``: ``Attention`` (q/k/v projections, RoPE, the chosen attention backend and KV view),
+  ``MLP`` (gated, SiLU), ``DecoderLayer`` (pre-norm) and ``DecoderForCausalLM``, the standard
+  decoder an architecture subclasses (``make_attention``, ``make_mlp``, ``new_layer``, checkpoint
+  names, the native CPU decode step).
+- ``layers``: ``Linear`` (through the chosen quant method; stacked shards such as ``qkv_proj``),
+  ``RMSNorm``, ``apply_rope``, ``silu_and_mul``, ``bind_quant_methods``.
+- ``parallel_layers``: ``column_linear``, ``row_linear``, ``embedding`` — the tensor-parallel
+  layout of a layer; ``parallel``: ``ParallelState`` (rank, world, collectives), ``single``;
+  ``sharding``: which slice of a checkpoint tensor a rank reads.
+- ``moe``: ``SparseMoeBlock`` (router, stacked experts, shared expert) over the moe backend.
+- ``state_layers``: the rows of a state layer (Mamba, linear attention) inside a step.
+- ``packed_embedding``: an embedding over a quant method's packed table (GGUF).
+- ``mtp``: multi-token-prediction modules built as the target's layer after its last one.
+- ``native_step``, ``fused_cpu``: the native CPU decode step and fused CPU ops.
+"""
+
+KIT_VERSION = 1
+
+__all__ = ["KIT_VERSION"]
