@@ -286,12 +286,14 @@ def test_forked_child_recreates_the_pool(kernel):
     assert torch.equal(kernel.mul_mat(x, w, 8, k, num_threads=2), want)  # and the parent's still works
 
 
+@pytest.mark.parametrize("isa", ["avx2", "avx512"])
 @pytest.mark.parametrize("name", TYPES)
-def test_portable_kernels_match_simd(kernel, name, monkeypatch):
-    if kernel.best_isa == "generic":
-        pytest.skip("this CPU has no SIMD kernels (portable C only)")
+def test_portable_kernels_match_simd(kernel, name, monkeypatch, isa):
+    if gguf_native.ISAS.index(kernel.best_isa) < gguf_native.ISAS.index(isa):
+        pytest.skip(f"this CPU cannot run the {isa} kernels: {gguf_native.describe_isa(kernel.best_isa)}")
     w = torch.from_numpy(make_weight(name, N, K, seed=3))
     x = torch.randn(8, K, generator=torch.Generator().manual_seed(3))
+    monkeypatch.setenv("LMPLUG_GGUF_ISA", isa)
     simd = kernel.mul_mat(x, w, type_id(name), K)
     monkeypatch.setenv("LMPLUG_GGUF_ISA", "generic")
     portable = kernel.mul_mat(x, w, type_id(name), K)
