@@ -28,14 +28,6 @@ MS = [1, 3, 8, 33]
 N, K = 37, 512  # N odd (not a multiple of the 16-row tiles), K a multiple of 256
 
 
-@pytest.fixture(scope="module")
-def kernel():
-    ok, why = gguf_native.available()
-    if not ok:
-        pytest.skip(f"the native kernels do not build here: {why}")
-    return gguf_native.load()
-
-
 def dequantized(name: str, w: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(gguf.quants.dequantize(w, GGMLQuantizationType(type_id(name))).copy())
 

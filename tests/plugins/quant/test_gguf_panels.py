@@ -18,14 +18,6 @@ gguf_native = pytest.importorskip("lmplug_quant.gguf_native")
 PANEL_TYPES = ["Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K"]
 
 
-@pytest.fixture(scope="module")
-def kernel():
-    ok, why = gguf_native.available()
-    if not ok:
-        pytest.skip(f"the native kernels do not build here: {why}")
-    return gguf_native.load()
-
-
 @pytest.fixture
 def avx512(kernel):
     if kernel.best_isa != "avx512":
