@@ -18,7 +18,7 @@ Environment: ``LMPLUG_GGUF_THREADS`` (default ``lmplug.interfaces.threads.comput
 torch's thread count, also inside a step whose small ops the engine keeps on one thread) and
 ``LMPLUG_GGUF_ISA`` = ``auto`` (default) | ``generic`` (the portable C kernels) | ``avx2`` |
 ``avx512`` (AVX-512 F/BW/VL + VNNI over weights repacked at bind into 16-row panels, see
-``csrc/gguf_repack.c``; Q5_K has no panel kernel and takes the AVX2 one). Results do not depend
+``csrc/gguf_repack.c``). Results do not depend
 on the thread count; the AVX-512 kernels give the portable kernels' bits, the AVX2 ones differ
 from them only in the order of float additions.
 """
@@ -49,7 +49,7 @@ BLOCKS = {2: (32, 18), 3: (32, 20), 8: (32, 34), 12: (256, 144), 13: (256, 176),
 NAMES = {2: "Q4_0", 3: "Q4_1", 8: "Q8_0", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K"}
 SUPPORTED = frozenset(BLOCKS)
 ISAS = ("generic", "avx2", "avx512")  # index = the C file's isa number
-PANEL_TYPES = frozenset({2, 3, 8, 12, 14})  # the types with an AVX-512 panel kernel
+PANEL_TYPES = frozenset({2, 3, 8, 12, 13, 14})  # the types with an AVX-512 panel kernel
 PACKED_FLAG = 0x100  # csrc/gguf_cpu.c: a type | this = weights in 16-row panels
 # what each kernel set needs, as /proc/cpuinfo names it (the missing ones are logged)
 ISA_FLAGS = {"avx2": ("avx2", "fma", "f16c"), "avx512": ("avx512f", "avx512bw", "avx512vl", "avx512_vnni")}

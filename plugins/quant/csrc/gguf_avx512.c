@@ -73,21 +73,29 @@ static inline INLINE AVX512 void small_panel(const uint8_t *p, int64_t nr, const
     store_rows(acc, mc, nr, out, ldo);
 }
 
-static inline INLINE AVX512 void q4_k_panel(const uint8_t *p, int64_t nr, const acts_t *a, int64_t m0, const int mc,
-                                            float *out, int64_t ldo) {
-    const __m512i low = _mm512_set1_epi8(0x0F);
+/* Q4_K, and Q5_K (five): its 5th bits from the qh chunks after the nibbles, bit s of a byte
+ * for sub-block s. */
+static inline INLINE AVX512 void k45_panel(const uint8_t *p, int64_t nr, const acts_t *a, int64_t m0, const int mc,
+                                           float *out, int64_t ldo, const int five) {
+    const int pb = five ? 2880 : 2368;
+    const __m512i low = _mm512_set1_epi8(0x0F), one = _mm512_set1_epi8(1);
     __m512 acc[MR];
     for (int r = 0; r < mc; r++) acc[r] = _mm512_setzero_ps();
     for (int64_t b = 0; b < a->nb; b++) {
-        const uint8_t *blk = p + b * 2368;
-        prefetch512(blk, 2368);
+        const uint8_t *blk = p + b * pb;
+        prefetch512(blk, pb);
         __m512i isum[MR], lo[MR], hi[MR];
         for (int r = 0; r < mc; r++) isum[r] = _mm512_setzero_si512();
         for (int j = 0; j < 4; j++) { /* sub-blocks 2 j (low nibbles) and 2 j + 1 (high) */
             for (int r = 0; r < mc; r++) lo[r] = hi[r] = _mm512_setzero_si512();
             for (int c = 0; c < 8; c++) {
                 const __m512i v = _mm512_loadu_si512(blk + 320 + 64 * (8 * j + c));
-                const __m512i vl = _mm512_and_si512(v, low), vh = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+                __m512i vl = _mm512_and_si512(v, low), vh = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+                if (five) {
+                    const __m512i h = _mm512_loadu_si512(blk + 2368 + 64 * c);
+                    vl = _mm512_or_si512(vl, _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(h, 2 * j), one), 4));
+                    vh = _mm512_or_si512(vh, _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(h, 2 * j + 1), one), 4));
+                }
                 for (int r = 0; r < mc; r++) {
                     const int8_t *x = ROW(a, m0 + r) + b * 256 + 64 * j + 4 * c;
                     lo[r] = _mm512_dpbusd_epi32(lo[r], vl, bcast4(x));
@@ -177,5 +185,8 @@ static inline INLINE AVX512 void q6_k_panel(const uint8_t *p, int64_t nr, const 
 PANEL_KERNEL(q4_0, Q4_0_PANEL)
 PANEL_KERNEL(q4_1, Q4_1_PANEL)
 PANEL_KERNEL(q8_0, Q8_0_PANEL)
-PANEL_KERNEL(q4_k, q4_k_panel)
+#define Q4_K_PANEL(w, nr, a, m0, mc, out, ldo) k45_panel(w, nr, a, m0, mc, out, ldo, 0)
+#define Q5_K_PANEL(w, nr, a, m0, mc, out, ldo) k45_panel(w, nr, a, m0, mc, out, ldo, 1)
+PANEL_KERNEL(q4_k, Q4_K_PANEL)
+PANEL_KERNEL(q5_k, Q5_K_PANEL)
 PANEL_KERNEL(q6_k, q6_k_panel)

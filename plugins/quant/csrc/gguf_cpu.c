@@ -658,14 +658,12 @@ typedef struct {
 static const type_t TYPES[] = {
 #if HAVE_X86
 #define KERNELS(name) {name##_rows, name##_avx2}, name##_avx512
-#define KERNELS_NO_PANEL(name) {name##_rows, name##_avx2}, NULL
 #else
 #define KERNELS(name) {name##_rows, name##_rows}, NULL
-#define KERNELS_NO_PANEL(name) {name##_rows, name##_rows}, NULL
 #endif
     {T_Q4_0, 32, 18, 32, KERNELS(q4_0)}, {T_Q4_1, 32, 20, 32, KERNELS(q4_1)},
     {T_Q8_0, 32, 34, 32, KERNELS(q8_0)}, {T_Q4_K, 256, 144, 16, KERNELS(q4_k)},
-    {T_Q5_K, 256, 176, 16, KERNELS_NO_PANEL(q5_k)}, {T_Q6_K, 256, 210, 16, KERNELS(q6_k)},
+    {T_Q5_K, 256, 176, 16, KERNELS(q5_k)}, {T_Q6_K, 256, 210, 16, KERNELS(q6_k)},
 };
 
 static const type_t *find_type(int type) {

@@ -13,8 +13,10 @@
  *   Q8_0  544 = 16 fp16 d | 8 q chunks of the values + 128 (unsigned, for vpdpbusd)
  *   Q4_K 2368 = 16 fp16 d | 16 fp16 dmin | 8 x 16 scales | 8 x 16 mins (6-bit, unpacked) |
  *               32 q chunks of the 128 nibble bytes
+ *   Q5_K 2880 = Q4_K's | 8 q chunks of qh
  *   Q6_K 3360 = 16 fp16 d | 16 x 16 int8 scales | 32 q chunks of ql | 16 of qh
- * (the same bytes as the rows, but Q4_K's unpacked scales: 148 bytes a row and block, not 144).
+ * (the same bytes as the rows, but the k45 types' unpacked scales: 148 bytes a row and block, not
+ * 144, and 180, not 176).
  */
 
 #define PANEL 16
@@ -26,6 +28,7 @@ static int packed_block_bytes(int type) {
     case T_Q4_1: return 20;
     case T_Q8_0: return 34;
     case T_Q4_K: return 148;
+    case T_Q5_K: return 180;
     case T_Q6_K: return 210;
     default: return 0;
     }
@@ -47,7 +50,8 @@ static void repack_block(int type, uint8_t *dst, const uint8_t *src, int r) {
         put_chunks(dst + 64, src + 4, r, 4, 0);
         break;
     case T_Q8_0: memcpy(dst + 2 * r, src, 2); put_chunks(dst + 32, src + 2, r, 8, 0x80); break;
-    case T_Q4_K: {
+    case T_Q4_K:
+    case T_Q5_K: {
         uint8_t sc[8], mn[8];
         k_scales(src + 4, sc, mn);
         memcpy(dst + 2 * r, src, 2);
@@ -56,7 +60,12 @@ static void repack_block(int type, uint8_t *dst, const uint8_t *src, int r) {
             dst[64 + 16 * s + r] = sc[s];
             dst[192 + 16 * s + r] = mn[s];
         }
-        put_chunks(dst + 320, src + 16, r, 32, 0);
+        if (type == T_Q5_K) {
+            put_chunks(dst + 320, src + 48, r, 32, 0);
+            put_chunks(dst + 2368, src + 16, r, 8, 0);
+        } else {
+            put_chunks(dst + 320, src + 16, r, 32, 0);
+        }
         break;
     }
     case T_Q6_K:

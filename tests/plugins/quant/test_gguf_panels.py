@@ -15,7 +15,7 @@ from support.gguf_weights import make_weight, type_id
 
 gguf_native = pytest.importorskip("lmplug_quant.gguf_native")
 
-PANEL_TYPES = ["Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K"]
+PANEL_TYPES = ["Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"]
 
 
 @pytest.fixture
@@ -68,17 +68,6 @@ def test_bound_and_layer_products_read_panels_made_once(avx512, monkeypatch, nam
         assert torch.equal(call_product(call, x[:m], n, 2), want[:m])
 
 
-def test_q5_k_takes_the_avx2_kernel_at_avx512(avx512, monkeypatch):
-    k, n = 512, 20
-    w = torch.from_numpy(make_weight("Q5_K", n, k, seed=2))
-    monkeypatch.setenv("LMPLUG_GGUF_ISA", "avx512")
-    bound = gguf_native.BoundProduct(avx512, w, type_id("Q5_K"), k)
-    assert bound.ggml_type == type_id("Q5_K")  # not flagged: the plain rows
-    x = torch.randn(2, k)
-    monkeypatch.setenv("LMPLUG_GGUF_ISA", "avx2")
-    assert torch.equal(bound(x), avx512.mul_mat(x, w, type_id("Q5_K"), k))
-
-
 @pytest.mark.parametrize("name", PANEL_TYPES)
 def test_repack_puts_each_row_in_its_lane(kernel, name):
     """The panel layout, independent of the CPU: a row's fp16 scale sits at its lane (2 r) of
@@ -86,7 +75,7 @@ def test_repack_puts_each_row_in_its_lane(kernel, name):
     k, n = 256, 18
     w = torch.from_numpy(make_weight(name, n, k, seed=4))
     panels = kernel.panels(w, type_id(name), k)
-    block_bytes = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34, "Q4_K": 148, "Q6_K": 210}[name]
+    block_bytes = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34, "Q4_K": 148, "Q5_K": 180, "Q6_K": 210}[name]
     elems = gguf_native.BLOCKS[type_id(name)][0]
     nb, pblock = k // elems, 16 * block_bytes
     assert panels.numel() == 32 * nb * block_bytes  # 2 panels of 16 rows
@@ -104,8 +93,6 @@ def test_the_kernel_set_is_logged_with_what_it_lacks(kernel, caplog):
     text = gguf_native.describe_isa("generic")
     assert text.startswith("portable C")
     assert gguf_native.describe_isa(kernel.best_isa) != ""
-    if kernel.best_isa == "avx512":
-        assert "Q5_K take the AVX2 kernel" in gguf_native.describe_isa("avx512")
     with caplog.at_level(logging.INFO, logger="lmplug_quant.gguf_native"):
         gguf_native.GGUFKernel(*_reload(kernel))
     assert any("native CPU kernels:" in r.getMessage() for r in caplog.records)
