@@ -1,8 +1,8 @@
 """Build, cache and load a plugin's C source as a shared library (the native CPU kernels).
 
 A kernel is compiled on first use with ``$CC`` (default ``cc``; it may carry a launcher such
-as ``ccache gcc``) into ``<cache_dir>/kernels/<stem>-<hash>.so``. The hash covers the source,
-the flags, the compiler's ``--version`` and the CPU's model and feature lines
+as ``ccache gcc``) into ``<cache_dir>/kernels/<stem>-<hash>.so``. The hash covers the source
+(and the C files and headers beside it, which it may include), the flags, the compiler's ``--version`` and the CPU's model and feature lines
 (``-march=native`` code from another CPU may not run here, and virtual machines often report
 one model name for different feature sets). The build writes a temporary file in the same
 folder and renames it, so a process never loads a half-written library.
@@ -96,7 +96,9 @@ def compiler_version(cc: tuple[str, ...]) -> str:
 def library_path(source: Path, flags: tuple[str, ...], cc: tuple[str, ...], root: Path) -> Path:
     """Where the build of ``source`` for these flags, this compiler and this CPU lives."""
     digest = hashlib.sha256()
-    for part in (source.read_bytes(), "\0".join(flags).encode(), compiler_version(cc).encode(),
+    # the files a source #includes live beside it: every C file and header there counts
+    siblings = sorted(p for p in source.parent.iterdir() if p.suffix in (".c", ".h") and p != source)
+    for part in (source.read_bytes(), *(p.read_bytes() for p in siblings), "\0".join(flags).encode(), compiler_version(cc).encode(),
                  cpu_id().encode()):
         digest.update(part)
         digest.update(b"\0")

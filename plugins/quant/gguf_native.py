@@ -16,9 +16,11 @@ its PyTorch path.
 
 Environment: ``LMPLUG_GGUF_THREADS`` (default ``lmplug.interfaces.threads.compute_threads()``:
 torch's thread count, also inside a step whose small ops the engine keeps on one thread) and
-``LMPLUG_GGUF_ISA`` = ``auto`` (default) | ``generic`` (the portable C kernels) | ``avx2``.
-Results do not depend on the thread count; the portable and AVX2 kernels differ only in the
-order of float additions.
+``LMPLUG_GGUF_ISA`` = ``auto`` (default) | ``generic`` (the portable C kernels) | ``avx2`` |
+``avx512`` (AVX-512 F/BW/VL + VNNI over weights repacked at bind into 16-row panels, see
+``csrc/gguf_repack.c``). Results do not depend
+on the thread count; the AVX-512 kernels give the portable kernels' bits, the AVX2 ones differ
+from them only in the order of float additions.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import ctypes
 import functools
 import logging
 import os
+import weakref
 from pathlib import Path
 
 import torch
@@ -45,7 +48,11 @@ FLAGS = ("-O3", "-ffp-contract=off", "-shared", "-fPIC", "-pthread")  # no fused
 BLOCKS = {2: (32, 18), 3: (32, 20), 8: (32, 34), 12: (256, 144), 13: (256, 176), 14: (256, 210)}
 NAMES = {2: "Q4_0", 3: "Q4_1", 8: "Q8_0", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K"}
 SUPPORTED = frozenset(BLOCKS)
-ISAS = ("generic", "avx2")  # index = the C file's isa number
+ISAS = ("generic", "avx2", "avx512")  # index = the C file's isa number
+PANEL_TYPES = frozenset({2, 3, 8, 12, 13, 14})  # the types with an AVX-512 panel kernel
+PACKED_FLAG = 0x100  # csrc/gguf_cpu.c: a type | this = weights in 16-row panels
+# what each kernel set needs, as /proc/cpuinfo names it (the missing ones are logged)
+ISA_FLAGS = {"avx2": ("avx2", "fma", "f16c"), "avx512": ("avx512f", "avx512bw", "avx512vl", "avx512_vnni")}
 _ARGTYPES = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
              ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
 _ERRORS = {-1: "the kernel could not allocate its scratch memory", -2: "unknown ggml type",
@@ -53,6 +60,23 @@ _ERRORS = {-1: "the kernel could not allocate its scratch memory", -2: "unknown 
 _WHAT = "gguf native mul_mat"
 _warned: set[str] = set()
 _loaded: dict[tuple[str | None, ...], GGUFKernel] = {}
+_panels: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # GGUFKernel.panels, by weight
+
+
+def describe_isa(best: str) -> str:
+    """The kernel set ``auto`` picks, what it leaves out (the features a faster set needs that
+    this CPU lacks) and the types that take another path: the load's log line."""
+    flags = set(native_build.cpu_id().replace("_", "").split())
+    missing = {name: [f for f in need if f.replace("_", "") not in flags] for name, need in ISA_FLAGS.items()}
+    text = {"generic": "portable C (no SIMD kernel set runs here)", "avx2": "AVX2 (+FMA, F16C)",
+            "avx512": "AVX-512 F/BW/VL + VNNI over 16-row panels repacked at load"}[best]
+    better = [name for name in ISAS[ISAS.index(best) + 1:]]
+    if better:
+        text += "; " + ", ".join(f"{name} needs {' '.join(missing[name])}" for name in better if missing[name])
+    others = sorted(set(SUPPORTED) - PANEL_TYPES) if best == "avx512" else []
+    if others:
+        text += "; " + ", ".join(NAMES[t] for t in others) + " take the AVX2 kernel"
+    return text
 
 
 def row_bytes(ggml_type: int, k: int) -> int:
@@ -80,6 +104,37 @@ class GGUFKernel:
         self._pool_workers = lib.gguf_cpu_pool_workers
         self._pool_workers.argtypes, self._pool_workers.restype = [], ctypes.c_int
         self.layer_fn = lib.gguf_layer_product  # called from C (lmplug.interfaces.native), not here
+        self._packed_bytes = lib.gguf_packed_bytes
+        self._packed_bytes.argtypes, self._packed_bytes.restype = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64], \
+            ctypes.c_int64
+        self._repack = lib.gguf_repack
+        self._repack.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
+                                 ctypes.c_void_p]
+        self._repack.restype = ctypes.c_int
+        logger.info("quant gguf: native CPU kernels: %s", describe_isa(self.best_isa))
+
+    def panels(self, w: torch.Tensor, ggml_type: int, k: int) -> torch.Tensor:
+        """``w``'s rows repacked into the AVX-512 kernels' 16-row panels (uint8, 1-D), made
+        once per weight (a layer's bound product and its native-step product share them)."""
+        stride = _check_weight(w, ggml_type, k, row_bytes(ggml_type, k))[0]
+        key = (w.data_ptr(), stride, w.shape[0], ggml_type, k)
+        found = _panels.get(key)
+        if found is not None:
+            return found
+        out = torch.empty(self._packed_bytes(ggml_type, w.shape[0], k), dtype=torch.uint8)
+        status = self._repack(ggml_type, w.data_ptr(), stride, w.shape[0], k, out.data_ptr())
+        if status != 0:
+            raise RuntimeError(f"{_WHAT}: repacking: {_ERRORS.get(status, f'error {status}')}")
+        out.lmplug_source = w  # the rows stay alive while their panels are cached: no address reuse
+        _panels[key] = out
+        return out
+
+    def operand(self, w: torch.Tensor, ggml_type: int, k: int, isa: int) -> tuple[torch.Tensor, int]:
+        """(weights, type) as a bound product hands them to the C: the panels and the type
+        flagged packed where the AVX-512 set runs this type, else ``w`` as it is."""
+        if ISAS[isa] == "avx512" and ggml_type in PANEL_TYPES:
+            return self.panels(w, ggml_type, k), ggml_type | PACKED_FLAG
+        return w, ggml_type
 
     def threads_used(self, m: int, k: int, n: int, num_threads: int) -> int:
         """The threads a product of this shape runs on (fewer than asked when the work is small)."""
@@ -136,8 +191,9 @@ class BoundProduct:
 
     def __init__(self, kernel: GGUFKernel, w: torch.Tensor, ggml_type: int, k: int) -> None:
         wst = _check_weight(w, ggml_type, k, row_bytes(ggml_type, k))
-        self.w, self.k, self.n, self.ggml_type, self.stride = w, k, w.shape[0], ggml_type, wst[0]
         self.isa = kernel.isa()
+        self.k, self.n, self.stride = k, w.shape[0], wst[0]
+        self.w, self.ggml_type = kernel.operand(w, ggml_type, k, self.isa)
         self.threads = _threads() if os.environ.get("LMPLUG_GGUF_THREADS") else None
         self._fn = kernel._fn
 
@@ -185,7 +241,7 @@ def layer_product(kernel: GGUFKernel, runs: list[tuple[int | str | None, torch.T
         raise ValueError(f"{_WHAT}: a layer of {len(runs)} runs; at most {MAX_RUNS}")
     desc = _Layer(k=k, isa=kernel.isa(), n_runs=len(runs),
                   threads=_threads() if os.environ.get("LMPLUG_GGUF_THREADS") else 0)
-    total = 0
+    total, keep = 0, []  # keep: the panels the C reads
     for i, (kind, w) in enumerate(runs):
         if kind == "t":
             if w.dtype != torch.float32 or w.dim() != 2 or w.shape[0] != k or w.stride(1) != 1 or not w.is_cpu:
@@ -207,7 +263,9 @@ def layer_product(kernel: GGUFKernel, runs: list[tuple[int | str | None, torch.T
             desc.runs[i] = _Run(w.data_ptr(), w.stride(0) * 4, w.shape[0], DENSE)
         else:
             stride = _check_weight(w, kind, k, row_bytes(kind, k))[0]
-            desc.runs[i] = _Run(w.data_ptr(), stride, w.shape[0], kind)
+            data, flagged = kernel.operand(w, kind, k, desc.isa)
+            keep.append(data)
+            desc.runs[i] = _Run(data.data_ptr(), stride, w.shape[0], flagged)
         total += w.shape[0]
     desc.n = total
     if bias is not None:
@@ -216,7 +274,7 @@ def layer_product(kernel: GGUFKernel, runs: list[tuple[int | str | None, torch.T
                              f"{bias.dtype} {tuple(bias.shape)}")
         desc.bias = bias.data_ptr()
     fn = ctypes.cast(kernel.layer_fn, ctypes.c_void_p).value
-    return NativeCall(fn, ctypes.addressof(desc), (desc, kernel, [w for _, w in runs], bias), name,
+    return NativeCall(fn, ctypes.addressof(desc), (desc, kernel, [w for _, w in runs], keep, bias), name,
                       {**_ERRORS, -5: "the layer's description is out of range"})
 
 

@@ -60,7 +60,8 @@
 #define MAX_THREADS 256
 
 enum { T_Q4_0 = 2, T_Q4_1 = 3, T_Q8_0 = 8, T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14 };
-enum { ISA_GENERIC = 0, ISA_AVX2 = 1 };
+enum { ISA_GENERIC = 0, ISA_AVX2 = 1, ISA_AVX512 = 2 }; /* AVX512: F, BW, VL and VNNI */
+#define PACKED_FLAG 0x100 /* a type | this: the weights are 16-row panels (gguf_repack.c) */
 
 /* The quantized activations: row m's int8 values at q + m * K, its nb block scales at
  * d + m * ld, its sums of 16 or 32 values at s + m * ns, and (Q4_1) each block's scale
@@ -642,6 +643,8 @@ static inline INLINE AVX2 void q6_k_body(const uint8_t *w, const acts_t *a, int6
     for (int r = 0; r < mc; r++) out[r * ldo] = hsum(acc[r]);
 }
 SPECIALIZE(q6_k)
+
+#include "gguf_avx512.c"
 #endif /* HAVE_X86 */
 
 /* ---------------------------------------------------------------- dispatch */
@@ -649,13 +652,14 @@ SPECIALIZE(q6_k)
 typedef struct {
     int type, elems, bytes, group; /* group: activation sum size (16 for k-quants, else 32) */
     rows_fn fn[2];
+    rows_fn packed; /* the AVX-512 kernel over 16-row panels, NULL: none (the AVX2 one runs) */
 } type_t;
 
 static const type_t TYPES[] = {
 #if HAVE_X86
-#define KERNELS(name) {name##_rows, name##_avx2}
+#define KERNELS(name) {name##_rows, name##_avx2}, name##_avx512
 #else
-#define KERNELS(name) {name##_rows, name##_rows}
+#define KERNELS(name) {name##_rows, name##_rows}, NULL
 #endif
     {T_Q4_0, 32, 18, 32, KERNELS(q4_0)}, {T_Q4_1, 32, 20, 32, KERNELS(q4_1)},
     {T_Q8_0, 32, 34, 32, KERNELS(q8_0)}, {T_Q4_K, 256, 144, 16, KERNELS(q4_k)},
@@ -831,10 +835,17 @@ static void run_job(job_t *j) {
 
 #define EXPORT __attribute__((visibility("default")))
 
-/* The best kernel set this CPU runs: 1 (AVX2 + FMA + F16C) or 0 (portable C). */
+#include "gguf_repack.c"
+
+/* The best kernel set this CPU runs: 2 (AVX-512 F/BW/VL/VNNI, and AVX2), 1 (AVX2 + FMA +
+ * F16C) or 0 (portable C). */
 EXPORT int gguf_cpu_isa(void) {
 #if HAVE_X86
     __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c") &&
+        __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+        __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni"))
+        return ISA_AVX512;
     if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c"))
         return ISA_AVX2;
 #endif
@@ -859,33 +870,46 @@ EXPORT int gguf_cpu_pool_workers(void) { return __atomic_load_n(&pool.workers, _
  * work, for a product that may fill some columns of a wider output (gguf_layer_product). */
 static int mul_mat_into(const float *x, int64_t M, int64_t K, const uint8_t *w, int64_t w_stride, int64_t N,
                         int type, float *out, int64_t ldo, int num_threads, int isa) {
-    const type_t *t = find_type(type);
+    const int packed = (type & PACKED_FLAG) != 0;
+    const type_t *t = find_type(type & ~PACKED_FLAG);
     if (!t) return -2;
     if (K <= 0 || K % t->elems) return -3;
-    if (isa < 0 || isa > gguf_cpu_isa()) return -4;
+    if (isa < 0 || isa > gguf_cpu_isa() || (packed && (isa != ISA_AVX512 || !t->packed))) return -4;
     if (M <= 0 || N <= 0) return 0;
+    rows_fn fn = t->fn[isa > ISA_AVX2 ? ISA_AVX2 : isa];
+    uint8_t *panels = NULL; /* plain rows repacked for this call (the AVX-512 path of gguf_mul_mat) */
+    if (isa == ISA_AVX512 && t->packed) {
+        if (!packed) {
+            panels = malloc((size_t)gguf_packed_bytes(t->type, N, K));
+            if (!panels) return -1;
+            gguf_repack(t->type, w, w_stride, N, K, panels);
+            w = panels;
+        }
+        fn = t->packed;
+        w_stride = K / t->elems * packed_block_bytes(t->type); /* a panel: 16 of these, from row 16 p */
+    }
     const int64_t nb = K / t->elems, ns = K / t->group, ld = (nb + 3) / 4 * 4;
     int8_t *q = malloc((size_t)(M * K));
     float *d = calloc((size_t)(2 * M * ld), sizeof *d), *ds = d + M * ld;
     int16_t *s = malloc((size_t)(M * ns) * sizeof *s);
     if (!q || !d || !s) {
-        free(q); free(d); free(s);
+        free(q); free(d); free(s); free(panels);
         return -1;
     }
     float (*quantize)(const float *, int, int, int8_t *, int16_t *) = quantize_block;
 #if HAVE_X86
-    if (isa == ISA_AVX2) quantize = quantize_block_avx2;
+    if (isa >= ISA_AVX2) quantize = quantize_block_avx2;
 #endif
     for (int64_t m = 0; m < M; m++)
         for (int64_t b = 0; b < nb; b++) {
             const float db = quantize(x + m * K + b * t->elems, t->elems, t->group, q + m * K + b * t->elems,
                                       s + m * ns + b * (t->elems / t->group));
             d[m * ld + b] = db;
-            if (type == T_Q4_1) ds[m * ld + b] = db * (float)s[m * ns + b];
+            if (t->type == T_Q4_1) ds[m * ld + b] = db * (float)s[m * ns + b];
         }
     const acts_t a = {q, d, ds, s, K, nb, ns, ld};
 
-    job_t j = {t->fn[isa], w, w_stride, N, M, N, 1, &a, out, ldo, gguf_cpu_threads(M, K, N, num_threads)};
+    job_t j = {fn, w, w_stride, N, M, N, 1, &a, out, ldo, gguf_cpu_threads(M, K, N, num_threads)};
     if (j.threads > 1) { /* about 16 chunks a thread, whole tiles, so a late thread's share is taken */
         j.chunk = (N + 16 * j.threads - 1) / (16 * j.threads);
         j.chunk = (j.chunk + NT - 1) / NT * NT;
@@ -893,7 +917,7 @@ static int mul_mat_into(const float *x, int64_t M, int64_t K, const uint8_t *w, 
         j.nchunks = (N + j.chunk - 1) / j.chunk;
     }
     run_job(&j);
-    free(q); free(d); free(s);
+    free(q); free(d); free(s); free(panels);
     return 0;
 }
 

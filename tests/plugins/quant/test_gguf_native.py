@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType
+from support.gguf_weights import make_weight, type_id
 
 from lmplug.interfaces.native_build import NativeBuildError
 
@@ -25,35 +26,6 @@ gguf_native = pytest.importorskip("lmplug_quant.gguf_native")
 TYPES = ["Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"]
 MS = [1, 3, 8, 33]
 N, K = 37, 512  # N odd (not a multiple of the 16-row tiles), K a multiple of 256
-
-
-@pytest.fixture(scope="module")
-def kernel():
-    ok, why = gguf_native.available()
-    if not ok:
-        pytest.skip(f"the native kernels do not build here: {why}")
-    return gguf_native.load()
-
-
-def type_id(name: str) -> int:
-    return int(GGMLQuantizationType[name])
-
-
-def make_weight(name: str, n: int, k: int, seed: int = 0) -> np.ndarray:
-    """uint8 [n, row_bytes]: the packed rows."""
-    rng = np.random.default_rng(seed)
-    t = type_id(name)
-    if name in ("Q4_0", "Q4_1", "Q8_0"):
-        return gguf.quants.quantize(rng.standard_normal((n, k)).astype(np.float32), GGMLQuantizationType(t))
-    elems, size = gguf_native.BLOCKS[t]
-    w = rng.integers(0, 256, (n, k // elems, size), dtype=np.uint8)
-    scales = (rng.uniform(1e-3, 1e-2, (n, k // elems, 2)) * rng.choice([-1, 1], (n, k // elems, 2)))
-    scales = scales.astype(np.float16).view(np.uint8)
-    if name == "Q6_K":
-        w[..., 208:210] = scales[..., :2]
-    else:  # d, dmin
-        w[..., 0:4] = scales
-    return w.reshape(n, -1)
 
 
 def dequantized(name: str, w: np.ndarray) -> torch.Tensor:
@@ -306,12 +278,14 @@ def test_forked_child_recreates_the_pool(kernel):
     assert torch.equal(kernel.mul_mat(x, w, 8, k, num_threads=2), want)  # and the parent's still works
 
 
+@pytest.mark.parametrize("isa", ["avx2", "avx512"])
 @pytest.mark.parametrize("name", TYPES)
-def test_portable_kernels_match_simd(kernel, name, monkeypatch):
-    if kernel.best_isa == "generic":
-        pytest.skip("this CPU has no SIMD kernels (portable C only)")
+def test_portable_kernels_match_simd(kernel, name, monkeypatch, isa):
+    if gguf_native.ISAS.index(kernel.best_isa) < gguf_native.ISAS.index(isa):
+        pytest.skip(f"this CPU cannot run the {isa} kernels: {gguf_native.describe_isa(kernel.best_isa)}")
     w = torch.from_numpy(make_weight(name, N, K, seed=3))
     x = torch.randn(8, K, generator=torch.Generator().manual_seed(3))
+    monkeypatch.setenv("LMPLUG_GGUF_ISA", isa)
     simd = kernel.mul_mat(x, w, type_id(name), K)
     monkeypatch.setenv("LMPLUG_GGUF_ISA", "generic")
     portable = kernel.mul_mat(x, w, type_id(name), K)
@@ -401,7 +375,7 @@ def test_layer_product_is_the_runs_side_by_side_plus_bias(kernel):
 def test_bad_environment_is_named(kernel, monkeypatch):
     w = torch.from_numpy(make_weight("Q8_0", 4, 64))
     monkeypatch.setenv("LMPLUG_GGUF_ISA", "sse9")
-    with pytest.raises(ValueError, match="LMPLUG_GGUF_ISA='sse9' must be one of auto, generic, avx2"):
+    with pytest.raises(ValueError, match="LMPLUG_GGUF_ISA='sse9' must be one of auto, generic, avx2, avx512"):
         kernel.mul_mat(torch.randn(1, 64), w, 8, 64)
     monkeypatch.delenv("LMPLUG_GGUF_ISA")
     monkeypatch.setenv("LMPLUG_GGUF_THREADS", "two")

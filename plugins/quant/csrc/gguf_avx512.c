@@ -1,0 +1,192 @@
+/* The AVX-512 (F, BW, VNNI) kernels over 16-row panels (gguf_repack.c), #included by
+ * gguf_cpu.c inside its x86-64 section. Lane r of every vector is weight row r of the panel:
+ * vpdpbusd multiplies 4 unsigned weight bytes by 4 signed activation bytes (broadcast to all
+ * lanes) and adds them to the lane's int32 sum, so a block's integer dot product of each row
+ * is exact in its lane; the float work per output is then the portable kernel's, operation
+ * for operation (products in its order, one addition per block, no FMA), which makes the
+ * results bit-identical to the portable kernels. Signed weights are stored + 8 (Q4_0's
+ * nibbles as they are) or + 128 (Q8_0), and the offset times the block's activation sum
+ * (acts_t.s) is subtracted from the integer sum. The panel is read once, in memory order,
+ * for up to MR activation rows; outputs past the panel's real rows are masked off. */
+
+#define AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")))
+#define PF512 1024 /* bytes ahead of the panel block in use that are prefetched */
+
+static inline INLINE AVX512 __m512i bcast4(const int8_t *p) {
+    int32_t v;
+    memcpy(&v, p, sizeof v);
+    return _mm512_set1_epi32(v);
+}
+
+static inline INLINE AVX512 __m512 f16x16(const uint8_t *p) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
+}
+
+static inline INLINE AVX512 void prefetch512(const uint8_t *p, int bytes) {
+    for (int o = 0; o < bytes; o += 64) _mm_prefetch((const char *)p + PF512 + o, _MM_HINT_T0);
+}
+
+static inline INLINE AVX512 void store_rows(const __m512 *acc, int mc, int64_t nr, float *out, int64_t ldo) {
+    const __mmask16 keep = nr >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << nr) - 1);
+    for (int r = 0; r < mc; r++) _mm512_mask_storeu_ps(out + r * ldo, keep, acc[r]);
+}
+
+/* Q4_0 (bytes 18, chunks 4, offset 8), Q4_1 (20, 4, none: + m * ds) and Q8_0 (34, 8, 128). */
+static inline INLINE AVX512 void small_panel(const uint8_t *p, int64_t nr, const acts_t *a, int64_t m0, const int mc,
+                                             float *out, int64_t ldo, const int type) {
+    const int pb = type == T_Q4_0 ? 288 : type == T_Q4_1 ? 320 : 544, head = type == T_Q4_1 ? 64 : 32;
+    const int offset = type == T_Q4_0 ? 8 : type == T_Q8_0 ? 128 : 0;
+    const __m512i low = _mm512_set1_epi8(0x0F);
+    __m512 acc[MR];
+    for (int r = 0; r < mc; r++) acc[r] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < a->nb; b++) {
+        const uint8_t *blk = p + b * pb;
+        prefetch512(blk, pb);
+        __m512i q[8]; /* 8 vectors of 4 elements a lane: elements 4 c .. (Q4: and 16 + 4 c ..) */
+        if (type == T_Q8_0) {
+            for (int c = 0; c < 8; c++) q[c] = _mm512_loadu_si512(blk + head + 64 * c);
+        } else {
+            for (int c = 0; c < 4; c++) {
+                const __m512i v = _mm512_loadu_si512(blk + head + 64 * c);
+                q[c] = _mm512_and_si512(v, low);
+                q[c + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+            }
+        }
+        const __m512 dw = f16x16(blk);
+        const __m512 mw = type == T_Q4_1 ? f16x16(blk + 32) : dw;
+        for (int r = 0; r < mc; r++) {
+            const int64_t m = m0 + r;
+            const int8_t *x = ROW(a, m) + b * 32;
+            __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
+            for (int c = 0; c < 4; c++) { /* q[c] holds elements 4 c (Q8_0: too); q[c + 4] 16 + 4 c */
+                s0 = _mm512_dpbusd_epi32(s0, q[c], bcast4(x + 4 * c));
+                s1 = _mm512_dpbusd_epi32(s1, q[c + 4], bcast4(x + 16 + 4 * c));
+            }
+            __m512i isum = _mm512_add_epi32(s0, s1);
+            if (offset) isum = _mm512_sub_epi32(isum, _mm512_set1_epi32(offset * a->s[m * a->ns + b]));
+            const __m512 dx = _mm512_set1_ps(a->d[m * a->ld + b]);
+            __m512 t = _mm512_mul_ps(_mm512_mul_ps(dw, dx), _mm512_cvtepi32_ps(isum));
+            if (type == T_Q4_1) t = _mm512_add_ps(t, _mm512_mul_ps(mw, _mm512_set1_ps(a->ds[m * a->ld + b])));
+            acc[r] = _mm512_add_ps(acc[r], t);
+        }
+    }
+    store_rows(acc, mc, nr, out, ldo);
+}
+
+/* Q4_K, and Q5_K (five): its 5th bits from the qh chunks after the nibbles, bit s of a byte
+ * for sub-block s. */
+static inline INLINE AVX512 void k45_panel(const uint8_t *p, int64_t nr, const acts_t *a, int64_t m0, const int mc,
+                                           float *out, int64_t ldo, const int five) {
+    const int pb = five ? 2880 : 2368;
+    const __m512i low = _mm512_set1_epi8(0x0F), one = _mm512_set1_epi8(1);
+    __m512 acc[MR];
+    for (int r = 0; r < mc; r++) acc[r] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < a->nb; b++) {
+        const uint8_t *blk = p + b * pb;
+        prefetch512(blk, pb);
+        __m512i isum[MR], lo[MR], hi[MR];
+        for (int r = 0; r < mc; r++) isum[r] = _mm512_setzero_si512();
+        for (int j = 0; j < 4; j++) { /* sub-blocks 2 j (low nibbles) and 2 j + 1 (high) */
+            for (int r = 0; r < mc; r++) lo[r] = hi[r] = _mm512_setzero_si512();
+            for (int c = 0; c < 8; c++) {
+                const __m512i v = _mm512_loadu_si512(blk + 320 + 64 * (8 * j + c));
+                __m512i vl = _mm512_and_si512(v, low), vh = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+                if (five) {
+                    const __m512i h = _mm512_loadu_si512(blk + 2368 + 64 * c);
+                    vl = _mm512_or_si512(vl, _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(h, 2 * j), one), 4));
+                    vh = _mm512_or_si512(vh, _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(h, 2 * j + 1), one), 4));
+                }
+                for (int r = 0; r < mc; r++) {
+                    const int8_t *x = ROW(a, m0 + r) + b * 256 + 64 * j + 4 * c;
+                    lo[r] = _mm512_dpbusd_epi32(lo[r], vl, bcast4(x));
+                    hi[r] = _mm512_dpbusd_epi32(hi[r], vh, bcast4(x + 32));
+                }
+            }
+            const __m512i sl = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(blk + 64 + 32 * j)));
+            const __m512i sh = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(blk + 80 + 32 * j)));
+            for (int r = 0; r < mc; r++)
+                isum[r] = _mm512_add_epi32(isum[r], _mm512_add_epi32(_mm512_mullo_epi32(sl, lo[r]),
+                                                                     _mm512_mullo_epi32(sh, hi[r])));
+        }
+        const __m512 d = f16x16(blk), dmin = f16x16(blk + 32);
+        for (int r = 0; r < mc; r++) {
+            const int64_t m = m0 + r;
+            const int16_t *bs = a->s + m * a->ns + b * 16;
+            __m512i msum = _mm512_setzero_si512();
+            for (int s = 0; s < 8; s++) {
+                const __m512i mn = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(blk + 192 + 16 * s)));
+                msum = _mm512_add_epi32(msum, _mm512_mullo_epi32(mn, _mm512_set1_epi32(bs[2 * s] + bs[2 * s + 1])));
+            }
+            const __m512 dx = _mm512_set1_ps(a->d[m * a->ld + b]);
+            const __m512 t1 = _mm512_mul_ps(_mm512_mul_ps(d, dx), _mm512_cvtepi32_ps(isum[r]));
+            const __m512 t2 = _mm512_mul_ps(_mm512_mul_ps(dmin, dx), _mm512_cvtepi32_ps(msum));
+            acc[r] = _mm512_add_ps(acc[r], _mm512_sub_ps(t1, t2));
+        }
+    }
+    store_rows(acc, mc, nr, out, ldo);
+}
+
+/* Q6_K: element 128 h + 32 t + 4 c + i (c < 8) of a row comes from ql chunk 16 h + 8 (t & 1) + c
+ * (nibble t >> 1) and qh chunk 8 h + c (bits 2 t); sub-block j = 8 h + 2 t + c / 4. */
+static inline INLINE AVX512 void q6_k_panel(const uint8_t *p, int64_t nr, const acts_t *a, int64_t m0, const int mc,
+                                            float *out, int64_t ldo) {
+    const __m512i low = _mm512_set1_epi8(0x0F), three = _mm512_set1_epi8(3);
+    __m512 acc[MR];
+    for (int r = 0; r < mc; r++) acc[r] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < a->nb; b++) {
+        const uint8_t *blk = p + b * 3360, *ql = blk + 288, *qh = blk + 288 + 2048;
+        prefetch512(blk, 3360);
+        __m512i isum[MR];
+        for (int r = 0; r < mc; r++) isum[r] = _mm512_setzero_si512();
+        for (int h = 0; h < 2; h++)
+            for (int t = 0; t < 4; t++)
+                for (int half = 0; half < 2; half++) {
+                    const int j = 8 * h + 2 * t + half;
+                    __m512i q[4];
+                    for (int c = 0; c < 4; c++) {
+                        const int cc = 4 * half + c;
+                        const __m512i l = _mm512_loadu_si512(ql + 64 * (16 * h + 8 * (t & 1) + cc));
+                        const __m512i hb = _mm512_loadu_si512(qh + 64 * (8 * h + cc));
+                        q[c] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(l, 4 * (t >> 1)), low),
+                                               _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(hb, 2 * t), three), 4));
+                    }
+                    const __m512i sc = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(blk + 32 + 16 * j)));
+                    for (int r = 0; r < mc; r++) {
+                        const int64_t m = m0 + r;
+                        const int8_t *x = ROW(a, m) + b * 256 + 128 * h + 32 * t + 16 * half;
+                        __m512i dot = _mm512_setzero_si512();
+                        for (int c = 0; c < 4; c++) dot = _mm512_dpbusd_epi32(dot, q[c], bcast4(x + 4 * c));
+                        dot = _mm512_sub_epi32(dot, _mm512_set1_epi32(32 * a->s[m * a->ns + b * 16 + j]));
+                        isum[r] = _mm512_add_epi32(isum[r], _mm512_mullo_epi32(sc, dot));
+                    }
+                }
+        const __m512 d = f16x16(blk);
+        for (int r = 0; r < mc; r++) {
+            const __m512 dx = _mm512_set1_ps(a->d[(m0 + r) * a->ld + b]);
+            acc[r] = _mm512_add_ps(acc[r], _mm512_mul_ps(_mm512_mul_ps(d, dx), _mm512_cvtepi32_ps(isum[r])));
+        }
+    }
+    store_rows(acc, mc, nr, out, ldo);
+}
+
+/* rows_fn over one panel (w: its start, nr <= 16 its real rows; ws unused), mc a constant for
+ * 1 row (decode) and MR rows so the loops over rows unroll. */
+#define PANEL_KERNEL(name, call)                                                                      \
+    static AVX512 void name##_avx512(const uint8_t *w, int64_t ws, int64_t nr, const acts_t *a, int64_t m0, \
+                                     int mc, float *out, int64_t ldo) {                               \
+        (void)ws;                                                                                     \
+        if (mc == 1) call(w, nr, a, m0, 1, out, ldo);                                                 \
+        else if (mc == MR) call(w, nr, a, m0, MR, out, ldo);                                          \
+        else call(w, nr, a, m0, mc, out, ldo);                                                        \
+    }
+#define Q4_0_PANEL(w, nr, a, m0, mc, out, ldo) small_panel(w, nr, a, m0, mc, out, ldo, T_Q4_0)
+#define Q4_1_PANEL(w, nr, a, m0, mc, out, ldo) small_panel(w, nr, a, m0, mc, out, ldo, T_Q4_1)
+#define Q8_0_PANEL(w, nr, a, m0, mc, out, ldo) small_panel(w, nr, a, m0, mc, out, ldo, T_Q8_0)
+PANEL_KERNEL(q4_0, Q4_0_PANEL)
+PANEL_KERNEL(q4_1, Q4_1_PANEL)
+PANEL_KERNEL(q8_0, Q8_0_PANEL)
+#define Q4_K_PANEL(w, nr, a, m0, mc, out, ldo) k45_panel(w, nr, a, m0, mc, out, ldo, 0)
+#define Q5_K_PANEL(w, nr, a, m0, mc, out, ldo) k45_panel(w, nr, a, m0, mc, out, ldo, 1)
+PANEL_KERNEL(q4_k, Q4_K_PANEL)
+PANEL_KERNEL(q5_k, Q5_K_PANEL)
+PANEL_KERNEL(q6_k, q6_k_panel)

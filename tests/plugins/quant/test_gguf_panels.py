@@ -1,0 +1,104 @@
+"""The AVX-512 VNNI kernels over 16-row panels (csrc/gguf_avx512.c, gguf_repack.c): the same
+bits as the portable kernels for every type with a panel kernel, row counts of the small-M
+kernels and of GEMMs, weight row counts that are not a multiple of the panel, 1 and 2
+threads, repacked per call (``mul_mat``) and once at bind (the bound and layer products).
+On a CPU without AVX-512 VNNI these are skipped with the reason; the repack itself and the
+kernel set's log line are checked everywhere."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from support.gguf_weights import make_weight, type_id
+
+gguf_native = pytest.importorskip("lmplug_quant.gguf_native")
+
+PANEL_TYPES = ["Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"]
+
+
+@pytest.fixture
+def avx512(kernel):
+    if kernel.best_isa != "avx512":
+        pytest.skip(f"this CPU runs at most the {kernel.best_isa!r} kernels: "
+                    f"{gguf_native.describe_isa(kernel.best_isa)}")
+    return kernel
+
+
+def portable(kernel, monkeypatch, x, w, name, k):
+    monkeypatch.setenv("LMPLUG_GGUF_ISA", "generic")
+    try:
+        return kernel.mul_mat(x, w, type_id(name), k, num_threads=1)
+    finally:
+        monkeypatch.setenv("LMPLUG_GGUF_ISA", "avx512")
+
+
+@pytest.mark.parametrize("name", PANEL_TYPES)
+@pytest.mark.parametrize("n", [37, 16, 5])
+def test_panels_give_the_portable_bits(avx512, monkeypatch, name, n):
+    k = 512
+    w = torch.from_numpy(make_weight(name, n, k, seed=n))
+    x = torch.randn(33, k, generator=torch.Generator().manual_seed(n)) * 3
+    want = portable(avx512, monkeypatch, x, w, name, k)
+    monkeypatch.setenv("LMPLUG_GGUF_ISA", "avx512")
+    for m in (1, 3, 5, 8, 9, 33):  # decode, a verify step's k + 1 rows, the 8-row groups, a GEMM
+        for threads in (1, 2):
+            got = avx512.mul_mat(x[:m], w, type_id(name), k, num_threads=threads)
+            assert torch.equal(got, want[:m]), (m, threads, (got - want[:m]).abs().max())
+
+
+@pytest.mark.parametrize("name", PANEL_TYPES)
+def test_bound_and_layer_products_read_panels_made_once(avx512, monkeypatch, name):
+    """Bound at avx512, a product reads the panels (made at bind, shared by the bound product
+    and the layer's native-step product of the same weight) and gives the portable bits."""
+    from lmplug.interfaces.native import call_product
+
+    k, n = 256 * 3, 45  # 24 blocks of 32 / 3 of 256, a partial last panel
+    w = torch.from_numpy(make_weight(name, n, k, seed=11))
+    x = torch.randn(5, k, generator=torch.Generator().manual_seed(11))
+    want = portable(avx512, monkeypatch, x, w, name, k)
+    monkeypatch.setenv("LMPLUG_GGUF_ISA", "avx512")
+    bound = gguf_native.BoundProduct(avx512, w, type_id(name), k)
+    assert bound.ggml_type == type_id(name) | gguf_native.PACKED_FLAG and bound.w.data_ptr() != w.data_ptr()
+    call = gguf_native.layer_product(avx512, [(type_id(name), w)], k, None)
+    assert avx512.panels(w, type_id(name), k) is bound.w  # one repacked copy
+    for m in (1, 5):
+        assert torch.equal(bound(x[:m]), want[:m])
+        assert torch.equal(call_product(call, x[:m], n, 2), want[:m])
+
+
+@pytest.mark.parametrize("name", PANEL_TYPES)
+def test_repack_puts_each_row_in_its_lane(kernel, name):
+    """The panel layout, independent of the CPU: a row's fp16 scale sits at its lane (2 r) of
+    its block's scale vector, rows past N are zero, and the size is whole panels."""
+    k, n = 256, 18
+    w = torch.from_numpy(make_weight(name, n, k, seed=4))
+    panels = kernel.panels(w, type_id(name), k)
+    block_bytes = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34, "Q4_K": 148, "Q5_K": 180, "Q6_K": 210}[name]
+    elems = gguf_native.BLOCKS[type_id(name)][0]
+    nb, pblock = k // elems, 16 * block_bytes
+    assert panels.numel() == 32 * nb * block_bytes  # 2 panels of 16 rows
+    scale_at = 208 if name == "Q6_K" else 0
+    for r in (0, 7, 15, 16, 17):
+        for b in (0, nb - 1):
+            blk = panels[(r // 16 * nb + b) * pblock:][:pblock]
+            raw = w[r, b * (w.shape[1] // nb) + scale_at:][:2]
+            assert torch.equal(blk[2 * (r % 16):][:2], raw)
+    last = panels[(nb + nb - 1) * pblock:][:pblock]
+    assert not last[4:32].any()  # the d of rows 18..31: zero
+
+
+def test_the_kernel_set_is_logged_with_what_it_lacks(kernel, caplog):
+    text = gguf_native.describe_isa("generic")
+    assert text.startswith("portable C")
+    assert gguf_native.describe_isa(kernel.best_isa) != ""
+    with caplog.at_level(logging.INFO, logger="lmplug_quant.gguf_native"):
+        gguf_native.GGUFKernel(*_reload(kernel))
+    assert any("native CPU kernels:" in r.getMessage() for r in caplog.records)
+
+
+def _reload(kernel):
+    import ctypes
+
+    return ctypes.CDLL(kernel.path), kernel.path
