@@ -1,8 +1,8 @@
 """``LLMEngine``: the loop. Each step: schedule -> run -> select -> commit.
 
 The stages live elsewhere: the scheduler plugin picks the work, ``ModelRunner`` runs the
-forward, the select stage (``select.Sampler``, or ``lmplug.speculation.Speculator`` with a
-drafter) picks the tokens, and ``lmplug.outputs`` appends them, checks stops and builds
+forward, the select stages (``stages.SelectStages``: beam groups, the sampler or the speculator,
+one ``lmplug.interfaces.select.SelectStage`` to the engine) pick the tokens, and ``lmplug.outputs`` appends them, checks stops and builds
 what callers receive.
 """
 
@@ -12,13 +12,11 @@ import logging
 import time
 from collections.abc import Sequence as Seq
 
-from lmplug.beam.route import SelectRouter
-from lmplug.beam.stage import BeamStage, check_beam_request
 from lmplug.config import ResolvedConfig
 from lmplug.constraints import Constraints
 from lmplug.engine.build import EngineParts, build_engine_parts
 from lmplug.engine.isolation import Observers, StepFailures
-from lmplug.engine.select import Sampler
+from lmplug.engine.stages import build_select_stages
 from lmplug.interfaces.params import SamplingParams, check_token_ids
 from lmplug.interfaces.scheduler import ScheduledSeq, SchedulerOutput
 from lmplug.interfaces.sequence import Sequence, SequenceStatus
@@ -60,10 +58,6 @@ class LLMEngine:
         self.max_model_len = parts.max_model_len
         self.eos_token_ids = parts.eos_token_ids
         self.constraints = Constraints(parts.constraint, self.model_config.vocab_size)
-        self.speculator = None if parts.drafter is None else Speculator(
-            parts.drafter, parts.drafter.options.num_tokens, self.kv, self.max_model_len,
-            self.constraints, self.eos_token_ids, rule=parts.acceptance)
-        self.selector = self.speculator or Sampler(self.constraints, self.eos_token_ids)
         # n > 1 shares the prompt's KV when the cache and the scheduler both declare "fork"
         # (not under tensor parallelism: a fork's copy-on-write block copies happen in rank 0's pool only;
         # not with state layers: a fork takes a state slot at once, and forks can outnumber
@@ -72,14 +66,17 @@ class LLMEngine:
                     and "fork" in self.scheduler.capabilities.features and not self.kv.spec.states)
         self.requests = RequestTable(self.tokenizer, self.eos_token_ids, self.max_model_len,
                                      self.model_config.vocab_size, self.kv, can_fork, self.config.seed)
-        # beam search (lmplug.beam): beam groups select through their own stage, the rest as before
-        self._can_fork = can_fork
-        self.selector = SelectRouter(self.selector, BeamStage(
-            self.kv, self.requests, self.eos_token_ids, self.max_model_len, self.tokenizer))
+        # the select stages (beam groups; the speculator or the sampler), behind one SelectStage
+        self.selector = build_select_stages(parts, self.constraints, self.requests, can_fork=can_fork)
         self.observers = Observers(self.registry)
         self._observe_steps = self.observers.wanted("lmplug_step_finished")
         self.last_stats: dict = {}
         self.observers.notify("lmplug_engine_started", engine=self)
+
+    @property
+    def speculator(self) -> Speculator | None:
+        """The speculative select stage, when a drafter is configured (its counts, for reports)."""
+        return self.selector.find(Speculator)
 
     def close(self) -> None:
         """Stop the tensor-parallel workers, if any (also done at interpreter exit), and let the
@@ -98,11 +95,7 @@ class LLMEngine:
         compile (``ConstraintError`` naming the field), ``exact`` under a lossy acceptance rule."""
         params = params or SamplingParams()
         check_token_ids(params, self.model_config.vocab_size)
-        if params.beam_width:
-            check_beam_request(params, max_num_seqs=self.kv.spec.max_num_seqs, can_fork=self._can_fork,
-                               speculative=self.speculator is not None)
-        if self.speculator is not None:
-            self.speculator.admit(params)
+        self.selector.admit(params)
         self.constraints.admit(params)
         for seq in self.requests.add(request_id, prompt, params, priority):
             self.scheduler.add(seq)
@@ -140,10 +133,7 @@ class LLMEngine:
         self.scheduler.update(finished)
         self._end_failed(failed)
         outputs = self.requests.outputs([item.seq for item in plan.scheduled])
-        if self.speculator is not None:  # which acceptance rule decided these tokens, and whether it is exact
-            for out in outputs:
-                if out.metrics is not None:
-                    out.metrics.acceptance_rule, out.metrics.lossy = self.speculator.rule_name, self.speculator.lossy
+        self.selector.annotate(outputs)
         for out in outputs:
             if out.finished:
                 self.observers.notify("lmplug_request_finished", engine=self, output=out)
