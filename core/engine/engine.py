@@ -15,6 +15,7 @@ from collections.abc import Sequence as Seq
 from lmplug.config import ResolvedConfig
 from lmplug.constraints import Constraints
 from lmplug.engine.build import EngineParts, build_engine_parts
+from lmplug.engine.forks import Forks
 from lmplug.engine.isolation import Observers, StepFailures
 from lmplug.engine.stages import build_select_stages
 from lmplug.interfaces.params import SamplingParams, check_token_ids
@@ -58,16 +59,12 @@ class LLMEngine:
         self.max_model_len = parts.max_model_len
         self.eos_token_ids = parts.eos_token_ids
         self.constraints = Constraints(parts.constraint, self.model_config.vocab_size)
-        # n > 1 shares the prompt's KV when the cache and the scheduler both declare "fork"
-        # (not under tensor parallelism: a fork's copy-on-write block copies happen in rank 0's pool only;
-        # not with state layers: a fork takes a state slot at once, and forks can outnumber
-        # max_num_seqs, the slots the pool has, so each sample runs as its own sequence)
-        can_fork = (self.parallel is None and "fork" in self.kv.capabilities.features
-                    and "fork" in self.scheduler.capabilities.features and not self.kv.spec.states)
         self.requests = RequestTable(self.tokenizer, self.eos_token_ids, self.max_model_len,
-                                     self.model_config.vocab_size, self.kv, can_fork, self.config.seed)
+                                     self.model_config.vocab_size, self.config.seed)
+        self.forks = Forks(self.kv, self.scheduler, parallel=self.parallel is not None)  # n > 1
         # the select stages (beam groups; the speculator or the sampler), behind one SelectStage
-        self.selector = build_select_stages(parts, self.constraints, self.requests, can_fork=can_fork)
+        self.selector = build_select_stages(parts, self.constraints, self.requests,
+                                            can_fork=self.forks.enabled)
         self.observers = Observers(self.registry)
         self._observe_steps = self.observers.wanted("lmplug_step_finished")
         self.last_stats: dict = {}
@@ -97,11 +94,12 @@ class LLMEngine:
         check_token_ids(params, self.model_config.vocab_size)
         self.selector.admit(params)
         self.constraints.admit(params)
-        for seq in self.requests.add(request_id, prompt, params, priority):
+        for seq in self.forks.hold(request_id, self.requests.add(request_id, prompt, params, priority)):
             self.scheduler.add(seq)
 
     def abort_request(self, request_id: str) -> None:
         req = self.requests.pop(request_id)
+        self.forks.drop(request_id)
         self.scheduler.abort(request_id)
         if req is not None:
             for seq in req.seqs:
@@ -159,7 +157,7 @@ class LLMEngine:
             guard.guarded(seq, "prompt logprobs", record_prompt_logprobs, seq, first, logits, self.tokenizer)
         if result.logits is None:
             return list(guard.failed), guard.failed
-        seqs, logits, hidden, num_rows, forked = self.requests.fork_siblings(
+        seqs, logits, hidden, num_rows, forked = self.forks.fork(
             [item.seq for item in result.sample_rows], result.logits, result.hidden, result.num_rows)
         emitted, rows = guard.select(self.selector, logits, num_rows, seqs, hidden)
         ok = [i for i, s in enumerate(seqs) if s not in guard]
@@ -177,11 +175,7 @@ class LLMEngine:
         self.selector.settle(seqs)  # failed ones are finished: released, not observed
         # a select stage may end sequences itself (a beam group ends all its beams at once)
         finished += [s for s in seqs if s.is_finished and s not in finished]
-        for seq in forked:
-            if seq.is_finished:
-                self.kv.free(seq)  # never reached the scheduler, so it cannot free it
-            else:
-                self.scheduler.add_running(seq)
+        self.forks.place(forked)
         return [s for s in finished if s not in forked], guard.failed
 
     def _end_failed(self, failed: list[Sequence]) -> None:
@@ -194,7 +188,7 @@ class LLMEngine:
                 if not seq.is_finished:
                     seq.status, seq.finish_reason = SequenceStatus.FINISHED, "error"
                     self.selector.release(seq)
-            req.pending_forks = []
+            self.forks.drop(request_id)
             self.scheduler.abort(request_id)
 
     def _report(self, plan: SchedulerOutput, started: float, decode: int) -> None:
