@@ -17,7 +17,7 @@ from lmplug.beam.search import BeamGroup
 from lmplug.errors import ConfigError
 from lmplug.interfaces.params import SamplingParams
 from lmplug.interfaces.scheduler import ScheduledSeq
-from lmplug.interfaces.sequence import Sequence, SequenceStatus
+from lmplug.interfaces.sequence import Sequence
 
 
 def is_beam(seq: Sequence) -> bool:
@@ -144,7 +144,7 @@ class BeamStage:
             hyp.text = text
         req.beam_results, req.beam_finish = results, finish
         for slot in slots:
-            slot.status, slot.finish_reason = SequenceStatus.FINISHED, finish[0][0] if finish else "length"
+            slot.finish(finish[0][0] if finish else "length")
         del self._groups[rid]
 
     def _decode(self, token_ids: list[int], params) -> str:

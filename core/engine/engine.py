@@ -20,7 +20,7 @@ from lmplug.engine.isolation import Observers, StepFailures
 from lmplug.engine.stages import build_select_stages
 from lmplug.interfaces.params import SamplingParams, check_token_ids
 from lmplug.interfaces.scheduler import ScheduledSeq, SchedulerOutput
-from lmplug.interfaces.sequence import Sequence, SequenceStatus
+from lmplug.interfaces.sequence import Sequence
 from lmplug.outputs import RequestOutput, RequestTable
 from lmplug.outputs.logprobs import record_prompt_logprobs
 from lmplug.plugins import Registry, get_registry
@@ -104,7 +104,7 @@ class LLMEngine:
         if req is not None:
             for seq in req.seqs:
                 if not seq.is_finished:
-                    seq.status, seq.finish_reason = SequenceStatus.FINISHED, "abort"
+                    seq.finish("abort")
                 self.selector.release(seq)
 
     def has_unfinished_requests(self) -> bool:
@@ -186,7 +186,7 @@ class LLMEngine:
             req = self.requests[request_id]
             for seq in req.seqs:
                 if not seq.is_finished:
-                    seq.status, seq.finish_reason = SequenceStatus.FINISHED, "error"
+                    seq.finish("error")
                     self.selector.release(seq)
             self.forks.drop(request_id)
             self.scheduler.abort(request_id)

@@ -10,7 +10,7 @@ import torch
 
 from lmplug.errors import ConfigError
 from lmplug.interfaces.params import SamplingParams
-from lmplug.interfaces.sequence import Sequence, SequenceStatus
+from lmplug.interfaces.sequence import Sequence
 from lmplug.outputs.stopping import check_stop
 from lmplug.outputs.types import CompletionOutput, RequestMetrics, RequestOutput
 
@@ -191,7 +191,7 @@ class RequestTable:
                 if detok is not None and not isinstance(seq.stop_reason, str):
                     detok.flush()  # a character cut short by the end still shows
                     seq.text = detok.text
-                seq.status = SequenceStatus.FINISHED
+                seq.finish()
                 seq.finish_time = now
                 return True
         return False
