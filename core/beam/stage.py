@@ -15,8 +15,9 @@ import torch
 
 from lmplug.beam.search import BeamGroup
 from lmplug.errors import ConfigError
+from lmplug.interfaces.params import SamplingParams
 from lmplug.interfaces.scheduler import ScheduledSeq
-from lmplug.interfaces.sequence import Sequence, SequenceStatus
+from lmplug.interfaces.sequence import Sequence
 
 
 def is_beam(seq: Sequence) -> bool:
@@ -26,13 +27,23 @@ def is_beam(seq: Sequence) -> bool:
 class BeamStage:
     """The select stage of beam groups. ``requests``: the engine's ``RequestTable``."""
 
-    def __init__(self, kv, requests, eos_token_ids: frozenset[int], max_model_len: int, tokenizer) -> None:
+    def __init__(self, kv, requests, eos_token_ids: frozenset[int], max_model_len: int, tokenizer, *,
+                 max_num_seqs: int, can_fork: bool, speculative: bool) -> None:
         self.kv = kv
+        # what ``admit`` checks a request against (``check_beam_request``)
+        self.max_num_seqs, self.can_fork, self.speculative = max_num_seqs, can_fork, speculative
         self.requests = requests
         self.eos_token_ids = eos_token_ids
         self.max_model_len = max_model_len
         self.tokenizer = tokenizer
         self._groups: dict[str, BeamGroup] = {}
+
+    def claims(self, params: SamplingParams) -> bool:
+        return params.beam_width > 0
+
+    def admit(self, params: SamplingParams) -> None:
+        check_beam_request(params, max_num_seqs=self.max_num_seqs, can_fork=self.can_fork,
+                           speculative=self.speculative)
 
     def propose(self, seqs: list[Sequence]) -> dict[int, int]:
         return {}
@@ -133,7 +144,7 @@ class BeamStage:
             hyp.text = text
         req.beam_results, req.beam_finish = results, finish
         for slot in slots:
-            slot.status, slot.finish_reason = SequenceStatus.FINISHED, finish[0][0] if finish else "length"
+            slot.finish(finish[0][0] if finish else "length")
         del self._groups[rid]
 
     def _decode(self, token_ids: list[int], params) -> str:
@@ -157,6 +168,9 @@ class BeamStage:
 
     def stats(self) -> dict:
         return {}
+
+    def annotate(self, outputs: list) -> None:
+        pass
 
 
 def check_beam_request(params, *, max_num_seqs: int, can_fork: bool, speculative: bool) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import sys
 import time
@@ -13,7 +14,7 @@ import torch
 from lmplug.config import ResolvedConfig
 from lmplug.engine.architecture import architecture, choose_architecture
 from lmplug.engine.draft_parts import draft_target
-from lmplug.engine.plan import EnginePlan, make_plan
+from lmplug.engine.plan import EnginePlan, fit_pool, make_plan
 from lmplug.engine.runner import ModelRunner
 from lmplug.errors import ConfigError, ModelLoadError
 from lmplug.interfaces import (
@@ -184,7 +185,8 @@ def build_engine_parts(resolved: ResolvedConfig, parallel: ParallelState | None 
     if "kvconnector" in backends:  # a tier for prefix-cached blocks (host memory, disk)
         kv.attach_connector(_built(backends, "kvconnector"), model_identity(
             source.path, source.hf_config, resolved.dtype, backends["quant"].name if "quant" in backends else None))
-    max_model_len = fit_pool(kv, max_model_len)
+    plan, kv = _fit_pool(plan, kv, backends["kvcache"], spec, parallel)
+    max_model_len = plan.max_model_len
     limits = SchedulerLimits(sched_opts.max_num_seqs, sched_opts.max_num_batched_tokens, max_model_len)
     scheduler = backends["scheduler"].cls(sched_opts, kv, limits)
     # group: rank 0's handle on the tensor-parallel workers (``lmplug.parallel.launch``), if any
@@ -219,22 +221,18 @@ def build_cpu_kernels() -> float:
     return spent
 
 
-def fit_pool(kv: KVCacheBackend, max_model_len: int) -> int:
-    """Capacity known at start: a block pool that cannot hold one ``max_model_len`` sequence
-    clamps ``max_model_len`` to what it holds, with a warning (requests past it are refused with
-    a clear error when they arrive, instead of failing mid-run). Sliding-window models are
-    exempt: their cache frees what falls out of the window."""
-    blocks = kv.pool_blocks()
-    if blocks is None or kv.spec.sliding_window is not None:
-        return max_model_len
-    capacity = blocks * kv.block_size
-    if capacity >= max_model_len:
-        return max_model_len
-    logger.warning("kvcache: the %s pool holds %d tokens (%d blocks of %d), fewer than "
-                   "max_model_len=%d: max_model_len is clamped to %d; raise kvcache.num_blocks or "
-                   "kvcache.memory_gb, or set max_model_len <= %d", kv.name, capacity, blocks,
-                   kv.block_size, max_model_len, capacity, capacity)
-    return capacity
+def _fit_pool(plan: EnginePlan, kv: KVCacheBackend, chosen, spec: KVCacheSpec,
+              parallel: ParallelState) -> tuple[EnginePlan, KVCacheBackend]:
+    """The plan's limits once the pool's size is known (``plan.fit_pool``); when it lowers
+    ``max_model_len``, the cache is rebuilt with the same blocks and the plan's limit, so that its
+    spec, the scheduler's limits and the engine agree."""
+    fitted = fit_pool(plan, kv.pool_blocks(), kv.block_size, kv.name, spec.sliding_window)
+    if fitted.max_model_len == spec.max_model_len:
+        return fitted, kv
+    options = chosen.cls.with_pool_blocks(chosen.options, kv.pool_blocks())
+    del kv  # (its pool goes before the rebuilt one takes the same memory)
+    spec = dataclasses.replace(spec, max_model_len=fitted.max_model_len)
+    return fitted, parallel_setup.build_kv(chosen.cls, options, spec, parallel)
 
 
 def config_file(source) -> str:

@@ -1,8 +1,8 @@
 """``LLMEngine``: the loop. Each step: schedule -> run -> select -> commit.
 
 The stages live elsewhere: the scheduler plugin picks the work, ``ModelRunner`` runs the
-forward, the select stage (``select.Sampler``, or ``lmplug.speculation.Speculator`` with a
-drafter) picks the tokens, and ``lmplug.outputs`` appends them, checks stops and builds
+forward, the select stages (``stages.SelectStages``: beam groups, the sampler or the speculator,
+one ``lmplug.interfaces.select.SelectStage`` to the engine) pick the tokens, and ``lmplug.outputs`` appends them, checks stops and builds
 what callers receive.
 """
 
@@ -12,16 +12,15 @@ import logging
 import time
 from collections.abc import Sequence as Seq
 
-from lmplug.beam.route import SelectRouter
-from lmplug.beam.stage import BeamStage, check_beam_request
 from lmplug.config import ResolvedConfig
 from lmplug.constraints import Constraints
 from lmplug.engine.build import EngineParts, build_engine_parts
+from lmplug.engine.forks import Forks
 from lmplug.engine.isolation import Observers, StepFailures
-from lmplug.engine.select import Sampler
+from lmplug.engine.stages import build_select_stages
 from lmplug.interfaces.params import SamplingParams, check_token_ids
 from lmplug.interfaces.scheduler import ScheduledSeq, SchedulerOutput
-from lmplug.interfaces.sequence import Sequence, SequenceStatus
+from lmplug.interfaces.sequence import Sequence
 from lmplug.outputs import RequestOutput, RequestTable
 from lmplug.outputs.logprobs import record_prompt_logprobs
 from lmplug.plugins import Registry, get_registry
@@ -60,26 +59,21 @@ class LLMEngine:
         self.max_model_len = parts.max_model_len
         self.eos_token_ids = parts.eos_token_ids
         self.constraints = Constraints(parts.constraint, self.model_config.vocab_size)
-        self.speculator = None if parts.drafter is None else Speculator(
-            parts.drafter, parts.drafter.options.num_tokens, self.kv, self.max_model_len,
-            self.constraints, self.eos_token_ids, rule=parts.acceptance)
-        self.selector = self.speculator or Sampler(self.constraints, self.eos_token_ids)
-        # n > 1 shares the prompt's KV when the cache and the scheduler both declare "fork"
-        # (not under tensor parallelism: a fork's copy-on-write block copies happen in rank 0's pool only;
-        # not with state layers: a fork takes a state slot at once, and forks can outnumber
-        # max_num_seqs, the slots the pool has, so each sample runs as its own sequence)
-        can_fork = (self.parallel is None and "fork" in self.kv.capabilities.features
-                    and "fork" in self.scheduler.capabilities.features and not self.kv.spec.states)
         self.requests = RequestTable(self.tokenizer, self.eos_token_ids, self.max_model_len,
-                                     self.model_config.vocab_size, self.kv, can_fork, self.config.seed)
-        # beam search (lmplug.beam): beam groups select through their own stage, the rest as before
-        self._can_fork = can_fork
-        self.selector = SelectRouter(self.selector, BeamStage(
-            self.kv, self.requests, self.eos_token_ids, self.max_model_len, self.tokenizer))
+                                     self.model_config.vocab_size, self.config.seed)
+        self.forks = Forks(self.kv, self.scheduler, parallel=self.parallel is not None)  # n > 1
+        # the select stages (beam groups; the speculator or the sampler), behind one SelectStage
+        self.selector = build_select_stages(parts, self.constraints, self.requests,
+                                            can_fork=self.forks.enabled)
         self.observers = Observers(self.registry)
         self._observe_steps = self.observers.wanted("lmplug_step_finished")
         self.last_stats: dict = {}
         self.observers.notify("lmplug_engine_started", engine=self)
+
+    @property
+    def speculator(self) -> Speculator | None:
+        """The speculative select stage, when a drafter is configured (its counts, for reports)."""
+        return self.selector.find(Speculator)
 
     def close(self) -> None:
         """Stop the tensor-parallel workers, if any (also done at interpreter exit), and let the
@@ -98,22 +92,19 @@ class LLMEngine:
         compile (``ConstraintError`` naming the field), ``exact`` under a lossy acceptance rule."""
         params = params or SamplingParams()
         check_token_ids(params, self.model_config.vocab_size)
-        if params.beam_width:
-            check_beam_request(params, max_num_seqs=self.kv.spec.max_num_seqs, can_fork=self._can_fork,
-                               speculative=self.speculator is not None)
-        if self.speculator is not None:
-            self.speculator.admit(params)
+        self.selector.admit(params)
         self.constraints.admit(params)
-        for seq in self.requests.add(request_id, prompt, params, priority):
+        for seq in self.forks.hold(request_id, self.requests.add(request_id, prompt, params, priority)):
             self.scheduler.add(seq)
 
     def abort_request(self, request_id: str) -> None:
         req = self.requests.pop(request_id)
+        self.forks.drop(request_id)
         self.scheduler.abort(request_id)
         if req is not None:
             for seq in req.seqs:
                 if not seq.is_finished:
-                    seq.status, seq.finish_reason = SequenceStatus.FINISHED, "abort"
+                    seq.finish("abort")
                 self.selector.release(seq)
 
     def has_unfinished_requests(self) -> bool:
@@ -140,10 +131,7 @@ class LLMEngine:
         self.scheduler.update(finished)
         self._end_failed(failed)
         outputs = self.requests.outputs([item.seq for item in plan.scheduled])
-        if self.speculator is not None:  # which acceptance rule decided these tokens, and whether it is exact
-            for out in outputs:
-                if out.metrics is not None:
-                    out.metrics.acceptance_rule, out.metrics.lossy = self.speculator.rule_name, self.speculator.lossy
+        self.selector.annotate(outputs)
         for out in outputs:
             if out.finished:
                 self.observers.notify("lmplug_request_finished", engine=self, output=out)
@@ -169,7 +157,7 @@ class LLMEngine:
             guard.guarded(seq, "prompt logprobs", record_prompt_logprobs, seq, first, logits, self.tokenizer)
         if result.logits is None:
             return list(guard.failed), guard.failed
-        seqs, logits, hidden, num_rows, forked = self.requests.fork_siblings(
+        seqs, logits, hidden, num_rows, forked = self.forks.fork(
             [item.seq for item in result.sample_rows], result.logits, result.hidden, result.num_rows)
         emitted, rows = guard.select(self.selector, logits, num_rows, seqs, hidden)
         ok = [i for i, s in enumerate(seqs) if s not in guard]
@@ -187,11 +175,7 @@ class LLMEngine:
         self.selector.settle(seqs)  # failed ones are finished: released, not observed
         # a select stage may end sequences itself (a beam group ends all its beams at once)
         finished += [s for s in seqs if s.is_finished and s not in finished]
-        for seq in forked:
-            if seq.is_finished:
-                self.kv.free(seq)  # never reached the scheduler, so it cannot free it
-            else:
-                self.scheduler.add_running(seq)
+        self.forks.place(forked)
         return [s for s in finished if s not in forked], guard.failed
 
     def _end_failed(self, failed: list[Sequence]) -> None:
@@ -202,9 +186,9 @@ class LLMEngine:
             req = self.requests[request_id]
             for seq in req.seqs:
                 if not seq.is_finished:
-                    seq.status, seq.finish_reason = SequenceStatus.FINISHED, "error"
+                    seq.finish("error")
                     self.selector.release(seq)
-            req.pending_forks = []
+            self.forks.drop(request_id)
             self.scheduler.abort(request_id)
 
     def _report(self, plan: SchedulerOutput, started: float, decode: int) -> None:

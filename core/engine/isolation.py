@@ -15,7 +15,7 @@ from collections.abc import Callable
 
 import torch
 
-from lmplug.interfaces.sequence import Sequence, SequenceStatus
+from lmplug.interfaces.sequence import Sequence
 from lmplug.outputs.logprobs import token_logprobs
 
 logger = logging.getLogger("lmplug.engine.engine")
@@ -41,7 +41,7 @@ class StepFailures:
     def fail(self, seq: Sequence, what: str, exc: BaseException) -> None:
         logger.error("request %r failed in the %s stage; it ends with finish_reason='error' "
                      "(the other requests go on)", seq.request_id, what, exc_info=exc)
-        seq.status, seq.finish_reason, seq.stop_reason = SequenceStatus.FINISHED, "error", None
+        seq.finish("error", clear_stop_reason=True)
         seq.finish_time = time.perf_counter()
         if seq not in self.failed:
             self.failed.append(seq)

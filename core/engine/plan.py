@@ -5,12 +5,15 @@ attention backend with the "mla" feature; MoE models a moe backend, ``auto`` wit
 dense models none), takes the quant method from the checkpoint's ``quantization_config`` where
 the config names none (or the same one), checks the model against the choice and the
 tensor-parallel layout, and returns an immutable ``EnginePlan``. The build constructs from the
-plan and changes nothing in it. At start-up the plan logs one INFO line per family: the backend
+plan; the one limit known only once the KV pool is allocated (its size can come from free memory)
+is decided here too, by ``fit_pool``, which returns the plan with ``max_model_len`` lowered to what
+the pool holds; the build then makes the KV spec and the scheduler's limits from that plan. At start-up the plan logs one INFO line per family: the backend
 and why (named in the config, from the checkpoint, or ``auto``'s candidates and priorities).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -93,6 +96,25 @@ def make_plan(resolved: ResolvedConfig, hf_config: Mapping, model_config: ModelC
                     arch_info.distribution, arch_reason)
         log_choices(final)
     return plan
+
+
+def fit_pool(plan: EnginePlan, pool_blocks: int | None, block_size: int, kv_name: str,
+             sliding_window: int | None) -> EnginePlan:
+    """The plan with ``max_model_len`` fitted to the KV pool: a block pool that cannot hold one
+    ``max_model_len`` sequence lowers it to what it holds, with a warning (requests past it are
+    refused with a clear error when they arrive, instead of failing mid-run). ``pool_blocks``
+    None: a cache whose size the options fix. Sliding-window models are exempt: their cache
+    frees what falls out of the window."""
+    if pool_blocks is None or sliding_window is not None:
+        return plan
+    capacity = pool_blocks * block_size
+    if capacity >= plan.max_model_len:
+        return plan
+    logger.warning("kvcache: the %s pool holds %d tokens (%d blocks of %d), fewer than "
+                   "max_model_len=%d: max_model_len is clamped to %d; raise kvcache.num_blocks or "
+                   "kvcache.memory_gb, or set max_model_len <= %d", kv_name, capacity, pool_blocks,
+                   block_size, plan.max_model_len, capacity, capacity)
+    return dataclasses.replace(plan, max_model_len=capacity)
 
 
 def _check_architecture(info: BackendInfo, model_config: ModelConfig, parallel: ParallelState,

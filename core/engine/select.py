@@ -1,12 +1,9 @@
 """The select stage: which tokens each sequence emits from the step's logits.
 
-Two implementations with the same methods, called by ``LLMEngine.step`` in this order:
-``propose(seqs) -> lookahead`` before scheduling, ``plan(scheduled)`` after it,
-``select(logits, num_rows, seqs, hidden, on_error) -> (tokens, rows)`` after the forward (with
-``on_error``, a sequence whose tokens cannot be chosen is reported there, the others go on), ``settle(seqs)``
-once the tokens are appended; ``release(seq)`` when a sequence ends early and ``stats()`` for the
-step's report. ``Sampler`` (here) draws one token per sequence; ``lmplug.speculation.Speculator``
-drafts, verifies and rolls back.
+Implementations of ``lmplug.interfaces.select.SelectStage`` (when the engine calls each method:
+there): ``Sampler`` (here) draws one token per sequence; ``lmplug.speculation.Speculator``
+drafts, verifies and rolls back; ``lmplug.beam.stage.BeamStage`` steps beam groups.
+``lmplug.engine.stages`` routes each sequence to one of them.
 
 Both shape each row the same way before drawing (``lmplug.interfaces.sampling.sample``): penalties,
 logit bias and ``min_tokens``, then the structured-output mask (``lmplug.constraints``; filled on a
@@ -20,6 +17,7 @@ from collections.abc import Callable
 import torch
 
 from lmplug.constraints import Constraints
+from lmplug.interfaces.params import SamplingParams
 from lmplug.interfaces.penalties import PromptIds
 from lmplug.interfaces.sampling import sample
 from lmplug.interfaces.scheduler import ScheduledSeq, samples_now
@@ -34,6 +32,12 @@ class Sampler:
         self.eos_token_ids = eos_token_ids
         self._masks = None  # this step's mask job (lmplug.constraints), started in plan
         self._prompts = PromptIds()  # each penalised sequence's prompt, for the repetition penalty
+
+    def claims(self, params: SamplingParams) -> bool:
+        return True
+
+    def admit(self, params: SamplingParams) -> None:
+        pass
 
     def propose(self, seqs: list[Sequence]) -> dict[int, int]:
         return {}
@@ -80,3 +84,6 @@ class Sampler:
 
     def stats(self) -> dict:
         return {}
+
+    def annotate(self, outputs: list) -> None:
+        pass

@@ -44,7 +44,7 @@ class Sequence:
         self.token_ids = list(prompt_token_ids)
         self.num_prompt_tokens = len(prompt_token_ids)
         self.num_computed_tokens = 0
-        self.status = SequenceStatus.WAITING
+        self._status = SequenceStatus.WAITING  # changed by the transitions below only
         self.params = params
         self.priority = priority
         self.generator = generator
@@ -60,6 +60,33 @@ class Sequence:
         self.num_drafted = 0  # proposals verified over the sequence's life
         self.num_accepted = 0  # of those, accepted
         self.num_target_forwards = 0  # target forwards (steps) that produced tokens for it
+
+    # -- status: waiting -> running (a scheduler admits it) -> waiting (preempted) ... -> finished --
+    @property
+    def status(self) -> SequenceStatus:
+        return self._status
+
+    @status.setter
+    def status(self, value: SequenceStatus) -> None:
+        """(kept for plugins written before the named transitions; the core uses those)"""
+        self._status = SequenceStatus(value)
+
+    def start_running(self) -> None:
+        """A scheduler admitted it: it runs from this step."""
+        self._status = SequenceStatus.RUNNING
+
+    def requeue(self) -> None:
+        """A scheduler preempted it: it waits to be admitted again."""
+        self._status = SequenceStatus.WAITING
+
+    def finish(self, reason: str | None = None, *, clear_stop_reason: bool = False) -> None:
+        """It ends; ``reason`` (when given) is its ``finish_reason`` ("stop", "length", "abort",
+        "error"; a stop check sets it before); ``clear_stop_reason`` drops a stop reason already set."""
+        self._status = SequenceStatus.FINISHED
+        if reason is not None:
+            self.finish_reason = reason
+        if clear_stop_reason:
+            self.stop_reason = None
 
     @property
     def num_tokens(self) -> int:

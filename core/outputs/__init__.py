@@ -1,6 +1,6 @@
 """Output processing: everything between a step's chosen tokens and what callers receive.
 
-The request table (``requests.py``: a request's sequences, detokenizers, n > 1 forks), stop
+The request table (``requests.py``: a request's sequences, detokenizers), stop
 checks (``stopping.py``), logprobs (``logprobs.py``), streaming deltas and the result types
 (``types.py``: ``RequestOutput``, ``CompletionOutput``, ``RequestMetrics``). It never imports
 the engine: the engine hands it sequences, tokens and logits.

@@ -1,16 +1,16 @@
-"""The request table: each request's sequences, its text state, n > 1 forks and its outputs."""
+"""The request table: each request's sequences, its text state and its outputs (``n > 1`` forks
+are ``lmplug.engine.forks``')."""
 
 from __future__ import annotations
 
 import dataclasses
-import itertools
 from collections.abc import Sequence as Seq
 
 import torch
 
 from lmplug.errors import ConfigError
 from lmplug.interfaces.params import SamplingParams
-from lmplug.interfaces.sequence import Sequence, SequenceStatus
+from lmplug.interfaces.sequence import Sequence
 from lmplug.outputs.stopping import check_stop
 from lmplug.outputs.types import CompletionOutput, RequestMetrics, RequestOutput
 
@@ -25,7 +25,6 @@ class Request:
         self.detokenizers = detokenizers
         self.sent_tokens = [0] * len(seqs)  # streaming: tokens already reported per sequence
         self.sent_text = [0] * len(seqs)
-        self.pending_forks: list[Sequence] = []  # siblings forked from seqs[0] at its first token
         # beam search: the returned hypotheses (``lmplug.beam.search.Hypothesis``), set when the group ends
         self.beam_results: list | None = None
         self.beam_finish: list[tuple[str, str | int | None]] = []  # (finish_reason, stop_reason) each
@@ -86,16 +85,14 @@ def beam_slot_params(params: SamplingParams) -> SamplingParams:
 
 
 class RequestTable:
-    """The engine's live requests. ``can_fork``: n > 1 shares the prompt's KV (``kv.fork``)."""
+    """The engine's live requests."""
 
     def __init__(self, tokenizer, eos_token_ids: frozenset[int], max_model_len: int, vocab_size: int,
-                 kv, can_fork: bool, seed: int) -> None:
+                 seed: int) -> None:
         self.tokenizer = tokenizer
         self.eos_token_ids = eos_token_ids
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
-        self.kv = kv
-        self.can_fork = can_fork
         self._requests: dict[str, Request] = {}
         self._seed_rng = torch.Generator().manual_seed(seed)
 
@@ -118,8 +115,7 @@ class RequestTable:
     # -- new requests ----------------------------------------------------------------------------
     def add(self, request_id: str, prompt: str | Seq[int], params: SamplingParams,
             priority: int = 0) -> list[Sequence]:
-        """Register a request; returns the sequences to schedule now (with forking, the first
-        only: its siblings fork from it at its first token)."""
+        """Register a request; returns its sequences (``n``, or ``beam_width`` beam slots)."""
         if request_id in self._requests:
             raise ConfigError(f"request id {request_id!r} is already in use")
         text, ids = self._tokenize(prompt)
@@ -137,9 +133,6 @@ class RequestTable:
         req = Request(request_id, text, ids, seqs, detoks)
         req.params = params  # a beam group's own (its slots carry beam_slot_params)
         self._requests[request_id] = req
-        if self.can_fork:
-            req.pending_forks = seqs[1:]
-            return seqs[:1]
         return seqs
 
     def _check_prompt(self, request_id: str, ids: list[int]) -> None:
@@ -168,32 +161,6 @@ class RequestTable:
             return None
         from lmplug.loading.tokenizer import IncrementalDetokenizer
         return IncrementalDetokenizer(self.tokenizer, prompt_ids, skip_special_tokens=params.skip_special_tokens)
-
-    # -- n > 1 -----------------------------------------------------------------------------------
-    def fork_siblings(self, seqs: list[Sequence], logits: torch.Tensor, hidden: torch.Tensor | None,
-                      num_rows: list[int]) -> tuple[list[Sequence], torch.Tensor, torch.Tensor | None,
-                                                    list[int], list[Sequence]]:
-        """Fork the waiting siblings of every sequence about to sample its first token.
-
-        A child shares its parent's prompt KV (``kv.fork``) and samples its own first token,
-        with its own generator, from a copy of the parent's (last) logits (and hidden) row.
-        Returns the sequences with the children appended, the rows to match, and the children.
-        """
-        last_rows = [end - 1 for end in itertools.accumulate(num_rows)]  # no tensor ops: runs every step
-        rows, forked = [], []
-        for i, parent in enumerate(seqs):
-            req = self._requests[parent.request_id]
-            for child in req.pending_forks:
-                child.num_computed_tokens = parent.num_computed_tokens
-                self.kv.fork(parent, child)
-                rows.append(last_rows[i])
-                forked.append(child)
-            req.pending_forks = []
-        if not forked:
-            return seqs, logits, hidden, num_rows, []
-        logits = torch.cat([logits, logits[rows]])
-        hidden = None if hidden is None else torch.cat([hidden, hidden[rows]])
-        return seqs + forked, logits, hidden, num_rows + [1] * len(forked), forked
 
     # -- tokens in, outputs out ------------------------------------------------------------------
     def append(self, seqs: list[Sequence], emitted: list[list[int]], logprobs: list[list[dict] | None],
@@ -224,7 +191,7 @@ class RequestTable:
                 if detok is not None and not isinstance(seq.stop_reason, str):
                     detok.flush()  # a character cut short by the end still shows
                     seq.text = detok.text
-                seq.status = SequenceStatus.FINISHED
+                seq.finish()
                 seq.finish_time = now
                 return True
         return False

@@ -96,6 +96,9 @@ class Speculator:
     def lossy(self) -> bool:
         return self.rule is not None and self.rule.lossy
 
+    def claims(self, params: SamplingParams) -> bool:
+        return True
+
     def admit(self, params: SamplingParams) -> None:
         """Refuse (``ConfigError``) a request that asks for exact sampling under a lossy rule."""
         check_exact_request(params, self.rule)
@@ -316,6 +319,12 @@ class Speculator:
         self.drafter.release(seq)
 
     # -- statistics ------------------------------------------------------------------------------
+    def annotate(self, outputs: list) -> None:
+        """Which acceptance rule decided each request's tokens, and whether it is exact."""
+        for out in outputs:
+            if out.metrics is not None:
+                out.metrics.acceptance_rule, out.metrics.lossy = self.rule_name, self.lossy
+
     def stats(self) -> dict:
         """This step's counts and the running acceptance rate / mean accepted length."""
         return {

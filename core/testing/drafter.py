@@ -22,7 +22,7 @@ import torch
 
 from lmplug.interfaces import Drafter, DraftProposal
 from lmplug.interfaces.params import SamplingParams
-from lmplug.interfaces.sequence import Sequence, SequenceStatus
+from lmplug.interfaces.sequence import Sequence
 from lmplug.testing.base import Conformance
 from lmplug.testing.compare import ContractViolation, fail, reported
 
@@ -68,7 +68,7 @@ class DrafterConformance(Conformance):
             seq = Sequence(
                 f"req-{i}", [t % self.vocab_size for t in prompt], SamplingParams(temperature=0)
             )
-            seq.status = SequenceStatus.RUNNING
+            seq.start_running()
             seq.num_computed_tokens = (
                 seq.num_tokens - 1
             )  # as after a step: the last token is not yet computed

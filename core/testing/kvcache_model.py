@@ -17,7 +17,7 @@ import torch
 from lmplug.interfaces import KVCacheBackend
 from lmplug.interfaces.kv_layout import kv_slots_list
 from lmplug.interfaces.params import SamplingParams
-from lmplug.interfaces.sequence import Sequence, SequenceStatus
+from lmplug.interfaces.sequence import Sequence
 from lmplug.testing.compare import ContractViolation
 
 PROBE_TOKEN_BASE = 1_000_000  # token ids for capacity probes; never shared with test prompts
@@ -55,7 +55,7 @@ class KVModel:
     # -- operations ------------------------------------------------------------------------------
     def new_sequence(self, tokens: list[int], request_id: str = "r") -> Sequence:
         seq = Sequence(request_id, tokens, SamplingParams(max_tokens=None, temperature=0))
-        seq.status = SequenceStatus.RUNNING
+        seq.start_running()
         return seq
 
     def add(self, tokens: list[int]) -> Sequence | None:

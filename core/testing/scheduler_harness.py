@@ -19,7 +19,7 @@ import torch
 from lmplug.interfaces import KVCacheBackend, Scheduler, SchedulerOutput
 from lmplug.interfaces.kv_layout import kv_slots_list
 from lmplug.interfaces.params import SamplingParams
-from lmplug.interfaces.sequence import Sequence, SequenceStatus
+from lmplug.interfaces.sequence import Sequence
 from lmplug.outputs.stopping import check_stop
 from lmplug.testing.fakes import SchedulerViolation
 
@@ -127,7 +127,7 @@ class Harness:
             if seq.num_computed_tokens == seq.num_tokens:
                 seq.token_ids.append(next_token(seq.token_ids))
                 if check_stop(seq, seq.token_ids[-1], frozenset(), self.workload.max_model_len):
-                    seq.status = SequenceStatus.FINISHED
+                    seq.finish()
                     finished.append(seq)
         self.scheduler.update(finished)
 
@@ -155,7 +155,7 @@ class Harness:
         self.aborted |= expected
         for seq in self.seqs:  # as LLMEngine.abort_request does
             if seq.seq_id in expected and not seq.is_finished:
-                seq.status, seq.finish_reason = SequenceStatus.FINISHED, "abort"
+                seq.finish("abort")
 
     # -- checks ------------------------------------------------------------------------------------
     def _check_plan(self, plan: SchedulerOutput) -> None:

@@ -21,7 +21,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from lmplug.interfaces import KVCacheSpec, SamplingParams, Sequence, SequenceStatus
+from lmplug.interfaces import KVCacheSpec, SamplingParams, Sequence
 from lmplug.interfaces.state import StateSpec, StateTensor
 from lmplug.testing.base import Conformance
 from lmplug.testing.compare import fail
@@ -52,7 +52,7 @@ class StateCacheConformance(Conformance):
 
     def _seq(self, tokens: int = 3) -> Sequence:
         seq = Sequence("r", [1] * tokens, SamplingParams(max_tokens=None, temperature=0))
-        seq.status = SequenceStatus.RUNNING
+        seq.start_running()
         return seq
 
     def _allocate(self, kv, seq: Sequence) -> None:

@@ -36,7 +36,7 @@ from lmplug.interfaces import (
     SchedulerOptions,
     SchedulerOutput,
 )
-from lmplug.interfaces.sequence import Sequence, SequenceStatus
+from lmplug.interfaces.sequence import Sequence
 
 
 class ContinuousOptions(SchedulerOptions):
@@ -179,7 +179,7 @@ class ContinuousScheduler(RunningBatch):
         else:
             self.kv.free(seq)
             seq.num_computed_tokens = 0
-        seq.status = SequenceStatus.WAITING
+        seq.requeue()
         self.waiting.push(seq)
         out.preempted.append(seq)
         self.num_preemptions += 1
@@ -209,7 +209,7 @@ class ContinuousScheduler(RunningBatch):
                     self.kv.allocate(seq, seq.num_computed_tokens + n)
                 else:
                     n = max(first - seq.num_computed_tokens, 0)
-            seq.status = SequenceStatus.RUNNING
+            seq.start_running()
             self.running.append(seq)
             if n > 0:
                 out.scheduled.append(ScheduledSeq(seq, n))
@@ -229,7 +229,7 @@ class ContinuousScheduler(RunningBatch):
         self.waiting.pop()
         self.kv.swap_in(seq)
         self.kv.allocate(seq, seq.num_computed_tokens + n)
-        seq.status = SequenceStatus.RUNNING
+        seq.start_running()
         self.running.append(seq)
         out.scheduled.append(ScheduledSeq(seq, n))
         return True

@@ -11,7 +11,7 @@ from __future__ import annotations
 from abc import abstractmethod
 
 from lmplug.interfaces import Scheduler
-from lmplug.interfaces.sequence import Sequence, SequenceStatus
+from lmplug.interfaces.sequence import Sequence
 
 
 class RunningBatch(Scheduler):
@@ -25,7 +25,7 @@ class RunningBatch(Scheduler):
 
     def add_running(self, seq: Sequence) -> None:
         """A forked sibling joins the running batch (it already holds its prompt's KV)."""
-        seq.status = SequenceStatus.RUNNING
+        seq.start_running()
         self.running.append(seq)
 
     def update(self, finished: list[Sequence]) -> None:
@@ -41,8 +41,7 @@ class RunningBatch(Scheduler):
         self.running = [s for s in self.running if s.request_id != request_id]
         for seq in dropped:
             self.kv.free(seq)
-            seq.status = SequenceStatus.FINISHED
-            seq.finish_reason = seq.finish_reason or "abort"
+            seq.finish(seq.finish_reason or "abort")
         return dropped
 
     @property

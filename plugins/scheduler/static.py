@@ -20,7 +20,7 @@ from collections import deque
 from lmplug_scheduler.running_batch import RunningBatch
 
 from lmplug.interfaces import Capabilities, ScheduledSeq, SchedulerOutput
-from lmplug.interfaces.sequence import Sequence, SequenceStatus
+from lmplug.interfaces.sequence import Sequence
 
 
 class StaticScheduler(RunningBatch):
@@ -64,7 +64,7 @@ class StaticScheduler(RunningBatch):
             self.waiting.popleft()
             cached = self.kv.allocate(seq, seq.num_tokens)
             seq.skip_cached(cached)
-            seq.status = SequenceStatus.RUNNING
+            seq.start_running()
             self.running.append(seq)
 
     def _free_blocks(self) -> int | None:

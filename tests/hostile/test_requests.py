@@ -203,7 +203,7 @@ def test_priority_still_wins_over_turns(model):
 
 
 def test_small_paged_pool_clamps_max_model_len(model, caplog):
-    with caplog.at_level(logging.WARNING, logger="lmplug.engine.build"):
+    with caplog.at_level(logging.WARNING, logger="lmplug.engine.plan"):
         llm = model.llm(kvcache={"backend": "paged", "block_size": 4, "num_blocks": 10})
     assert llm.engine.max_model_len == 40
     assert any("kvcache.num_blocks" in r.getMessage() and "max_model_len=256" in r.getMessage()
