@@ -91,8 +91,10 @@ def test_listed_by_lmplug_plugins(installed):
 
 def test_its_conformance_tests_pass(installed):
     site, source = installed
-    proc = run_with(site, ["-m", "pytest", "tests", "-q", "-p", "no:cacheprovider", "-rs"], source)
+    proc = run_with(site, ["-m", "pytest", "tests", "-q", "-p", "no:cacheprovider", "-rA"], source)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    arcee = [line for line in proc.stdout.splitlines() if "TestArceeArchitecture::" in line and line.startswith(("PASSED", "FAILED", "ERROR"))]
+    assert len(arcee) >= 3 and all("PASSED" in line for line in arcee), arcee  # the architecture kit ran
     summary = proc.stdout.strip().splitlines()[-1]
     assert " passed" in summary and "failed" not in summary and "error" not in summary, summary
     assert int(summary.split(" passed")[0].split()[-1]) > 100  # the whole attention suite ran
@@ -127,3 +129,29 @@ def test_selected_from_yaml_and_generates_like_transformers(on_path, tmp_path):
     prompt = hf_models.prompt_ids(10, seed=3)
     out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
     assert out[0].outputs[0].token_ids == hf_models.hf_greedy(model.hf, prompt, 20)
+
+
+TP_SCRIPT = """
+import sys, tempfile
+from pathlib import Path
+from lmplug import LLM, SamplingParams
+from lmplug.testing.architecture import build_tiny, hf_greedy
+cfg = {"model_type": "arcee", "vocab_size": 96, "hidden_size": 64, "intermediate_size": 96,
+       "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "hidden_act": "relu2"}
+path = Path(tempfile.mkdtemp()) / "arcee"
+hf = build_tiny(cfg, path)
+ids = [5, 17, 3, 44, 9, 60, 21, 8]
+llm = LLM(str(path), dtype="float32", device="cpu", max_model_len=64, model_impl="arcee",
+          parallel={"tensor_parallel_size": 2})
+out = llm.generate([ids], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))[0]
+assert out.token_ids == hf_greedy(hf, ids, 16), (out.token_ids, hf_greedy(hf, ids, 16))
+print("TP2 OK", type(llm.engine.runner.model).__module__)
+"""
+
+
+def test_its_architecture_serves_under_tensor_parallelism(installed):
+    """The workers are other processes: they find ``arcee`` through the same entry point."""
+    site, source = installed
+    proc = run_with(site, ["-c", TP_SCRIPT], source)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    assert "TP2 OK lmplug_example.arcee" in proc.stdout, proc.stdout[-2000:]

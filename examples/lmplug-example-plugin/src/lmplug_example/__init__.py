@@ -1,4 +1,5 @@
-"""An example lmplug plugin: registers the ``chunked`` attention backend.
+"""An example lmplug plugin: registers the ``chunked`` attention backend and the ``arcee``
+architecture (built on the kit, ``lmplug.kit``).
 
 lmplug imports this module through the entry point ``example`` in the group
 ``lmplug.plugins`` (see pyproject.toml), checks ``LMPLUG_API_VERSION``, and
@@ -16,3 +17,10 @@ def lmplug_register_attention_backends() -> list[type]:
     from lmplug_example.chunked import ChunkedAttention
 
     return [ChunkedAttention]
+
+
+@hookimpl
+def lmplug_register_architectures() -> list[type]:
+    from lmplug_example.arcee import ArceeArchitecture
+
+    return [ArceeArchitecture]

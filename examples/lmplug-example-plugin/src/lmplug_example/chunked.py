@@ -17,7 +17,13 @@ from __future__ import annotations
 import torch
 from pydantic import Field
 
-from lmplug.interfaces import AttentionBackend, BackendOptions, Capabilities, KVLayerView, StepContext
+from lmplug.interfaces import (
+    AttentionBackend,
+    BackendOptions,
+    Capabilities,
+    KVLayerView,
+    StepContext,
+)
 
 
 class ChunkedOptions(BackendOptions):
