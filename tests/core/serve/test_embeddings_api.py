@@ -14,7 +14,8 @@ from support.serve_util import running_server
 from lmplug import LLM
 from lmplug.serve import ServeSettings
 
-KEY = "test-key"
+from .conftest import KEY  # and its `client` fixture, on this module's `server`
+
 HEADERS = {"Authorization": f"Bearer {KEY}"}
 MAX_LEN = 64
 
@@ -29,12 +30,6 @@ def server(tiny):
     llm = LLM(str(tiny.path), dtype="float32", device="cpu", max_model_len=MAX_LEN)
     with running_server(llm, ServeSettings(api_key=KEY, served_model_name="tiny")) as running:
         yield running
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    openai = pytest.importorskip("openai")
-    return openai.OpenAI(base_url=server.v1, api_key=KEY, max_retries=0, timeout=120)
 
 
 @pytest.fixture(scope="module")
