@@ -95,3 +95,15 @@ def test_bad_input_is_named(tiny, monkeypatch):
     monkeypatch.setattr(llm.engine.runner.model, "final_hidden_states", False)
     with pytest.raises(ConfigError, match="cannot pool.*native architectures"):
         llm.embed([[5, 6]])
+
+
+@pytest.mark.parametrize("kind", ["last", "mean", "cls"])
+def test_a_prefix_cache_hit_pools_the_same_vector(tiny, hf_base, kind):
+    """With the prefix cache, a repeated prompt hits cached blocks: mean and CLS still pool every
+    token (they compute the whole prompt), last pools its last token."""
+    llm = tiny.llm(kvcache={"backend": "paged", "prefix_caching": True, "block_size": 8})
+    params = PoolingParams(pooling_type=kind)
+    llm.generate([PROMPTS[-1]], SamplingParams(max_tokens=1))  # fills the cache with the prompt's blocks
+    out = llm.embed([PROMPTS[-1]], params)[0]
+    want = reference(hf_base, PROMPTS[-1], kind, True)
+    torch.testing.assert_close(torch.tensor(out.outputs.embedding), want, atol=1e-4, rtol=1e-4)
