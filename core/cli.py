@@ -19,6 +19,9 @@ DEFAULT_CHAT_SYSTEM = None
 
 
 def main(argv: list[str] | None = None) -> int:
+    given = list(sys.argv[1:] if argv is None else argv)
+    if given[:2] == ["bench", "serve"]:  # a load test of running servers: no engine, flags of its own
+        return _guarded(_bench_serve, given[2:])
     parser = _parser()
     args = parser.parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)  # `serve --role pd` starts children with it
@@ -29,8 +32,23 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
+    return _guarded(args.func, args)
+
+
+def _bench_serve(argv: list[str]) -> int:
     try:
-        return args.func(args) or 0
+        import httpx  # noqa: F401
+    except ImportError:
+        raise LmplugError("lmplug bench serve needs httpx: pip install httpx (or 'lmplug[bench]')") from None
+    from lmplug.serve.bench_serve_cli import main as bench_serve
+
+    return bench_serve(argv)
+
+
+def _guarded(func, arg: Any) -> int:
+    """Run a command: lmplug's own errors are one line on stderr (exit 2), never a traceback."""
+    try:
+        return func(arg) or 0
     except LmplugError as exc:
         print(f"lmplug: error: {exc}", file=sys.stderr)
         return 2
@@ -348,7 +366,8 @@ def _parser() -> argparse.ArgumentParser:
                        arguments_from="lmplug.evaluate")
     e.set_defaults(func=cmd_eval)
 
-    b = sub.add_parser("bench", help="batch-1 decode tokens/s, TTFT and load time (optionally vs HF transformers)")
+    b = sub.add_parser("bench", help="batch-1 decode tokens/s, TTFT and load time (optionally vs HF transformers); "
+                       "`lmplug bench serve --help`: load-test running servers")
     b.add_argument("--prompt-tokens", type=int, default=128)
     b.add_argument("--new-tokens", type=int, default=64)
     b.add_argument("--repeats", type=int, default=3)

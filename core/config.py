@@ -65,6 +65,18 @@ class ParallelConfig(BaseModel):
                              "group gives up (a dead worker is detected at once)")
 
 
+class PoolerConfig(BaseModel):
+    """``pooler:``: how embedding requests (``LLM.embed``, ``/v1/embeddings``) pool the final hidden
+    states, by default (vLLM's ``PoolerConfig`` / ``--override-pooler-config``)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    pooling_type: Literal["last", "mean", "cls"] = Field(
+        default="last", description="last: the last prompt token's hidden state (what a causal model's "
+        "embedding is); mean: the average over the prompt's tokens; cls: the first token's")
+    normalize: bool = Field(default=True, description="scale each embedding to unit L2 norm")
+
+
 class EngineConfig(BaseModel):
     """Everything one engine is built from."""
 
@@ -99,6 +111,7 @@ class EngineConfig(BaseModel):
     compression: dict[str, Any] | None = Field(
         default=None, description="absent: no prompt compression; present: the default for every request")
     parallel: ParallelConfig = Field(default_factory=ParallelConfig, description="tensor parallelism")
+    pooler: PoolerConfig = Field(default_factory=PoolerConfig, description="embeddings' default pooling")
 
     @field_validator(*SECTIONS, mode="before")
     @classmethod

@@ -15,7 +15,7 @@ from lmplug.engine.engine import LLMEngine
 from lmplug.errors import ConfigError
 from lmplug.interfaces.compressor import CompressionParams, CompressionReport
 from lmplug.interfaces.params import SamplingParams
-from lmplug.outputs import RequestOutput
+from lmplug.outputs import EmbeddingRequestOutput, PoolingParams, RequestOutput
 
 Prompt = str | Sequence[int] | dict
 # CompressionParams or a dict of its fields; None: the config's `compression` section (if any);
@@ -96,6 +96,18 @@ class LLM:
         prompts, reports = self._compress(prompts, compression)
         return self._run(prompts, params_list, reports)
 
+    def embed(self, prompts: Prompt | list[Prompt], pooling_params: PoolingParams | None = None,
+              ) -> list[EmbeddingRequestOutput]:
+        """One pooled final hidden state per prompt (vLLM's ``LLM.embed``: ``out.outputs.embedding``).
+        ``pooling_params`` fields left None take the config's ``pooler`` section (last token,
+        normalized, by default). The LM head never runs for these prompts."""
+        prompts = self._as_list(prompts)
+        if not prompts:
+            raise ConfigError("embed: prompts is empty; give at least one text or list of token ids")
+        pooling = pooling_params or PoolingParams()
+        ids = [self._add(p, SamplingParams(), pooling) for p in prompts]
+        return self._collect(ids)
+
     def beam_search(self, prompts: Prompt | list[Prompt], params: BeamSearchParams) -> list[BeamSearchOutput]:
         """Beam search over each prompt (vLLM's ``LLM.beam_search``); ``docs/beam_search.md``."""
         if not isinstance(params, BeamSearchParams):
@@ -107,7 +119,14 @@ class LLM:
     def _run(self, prompts: list, params_list: list[SamplingParams],
              reports: list[CompressionReport | None]) -> list[RequestOutput]:
         ids = [self._add(p, sp) for p, sp in zip(prompts, params_list)]
-        done: dict[str, RequestOutput] = {}
+        outputs = self._collect(ids)
+        for out, report in zip(outputs, reports):
+            out.compression = report
+        return outputs
+
+    def _collect(self, ids: list[str]) -> list:
+        """Step until every request in ``ids`` finished; their outputs in that order."""
+        done: dict[str, Any] = {}
         try:
             while self.engine.has_unfinished_requests():
                 for out in self.engine.step():
@@ -117,10 +136,7 @@ class LLM:
             for rid in ids:
                 self.engine.abort_request(rid)
             raise
-        outputs = [done[rid] for rid in ids]
-        for out, report in zip(outputs, reports):
-            out.compression = report
-        return outputs
+        return [done[rid] for rid in ids]
 
     def stream(self, prompt: Prompt, params: SamplingParams | None = None, *,
                compression: Compression = None) -> Iterator[RequestOutput]:
@@ -189,7 +205,7 @@ class LLM:
             return [prompts]
         return list(prompts)
 
-    def _add(self, prompt: Prompt, params: SamplingParams) -> str:
+    def _add(self, prompt: Prompt, params: SamplingParams, pooling: PoolingParams | None = None) -> str:
         rid = str(next(self._ids))
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
@@ -198,5 +214,5 @@ class LLM:
                 prompt = prompt["prompt"]
             else:
                 raise ConfigError("a dict prompt needs 'prompt' or 'prompt_token_ids'")
-        self.engine.add_request(rid, prompt, params)
+        self.engine.add_request(rid, prompt, params, pooling=pooling)
         return rid

@@ -14,7 +14,7 @@ from pathlib import Path
 # capabilities are documented as on a real machine, not as under the Triton interpreter
 os.environ.pop("TRITON_INTERPRET", None)
 
-from lmplug.config import EngineConfig, ParallelConfig  # noqa: E402
+from lmplug.config import EngineConfig, ParallelConfig, PoolerConfig  # noqa: E402
 from lmplug.interfaces.families import configured, nested  # noqa: E402
 from lmplug.plugins import Registry  # noqa: E402
 
@@ -66,6 +66,7 @@ def render() -> str:
     registry = Registry()
     out = [HEADER, "## Top level", "", *_rows(EngineConfig), ""]
     out += ["## `parallel:` (tensor parallelism; `--tp N` on the command line)", "", *_rows(ParallelConfig), ""]
+    out += ["## `pooler:` (embeddings: `LLM.embed`, `/v1/embeddings`)", "", *_rows(PoolerConfig), ""]
     sections = [(f.section, f.name, f.name_key) for f in configured()]
     sections += [(f"{f.within}.{f.name}", f.name, f.name_key) for f in nested()]
     for section, family, name_key in sections:

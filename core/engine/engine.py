@@ -18,15 +18,32 @@ from lmplug.engine.build import EngineParts, build_engine_parts
 from lmplug.engine.forks import Forks
 from lmplug.engine.isolation import Observers, StepFailures
 from lmplug.engine.stages import build_select_stages
+from lmplug.errors import ConfigError
 from lmplug.interfaces.params import SamplingParams, check_token_ids
 from lmplug.interfaces.scheduler import ScheduledSeq, SchedulerOutput
 from lmplug.interfaces.sequence import Sequence
 from lmplug.outputs import RequestOutput, RequestTable
 from lmplug.outputs.logprobs import record_prompt_logprobs
+from lmplug.outputs.pooling import Pooler, PoolingParams
 from lmplug.plugins import Registry, get_registry
 from lmplug.speculation import Speculator
 
 logger = logging.getLogger(__name__)
+
+
+def check_pooling(engine: LLMEngine, pooling: PoolingParams) -> PoolingParams:
+    """An embedding request's pooling with the config's defaults, or why this model cannot pool."""
+    model = engine.runner.model
+    if not getattr(model, "final_hidden_states", False):
+        raise ConfigError(
+            f"model {engine.config.model!r} ({type(model).__name__}) cannot pool: its forward does not declare "
+            "that it returns the final-norm hidden states (final_hidden_states); embeddings work with the native "
+            "architectures (lmplug plugins --family model) and the transformers fallback")
+    if pooling.dimensions is not None:
+        raise ConfigError(f"dimensions: {engine.config.model!r} declares no Matryoshka dimensions, so its "
+                          f"embeddings cannot be truncated; leave dimensions out (full size "
+                          f"{engine.model_config.hidden_size})")
+    return pooling.with_defaults(engine.config.pooler.pooling_type, engine.config.pooler.normalize)
 
 
 class LLMEngine:
@@ -65,6 +82,7 @@ class LLMEngine:
         # the select stages (beam groups; the speculator or the sampler), behind one SelectStage
         self.selector = build_select_stages(parts, self.constraints, self.requests,
                                             can_fork=self.forks.enabled)
+        self.pooler = Pooler()  # embedding requests' partial pools (``lmplug.outputs.pooling``)
         self.observers = Observers(self.registry)
         self._observe_steps = self.observers.wanted("lmplug_step_finished")
         self.last_stats: dict = {}
@@ -86,10 +104,17 @@ class LLMEngine:
 
     # -- requests --------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | Seq[int], params: SamplingParams | None = None,
-                    *, priority: int = 0) -> None:
+                    *, priority: int = 0, pooling: PoolingParams | None = None) -> None:
         """Admit a request. Everything that can be wrong with it fails here, before any state: token
         ids past the vocabulary (``logit_bias``, ``stop_token_ids``), a constraint that does not
-        compile (``ConstraintError`` naming the field), ``exact`` under a lossy acceptance rule."""
+        compile (``ConstraintError`` naming the field), ``exact`` under a lossy acceptance rule.
+        ``pooling``: an embedding request (prefill only; ``params`` unused), refused by a model
+        that cannot pool."""
+        if pooling is not None:
+            pooling = check_pooling(self, pooling)
+            for seq in self.requests.add(request_id, prompt, SamplingParams(max_tokens=1), priority, pooling):
+                self.scheduler.add(seq)
+            return
         params = params or SamplingParams()
         check_token_ids(params, self.model_config.vocab_size)
         self.selector.admit(params)
@@ -106,6 +131,7 @@ class LLMEngine:
                 if not seq.is_finished:
                     seq.finish("abort")
                 self.selector.release(seq)
+                self.pooler.release(seq)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -151,12 +177,13 @@ class LLMEngine:
         scheduled sequences that finished (failed ones included) and those that failed."""
         for item in scheduled:
             item.seq.num_computed_tokens += item.num_new_tokens
+        pooled = self._pool(scheduled, result.pooled)
         guard = StepFailures()
         for seq_id, (first, logits) in result.prompt_logits.items():
             seq = next(s.seq for s in scheduled if s.seq.seq_id == seq_id)
             guard.guarded(seq, "prompt logprobs", record_prompt_logprobs, seq, first, logits, self.tokenizer)
         if result.logits is None:
-            return list(guard.failed), guard.failed
+            return list(guard.failed) + pooled, guard.failed
         seqs, logits, hidden, num_rows, forked = self.forks.fork(
             [item.seq for item in result.sample_rows], result.logits, result.hidden, result.num_rows)
         emitted, rows = guard.select(self.selector, logits, num_rows, seqs, hidden)
@@ -176,7 +203,16 @@ class LLMEngine:
         # a select stage may end sequences itself (a beam group ends all its beams at once)
         finished += [s for s in seqs if s.is_finished and s not in finished]
         self.forks.place(forked)
-        return [s for s in finished if s not in forked], guard.failed
+        return [s for s in finished if s not in forked] + pooled, guard.failed
+
+    def _pool(self, scheduled: list[ScheduledSeq], pooled: dict) -> list[Sequence]:
+        """Embedding sequences: pool this step's hidden states; those whose prompt is done end."""
+        if not pooled:
+            return []
+        now, done = time.perf_counter(), self.pooler.take(pooled, [item.seq for item in scheduled])
+        for seq, vector in done:
+            self.requests.finish_pooled(seq, vector, now)
+        return [seq for seq, _ in done]
 
     def _end_failed(self, failed: list[Sequence]) -> None:
         """A request with a failed sequence ends: its other sequences finish with "error" too."""

@@ -103,9 +103,13 @@ class ModelRunner:
         ends = ctx.cu_query_lens[1:].tolist()
         sample_rows, rows, num_rows = [], [], []
         prompt_rows: dict[int, tuple[int, slice]] = {}
+        pool_rows: dict[int, tuple[int, slice]] = {}
         for item, end in zip(batch, ends):
             seq = item.seq
             start = end - item.num_new_tokens
+            if seq.pooling is not None:  # an embedding: its hidden states, never the LM head
+                pool_rows[seq.seq_id] = (seq.num_computed_tokens, slice(start, end))
+                continue
             if seq.wants_prompt_logprobs:
                 # logits at prompt positions predict the next prompt token
                 prompt_rows[seq.seq_id] = (seq.num_computed_tokens, slice(start, end))
@@ -120,10 +124,11 @@ class ModelRunner:
         else:
             logits, hidden = self.run(input_ids, ctx, groups)
         prompt_logits = {seq_id: (first, lg) for (seq_id, (first, _)), lg in zip(prompt_rows.items(), logits)}
+        pooled = {seq_id: (first, hidden[where]) for seq_id, (first, where) in pool_rows.items()}
         if not rows:
-            return StepResult(sample_rows, None, prompt_logits, num_rows)
+            return StepResult(sample_rows, None, prompt_logits, num_rows, pooled=pooled)
         return StepResult(sample_rows, logits[-1], prompt_logits, num_rows,
-                          hidden[rows] if self.keep_hidden else None)
+                          hidden[rows] if self.keep_hidden else None, pooled=pooled)
 
     def threads_for(self, query_lens: list[int], seq_lens: list[int]) -> contextlib.AbstractContextManager:
         """Where the products have threads of their own (``small_step_tokens`` > 0), a step of

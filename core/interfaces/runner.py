@@ -24,6 +24,8 @@ class StepResult:
     # rows per sample_rows entry: 1 + its draft tokens (the last accepted token and every draft)
     num_rows: list[int] = field(default_factory=list)
     hidden: torch.Tensor | None = None  # [sum(num_rows), h], the rows behind `logits` (keep_hidden)
+    # embedding sequences (``Sequence.pooling``): seq_id -> (first position, final hidden states [n, h])
+    pooled: dict[int, tuple[int, torch.Tensor]] = field(default_factory=dict)
 
 
 @runtime_checkable

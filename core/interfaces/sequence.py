@@ -60,6 +60,10 @@ class Sequence:
         self.num_drafted = 0  # proposals verified over the sequence's life
         self.num_accepted = 0  # of those, accepted
         self.num_target_forwards = 0  # target forwards (steps) that produced tokens for it
+        # an embedding request (``lmplug.outputs.pooling``): prefill only, its final hidden states pooled
+        # ("last", "mean" or "cls"), never sampled; None: a generation
+        self.pooling: str | None = None
+        self.pooling_normalize = True
 
     # -- status: waiting -> running (a scheduler admits it) -> waiting (preempted) ... -> finished --
     @property
@@ -124,8 +128,8 @@ class Sequence:
         The last token is always computed (its logits give the next token), and a
         request that wants prompt logprobs computes its whole prompt.
         """
-        if self.params.prompt_logprobs is not None:
-            num_cached = 0
+        if self.params.prompt_logprobs is not None or self.pooling in ("mean", "cls"):
+            num_cached = 0  # every prompt position's logits / hidden state is needed
         self.num_computed_tokens = min(num_cached, self.num_tokens - 1)
 
     def __repr__(self) -> str:

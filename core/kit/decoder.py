@@ -103,6 +103,9 @@ class DecoderLayer(torch.nn.Module):
 class DecoderForCausalLM(torch.nn.Module):
     """Decoder over flattened tokens: ``forward(input_ids [T], positions [T]) -> hidden [T, h]``."""
 
+    # lmplug embeddings: forward returns the final-norm hidden states, which pooling reads
+    final_hidden_states = True
+
     # checkpoint name (after "model.layers.N.") -> (module path in the layer, shard)
     STACKED = {
         "self_attn.q_proj": ("self_attn.qkv_proj", "q_proj"),

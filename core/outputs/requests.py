@@ -11,6 +11,7 @@ import torch
 from lmplug.errors import ConfigError
 from lmplug.interfaces.params import SamplingParams
 from lmplug.interfaces.sequence import Sequence
+from lmplug.outputs.pooling import EmbeddingOutput, EmbeddingRequestOutput, PoolingParams
 from lmplug.outputs.stopping import check_stop
 from lmplug.outputs.types import CompletionOutput, RequestMetrics, RequestOutput
 
@@ -28,6 +29,7 @@ class Request:
         # beam search: the returned hypotheses (``lmplug.beam.search.Hypothesis``), set when the group ends
         self.beam_results: list | None = None
         self.beam_finish: list[tuple[str, str | int | None]] = []  # (finish_reason, stop_reason) each
+        self.embedding: list[float] | None = None  # an embedding request's vector, once pooled
 
     @property
     def finished(self) -> bool:
@@ -37,6 +39,8 @@ class Request:
         """The request so far; the deltas are what changed since the previous call."""
         if self.beam_results is not None:
             return self._beam_output()
+        if self.seqs[0].pooling is not None:
+            return self._embedding_output()
         completions, delta_text, delta_ids = [], "", []
         for i, seq in enumerate(self.seqs):
             text = seq.text
@@ -63,6 +67,12 @@ class Request:
             prompt_logprobs=first.prompt_logprobs if first.params.prompt_logprobs is not None else None,
             metrics=metrics, delta_text=delta_text, delta_token_ids=delta_ids)
 
+
+    def _embedding_output(self) -> EmbeddingRequestOutput:
+        first = self.seqs[0]
+        return EmbeddingRequestOutput(self.request_id, self.prompt, self.prompt_ids,
+                                      EmbeddingOutput(self.embedding or []), self.finished,
+                                      RequestMetrics(first.arrival_time, first.finish_time, first.finish_time))
 
     def _beam_output(self) -> RequestOutput:
         """A finished beam group: one completion per returned hypothesis, best first."""
@@ -114,12 +124,18 @@ class RequestTable:
 
     # -- new requests ----------------------------------------------------------------------------
     def add(self, request_id: str, prompt: str | Seq[int], params: SamplingParams,
-            priority: int = 0) -> list[Sequence]:
-        """Register a request; returns its sequences (``n``, or ``beam_width`` beam slots)."""
+            priority: int = 0, pooling: PoolingParams | None = None) -> list[Sequence]:
+        """Register a request; returns its sequences (``n``, or ``beam_width`` beam slots).
+        ``pooling`` (defaults filled in): an embedding request, one prefill-only sequence."""
         if request_id in self._requests:
             raise ConfigError(f"request id {request_id!r} is already in use")
         text, ids = self._tokenize(prompt)
-        self._check_prompt(request_id, ids)
+        self._check_prompt(request_id, ids, room=0 if pooling else 1)
+        if pooling is not None:
+            seq = Sequence(request_id, ids, params, priority=priority)
+            seq.pooling, seq.pooling_normalize = pooling.pooling_type, bool(pooling.normalize)
+            self._requests[request_id] = Request(request_id, text, ids, [seq], [None])
+            return [seq]
         seqs, detoks = [], []
         slot_params = beam_slot_params(params) if params.beam_width else params
         for i in range(params.beam_width or params.n):
@@ -135,12 +151,14 @@ class RequestTable:
         self._requests[request_id] = req
         return seqs
 
-    def _check_prompt(self, request_id: str, ids: list[int]) -> None:
+    def _check_prompt(self, request_id: str, ids: list[int], room: int = 1) -> None:
+        """``room``: new tokens the prompt needs space for (a generation 1; an embedding none)."""
         if not ids:
             raise ConfigError(f"request {request_id!r}: the prompt is empty")
-        if len(ids) >= self.max_model_len:
+        if len(ids) + room > self.max_model_len:
+            need = " (it needs room for at least one new token)" if room else ""
             raise ConfigError(f"request {request_id!r}: prompt of {len(ids)} tokens does not fit "
-                              f"max_model_len={self.max_model_len} (it needs room for at least one new token)")
+                              f"max_model_len={self.max_model_len}{need}")
         if min(ids) < 0 or max(ids) >= self.vocab_size:
             raise ConfigError(f"request {request_id!r}: prompt token ids must be in [0, {self.vocab_size})")
 
@@ -163,6 +181,12 @@ class RequestTable:
         return IncrementalDetokenizer(self.tokenizer, prompt_ids, skip_special_tokens=params.skip_special_tokens)
 
     # -- tokens in, outputs out ------------------------------------------------------------------
+    def finish_pooled(self, seq: Sequence, embedding: list[float], now: float) -> None:
+        """An embedding sequence's prompt is pooled: it ends with its vector (no token sampled)."""
+        self._requests[seq.request_id].embedding = embedding
+        seq.finish("stop")
+        seq.finish_time = now
+
     def append(self, seqs: list[Sequence], emitted: list[list[int]], logprobs: list[list[dict] | None],
                now: float) -> list[Sequence]:
         """Append each sequence's emitted tokens; returns the sequences that finished."""
@@ -210,6 +234,8 @@ class RequestTable:
             if rid in seen or rid not in self._requests:
                 continue
             seen.add(rid)
+            if seq.pooling is not None and not seq.is_finished:
+                continue  # an embedding has no partial output
             out = self._requests[rid].output()
             if out.finished:
                 del self._requests[rid]

@@ -30,7 +30,7 @@ from starlette.middleware.cors import CORSMiddleware
 from lmplug.compression import PromptCompressor
 from lmplug.interfaces.params import SamplingParams
 from lmplug.llm import LLM
-from lmplug.serve import compress, convert, responses_api, tokenize_routes
+from lmplug.serve import compress, convert, embeddings, responses_api, tokenize_routes
 from lmplug.serve import tools as tool_calls
 from lmplug.serve.async_engine import AsyncEngine
 from lmplug.serve.errors import APIError, from_validation_error, install_handlers
@@ -102,7 +102,18 @@ def create_app(llm: LLM, settings: ServeSettings | None = None) -> FastAPI:
     _add_plain_routes(app, engine, metrics, settings)
     app.include_router(_v1_router(engine, settings, model_name, parser, llm.compressor))
     _add_tokenizer_routes(app, engine.engine, settings, model_name)
+    _add_embeddings_route(app, engine, settings, model_name)
     return app
+
+
+def _add_embeddings_route(app: FastAPI, engine: AsyncEngine, settings: ServeSettings, model_name: str) -> None:
+    """/v1/embeddings (``embeddings``): pooled final hidden states in OpenAI's shape."""
+    async def read(request: Request, model: type[BaseModel]) -> Any:
+        return _parse(model, await read_json(request, settings.max_body_bytes))
+
+    app.include_router(embeddings.embeddings_router(
+        engine, read, functools.partial(_check_model, model_name), model_name,
+        [Depends(_api_key_check(settings.api_key))]))
 
 
 def _add_tokenizer_routes(app: FastAPI, core: Any, settings: ServeSettings, model_name: str) -> None:

@@ -41,7 +41,7 @@ from lmplug.engine.engine import LLMEngine
 from lmplug.errors import LmplugError
 from lmplug.interfaces.params import SamplingParams
 from lmplug.interfaces.sequence import Logprob
-from lmplug.outputs import RequestMetrics, RequestOutput
+from lmplug.outputs import EmbeddingRequestOutput, PoolingParams, RequestMetrics, RequestOutput
 from lmplug.serve.errors import APIError
 from lmplug.serve.metrics import Metrics
 
@@ -72,6 +72,7 @@ class Update:
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     # on the finishing update: the request's metrics (the usage reports its speculative decoding)
     metrics: RequestMetrics | None = None
+    embedding: list[float] | None = None  # an embedding request's vector (``AsyncEngine.embed``)
 
 
 @dataclass
@@ -202,7 +203,8 @@ class AsyncEngine:
 
     # -- requests (event loop side) ---------------------------------------------------------------
     def generate(self, prompts: list[list[int]], params: SamplingParams, request_id: str,
-                 on_refused: Callable[[LmplugError], APIError] | None = None) -> RequestGroup:
+                 on_refused: Callable[[LmplugError], APIError] | None = None, *,
+                 pooling: PoolingParams | None = None) -> RequestGroup:
         """Queue one engine request per prompt (ids ``{request_id}-{i}``); outputs arrive on the group.
         ``on_refused``: the response for a request ``add_request`` refuses (default: a 400 with its
         message)."""
@@ -224,8 +226,12 @@ class AsyncEngine:
         self._groups.add(group)
         now = time.perf_counter()
         for i, (rid, prompt) in enumerate(zip(ids, prompts)):
-            self._post(("add", rid, i, prompt, params, group, now))
+            self._post(("add", rid, i, prompt, params, group, now, pooling))
         return group
+
+    def embed(self, prompts: list[list[int]], pooling: PoolingParams, request_id: str) -> RequestGroup:
+        """Queue one embedding request per prompt; each one's single update carries its vector."""
+        return self.generate(prompts, SamplingParams(max_tokens=1), request_id, pooling=pooling)
 
     def abort(self, request_ids: list[str]) -> None:
         self._post(("abort", request_ids))
@@ -253,7 +259,7 @@ class AsyncEngine:
             except queue.Empty:
                 return
             if command[0] == "add":
-                rid, index, prompt, _, group, _ = command[1:]
+                rid, index, prompt, _, group, _, _ = command[1:]
                 error = APIError(503, "the server is shutting down; retry on another instance")
                 self._deliver([(group, Update(rid, index, len(prompt), [], True, error))], admission=error)
 
@@ -287,9 +293,9 @@ class AsyncEngine:
             self._publish_stats()
 
     def _add(self, rid: str, index: int, prompt: list[int], params: SamplingParams, group: RequestGroup,
-             submitted_at: float) -> None:
+             submitted_at: float, pooling: PoolingParams | None = None) -> None:
         try:
-            self.engine.add_request(rid, prompt, params)
+            self.engine.add_request(rid, prompt, params, pooling=pooling)
         except LmplugError as exc:
             error = group.on_refused(exc) if group.on_refused is not None else APIError(400, str(exc))
             self._deliver([(group, Update(rid, index, len(prompt), [], True, error))], admission=error)
@@ -340,7 +346,9 @@ class AsyncEngine:
         out = []
         for output in outputs:
             tracked = self._tracked.get(output.request_id)
-            if tracked is not None:
+            if isinstance(output, EmbeddingRequestOutput) and tracked is not None:
+                out.append((tracked.group, self._embedding_update(output, tracked)))
+            elif tracked is not None:
                 update = self._update_for(output, tracked, now)
                 if output.finished and any(c.finish_reason == "error" for c in output.outputs):
                     update = Update(output.request_id, tracked.prompt_index, tracked.num_prompt_tokens, [],
@@ -377,6 +385,12 @@ class AsyncEngine:
         return Update(output.request_id, tracked.prompt_index, tracked.num_prompt_tokens, choices,
                       output.finished, prompt_logprobs=prompt_logprobs,
                       metrics=output.metrics if output.finished else None)
+
+    def _embedding_update(self, output: EmbeddingRequestOutput, tracked: _Tracked) -> Update:
+        del self._tracked[output.request_id]
+        self._observe_end(tracked, "stop", num_tokens=0)
+        return Update(output.request_id, tracked.prompt_index, tracked.num_prompt_tokens, [], True,
+                      embedding=output.outputs.embedding)
 
     def _observe_end(self, tracked: _Tracked, reason: str, num_tokens: int) -> None:
         elapsed = time.perf_counter() - tracked.submitted_at

@@ -197,6 +197,9 @@ class Mamba2ForCausalLM(torch.nn.Module):
     """``forward(input_ids [T], positions [T], ctx) -> hidden [T, h]``; the state pools come from
     the KV cache (``bind_states``)."""
 
+    # lmplug embeddings: forward returns the final-norm hidden states, which pooling reads
+    final_hidden_states = True
+
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, quant: QuantMethod, attention,
                  max_model_len: int, *, parallel: ParallelState | None = None,
                  mixer: MixerBackend | None = None) -> None:

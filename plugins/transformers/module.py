@@ -28,6 +28,9 @@ def build_hf_model(hf_config: dict[str, Any], dtype: torch.dtype) -> torch.nn.Mo
 
 
 class TransformersCausalLM(torch.nn.Module):
+
+    # lmplug embeddings: forward returns the final-norm hidden states, which pooling reads
+    final_hidden_states = True
     def __init__(self, hf_config: dict[str, Any], dtype: torch.dtype, attention: AttentionBackend) -> None:
         super().__init__()
         self.hf = build_hf_model(hf_config, dtype)
