@@ -73,7 +73,9 @@ class LLMEngine:
         self.requests = RequestTable(self.tokenizer, self.eos_token_ids, self.max_model_len,
                                      self.model_config.vocab_size, self.kv, can_fork, self.config.seed)
         # beam search (lmplug.beam): beam groups select through their own stage, the rest as before
-        self._can_fork = can_fork
+        # (a cache that forks by copying, "fork_copy", serves beams: a dropped beam frees the row its sibling takes)
+        self._can_fork = can_fork or (self.parallel is None and "fork_copy" in self.kv.capabilities.features
+                                      and not self.kv.spec.states)
         self.selector = SelectRouter(self.selector, BeamStage(
             self.kv, self.requests, self.eos_token_ids, self.max_model_len, self.tokenizer))
         self.observers = Observers(self.registry)

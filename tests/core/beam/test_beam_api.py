@@ -53,5 +53,3 @@ def test_engine_refuses_what_beams_cannot_do(tiny):
         llm.generate([ids], SamplingParams(beam_width=9))  # the default max_num_seqs is 8
     with pytest.raises(ConfigError, match="repetition_penalty"):
         llm.generate([ids], SamplingParams(beam_width=2, repetition_penalty=1.2))
-    with pytest.raises(ConfigError, match="fork"):  # the contiguous cache does not fork
-        tiny.llm(kvcache={"backend": "contiguous"}).generate([ids], SamplingParams(beam_width=2))
