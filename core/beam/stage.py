@@ -37,6 +37,7 @@ class BeamStage:
         self.max_model_len = max_model_len
         self.tokenizer = tokenizer
         self._groups: dict[str, BeamGroup] = {}
+        self._ready: dict[str, dict[int, torch.Tensor]] = {}  # request -> beam seq_id -> its logits row
 
     def claims(self, params: SamplingParams) -> bool:
         return params.beam_width > 0
@@ -55,6 +56,10 @@ class BeamStage:
                hidden: torch.Tensor | None = None,
                on_error: Callable[[Sequence, Exception], None] | None = None,
                ) -> tuple[list[list[int]], list[list[int]]]:
+        """A group steps once every beam has its next-token logits. Beams that ran without the
+        rest (chunked prefill, a preempted or not yet admitted sibling) keep their row and get no
+        token yet (nothing left to compute, so the scheduler leaves them be); the step that
+        completes the group appends the tokens of the beams that did not run itself."""
         last = [end - 1 for end in itertools.accumulate(num_rows)]
         tokens: list[list[int]] = [[] for _ in seqs]
         rows: list[list[int]] = [[r] for r in last]
@@ -62,11 +67,14 @@ class BeamStage:
         for rid in dict.fromkeys(s.request_id for s in seqs):
             slots = self.requests[rid].seqs
             try:
-                if any(s.seq_id not in where for s in slots):
-                    raise RuntimeError(f"beam search: request {rid!r} has beams that did not run this step "
-                                       "(preempted or split by the scheduler); beam groups must step together")
-                idx = [where[s.seq_id] for s in slots]
-                chosen = self._step(rid, logits[[last[i] for i in idx]], slots)
+                rows_of = self._ready.setdefault(rid, {})
+                for s in slots:
+                    if s.seq_id in where:
+                        rows_of[s.seq_id] = logits[last[where[s.seq_id]]].float().clone()
+                if not all(s.seq_id in rows_of and self._in_cache(s) for s in slots):
+                    continue  # the group waits for its other beams
+                parent_seqs = list(slots)
+                chosen = self._step(rid, torch.stack([rows_of.pop(s.seq_id) for s in slots]), slots)
             except Exception as exc:
                 if on_error is None:
                     raise
@@ -74,9 +82,19 @@ class BeamStage:
                     if s.seq_id in where:
                         on_error(s, exc)
                 continue
-            for slot, i, (parent, token) in zip(slots, idx, chosen):
-                tokens[i], rows[i] = [token], [last[idx[parent]]]
+            # after _step, the request's slots are in the new beams' order: slot k is beam k
+            for slot, (parent, token) in zip(self.requests[rid].seqs, chosen):
+                if slot.seq_id in where:
+                    i = where[slot.seq_id]
+                    src = where.get(parent_seqs[parent].seq_id)
+                    tokens[i], rows[i] = [token], [last[src] if src is not None else last[i]]
+                elif not slot.is_finished:
+                    slot.token_ids.append(token)  # did not run this step: no row to return it for
         return tokens, rows
+
+    def _in_cache(self, seq: Sequence) -> bool:
+        """Every token of ``seq`` is in the KV cache (not preempted, not swapped out)."""
+        return not seq.is_finished and seq.num_computed_tokens == seq.num_tokens and not self.kv.is_swapped(seq)
 
     def _step(self, rid: str, logits: torch.Tensor, slots: list[Sequence]) -> list[tuple[int, int]]:
         req = self.requests[rid]
@@ -101,27 +119,31 @@ class BeamStage:
         if group.finished:
             self._finish(rid, group, slots)
         else:
-            self._reorder(slots, [p for p, _ in chosen])
+            self._reorder(rid, slots, [p for p, _ in chosen])
         return chosen
 
-    def _reorder(self, slots: list[Sequence], parents: list[int]) -> None:
-        """Slot i takes slot parents[i]'s KV and tokens: fork every parent into a temporary first
-        (a parent may itself be overwritten), free the slots that change, fork the temporaries in."""
-        moves = [(i, p) for i, p in enumerate(parents) if p != i]
-        temps = []
-        for i, p in moves:
+    def _reorder(self, rid: str, slots: list[Sequence], parents: list[int]) -> None:
+        """New beam k descends from slot ``parents[k]``. A parent's first child keeps the parent's
+        sequence (its KV stays where it is); each further child takes the sequence of a beam that
+        was dropped, whose blocks go back at once, and forks the parent's KV into it. The
+        request's slots are then in the new beams' order. No temporary sequence is needed, so a
+        cache with exactly ``beam_width`` rows (contiguous) can hold a group."""
+        dropped = [s for j, s in enumerate(slots) if j not in set(parents)]
+        taken: set[int] = set()
+        order: list[Sequence] = []
+        for p in parents:
             src = slots[p]
-            tmp = Sequence(src.request_id, src.token_ids, src.params)
-            tmp.num_prompt_tokens, tmp.num_computed_tokens = src.num_prompt_tokens, src.num_computed_tokens
-            tmp.logprobs = list(src.logprobs)
-            self.kv.fork(src, tmp)
-            temps.append(tmp)
-        for (i, _), tmp in zip(moves, temps):
-            slot = slots[i]
-            self.kv.free(slot)  # a beam that is dropped frees its blocks now (shared ones stay)
-            slot.token_ids, slot.logprobs = list(tmp.token_ids), tmp.logprobs
-            self.kv.fork(tmp, slot)
-            self.kv.free(tmp)
+            if p not in taken:
+                taken.add(p)
+                order.append(src)
+                continue
+            dst = dropped.pop()
+            self.kv.free(dst)
+            dst.token_ids, dst.logprobs = list(src.token_ids), list(src.logprobs)
+            dst.num_computed_tokens = src.num_computed_tokens
+            self.kv.fork(src, dst)
+            order.append(dst)
+        self.requests[rid].seqs[:] = order
 
     def _finish(self, rid: str, group: BeamGroup, slots: list[Sequence]) -> None:
         req = self.requests[rid]
@@ -146,6 +168,7 @@ class BeamStage:
         for slot in slots:
             slot.finish(finish[0][0] if finish else "length")
         del self._groups[rid]
+        self._ready.pop(rid, None)
 
     def _decode(self, token_ids: list[int], params) -> str:
         if self.tokenizer is None:
@@ -165,6 +188,7 @@ class BeamStage:
 
     def release(self, seq: Sequence) -> None:
         self._groups.pop(seq.request_id, None)
+        self._ready.pop(seq.request_id, None)
 
     def stats(self) -> dict:
         return {}
@@ -183,9 +207,8 @@ def check_beam_request(params, *, max_num_seqs: int, can_fork: bool, speculative
         raise ConfigError("beam search (beam_width) does not combine with speculative decoding "
                           "(speculative.method): turn one of them off")
     if not can_fork:
-        raise ConfigError("beam search (beam_width) needs a KV cache and scheduler with the 'fork' feature "
-                          "(the paged cache and continuous scheduler; not under tensor parallelism or with "
-                          "state layers)")
+        raise ConfigError("beam search (beam_width) needs a KV cache with the 'fork' or 'fork_copy' feature "
+                          "(the paged or contiguous cache; not under tensor parallelism or with state layers)")
     if params.structured is not None:
         raise ConfigError("beam search (beam_width) does not combine with structured output (structured) yet")
     lossy = [name for name, on in (("presence_penalty", params.presence_penalty != 0),

@@ -80,8 +80,11 @@ class LLMEngine:
                                      self.model_config.vocab_size, self.config.seed)
         self.forks = Forks(self.kv, self.scheduler, parallel=self.parallel is not None)  # n > 1
         # the select stages (beam groups; the speculator or the sampler), behind one SelectStage
-        self.selector = build_select_stages(parts, self.constraints, self.requests,
-                                            can_fork=self.forks.enabled)
+        # beams fork through the cache's fork, or its "fork_copy" (a dropped beam frees the row its
+        # sibling takes)
+        beams_fork = self.forks.enabled or (self.parallel is None and "fork_copy" in self.kv.capabilities.features
+                                            and not self.kv.spec.states)
+        self.selector = build_select_stages(parts, self.constraints, self.requests, can_fork=beams_fork)
         self.pooler = Pooler()  # embedding requests' partial pools (``lmplug.outputs.pooling``)
         self.observers = Observers(self.registry)
         self._observe_steps = self.observers.wanted("lmplug_step_finished")

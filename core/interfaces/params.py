@@ -67,6 +67,8 @@ class SamplingParams:
     beam_width: int = 0
     length_penalty: float = 1.0  # a hypothesis scores cum_logprob / new_tokens ** length_penalty
     early_stopping: bool | str = False  # True / False / "never", as transformers defines them
+    # sample best_of sequences, return the n with the highest cumulative logprob (OpenAI / vLLM); None: n
+    best_of: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -98,6 +100,10 @@ class SamplingParams:
                    "None or an integer in [0, 20]")
 
     def _check_beam(self) -> None:
+        _check(self.best_of is None or (_is_int(self.best_of) and self.n <= self.best_of <= MAX_N), "best_of",
+               self.best_of, f"None or an integer in [n ({self.n}), {MAX_N}]")
+        _check(not (self.best_of and self.beam_width), "best_of", self.best_of,
+               "None with beam search (beam_width sets the beams)")
         _check(_is_int(self.beam_width) and self.beam_width >= 0, "beam_width", self.beam_width,
                "an integer >= 1 (0 = no beam search)")
         if not self.beam_width:

@@ -41,6 +41,8 @@ class Request:
             return self._beam_output()
         if self.seqs[0].pooling is not None:
             return self._embedding_output()
+        if getattr(self, "params", None) is not None and (self.params.best_of or 0) > self.params.n:
+            return self._best_of_output()
         completions, delta_text, delta_ids = [], "", []
         for i, seq in enumerate(self.seqs):
             text = seq.text
@@ -86,6 +88,36 @@ class Request:
         return RequestOutput(request_id=self.request_id, prompt=self.prompt, prompt_token_ids=self.prompt_ids,
                              outputs=completions, finished=True, metrics=metrics,
                              delta_text=completions[0].text, delta_token_ids=completions[0].token_ids)
+
+
+    def _best_of_output(self) -> RequestOutput:
+        """``best_of`` samples: nothing until all are done, then the ``n`` with the highest cumulative
+        logprob (of the raw model distribution), best first."""
+        params = self.params
+        cums = [_cumulative_logprob(s) for s in self.seqs]
+        best = sorted(range(len(self.seqs)), key=lambda i: -cums[i])[:params.n] if self.finished else []
+        completions = [CompletionOutput(index=k, text=self.seqs[i].text, token_ids=self.seqs[i].output_token_ids,
+                                        logprobs=self.seqs[i].logprobs if params.logprobs is not None else None,
+                                        finish_reason=self.seqs[i].finish_reason,
+                                        stop_reason=self.seqs[i].stop_reason, cumulative_logprob=cums[i])
+                       for k, i in enumerate(best)]
+        first = self.seqs[0]
+        metrics = RequestMetrics(first.arrival_time, first.first_token_time, first.finish_time,
+                                 num_target_forwards=max(s.num_target_forwards for s in self.seqs))
+        return RequestOutput(request_id=self.request_id, prompt=self.prompt, prompt_token_ids=self.prompt_ids,
+                             outputs=completions, finished=self.finished, metrics=metrics,
+                             delta_text=completions[0].text if completions else "",
+                             delta_token_ids=completions[0].token_ids if completions else [])
+
+
+def _cumulative_logprob(seq: Sequence) -> float:
+    """The summed logprob of ``seq``'s output tokens (recorded because ``best_of_slot_params`` asks)."""
+    return sum(row[token].logprob for row, token in zip(seq.logprobs, seq.output_token_ids))
+
+
+def best_of_slot_params(params: SamplingParams) -> SamplingParams:
+    """A best-of sample records at least its chosen token's logprob: the ranking needs it."""
+    return dataclasses.replace(params, n=params.best_of, logprobs=params.logprobs or 0)
 
 
 def beam_slot_params(params: SamplingParams) -> SamplingParams:
@@ -137,8 +169,10 @@ class RequestTable:
             self._requests[request_id] = Request(request_id, text, ids, [seq], [None])
             return [seq]
         seqs, detoks = [], []
-        slot_params = beam_slot_params(params) if params.beam_width else params
-        for i in range(params.beam_width or params.n):
+        best_of = params.best_of if (params.best_of or 0) > params.n else None
+        slot_params = beam_slot_params(params) if params.beam_width else (
+            best_of_slot_params(params) if best_of else params)
+        for i in range(params.beam_width or best_of or params.n):
             gen = torch.Generator()
             seed = (params.seed + i) % 2**64 if params.seed is not None else int(
                 torch.randint(0, 2**62, (1,), generator=self._seed_rng))

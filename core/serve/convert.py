@@ -300,6 +300,8 @@ def sampling_params(req: ChatCompletionRequest | CompletionRequest, prompts: lis
     best_of = getattr(req, "best_of", None)
     if best_of is not None and best_of < req.n:
         raise APIError(400, f"best_of: {best_of}, but it must be >= n ({req.n})", param="best_of")
+    if best_of is not None and best_of > req.n and req.stream:  # as OpenAI: the best are known only at the end
+        raise APIError(400, f"best_of: {best_of} > n ({req.n}) cannot be streamed (stream: true)", param="best_of")
     check_request_size(req, len(prompts))
     longest = max(len(p) for p in prompts)
     if longest >= max_model_len:
@@ -327,7 +329,8 @@ def sampling_params(req: ChatCompletionRequest | CompletionRequest, prompts: lis
             repetition_penalty=req.repetition_penalty, logit_bias=req.logit_bias or None,
             min_tokens=req.min_tokens, structured=None if constraint is None else constraint.spec,
             exact=req.exact, beam_width=req.beam_width, length_penalty=req.length_penalty,
-            early_stopping=req.early_stopping)
+            early_stopping=req.early_stopping,
+            best_of=None if req.use_beam_search or best_of == req.n else best_of)
     except LmplugError as exc:
         # "SamplingParams.top_k=-3 is invalid: ..." -> "top_k=-3 is invalid: ..."
         message = str(exc).removeprefix("SamplingParams.")

@@ -3,8 +3,8 @@
 Requests are validated strictly (``strict=True``: ``"0.5"`` is not a number,
 ``1.0`` is not an integer) and unknown fields are refused, as OpenAI does, so a
 misspelt option fails with a 400 naming it instead of being silently ignored.
-The few fields OpenAI defines that lmplug cannot honour (``best_of`` other than ``n`` without
-``use_beam_search``, ``suffix``) are accepted only at their neutral value.
+The few fields OpenAI defines that lmplug cannot honour (``suffix``) are accepted only at their
+neutral value.
 
 Structured output comes in three spellings, at most one per request: OpenAI's
 ``response_format`` (``json_object``, or ``json_schema``: the schema constrains the output
@@ -181,8 +181,6 @@ class CompletionRequest(_SamplingFields):
 
     def unsupported(self) -> list[str]:
         bad = super().unsupported()
-        if self.best_of not in (None, self.n) and not self.use_beam_search:
-            bad.append("best_of")  # best_of samples ranked by logprob: only as the beam width for now
         if self.suffix:
             bad.append("suffix")
         return bad

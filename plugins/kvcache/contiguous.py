@@ -47,7 +47,7 @@ class ContiguousOptions(BackendOptions):
 class ContiguousKVCache(KVCacheBackend):
     name = "contiguous"
     capabilities = Capabilities(devices=frozenset({"cpu", "cuda"}), kv_layouts=frozenset({"contiguous"}),
-                                features=frozenset({"sliding_window", "state"}), priority=10)
+                                features=frozenset({"sliding_window", "state", "fork_copy"}), priority=10)
     Options = ContiguousOptions
 
     @classmethod
@@ -112,6 +112,28 @@ class ContiguousKVCache(KVCacheBackend):
             self._free_rows.append(row)
         if self.states is not None:
             self.states.release(seq.seq_id)
+
+    def fork(self, parent, child) -> None:
+        """``child`` gets a row of its own holding a copy of ``parent``'s computed K/V (there are
+        no shared blocks in this layout: a fork copies the row's first ``num_computed_tokens``
+        slots, the whole ring once it wrapped). The feature is "fork_copy", not "fork": a fork
+        needs a free row at once, so the engine uses it only where one was just freed (a beam
+        group's dropped beam), never for n > 1 siblings."""
+        if child.seq_id in self._row_of:
+            raise RuntimeError(f"contiguous KV cache: fork into sequence {child.seq_id}, which holds a row")
+        if not self._free_rows:
+            raise RuntimeError(f"contiguous KV cache: no free row to fork sequence {parent.seq_id} into "
+                               f"{child.seq_id} ({self.num_rows} rows)")
+        if self.states is not None:
+            raise RuntimeError("contiguous KV cache: fork with state layers is not supported")
+        src = self._row_of[parent.seq_id]
+        dst = self._row_of[child.seq_id] = self._free_rows.pop()
+        used = min(parent.num_computed_tokens, self.row_slots)
+        tensors = self._k + ([] if self.spec.latent else self._v)
+        if self.spec.quantized:
+            tensors += self._k_scale + self._v_scale
+        for t in tensors:
+            t[dst, :used] = t[src, :used]
 
     def block_table(self, seq) -> list[int]:
         # the ring's row repeats for every `row_slots` positions (once when there is no ring)

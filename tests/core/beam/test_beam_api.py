@@ -53,5 +53,15 @@ def test_engine_refuses_what_beams_cannot_do(tiny):
         llm.generate([ids], SamplingParams(beam_width=9))  # the default max_num_seqs is 8
     with pytest.raises(ConfigError, match="repetition_penalty"):
         llm.generate([ids], SamplingParams(beam_width=2, repetition_penalty=1.2))
-    with pytest.raises(ConfigError, match="fork"):  # the contiguous cache does not fork
-        tiny.llm(kvcache={"backend": "contiguous"}).generate([ids], SamplingParams(beam_width=2))
+
+
+def test_refusals_name_what_beams_cannot_do_yet():
+    """Tensor parallelism (no fork across ranks) and structured output are refused, named."""
+    from lmplug.beam.stage import check_beam_request
+    from lmplug.interfaces.constraint import StructuredOutput
+
+    with pytest.raises(ConfigError, match="tensor parallelism"):
+        check_beam_request(SamplingParams(beam_width=2), max_num_seqs=8, can_fork=False, speculative=False)
+    structured = SamplingParams(beam_width=2, structured=StructuredOutput(regex="a+"))
+    with pytest.raises(ConfigError, match="structured"):
+        check_beam_request(structured, max_num_seqs=8, can_fork=True, speculative=False)

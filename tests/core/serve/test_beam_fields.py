@@ -1,5 +1,6 @@
 """The server's beam search fields (vLLM's ``use_beam_search``, ``length_penalty``,
-``early_stopping``; ``best_of`` as the beam width) become ``SamplingParams``; bad ones are a 400."""
+``early_stopping``; ``best_of`` as the beam width, or best-of sampling without beams) become
+``SamplingParams``; bad ones are a 400."""
 
 from __future__ import annotations
 
@@ -21,9 +22,16 @@ def test_use_beam_search_sets_the_beam_fields():
     assert params(n=2).beam_width == 0
 
 
+def test_best_of_without_beams_is_best_of_sampling():
+    sp = params(n=2, best_of=5)
+    assert (sp.n, sp.best_of, sp.beam_width) == (2, 5, 0)
+    assert params(n=2, best_of=2).best_of is None  # best_of == n: plain sampling
+
+
 @pytest.mark.parametrize("body,field", [
     ({"n": 3, "best_of": 2, "use_beam_search": True}, "best_of"),
-    ({"n": 1, "best_of": 3}, "best_of"),  # best_of sampling (without beams) is not done yet
+    ({"n": 1, "best_of": 3, "stream": True}, "best_of"),  # the best are known only at the end
+    ({"n": 2, "best_of": 1}, "best_of"),
     ({"n": 1, "use_beam_search": True, "early_stopping": True, "length_penalty": float("nan")}, "length_penalty"),
 ])
 def test_bad_beam_fields_are_a_400_naming_the_field(body, field):
