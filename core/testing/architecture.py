@@ -10,7 +10,8 @@ Each config becomes a random fp32 model built by transformers (norm weights and 
 randomised too: HF's ones / zeros would hide a loader that drops them), saved as a safetensors
 folder. lmplug must match transformers on that folder: prompt logprobs within 1e-4, 32 greedy
 tokens equal; batched equal to alone; a paged KV cache equal to the contiguous one; chunked
-prefill at small token budgets; preemption in a tiny block pool.
+prefill at small token budgets; preemption in a tiny block pool; tensor parallelism (two ranks)
+where the architecture declares it and the heads divide.
 """
 
 from __future__ import annotations
@@ -161,3 +162,32 @@ class ArchitectureConformance:
             got = [o.token_ids for o in small.generate(prompts, params)]
             alone = [self.llm(path).generate([p], params)[0].token_ids for p in prompts]
             assert got == alone, f"{name}: outputs differ when sequences are preempted"
+
+    def test_tensor_parallel_where_the_heads_divide(self, tiny):
+        """Two ranks (gloo, worker processes that find the architecture through its entry point):
+        greedy tokens equal transformers'. Skipped, with the reason, where the architecture does
+        not declare ``tensor_parallel`` or no config's heads divide by two."""
+        from lmplug import SamplingParams
+        from lmplug.interfaces.architecture import TENSOR_PARALLEL
+        from lmplug.plugins import get_registry
+
+        info = get_registry().backends("model").get(self.backend)
+        if info is not None and TENSOR_PARALLEL not in info.cls.capabilities.features:
+            pytest.skip(f"architecture {self.backend!r} does not declare {TENSOR_PARALLEL!r}")
+        ran = []
+        for name, path, hf, vocab in self._each(tiny):
+            cfg = hf.config
+            heads = cfg.num_attention_heads
+            kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
+            if heads % 2 or kv_heads % 2 or cfg.intermediate_size % 2:
+                continue
+            ids = prompt(PROMPT_LEN, 7, vocab)
+            llm = self.llm(path, parallel={"tensor_parallel_size": 2})
+            try:
+                out = llm.generate([ids], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))[0]
+            finally:
+                llm.close()  # one tensor-parallel engine per process at a time
+            assert out.token_ids == hf_greedy(hf, ids, 16), f"{name}: greedy tokens differ under TP=2"
+            ran.append(name)
+        if not ran:
+            pytest.skip("no config's attention heads, KV heads and intermediate size divide by two")
