@@ -182,10 +182,10 @@ def build_engine_parts(resolved: ResolvedConfig, parallel: ParallelState | None 
                        sliding_window=model_config.sliding_window,
                        max_num_batched_tokens=sched_opts.max_num_batched_tokens, states=states)
     kv = parallel_setup.build_kv(backends["kvcache"].cls, backends["kvcache"].options, spec, parallel)
-    if "kvconnector" in backends:  # a tier for prefix-cached blocks (host memory, disk)
+    plan, kv = _fit_pool(plan, kv, backends["kvcache"], spec, parallel)
+    if "kvconnector" in backends:  # a tier for prefix-cached blocks (host memory, disk), on the fitted pool
         kv.attach_connector(_built(backends, "kvconnector"), model_identity(
             source.path, source.hf_config, resolved.dtype, backends["quant"].name if "quant" in backends else None))
-    plan, kv = _fit_pool(plan, kv, backends["kvcache"], spec, parallel)
     max_model_len = plan.max_model_len
     limits = SchedulerLimits(sched_opts.max_num_seqs, sched_opts.max_num_batched_tokens, max_model_len)
     scheduler = backends["scheduler"].cls(sched_opts, kv, limits)
