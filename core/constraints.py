@@ -90,6 +90,32 @@ class Constraints:
     def release(self, seq: Sequence) -> None:
         self._states.pop(seq.seq_id, None)
 
+    def fork(self, src: Sequence, dst: Sequence) -> None:
+        """``dst`` is about to take over ``src``'s tokens (a beam that descends from another; call
+        it before ``dst.token_ids`` change). ``dst`` gets a copy of ``src``'s matcher
+        (``Matcher.fork``); a matcher that cannot be copied is rolled back to the output both
+        held and replays ``src``'s tokens from there at its next ``_sync`` (from the start when
+        ``dst`` had none or cannot roll back that far)."""
+        if not self.wanted(src):
+            return
+        state, mine = self._states.get(src.seq_id), self._states.pop(dst.seq_id, None)
+        copy = None if state is None else state.matcher.fork()
+        if copy is not None:
+            self._states[dst.seq_id] = _State(copy)
+            self._states[dst.seq_id].consumed = state.consumed
+            return
+        if mine is None:
+            return
+        old, new = dst.token_ids[dst.num_prompt_tokens:], src.token_ids[src.num_prompt_tokens:]
+        shared = next((i for i, (a, b) in enumerate(zip(old[:mine.consumed], new)) if a != b),
+                      min(mine.consumed, len(new)))
+        try:
+            mine.matcher.rollback(mine.consumed - shared)
+        except ValueError:  # past what it can undo: a fresh matcher replays everything
+            return
+        mine.consumed = shared
+        self._states[dst.seq_id] = mine
+
     @staticmethod
     def wanted(seq: Sequence) -> bool:
         return seq.params.structured is not None

@@ -4,6 +4,13 @@ slot's KV through the cache's copy-on-write ``fork`` (shared blocks, no copy) an
 
 The slots never stop by themselves (``beam_slot_params``): the group ends them all at once, and
 the request's output is the group's best hypotheses (``Request.beam_results``).
+
+Structured output: each beam's logprobs are masked by its own matcher (``lmplug.constraints``)
+after the log-softmax, as a transformers ``LogitsProcessor`` would mask them; a slot that takes
+over another beam's tokens takes a copy of its matcher (``Constraints.fork``). A running beam
+that can no longer continue (its score is -inf: the constraint forbade its token; or it ended
+with a stop token, kept only because too few continuations were left) allows nothing: its
+matcher is dropped and its row is -inf.
 """
 
 from __future__ import annotations
@@ -14,9 +21,11 @@ from collections.abc import Callable
 import torch
 
 from lmplug.beam.search import BeamGroup
+from lmplug.constraints import Constraints
 from lmplug.errors import ConfigError
+from lmplug.interfaces.constraint import apply_bitmask
 from lmplug.interfaces.params import SamplingParams
-from lmplug.interfaces.scheduler import ScheduledSeq
+from lmplug.interfaces.scheduler import ScheduledSeq, samples_now
 from lmplug.interfaces.sequence import Sequence
 
 
@@ -28,8 +37,12 @@ class BeamStage:
     """The select stage of beam groups. ``requests``: the engine's ``RequestTable``."""
 
     def __init__(self, kv, requests, eos_token_ids: frozenset[int], max_model_len: int, tokenizer, *,
-                 max_num_seqs: int, can_fork: bool, speculative: bool) -> None:
+                 max_num_seqs: int, can_fork: bool, speculative: bool, constraints: Constraints | None = None,
+                 ) -> None:
         self.kv = kv
+        self.constraints = constraints or Constraints(None, 0)
+        self._masks = None  # this step's structured-output mask job, started in plan
+        self._dead: set[int] = set()  # slots (seq ids) of constrained beams that allow nothing
         # what ``admit`` checks a request against (``check_beam_request``)
         self.max_num_seqs, self.can_fork, self.speculative = max_num_seqs, can_fork, speculative
         self.requests = requests
@@ -50,7 +63,9 @@ class BeamStage:
         return {}
 
     def plan(self, scheduled: list[ScheduledSeq]) -> None:
-        pass
+        """Start filling the structured-output masks of the live beams that sample this step."""
+        self._masks = self.constraints.start([item.seq for item in scheduled
+                                              if samples_now(item) and item.seq.seq_id not in self._dead])
 
     def select(self, logits: torch.Tensor, num_rows: list[int], seqs: list[Sequence],
                hidden: torch.Tensor | None = None,
@@ -61,6 +76,7 @@ class BeamStage:
         token yet (nothing left to compute, so the scheduler leaves them be); the step that
         completes the group appends the tokens of the beams that did not run itself."""
         last = [end - 1 for end in itertools.accumulate(num_rows)]
+        filled, self._masks = self.constraints.result(self._masks), None
         tokens: list[list[int]] = [[] for _ in seqs]
         rows: list[list[int]] = [[r] for r in last]
         where = {seq.seq_id: i for i, seq in enumerate(seqs)}
@@ -74,7 +90,7 @@ class BeamStage:
                 if not all(s.seq_id in rows_of and self._in_cache(s) for s in slots):
                     continue  # the group waits for its other beams
                 parent_seqs = list(slots)
-                chosen = self._step(rid, torch.stack([rows_of.pop(s.seq_id) for s in slots]), slots)
+                chosen = self._step(rid, torch.stack([rows_of.pop(s.seq_id) for s in slots]), slots, filled)
             except Exception as exc:
                 if on_error is None:
                     raise
@@ -96,7 +112,8 @@ class BeamStage:
         """Every token of ``seq`` is in the KV cache (not preempted, not swapped out)."""
         return not seq.is_finished and seq.num_computed_tokens == seq.num_tokens and not self.kv.is_swapped(seq)
 
-    def _step(self, rid: str, logits: torch.Tensor, slots: list[Sequence]) -> list[tuple[int, int]]:
+    def _step(self, rid: str, logits: torch.Tensor, slots: list[Sequence], filled: dict,
+              ) -> list[tuple[int, int]]:
         req = self.requests[rid]
         params = req.params
         max_new = params.max_tokens or (self.max_model_len - len(req.prompt_ids))
@@ -109,6 +126,8 @@ class BeamStage:
         logprobs = torch.log_softmax(logits.float(), dim=-1)
         if slots[0].num_output_tokens < params.min_tokens and ends:
             logprobs[:, sorted(ends)] = float("-inf")  # as transformers' MinNewTokensLength, after the softmax
+        if params.structured is not None:
+            self._mask(logprobs, slots, filled)
         new_len = slots[0].num_output_tokens + 1
 
         def stops(parent: int, token: int) -> bool:
@@ -120,7 +139,27 @@ class BeamStage:
             self._finish(rid, group, slots)
         else:
             self._reorder(rid, slots, [p for p, _ in chosen])
+            if params.structured is not None:
+                self._mark_dead(self.requests[rid].seqs, group, [t in ends for _, t in chosen])
         return chosen
+
+    def _mask(self, logprobs: torch.Tensor, slots: list[Sequence], filled: dict) -> None:
+        """Each live beam's constraint mask on its logprobs row; dead beams' rows -inf."""
+        live = [i for i, s in enumerate(slots) if s.seq_id not in self._dead]
+        masks = self.constraints.assemble([slots[i] for i in live], [1] * len(live), filled)
+        dead = [i for i in range(len(slots)) if i not in set(live)]
+        if masks.bitmask is not None:
+            apply_bitmask(logprobs, masks.bitmask, torch.tensor(live, dtype=torch.long)[masks.rows])
+        logprobs[dead] = float("-inf")
+
+    def _mark_dead(self, slots: list[Sequence], group: BeamGroup, ended: list[bool]) -> None:
+        """After a step: the slots (in the new beams' order) that can no longer continue."""
+        for slot, score, end in zip(slots, group.scores.tolist(), ended):
+            if end or score == float("-inf"):
+                self._dead.add(slot.seq_id)
+                self.constraints.release(slot)
+            else:
+                self._dead.discard(slot.seq_id)
 
     def _reorder(self, rid: str, slots: list[Sequence], parents: list[int]) -> None:
         """New beam k descends from slot ``parents[k]``. A parent's first child keeps the parent's
@@ -139,6 +178,7 @@ class BeamStage:
                 continue
             dst = dropped.pop()
             self.kv.free(dst)
+            self.constraints.fork(src, dst)
             dst.token_ids, dst.logprobs = list(src.token_ids), list(src.logprobs)
             dst.num_computed_tokens = src.num_computed_tokens
             self.kv.fork(src, dst)
@@ -184,11 +224,15 @@ class BeamStage:
         return None if not hits else (min(hits)[1], min(hits)[0])
 
     def settle(self, seqs: list[Sequence]) -> None:
-        pass
+        for seq in seqs:
+            if seq.is_finished:
+                self.release(seq)
 
     def release(self, seq: Sequence) -> None:
         self._groups.pop(seq.request_id, None)
         self._ready.pop(seq.request_id, None)
+        self.constraints.release(seq)
+        self._dead.discard(seq.seq_id)
 
     def stats(self) -> dict:
         return {}
@@ -208,9 +252,8 @@ def check_beam_request(params, *, max_num_seqs: int, can_fork: bool, speculative
                           "(speculative.method): turn one of them off")
     if not can_fork:
         raise ConfigError("beam search (beam_width) needs a KV cache with the 'fork' or 'fork_copy' feature "
-                          "(the paged or contiguous cache; not under tensor parallelism or with state layers)")
-    if params.structured is not None:
-        raise ConfigError("beam search (beam_width) does not combine with structured output (structured) yet")
+                          "(the paged or contiguous cache; under tensor parallelism also 'tp_copies'; "
+                          "not with state layers)")
     lossy = [name for name, on in (("presence_penalty", params.presence_penalty != 0),
                                    ("frequency_penalty", params.frequency_penalty != 0),
                                    ("repetition_penalty", params.repetition_penalty != 1),

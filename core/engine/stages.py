@@ -31,7 +31,7 @@ def build_select_stages(parts, constraints: Constraints, requests, *, can_fork: 
         default = Sampler(constraints, parts.eos_token_ids)
     beam = BeamStage(parts.kv, requests, parts.eos_token_ids, parts.max_model_len, parts.tokenizer,
                      max_num_seqs=parts.kv.spec.max_num_seqs, can_fork=can_fork,
-                     speculative=parts.drafter is not None)
+                     speculative=parts.drafter is not None, constraints=constraints)
     return SelectStages([beam, default])
 
 

@@ -8,7 +8,8 @@ tokenizer once (``compile_cached``: an LRU keyed by ``StructuredOutput.key``) an
 a row of a token bitmask, applies all rows with one op (``apply_bitmask``) before temperature and
 filtering, and afterwards feeds the matcher the tokens the sequence really kept (``accept``).
 Speculative decoding advances a matcher through the draft to get each position's mask and rolls
-it back (``rollback``) before the verdict is known.
+it back (``rollback``) before the verdict is known. Beam search gives a beam that takes over
+another's tokens a copy of that beam's matcher (``fork``).
 
 The bitmask layout is xgrammar's and llguidance's: int32 words, ``ceil(vocab / 32)`` per row;
 token ``t`` is allowed iff bit ``t % 32`` of word ``t // 32`` is set. Ids past the tokenizer's
@@ -182,6 +183,12 @@ class Matcher(ABC):
     def is_complete(self) -> bool:
         """The output so far is a whole match (EOS would be allowed now). Backends override."""
         return self.is_terminated()
+
+    def fork(self) -> Matcher | None:
+        """An independent copy at the same position (a beam that takes over another beam's
+        tokens), or None when it cannot be copied: the engine then rolls the other matcher back to
+        the tokens both beams share and replays the rest. Backends that can copy override."""
+        return None
 
 
 class ConstraintBackend(ABC):

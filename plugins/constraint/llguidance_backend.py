@@ -172,5 +172,10 @@ class LLGuidanceMatcher(Matcher):
     def is_terminated(self) -> bool:
         return self._terminated
 
+    def fork(self) -> LLGuidanceMatcher:
+        copy = LLGuidanceMatcher(self._m.deep_copy(), self._vocab_size, self._stops)
+        copy._accepted, copy._terminated = self._accepted, self._terminated
+        return copy
+
     def is_complete(self) -> bool:
         return self._terminated or bool(self._m.is_accepting())

@@ -184,5 +184,11 @@ class XGrammarMatcher(Matcher):
     def is_terminated(self) -> bool:
         return bool(self._m.is_terminated())
 
+    def fork(self) -> XGrammarMatcher:
+        copy = XGrammarMatcher.__new__(XGrammarMatcher)
+        copy.__dict__.update(self.__dict__)
+        copy._m, copy._pending = self._m.fork(), list(self._pending)
+        return copy
+
     def is_complete(self) -> bool:
         return bool(self._m.is_completed()) or self.is_terminated()

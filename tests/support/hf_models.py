@@ -210,11 +210,13 @@ def hf_logprobs(hf, ids: list[int]) -> torch.Tensor:
 
 
 @torch.no_grad()
-def hf_generate(hf, ids: list[int], n: int, eos_token_id: int | None = None, **kwargs: Any):
+def hf_generate(hf, ids: list[int], n: int, eos_token_id: int | None = None, logits_processor=None,
+                **kwargs: Any):
     """Greedy ``hf.generate``. With ``eos_token_id=None`` HF knows no EOS at all, which is what
     ``ignore_eos=True`` means. (``min_new_tokens`` would instead mask EOS out of the argmax, and
     a ``generation_config`` passed to ``generate`` gets its ``None`` EOS refilled from the
-    model's, so the model's own config is swapped for the call.)"""
+    model's, so the model's own config is swapped for the call.) ``logits_processor``: a
+    ``LogitsProcessorList`` run after the built-in ones."""
     saved = hf.generation_config
     gen_cfg = copy.deepcopy(saved)
     gen_cfg.eos_token_id = eos_token_id
@@ -225,7 +227,8 @@ def hf_generate(hf, ids: list[int], n: int, eos_token_id: int | None = None, **k
         setattr(gen_cfg, key, value)
     hf.generation_config = gen_cfg
     try:
-        return hf.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long))
+        return hf.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                           logits_processor=logits_processor)
     finally:
         hf.generation_config = saved
 

@@ -55,13 +55,13 @@ def test_engine_refuses_what_beams_cannot_do(tiny):
         llm.generate([ids], SamplingParams(beam_width=2, repetition_penalty=1.2))
 
 
-def test_refusals_name_what_beams_cannot_do_yet():
-    """Tensor parallelism (no fork across ranks) and structured output are refused, named."""
+def test_refusals_name_what_beams_cannot_do():
+    """A KV cache that cannot fork (or, under tensor parallelism, repeat its copies on every rank)
+    is refused, naming the features; structured output is admitted (test_beam_structured.py)."""
     from lmplug.beam.stage import check_beam_request
     from lmplug.interfaces.constraint import StructuredOutput
 
-    with pytest.raises(ConfigError, match="tensor parallelism"):
+    with pytest.raises(ConfigError, match="fork_copy.*tensor parallelism.*tp_copies"):
         check_beam_request(SamplingParams(beam_width=2), max_num_seqs=8, can_fork=False, speculative=False)
     structured = SamplingParams(beam_width=2, structured=StructuredOutput(regex="a+"))
-    with pytest.raises(ConfigError, match="structured"):
-        check_beam_request(structured, max_num_seqs=8, can_fork=True, speculative=False)
+    check_beam_request(structured, max_num_seqs=8, can_fork=True, speculative=False)
