@@ -81,9 +81,11 @@ class LLMEngine:
         self.forks = Forks(self.kv, self.scheduler, parallel=self.parallel is not None)  # n > 1
         # the select stages (beam groups; the speculator or the sampler), behind one SelectStage
         # beams fork through the cache's fork, or its "fork_copy" (a dropped beam frees the row its
-        # sibling takes)
-        beams_fork = self.forks.enabled or (self.parallel is None and "fork_copy" in self.kv.capabilities.features
-                                            and not self.kv.spec.states)
+        # sibling takes); under tensor parallelism every rank repeats the copies ("tp_copies")
+        features = self.kv.capabilities.features
+        beams_fork = (("fork" in features and "fork" in self.scheduler.capabilities.features
+                       or "fork_copy" in features) and not self.kv.spec.states
+                      and (self.parallel is None or "tp_copies" in features))
         self.selector = build_select_stages(parts, self.constraints, self.requests, can_fork=beams_fork)
         self.pooler = Pooler()  # embedding requests' partial pools (``lmplug.outputs.pooling``)
         self.observers = Observers(self.registry)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
@@ -275,6 +275,23 @@ class KVCacheBackend(ABC):
         A later ``allocate`` that would write into a shared block copies it first.
         """
         raise NotImplementedError(f"kvcache backend {self.name!r} cannot fork sequences")
+
+    # -- tensor parallelism: copies every rank repeats (the "tp_copies" feature) ------------------
+    def record_copies(self) -> None:
+        """Keep, from now on, every copy between stored tokens this cache makes itself (a
+        copy-on-write block, a forked row) for ``take_copies``. Rank 0 of a tensor-parallel group
+        calls it: its pool is the only one the accounting runs on, and the other ranks' pools
+        (their own KV heads, the same block ids) must make the same copies."""
+        raise NotImplementedError(f"kvcache backend {self.name!r} cannot record its copies")
+
+    def take_copies(self) -> Any:
+        """The copies recorded since the last call, in order (None: none), for ``apply_copies``
+        on the other ranks before the next forward."""
+        return None
+
+    def apply_copies(self, copies: Any) -> None:
+        """Make, on this rank's pool, the copies rank 0's ``take_copies`` returned."""
+        raise NotImplementedError(f"kvcache backend {self.name!r} cannot repeat copies")
 
     @property
     def bytes_per_token(self) -> int:

@@ -185,10 +185,11 @@ class WorkerGroup:
             raise TensorParallelError("the tensor-parallel group is closed")
 
     def run_step(self, runner, input_ids: torch.Tensor, ctx, groups: list):
-        """Broadcast the step's inputs, then run rank 0's shard of it (``ModelRunner.run``)."""
+        """Broadcast the step's inputs (and the KV copies rank 0's cache made since the last
+        step, which every rank repeats first), then run rank 0's shard of it (``ModelRunner.run``)."""
         self.check()
         try:
-            self._send((input_ids.cpu(), ctx_to(ctx, "cpu"), groups))
+            self._send((input_ids.cpu(), ctx_to(ctx, "cpu"), groups, runner.kv.take_copies()))
             return runner.run(input_ids, ctx, groups)
         except BaseException as exc:  # Ctrl-C mid-step too: the ranks are out of step
             error = self._step_error(exc)

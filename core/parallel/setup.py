@@ -8,7 +8,9 @@
 - ``start``: rank 0 spawns the workers (``WorkerGroup``) or joins a ``torchrun`` launch; the
   engine hands it its ``peek`` and ``build`` callables (this package never imports the engine).
 - ``build_kv``: every rank's KV cache gets rank 0's block count (rank 0's scheduler hands out
-  block ids, so each worker's pool must hold as many blocks; it holds only its KV heads).
+  block ids, so each worker's pool must hold as many blocks; it holds only its KV heads). Rank 0's
+  cache records the copies it makes itself (copy-on-write blocks, forked rows: the "tp_copies"
+  feature) and each step's message carries them to the workers, which repeat them first.
 - ``memory_report``: weight bytes (and the routed MoE experts' part of them) and KV bytes per
   token of every rank.
 """
@@ -120,7 +122,9 @@ def build_kv(cls, options, spec, parallel: ParallelState):
     if kv is None:
         if blocks is not None:
             options = cls.with_pool_blocks(options, blocks)
-        kv = cls(options, spec)
+        return cls(options, spec)
+    if "tp_copies" in kv.capabilities.features:
+        kv.record_copies()
     return kv
 
 

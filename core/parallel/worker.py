@@ -54,7 +54,9 @@ def serve(state, payload: dict, receive=None) -> None:
         msg = receive()  # EOFError when rank 0 is gone
         if msg is STOP:
             break
-        input_ids, ctx, groups = msg
+        input_ids, ctx, groups, copies = msg
+        if copies is not None:  # rank 0's cache copied blocks or rows (beam forks): the same here
+            parts.kv.apply_copies(copies)
         runner.run(input_ids.to(device), ctx_to(ctx, device), groups)
     leave_group()
 

@@ -47,7 +47,8 @@ class ContiguousOptions(BackendOptions):
 class ContiguousKVCache(KVCacheBackend):
     name = "contiguous"
     capabilities = Capabilities(devices=frozenset({"cpu", "cuda"}), kv_layouts=frozenset({"contiguous"}),
-                                features=frozenset({"sliding_window", "state", "fork_copy"}), priority=10)
+                                features=frozenset({"sliding_window", "state", "fork_copy", "tp_copies"}),
+                                priority=10)
     Options = ContiguousOptions
 
     @classmethod
@@ -79,6 +80,7 @@ class ContiguousKVCache(KVCacheBackend):
         # state layers: a state slot per row's sequence, taken and released with the row
         self.states = StatePool(spec.states, self.num_rows, spec.device) if spec.states else None
         self._row_of: dict[int, int] = {}
+        self._copies: list[tuple[int, int, int]] | None = None  # recorded for the other TP ranks
 
     @property
     def layout(self) -> str:
@@ -128,7 +130,23 @@ class ContiguousKVCache(KVCacheBackend):
             raise RuntimeError("contiguous KV cache: fork with state layers is not supported")
         src = self._row_of[parent.seq_id]
         dst = self._row_of[child.seq_id] = self._free_rows.pop()
-        used = min(parent.num_computed_tokens, self.row_slots)
+        self._copy_row(src, dst, min(parent.num_computed_tokens, self.row_slots))
+
+    def record_copies(self) -> None:
+        self._copies = []
+
+    def take_copies(self) -> list[tuple[int, int, int]] | None:
+        copies, self._copies = self._copies or None, None if self._copies is None else []
+        return copies
+
+    def apply_copies(self, copies: list[tuple[int, int, int]]) -> None:
+        for src, dst, used in copies:
+            self._copy_row(src, dst, used)
+
+    def _copy_row(self, src: int, dst: int, used: int) -> None:
+        """Row ``dst``'s first ``used`` slots (and scales) := row ``src``'s."""
+        if self._copies is not None:
+            self._copies.append((src, dst, used))
         tensors = self._k + ([] if self.spec.latent else self._v)
         if self.spec.quantized:
             tensors += self._k_scale + self._v_scale

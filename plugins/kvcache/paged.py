@@ -71,7 +71,8 @@ class PagedOptions(BackendOptions):
 class PagedKVCache(KVCacheBackend):
     name = "paged"
     capabilities = Capabilities(devices=frozenset({"cpu", "cuda"}), kv_layouts=frozenset({"paged"}),
-                                features=frozenset({"fork", "prefix_caching", "sliding_window", "state", "kv_connector", "swap"}),
+                                features=frozenset({"fork", "prefix_caching", "sliding_window", "state", "kv_connector", "swap",
+                                                  "tp_copies"}),
                                 priority=5)
     Options = PagedOptions
 
@@ -110,6 +111,7 @@ class PagedKVCache(KVCacheBackend):
                                    sliding_window=spec.sliding_window)
         self.tier: BlockTier | None = None  # a KV connector's tier of blocks (``attach_connector``)
         self.swap = SwapSpace(int(options.swap_space_gb * 2**30), spec.device)  # preempted sequences' K/V
+        self._copies: list[list[tuple[int, int]]] | None = None  # recorded for the other TP ranks
         logger.info("paged KV cache: %s, %d bytes/token, %d blocks of %d tokens = %d tokens (%.2f GiB)%s%s",
                     _dtype_name(spec), spec.bytes_per_token, self.num_blocks, options.block_size,
                     self.num_tokens, self.memory_bytes / 2**30,
@@ -255,9 +257,22 @@ class PagedKVCache(KVCacheBackend):
     def usage(self) -> float:
         return self.blocks.num_used_blocks / self.num_blocks
 
+    def record_copies(self) -> None:
+        self._copies = []
+
+    def take_copies(self) -> list[list[tuple[int, int]]] | None:
+        copies, self._copies = self._copies or None, None if self._copies is None else []
+        return copies
+
+    def apply_copies(self, copies: list[list[tuple[int, int]]]) -> None:
+        for batch in copies:
+            self._copy_blocks(batch)
+
     def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Copy whole blocks (every layer, K and V, and their scales) before a sequence writes
         into its own copy."""
+        if self._copies is not None:
+            self._copies.append(copies)
         src = torch.tensor([s for s, _ in copies], device=self._pool.device)
         dst = torch.tensor([d for _, d in copies], device=self._pool.device)
         # CPU index_put has no float8 kernel: copy the bytes
