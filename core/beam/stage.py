@@ -241,24 +241,33 @@ class BeamStage:
         pass
 
 
+class BeamRequestError(ConfigError):
+    """A beam request refused at admission. ``field``: the ``SamplingParams`` field to blame
+    (the server names the request field it came from)."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(message)
+        self.field = field
+
+
 def check_beam_request(params, *, max_num_seqs: int, can_fork: bool, speculative: bool) -> None:
     """Refuse, naming the option, what beam search cannot do here."""
     width = params.beam_width
     if width > max_num_seqs:
-        raise ConfigError(f"beam_width={width} is above scheduler max_num_seqs={max_num_seqs}: every beam "
-                          "of a group runs in the same step")
+        raise BeamRequestError("beam_width", f"beam_width={width} is above scheduler max_num_seqs={max_num_seqs}: "
+                               "every beam of a group runs in the same step")
     if speculative:
-        raise ConfigError("beam search (beam_width) does not combine with speculative decoding "
-                          "(speculative.method): turn one of them off")
+        raise BeamRequestError("beam_width", "beam search (beam_width) does not combine with speculative decoding "
+                               "(speculative.method): turn one of them off")
     if not can_fork:
-        raise ConfigError("beam search (beam_width) needs a KV cache with the 'fork' or 'fork_copy' feature "
-                          "(the paged or contiguous cache; under tensor parallelism also 'tp_copies'; "
-                          "not with state layers)")
+        raise BeamRequestError("beam_width", "beam search (beam_width) needs a KV cache with the 'fork' or "
+                               "'fork_copy' feature (the paged or contiguous cache; under tensor parallelism "
+                               "also 'tp_copies'; not with state layers)")
     lossy = [name for name, on in (("presence_penalty", params.presence_penalty != 0),
                                    ("frequency_penalty", params.frequency_penalty != 0),
                                    ("repetition_penalty", params.repetition_penalty != 1),
                                    ("logit_bias", bool(params.logit_bias)), ("logprobs", params.logprobs is not None),
                                    ("prompt_logprobs", params.prompt_logprobs is not None)) if on]
     if lossy:
-        raise ConfigError(f"beam search (beam_width) does not support {', '.join(lossy)}: beams are scored "
-                          "by the model's own logprobs")
+        raise BeamRequestError(lossy[0], f"beam search (beam_width) does not support {', '.join(lossy)}: beams "
+                               "are scored by the model's own logprobs")

@@ -39,6 +39,8 @@ class Request:
         """The request so far; the deltas are what changed since the previous call."""
         if self.beam_results is not None:
             return self._beam_output()
+        if getattr(self, "params", None) is not None and self.params.beam_width:
+            return self._beam_pending_output()
         if self.seqs[0].pooling is not None:
             return self._embedding_output()
         if getattr(self, "params", None) is not None and (self.params.best_of or 0) > self.params.n:
@@ -89,6 +91,20 @@ class Request:
                              outputs=completions, finished=True, metrics=metrics,
                              delta_text=completions[0].text, delta_token_ids=completions[0].token_ids)
 
+
+    def _beam_pending_output(self) -> RequestOutput:
+        """A beam group still running: nothing yet (its slots are beams, not its results; the
+        results come when it ends). One that ended without results (an error, an abort): ``n``
+        empty completions with the slots' finish reason."""
+        seqs = self.seqs[:self.params.n] if self.finished else []
+        completions = [CompletionOutput(index=i, text="", token_ids=[], logprobs=None,
+                                        finish_reason=s.finish_reason, stop_reason=s.stop_reason)
+                       for i, s in enumerate(seqs)]
+        first = self.seqs[0]
+        metrics = RequestMetrics(first.arrival_time, first.first_token_time, first.finish_time,
+                                 num_target_forwards=first.num_target_forwards)
+        return RequestOutput(request_id=self.request_id, prompt=self.prompt, prompt_token_ids=self.prompt_ids,
+                             outputs=completions, finished=self.finished, metrics=metrics)
 
     def _best_of_output(self) -> RequestOutput:
         """``best_of`` samples: nothing until all are done, then the ``n`` with the highest cumulative

@@ -233,8 +233,10 @@ async def _respond(request: Request, engine: AsyncEngine, req: ChatCompletionReq
                    prompts: list[list[int]], params: SamplingParams, fmt: ChatFormat | CompletionFormat,
                    constraint: convert.Constraint | None, tokens_before_compression: int | None = None,
                    ) -> Response:
+    beam_field = "best_of" if getattr(req, "best_of", None) else "n"  # what sets the beam width
     group = engine.generate(prompts, params, fmt.id, on_refused=partial(convert.admission_error,
-                                                                         constraint=constraint))
+                                                                         constraint=constraint,
+                                                                         beam_field=beam_field))
     try:
         # what the engine refuses on admission (a schema that does not compile, ...) is a 400,
         # streamed or not: no headers go out before the engine has taken the request

@@ -17,6 +17,7 @@ from typing import Any
 
 import jinja2
 
+from lmplug.beam.stage import BeamRequestError
 from lmplug.errors import LmplugError
 from lmplug.interfaces.constraint import ConstraintError, StructuredOutput
 from lmplug.interfaces.params import SamplingParams
@@ -267,11 +268,15 @@ def structured_output(req: ChatCompletionRequest | CompletionRequest,
         raise APIError(400, f"{source}: {_strip_params_prefix(str(exc))}", param=source) from None
 
 
-def admission_error(exc: LmplugError, constraint: Constraint | None) -> APIError:
+def admission_error(exc: LmplugError, constraint: Constraint | None, beam_field: str = "n") -> APIError:
     """A 400 for what the engine refused when it admitted the request, naming the request field:
-    the constraint's source for a constraint that does not compile, the field a
+    the constraint's source for a constraint that does not compile, the field a beam search
+    refusal blames (``beam_field``, best_of or n, for the beam width), the field a
     ``SamplingParams.<field>`` message names otherwise."""
     message = str(exc)
+    if isinstance(exc, BeamRequestError):
+        field = beam_field if exc.field == "beam_width" else exc.field
+        return APIError(400, f"{field}: {message}", param=field)
     if constraint is not None and (isinstance(exc, ConstraintError) or "structured" in message):
         return APIError(400, f"{constraint.source}: {_strip_params_prefix(message)}", param=constraint.source)
     match = re.match(r"SamplingParams\.(\w+)", message)
