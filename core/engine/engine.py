@@ -205,10 +205,17 @@ class LLMEngine:
             if seq not in seqs:  # failed before sampling (prompt logprobs); settle releases the rest
                 self.selector.release(seq)
         self.selector.settle(seqs)  # failed ones are finished: released, not observed
-        # a select stage may end sequences itself (a beam group ends all its beams at once)
+        # a select stage may end sequences itself: a beam group ends all its beams at once, those
+        # that did not run this step (they waited for a sibling's prefill chunk) too
         finished += [s for s in seqs if s.is_finished and s not in finished]
+        finished += [s for s in self._ended_beams(seqs) if s not in finished]
         self.forks.place(forked)
         return [s for s in finished if s not in forked] + pooled, guard.failed
+
+    def _ended_beams(self, seqs: list[Sequence]) -> list[Sequence]:
+        """The finished beams of the beam groups among ``seqs`` (the scheduler frees them)."""
+        reqs = [self.requests[rid] for rid in dict.fromkeys(s.request_id for s in seqs) if rid in self.requests]
+        return [s for req in reqs if req.beam_results is not None for s in req.seqs if s.is_finished]
 
     def _pool(self, scheduled: list[ScheduledSeq], pooled: dict) -> list[Sequence]:
         """Embedding sequences: pool this step's hidden states; those whose prompt is done end."""

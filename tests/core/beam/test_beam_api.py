@@ -55,6 +55,20 @@ def test_engine_refuses_what_beams_cannot_do(tiny):
         llm.generate([ids], SamplingParams(beam_width=2, repetition_penalty=1.2))
 
 
+@pytest.mark.parametrize("field,value", [("presence_penalty", 0.5), ("frequency_penalty", -0.5),
+                                         ("logit_bias", {5: 1.0}), ("logprobs", 1), ("prompt_logprobs", 0)])
+def test_lossy_settings_are_refused_naming_them(tiny, field, value):
+    with pytest.raises(ConfigError, match=field):
+        tiny.llm(**PAGED).generate([prompt_ids(6, seed=1)], SamplingParams(beam_width=2, **{field: value}))
+
+
+def test_speculative_decoding_is_refused_naming_it(tiny):
+    llm = tiny.llm(**PAGED, speculative={"method": "ngram", "num_tokens": 2})
+    with pytest.raises(ConfigError, match="speculative"):
+        llm.generate([prompt_ids(6, seed=1)], SamplingParams(beam_width=2))
+    assert llm.generate([prompt_ids(6, seed=1)], SamplingParams(max_tokens=2))[0].outputs[0].token_ids
+
+
 def test_refusals_name_what_beams_cannot_do():
     """A KV cache that cannot fork (or, under tensor parallelism, repeat its copies on every rank)
     is refused, naming the features; structured output is admitted (test_beam_structured.py)."""

@@ -82,3 +82,18 @@ def test_plain_request_finishes_while_beam_runs(tiny, kv):
     assert done["plain"][0].outputs[0].token_ids == llm.generate([plain_ids], GREEDY)[0].outputs[0].token_ids
     ref, _ = hf_beams(tiny.hf, beam_ids, width=4, n=2, max_new=20, eos=None)
     assert [c.token_ids for c in done["beam"][0].outputs] == ref
+
+
+def test_group_ending_while_a_beam_waits_frees_every_beam(tiny):
+    """Width 4 over a 3-token prompt with a budget of 3 tokens a step: the beams' prefills and
+    decodes fall in different steps, and the group ends in a step some beams did not run in.
+    Those beams are finished for the scheduler too (they were left running for ever) and their
+    blocks go back."""
+    ids = prompt_ids(3, seed=2)
+    ref, ref_scores = hf_beams(tiny.hf, ids, width=4, n=2, max_new=3, eos=None)
+    llm = tiny.llm(kvcache={"backend": "paged", "block_size": 4, "num_blocks": 64},
+                   scheduler={"backend": "continuous", "max_num_batched_tokens": 3})
+    out, _ = _run(llm, [("b", ids, SamplingParams(n=2, beam_width=4, max_tokens=3, ignore_eos=True))])["b"]
+    assert [c.token_ids for c in out.outputs] == ref
+    assert [c.score for c in out.outputs] == pytest.approx(ref_scores, abs=1e-4)
+    assert llm.engine.scheduler.num_running == 0 and llm.engine.kv.blocks.num_used_blocks == 0
