@@ -217,17 +217,23 @@ class ContinuousScheduler(RunningBatch):
         return budget
 
     def _swap_in(self, seq: Sequence, out: SchedulerOutput, budget: int) -> bool:
-        """Admit swapped-out ``seq``: its K/V back, then its next tokens; False if it does not fit."""
-        n = min(self.num_pending(seq), budget)
+        """Admit swapped-out ``seq``: its K/V back, then its next tokens; False if it does not fit.
+        A sequence with nothing left to compute (a beam that was waiting for the rest of its
+        group) runs its last token again: the step must give its logits once more, and a
+        scheduled sequence without tokens would have no row."""
+        rerun = self.num_pending(seq) == 0
+        n = min(self.num_pending(seq) or 1, budget)
         if not self.options.chunked_prefill and self.num_pending(seq) > budget:
             return False
-        if not self.kv.can_allocate(seq, seq.num_computed_tokens + n):
+        total = seq.num_computed_tokens - rerun + n
+        if not self.kv.can_allocate(seq, total):
             if not self.running and not out.scheduled:
-                raise RuntimeError(f"KV cache backend {self.kv.name!r} cannot hold {seq.num_computed_tokens + n} "
+                raise RuntimeError(f"KV cache backend {self.kv.name!r} cannot hold {total} "
                                    f"tokens of request {seq.request_id!r} even with nothing else running")
             return False
         self.waiting.pop()
         self.kv.swap_in(seq)
+        seq.num_computed_tokens -= rerun
         self.kv.allocate(seq, seq.num_computed_tokens + n)
         seq.start_running()
         self.running.append(seq)

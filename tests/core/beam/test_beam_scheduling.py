@@ -97,3 +97,24 @@ def test_group_ending_while_a_beam_waits_frees_every_beam(tiny):
     assert [c.token_ids for c in out.outputs] == ref
     assert [c.score for c in out.outputs] == pytest.approx(ref_scores, abs=1e-4)
     assert llm.engine.scheduler.num_running == 0 and llm.engine.kv.blocks.num_used_blocks == 0
+
+
+def test_beam_swapped_out_while_waiting_for_its_group(tiny):
+    """A beam swapped out after computing everything it had (it was waiting for its siblings)
+    comes back with nothing to compute: it runs its last token again for its logits. (It was
+    scheduled with no tokens: an empty step crashed, a shared one read a neighbour's row.)"""
+    prompts = [prompt_ids(13, seed=s) for s in (1, 2, 3)]
+    reqs = [("b0", prompts[0], SamplingParams(beam_width=4, n=2, max_tokens=12, ignore_eos=True)),
+            ("g", prompts[1], SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)),
+            ("b1", prompts[2], SamplingParams(beam_width=3, n=3, max_tokens=8, ignore_eos=True))]
+    roomy = tiny.llm(kvcache={"backend": "paged", "block_size": 4, "num_blocks": 256})
+    alone = {rid: _run(roomy, [(rid, ids, p)])[rid][0] for rid, ids, p in reqs}
+    tight = tiny.llm(kvcache={"backend": "paged", "block_size": 4, "num_blocks": 16, "swap_space_gb": 0.01},
+                     scheduler={"backend": "continuous", "preemption": "swap"})
+    done = _run(tight, reqs)
+    assert tight.engine.scheduler.num_swaps > 0
+    for rid, _, _ in reqs:
+        assert [c.token_ids for c in done[rid][0].outputs] == [c.token_ids for c in alone[rid].outputs]
+    ref, _ = hf_beams(tiny.hf, prompts[0], width=4, n=2, max_new=12, eos=None)
+    assert [c.token_ids for c in done["b0"][0].outputs] == ref
+    assert tight.engine.kv.blocks.num_used_blocks == 0

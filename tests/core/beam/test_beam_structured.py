@@ -15,7 +15,7 @@ import re
 import jsonschema
 import pytest
 from support.beam_refs import hf_beams, matcher_mask
-from support.hf_models import get_model, one_torch_thread  # noqa: F401 - fixture
+from support.hf_models import get_model, one_torch_thread, prompt_ids  # noqa: F401 - fixture
 from support.spec_helpers import make_engine, run
 from support.structured import SCHEMAS, json_model
 
@@ -131,3 +131,29 @@ def test_equals_unconstrained_where_the_constraint_allows_the_beams_picks(tmp_pa
     assert any("<" in c.text for o in free for c in o.outputs)
     assert tokens(no_angles) != tokens(free)
     assert all("<" not in c.text for o in no_angles for c in o.outputs)
+
+
+PRESSURE = {  # preemption under a tight pool, chunked prefill, the contiguous cache (row copies)
+    "recompute": {"kvcache": {**PAGED, "num_blocks": 20}, "scheduler": {"backend": "continuous"}},
+    "swap": {"kvcache": {**PAGED, "num_blocks": 20, "swap_space_gb": 0.01},
+             "scheduler": {"backend": "continuous", "preemption": "swap"}},
+    "chunked": {"kvcache": PAGED, "scheduler": {"backend": "continuous", "max_num_batched_tokens": 3}},
+    "contiguous": {"kvcache": {"backend": "contiguous"}},
+}
+
+
+@pytest.mark.parametrize("setup", sorted(PRESSURE))
+def test_constrained_beams_under_pressure_equal_the_roomy_run(model, setup):
+    """Two constrained beam groups and a free greedy request: what each gives alone, with room."""
+    prompts = [prompt_ids(13, seed=s) for s in (1, 2, 3)]
+    params = [SamplingParams(beam_width=4, n=2, max_tokens=40, structured=SPECS["json"]),
+              SamplingParams(temperature=0, max_tokens=40, ignore_eos=True),
+              SamplingParams(beam_width=3, n=3, max_tokens=40, structured=SPECS["regex"])]
+    roomy = make_engine(model.path, structured_output={"backend": "xgrammar"}, kvcache=PAGED)
+    alone = [run(roomy, [p], q)[0] for p, q in zip(prompts, params)]
+    engine = make_engine(model.path, structured_output={"backend": "xgrammar"}, **PRESSURE[setup])
+    outs = run(engine, prompts, params)
+    assert [[c.token_ids for c in o.outputs] for o in outs] == [[c.token_ids for c in o.outputs] for o in alone]
+    if setup in ("recompute", "swap"):
+        assert engine.scheduler.num_preemptions > 0
+    assert valid("json", outs[0].outputs[0].text) and valid("regex", outs[2].outputs[0].text)
