@@ -35,7 +35,6 @@ class ModelPooling:
     unsupported: str | None = None  # why its sentence-transformers recipe cannot be followed here
     matryoshka: bool = False
     matryoshka_dimensions: tuple[int, ...] = ()  # empty with ``matryoshka``: any size up to hidden_size
-    source: str | None = None  # the file the recipe came from
     headless: bool = False  # a base model without an LM head (``headless``): it embeds, never generates
 
 
@@ -51,11 +50,11 @@ def read_pooling(folder: Path | None, hf_config: Mapping[str, Any]) -> ModelPool
     dims = hf_config.get("matryoshka_dimensions") or ()
     if not isinstance(dims, list | tuple) or not all(isinstance(d, int) and d > 0 for d in dims):
         raise ModelLoadError(f"config.json: matryoshka_dimensions must be a list of positive integers, got {dims!r}")
-    matryoshka = {"matryoshka": bool(dims) or bool(hf_config.get("is_matryoshka")),
-                  "matryoshka_dimensions": tuple(sorted(dims)), "headless": headless(hf_config)}
+    common = {"matryoshka": bool(dims) or bool(hf_config.get("is_matryoshka")),
+              "matryoshka_dimensions": tuple(sorted(dims)), "headless": headless(hf_config)}
     modules_file = folder / "modules.json" if folder is not None and folder.is_dir() else None
     if modules_file is None or not modules_file.is_file():
-        return ModelPooling(**matryoshka)
+        return ModelPooling(**common)
     modules = _json(modules_file)
     if not isinstance(modules, list) or not all(isinstance(m, dict) and isinstance(m.get("type"), str)
                                                 for m in modules):
@@ -63,14 +62,13 @@ def read_pooling(folder: Path | None, hf_config: Mapping[str, Any]) -> ModelPool
     types = [m["type"].rpartition(".")[2] for m in modules]  # the class: its module path moved in v5
     pooling_type, unsupported = None, None
     if "Pooling" in types:
-        module = modules[types.index("Pooling")]
-        pooling_type, unsupported = _st_mode(_json(folder / module.get("path", "") / "config.json"),
-                                             folder / module.get("path", "") / "config.json")
+        where = _inside(folder, modules[types.index("Pooling")].get("path"), modules_file) / "config.json"
+        pooling_type, unsupported = _st_mode(_json(where), where)
     extra = [t for t in types if t not in ("Transformer", "Pooling", "Normalize")]
     if extra and unsupported is None:
         unsupported = (f"{modules_file} chains module {extra[0]!r} after the transformer, which lmplug does not "
                        "apply (it pools and normalizes only)")
-    return ModelPooling(pooling_type, "Normalize" in types, unsupported, source=str(modules_file), **matryoshka)
+    return ModelPooling(pooling_type, "Normalize" in types, unsupported, **common)
 
 
 def _st_mode(config: Any, where: Path) -> tuple[str | None, str | None]:
@@ -86,6 +84,14 @@ def _st_mode(config: Any, where: Path) -> tuple[str | None, str | None]:
     if config.get("include_prompt", True) is False:
         return None, f"{where} sets include_prompt false (instruction tokens left out of the pool), not supported"
     return ST_MODES[modes[0]], None
+
+
+def _inside(folder: Path, sub: Any, modules_file: Path) -> Path:
+    """A module's folder, which must lie inside the checkpoint's."""
+    path = (folder / sub).resolve() if isinstance(sub, str) else None
+    if path is None or not path.is_relative_to(folder.resolve()):
+        raise ModelLoadError(f"{modules_file}: module path {sub!r} is not a folder inside the checkpoint")
+    return path
 
 
 def _json(path: Path) -> Any:

@@ -149,3 +149,13 @@ def test_a_broken_modules_json_fails_the_load_naming_the_file(base, tmp_path):
     (tmp_path / "mean-True" / "modules.json").write_text("{not json")
     with pytest.raises(ModelLoadError, match=r"modules\.json: not readable JSON"):
         LLM(path, dtype="float32", device="cpu", max_model_len=128)
+
+
+def test_a_module_path_outside_the_checkpoint_fails_the_load(base, tmp_path):
+    path = st_folder(base, tmp_path, "mean", True)
+    modules_file = tmp_path / "mean-True" / "modules.json"
+    modules = json.loads(modules_file.read_text())
+    modules[1]["path"] = "../../elsewhere"
+    modules_file.write_text(json.dumps(modules))
+    with pytest.raises(ModelLoadError, match=r"modules\.json: module path '\.\./\.\./elsewhere' is not a folder inside"):
+        LLM(path, dtype="float32", device="cpu", max_model_len=128)
