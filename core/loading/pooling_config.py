@@ -49,7 +49,8 @@ def read_pooling(folder: Path | None, hf_config: Mapping[str, Any]) -> ModelPool
     """The recipe of an HF folder (None or a GGUF file: config.json's Matryoshka keys only)."""
     dims = hf_config.get("matryoshka_dimensions") or ()
     if not isinstance(dims, list | tuple) or not all(isinstance(d, int) and d > 0 for d in dims):
-        raise ModelLoadError(f"config.json: matryoshka_dimensions must be a list of positive integers, got {dims!r}")
+        where = folder / "config.json" if folder is not None and folder.is_dir() else "config.json"
+        raise ModelLoadError(f"{where}: matryoshka_dimensions must be a list of positive integers, got {dims!r}")
     common = {"matryoshka": bool(dims) or bool(hf_config.get("is_matryoshka")),
               "matryoshka_dimensions": tuple(sorted(dims)), "headless": headless(hf_config)}
     modules_file = folder / "modules.json" if folder is not None and folder.is_dir() else None

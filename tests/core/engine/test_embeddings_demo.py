@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from support.demo_dense import dense_demo
 from support.hf_models import one_torch_thread  # noqa: F401
 
 from lmplug import LLM, PoolingParams
@@ -15,16 +16,7 @@ PROMPTS = [[1, 504, 3458, 282, 4114, 314, 253, 2378, 30, 378, 2378, 314], [1, 28
 
 @pytest.mark.slow
 def test_demo_model_last_token_embeddings_match_transformers(demo_gguf, tmp_path):
-    from transformers import AutoModelForCausalLM
-
-    read = AutoModelForCausalLM.from_pretrained(str(demo_gguf.parent), gguf_file=demo_gguf.name,
-                                                dtype=torch.float32)
-    config = read.config
-    config.quantization_config = None  # the weights are dense now; a "gguf" model will not save
-    del config.quantization_config
-    hf = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    hf.load_state_dict(read.state_dict())
-    hf.eval().save_pretrained(tmp_path / "dense")
+    hf = dense_demo(demo_gguf, tmp_path / "dense")
     llm = LLM(str(tmp_path / "dense"), dtype="float32", device="cpu", max_model_len=256)
     outs = llm.embed(PROMPTS, PoolingParams(pooling_type="last", normalize=True))
     for ids, out in zip(PROMPTS, outs):
@@ -32,6 +24,6 @@ def test_demo_model_last_token_embeddings_match_transformers(demo_gguf, tmp_path
             last = hf.model(torch.tensor([ids])).last_hidden_state[0, -1]
         want = torch.nn.functional.normalize(last, dim=0)
         got = torch.tensor(out.outputs.embedding)
-        assert got.shape == (config.hidden_size,)
+        assert got.shape == (hf.config.hidden_size,)
         assert torch.nn.functional.cosine_similarity(got, want, dim=0).item() >= 0.99999
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)

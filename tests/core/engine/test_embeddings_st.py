@@ -159,3 +159,9 @@ def test_a_module_path_outside_the_checkpoint_fails_the_load(base, tmp_path):
     modules_file.write_text(json.dumps(modules))
     with pytest.raises(ModelLoadError, match=r"modules\.json: module path '\.\./\.\./elsewhere' is not a folder inside"):
         LLM(path, dtype="float32", device="cpu", max_model_len=128)
+
+
+def test_bad_matryoshka_dimensions_fail_the_load(base, tmp_path):
+    path = st_folder(base, tmp_path, "mean", True, matryoshka_dimensions=[16, "32"])
+    with pytest.raises(ModelLoadError, match=r"matryoshka_dimensions must be a list of positive integers"):
+        LLM(path, dtype="float32", device="cpu", max_model_len=128)
