@@ -71,10 +71,13 @@ class PoolerConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    pooling_type: Literal["last", "mean", "cls"] = Field(
-        default="last", description="last: the last prompt token's hidden state (what a causal model's "
-        "embedding is); mean: the average over the prompt's tokens; cls: the first token's")
-    normalize: bool = Field(default=True, description="scale each embedding to unit L2 norm")
+    pooling_type: Literal["auto", "last", "mean", "cls"] = Field(
+        default="auto", description="last: the last prompt token's hidden state (what a causal model's "
+        "embedding is); mean: the average over the prompt's tokens; cls: the first token's; auto: the "
+        "checkpoint's sentence-transformers Pooling module (modules.json) where it has one, else last")
+    normalize: bool | None = Field(default=None, description="scale each embedding to unit L2 norm; "
+                                   "None: as the checkpoint's sentence-transformers modules say (a Normalize "
+                                   "module), else true")
 
 
 class EngineConfig(BaseModel):

@@ -99,8 +99,9 @@ class LLM:
     def embed(self, prompts: Prompt | list[Prompt], pooling_params: PoolingParams | None = None,
               ) -> list[EmbeddingRequestOutput]:
         """One pooled final hidden state per prompt (vLLM's ``LLM.embed``: ``out.outputs.embedding``).
-        ``pooling_params`` fields left None take the config's ``pooler`` section (last token,
-        normalized, by default). The LM head never runs for these prompts."""
+        ``pooling_params`` fields left None take the config's ``pooler`` section, else the
+        checkpoint's sentence-transformers modules, else last token, normalized; ``dimensions``
+        truncates (Matryoshka checkpoints). The LM head never runs for these prompts."""
         prompts = self._as_list(prompts)
         if not prompts:
             raise ConfigError("embed: prompts is empty; give at least one text or list of token ids")

@@ -6,7 +6,7 @@ import dataclasses
 import logging
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -32,6 +32,7 @@ from lmplug.interfaces.quant import QuantMethod, Unquantized
 from lmplug.loading import open_source
 from lmplug.loading.identity import model_identity
 from lmplug.loading.memory import check_fits
+from lmplug.loading.pooling_config import ModelPooling, read_pooling
 from lmplug.loading.weights import load_weights
 from lmplug.parallel import ParallelState
 from lmplug.parallel import setup as parallel_setup
@@ -60,6 +61,8 @@ class EngineParts:
     # weight bytes and KV bytes per token of every tensor-parallel rank (``parallel.setup``)
     memory: dict | None = None
     plan: EnginePlan | None = None  # what was chosen (``plan.resolved.backends``: every backend in use)
+    # the checkpoint's embedding recipe (sentence-transformers modules, Matryoshka sizes)
+    pooling: ModelPooling = field(default_factory=ModelPooling)
 
 
 def pick_device(name: str) -> str:
@@ -140,6 +143,7 @@ def build_engine_parts(resolved: ResolvedConfig, parallel: ParallelState | None 
     chosen = choose_architecture(source.hf_config, cfg.model_impl, str(source.path), resolved.registry)
     arch = architecture(chosen[0])
     model_config = parse_model_config(chosen[0], source, arch)
+    pooling = read_pooling(Path(source.path), source.hf_config)
     plan = make_plan(resolved, source.hf_config, model_config, str(source.path), parallel,
                      architecture=chosen, checkpoint_format=source.format)
     backends, kv_shape = plan.resolved.backends, plan.kv_shape
@@ -209,7 +213,8 @@ def build_engine_parts(resolved: ResolvedConfig, parallel: ParallelState | None 
         constraint = chosen.cls(chosen.options, ConstraintTokenizer(
             source.tokenizer.backend, model_config.vocab_size, eos_ids))
     return EngineParts(model_config, model, source.tokenizer, kv, scheduler, runner, max_model_len,
-                       eos_ids, load_time, drafter, acceptance, constraint=constraint, memory=memory, plan=plan)
+                       eos_ids, load_time, drafter, acceptance, constraint=constraint, memory=memory, plan=plan,
+                       pooling=pooling)
 
 
 def build_cpu_kernels() -> float:

@@ -22,6 +22,7 @@ from lmplug.errors import ConfigError
 from lmplug.interfaces.params import SamplingParams, check_token_ids
 from lmplug.interfaces.scheduler import ScheduledSeq, SchedulerOutput
 from lmplug.interfaces.sequence import Sequence
+from lmplug.loading.pooling_config import ModelPooling
 from lmplug.outputs import RequestOutput, RequestTable
 from lmplug.outputs.logprobs import record_prompt_logprobs
 from lmplug.outputs.pooling import Pooler, PoolingParams
@@ -32,18 +33,37 @@ logger = logging.getLogger(__name__)
 
 
 def check_pooling(engine: LLMEngine, pooling: PoolingParams) -> PoolingParams:
-    """An embedding request's pooling with the config's defaults, or why this model cannot pool."""
-    model = engine.runner.model
+    """An embedding request's pooling, or why this model cannot pool so. Each field: the request's,
+    else the ``pooler`` section's, else the checkpoint's sentence-transformers recipe, else last
+    token and normalized."""
+    model, name = engine.runner.model, engine.config.model
     if not getattr(model, "final_hidden_states", False):
         raise ConfigError(
-            f"model {engine.config.model!r} ({type(model).__name__}) cannot pool: its forward does not declare "
+            f"model {name!r} ({type(model).__name__}) cannot pool: its forward does not declare "
             "that it returns the final-norm hidden states (final_hidden_states); embeddings work with the native "
             "architectures (lmplug plugins --family model) and the transformers fallback")
+    recipe, section = engine.parts.pooling, engine.config.pooler
+    kind = pooling.pooling_type or (None if section.pooling_type == "auto" else section.pooling_type)
+    if kind is None and recipe.unsupported:
+        raise ConfigError(f"model {name!r} cannot pool as its sentence-transformers config asks: "
+                          f"{recipe.unsupported}; pool it another way with the pooler section's pooling_type "
+                          "(last, mean or cls)")
     if pooling.dimensions is not None:
-        raise ConfigError(f"dimensions: {engine.config.model!r} declares no Matryoshka dimensions, so its "
-                          f"embeddings cannot be truncated; leave dimensions out (full size "
-                          f"{engine.model_config.hidden_size})")
-    return pooling.with_defaults(engine.config.pooler.pooling_type, engine.config.pooler.normalize)
+        _check_dimensions(name, pooling.dimensions, recipe, engine.model_config.hidden_size)
+    normalize = next(v for v in (section.normalize, recipe.normalize, True) if v is not None)
+    return pooling.with_defaults(kind or recipe.pooling_type or "last", normalize)
+
+
+def _check_dimensions(name: str, dimensions: int, recipe: ModelPooling, hidden: int) -> None:
+    if not recipe.matryoshka:
+        raise ConfigError(f"dimensions: {name!r} declares no Matryoshka dimensions (config.json "
+                          f"matryoshka_dimensions or is_matryoshka), so its embeddings cannot be truncated; "
+                          f"leave dimensions out (full size {hidden})")
+    if recipe.matryoshka_dimensions and dimensions not in recipe.matryoshka_dimensions:
+        raise ConfigError(f"dimensions: {dimensions} is not one of the sizes {name!r} was trained for "
+                          f"({', '.join(map(str, recipe.matryoshka_dimensions))})")
+    if dimensions > hidden:
+        raise ConfigError(f"dimensions: {dimensions} is more than {name!r}'s embedding size {hidden}")
 
 
 class LLMEngine:
@@ -120,6 +140,10 @@ class LLMEngine:
             for seq in self.requests.add(request_id, prompt, SamplingParams(max_tokens=1), priority, pooling):
                 self.scheduler.add(seq)
             return
+        if self.parts.pooling.headless:
+            raise ConfigError(f"model {self.config.model!r} was saved without its LM head (config.json "
+                              "architectures: a base model, as embedding checkpoints are): it serves embeddings "
+                              "(LLM.embed, /v1/embeddings), not generation")
         params = params or SamplingParams()
         check_token_ids(params, self.model_config.vocab_size)
         self.selector.admit(params)

@@ -27,6 +27,7 @@ from lmplug.errors import ModelLoadError
 from lmplug.interfaces.checkpoint import ModelSource
 from lmplug.interfaces.packed import PackedTensor
 from lmplug.kit.layers import Linear, bind_quant_methods
+from lmplug.loading.pooling_config import headless
 
 logger = logging.getLogger(__name__)
 
@@ -39,7 +40,10 @@ def load_weights(model: torch.nn.Module, source: ModelSource, progress=None, par
     loaded: set[str] = set()
     split = parallel is not None and parallel.is_parallel
     packed = not split and source.iter_packed is not None and _takes_packed(model)
+    prefix = _base_prefix(model, source)
     for name, tensor in _tensors(model, source, progress, lazy=split, packed=packed):
+        if prefix and not name.startswith(prefix):
+            name = prefix + name
         target = model.weight_target(name)
         if target is None:
             continue
@@ -71,6 +75,9 @@ def load_weights(model: torch.nn.Module, source: ModelSource, progress=None, par
         # name what the checkpoint lacks in its own (HF) names, not our fused parameter paths
         describe = getattr(model, "checkpoint_name", None)
         missing = [_describe(describe, *expected[k]) if describe else k for k in missing]
+        if prefix:  # a headless checkpoint has no LM head: the engine refuses to generate with it
+            missing = [m for m in missing if not m.startswith("lm_head.")]
+    if missing:
         shown = ", ".join(missing[:8]) + (" ..." if len(missing) > 8 else "")
         raise ModelLoadError(f"{source.path}: {len(missing)} tensors missing from the checkpoint: {shown}")
     for module in model.modules():
@@ -79,6 +86,14 @@ def load_weights(model: torch.nn.Module, source: ModelSource, progress=None, par
     for module in list(model.modules()):  # e.g. MoE blocks stack their processed experts
         if callable(getattr(module, "after_loading", None)):
             module.after_loading()
+
+
+def _base_prefix(model: torch.nn.Module, source: ModelSource) -> str:
+    """A headless checkpoint (``pooling_config.headless``) names its tensors without the causal
+    LM's base-model prefix (``layers.0...`` for ``model.layers.0...``): the prefix they get back."""
+    if not headless(source.hf_config):
+        return ""
+    return getattr(model, "base_model_prefix", "model") + "."
 
 
 _CHECKED_FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)

@@ -26,7 +26,7 @@ class PoolingParams:
 
     pooling_type: str | None = None  # last | mean | cls (vLLM's LAST / MEAN / CLS)
     normalize: bool | None = None  # unit L2 norm
-    dimensions: int | None = None  # Matryoshka truncation: refused (no model here declares it)
+    dimensions: int | None = None  # Matryoshka: keep the first ``dimensions`` (where the model declares it)
 
     def __post_init__(self) -> None:
         if self.pooling_type is not None:
@@ -38,6 +38,15 @@ class PoolingParams:
     def with_defaults(self, pooling_type: str, normalize: bool) -> PoolingParams:
         return replace(self, pooling_type=self.pooling_type or pooling_type,
                        normalize=normalize if self.normalize is None else self.normalize)
+
+
+def truncate(vector: list[float], pooling: PoolingParams) -> list[float]:
+    """Matryoshka: the vector's first ``dimensions`` values, renormalized when the request normalizes
+    (normalizing the whole vector first changes nothing: the head's norm is rescaled anyway)."""
+    if pooling.dimensions is None or pooling.dimensions >= len(vector):
+        return vector
+    head = torch.tensor(vector[:pooling.dimensions])
+    return (torch.nn.functional.normalize(head, dim=0) if pooling.normalize else head).tolist()
 
 
 @dataclass

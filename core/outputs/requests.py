@@ -11,7 +11,7 @@ import torch
 from lmplug.errors import ConfigError
 from lmplug.interfaces.params import SamplingParams
 from lmplug.interfaces.sequence import Sequence
-from lmplug.outputs.pooling import EmbeddingOutput, EmbeddingRequestOutput, PoolingParams
+from lmplug.outputs.pooling import EmbeddingOutput, EmbeddingRequestOutput, PoolingParams, truncate
 from lmplug.outputs.stopping import check_stop
 from lmplug.outputs.types import CompletionOutput, RequestMetrics, RequestOutput
 
@@ -30,6 +30,7 @@ class Request:
         self.beam_results: list | None = None
         self.beam_finish: list[tuple[str, str | int | None]] = []  # (finish_reason, stop_reason) each
         self.embedding: list[float] | None = None  # an embedding request's vector, once pooled
+        self.pooling: PoolingParams | None = None  # an embedding request's pooling (defaults filled in)
 
     @property
     def finished(self) -> bool:
@@ -183,6 +184,7 @@ class RequestTable:
             seq = Sequence(request_id, ids, params, priority=priority)
             seq.pooling, seq.pooling_normalize = pooling.pooling_type, bool(pooling.normalize)
             self._requests[request_id] = Request(request_id, text, ids, [seq], [None])
+            self._requests[request_id].pooling = pooling
             return [seq]
         seqs, detoks = [], []
         best_of = params.best_of if (params.best_of or 0) > params.n else None
@@ -233,7 +235,8 @@ class RequestTable:
     # -- tokens in, outputs out ------------------------------------------------------------------
     def finish_pooled(self, seq: Sequence, embedding: list[float], now: float) -> None:
         """An embedding sequence's prompt is pooled: it ends with its vector (no token sampled)."""
-        self._requests[seq.request_id].embedding = embedding
+        req = self._requests[seq.request_id]
+        req.embedding = truncate(embedding, req.pooling)
         seq.finish("stop")
         seq.finish_time = now
 

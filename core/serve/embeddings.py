@@ -3,9 +3,10 @@
 ``input`` is a string, a list of strings, a list of token ids or a list of lists of token ids;
 each becomes one embedding request (``lmplug.outputs.pooling``), batched in the engine with
 whatever else runs. ``encoding_format`` ``float`` (a list) or ``base64`` (little-endian float32
-bytes, what the ``openai`` client asks for and decodes by default). ``dimensions`` is refused by
-name: no model here declares Matryoshka dimensions. The pooling type and normalization are the
-server config's ``pooler`` section.
+bytes, what the ``openai`` client asks for and decodes by default). ``dimensions``: Matryoshka
+truncation where the checkpoint declares it (a 400 naming ``dimensions`` otherwise). The pooling
+type and normalization: the server config's ``pooler`` section, else the checkpoint's
+sentence-transformers modules (``lmplug.loading.pooling_config``).
 """
 
 from __future__ import annotations

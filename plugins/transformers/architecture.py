@@ -13,6 +13,12 @@ from lmplug.interfaces.config_fields import ConfigReader
 from lmplug.interfaces.model_config import ModelConfig
 
 CAUSAL_HEADS = ("ForCausalLM", "LMHeadModel")
+# Why encoders are refused: the engine's step is causal throughout (a prompt prefilled in chunks, its
+# blocks shared by the prefix cache, recomputed after preemption), which bidirectional attention breaks.
+ENCODER = ("model_type {model_type!r} is an encoder (bidirectional attention, e.g. BERT): lmplug runs causal "
+           "models over a KV cache; embed it with sentence-transformers (SentenceTransformer(path).encode), or "
+           "embed with lmplug from a decoder-based embedding checkpoint (last-token pooling, e.g. "
+           "Qwen3-Embedding, gte-Qwen2, e5-mistral), whose sentence-transformers pooling config it follows")
 ATTENTION_LAYERS = frozenset({"full_attention", "sliding_attention", "attention", "chunked_attention"})
 
 
@@ -36,13 +42,21 @@ class TransformersArchitecture(Architecture):
         if hf_config.get("is_encoder_decoder"):
             return f"model_type {model_type!r} is an encoder-decoder, not a decoder-only causal LM"
         from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
-        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+        from transformers.models.auto.modeling_auto import (
+            MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+            MODEL_FOR_MASKED_LM_MAPPING_NAMES,
+        )
 
         if model_type not in CONFIG_MAPPING_NAMES:
             return f"transformers does not know model_type {model_type!r}"
+        # BERT-likes have an LM-head class too (BertLMHeadModel), but their checkpoints are encoders
+        encoder = model_type in MODEL_FOR_MASKED_LM_MAPPING_NAMES and not hf_config.get("is_decoder")
+        heads = [a for a in hf_config.get("architectures") or () if isinstance(a, str)]
+        if encoder:
+            why = f"architectures {heads[0]!r} is not a causal LM head; " if heads else ""
+            return why + ENCODER.format(model_type=model_type)
         if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
             return f"model_type {model_type!r} is not a causal LM in transformers"
-        heads = [a for a in hf_config.get("architectures") or () if isinstance(a, str)]
         if heads and not any(a.endswith(CAUSAL_HEADS) for a in heads):
             return f"architectures {heads[0]!r} is not a causal LM head (expected ...ForCausalLM)"
         return cls._unsupported_feature(hf_config)

@@ -35,6 +35,7 @@ class TransformersCausalLM(torch.nn.Module):
         super().__init__()
         self.hf = build_hf_model(hf_config, dtype)
         self.decoder = getattr(self.hf, self.hf.base_model_prefix)
+        self.base_model_prefix = self.hf.base_model_prefix  # a headless checkpoint's names lack it
         self.attention = attention
         self.kv_views: list[KVLayerView] = []
         self.tied = bool(hf_config.get("tie_word_embeddings", False))

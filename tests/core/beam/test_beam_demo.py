@@ -5,8 +5,8 @@ transformers' own GGUF reader: lmplug's beam search on that checkpoint equals tr
 from __future__ import annotations
 
 import pytest
-import torch
 from support.beam_refs import hf_beams
+from support.demo_dense import dense_demo
 from support.hf_models import one_torch_thread  # noqa: F401
 
 from lmplug import LLM, SamplingParams
@@ -14,16 +14,7 @@ from lmplug import LLM, SamplingParams
 
 @pytest.mark.slow
 def test_demo_model_beams_match_transformers(demo_gguf, tmp_path):
-    from transformers import AutoModelForCausalLM
-
-    read = AutoModelForCausalLM.from_pretrained(str(demo_gguf.parent), gguf_file=demo_gguf.name,
-                                                dtype=torch.float32)
-    config = read.config
-    config.quantization_config = None  # the weights are dense now; a "gguf" model will not save
-    del config.quantization_config
-    hf = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    hf.load_state_dict(read.state_dict())
-    hf.eval().save_pretrained(tmp_path / "dense")
+    hf = dense_demo(demo_gguf, tmp_path / "dense")
     ids = [1, 504, 3458, 282, 4114, 314, 253, 2378, 30, 378, 2378, 314]  # fixed ids: no tokenizer needed
     eos = 2  # SmolLM2's <|im_end|> ends a beam if one reaches it
     ref, ref_scores = hf_beams(hf, ids, width=4, n=3, max_new=12, eos=eos, length_penalty=1.0)

@@ -5,8 +5,13 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import socket
 import struct
+import subprocess
 import sys
+import time
+import zlib
 
 import httpx
 import numpy as np
@@ -80,10 +85,27 @@ def test_two_servers_plot_is_a_png(server, tmp_path):
     runs = bench(server, tmp_path, "--base-url", server.v1, "--label", "a", "--label", "b",
                  "--concurrency", "1,2", "--plot", str(png))["runs"]
     assert [(r["server"], r["concurrency"]) for r in runs] == [("a", 1), ("a", 2), ("b", 1), ("b", 2)]
-    data = png.read_bytes()
-    assert data[:8] == b"\x89PNG\r\n\x1a\n" and data[12:16] == b"IHDR" and data[-8:-4] == b"IEND"
-    width, height = struct.unpack(">II", data[16:24])
+    assert_valid_png(png)
+
+
+def assert_valid_png(path) -> None:
+    """The PNG spec's structure (signature, IHDR first, every chunk's CRC-32, IEND last), and an
+    independent decoder (matplotlib's, through Pillow) reads an image of the header's size."""
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    chunks, at = [], 8
+    while at < len(data):
+        (length,), kind = struct.unpack(">I", data[at:at + 4]), data[at + 4:at + 8]
+        body, (crc,) = data[at + 8:at + 8 + length], struct.unpack(">I", data[at + 8 + length:at + 12 + length])
+        assert zlib.crc32(kind + body) == crc, kind
+        chunks.append((kind, body))
+        at += 12 + length
+    assert chunks[0][0] == b"IHDR" and chunks[-1] == (b"IEND", b"") and at == len(data)
+    width, height = struct.unpack(">II", chunks[0][1][:8])
     assert width > 400 and height > 200
+    import matplotlib.image
+
+    assert matplotlib.image.imread(str(path)).shape[:2] == (height, width)
 
 
 def test_sharegpt_json(server, tmp_path):
@@ -113,3 +135,55 @@ def test_plot_without_matplotlib_is_refused_by_name(server, tmp_path, capsys, mo
 def test_bad_flags_are_named(server, tmp_path, capsys, flags, says):
     assert main(["bench", "serve", "--base-url", server.v1, *flags]) == 2
     assert says in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_the_commands_end_to_end(tmp_path):
+    """``lmplug serve`` and ``lmplug bench serve`` as the commands a user runs, on loopback: the
+    percentiles in --json follow its recorded timings, and --plot writes a valid PNG."""
+    pytest.importorskip("matplotlib")
+    tiny = get_model("llama", tmp_path / "m", tokenizer=True)
+    port = free_port()
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TQDM_DISABLE": "1"}
+    env.pop("LMPLUG_API_KEY", None)
+    serve = subprocess.Popen([sys.executable, "-m", "lmplug.cli", "serve", str(tiny.path), "--port", str(port),
+                              "--device", "cpu", "--max-model-len", "128", "--served-model-name", "tiny"],
+                             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while not ready(url):
+            assert serve.poll() is None and time.monotonic() < deadline, "lmplug serve did not come up"
+            time.sleep(0.3)
+        out, png = tmp_path / "run.json", tmp_path / "run.png"
+        bench_cmd = subprocess.run([sys.executable, "-m", "lmplug.cli", "bench", "serve", "--base-url", url + "/v1",
+                                    "--num-prompts", "5", "--input-len", "6", "--output-len", "4", "--token-range",
+                                    "3,500", "--concurrency", "1,2", "--json", str(out), "--plot", str(png)],
+                                   env=env, capture_output=True, text=True, timeout=300, check=False)
+        assert bench_cmd.returncode == 0, bench_cmd.stderr
+    finally:
+        serve.terminate()
+        serve.wait(30)
+    for run in json.loads(out.read_text())["runs"]:
+        recs, summary = run["records"], run["summary"]
+        assert len(recs) == summary["completed"] == 5
+        e2e = [r["end"] - r["start"] for r in recs]
+        ttft = [r["token_times"][0] - r["start"] for r in recs]
+        for key, values in (("e2e", e2e), ("ttft", ttft)):
+            for name, want in reference(values).items():
+                assert summary[key][name] == pytest.approx(want, rel=1e-9), (key, name)
+    assert "TTFT" in bench_cmd.stdout  # the printed table
+    assert_valid_png(png)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def ready(url: str) -> bool:
+    try:
+        return httpx.get(url + "/health", timeout=1).status_code == 200
+    except httpx.TransportError:
+        return False

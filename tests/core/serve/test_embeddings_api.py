@@ -86,10 +86,21 @@ def test_batch_of_32_mixed_lengths_as_token_ids(client, reference):
                                atol=1e-5, rtol=1e-5)
 
 
+def test_batch_of_32_mixed_length_texts(client, reference):
+    rng = random.Random(1)
+    words = ["tea", "the", "and", "of", "cake", "a", "is", "in", "more", "then"]
+    batch = [" ".join(rng.choice(words) for _ in range(rng.randrange(1, 14))) for _ in range(32)]
+    got = client.embeddings.create(model="tiny", input=batch)  # base64 on the wire, decoded by the client
+    assert [d.index for d in got.data] == list(range(32))
+    for text, item in zip(batch, got.data):
+        torch.testing.assert_close(torch.tensor(item.embedding), reference(text), atol=1e-4, rtol=1e-4)
+
+
 @pytest.mark.parametrize(("body", "param", "says"), [
     ({"input": []}, "input", "empty list"),
     ({"input": [[5, 6], []]}, "input", "input[1]: empty"),
     ({"input": [[5] * (MAX_LEN + 1)]}, "input", f"65 tokens, more than this model's max_model_len={MAX_LEN}"),
+    ({"input": "ab" * MAX_LEN}, "input", "more than this model's max_model_len"),
     ({"input": [[5, 9999]]}, "input", "9999 is not a token id"),
     ({"input": "hi", "dimensions": 8}, "dimensions", "no Matryoshka dimensions"),
     ({"input": "hi", "encoding_format": "int8"}, "encoding_format", "encoding_format"),

@@ -20,6 +20,8 @@ TINY = {"model_type": "llama", "vocab_size": 256, "hidden_size": 64, "intermedia
     ({"model_type": "t5", "is_encoder_decoder": True}, "encoder-decoder"),
     ({"model_type": "vit"}, "not a causal LM"),
     ({"model_type": "bert", "architectures": ["BertForMaskedLM"]}, "'BertForMaskedLM' is not a causal LM"),
+    ({"model_type": "bert"}, "'bert' is an encoder (bidirectional attention"),
+    ({"model_type": "roberta", "architectures": ["RobertaModel"]}, "embed it with sentence-transformers"),
     ({"model_type": "no_such_model"}, "does not know model_type 'no_such_model'"),
     ({"model_type": "llama", "auto_map": {"AutoModelForCausalLM": "x.Y"}}, "remote code"),
     ({"model_type": "qwen3_next", "layer_types": ["linear_attention", "full_attention"]}, "state_layers"),
@@ -70,3 +72,18 @@ def test_no_architecture_serves_an_encoder_decoder(tmp_path):
     text = str(err.value)
     assert "T5ForConditionalGeneration" in text or "'t5'" in text
     assert "encoder-decoder" in text and "llama" in text
+
+
+def test_an_encoder_checkpoint_is_refused_naming_what_works(tmp_path):
+    """A real (tiny, random) BERT folder: the load error names the folder, why, and what would work."""
+    from transformers import BertConfig, BertModel
+
+    from lmplug import LLM
+
+    BertModel(BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                         intermediate_size=64)).save_pretrained(tmp_path)
+    with pytest.raises(ModelLoadError) as err:
+        LLM(str(tmp_path), dtype="float32", device="cpu")
+    text = str(err.value)
+    assert str(tmp_path) in text and "'BertModel' is not a causal LM head" in text
+    assert "is an encoder" in text and "SentenceTransformer(path).encode" in text and "last-token pooling" in text
