@@ -51,9 +51,10 @@ STARTUP_LIMIT_S = 900.0  # --role pd: how long the children may take to load the
 _ROLE_FLAGS = ("--role", "--port", "--host", "--kv-peer", "--prefill", "--decode", "--prefill-timeout")
 
 
-def with_role(overrides: dict[str, Any], role: str, peer: str) -> dict[str, Any]:
+def with_role(overrides: dict[str, Any], role: str, peer: str, secret: str | None = None) -> dict[str, Any]:
     """The engine overrides of a prefill or decode instance: the user's, plus its connector and a
-    paged cache with prefix caching (other options of those sections are kept)."""
+    paged cache with prefix caching (other options of those sections are kept); ``secret`` (the
+    API key) is what the two connectors prove to each other unless the user gave a key file."""
     out = dict(overrides)
     kv = _section(out.get("kvcache"))
     if kv.get("backend", "paged") not in ("paged", "auto"):
@@ -62,6 +63,8 @@ def with_role(overrides: dict[str, Any], role: str, peer: str) -> dict[str, Any]
     out["kvcache"] = {**kv, "backend": "paged", "prefix_caching": True}
     out["kvconnector"] = {**_section(out.get("kvconnector")), "backend": "torch_distributed",
                           "role": CONNECTOR_ROLES[role], "address": peer}
+    if secret and "key_file" not in out["kvconnector"]:
+        out["kvconnector"]["secret"] = secret
     return out
 
 
@@ -122,7 +125,7 @@ def serve_role(args: argparse.Namespace, build_llm: Callable[..., LLM]) -> int:
     if not args.kv_peer:
         raise LmplugError(f"--role {args.role} needs --kv-peer HOST:PORT (where the decode instance "
                           "listens for the prefill instance's KV blocks)")
-    llm = build_llm(args, functools.partial(with_role, role=args.role, peer=args.kv_peer))
+    llm = build_llm(args, functools.partial(with_role, role=args.role, peer=args.kv_peer, secret=_api_key(args)))
     connector = kv_connector(llm)
 
     def prepare(app: FastAPI) -> None:

@@ -54,8 +54,13 @@ def snapshot(folder) -> dict[str, tuple[float, str]]:
         for name in filenames:
             path = os.path.join(dirpath, name)
             st = os.lstat(path)
-            regular = os.path.isfile(path) and not os.path.islink(path)
-            body = open(path, "rb").read() if regular else os.readlink(path).encode() if os.path.islink(path) else b""
+            if os.path.islink(path):
+                body = os.readlink(path).encode()
+            elif os.path.isfile(path):
+                with open(path, "rb") as fh:
+                    body = fh.read()
+            else:
+                body = b""
             out[os.path.relpath(path, folder)] = (st.st_mtime_ns, hashlib.sha256(body).hexdigest())
     return out
 
@@ -127,7 +132,7 @@ def test_open_with_a_small_max_gb_deletes_nothing_outside_its_folders(tmp_path):
     """A link inside the tier's root to another folder of old ``*.kvb`` files, block links to
     old files elsewhere, someone else's files with block names: with a limit of one block, open
     evicts only the tier's own old files."""
-    first, blocks = stored(tmp_path / "other_tier", 4)  # real block files, of a valid format
+    first, _ = stored(tmp_path / "other_tier", 4)  # real block files, of a valid format
     first.close()
     other = first.folder
     root = tmp_path / "kv"
@@ -203,7 +208,7 @@ def test_only_the_tiers_own_stale_temporary_files_are_removed(tmp_path):
 def test_a_hung_read_blocks_the_engine_thread_at_most_io_timeout_s(tmp_path, monkeypatch, caplog):
     """A read that never returns (a hung mount; simulated) costs the caller ``io_timeout_s`` once,
     then the tier is off: every later get and contains answers at once, as a miss."""
-    import lmplug_kvconnector.disk as disk
+    from lmplug_kvconnector import disk
     connector, blocks = stored(tmp_path, 3, io_timeout_s=0.5)
     release = threading.Event()
     real = disk.read_regular
