@@ -139,8 +139,10 @@ def write_tiny_gguf(
     rope_scaling: bool = False,
     extra_tensor: tuple[str, Q] | None = None,
     seed: int = 0,
+    bf16_v: bool = True,
 ) -> dict[str, np.ndarray]:
-    """Write a tiny model; return {gguf tensor name: expected dequantized float32 values}."""
+    """Write a tiny model; return {gguf tensor name: expected dequantized float32 values}.
+    ``bf16_v``: layer 1's attn_v in BF16 (a float tensor among packed ones)."""
     rng = np.random.default_rng(seed)
     writer = GGUFWriter(str(path), arch)
     n_vocab = add_spm_vocab(writer) if vocab == "spm" else add_byte_level_vocab(writer, pre)
@@ -169,7 +171,7 @@ def write_tiny_gguf(
         put(f"{b}.ffn_norm.weight", (HIDDEN,), Q.F32)
         put(f"{b}.attn_q.weight", (q_out, HIDDEN), LLAMA_TYPES["attn_q"])
         put(f"{b}.attn_k.weight", (kv_out, HIDDEN), LLAMA_TYPES["attn_k"])
-        put(f"{b}.attn_v.weight", (kv_out, HIDDEN), Q.BF16 if i == 1 else LLAMA_TYPES["attn_v"])
+        put(f"{b}.attn_v.weight", (kv_out, HIDDEN), Q.BF16 if i == 1 and bf16_v else LLAMA_TYPES["attn_v"])
         put(f"{b}.attn_output.weight", (HIDDEN, q_out), LLAMA_TYPES["attn_output"])
         put(f"{b}.ffn_gate.weight", (FFN, HIDDEN), LLAMA_TYPES["ffn_gate"])
         put(f"{b}.ffn_up.weight", (FFN, HIDDEN), LLAMA_TYPES["ffn_up"])
