@@ -10,38 +10,20 @@ import contextlib
 import hashlib
 import logging
 import os
-import random
 import threading
 import time
 
 import pytest
-from lmplug_kvconnector.disk import STALE_TMP_S, DiskConnector, DiskOptions
+from lmplug_kvconnector.disk import STALE_TMP_S
+from support.disk_tier import FMT, opened, stored
 from support.hf_models import get_model, one_torch_thread, prompt_ids  # noqa: F401 - fixture
 
 from lmplug import LLM, SamplingParams
 from lmplug.errors import ConfigError
-from lmplug.interfaces import KVBlockFormat
-from lmplug.testing.kvconnector import block_payload, same_bits
+from lmplug.testing.kvconnector import same_bits
 
-FMT = KVBlockFormat("tiny:abc", "paged bs=4 layers=2 tensors=2 kv_heads=2 head_dim=8 float32")
 OLD = time.time() - 3 * STALE_TMP_S
 WAIT_S = 60.0  # a call that blocks on a FIFO never returns: the join fails the test instead
-
-
-def opened(path, fmt: KVBlockFormat = FMT, **options) -> DiskConnector:
-    connector = DiskConnector(DiskOptions(path=str(path), **options))
-    connector.open(fmt)
-    return connector
-
-
-def stored(path, n: int, seed: int = 0, **options) -> tuple[DiskConnector, dict[int, dict]]:
-    rng = random.Random(seed)
-    connector = opened(path, **options)
-    blocks = {rng.getrandbits(128): block_payload("float32", rng) for _ in range(n)}
-    for key, payload in blocks.items():
-        connector.put(key, payload)
-    connector.flush()
-    return connector, blocks
 
 
 def snapshot(folder) -> dict[str, tuple[float, str]]:

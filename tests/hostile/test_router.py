@@ -7,20 +7,16 @@ official openai client, httpx and raw sockets."""
 
 from __future__ import annotations
 
-import contextlib
 import socket
-import threading
 import time
-from collections.abc import Iterator
 
 import httpx
 import pytest
 from support.hf_models import get_model, one_torch_thread  # noqa: F401  (fixture)
-from support.serve_util import running_server
+from support.serve_util import running_router, running_server
 
 from lmplug import LLM
 from lmplug.serve import ServeSettings
-from lmplug.serve.roles import router_server
 from lmplug.serve.router import RouterSettings
 
 KEY = "router-key"
@@ -37,25 +33,6 @@ def decode(tmp_path_factory):
                              max_body_bytes=4096, cors_origins=("https://ok.example",))
     with running_server(llm, settings) as running:
         yield running.url
-
-
-@contextlib.contextmanager
-def running_router(settings: RouterSettings) -> Iterator[str]:
-    """``lmplug serve --role router``'s server (``router_server``) on a free loopback port."""
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    server = router_server(settings, "127.0.0.1", 0, log_level="warning")
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    while not server.started:
-        assert thread.is_alive()
-        time.sleep(0.02)
-    try:
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
-    finally:
-        server.should_exit = True
-        thread.join(30)
-        sock.close()
 
 
 @pytest.fixture(scope="module")
