@@ -13,7 +13,6 @@ import functools
 import json
 import logging
 import os
-import secrets
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
@@ -25,7 +24,6 @@ from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 from starlette.concurrency import run_in_threadpool
-from starlette.middleware.cors import CORSMiddleware
 
 from lmplug.compression import PromptCompressor
 from lmplug.interfaces.params import SamplingParams
@@ -33,12 +31,12 @@ from lmplug.llm import LLM
 from lmplug.serve import compress, convert, embeddings, responses_api, tokenize_routes
 from lmplug.serve import tools as tool_calls
 from lmplug.serve.async_engine import AsyncEngine
+from lmplug.serve.body import read_json
 from lmplug.serve.errors import APIError, from_validation_error, install_handlers
+from lmplug.serve.hardening import api_key_check, guard_app
 from lmplug.serve.metrics import Metrics
 from lmplug.serve.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 from lmplug.serve.responses import Accumulator, ChatFormat, CompletionFormat, collect, stream_events
-from lmplug.serve.security import Guard, allowed_hosts
-from lmplug.serve.unicode import check_unicode
 
 logger = logging.getLogger(__name__)
 
@@ -92,11 +90,8 @@ def create_app(llm: LLM, settings: ServeSettings | None = None) -> FastAPI:
     app.state.engine, app.state.metrics, app.state.settings = engine, metrics, settings
     if llm.engine.tokenizer is not None:
         llm.engine.tokenizer.allow_special_in_content = settings.allow_special_in_content
-    if settings.cors_origins:
-        app.add_middleware(CORSMiddleware, allow_origins=list(settings.cors_origins), allow_methods=["GET", "POST"],
-                           allow_headers=["Authorization", "Content-Type"])
-    app.add_middleware(Guard, hosts=allowed_hosts(settings.bind_host, settings.allowed_hosts),
-                       read_timeout=settings.read_timeout_s)
+    guard_app(app, bind_host=settings.bind_host, extra_hosts=settings.allowed_hosts,
+              cors_origins=settings.cors_origins, read_timeout=settings.read_timeout_s)
     app.add_middleware(_CountRequests, metrics=metrics)
     install_handlers(app)
     _add_plain_routes(app, engine, metrics, settings)
@@ -113,12 +108,12 @@ def _add_embeddings_route(app: FastAPI, engine: AsyncEngine, settings: ServeSett
 
     app.include_router(embeddings.embeddings_router(
         engine, read, functools.partial(_check_model, model_name), model_name,
-        [Depends(_api_key_check(settings.api_key))]))
+        [Depends(api_key_check(settings.api_key))]))
 
 
 def _add_tokenizer_routes(app: FastAPI, core: Any, settings: ServeSettings, model_name: str) -> None:
     """/tokenize, /detokenize (and under /v1), /version: vLLM's shapes (``tokenize_routes``)."""
-    keyed = [Depends(_api_key_check(settings.api_key))]
+    keyed = [Depends(api_key_check(settings.api_key))]
 
     async def read(request: Request, model: type[BaseModel]) -> Any:
         return _parse(model, await read_json(request, settings.max_body_bytes))
@@ -139,7 +134,7 @@ def _check_model(model_name: str, requested: str | None) -> None:
 
 def _add_plain_routes(app: FastAPI, engine: AsyncEngine, metrics: Metrics, settings: ServeSettings) -> None:
     def guarded(public: bool) -> list:
-        return [] if public else [Depends(_api_key_check(settings.api_key))]
+        return [] if public else [Depends(api_key_check(settings.api_key))]
 
     @app.get("/health", dependencies=guarded(settings.public_health))
     async def health() -> JSONResponse:
@@ -156,7 +151,7 @@ def _add_plain_routes(app: FastAPI, engine: AsyncEngine, metrics: Metrics, setti
 
 def _v1_router(engine: AsyncEngine, settings: ServeSettings, model_name: str,
                parser: tool_calls.ToolParser | None, compressor: PromptCompressor) -> APIRouter:
-    router = APIRouter(prefix="/v1", dependencies=[Depends(_api_key_check(settings.api_key))])
+    router = APIRouter(prefix="/v1", dependencies=[Depends(api_key_check(settings.api_key))])
     core = engine.engine
     names = convert.TokenText(core.tokenizer)
 
@@ -261,65 +256,11 @@ async def _respond(request: Request, engine: AsyncEngine, req: ChatCompletionReq
 # -- request plumbing ----------------------------------------------------------------------------
 
 
-async def read_json(request: Request, limit: int) -> dict:
-    """The body as a JSON object, refusing more than ``limit`` bytes (413), another content
-    type than ``application/json`` (415: a browser sends ``text/plain`` cross-origin without a
-    preflight) and bad JSON (400)."""
-    media_type = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
-    if media_type != "application/json":
-        raise APIError(415, f"Content-Type: expected application/json (got {media_type or 'none'!r})",
-                       code="unsupported_media_type")
-    declared = request.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > limit:
-        raise _too_large(int(declared), limit)
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise _too_large(size, limit)
-        chunks.append(chunk)
-    try:
-        data = json.loads(b"".join(chunks), parse_constant=_reject_constant)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise APIError(400, f"request body is not valid JSON: {exc}", code="invalid_json") from None
-    except RecursionError:  # e.g. 100,000 nested arrays: no request field is nested that deep
-        raise APIError(400, "request body: JSON nested too deeply", code="invalid_json") from None
-    if not isinstance(data, dict):
-        raise APIError(400, f"request body: expected a JSON object, got {type(data).__name__}",
-                       code="invalid_json")
-    check_unicode(data)  # before any field is used: a lone surrogate is a 400 naming its field
-    return data
-
-
-def _reject_constant(name: str) -> float:
-    raise ValueError(f"{name} is not a JSON number")
-
-
-def _too_large(size: int, limit: int) -> APIError:
-    return APIError(413, f"request body: {size} bytes or more, over the limit of {limit} bytes",
-                    code="request_too_large")
-
-
 def _parse(model: type[BaseModel], data: dict) -> Any:
     try:
         return model.model_validate(data)
     except ValidationError as exc:
         raise from_validation_error(exc) from None
-
-
-def _api_key_check(api_key: str | None):
-    async def check(request: Request) -> None:
-        if not api_key:
-            return
-        header = request.headers.get("authorization")
-        if not header:
-            raise APIError(401, "missing API key: send the header 'Authorization: Bearer <key>'",
-                           code="invalid_api_key")
-        scheme, _, token = header.partition(" ")
-        if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip().encode(), api_key.encode()):
-            raise APIError(401, "invalid API key", code="invalid_api_key")
-
-    return check
 
 
 async def _unless_disconnected(request: Request, work: Awaitable[Any]) -> Any | None:

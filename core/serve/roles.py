@@ -39,8 +39,9 @@ from prometheus_client.core import GaugeMetricFamily
 from lmplug.errors import LmplugError
 from lmplug.interfaces.kvconnector import KVConnector
 from lmplug.llm import LLM
+from lmplug.serve.hardening import uvicorn_options
 from lmplug.serve.router import RouterSettings, create_router
-from lmplug.serve.server import _api_key, serve_from_args
+from lmplug.serve.server import _api_key, _split, serve_from_args
 
 logger = logging.getLogger(__name__)
 
@@ -50,9 +51,10 @@ STARTUP_LIMIT_S = 900.0  # --role pd: how long the children may take to load the
 _ROLE_FLAGS = ("--role", "--port", "--host", "--kv-peer", "--prefill", "--decode", "--prefill-timeout")
 
 
-def with_role(overrides: dict[str, Any], role: str, peer: str) -> dict[str, Any]:
+def with_role(overrides: dict[str, Any], role: str, peer: str, secret: str | None = None) -> dict[str, Any]:
     """The engine overrides of a prefill or decode instance: the user's, plus its connector and a
-    paged cache with prefix caching (other options of those sections are kept)."""
+    paged cache with prefix caching (other options of those sections are kept); ``secret`` (the
+    API key) is what the two connectors prove to each other unless the user gave a key file."""
     out = dict(overrides)
     kv = _section(out.get("kvcache"))
     if kv.get("backend", "paged") not in ("paged", "auto"):
@@ -61,6 +63,8 @@ def with_role(overrides: dict[str, Any], role: str, peer: str) -> dict[str, Any]
     out["kvcache"] = {**kv, "backend": "paged", "prefix_caching": True}
     out["kvconnector"] = {**_section(out.get("kvconnector")), "backend": "torch_distributed",
                           "role": CONNECTOR_ROLES[role], "address": peer}
+    if secret and "key_file" not in out["kvconnector"]:
+        out["kvconnector"]["secret"] = secret
     return out
 
 
@@ -115,14 +119,13 @@ def serve_role(args: argparse.Namespace, build_llm: Callable[..., LLM]) -> int:
     if args.role == "router":
         if not args.decode:
             raise LmplugError("--role router needs --decode URL (and, to split the work, --prefill URL)")
-        return run_router(RouterSettings(args.decode, args.prefill, prefill_timeout_s=args.prefill_timeout,
-                                         max_body_bytes=args.max_body_bytes), args.host, args.port)
+        return run_router(router_settings(args, args.decode, args.prefill), args.host, args.port)
     if args.role == "pd":
         return run_pd(args)
     if not args.kv_peer:
         raise LmplugError(f"--role {args.role} needs --kv-peer HOST:PORT (where the decode instance "
                           "listens for the prefill instance's KV blocks)")
-    llm = build_llm(args, functools.partial(with_role, role=args.role, peer=args.kv_peer))
+    llm = build_llm(args, functools.partial(with_role, role=args.role, peer=args.kv_peer, secret=_api_key(args)))
     connector = kv_connector(llm)
 
     def prepare(app: FastAPI) -> None:
@@ -133,10 +136,25 @@ def serve_role(args: argparse.Namespace, build_llm: Callable[..., LLM]) -> int:
     return serve_from_args(args, llm, prepare=prepare)
 
 
+def router_settings(args: argparse.Namespace, decode: str, prefill: str | None) -> RouterSettings:
+    """The router's settings from ``lmplug serve``'s flags: the same key, hosts, origins and
+    limits an instance would take from them."""
+    return RouterSettings(decode, prefill, prefill_timeout_s=args.prefill_timeout,
+                          max_body_bytes=args.max_body_bytes, api_key=_api_key(args), bind_host=args.host,
+                          allowed_hosts=tuple(_split(args.allowed_hosts)),
+                          cors_origins=tuple(_split(args.cors_origins)), read_timeout_s=args.read_timeout,
+                          public_health=args.public_health)
+
+
+def router_server(settings: RouterSettings, host: str, port: int, log_level: str = "info") -> uvicorn.Server:
+    """The router under uvicorn with the options ``lmplug serve`` runs with (head deadline)."""
+    return uvicorn.Server(uvicorn.Config(create_router(settings), host=host, port=port, log_level=log_level,
+                                         lifespan="on", access_log=False,
+                                         **uvicorn_options(settings.read_timeout_s)))
+
+
 def run_router(settings: RouterSettings, host: str, port: int, log_level: str = "info") -> int:
-    server = uvicorn.Server(uvicorn.Config(create_router(settings), host=host, port=port, log_level=log_level,
-                                           lifespan="on", access_log=False))
-    server.run()
+    router_server(settings, host, port, log_level).run()
     return 0
 
 
@@ -155,8 +173,7 @@ def run_pd(args: argparse.Namespace) -> int:
         urls = {role: f"http://127.0.0.1:{port}" for role, port in (("decode", decode_port),
                                                                      ("prefill", prefill_port))}
         _wait_healthy(children, urls, _api_key(args))
-        settings = RouterSettings(urls["decode"], urls["prefill"], prefill_timeout_s=args.prefill_timeout,
-                                  max_body_bytes=args.max_body_bytes)
+        settings = router_settings(args, urls["decode"], urls["prefill"])
         logger.info("router on %s:%d: prefill %s, decode %s", args.host, args.port, urls["prefill"], urls["decode"])
         return run_router(settings, args.host, args.port)
     finally:

@@ -10,24 +10,31 @@ request goes to the decode instance, whose prefix cache finds those blocks, and 
 Failures: a prefill that fails or takes longer than ``prefill_timeout_s`` is logged with the
 request id and the request goes to decode anyway (which computes the prompt itself); a decode
 instance that cannot be reached is a 502 (``decode_unavailable``) with an OpenAI error body, and
-a stream it breaks off ends with an OpenAI error event. The router keeps no model and checks no
-API key itself: ``Authorization`` goes through to the instances, which check it.
+a stream it breaks off ends with an OpenAI error event. The router keeps no model.
+
+It is as careful as the instances behind it, with the same code (``lmplug.serve.hardening``,
+``lmplug.serve.body``): Host names (DNS rebinding) and CORS origins, the request-head and body
+deadlines (408), the body limit (413), JSON checked before anything is forwarded, and the API key
+checked here when one is set (``Authorization`` still goes through to the instances, which check
+it too).
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
+import os
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 import httpx
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from lmplug.serve.body import parse_object, read_body
 from lmplug.serve.errors import APIError, install_handlers
+from lmplug.serve.hardening import api_key_check, guard_app
 
 logger = logging.getLogger(__name__)
 
@@ -45,8 +52,18 @@ class RouterSettings:
     prefill_timeout_s: float = 60.0  # the whole prefill call; past it decode computes the prompt
     decode_timeout_s: float = 600.0  # connect, and between two chunks of decode's answer
     max_body_bytes: int = 1 << 20
+    api_key: str | None = None  # None: $LMPLUG_API_KEY if set, else no key needed
+    bind_host: str = "127.0.0.1"  # which Host headers are accepted (as ``ServeSettings``)
+    allowed_hosts: tuple[str, ...] = ()
+    cors_origins: tuple[str, ...] = ()
+    read_timeout_s: float = 30.0  # a request head, and then its body, must arrive within this
+    public_health: bool = False  # /health without the API key
 
     def __post_init__(self) -> None:
+        if self.api_key is None:
+            self.api_key = os.environ.get("LMPLUG_API_KEY") or None
+        if self.max_body_bytes < 1 or not self.read_timeout_s > 0:
+            raise ValueError("max_body_bytes and read_timeout_s: expected positive numbers")
         self.decode_url = self.decode_url.rstrip("/")
         self.prefill_url = self.prefill_url.rstrip("/") if self.prefill_url else None
         if not (self.prefill_timeout_s > 0 and self.decode_timeout_s > 0):
@@ -68,21 +85,24 @@ def create_router(settings: RouterSettings) -> FastAPI:
 
     app = FastAPI(title="lmplug router", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.settings = settings
+    guard_app(app, bind_host=settings.bind_host, extra_hosts=settings.allowed_hosts,
+              cors_origins=settings.cors_origins, read_timeout=settings.read_timeout_s)
     install_handlers(app)
+    keyed = [Depends(api_key_check(settings.api_key))]
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", dependencies=keyed)
     async def chat(request: Request) -> Response:
         return await _route(client, settings, request, "/v1/chat/completions")
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", dependencies=keyed)
     async def completions(request: Request) -> Response:
         return await _route(client, settings, request, "/v1/completions")
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", dependencies=keyed)
     async def models(request: Request) -> Response:
         return await _decode(client, settings, "GET", "/v1/models", None, _headers(request), "models")
 
-    @app.get("/health")
+    @app.get("/health", dependencies=[] if settings.public_health else keyed)
     async def health(request: Request) -> JSONResponse:
         status = {"decode": await _health(client, settings.decode_url, request)}
         if settings.prefill_url is not None:
@@ -95,14 +115,11 @@ def create_router(settings: RouterSettings) -> FastAPI:
 
 
 async def _route(client: httpx.AsyncClient, settings: RouterSettings, request: Request, path: str) -> Response:
-    raw = await _read_body(request, settings.max_body_bytes)
+    raw = await read_body(request, settings.max_body_bytes)
+    body = parse_object(raw)
     headers = _headers(request)
     request_id = headers.setdefault("x-request-id", f"pd-{uuid.uuid4().hex[:16]}")
-    try:
-        body = json.loads(raw)
-    except (ValueError, UnicodeDecodeError):
-        body = None  # decode answers the 400
-    if settings.prefill_url is not None and isinstance(body, dict):
+    if settings.prefill_url is not None:
         await _prefill(client, settings, path, body, headers, request_id)
     return await _decode(client, settings, "POST", path, raw, headers, request_id)
 
@@ -162,13 +179,3 @@ async def _health(client: httpx.AsyncClient, base: str, request: Request) -> str
 def _headers(request: Request) -> dict[str, str]:
     return {k: v for k, v in request.headers.items() if k.lower() in _FORWARDED}
 
-
-async def _read_body(request: Request, limit: int) -> bytes:
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise APIError(413, f"request body: {size} bytes or more, over the limit of {limit} bytes",
-                           code="request_too_large")
-        chunks.append(chunk)
-    return b"".join(chunks)

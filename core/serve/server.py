@@ -22,7 +22,8 @@ from fastapi import FastAPI
 from lmplug.llm import LLM
 from lmplug.serve.app import ServeSettings, create_app
 from lmplug.serve.async_engine import AsyncEngine
-from lmplug.serve.security import is_loopback, protocol_with_header_timeout
+from lmplug.serve.hardening import uvicorn_options
+from lmplug.serve.security import is_loopback
 
 logger = logging.getLogger(__name__)
 
@@ -54,11 +55,9 @@ def build_server(llm: LLM, settings: ServeSettings | None = None, *, host: str =
     app = create_app(llm, settings)
     if prepare is not None:
         prepare(app)
-    keep_alive = max(1, min(5, int(settings.read_timeout_s)))  # idle connections between requests
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="on",
                             timeout_graceful_shutdown=5, access_log=log_level == "debug",
-                            http=protocol_with_header_timeout(settings.read_timeout_s),
-                            timeout_keep_alive=keep_alive)
+                            **uvicorn_options(settings.read_timeout_s))
     return Server(config, app.state.engine, settings.shutdown_grace_s)
 
 

@@ -5,7 +5,10 @@ then one batched decode call for the decode sequences (ordered first in the
 step) and one varlen prefill call for the rest, both reading K/V through the
 block tables. On CPU the decode call also takes every token of the short queries
 that follow the decodes (speculative verifies, small chunks) as a decode row of
-its own (``paged_rows.py``). Triton kernels (the write and the decode shared with
+its own (``paged_rows.py``); with the native kernel, by default (``cpu_rows: all``),
+every query: a token's attention then depends on its context only, so a prefix-cache
+hit (whose suffix is a short query over a long cache) gives the bits a full prefill
+gives. Triton kernels (the write and the decode shared with
 ``flash``: ``kv_ops``, ``decode_ops``; the prefill: ``paged_prefill_kernels``) run
 on CUDA; PyTorch is the CPU default: the write ``kv_ref``, the prefill
 ``paged_torch``, the decode batch the fused C kernel (``paged_native.py``, option
@@ -26,7 +29,7 @@ from types import SimpleNamespace
 from typing import Literal
 
 import torch
-from lmplug_attention.paged_rows import QueryRows, leading_short_queries, query_rows
+from lmplug_attention.paged_rows import MAX_QUERY_LEN, QueryRows, leading_short_queries, query_rows
 from lmplug_attention.sdpa import KV_DTYPES
 from pydantic import Field, field_validator
 
@@ -41,6 +44,7 @@ from lmplug.interfaces import (
 )
 
 logger = logging.getLogger(__name__)
+ALL_QUERIES = 1 << 62  # cpu_rows "all": no query is too long to be read as rows
 _warned: set[str] = set()  # reasons already logged, so a fallback warns once per process
 
 
@@ -50,6 +54,14 @@ class PagedAttentionOptions(BackendOptions):
     partition_size: int | None = Field(
         default=None, description="decode split-K partition in tokens (a power of two >= 16; 0: never "
                                   "split); None: split only long contexts in small batches (Triton)")
+    cpu_rows: Literal["all", "short"] = Field(
+        default="all", description="CPU with the native kernel: all = every query token is a row of the C "
+                                   "kernel, so a token's attention depends only on its context (a prefix-cache "
+                                   "hit, a prefill chunk or a batch never changes an output); short = only "
+                                   "queries of up to 32 tokens, longer ones take the varlen prefill's matmuls "
+                                   "(faster prefill with several threads, but a prefix hit can then change "
+                                   "greedy tokens: the packed GGUF path's 8-bit activations amplify the "
+                                   "kernels' float rounding)")
     cpu_kernel: Literal["auto", "native", "torch"] = Field(
         default="auto", description="CPU decode: native = the fused C kernel (built with $CC on first "
                                     "use; an error at load when it cannot be); torch = the PyTorch "
@@ -225,7 +237,8 @@ class PagedAttention(AttentionBackend):
         when ``trees``, the native kernel serving the cache), with the Triton kernels the
         decodes only."""
         if ops.cpu_decode is not None:
-            return query_rows(ctx, leading_short_queries(ctx, trees=trees))
+            every = trees and self.options.cpu_rows == "all"  # trees: the native kernel serves the cache
+            return query_rows(ctx, leading_short_queries(ctx, ALL_QUERIES if every else MAX_QUERY_LEN, trees=trees))
         n = ctx.num_decodes
         return QueryRows(n, n, ctx.block_tables[:n], ctx.seq_lens[:n], ctx.seq_lens_cpu[:n])
 

@@ -139,8 +139,12 @@ def write_tiny_gguf(
     rope_scaling: bool = False,
     extra_tensor: tuple[str, Q] | None = None,
     seed: int = 0,
+    types: dict[str, Q] | None = None,
 ) -> dict[str, np.ndarray]:
-    """Write a tiny model; return {gguf tensor name: expected dequantized float32 values}."""
+    """Write a tiny model; return {gguf tensor name: expected dequantized float32 values}.
+    ``types``: each tensor kind's type (default ``LLAMA_TYPES``, and layer 1's attn_v in BF16)."""
+    mixed = types is None
+    types = {**LLAMA_TYPES, **(types or {})}
     rng = np.random.default_rng(seed)
     writer = GGUFWriter(str(path), arch)
     n_vocab = add_spm_vocab(writer) if vocab == "spm" else add_byte_level_vocab(writer, pre)
@@ -157,23 +161,23 @@ def write_tiny_gguf(
         writer.add_tensor(name, data, raw_dtype=raw_dtype)
         expected[name] = dequantize(data, qtype).reshape(shape).astype(np.float32)
 
-    put("token_embd.weight", (n_vocab, HIDDEN), LLAMA_TYPES["token_embd"])
+    put("token_embd.weight", (n_vocab, HIDDEN), types["token_embd"])
     put("output_norm.weight", (HIDDEN,), Q.F32)
     if not tied:
-        put("output.weight", (n_vocab, HIDDEN), LLAMA_TYPES["output"])
+        put("output.weight", (n_vocab, HIDDEN), types["output"])
     head_dim = head_dim_for(arch)
     q_out, kv_out = HEADS * head_dim, KV_HEADS * head_dim
     for i in range(LAYERS):
         b = f"blk.{i}"
         put(f"{b}.attn_norm.weight", (HIDDEN,), Q.F32)
         put(f"{b}.ffn_norm.weight", (HIDDEN,), Q.F32)
-        put(f"{b}.attn_q.weight", (q_out, HIDDEN), LLAMA_TYPES["attn_q"])
-        put(f"{b}.attn_k.weight", (kv_out, HIDDEN), LLAMA_TYPES["attn_k"])
-        put(f"{b}.attn_v.weight", (kv_out, HIDDEN), Q.BF16 if i == 1 else LLAMA_TYPES["attn_v"])
-        put(f"{b}.attn_output.weight", (HIDDEN, q_out), LLAMA_TYPES["attn_output"])
-        put(f"{b}.ffn_gate.weight", (FFN, HIDDEN), LLAMA_TYPES["ffn_gate"])
-        put(f"{b}.ffn_up.weight", (FFN, HIDDEN), LLAMA_TYPES["ffn_up"])
-        put(f"{b}.ffn_down.weight", (HIDDEN, FFN), LLAMA_TYPES["ffn_down"])
+        put(f"{b}.attn_q.weight", (q_out, HIDDEN), types["attn_q"])
+        put(f"{b}.attn_k.weight", (kv_out, HIDDEN), types["attn_k"])
+        put(f"{b}.attn_v.weight", (kv_out, HIDDEN), Q.BF16 if i == 1 and mixed else types["attn_v"])
+        put(f"{b}.attn_output.weight", (HIDDEN, q_out), types["attn_output"])
+        put(f"{b}.ffn_gate.weight", (FFN, HIDDEN), types["ffn_gate"])
+        put(f"{b}.ffn_up.weight", (FFN, HIDDEN), types["ffn_up"])
+        put(f"{b}.ffn_down.weight", (HIDDEN, FFN), types["ffn_down"])
         if arch == "qwen2":
             for kind, rows in (("attn_q", q_out), ("attn_k", kv_out), ("attn_v", kv_out)):
                 put(f"{b}.{kind}.bias", (rows,), Q.F32)

@@ -69,3 +69,25 @@ def running_server(llm, settings: ServeSettings | None = None) -> Iterator[Runni
         server.should_exit = True
         thread.join(60)
         sock.close()
+
+
+@contextlib.contextmanager
+def running_router(settings) -> Iterator[str]:
+    """The prefill/decode router as ``lmplug serve --role router`` runs it (``router_server``:
+    uvicorn with the head deadline) on a free loopback port; its URL."""
+    from lmplug.serve.roles import router_server
+
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = router_server(settings, "127.0.0.1", 0, log_level="warning")
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    while not server.started:
+        assert thread.is_alive()
+        time.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        thread.join(30)
+        sock.close()

@@ -14,24 +14,22 @@ import shutil
 import socket
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Iterator
 
 import httpx
 import pytest
 import torch
-import uvicorn
 from lmplug_kvconnector.torch_distributed import TorchDistributedConnector, TorchDistributedOptions
 from support.hf_models import get_model, one_torch_thread  # noqa: F401  (fixture)
-from support.serve_util import running_server
+from support.serve_util import running_router, running_server
 
 from lmplug import LLM
 from lmplug.errors import ConfigError
 from lmplug.interfaces import KVBlockFormat
 from lmplug.serve import ServeSettings
 from lmplug.serve.roles import _strip_flags, with_role
-from lmplug.serve.router import RouterSettings, create_router, prefill_body
+from lmplug.serve.router import RouterSettings, prefill_body
 
 TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}. {% endfor %}"
             "{% if add_generation_prompt %}assistant:{% endif %}")
@@ -218,24 +216,6 @@ def wait_healthy(url: str, proc: subprocess.Popen, limit_s: float = 120) -> None
                 return
         time.sleep(0.2)
     raise AssertionError(f"{url} not healthy after {limit_s} s")
-
-
-@contextlib.contextmanager
-def running_router(settings: RouterSettings) -> Iterator[str]:
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(create_router(settings), log_level="warning", lifespan="on"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    while not server.started:
-        assert thread.is_alive()
-        time.sleep(0.02)
-    try:
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
-    finally:
-        server.should_exit = True
-        thread.join(30)
-        sock.close()
 
 
 @pytest.fixture(scope="module")

@@ -158,9 +158,9 @@ def demo_like_llama(tmp_path_factory):
     return str(path)
 
 
-def paged_llm(path: str, cpu_kernel: str, dtype: str = "float32") -> LLM:
+def paged_llm(path: str, cpu_kernel: str, dtype: str = "float32", cpu_rows: str = "all") -> LLM:
     return LLM(path, device="cpu", dtype=dtype, max_model_len=512,
-               attention={"backend": "paged", "cpu_kernel": cpu_kernel},
+               attention={"backend": "paged", "cpu_kernel": cpu_kernel, "cpu_rows": cpu_rows},
                kvcache={"backend": "paged", "block_size": 16, "num_blocks": 128})
 
 
@@ -169,18 +169,20 @@ def prompts(*lengths: int) -> list[list[int]]:
     return [torch.randint(3, 256, (n,), generator=g).tolist() for n in lengths]
 
 
+@pytest.mark.parametrize("cpu_rows", ["short", "all"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_engine_native_gives_the_torch_tokens(native, demo_like_llama, monkeypatch, dtype):
+def test_engine_native_gives_the_torch_tokens(native, demo_like_llama, monkeypatch, dtype, cpu_rows):
     batch = prompts(3, 40, 17, 90, 5, 130)
     expected = [o.outputs[0].token_ids for o in paged_llm(demo_like_llama, "torch", dtype).generate(batch, GREEDY)]
     calls = []
     decode = native.NativeKernel.decode
     monkeypatch.setattr(native.NativeKernel, "decode",
                         lambda self, q, *a, **k: calls.append(q.shape[0]) or decode(self, q, *a, **k))
-    llm = paged_llm(demo_like_llama, "native", dtype)
+    llm = paged_llm(demo_like_llama, "native", dtype, cpu_rows)
     assert [o.outputs[0].token_ids for o in llm.generate(batch, GREEDY)] == expected
     assert len(batch) in calls  # the decode steps of the whole batch ran the C kernel
-    assert max(calls) == 3 + 17 + 5  # and the first step's short prompts, one row per token (paged_rows)
+    # and the first step's short prompts (short) or every prompt (all), one row per token (paged_rows)
+    assert max(calls) == (3 + 17 + 5 if cpu_rows == "short" else sum(map(len, batch)))
 
 
 def test_native_that_cannot_build_fails_at_load(demo_like_llama, monkeypatch, tmp_path):
