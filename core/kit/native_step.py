@@ -12,8 +12,11 @@ It is planned once per model, on its first forward (after loading): ``NativeDeco
 returns None, and the model keeps the Python path, unless the model is one process (no tensor
 parallelism), float32, with the fused CPU ops built, the plain RoPE, and every layer the dense
 ``DecoderLayer`` (``Attention`` + ``MLP``) whose linear layers all have a native product. Each
-step then asks ``fits`` (every row a single-token decode, no draft-tree masks, no state
-layers) and the attention backend's ``native_decode`` (None: this step takes the Python path).
+step then asks ``fits`` (every sequence's query short: a decode, or a speculative verify's
+``k + 1`` rows or draft tree; no state layers) and the attention backend's ``native_decode``
+(None: this step takes the Python path). A verify's rows go through the same products (the
+quant method's small-M kernels read each weight once for all of them) and each row's attention
+is a decode row of its own, so a verify step costs little more than a decode step.
 ``LMPLUG_NATIVE_STEP=0`` in the environment turns it off (benchmarks compare the two).
 """
 
@@ -32,6 +35,10 @@ from lmplug.kit import fused_cpu
 
 _P, _I64 = ctypes.c_void_p, ctypes.c_int64
 # decode_step_f32's stages, as it reports a failure (layer * 8 + stage)
+# the longest query per sequence a step may have to run natively: a verify's k + 1 rows (or a
+# draft tree's nodes) cost little more than one in the products; longer ones are prefills, whose
+# attention the Python path's matmuls do better
+MAX_QUERY_TOKENS = 16
 STAGES = {1: "qkv_proj", 2: "rope", 3: "attention", 4: "o_proj", 5: "gate_up_proj", 6: "down_proj"}
 
 
@@ -112,10 +119,11 @@ class NativeDecodeStep:
 
     @staticmethod
     def fits(x: torch.Tensor, ctx: StepContext) -> bool:
-        """This step can run natively: float32 CPU rows, each a single-token decode (no draft
-        tree, no state layers), eager (not traced)."""
-        return (ctx.num_decodes == x.shape[0] and not ctx.query_masks and ctx.state_slots is None
-                and x.dtype == torch.float32 and x.is_cpu and not x.requires_grad
+        """This step can run natively: float32 CPU rows, each sequence's query at most
+        ``MAX_QUERY_TOKENS`` (decodes, a speculative verify's chain or draft tree), no state
+        layers, eager (not traced). The attention backend may still decline it (``run``)."""
+        short = ctx.num_decodes == x.shape[0] or ctx.max_query_len <= MAX_QUERY_TOKENS
+        return (short and ctx.state_slots is None and x.dtype == torch.float32 and x.is_cpu and not x.requires_grad
                 and not torch.compiler.is_compiling())
 
     def run(self, x: torch.Tensor, positions: torch.Tensor, ctx: StepContext) -> torch.Tensor | None:
