@@ -126,10 +126,18 @@ class NativeDecodeStep:
         return (short and ctx.state_slots is None and x.dtype == torch.float32 and x.is_cpu and not x.requires_grad
                 and not torch.compiler.is_compiling())
 
-    def run(self, x: torch.Tensor, positions: torch.Tensor, ctx: StepContext) -> torch.Tensor | None:
+    def run(self, x: torch.Tensor, positions: torch.Tensor, ctx: StepContext, views: list | None = None,
+            num_layers: int | None = None) -> torch.Tensor | None:
         """The hidden states after the last layer (``x`` [T, hidden], changed in place), or None
-        when the attention backend has no native form for this step (the caller runs the layers)."""
-        attention: NativeCall | None = self.backend.native_decode(ctx, self.model.kv_views)
+        when the attention backend has no native form for this step (the caller runs the layers).
+        ``views`` and ``num_layers``: only the first layers, attending through other cache views
+        (a layer-skip drafter's: the model's own layers over a cache of its own)."""
+        count = len(self.layers) if num_layers is None else num_layers
+        if views is None:
+            views = self.model.kv_views
+        elif not 0 < count <= len(self.layers) or any(self.layers[i].kv_layer >= len(views) for i in range(count)):
+            return None
+        attention: NativeCall | None = self.backend.native_decode(ctx, views)
         if attention is None:
             return None
         rows = x.shape[0]
@@ -145,7 +153,7 @@ class NativeDecodeStep:
                      cos.data_ptr(), sin.data_ptr(), attention.fn, attention.ctx, compute_threads(),
                      self._scratch.data_ptr())
         failed = ctypes.c_int64(0)
-        status = self.lib.decode_step_f32(self.layers, len(self.layers), ctypes.byref(step), x.data_ptr(),
+        status = self.lib.decode_step_f32(self.layers, count, ctypes.byref(step), x.data_ptr(),
                                           ctypes.byref(failed))
         if status:
             self._fail(status, failed.value, attention, positions)

@@ -49,8 +49,8 @@ def counted(monkeypatch):
     seen = {"native": 0, "declined": 0}
     run = NativeDecodeStep.run
 
-    def counting(self, x, positions, ctx):
-        out = run(self, x, positions, ctx)
+    def counting(self, x, positions, ctx, *layers):
+        out = run(self, x, positions, ctx, *layers)
         seen["native" if out is not None else "declined"] += 1
         return out
 

@@ -44,14 +44,14 @@ def path(tmp_path_factory):
 @pytest.fixture
 def steps(monkeypatch):
     """Per native step run: (a verify: some sequence has several new rows after cached ones,
-    tree masks present, ran natively)."""
+    tree masks present, ran natively, the layers it ran: None for all)."""
     seen = []
     run_step = NativeDecodeStep.run
 
-    def counting(self, x, positions, ctx):
-        out = run_step(self, x, positions, ctx)
+    def counting(self, x, positions, ctx, views=None, num_layers=None):
+        out = run_step(self, x, positions, ctx, views, num_layers)
         verify = any(1 < q < s for q, s in zip(ctx.query_lens_cpu, ctx.seq_lens_cpu))
-        seen.append((verify, bool(ctx.query_masks), out is not None))
+        seen.append((verify, bool(ctx.query_masks), out is not None, num_layers))
         return out
 
     monkeypatch.setattr(NativeDecodeStep, "run", counting)
@@ -81,7 +81,7 @@ def test_verify_steps_run_natively_and_keep_plain_decodings_bits(path, monkeypat
         REFERENCE[tuple(prompt)] = out.token_ids
     spec = generate(path, monkeypatch, True, ORACLE, **CASES[case])
     verifies = verify_rows(steps)
-    assert verifies and all(ran for _, _, ran in steps), steps  # every step native, verifies among them
+    assert verifies and all(s[2] for s in steps), steps  # every step native, verifies among them
     for a, b in zip(spec, plain[case]):
         assert a.token_ids == b.token_ids
         assert [{t: lp.logprob for t, lp in d.items()} for d in a.logprobs] == \
@@ -117,5 +117,14 @@ def test_draft_trees_run_natively_and_keep_plain_decodings_tokens(path, monkeypa
     tree = {"method": "medusa", "heads": str(heads), "num_tokens": 3, "tree": "default"}
     spec = generate(path, monkeypatch, True, tree, **CASES[case])
     trees = verify_rows(steps, trees=True)
-    assert trees and all(ran for _, _, ran in trees), steps
+    assert trees and all(s[2] for s in trees), steps
     assert [o.token_ids for o in spec] == [o.token_ids for o in plain[case]]
+
+
+def test_layer_skip_drafts_through_the_native_step(path, monkeypatch, steps, plain):
+    """The layer-skip drafter's forwards (the target's first layer over its own cache) run
+    natively too; greedy output stays plain decoding's."""
+    spec = generate(path, monkeypatch, True, {"method": "layer_skip", "num_tokens": 3, "num_layers": 1}, **PAGED)
+    drafts = [s for s in steps if s[3] == 1]
+    assert drafts and all(s[2] for s in drafts) and verify_rows(steps), steps
+    assert [o.token_ids for o in spec] == [o.token_ids for o in plain["paged-paged"]]
