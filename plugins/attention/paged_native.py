@@ -290,7 +290,7 @@ def step_attention(ctx, views: list, num_heads: int, num_kv_heads: int, head_dim
     C function checks the step's tables and slots against the cache (``STEP_ERRORS``)."""
     if not views:
         return None
-    decodes = ctx.num_decodes == ctx.num_seqs
+    decodes = ctx.num_decodes == ctx.num_seqs and not ctx.query_masks
     if not decodes and leading_short_queries(ctx, trees=True) < ctx.num_seqs:
         return None
     layers = _layer_pointers(views, num_kv_heads, head_dim)
