@@ -34,11 +34,11 @@ from lmplug.interfaces.threads import compute_threads
 from lmplug.kit import fused_cpu
 
 _P, _I64 = ctypes.c_void_p, ctypes.c_int64
-# decode_step_f32's stages, as it reports a failure (layer * 8 + stage)
 # the longest query per sequence a step may have to run natively: a verify's k + 1 rows (or a
 # draft tree's nodes) cost little more than one in the products; longer ones are prefills, whose
 # attention the Python path's matmuls do better
 MAX_QUERY_TOKENS = 16
+# decode_step_f32's stages, as it reports a failure (layer * 8 + stage)
 STAGES = {1: "qkv_proj", 2: "rope", 3: "attention", 4: "o_proj", 5: "gate_up_proj", 6: "down_proj"}
 
 
