@@ -16,7 +16,8 @@ step then asks ``fits`` (every sequence's query short: a decode, or a speculativ
 ``k + 1`` rows or draft tree; no state layers) and the attention backend's ``native_decode``
 (None: this step takes the Python path). A verify's rows go through the same products (the
 quant method's small-M kernels read each weight once for all of them) and each row's attention
-is a decode row of its own, so a verify step costs little more than a decode step.
+is a decode row of its own: on the demo model a verify of 4 drafts costs about 1.3-1.5 decode
+steps instead of 2.4-2.7 through the Python layers (``benchmarks/bench_speculative.py``).
 ``LMPLUG_NATIVE_STEP=0`` in the environment turns it off (benchmarks compare the two).
 """
 
@@ -34,9 +35,9 @@ from lmplug.interfaces.threads import compute_threads
 from lmplug.kit import fused_cpu
 
 _P, _I64 = ctypes.c_void_p, ctypes.c_int64
-# the longest query per sequence a step may have to run natively: a verify's k + 1 rows (or a
-# draft tree's nodes) cost little more than one in the products; longer ones are prefills, whose
-# attention the Python path's matmuls do better
+# the longest query per sequence a step may have to run natively: a verify's k + 1 rows or a
+# draft tree's nodes (the small-M products read each weight block once for up to 8 rows); longer
+# queries are prefills, whose attention the Python path's matmuls do better
 MAX_QUERY_TOKENS = 16
 # decode_step_f32's stages, as it reports a failure (layer * 8 + stage)
 STAGES = {1: "qkv_proj", 2: "rope", 3: "attention", 4: "o_proj", 5: "gate_up_proj", 6: "down_proj"}
