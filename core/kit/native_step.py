@@ -121,9 +121,11 @@ class NativeDecodeStep:
     @staticmethod
     def fits(x: torch.Tensor, ctx: StepContext) -> bool:
         """This step can run natively: float32 CPU rows, each sequence's query at most
-        ``MAX_QUERY_TOKENS`` (decodes, a speculative verify's chain or draft tree), no state
+        ``MAX_QUERY_TOKENS`` after some cached context (decodes, a speculative verify's chain or
+        draft tree; a prompt's first chunk keeps the Python path's prefill attention), no state
         layers, eager (not traced). The attention backend may still decline it (``run``)."""
-        short = ctx.num_decodes == x.shape[0] or ctx.max_query_len <= MAX_QUERY_TOKENS
+        short = ctx.num_decodes == x.shape[0] or (ctx.max_query_len <= MAX_QUERY_TOKENS and all(
+            q < s for q, s in zip(ctx.query_lens_cpu, ctx.seq_lens_cpu)))
         return (short and ctx.state_slots is None and x.dtype == torch.float32 and x.is_cpu and not x.requires_grad
                 and not torch.compiler.is_compiling())
 

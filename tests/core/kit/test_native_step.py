@@ -120,12 +120,12 @@ def test_a_failing_product_is_an_error_naming_layer_and_plugin(files, monkeypatc
 def test_fits_short_queries_only():
     from lmplug.interfaces.step import StepContext
 
-    def ctx(query_lens, num_decodes, masks=None, states=None):
+    def ctx(query_lens, num_decodes, masks=None, states=None, seq_lens=None):
         z = torch.zeros(len(query_lens), dtype=torch.int32)
         t = sum(query_lens)
         return StepContext(positions=torch.zeros(t, dtype=torch.int64), query_lens=z, seq_lens=z, cu_query_lens=z,
                            slot_mapping=torch.zeros(t, dtype=torch.int64), block_tables=z[:, None],
-                           query_lens_cpu=query_lens, seq_lens_cpu=[40] * len(query_lens),
+                           query_lens_cpu=query_lens, seq_lens_cpu=seq_lens or [40] * len(query_lens),
                            num_decodes=num_decodes, query_masks=masks or {}, state_slots=states)
 
     x = torch.zeros(2, 8)
@@ -134,5 +134,6 @@ def test_fits_short_queries_only():
     assert NativeDecodeStep.fits(torch.zeros(4, 8), ctx([4], 0, {0: torch.ones(4, 4, dtype=torch.bool)}))  # a tree
     long = native_step.MAX_QUERY_TOKENS + 1
     assert not NativeDecodeStep.fits(torch.zeros(long + 1, 8), ctx([1, long], 1))  # a prefill
+    assert not NativeDecodeStep.fits(torch.zeros(6, 8), ctx([1, 5], 1, seq_lens=[40, 5]))  # a short prompt
     assert not NativeDecodeStep.fits(x, ctx([1, 1], 2, states=torch.zeros(2, dtype=torch.int32)))
     assert not NativeDecodeStep.fits(x.bfloat16(), ctx([1, 1], 2))
