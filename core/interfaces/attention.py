@@ -80,10 +80,10 @@ class AttentionBackend(ABC):
         or None: the step keeps the Python path. Asked once per step of a float32 model on the
         CPU whose sequences' queries are all short and after cached context: single-token
         decodes, a speculative verify's ``k + 1`` rows or draft tree (``query_masks``), a later
-        chunk; at most
-        ``lmplug.kit.native_step.MAX_QUERY_TOKENS`` tokens a sequence. Row t of the function's
-        ``qkv`` is the step's query token t; return None for any step it does not read. The function must give what ``forward`` gives, to float rounding.
-        Default: None."""
+        chunk; at most ``lmplug.kit.native_step.MAX_QUERY_TOKENS`` tokens a sequence. Row t of
+        the function's ``qkv`` is the step's query token t; return None for any step it does
+        not read. The function must give what ``forward`` gives, to float rounding. Default:
+        None."""
         return None
 
 
