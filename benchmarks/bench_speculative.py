@@ -16,13 +16,16 @@ or "NO (from token N)". In float32 it must be identical. In bfloat16 a draft tre
 come from a multi-token forward whose rounding differs, so a near-tie can flip; chain drafts
 with ``--kv paged`` are read as decode rows and keep plain decoding's output. Per config and set: decode tokens/s (after the first token), target forwards per
 request, tokens per target forward, acceptance rate, mean accepted drafts per verification,
-and the decode speedup over plain. The configs run interleaved (each prompt through every
+and the decode speedup over plain; then the median time of a target forward by its rows (a verify
+of k drafts: k + 1 rows) in plain decode steps. The configs run interleaved (each prompt through every
 config in turn, ``--repeats`` times), so a shared machine's load drifts affect all alike.
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
+import time
 
 import torch
 
@@ -107,7 +110,26 @@ def build(spec: dict | None, args) -> LLM:
     kv = {"kvcache": {"backend": "paged", "block_size": 16}, "attention": "paged"} if args.kv == "paged" else {}
     llm = LLM(args.model, dtype=args.dtype, device=args.device, max_model_len=2048, speculative=spec, **kv)
     run_one(llm, [1, 2, 3, 4, 5, 6, 7, 8], SamplingParams(temperature=0, max_tokens=4))  # warm-up
+    time_forwards(llm)
     return llm
+
+
+FORWARDS: dict[int, dict[int, list[float]]] = {}  # id(llm) -> rows of a target forward -> seconds
+
+
+def time_forwards(llm: LLM) -> None:
+    """Time the engine's target forwards (``runner.execute``) by their row count: a verify of
+    k drafts is k + 1 rows, a plain decode 1 (prefills are left out by ``forward_costs``)."""
+    runner, seen = llm.engine.runner, FORWARDS.setdefault(id(llm), {})
+    execute = runner.execute
+
+    def timed(batch):
+        start = time.perf_counter()
+        result = execute(batch)
+        seen.setdefault(sum(s.num_new_tokens for s in batch), []).append(time.perf_counter() - start)
+        return result
+
+    runner.execute = timed
 
 
 def bench_all(configs: dict[str, dict | None], args, prompts: dict[str, list[list[int]]]) -> dict:
@@ -115,12 +137,26 @@ def bench_all(configs: dict[str, dict | None], args, prompts: dict[str, list[lis
     llms = {name: build(spec, args) for name, spec in configs.items()}
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
     results: dict = {name: {s: [] for s in prompts} for name in configs}
+    for llm in llms.values():
+        FORWARDS[id(llm)].clear()  # the warm-up's
     for _ in range(args.repeats):
         for set_name, ids_list in prompts.items():
             for ids in ids_list:
                 for name, llm in llms.items():
                     results[name][set_name].append(run_one(llm, ids, params))
+    results["_forwards"] = {name: FORWARDS[id(llm)] for name, llm in llms.items()}
     return results
+
+
+def forward_costs(forwards: dict[str, dict[int, list[float]]]) -> None:
+    """Median ms of a target forward by rows (2-17: verifies; 1: decodes), and each in plain
+    decode steps (the plain config's 1-row median)."""
+    base = statistics.median(forwards["plain"].get(1, [float("nan")]))
+    print(f"target forward medians (ms; in plain decode steps of {base * 1e3:.2f} ms):")
+    for name, by_rows in forwards.items():
+        cells = [f"{rows} rows {statistics.median(t) * 1e3:.2f} ({statistics.median(t) / base:.2f}, n={len(t)})"
+                 for rows, t in sorted(by_rows.items()) if rows <= 17 and len(t) >= 3]
+        print(f"  {name:15} " + "; ".join(cells))
 
 
 def summarize(runs: list[dict]) -> dict:
@@ -203,6 +239,7 @@ def _first_difference(runs: list[dict], plain: list[dict]) -> int | None:
 
 
 def report(results: dict, configs: dict) -> None:
+    forwards = results.pop("_forwards")
     header = f"{'set':5} {'config':15} {'decode tok/s':>12} {'speedup':>8} {'fwd/req':>8} {'tok/fwd':>8} " \
              f"{'accept':>7} {'acc/step':>8}  same output"
     print(header)
@@ -218,6 +255,7 @@ def report(results: dict, configs: dict) -> None:
     for name, spec in configs.items():
         if name in results and spec:
             print(f"  {name}: {spec}")
+    forward_costs(forwards)
 
 
 if __name__ == "__main__":

@@ -77,10 +77,13 @@ class AttentionBackend(ABC):
     def native_decode(self, ctx: StepContext, views: list[KVLayerView]) -> NativeCall | None:
         """This step's attention as a C function of ``lmplug.interfaces.native.ATTENTION_ABI``
         (every layer of a native decode step calls it; ``views`` are the model's cache layers),
-        or None: the step keeps the Python path. Asked once per step, only for a step whose
-        rows are all single-token decodes (``ctx.num_decodes`` rows, no ``query_masks``) of a
-        float32 model on the CPU; the function must give what ``forward`` gives, to float
-        rounding. Default: None."""
+        or None: the step keeps the Python path. Asked once per step of a float32 model on the
+        CPU whose sequences' queries are all short and after cached context: single-token
+        decodes, a speculative verify's ``k + 1`` rows or draft tree (``query_masks``), a later
+        chunk; at most ``lmplug.kit.native_step.MAX_QUERY_TOKENS`` tokens a sequence. Row t of
+        the function's ``qkv`` is the step's query token t; return None for any step it does
+        not read. The function must give what ``forward`` gives, to float rounding. Default:
+        None."""
         return None
 
 

@@ -29,10 +29,12 @@ function returns 0, or a nonzero code the core reports with the plugin's name):
     int attention(void *ctx, int64_t layer, const float *qkv, int64_t qkv_stride,
                   float *out, int threads);
 
-For this step's rows (one decode token per sequence, in the step's order), row t of ``qkv``
-at ``qkv + t * qkv_stride`` holds q [H, D] (RoPE applied), k [Hkv, D] (RoPE applied) and
-v [Hkv, D] back to back; the function stores k and v in cache layer ``layer`` at the step's
-slots and writes the attention output [H, D] of row t at ``out + t * H * D``.
+For this step's rows (its query tokens in the step's order: one per decoding sequence, ``k + 1``
+for a speculative verify of ``k`` drafts, a draft tree's nodes), row t of ``qkv`` at
+``qkv + t * qkv_stride`` holds q [H, D] (RoPE applied), k [Hkv, D] (RoPE applied) and v [Hkv, D]
+back to back; the function stores every row's k and v in cache layer ``layer`` at the step's
+slots, then writes the attention output [H, D] of row t at ``out + t * H * D`` (row t attends
+causally, or through its draft tree's mask, to its sequence's cache, the step's rows included).
 
 ``call_product`` and ``call_attention`` call either from Python (the tests and the
 conformance suite, ``lmplug.testing``, compare them with ``apply`` and ``forward``).

@@ -170,17 +170,24 @@ class DecoderForCausalLM(torch.nn.Module):
         self.kv_views = views
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: StepContext) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)  # [T, h]
+        return self.norm(self.run_layers(self.embed_tokens(input_ids), positions, ctx))
+
+    def run_layers(self, x: torch.Tensor, positions: torch.Tensor, ctx: StepContext, views: list | None = None,
+                   num_layers: int | None = None) -> torch.Tensor:
+        """x [T, h] through the decoder layers: all of them over the model's cache, or the first
+        ``num_layers`` over ``views`` (a layer-skip drafter's own cache); in one C call where the
+        step fits the native step."""
         step = self._native_step
         if step is None:
             step = self._native_step = NativeDecodeStep.build(self) or False
         if step and step.fits(x, ctx):
-            out = step.run(x, positions, ctx)  # every layer in one C call (None: not this step)
+            out = step.run(x, positions, ctx, views, num_layers)  # every layer in one C call (None: not this step)
             if out is not None:
-                return self.norm(out)
-        for layer, kv in zip(self.layers, self.kv_views):
+                return out
+        views = self.kv_views if views is None else views
+        for layer, kv in zip(self.layers[:num_layers], views):
             x = layer(x, positions, self.rope, kv, ctx)
-        return self.norm(x)
+        return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         head = self.embed_tokens if self.lm_head is None else self.lm_head

@@ -12,8 +12,12 @@ It is planned once per model, on its first forward (after loading): ``NativeDeco
 returns None, and the model keeps the Python path, unless the model is one process (no tensor
 parallelism), float32, with the fused CPU ops built, the plain RoPE, and every layer the dense
 ``DecoderLayer`` (``Attention`` + ``MLP``) whose linear layers all have a native product. Each
-step then asks ``fits`` (every row a single-token decode, no draft-tree masks, no state
-layers) and the attention backend's ``native_decode`` (None: this step takes the Python path).
+step then asks ``fits`` (every sequence's query short: a decode, or a speculative verify's
+``k + 1`` rows or draft tree; no state layers) and the attention backend's ``native_decode``
+(None: this step takes the Python path). A verify's rows go through the same products (the
+quant method's small-M kernels read each weight once for all of them) and each row's attention
+is a decode row of its own: on the demo model a verify of 4 drafts costs about 1.3-1.5 decode
+steps instead of 2.4-2.7 through the Python layers (``benchmarks/bench_speculative.py``).
 ``LMPLUG_NATIVE_STEP=0`` in the environment turns it off (benchmarks compare the two).
 """
 
@@ -31,6 +35,10 @@ from lmplug.interfaces.threads import compute_threads
 from lmplug.kit import fused_cpu
 
 _P, _I64 = ctypes.c_void_p, ctypes.c_int64
+# the longest query per sequence a step may have to run natively: a verify's k + 1 rows or a
+# draft tree's nodes (the small-M products read each weight block once for up to 8 rows); longer
+# queries are prefills, whose attention the Python path's matmuls do better
+MAX_QUERY_TOKENS = 16
 # decode_step_f32's stages, as it reports a failure (layer * 8 + stage)
 STAGES = {1: "qkv_proj", 2: "rope", 3: "attention", 4: "o_proj", 5: "gate_up_proj", 6: "down_proj"}
 
@@ -112,16 +120,27 @@ class NativeDecodeStep:
 
     @staticmethod
     def fits(x: torch.Tensor, ctx: StepContext) -> bool:
-        """This step can run natively: float32 CPU rows, each a single-token decode (no draft
-        tree, no state layers), eager (not traced)."""
-        return (ctx.num_decodes == x.shape[0] and not ctx.query_masks and ctx.state_slots is None
-                and x.dtype == torch.float32 and x.is_cpu and not x.requires_grad
+        """This step can run natively: float32 CPU rows, each sequence's query at most
+        ``MAX_QUERY_TOKENS`` after some cached context (decodes, a speculative verify's chain or
+        draft tree; a prompt's first chunk keeps the Python path's prefill attention), no state
+        layers, eager (not traced). The attention backend may still decline it (``run``)."""
+        short = ctx.num_decodes == x.shape[0] or (ctx.max_query_len <= MAX_QUERY_TOKENS and all(
+            q < s for q, s in zip(ctx.query_lens_cpu, ctx.seq_lens_cpu)))
+        return (short and ctx.state_slots is None and x.dtype == torch.float32 and x.is_cpu and not x.requires_grad
                 and not torch.compiler.is_compiling())
 
-    def run(self, x: torch.Tensor, positions: torch.Tensor, ctx: StepContext) -> torch.Tensor | None:
+    def run(self, x: torch.Tensor, positions: torch.Tensor, ctx: StepContext, views: list | None = None,
+            num_layers: int | None = None) -> torch.Tensor | None:
         """The hidden states after the last layer (``x`` [T, hidden], changed in place), or None
-        when the attention backend has no native form for this step (the caller runs the layers)."""
-        attention: NativeCall | None = self.backend.native_decode(ctx, self.model.kv_views)
+        when the attention backend has no native form for this step (the caller runs the layers).
+        ``views`` and ``num_layers``: only the first layers, attending through other cache views
+        (a layer-skip drafter's: the model's own layers over a cache of its own)."""
+        count = len(self.layers) if num_layers is None else num_layers
+        if views is None:
+            views = self.model.kv_views
+        elif not 0 < count <= len(self.layers) or any(self.layers[i].kv_layer >= len(views) for i in range(count)):
+            return None
+        attention: NativeCall | None = self.backend.native_decode(ctx, views)
         if attention is None:
             return None
         rows = x.shape[0]
@@ -137,7 +156,7 @@ class NativeDecodeStep:
                      cos.data_ptr(), sin.data_ptr(), attention.fn, attention.ctx, compute_threads(),
                      self._scratch.data_ptr())
         failed = ctypes.c_int64(0)
-        status = self.lib.decode_step_f32(self.layers, len(self.layers), ctypes.byref(step), x.data_ptr(),
+        status = self.lib.decode_step_f32(self.layers, count, ctypes.byref(step), x.data_ptr(),
                                           ctypes.byref(failed))
         if status:
             self._fail(status, failed.value, attention, positions)

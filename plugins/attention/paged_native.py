@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from lmplug_attention.paged_rows import leading_short_queries, query_rows
 
 from lmplug.interfaces import native_build
 from lmplug.interfaces.native import NativeCall
@@ -249,7 +250,7 @@ class _StepAttention(ctypes.Structure):
                 ("slots", ctypes.c_void_p), ("rows", ctypes.c_int64), ("H", ctypes.c_int64), ("Hkv", ctypes.c_int64),
                 ("D", ctypes.c_int64), ("block_size", ctypes.c_int64), ("num_slots", ctypes.c_int64),
                 ("window", ctypes.c_int64), ("scale", ctypes.c_float), ("q", ctypes.c_void_p),
-                ("checked", ctypes.c_int64)]
+                ("checked", ctypes.c_int64), ("mask_starts", ctypes.c_void_p), ("masks", ctypes.c_void_p)]
 
 # decode_step_attention's error codes
 STEP_ERRORS = {-1: "could not allocate its scratch memory", -2: "slot_mapping names a slot outside the cache",
@@ -280,12 +281,17 @@ def _layer_pointers(views: list, num_kv_heads: int, head_dim: int) -> tuple | No
 
 def step_attention(ctx, views: list, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
                    sliding_window: int | None, name: str) -> NativeCall | None:
-    """A decode step's attention as a ``lmplug.interfaces.native`` attention function
+    """A step's attention as a ``lmplug.interfaces.native`` attention function
     (``decode_step_attention``: the KV write, then this kernel), or None where the step does not
-    fit it: tree masks, caches that are not float32 on the CPU (quantized KV), the kernel not
-    built here. The C function checks the step's tables and slots against the cache
-    (``STEP_ERRORS``)."""
-    if ctx.query_masks or not views:
+    fit it: a query longer than ``paged_rows`` reads as rows (a prefill), caches that are not
+    float32 on the CPU (quantized KV), the kernel not built here. Decodes are one row each; a
+    speculative verify's short queries (chains and draft trees) one row per query token
+    (``paged_rows.query_rows``), so each token gets the bits it would get decoded alone. The
+    C function checks the step's tables and slots against the cache (``STEP_ERRORS``)."""
+    if not views:
+        return None
+    decodes = ctx.num_decodes == ctx.num_seqs and not ctx.query_masks
+    if not decodes and leading_short_queries(ctx, trees=True) < ctx.num_seqs:
         return None
     layers = _layer_pointers(views, num_kv_heads, head_dim)
     if layers is None:
@@ -295,8 +301,13 @@ def step_attention(ctx, views: list, num_heads: int, num_kv_heads: int, head_dim
     except NativeKernelUnavailable:
         return None
     k_ptrs, v_ptrs, (num_blocks, block_size, hkv, d) = layers
-    rows = ctx.num_decodes
-    tables, lens, slots = ctx.block_tables[:rows], ctx.seq_lens[:rows], ctx.slot_mapping[:rows]
+    rows, mask_starts, masks = ctx.num_tokens, None, None
+    if decodes:
+        tables, lens = ctx.block_tables[:rows], ctx.seq_lens[:rows]
+    else:
+        short = query_rows(ctx, ctx.num_seqs)
+        tables, lens, mask_starts, masks = short.block_tables, short.seq_lens, short.mask_starts, short.masks
+    slots = ctx.slot_mapping
     if tables.dtype != torch.int32 or not tables.is_contiguous() or not tables.is_cpu:
         tables = tables.to("cpu", torch.int32).contiguous()
     if lens.dtype != torch.int32 or not lens.is_contiguous() or not lens.is_cpu:
@@ -306,9 +317,13 @@ def step_attention(ctx, views: list, num_heads: int, num_kv_heads: int, head_dim
     if tables.dim() != 2 or tables.shape[0] != rows or lens.shape != (rows,) or slots.shape != (rows,):
         raise ValueError(f"{_WHAT}: block_tables must be [{rows}, max_blocks], seq_lens and slot_mapping "
                          f"[{rows}], got {tuple(tables.shape)}, {tuple(lens.shape)}, {tuple(slots.shape)}")
+    if masks is not None:
+        mask_starts, masks = mask_starts.to("cpu").contiguous(), masks.to("cpu").contiguous()
     q = torch.empty(rows, num_heads, head_dim, dtype=torch.float32)
     desc = _StepAttention(ctypes.addressof(k_ptrs), ctypes.addressof(v_ptrs), len(views), tables.data_ptr(),
                           tables.stride(0), lens.data_ptr(), slots.data_ptr(), rows, num_heads, hkv, d, block_size,
-                          num_blocks * block_size, sliding_window or 0, scale, q.data_ptr(), 0)
-    return NativeCall(kernel, ctypes.addressof(desc), (desc, layers, tables, lens, slots, q), name, STEP_ERRORS)
-
+                          num_blocks * block_size, sliding_window or 0, scale, q.data_ptr(), 0,
+                          None if masks is None else mask_starts.data_ptr(),
+                          None if masks is None else masks.data_ptr())
+    return NativeCall(kernel, ctypes.addressof(desc), (desc, layers, tables, lens, slots, q, mask_starts, masks),
+                      name, STEP_ERRORS)

@@ -613,7 +613,9 @@ EXPORT int paged_decode_f16(DECODE_ARGS) { return DECODE_CALL(run_f16); }
  * trusts the tables, so the first call of a step checks them (`checked`): -4 for a length
  * below 1 or needing more blocks than a table row holds, -5 for a block id outside the cache;
  * -2 for a slot outside the cache (each call, before anything is written); -3 for a layer
- * outside the step's. */
+ * outside the step's. A verify step's short queries come as one row per query token (the
+ * rows of paged_rows.py: token j of a sequence with c cached tokens attends to its first
+ * c + j + 1 positions, tree rows masked by `mask_starts` / `masks`; both NULL: no tree). */
 typedef struct {
     float *const *k_caches; /* [num_layers], each [num_blocks, block_size, Hkv, D] float32 */
     float *const *v_caches;
@@ -626,6 +628,8 @@ typedef struct {
     float scale;
     float *q;        /* scratch [rows, H, D] */
     int64_t checked; /* the tables were checked (by the step's first call) */
+    const int32_t *mask_starts; /* [rows] or NULL: as paged_decode_f32's */
+    const uint64_t *masks;      /* [rows] or NULL */
 } step_attention_t;
 
 static int check_tables(const step_attention_t *s) {
@@ -662,7 +666,7 @@ EXPORT int decode_step_attention(void *ctx, int64_t layer, const float *qkv, int
         memcpy(kc + s->slots[t] * kd, row + qd, (size_t)kd * sizeof(float));
         memcpy(vc + s->slots[t] * kd, row + qd + kd, (size_t)kd * sizeof(float));
     }
-    return launch(run_f32, s->q, kc, vc, s->block_tables, s->bt_stride, s->seq_lens, NULL, NULL, out,
-                  (int)s->rows, (int)s->H, (int)s->Hkv, (int)s->D, (int)s->block_size, s->scale, (int)s->window,
+    return launch(run_f32, s->q, kc, vc, s->block_tables, s->bt_stride, s->seq_lens, s->mask_starts, s->masks,
+                  out, (int)s->rows, (int)s->H, (int)s->Hkv, (int)s->D, (int)s->block_size, s->scale, (int)s->window,
                   s->rows < STEP_THREADS_MIN_ROWS ? 1 : threads);
 }

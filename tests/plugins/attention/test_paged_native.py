@@ -264,6 +264,43 @@ def test_step_attention_writes_the_rows_then_gives_the_kernels_bits(native):
             call_attention(call, 2, qkv, 9, 64)  # a layer the step does not have
 
 
+@pytest.mark.parametrize("tree", [False, True], ids=["chain", "tree"])
+def test_step_attention_reads_a_verifys_short_queries_as_rows(native, tree):
+    """A decode (20 positions) and a verify of 4 new tokens after 29 cached (a chain, or a tree:
+    root, two children of the root, a child of the first): each query token is a decode row of
+    its sequence's table over its first positions, tree rows masked to their ancestors; the
+    result is the kernel's on those rows, bit for bit, after every row's K/V is written."""
+    from lmplug.interfaces.attention import KVLayerView
+    from lmplug.interfaces.native import call_attention
+    from lmplug.interfaces.step import StepContext
+
+    q, kc, vc, tables, _ = paged_batch([20, 33], 4, 2, 64, 16, torch.float32, seed=3)
+    q = torch.randn(5, 4, 64, generator=torch.Generator().manual_seed(4))
+    k, v = torch.randn(2, 5, 2, 64, generator=torch.Generator().manual_seed(5))
+    slots = torch.tensor([int(tables[b, p // 16]) * 16 + p % 16 for b, p in [(0, 19), (1, 29), (1, 30), (1, 31),
+                                                                          (1, 32)]])
+    parents = [-1, 0, 0, 1]  # node j's parent among the new tokens
+    mask = torch.eye(4, dtype=torch.bool)
+    for j, p in enumerate(parents):
+        while p >= 0:
+            mask[j, p], p = True, parents[p]
+    positions = torch.tensor([19, 29, 30, 30, 31] if tree else [19, 29, 30, 31, 32])
+    ctx = StepContext(positions=positions, query_lens=torch.tensor([1, 4], dtype=torch.int32),
+                      seq_lens=torch.tensor([20, 33], dtype=torch.int32),
+                      cu_query_lens=torch.tensor([0, 1, 5], dtype=torch.int32), slot_mapping=slots,
+                      block_tables=tables, query_lens_cpu=[1, 4], seq_lens_cpu=[20, 33], num_decodes=1,
+                      query_masks={1: mask} if tree else {})
+    call = native.step_attention(ctx, [KVLayerView(kc, vc, "paged")], 4, 2, 64, 0.125, None, "attention t")
+    got = call_attention(call, 0, torch.cat([q.flatten(1), k.flatten(1), v.flatten(1)], dim=1), 4, 64)
+    assert torch.equal(kc.view(-1, 2, 64)[slots], k) and torch.equal(vc.view(-1, 2, 64)[slots], v)
+    rows = {"block_tables": tables[[0, 1, 1, 1, 1]], "seq_lens": torch.tensor([20, 30, 31, 32, 33], dtype=torch.int32)}
+    if tree:
+        bits = [sum(1 << a for a in range(4) if mask[j, a]) for j in range(4)]
+        rows.update(mask_starts=torch.tensor([-1, 29, 29, 29, 29], dtype=torch.int32),
+                    masks=torch.tensor([0] + bits, dtype=torch.int64))
+    assert torch.equal(got, native.paged_decode_attention(q, kc, vc, scale=0.125, num_threads=1, **rows))
+
+
 def test_step_attention_declines_or_refuses(native):
     from lmplug.interfaces.attention import KVLayerView
 
@@ -271,8 +308,9 @@ def test_step_attention_declines_or_refuses(native):
     slots = torch.tensor([4, 16 * int(tables[1, 1]) + 3])
     view = KVLayerView(kc, vc, "paged")
     args = (4, 2, 64, 0.125, None, "attention t")
-    tree = {0: torch.ones(1, 1, dtype=torch.bool)}
-    assert native.step_attention(step_context(tables, lens, slots, tree), [view], *args) is None
+    prefill = step_context(tables, lens, slots)
+    prefill.query_lens_cpu, prefill.num_decodes = [1, 33], 1  # longer than paged_rows reads as rows
+    assert native.step_attention(prefill, [view], *args) is None
     int8 = KVLayerView(kc.to(torch.int8), vc.to(torch.int8), "paged", kc[..., 0], vc[..., 0])
     assert native.step_attention(step_context(tables, lens, slots), [int8], *args) is None
     assert native.step_attention(step_context(tables, lens, slots), [KVLayerView(kc.bfloat16(), vc.bfloat16(),
