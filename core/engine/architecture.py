@@ -89,9 +89,10 @@ def _choose_gguf(arch: str, model_impl: str, where: str, table: Mapping[str, Bac
     if not serving:
         readers = sorted(f"{n} ({', '.join(i.cls.gguf_architectures)})" for n, i in table.items()
                          if i.cls.gguf_architectures)
-        impl = f"model_impl {model_impl!r}" if model_impl not in ("auto", "native") else "no architecture"
-        raise ModelLoadError(f"{where}: {impl} reads GGUF architecture {arch!r}; the installed architectures "
-                             f"that read GGUF files: {', '.join(readers) or 'none'}")
+        what = (f"model_impl: {model_impl!r} does not read GGUF architecture {arch!r}"
+                if model_impl not in ("auto", "native") else f"GGUF architecture {arch!r} is not supported")
+        raise ModelLoadError(f"{where}: {what}; the installed architectures that read GGUF files: "
+                             f"{', '.join(readers) or 'none'}")
     return _rank(serving, model_impl)
 
 
