@@ -5,7 +5,9 @@ vocab 49152), Llama and Qwen3, fp32 on the CPU: prefill tok/s (prompts of PROMPT
 output token) and decode tok/s at batch 1 and 16 sequences. Both engines are built once and
 measured in interleaved rounds (native, fallback, native, ...), so a load change on a shared
 machine hits both alike; prints each round's ratio fallback / native and their median (goal:
->= 0.7). ``--profile`` prints torch's profile of one fallback decode run.
+>= 0.7). With one torch thread (``OMP_NUM_THREADS=1``) the rates are per second of the process's
+CPU time, which other processes on a loaded machine do not inflate; else of wall time.
+``--profile`` prints torch's profile of one fallback decode run.
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_fallback.py [--layers 30] [--decode 16] \
         [--rounds 5] [--profile]
@@ -39,18 +41,24 @@ def build(model_type: str, layers: int, root: Path) -> Path:
     return path
 
 
+def clock() -> float:
+    """CPU seconds of this process with one torch thread (a shared machine's load does not count),
+    else wall seconds."""
+    return time.process_time() if torch.get_num_threads() == 1 else time.perf_counter()
+
+
 def rates(llm, batch: int, decode: int) -> tuple[float, float]:
     from lmplug import SamplingParams
 
     g = torch.Generator().manual_seed(batch)
     prompts = [torch.randint(3, 49152, (PROMPT,), generator=g).tolist() for _ in range(batch)]
     llm.generate(prompts[:1], SamplingParams(max_tokens=2, ignore_eos=True))  # warm-up
-    start = time.perf_counter()
+    start = clock()
     llm.generate(prompts, SamplingParams(max_tokens=1, ignore_eos=True))
-    prefill = batch * PROMPT / (time.perf_counter() - start)
-    start = time.perf_counter()
+    prefill = batch * PROMPT / (clock() - start)
+    start = clock()
     llm.generate(prompts, SamplingParams(max_tokens=decode + 1, temperature=0, ignore_eos=True))
-    total = time.perf_counter() - start
+    total = clock() - start
     # decode time: the whole run less its prefill (measured above at the same batch)
     decode_s = max(total - batch * PROMPT / prefill, 1e-9)
     return prefill, batch * decode / decode_s
@@ -67,7 +75,8 @@ def main() -> None:
     args = parser.parse_args()
     from lmplug import LLM
 
-    print(f"load average at start: {os.getloadavg()}, torch threads: {torch.get_num_threads()}")
+    print(f"load average at start: {os.getloadavg()}, torch threads: {torch.get_num_threads()}, "
+          f"clock: {'CPU' if torch.get_num_threads() == 1 else 'wall'} time")
     with tempfile.TemporaryDirectory() as tmp:
         for model_type in args.models.split(","):
             path = build(model_type, args.layers, Path(tmp))
