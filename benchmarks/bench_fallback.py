@@ -2,16 +2,22 @@
 
 Random weights at the demo model's size (hidden 576, 30 layers, 9 heads / 3 KV heads, FFN 1536,
 vocab 49152), Llama and Qwen3, fp32 on the CPU: prefill tok/s (prompts of PROMPT tokens, one
-output token) and decode tok/s at batch 1 and 16 sequences. Prints the ratio fallback / native
-(goal: >= 0.7). ``--profile`` prints torch's profile of one fallback decode run.
+output token) and decode tok/s at batch 1 and 16 sequences. Both engines are built once and
+measured in interleaved rounds (native, fallback, native, ...), so a load change on a shared
+machine hits both alike; prints each round's ratio fallback / native and their median (goal:
+>= 0.7). With one torch thread (``OMP_NUM_THREADS=1``) the rates are per second of the process's
+CPU time, which other processes on a loaded machine do not inflate; else of wall time.
+``--profile`` prints torch's profile of one fallback decode run.
 
-    .venv/bin/python benchmarks/bench_fallback.py [--layers 30] [--decode 16] [--profile]
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_fallback.py [--layers 30] [--decode 16] \
+        [--rounds 5] [--profile]
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -35,18 +41,24 @@ def build(model_type: str, layers: int, root: Path) -> Path:
     return path
 
 
+def clock() -> float:
+    """CPU seconds of this process with one torch thread (a shared machine's load does not count),
+    else wall seconds."""
+    return time.process_time() if torch.get_num_threads() == 1 else time.perf_counter()
+
+
 def rates(llm, batch: int, decode: int) -> tuple[float, float]:
     from lmplug import SamplingParams
 
     g = torch.Generator().manual_seed(batch)
     prompts = [torch.randint(3, 49152, (PROMPT,), generator=g).tolist() for _ in range(batch)]
     llm.generate(prompts[:1], SamplingParams(max_tokens=2, ignore_eos=True))  # warm-up
-    start = time.perf_counter()
+    start = clock()
     llm.generate(prompts, SamplingParams(max_tokens=1, ignore_eos=True))
-    prefill = batch * PROMPT / (time.perf_counter() - start)
-    start = time.perf_counter()
+    prefill = batch * PROMPT / (clock() - start)
+    start = clock()
     llm.generate(prompts, SamplingParams(max_tokens=decode + 1, temperature=0, ignore_eos=True))
-    total = time.perf_counter() - start
+    total = clock() - start
     # decode time: the whole run less its prefill (measured above at the same batch)
     decode_s = max(total - batch * PROMPT / prefill, 1e-9)
     return prefill, batch * decode / decode_s
@@ -57,23 +69,33 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=30)
     parser.add_argument("--decode", type=int, default=16)
     parser.add_argument("--batches", default="1,16")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--models", default="llama,qwen3")
     parser.add_argument("--profile", action="store_true")
     args = parser.parse_args()
     from lmplug import LLM
 
-    print(f"load average: {os.getloadavg()}, torch threads: {torch.get_num_threads()}")
+    print(f"load average at start: {os.getloadavg()}, torch threads: {torch.get_num_threads()}, "
+          f"clock: {'CPU' if torch.get_num_threads() == 1 else 'wall'} time")
     with tempfile.TemporaryDirectory() as tmp:
-        for model_type in ("llama", "qwen3"):
+        for model_type in args.models.split(","):
             path = build(model_type, args.layers, Path(tmp))
+            llms = {impl: LLM(str(path), dtype="float32", device="cpu", max_model_len=512, model_impl=impl)
+                    for impl in ("native", "transformers")}
             for batch in map(int, args.batches.split(",")):
-                row = {}
-                for impl in ("native", "transformers"):
-                    llm = LLM(str(path), dtype="float32", device="cpu", max_model_len=512, model_impl=impl)
-                    row[impl] = rates(llm, batch, args.decode)
-                    del llm
-                (np_, nd), (fp, fd) = row["native"], row["transformers"]
-                print(f"{model_type:6} batch {batch:2}: prefill native {np_:8.1f} fallback {fp:8.1f} tok/s "
-                      f"({fp / np_:.2f}x); decode native {nd:7.1f} fallback {fd:7.1f} tok/s ({fd / nd:.2f}x)")
+                ratios: dict[str, list[float]] = {"prefill": [], "decode": []}
+                for r in range(args.rounds):
+                    row = {impl: rates(llm, batch, args.decode) for impl, llm in llms.items()}
+                    (np_, nd), (fp, fd) = row["native"], row["transformers"]
+                    ratios["prefill"].append(fp / np_)
+                    ratios["decode"].append(fd / nd)
+                    print(f"{model_type:6} batch {batch:2} round {r}: prefill native {np_:8.1f} fallback "
+                          f"{fp:8.1f} tok/s ({fp / np_:.2f}x); decode native {nd:7.1f} fallback {fd:7.1f} "
+                          f"tok/s ({fd / nd:.2f}x); load {os.getloadavg()[0]:.1f}", flush=True)
+                print(f"{model_type:6} batch {batch:2} median of {args.rounds}: prefill "
+                      f"{statistics.median(ratios['prefill']):.2f}x, decode {statistics.median(ratios['decode']):.2f}x "
+                      f"(decode range {min(ratios['decode']):.2f}-{max(ratios['decode']):.2f})", flush=True)
+            del llms
             if args.profile:
                 profile(path, args.decode)
 

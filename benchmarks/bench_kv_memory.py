@@ -69,11 +69,11 @@ def workload(num: int, max_model_len: int, seed: int) -> list[Request]:
 
 def kv_shape(model: str) -> tuple[dict, str]:
     try:
-        from lmplug.interfaces.model_config import ModelConfig
+        from lmplug.engine.architecture import model_config_of
         from lmplug.loading import open_source
         from lmplug.loading.cache import resolve_model
 
-        cfg = ModelConfig.from_hf(open_source(resolve_model(model)).hf_config)
+        cfg = model_config_of(open_source(resolve_model(model)).hf_config)
         return {"num_layers": cfg.num_layers, "num_kv_heads": cfg.num_kv_heads,
                 "head_dim": cfg.head_dim}, model
     except (LmplugError, OSError) as exc:  # not cached: the same shape stands in

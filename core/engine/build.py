@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from lmplug.config import ResolvedConfig
-from lmplug.engine.architecture import architecture, choose_architecture
+from lmplug.engine.architecture import architecture, open_checkpoint
 from lmplug.engine.draft_parts import draft_target
 from lmplug.engine.plan import EnginePlan, fit_pool, make_plan
 from lmplug.engine.runner import ModelRunner
@@ -29,7 +29,6 @@ from lmplug.interfaces.acceptance import AcceptanceRule
 from lmplug.interfaces.constraint import ConstraintBackend, ConstraintTokenizer
 from lmplug.interfaces.model_config import ModelConfig
 from lmplug.interfaces.quant import QuantMethod, Unquantized
-from lmplug.loading import open_source
 from lmplug.loading.identity import model_identity
 from lmplug.loading.memory import check_fits
 from lmplug.loading.pooling_config import ModelPooling, read_pooling
@@ -82,9 +81,8 @@ def peek_model_config(resolved: ResolvedConfig) -> tuple[ModelConfig, str]:
     """The model's config (and its path) without loading weights."""
     from lmplug.loading.cache import resolve_model
 
-    source = open_source(resolve_model(resolved.config.model))
-    info, _ = choose_architecture(source.hf_config, resolved.config.model_impl, str(source.path),
-                                  resolved.registry)
+    source, (info, _) = open_checkpoint(resolve_model(resolved.config.model), resolved.config.model_impl,
+                                        resolved.registry)
     return parse_model_config(info, source), str(source.path)
 
 
@@ -138,9 +136,8 @@ def build_engine_parts(resolved: ResolvedConfig, parallel: ParallelState | None 
     cfg = resolved.config
     parallel = parallel or single_parallel()
     started = time.perf_counter()
-    source = open_source(resolve_model(cfg.model))
     # an unsupported architecture is the error to report, not the config keys it lacks
-    chosen = choose_architecture(source.hf_config, cfg.model_impl, str(source.path), resolved.registry)
+    source, chosen = open_checkpoint(resolve_model(cfg.model), cfg.model_impl, resolved.registry)
     arch = architecture(chosen[0])
     model_config = parse_model_config(chosen[0], source, arch)
     pooling = read_pooling(Path(source.path), source.hf_config)

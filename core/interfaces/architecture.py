@@ -18,6 +18,12 @@ weight loader and the runner call):
 - with state layers (``ModelConfig.has_states``): ``state_specs() -> tuple[StateSpec, ...]`` and
   ``bind_states(views)``.
 
+GGUF files (``GGUF`` feature): the loader chooses the architecture declaring the file's
+``general.architecture`` (``gguf_architectures``) before anything is translated, then asks it for
+the HF config (``gguf_config``), each tensor's HF name (``gguf_tensor_name``) and whether llama.cpp
+permuted the Q/K rows (``gguf_permuted``); ``lmplug.interfaces.gguf_header`` has the standard
+decoder's translation to call.
+
 ``Architecture.fallback``: a backend that can serve checkpoints no native architecture declares (the
 ``transformers`` fallback); ``auto`` picks it only when no native one serves the checkpoint. The
 engine plan resolves the choice once (config key ``model_impl``: ``auto``, ``native``, ``transformers``
@@ -31,7 +37,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+from lmplug.errors import ModelLoadError
 from lmplug.interfaces.common import BackendOptions, Capabilities
+from lmplug.interfaces.gguf_header import GGUFHeader, decoder_tensor_name
 from lmplug.interfaces.model_config import ModelConfig
 
 # Capabilities.features an architecture may declare (the plan refuses a configuration that needs
@@ -70,6 +78,9 @@ class Architecture(ABC):
     model_types: ClassVar[tuple[str, ...]] = ()  # config.json ``model_type`` values served
     hf_architectures: ClassVar[tuple[str, ...]] = ()  # config.json ``architectures`` entries served
     gguf_architectures: ClassVar[tuple[str, ...]] = ()  # GGUF ``general.architecture`` values
+    # of those, the ones whose Q/K rows llama.cpp's converter permuted (interleaved RoPE in its
+    # graph, rotate-half in HF's code: Llama); the loader undoes it
+    gguf_permuted: ClassVar[frozenset[str]] = frozenset()
     fallback: ClassVar[bool] = False  # serves what no native architecture declares
 
     def __init__(self, options: BackendOptions) -> None:
@@ -94,6 +105,18 @@ class Architecture(ABC):
         """A fallback's reason it cannot build this checkpoint (named in the load error when no
         architecture serves it), None when it can. Native architectures: not asked."""
         return "not a fallback"
+
+    @classmethod
+    def gguf_config(cls, header: GGUFHeader) -> dict[str, Any]:
+        """The HF ``config.json`` equivalent of a GGUF's metadata (one of ``gguf_architectures``),
+        e.g. ``gguf_header.decoder_config`` amended. Errors: ``ModelLoadError`` naming the file."""
+        raise ModelLoadError(f"{header.where}: architecture {cls.name!r} reads no GGUF files")
+
+    @classmethod
+    def gguf_tensor_name(cls, gguf_name: str, where: str) -> str:
+        """A GGUF tensor's HF checkpoint name (default: the standard decoder's names); a name it
+        does not know: ``ModelLoadError`` naming the tensor."""
+        return decoder_tensor_name(gguf_name, where)
 
     @abstractmethod
     def parse_config(self, hf_config: Mapping[str, Any], where: str) -> ModelConfig:

@@ -1,14 +1,16 @@
 """Which layers of a hybrid model are softmax attention and which carry a state, from config.json.
 
-- ``mamba2``: every layer is a Mamba2 (SSD) mixer; the config has no attention fields, so
-  ``mamba2_fields`` maps its keys onto ``ModelConfig``'s (heads = SSM heads).
-- ``minimax``: ``layer_types`` ("full_attention" / "linear_attention", transformers 5) or the
-  older ``attn_type_list`` (1 = full, 0 = linear); linear layers are lightning attention.
-- ``qwen3_next``: ``layer_types`` ("full_attention" / "linear_attention"), else every
-  ``full_attention_interval``-th layer (default 4) is full; linear layers are gated DeltaNet.
+Readers an architecture's ``parse_config`` passes to ``ModelConfig.from_hf(layer_types=...)``:
 
-Other model types have no state layers (``()``: every layer is attention). A list whose length
-differs from ``num_hidden_layers``, or with an unknown entry, is a ``ModelLoadError``.
+- ``hybrid_layer_types``: ``layer_types`` ("full_attention" / "linear_attention", transformers 5),
+  or the older ``attn_type_list`` (1 = full, 0 = linear; MiniMax), or else every
+  ``full_attention_interval``-th layer is full (Qwen3-Next, default 4); "linear" is the
+  architecture's state layer (lightning attention, gated DeltaNet).
+- ``mamba2_fields``: a Mamba2 config has no attention fields; its keys map onto ``ModelConfig``'s
+  (heads = SSM heads), every layer a Mamba2 (SSD) mixer.
+
+A dense model has no state layers (``()``: every layer is attention). A list whose length differs
+from ``num_hidden_layers``, or with an unknown entry, is a ``ModelLoadError``.
 """
 
 from __future__ import annotations
@@ -16,28 +18,25 @@ from __future__ import annotations
 from typing import Any
 
 from lmplug.interfaces.config_fields import ConfigReader
-from lmplug.interfaces.state import ATTENTION, GATED_DELTA, LIGHTNING, MAMBA2
-
-HYBRID_LINEAR = {"minimax": LIGHTNING, "qwen3_next": GATED_DELTA}  # what "linear_attention" means
+from lmplug.interfaces.state import ATTENTION
 
 
-def layer_types_from_hf(r: ConfigReader, model_type: str, num_layers: int) -> tuple[str, ...]:
-    if model_type == "mamba2":
-        return (MAMBA2,) * num_layers
-    if model_type not in HYBRID_LINEAR:
-        return ()
-    linear = HYBRID_LINEAR[model_type]
-    names = {"full_attention": ATTENTION, "linear_attention": linear}
+def hybrid_layer_types(r: ConfigReader, num_layers: int, linear: str, *, attn_type_list: bool = False,
+                       interval: int | None = None) -> tuple[str, ...]:
+    """Each layer's kind: ``ATTENTION`` or ``linear``. ``attn_type_list``: the older key is read
+    too; ``interval``: the default of ``full_attention_interval`` when the config lists no
+    layers (None: the list is required)."""
+    names: dict[Any, str] = {"full_attention": ATTENTION, "linear_attention": linear}
     raw = r.cfg.get("layer_types")
     key = "layer_types"
-    if raw is None and model_type == "minimax" and r.cfg.get("attn_type_list") is not None:
+    if raw is None and attn_type_list and r.cfg.get("attn_type_list") is not None:
         key, raw = "attn_type_list", r.cfg["attn_type_list"]
         names = {1: ATTENTION, 0: linear}
     if raw is None:
-        if model_type == "minimax":
-            r.fail("layer_types", "is missing: a MiniMax config lists each layer's attention type")
-        interval = r.int("full_attention_interval", 4)
-        return tuple(ATTENTION if (i + 1) % interval == 0 else linear for i in range(num_layers))
+        if interval is None:
+            r.fail("layer_types", "is missing: this model's config lists each layer's attention type")
+        every = r.int("full_attention_interval", interval)
+        return tuple(ATTENTION if (i + 1) % every == 0 else linear for i in range(num_layers))
     if not isinstance(raw, list) or len(raw) != num_layers:
         r.fail(key, f"must list one entry per layer ({num_layers}, num_hidden_layers), got {_size(raw)}")
     out = []

@@ -14,7 +14,6 @@ from typing import Any
 
 from lmplug.interfaces.config_fields import ConfigReader
 
-MLA_TYPES = ("deepseek_v2", "deepseek_v3")
 LORA_NORM_EPS = 1e-6
 HF_DEFAULTS = {"q_lora_rank": 1536, "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
                "v_head_dim": 128}  # q_a_layernorm / kv_a_layernorm: transformers builds them with the default eps
@@ -41,10 +40,8 @@ class MLAConfig:
 
 
 def mla_config_from_hf(cfg: dict[str, Any], rope_scaling: dict[str, Any] | None,
-                       where: str = "config.json") -> MLAConfig | None:
-    """The MLA record of an HF config, or None for an architecture without MLA."""
-    if cfg.get("model_type") not in MLA_TYPES:
-        return None
+                       where: str = "config.json") -> MLAConfig:
+    """The MLA record of an HF config (an architecture with MLA asks: ``ModelConfig.from_hf(mla=True)``)."""
     # a missing key takes transformers' default (the same for V2 and V3), as HF's loader would
     r = ConfigReader(cfg, where)
     q_lora = r.int("q_lora_rank", None, low=0) or None if "q_lora_rank" in cfg else HF_DEFAULTS["q_lora_rank"]

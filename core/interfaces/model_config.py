@@ -1,19 +1,21 @@
-"""``ModelConfig``: the architecture facts lmplug needs, normalised from an HF ``config.json``."""
+"""``ModelConfig``: the architecture facts lmplug needs, normalised from an HF ``config.json``.
+
+Which facts a model type implies (Qwen2's q/k/v biases, Qwen3's q/k norms, an MoE family's
+expert keys...) is its architecture's knowledge (``Architecture.parse_config``, in its plugin);
+the core keeps the typed, bounded readers those call, and no list of model types."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from lmplug.interfaces.config_fields import ConfigReader, check_depth
-from lmplug.interfaces.layer_types import layer_types_from_hf, mamba2_fields
-from lmplug.interfaces.mla_config import MLA_TYPES, MLAConfig, mla_config_from_hf
-from lmplug.interfaces.moe_config import MoEConfig, moe_config_from_hf
+from lmplug.interfaces.mla_config import MLAConfig, mla_config_from_hf
+from lmplug.interfaces.moe_config import MoEConfig, MoEParser, moe_config_from_hf
 from lmplug.interfaces.state import ATTENTION
 
-QKV_BIAS_TYPES = ("qwen2", "qwen2_moe")  # q/k/v biases unless the config says otherwise
-QK_NORM_TYPES = ("qwen3", "qwen3_moe")
-QWEN_TYPES = QKV_BIAS_TYPES + QK_NORM_TYPES  # sliding_window applies only with use_sliding_window
+LayerTypesParser = Callable[[ConfigReader, int], tuple[str, ...]]  # (reader, num_layers) -> kinds
 
 
 @dataclass(frozen=True)
@@ -56,16 +58,26 @@ class ModelConfig:
         return sum(kind == ATTENTION for kind in self.layer_types)
 
     @classmethod
-    def from_hf(cls, cfg: dict[str, Any], where: str = "config.json") -> ModelConfig:
-        """``where``: the file the config came from, named in every error (``ModelLoadError``)."""
+    def from_hf(cls, cfg: dict[str, Any], where: str = "config.json", *, qkv_bias: bool = False,
+                qk_norm: bool = False, window_flag: bool = False, grouped_kv: bool = True,
+                moe: MoEParser | None = None, mla: bool = False,
+                layer_types: LayerTypesParser | None = None) -> ModelConfig:
+        """The standard decoder fields of ``cfg`` (Llama's keys and defaults); an architecture's
+        ``parse_config`` calls it with what its model type implies. ``where``: the file the config
+        came from, named in every error (``ModelLoadError``).
+
+        ``qkv_bias``: q/k/v biases unless the config sets ``qkv_bias: false`` (Qwen2), and then
+        ``attention_bias`` does not bias o_proj; ``qk_norm``: RMSNorm over each head of q and k;
+        ``window_flag``: ``sliding_window`` applies only with ``use_sliding_window: true``;
+        ``grouped_kv``: KV heads must divide the heads (MLA has none to group); ``moe``: the
+        reader of its experts' keys (``moe_config``); ``mla``: read multi-head latent attention
+        (``mla_config``); ``layer_types``: the reader of each layer's kind (``layer_types``)."""
         r = ConfigReader(cfg, where)
         check_depth(cfg, where)
         model_type = r.text("model_type")
-        if model_type == "mamba2":  # no attention: heads are the SSM's (``layer_types``)
-            return cls._mamba2(r, cfg)
         hidden, heads = r.int("hidden_size"), r.int("num_attention_heads")
         kv_heads = r.int("num_key_value_heads", heads)
-        if heads % kv_heads and model_type not in MLA_TYPES:  # MLA has no KV heads to group
+        if heads % kv_heads and grouped_kv:
             r.fail("num_key_value_heads", f"({kv_heads}) must divide num_attention_heads ({heads})")
         head_dim = r.int("head_dim", None)
         if head_dim is None:
@@ -76,7 +88,7 @@ class ModelConfig:
         r.mapping("quantization_config")
         rope_theta, rope_scaling = _rope(r)
         num_layers = r.int("num_hidden_layers")
-        qkv_bias = model_type in QKV_BIAS_TYPES and r.flag("qkv_bias", True)
+        qkv = qkv_bias and r.flag("qkv_bias", True)
         attention_bias = r.flag("attention_bias", False)
         return cls(
             model_type=model_type,
@@ -92,24 +104,17 @@ class ModelConfig:
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
             tie_word_embeddings=r.flag("tie_word_embeddings", False),
-            attention_bias=qkv_bias or attention_bias,
-            o_bias=model_type not in QKV_BIAS_TYPES and attention_bias,
+            attention_bias=qkv or attention_bias,
+            o_bias=not qkv_bias and attention_bias,
             mlp_bias=r.flag("mlp_bias", False),
-            qk_norm=model_type in QK_NORM_TYPES,
-            sliding_window=_sliding_window(r),
+            qk_norm=qk_norm,
+            sliding_window=_sliding_window(r, window_flag),
             hidden_act=r.text("hidden_act", "silu"),
-            moe=moe_config_from_hf(cfg, num_layers, where),
-            mla=mla_config_from_hf(cfg, rope_scaling, where),
-            layer_types=layer_types_from_hf(r, model_type, num_layers),
+            moe=moe_config_from_hf(cfg, num_layers, moe, where) if moe is not None else None,
+            mla=mla_config_from_hf(cfg, rope_scaling, where) if mla else None,
+            layer_types=layer_types(r, num_layers) if layer_types is not None else (),
             raw=cfg,
         )
-
-    @classmethod
-    def _mamba2(cls, r: ConfigReader, cfg: dict[str, Any]) -> ModelConfig:
-        num_layers = r.int("num_hidden_layers")
-        return cls(model_type="mamba2", vocab_size=r.int("vocab_size"), num_layers=num_layers,
-                   tie_word_embeddings=r.flag("tie_word_embeddings", False), hidden_act=r.text("hidden_act", "silu"),
-                   layer_types=layer_types_from_hf(r, "mamba2", num_layers), raw=cfg, **mamba2_fields(r))
 
 
 def _rope(r: ConfigReader) -> tuple[float, dict[str, Any] | None]:
@@ -134,7 +139,7 @@ def _rope(r: ConfigReader) -> tuple[float, dict[str, Any] | None]:
     return theta, scaling
 
 
-def _sliding_window(r: ConfigReader) -> int | None:
-    if r.cfg.get("model_type") in QWEN_TYPES and not r.flag("use_sliding_window", False):
+def _sliding_window(r: ConfigReader, window_flag: bool) -> int | None:
+    if window_flag and not r.flag("use_sliding_window", False):
         return None  # Qwen configs carry a window they do not use
     return r.int("sliding_window", None)

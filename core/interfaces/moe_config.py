@@ -1,7 +1,8 @@
 """``MoEConfig``: the mixture-of-experts facts of a ``config.json`` (Mixtral, Qwen-MoE, DeepSeek).
 
-Each family names the same ideas differently; one parser per family maps
-them onto one record, so the MoE layer needs no per-model branches.
+Each family names the same ideas differently; one reader per naming scheme maps them onto one
+record, so the MoE layer needs no per-model branches. Which scheme a model type uses is its
+architecture's knowledge (``ModelConfig.from_hf(moe=...)``).
 """
 
 from __future__ import annotations
@@ -29,12 +30,14 @@ class MoEConfig:
         return layer in self.sparse_layers
 
 
-def moe_config_from_hf(cfg: dict[str, Any], num_layers: int, where: str = "config.json") -> MoEConfig | None:
-    """The MoE record of an HF config, or None for a dense architecture. Raises ``ModelLoadError``
-    naming ``where`` and the key for a missing or bad value, or one lmplug cannot run."""
-    parse = _PARSERS.get(cfg.get("model_type", ""))
-    if parse is None:
-        return None
+MoEParser = Callable[[ConfigReader, int], MoEConfig]  # (reader, layers incl. MTP ones) -> record
+
+
+def moe_config_from_hf(cfg: dict[str, Any], num_layers: int, parse: MoEParser,
+                       where: str = "config.json") -> MoEConfig:
+    """The MoE record of an HF config, read by ``parse`` (``mixtral_moe``, ``qwen_moe``,
+    ``deepseek_moe``, or an architecture's own). Raises ``ModelLoadError`` naming ``where`` and
+    the key for a missing or bad value, or one lmplug cannot run."""
     r = ConfigReader(cfg, where)
     # multi-token-prediction layers follow the last decoder layer and have its kind of MLP
     # (DeepSeek-V3: layer 61 is an MoE layer), so the sparse layers cover them too
@@ -48,7 +51,7 @@ def moe_config_from_hf(cfg: dict[str, Any], num_layers: int, where: str = "confi
     return moe
 
 
-def _mixtral(r: ConfigReader, num_layers: int) -> MoEConfig:
+def mixtral_moe(r: ConfigReader, num_layers: int) -> MoEConfig:
     # Mixtral: every layer sparse, softmax top-k renormalised; experts are intermediate_size wide
     return MoEConfig(
         num_experts=r.int("num_local_experts"),
@@ -58,7 +61,9 @@ def _mixtral(r: ConfigReader, num_layers: int) -> MoEConfig:
     )
 
 
-def _qwen_moe(r: ConfigReader, num_layers: int) -> MoEConfig:
+def qwen_moe(r: ConfigReader, num_layers: int, gated_shared: bool = False) -> MoEConfig:
+    """Qwen-MoE's keys; ``gated_shared``: a shared expert scaled by sigmoid(gate(x)) (Qwen2-MoE,
+    Qwen3-Next; Qwen3-MoE has none)."""
     cfg = r.cfg
     num_experts = r.int("num_experts" if "num_experts" in cfg else "num_local_experts", low=0)
     step = r.int("decoder_sparse_step", 1)
@@ -67,8 +72,6 @@ def _qwen_moe(r: ConfigReader, num_layers: int) -> MoEConfig:
         r.fail("mlp_only_layers", "must be a list of layer numbers")
     dense = set(dense)
     sparse = {i for i in range(num_layers) if i not in dense and num_experts > 0 and (i + 1) % step == 0}
-    # Qwen2-MoE and Qwen3-Next have a gated shared expert; Qwen3-MoE none
-    gated_shared = cfg["model_type"] in ("qwen2_moe", "qwen3_next")
     shared = r.int("shared_expert_intermediate_size", 0, low=0) if gated_shared else 0
     return MoEConfig(
         num_experts=num_experts,
@@ -85,8 +88,8 @@ def _qwen_moe(r: ConfigReader, num_layers: int) -> MoEConfig:
 _DEEPSEEK_TOPK = {"greedy": None, "group_limited_greedy": "max", "noaux_tc": "top2_sum"}
 
 
-def _deepseek(r: ConfigReader, num_layers: int) -> MoEConfig:
-    v3 = r.cfg["model_type"] == "deepseek_v3"
+def deepseek_moe(r: ConfigReader, num_layers: int, v3: bool = False) -> MoEConfig:
+    """DeepSeek's keys; ``v3``: V3's defaults (noaux_tc routing, sigmoid scores)."""
     method = r.text("topk_method") or ("noaux_tc" if v3 else "greedy")
     if method not in _DEEPSEEK_TOPK:
         raise ValueError(f"topk_method {method!r} is not supported; supported: {', '.join(_DEEPSEEK_TOPK)}")
@@ -111,14 +114,3 @@ def _deepseek(r: ConfigReader, num_layers: int) -> MoEConfig:
         shared_intermediate_size=inter * r.int("n_shared_experts", 0, low=0),
         correction_bias=method == "noaux_tc",
     )
-
-
-_PARSERS: dict[str, Callable[[ConfigReader, int], MoEConfig]] = {
-    "mixtral": _mixtral,
-    "minimax": _mixtral,  # MiniMax-Text-01: Mixtral's block_sparse_moe in every layer
-    "qwen2_moe": _qwen_moe,
-    "qwen3_moe": _qwen_moe,
-    "qwen3_next": _qwen_moe,
-    "deepseek_v2": _deepseek,
-    "deepseek_v3": _deepseek,
-}

@@ -2,8 +2,12 @@
 
 A GGUF carries no ``config.json``: its metadata is the config, under llama.cpp's
 key names, and its tensors use llama.cpp names, reversed dims and quantized
-blocks. This module translates all three into the HF shape every model builder
-expects, so nothing downstream knows the weights came from a GGUF.
+blocks. The architecture that reads the file's ``general.architecture`` is chosen
+first (``choose``: the engine's choice, by default the highest-priority installed
+one declaring it); it translates the metadata and the names
+(``Architecture.gguf_config`` / ``gguf_tensor_name``) and says whether Q/K rows
+were permuted; this module undoes the dims, the permutation and the blocks, so
+nothing downstream knows the weights came from a GGUF.
 
 Two ways to read the tensors: ``iter_tensors`` dequantizes every one to float32 (gguf-py's
 numpy dequantize), ``iter_packed`` leaves 2-D weights in their blocks (``PackedTensor``, a
@@ -17,7 +21,7 @@ from __future__ import annotations
 import struct
 import sys
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -27,10 +31,13 @@ from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType
 from gguf.quants import dequantize
 
 from lmplug.errors import ModelLoadError
+from lmplug.interfaces.architecture import Architecture
 from lmplug.interfaces.checkpoint import ModelSource
+from lmplug.interfaces.gguf_header import GGUFHeader
 from lmplug.interfaces.packed import PackedTensor, row_bytes
 from lmplug.loading.tokenizer import Tokenizer
 from lmplug.loading.validate import check_gguf_tensors
+from lmplug.plugins import Registry, get_registry
 
 Q = GGMLQuantizationType
 # the types gguf-py's numpy dequantize implements (llama.cpp's formulas) that llama.cpp's
@@ -41,30 +48,8 @@ DEQUANTIZABLE = frozenset({
     Q.IQ2_XXS, Q.IQ2_XS, Q.IQ2_S, Q.IQ3_XXS, Q.IQ3_S, Q.IQ1_S, Q.IQ1_M, Q.IQ4_NL, Q.IQ4_XS,
 })
 _FLOAT_TYPES = frozenset({Q.F32, Q.F16, Q.BF16})
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
-_HF_CLASS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
-# llama.cpp permutes Q/K rows only for models whose HF code uses rotate-half RoPE but
-# whose GGUF graph uses interleaved RoPE (llama); Qwen runs NEOX-style RoPE natively.
-_PERMUTED_ARCHITECTURES = frozenset({"llama"})
-
-_GLOBAL_NAMES = {
-    "token_embd": "model.embed_tokens",
-    "output_norm": "model.norm",
-    "output": "lm_head",
-}
-_LAYER_NAMES = {
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "attn_q_norm": "self_attn.q_norm",
-    "attn_k_norm": "self_attn.k_norm",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-    "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
-}
+# (GGUF architecture, file) -> the architecture that reads it (``Architecture.gguf_architectures``)
+ChooseReader = Callable[[str, str], type[Architecture]]
 
 
 class _FastReader(GGUFReader):
@@ -131,36 +116,34 @@ class GGUFLayoutError(ValueError):
     """A tensor whose offset, size or type does not fit the file (the reader adds the path)."""
 
 
-def load_gguf(path: str | Path) -> ModelSource:
-    """Open a GGUF file as a ModelSource; tensors are read and dequantized lazily."""
+def load_gguf(path: str | Path, choose: ChooseReader | None = None) -> ModelSource:
+    """Open a GGUF file as a ModelSource; tensors are read and dequantized lazily. ``choose``:
+    which architecture reads the file's ``general.architecture`` (default: ``gguf_reader``)."""
     path = Path(path)
+    where = str(path)
     reader = _open_reader(path)
     metadata = {name: field.contents() for name, field in reader.fields.items()}
     arch = metadata.get("general.architecture")
-    if arch not in SUPPORTED_ARCHITECTURES:
-        raise ModelLoadError(
-            f"{path}: GGUF architecture {arch!r} is not supported; "
-            f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
-        )
+    if not isinstance(arch, str):
+        raise ModelLoadError(f"{path}: GGUF metadata lacks 'general.architecture' (got {arch!r})")
+    reads = (choose or gguf_reader)(arch, where)
     _check_tensor_types(path, reader)
-    gguf_names = [t.name for t in reader.tensors]
-    hf_names = [hf_tensor_name(name, path) for name in gguf_names]
-    hf_config = build_hf_config(metadata, reader, path)
+    hf_names = [reads.gguf_tensor_name(t.name, where) for t in reader.tensors]
+    hf_config = reads.gguf_config(_header(where, arch, metadata, reader))
     head_counts = {
         "attn_q": hf_config["num_attention_heads"],
         "attn_k": hf_config["num_key_value_heads"],
-    }
-    permute = arch in _PERMUTED_ARCHITECTURES
+    } if arch in reads.gguf_permuted else {}
 
     def iter_tensors() -> Iterator[tuple[str, torch.Tensor]]:
         for tensor, hf_name in zip(reader.tensors, hf_names):
-            yield hf_name, _load_tensor(tensor, head_counts if permute else {})
+            yield hf_name, _load_tensor(tensor, head_counts)
 
     def iter_packed() -> Iterator[tuple[str, torch.Tensor | PackedTensor]]:
         file_bytes = _file_bytes(reader)
         for tensor, hf_name in zip(reader.tensors, hf_names):
             if len(tensor.shape) == 2:
-                yield hf_name, _packed_tensor(file_bytes, tensor, head_counts if permute else {})
+                yield hf_name, _packed_tensor(file_bytes, tensor, head_counts)
             else:
                 yield hf_name, _load_tensor(tensor, {})
 
@@ -174,6 +157,27 @@ def load_gguf(path: str | Path) -> ModelSource:
         tokenizer=Tokenizer.from_gguf(metadata, name=path.name),
         generation_config=_generation_config(hf_config),
     )
+
+
+def gguf_reader(arch: str, where: str, registry: Registry | None = None) -> type[Architecture]:
+    """The installed architecture that reads GGUF architecture ``arch``: the highest priority
+    among those declaring it (then distribution and name, as ``auto`` ranks them)."""
+    table = (registry or get_registry()).backends("model").values()
+    readers = sorted((i for i in table if arch in i.cls.gguf_architectures),
+                     key=lambda i: (-i.cls.capabilities.priority, i.distribution, i.name))
+    if not readers:
+        known = sorted({a for i in table for a in i.cls.gguf_architectures})
+        raise ModelLoadError(f"{where}: GGUF architecture {arch!r} is not supported; supported: "
+                             f"{', '.join(known) or 'none'} (the GGUF architectures the installed "
+                             "architectures read: `lmplug plugins`)")
+    return readers[0].cls
+
+
+def _header(where: str, arch: str, metadata: dict[str, Any], reader: GGUFReader) -> GGUFHeader:
+    quantized = any(t.name.startswith("blk.") and len(t.shape) == 2 and t.tensor_type not in _FLOAT_TYPES
+                    for t in reader.tensors)
+    tensors = {t.name: tuple(int(d) for d in t.shape.tolist()) for t in reader.tensors}
+    return GGUFHeader(where, arch, metadata, tensors, quantized)
 
 
 def _open_reader(path: Path) -> GGUFReader:
@@ -200,23 +204,6 @@ def _check_tensor_types(path: Path, reader: GGUFReader) -> None:
                 f"{path}: tensor {t.name!r} has type {t.tensor_type.name}, "
                 f"which lmplug cannot dequantize; supported: {allowed}"
             )
-
-
-def hf_tensor_name(gguf_name: str, path: Path | str = "<gguf>") -> str:
-    """``blk.3.attn_q.weight`` -> ``model.layers.3.self_attn.q_proj.weight``."""
-    stem, _, suffix = gguf_name.rpartition(".")
-    if suffix not in ("weight", "bias"):
-        stem, suffix = gguf_name, ""
-    parts = stem.split(".")
-    hf_stem = None
-    if len(parts) == 1:
-        hf_stem = _GLOBAL_NAMES.get(parts[0])
-    elif len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _LAYER_NAMES:
-        hf_stem = f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}"
-    if hf_stem is None:
-        hint = " (llama3-style RoPE scaling is not supported yet)" if stem == "rope_freqs" else ""
-        raise ModelLoadError(f"{path}: tensor {gguf_name!r} has no known HF equivalent{hint}")
-    return f"{hf_stem}.{suffix}" if suffix else hf_stem
 
 
 def _load_tensor(tensor: Any, head_counts: dict[str, int]) -> torch.Tensor:
@@ -271,74 +258,6 @@ def unpermute_rows(weights: torch.Tensor, n_heads: int) -> torch.Tensor:
     half = rows // n_heads // 2
     w = weights.reshape(n_heads, half, 2, *weights.shape[1:])
     return w.transpose(1, 2).reshape(weights.shape).contiguous()
-
-
-def build_hf_config(metadata: dict[str, Any], reader: GGUFReader, path: Path | str) -> dict:
-    """The HF ``config.json`` equivalent of a llama/qwen2/qwen3 GGUF's metadata."""
-    arch = metadata["general.architecture"]
-
-    def key(name: str, default: Any = None) -> Any:
-        value = metadata.get(f"{arch}.{name}", default)
-        if value is None:
-            raise ModelLoadError(f"{path}: GGUF metadata lacks required key '{arch}.{name}'")
-        return value
-
-    names = {t.name: t for t in reader.tensors}
-    if "token_embd.weight" not in names:
-        raise ModelLoadError(f"{path}: GGUF has no 'token_embd.weight' tensor")
-    hidden = int(key("embedding_length"))
-    heads = int(key("attention.head_count"))
-    config: dict[str, Any] = {
-        "architectures": [_HF_CLASS[arch]],
-        "model_type": arch,
-        "vocab_size": int(names["token_embd.weight"].shape[1]),
-        "hidden_size": hidden,
-        "intermediate_size": int(key("feed_forward_length")),
-        "num_hidden_layers": int(key("block_count")),
-        "num_attention_heads": heads,
-        "num_key_value_heads": int(key("attention.head_count_kv", heads)),
-        "head_dim": int(key("attention.key_length", hidden // heads)),
-        "rms_norm_eps": float(key("attention.layer_norm_rms_epsilon")),
-        "rope_theta": float(key("rope.freq_base", 10000.0)),
-        "max_position_embeddings": int(key("context_length")),
-        "tie_word_embeddings": "output.weight" not in names,
-        "hidden_act": "silu",
-        "torch_dtype": "float32",  # dense tensors are dequantized to float32
-    }
-    if arch == "llama":
-        config["attention_bias"] = "blk.0.attn_q.bias" in names
-        config["mlp_bias"] = False
-    elif arch == "qwen3":
-        config["attention_bias"] = "blk.0.attn_q.bias" in names
-    if any(t.name.startswith("blk.") and len(t.shape) == 2 and t.tensor_type not in _FLOAT_TYPES
-           for t in reader.tensors):
-        # the `gguf` quant method multiplies by the packed blocks (chosen like any checkpoint's)
-        config["quantization_config"] = {"quant_method": "gguf"}
-    rope_scaling = _rope_scaling(metadata, arch)
-    if rope_scaling:
-        config["rope_scaling"] = rope_scaling
-    for hf_key, gguf_key in (
-        ("bos_token_id", "bos_token_id"),
-        ("eos_token_id", "eos_token_id"),
-        ("pad_token_id", "padding_token_id"),
-    ):
-        if f"tokenizer.ggml.{gguf_key}" in metadata:
-            config[hf_key] = int(metadata[f"tokenizer.ggml.{gguf_key}"])
-    return config
-
-
-def _rope_scaling(metadata: dict[str, Any], arch: str) -> dict | None:
-    kind = metadata.get(f"{arch}.rope.scaling.type")
-    factor = metadata.get(f"{arch}.rope.scaling.factor")
-    if kind in (None, "none") and factor is None:
-        return None
-    scaling: dict[str, Any] = {"rope_type": kind or "linear"}
-    if factor is not None:
-        scaling["factor"] = float(factor)
-    original = metadata.get(f"{arch}.rope.scaling.original_context_length")
-    if original is not None:
-        scaling["original_max_position_embeddings"] = int(original)
-    return scaling
 
 
 def _generation_config(hf_config: dict) -> dict:

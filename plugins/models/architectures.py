@@ -1,13 +1,16 @@
 """The first-party architectures as ``Architecture`` backends of the ``model`` family.
 
-Each one declares the ``config.json`` model types it serves and builds its module
-(``lmplug_models.llama`` etc.); ``lmplug_models.plugin`` registers them through the entry-point
-group ``lmplug.plugins``, as a third-party architecture package would.
+Each one declares the ``config.json`` model types it serves, reads their configs (what each model
+type implies: Qwen2's q/k/v biases, Qwen3's q/k norms, an MoE family's expert keys, the hybrids'
+layer kinds; ``ModelConfig.from_hf`` reads the rest) and llama.cpp's GGUF files where it declares
+them, and builds its module (``lmplug_models.llama`` etc.); ``lmplug_models.plugin`` registers
+them through the entry-point group ``lmplug.plugins``, as a third-party architecture package would.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from functools import partial
 from typing import Any, ClassVar
 
 import torch
@@ -28,7 +31,12 @@ from lmplug.interfaces.architecture import (
     Architecture,
 )
 from lmplug.interfaces.common import Capabilities
+from lmplug.interfaces.config_fields import ConfigReader, check_depth
+from lmplug.interfaces.gguf_header import GGUFHeader, decoder_config
+from lmplug.interfaces.layer_types import hybrid_layer_types, mamba2_fields
 from lmplug.interfaces.model_config import ModelConfig
+from lmplug.interfaces.moe_config import deepseek_moe, mixtral_moe, qwen_moe
+from lmplug.interfaces.state import GATED_DELTA, LIGHTNING, MAMBA2
 
 NATIVE_PRIORITY = 10  # above any fallback (priority 0)
 _ANY = frozenset({"cpu", "cuda"})
@@ -38,13 +46,20 @@ def _caps(*features: str) -> Capabilities:
     return Capabilities(devices=_ANY, features=frozenset(features), priority=NATIVE_PRIORITY)
 
 
+# what a model type implies beyond the standard decoder keys (``ModelConfig.from_hf``'s facts)
+_QWEN2 = {"qkv_bias": True, "window_flag": True}  # q/k/v biases; a window only with use_sliding_window
+_QWEN3 = {"qk_norm": True, "window_flag": True}  # RMSNorm over each head of q and k
+
+
 class _Native(Architecture):
     """An architecture whose module is one of lmplug's own model classes."""
 
     module: ClassVar[type[torch.nn.Module]]
+    # model_type -> its facts (``ModelConfig.from_hf`` keywords); a type not listed: none
+    facts: ClassVar[Mapping[str, Mapping[str, Any]]] = {}
 
     def parse_config(self, hf_config: Mapping[str, Any], where: str) -> ModelConfig:
-        return ModelConfig.from_hf(dict(hf_config), where)
+        return ModelConfig.from_hf(dict(hf_config), where, **self.facts.get(hf_config.get("model_type"), {}))
 
     def build(self, model_config: ModelConfig, *, dtype: Any, quant: Any, attention: Any,
               max_model_len: int, parallel: Any, moe: Any = None, mixer: Any = None) -> torch.nn.Module:
@@ -58,8 +73,24 @@ class LlamaArchitecture(_Native):
     name = "llama"
     module = LlamaForCausalLM
     model_types = ("llama", "mistral", "qwen2", "qwen3")
+    facts = {"qwen2": _QWEN2, "qwen3": _QWEN3}
     gguf_architectures = ("llama", "qwen2", "qwen3")
+    # llama.cpp permutes Q/K rows for models whose HF code uses rotate-half RoPE but whose GGUF
+    # graph uses interleaved RoPE (llama); Qwen runs NEOX-style RoPE natively
+    gguf_permuted = frozenset({"llama"})
     capabilities = _caps(TENSOR_PARALLEL, GGUF, PACKED_WEIGHTS, MTP)
+
+    _HF_CLASS: ClassVar[dict[str, str]] = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                                           "qwen3": "Qwen3ForCausalLM"}
+
+    @classmethod
+    def gguf_config(cls, header: GGUFHeader) -> dict[str, Any]:
+        config = decoder_config(header, cls._HF_CLASS[header.arch])
+        if header.arch in ("llama", "qwen3"):  # Qwen2's q/k/v biases are implied by its type
+            config["attention_bias"] = "blk.0.attn_q.bias" in header.tensors
+        if header.arch == "llama":
+            config["mlp_bias"] = False
+        return config
 
 
 class MoEArchitecture(_Native):
@@ -68,6 +99,9 @@ class MoEArchitecture(_Native):
     name = "moe"
     module = MoEForCausalLM
     model_types = ("mixtral", "qwen2_moe", "qwen3_moe")
+    facts = {"mixtral": {"moe": mixtral_moe},
+             "qwen2_moe": {**_QWEN2, "moe": partial(qwen_moe, gated_shared=True)},
+             "qwen3_moe": {**_QWEN3, "moe": qwen_moe}}
     capabilities = _caps(TENSOR_PARALLEL, MTP)
 
 
@@ -77,6 +111,9 @@ class DeepseekV2Architecture(_Native):
     name = "deepseek_v2"
     module = DeepseekV2ForCausalLM
     model_types = ("deepseek_v2", "deepseek_v3")
+    # MLA has no KV heads to group
+    facts = {"deepseek_v2": {"grouped_kv": False, "mla": True, "moe": deepseek_moe},
+             "deepseek_v3": {"grouped_kv": False, "mla": True, "moe": partial(deepseek_moe, v3=True)}}
     capabilities = _caps(TENSOR_PARALLEL, MLA, MTP)
 
 
@@ -88,6 +125,17 @@ class Mamba2Architecture(_Native):
     model_types = ("mamba2",)
     capabilities = _caps(TENSOR_PARALLEL, STATE_LAYERS)
 
+    def parse_config(self, hf_config: Mapping[str, Any], where: str) -> ModelConfig:
+        """No attention: heads are the SSM's (``mamba2_fields``), every layer a Mamba2 mixer."""
+        cfg = dict(hf_config)
+        r = ConfigReader(cfg, where)
+        check_depth(cfg, where)
+        num_layers = r.int("num_hidden_layers")
+        return ModelConfig(model_type="mamba2", vocab_size=r.int("vocab_size"), num_layers=num_layers,
+                           tie_word_embeddings=r.flag("tie_word_embeddings", False),
+                           hidden_act=r.text("hidden_act", "silu"), layer_types=(MAMBA2,) * num_layers,
+                           raw=cfg, **mamba2_fields(r))
+
 
 class MiniMaxArchitecture(_Native):
     """MiniMax-Text: lightning attention layers between softmax ones, MoE."""
@@ -95,6 +143,9 @@ class MiniMaxArchitecture(_Native):
     name = "minimax"
     module = MiniMaxForCausalLM
     model_types = ("minimax",)
+    # Mixtral's block_sparse_moe in every layer; "linear_attention" layers are lightning attention
+    facts = {"minimax": {"moe": mixtral_moe,
+                         "layer_types": partial(hybrid_layer_types, linear=LIGHTNING, attn_type_list=True)}}
     capabilities = _caps(TENSOR_PARALLEL, STATE_LAYERS)
 
 
@@ -104,6 +155,9 @@ class Qwen3NextArchitecture(_Native):
     name = "qwen3_next"
     module = Qwen3NextForCausalLM
     model_types = ("qwen3_next",)
+    # gated DeltaNet layers, every full_attention_interval-th (default 4) one softmax attention
+    facts = {"qwen3_next": {"moe": partial(qwen_moe, gated_shared=True),
+                            "layer_types": partial(hybrid_layer_types, linear=GATED_DELTA, interval=4)}}
     capabilities = _caps(TENSOR_PARALLEL, STATE_LAYERS, MTP)
 
 

@@ -12,7 +12,7 @@ import torch
 from support.hf_models import get_model, one_torch_thread  # noqa: F401
 
 from lmplug import LLM, ModelLoadError
-from lmplug.interfaces.model_config import ModelConfig
+from lmplug.engine.architecture import model_config_of
 from lmplug.loading import memory
 
 BASE = {"model_type": "llama", "vocab_size": 512, "hidden_size": 64, "intermediate_size": 128,
@@ -24,14 +24,14 @@ WHERE = "/models/x/config.json"
 def refused(**changes) -> str:
     cfg = {**BASE, **changes}
     with pytest.raises(ModelLoadError) as info:
-        ModelConfig.from_hf(cfg, WHERE)
+        model_config_of(cfg, WHERE)
     msg = str(info.value)
     assert msg.startswith(WHERE), msg
     return msg
 
 
 def test_base_parses():
-    mc = ModelConfig.from_hf(dict(BASE), WHERE)
+    mc = model_config_of(dict(BASE), WHERE)
     assert (mc.head_dim, mc.num_kv_heads, mc.sliding_window) == (16, 2, None)
 
 
@@ -68,7 +68,7 @@ def test_missing_key():
     cfg = dict(BASE)
     del cfg["hidden_size"]
     with pytest.raises(ModelLoadError, match=r"config.json: 'hidden_size' is missing"):
-        ModelConfig.from_hf(cfg, WHERE)
+        model_config_of(cfg, WHERE)
 
 
 def test_deep_nesting():
@@ -82,19 +82,19 @@ def test_deep_nesting():
 
 def test_moe_and_mla_values_checked():
     with pytest.raises(ModelLoadError, match=r"config.json: 'num_local_experts'"):
-        ModelConfig.from_hf({**BASE, "model_type": "mixtral", "num_local_experts": "8",
+        model_config_of({**BASE, "model_type": "mixtral", "num_local_experts": "8",
                              "num_experts_per_tok": 2}, WHERE)
     with pytest.raises(ModelLoadError, match=r"config.json: 'num_experts_per_tok'.*exceeds"):
-        ModelConfig.from_hf({**BASE, "model_type": "mixtral", "num_local_experts": 2,
+        model_config_of({**BASE, "model_type": "mixtral", "num_local_experts": 2,
                              "num_experts_per_tok": 4}, WHERE)
     with pytest.raises(ModelLoadError, match=r"config.json: 'kv_lora_rank'"):
-        ModelConfig.from_hf({**BASE, "model_type": "deepseek_v2", "num_key_value_heads": 4,
+        model_config_of({**BASE, "model_type": "deepseek_v2", "num_key_value_heads": 4,
                              "moe_intermediate_size": 32, "n_routed_experts": 4, "num_experts_per_tok": 2,
                              "kv_lora_rank": 0}, WHERE)
 
 
 def test_qwen_unused_window_is_ignored():
-    mc = ModelConfig.from_hf({**BASE, "model_type": "qwen2", "sliding_window": 0,
+    mc = model_config_of({**BASE, "model_type": "qwen2", "sliding_window": 0,
                               "use_sliding_window": False}, WHERE)
     assert mc.sliding_window is None
 
@@ -102,7 +102,7 @@ def test_qwen_unused_window_is_ignored():
 # -- the memory check -------------------------------------------------------------------------------
 
 def test_memory_check_names_the_size_keys(monkeypatch):
-    mc = ModelConfig.from_hf(dict(BASE), WHERE)
+    mc = model_config_of(dict(BASE), WHERE)
     monkeypatch.setattr(memory, "available_bytes", lambda device: 1000)
     with pytest.raises(ModelLoadError) as info:
         memory.check_fits(mc, WHERE, torch.float32, torch.device("cpu"))
@@ -115,7 +115,7 @@ def test_memory_check_names_the_size_keys(monkeypatch):
 def test_estimate_is_a_lower_bound_of_the_real_model(tmp_path):
     tiny = get_model("llama", tmp_path)
     real = sum(p.numel() * p.element_size() for p in tiny.hf.parameters())
-    estimate = memory.estimated_bytes(ModelConfig.from_hf(tiny.config), torch.float32, quantized=False)
+    estimate = memory.estimated_bytes(model_config_of(tiny.config), torch.float32, quantized=False)
     assert 0.9 * real <= estimate <= real
 
 

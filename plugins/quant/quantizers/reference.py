@@ -23,7 +23,9 @@ from lmplug.interfaces.checkpoint import ModelSource
 from lmplug.interfaces.model_config import ModelConfig
 from lmplug.interfaces.rope import RotaryEmbedding
 
-SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")
+# the model types it runs, and what each implies (``ModelConfig.from_hf``'s facts)
+SUPPORTED = {"llama": {}, "mistral": {}, "qwen2": {"qkv_bias": True, "window_flag": True},
+             "qwen3": {"qk_norm": True, "window_flag": True}}
 LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
            "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
 
@@ -43,7 +45,7 @@ class FloatLlama:
         if model_type not in SUPPORTED:
             raise ConfigError(f"{source.path}: offline quantization supports dense Llama-family "
                               f"models ({', '.join(SUPPORTED)}); this one is {model_type!r}")
-        self.cfg = ModelConfig.from_hf(source.hf_config)
+        self.cfg = ModelConfig.from_hf(source.hf_config, **SUPPORTED[model_type])
         self.tensors = {name: t.float() for name, t in source.iter_tensors()
                         if "rotary_emb" not in name}
         c = self.cfg

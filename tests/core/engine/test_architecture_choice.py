@@ -80,3 +80,42 @@ def test_first_party_architectures_come_from_the_entry_points():
     served = {t: info.name for info in table.values() for t in info.cls.model_types}
     assert served["llama"] == "llama" and served["qwen3_moe"] == "moe" and served["mamba2"] == "mamba2"
     assert all(info.distribution.startswith("lmplug") for info in table.values() if not info.cls.fallback)
+
+
+def _plugin_registry(*classes: type[Architecture], distribution: str) -> Registry:
+    """The installed (first-party) plugins plus one more distribution's architectures."""
+    reg = Registry()
+    plugin = types.ModuleType("more_archs")
+    plugin.LMPLUG_API_VERSION = 3
+    plugin.lmplug_register_architectures = hookimpl(lambda: list(classes))
+    assert reg.register(plugin, name="more_archs", distribution=distribution)
+    return reg
+
+
+@pytest.mark.parametrize("distribution, winner", [("aaa-archs 1.0", "other_llama"), ("zzz-archs 1.0", "llama")])
+def test_a_tie_goes_to_the_distribution_sorted_first_and_the_plan_log_names_both(caplog, distribution, winner):
+    from lmplug.config import EngineConfig, resolve
+    from lmplug.engine.architecture import model_config_of
+    from lmplug.engine.plan import make_plan
+    from lmplug.parallel import single
+
+    reg = _plugin_registry(_arch("other_llama", types_=("llama",), priority=10), distribution=distribution)
+    hf = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 1,
+          "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 512}
+    resolved = resolve(EngineConfig(model="tiny", device="cpu", dtype="float32"), device="cpu", dtype="float32",
+                       registry=reg)
+    with caplog.at_level("INFO", logger="lmplug.engine.plan"):
+        plan = make_plan(resolved, hf, model_config_of(hf), "tiny", single())
+    loser = "llama" if winner == "other_llama" else "other_llama"
+    assert plan.architecture.name == winner
+    line = next(r.getMessage() for r in caplog.records if "model: architecture" in r.getMessage())
+    assert f"architecture {winner!r}" in line and "priority 10" in line
+    assert f"also serving: {loser!r}" in line, line
+
+
+def test_a_gguf_architecture_no_one_reads_is_refused_before_its_metadata_is_read():
+    reg = _registry(_arch("fake_llama", types_=("llama",), priority=10))
+    with pytest.raises(ModelLoadError, match=r"f\.gguf: GGUF architecture 'phi2' is not supported.*none"):
+        choose_architecture({}, "auto", "f.gguf", reg, gguf_arch="phi2")
+    with pytest.raises(ModelLoadError, match=r"model_impl: 'fake_llama' does not read GGUF architecture 'llama'"):
+        choose_architecture({}, "fake_llama", "f.gguf", reg, gguf_arch="llama")

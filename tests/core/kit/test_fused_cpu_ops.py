@@ -164,7 +164,7 @@ def _tiny_decoder_layer(qk_norm: bool):
     cfg = ModelConfig.from_hf({"architectures": ["LlamaForCausalLM"], "hidden_size": 64, "num_attention_heads": 4,
                                "num_key_value_heads": 2, "intermediate_size": 96, "num_hidden_layers": 1,
                                "vocab_size": 32, "rms_norm_eps": 1e-5, "max_position_embeddings": 64,
-                               "head_dim": 16, **({"model_type": "qwen3"} if qk_norm else {})})
+                               "head_dim": 16}, qk_norm=qk_norm)
     return cfg, DecoderLayer, Unquantized()
 
 

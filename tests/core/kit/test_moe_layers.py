@@ -9,6 +9,7 @@ from lmplug_moe.reference import ReferenceMoE
 from support.hf_models import _BASE, build_hf_model, one_torch_thread  # noqa: F401
 
 from lmplug import BackendOptions, ConfigError, ModelLoadError, RoutingConfig
+from lmplug.engine.architecture import model_config_of
 from lmplug.interfaces.model_config import ModelConfig
 from lmplug.interfaces.quant import Unquantized
 from lmplug.kit.moe import SparseMoeBlock
@@ -18,7 +19,7 @@ ATTN = {"hidden_size": 64, "num_attention_heads": 4, "num_hidden_layers": 4, "vo
 
 
 def parse(model_type: str, **cfg) -> ModelConfig:
-    return ModelConfig.from_hf({"model_type": model_type, **ATTN, **cfg})
+    return model_config_of({"model_type": model_type, **ATTN, **cfg})
 
 
 # -- config.json -> MoEConfig ---------------------------------------------------------------------------
@@ -111,7 +112,7 @@ def test_deepseek_moe_block_matches_transformers(version):
         for p in list(hf.parameters()) + list(hf.buffers()):
             p.copy_(0.02 * torch.randn(p.shape, generator=g) if p.dim() == 1 else
                     torch.randn(p.shape, generator=g) * p.shape[-1] ** -0.5)
-        mc = ModelConfig.from_hf(cfg.to_dict())
+        mc = model_config_of(cfg.to_dict())
         # dense below first_k_dense_replace; V3's multi-token-prediction layer (3) is an MoE one too
         mtp = cfg.to_dict().get("num_nextn_predict_layers", 0)
         assert mc.moe.sparse_layers == {1, 2, *range(3, 3 + mtp)}

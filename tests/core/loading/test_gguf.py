@@ -25,7 +25,8 @@ from support.gguf_fixtures import (
 )
 
 from lmplug.errors import ModelLoadError
-from lmplug.loading.gguf import hf_tensor_name, load_gguf
+from lmplug.interfaces.gguf_header import decoder_tensor_name as hf_tensor_name
+from lmplug.loading.gguf import load_gguf
 
 
 @pytest.fixture(scope="module")

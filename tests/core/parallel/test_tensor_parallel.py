@@ -93,7 +93,7 @@ def test_rank_reads_its_slices(tmp_path):
     safetensors; every split tensor is the matching slice of the HF model's."""
     from lmplug_models import LlamaForCausalLM
 
-    from lmplug.interfaces.model_config import ModelConfig
+    from lmplug.engine.architecture import model_config_of
     from lmplug.interfaces.quant import Unquantized
     from lmplug.loading import open_source
     from lmplug.loading.weights import load_weights
@@ -106,7 +106,7 @@ def test_rank_reads_its_slices(tmp_path):
     source.iter_slices = lambda: ((n, read.append(n) or t) for n, t in slices())
     source.iter_tensors = None  # the whole-tensor reader must not be used
     state = ParallelState(rank=1, world_size=2)
-    model = LlamaForCausalLM(ModelConfig.from_hf(source.hf_config), torch.float32, Unquantized(), None, 128,
+    model = LlamaForCausalLM(model_config_of(source.hf_config), torch.float32, Unquantized(), None, 128,
                              parallel=state)
     load_weights(model, source, parallel=state)
     assert len(read) == len(source.tensor_names)

@@ -92,7 +92,7 @@ def _load_rank(path, state, read_log=None):
     from lmplug_moe.reference import ReferenceMoE
 
     from lmplug.interfaces import BackendOptions
-    from lmplug.interfaces.model_config import ModelConfig
+    from lmplug.engine.architecture import model_config_of
     from lmplug.interfaces.quant import Unquantized
     from lmplug.loading import open_source
     from lmplug.loading.weights import load_weights
@@ -115,7 +115,7 @@ def _load_rank(path, state, read_log=None):
     if state.is_parallel:
         source.iter_slices = lambda: ((n, Spy(n, t)) for n, t in slices())
         source.iter_tensors = None  # the whole-tensor reader must not be used
-    model = MoEForCausalLM(ModelConfig.from_hf(source.hf_config), torch.float32, Unquantized(), None, 128,
+    model = MoEForCausalLM(model_config_of(source.hf_config), torch.float32, Unquantized(), None, 128,
                            moe=ReferenceMoE(BackendOptions()), parallel=state)
     load_weights(model, source, parallel=state)
     return model

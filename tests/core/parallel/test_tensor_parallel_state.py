@@ -156,7 +156,7 @@ def _load_rank(path, rank: int, world: int):
     """Rank ``rank`` of ``world``'s shard of the checkpoint at ``path``, read lazily, in process."""
     from lmplug_models.mamba2 import Mamba2ForCausalLM
 
-    from lmplug.interfaces.model_config import ModelConfig
+    from lmplug.engine.architecture import model_config_of
     from lmplug.interfaces.quant import Unquantized
     from lmplug.loading import open_source
     from lmplug.loading.weights import load_weights
@@ -164,7 +164,7 @@ def _load_rank(path, rank: int, world: int):
     source = open_source(path)
     source.iter_tensors = None  # the whole-tensor reader must not be used
     state = ParallelState(rank=rank, world_size=world)
-    model = Mamba2ForCausalLM(ModelConfig.from_hf(source.hf_config), torch.float32, Unquantized(), None, 128,
+    model = Mamba2ForCausalLM(model_config_of(source.hf_config), torch.float32, Unquantized(), None, 128,
                               parallel=state, mixer=mixer_backend())
     load_weights(model, source, parallel=state)
     return model
@@ -202,14 +202,14 @@ def test_mamba2_groups_the_ranks_cannot_share():
     from lmplug_models.mamba2 import Mamba2ForCausalLM
     from transformers import Mamba2Config
 
-    from lmplug.interfaces.model_config import ModelConfig
+    from lmplug.engine.architecture import model_config_of
     from lmplug.interfaces.quant import Unquantized
     from lmplug.parallel import ParallelState
 
     # 6 heads over 3 groups: 2 ranks would split a group's heads between them
     cfg = Mamba2Config(**{**_MAMBA2_BASE, "hidden_size": 48, "num_heads": 6, "head_dim": 16, "n_groups": 3})
     with pytest.raises(ModelLoadError, match=r"'n_groups' \(3\) must divide parallel.tensor_parallel_size \(2\)"):
-        Mamba2ForCausalLM(ModelConfig.from_hf(cfg.to_dict()), torch.float32, Unquantized(), None, 128,
+        Mamba2ForCausalLM(model_config_of(cfg.to_dict()), torch.float32, Unquantized(), None, 128,
                           parallel=ParallelState(rank=0, world_size=2), mixer=mixer_backend())
 
 

@@ -40,7 +40,7 @@ from lmplug.engine.plan import make_plan
 from lmplug.errors import ConfigError
 from lmplug.interfaces import BackendOptions
 from lmplug.interfaces.devices import target_capability
-from lmplug.interfaces.model_config import ModelConfig
+from lmplug.engine.architecture import model_config_of
 from lmplug.parallel import single as single_parallel
 
 A100, H100 = (8, 0), (9, 0)
@@ -139,7 +139,7 @@ def _plan(device: str, dtype: str, head_dim: int, **sections):
     config = EngineConfig(model="tiny", device=device, dtype=dtype, **sections)
     resolved = resolve(config, device=device, dtype=dtype)
     hf = _llama(head_dim)
-    return make_plan(resolved, hf, ModelConfig.from_hf(hf), "tiny", single_parallel())
+    return make_plan(resolved, hf, model_config_of(hf), "tiny", single_parallel())
 
 
 def test_the_engine_plan_asks_the_hook_for_the_gpu_it_runs_on():
