@@ -70,6 +70,7 @@ class Constraints:
         self._states: dict[int, _State] = {}  # seq_id -> its matcher
         self._pins: dict[str, object] = {}  # request_id -> its compiled constraint, until a matcher has it
         self._pool: CompilePool | None = None
+        self._pool_lock = threading.Lock()
         self._masks: ThreadPoolExecutor | None = None
 
     # -- requests ------------------------------------------------------------------------------
@@ -95,10 +96,14 @@ class Constraints:
         if spec.kind not in self.backend.kinds:
             self.backend.compile_cached(spec)  # raises the backend's error naming the kind
         check_before_compile(spec, self.backend.options)
-        if self._pool is None:
-            options = self.backend.options
-            self._pool = CompilePool(self.backend, options.compile_workers, options.compile_queue)
-        return self._pool.submit(spec)
+        return self._start_pool().submit(spec)
+
+    def _start_pool(self) -> CompilePool:
+        with self._pool_lock:
+            if self._pool is None:
+                options = self.backend.options
+                self._pool = CompilePool(self.backend, options.compile_workers, options.compile_queue)
+            return self._pool
 
     def pin(self, request_id: str, compiled) -> None:
         """Hold ``compiled`` for ``request_id`` (admitted next) until its first matcher exists."""
@@ -114,10 +119,12 @@ class Constraints:
             self._pool = None
 
     def prepare_in_background(self) -> None:
-        """The backend's one-off set-up (``ConstraintBackend.prepare``) on a daemon thread; a failure
-        is logged, and the first constrained request then meets it and reports it."""
+        """The backend's one-off set-up (``ConstraintBackend.prepare``) on a daemon thread, and the
+        compile workers started; a failure is logged, and the first constrained request then meets
+        it and reports it."""
         if self.backend is None:
             return
+        self._start_pool()
 
         def run() -> None:
             try:

@@ -151,7 +151,7 @@ class ConstraintTokenizer:
 
 class ConstraintOptions(BackendOptions):
     cache_size: int = Field(default=256, ge=1, le=65536, description="compiled constraints kept (LRU)")
-    cache_bytes: int = Field(default=1 << 30, ge=1, description="memory the compiled constraints kept may "
+    cache_bytes: int = Field(default=512 << 20, ge=1, description="memory the compiled constraints kept may "
                              "take together (LRU, each entry's size as its backend estimates it); one larger "
                              "than this is compiled for its request and not kept")
     max_compile_s: float = Field(default=30.0, gt=0, description="longest compile of one constraint; "

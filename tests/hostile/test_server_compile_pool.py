@@ -62,9 +62,12 @@ def test_unreadable_tokenizer_names_backend_and_tokenizer(tmp_path_factory):
     ({"guided_regex": "(ab{200}){200}"}, "max_repeat"),
     ({"guided_grammar": 'root ::= "x" ' + " ".join(['"y"'] * 3000)}, "max_grammar_chars"),
 ], ids=["choices", "repeat", "grammar-size"])
-def test_limits_are_checked_before_compiling(tmp_path_factory, extra, limit):
+def test_limits_are_checked_before_compiling(tmp_path_factory, monkeypatch, extra, limit):
     with serve(tmp_path_factory, backend="xgrammar", max_grammar_chars=10_000, max_enum_values=100) as server:
+        pool = server.engine.constraints._start_pool()
+        submitted = []
+        monkeypatch.setattr(pool, "submit", lambda spec: submitted.append(spec))
         resp = post(server, {**BASE, **extra})
         assert resp.status_code == 400, resp.text
         assert limit in resp.json()["error"]["message"], resp.json()
-        assert server.engine.constraints._pool is None, "a compile was started"
+        assert not submitted, "a compile was started"
