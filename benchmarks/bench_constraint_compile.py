@@ -98,7 +98,8 @@ def run_backend(backend: str, model: str, repeats: int, key: str) -> None:
               f"({', '.join(f'{t:.3f}' for t in alone)})")
         for name, extra in HEAVY.items():
             result: dict = {}
-            heavy = threading.Thread(target=lambda: result.update(zip(("s", "resp"), post(url, {**PLAIN, **extra}, key))))
+            heavy = threading.Thread(target=lambda r, body: r.update(zip(("s", "resp"), post(url, body, key))),
+                                     args=(result, {**PLAIN, **extra}))
             heavy.start()
             time.sleep(0.5)  # the heavy request has reached the compile pool
             beside = plain_latencies(url, key, repeats, heavy)

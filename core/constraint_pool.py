@@ -29,7 +29,12 @@ import time
 from concurrent.futures import Future
 from typing import Any
 
-from lmplug.interfaces.constraint import ConstraintBackend, ConstraintError, ConstraintTokenizer, StructuredOutput
+from lmplug.interfaces.constraint import (
+    ConstraintBackend,
+    ConstraintError,
+    ConstraintTokenizer,
+    StructuredOutput,
+)
 
 logger = logging.getLogger(__name__)
 READY_TIMEOUT_S = 600.0  # a fresh worker imports the engine and reads the vocabulary
@@ -86,7 +91,7 @@ class CompilePool:
                 future.set_result(self.backend.compile_cached(spec))
             except ConstraintError as exc:
                 future.set_exception(exc)
-            except Exception as exc:  # noqa: BLE001 - the request's error, not the pool's end
+            except Exception as exc:
                 logger.exception("structured output: compiling a %s constraint failed", spec.kind)
                 future.set_exception(exc)
 
@@ -182,7 +187,7 @@ def _worker_main(conn, backend_cls: type[ConstraintBackend], options, tokenizer_
     except ConstraintError as exc:  # e.g. a tokenizer the engine cannot read: every request's answer
         conn.send((exc.field, str(exc)))
         return
-    except Exception:  # noqa: BLE001 - the parent reports it on the first request
+    except Exception:
         logging.getLogger(__name__).exception("the %s compile worker could not start", backend.name)
         return
     conn.send("ready")
