@@ -15,12 +15,19 @@ llguidance's matcher cannot be serialised at all. So once the worker has shown t
 compiles in time, this process compiles it again on the pool's own thread (both engines release
 the GIL while compiling) and puts it in the backend's cache; the engine thread never compiles.
 
+A compiled grammar can take hundreds of MB (xgrammar: 200 MB for a 100k-value enum); the cache
+drops it past ``cache_bytes``, but glibc keeps the freed pages of the pool thread's heap, so after
+each compile the heap is trimmed (``malloc_trim``) and the process's memory falls back.
+
 Jobs wait in a bounded queue (``compile_queue``; a full queue refuses the request); equal
 constraints asked for at once share one job.
 """
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import functools
 import logging
 import multiprocessing
 import queue
@@ -94,6 +101,23 @@ class CompilePool:
             except Exception as exc:
                 logger.exception("structured output: compiling a %s constraint failed", spec.kind)
                 future.set_exception(exc)
+            trim_heap()
+
+
+def trim_heap() -> None:
+    """Give the heap's free pages back to the system (glibc only; elsewhere nothing)."""
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
+
+
+@functools.cache
+def _malloc_trim():
+    name = ctypes.util.find_library("c")
+    try:
+        return getattr(ctypes.CDLL(name), "malloc_trim", None) if name else None
+    except OSError:
+        return None
 
 
 class _Worker:
