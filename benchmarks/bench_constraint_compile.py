@@ -83,7 +83,7 @@ def start_server(model: str, extra: list[str], key: str) -> tuple[subprocess.Pop
     raise SystemExit("lmplug serve did not become healthy")
 
 
-def run_backend(backend: str, model: str, repeats: int, key: str) -> None:
+def run_backend(backend: str, model: str, repeats: int, key: str, parts: list[str]) -> None:
     args = ["--max-model-len", "512", "--max-body-bytes", str(4 << 20),
             "--set", f"structured_output.backend={backend}"]
     for limit in LIMITS:
@@ -92,36 +92,46 @@ def run_backend(backend: str, model: str, repeats: int, key: str) -> None:
     try:
         post(url, PLAIN, key)
         post(url, {**PLAIN, "guided_choice": ["yes", "no"]}, key)  # the compile worker is up
-        alone = [t for t, _ in plain_latencies(url, key, repeats)]
-        base = statistics.median(alone)
-        print(f"\n[{backend}] plain 8-token completion alone: median {base:.3f} s "
-              f"({', '.join(f'{t:.3f}' for t in alone)})")
-        for name, extra in HEAVY.items():
-            result: dict = {}
-            heavy = threading.Thread(target=lambda r, body: r.update(zip(("s", "resp"), post(url, body, key))),
-                                     args=(result, {**PLAIN, **extra}))
-            heavy.start()
-            time.sleep(0.5)  # the heavy request has reached the compile pool
-            beside = plain_latencies(url, key, repeats, heavy)
-            heavy.join()
-            med = statistics.median(t for t, _ in beside)
-            status = result["resp"].status_code
-            detail = "" if status == 200 else f" ({result['resp'].json()['error']['message'][:90]})"
-            print(f"[{backend}] beside {name}: median {med:.3f} s = {med / base:.2f}x alone "
-                  f"({', '.join(f'{t:.3f}' + ('!' if late else '') for t, late in beside)}); "
-                  f"the heavy request: {status} after {result['s']:.1f} s{detail}")
-        before = rss_mb(proc.pid)
-        for k in range(4):
-            enum = {"enum": [f"{k}-{i}" for i in range(100_000)]}
-            elapsed, resp = post(url, {**PLAIN, "guided_json": enum}, key)
-            print(f"[{backend}] 100k enum #{k + 1}: {resp.status_code} in {elapsed:.1f} s, server RSS "
-                  f"{rss_mb(proc.pid):.0f} MB")
-        workers = [int(c) for c in Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()]
-        print(f"[{backend}] RSS before the four enums {before:.0f} MB, after {rss_mb(proc.pid):.0f} MB "
-              f"(compile workers: {', '.join(f'{rss_mb(w):.0f} MB' for w in workers)})")
+        if "latency" in parts:
+            latencies(url, key, repeats, backend)
+        if "memory" in parts:
+            memory(url, key, proc.pid, backend)
     finally:
         proc.terminate()
         proc.wait(60)
+
+
+def latencies(url: str, key: str, repeats: int, backend: str) -> None:
+    alone = [t for t, _ in plain_latencies(url, key, repeats)]
+    base = statistics.median(alone)
+    print(f"\n[{backend}] plain 8-token completion alone: median {base:.3f} s "
+          f"({', '.join(f'{t:.3f}' for t in alone)})")
+    for name, extra in HEAVY.items():
+        result: dict = {}
+        heavy = threading.Thread(target=lambda r, body: r.update(zip(("s", "resp"), post(url, body, key))),
+                                 args=(result, {**PLAIN, **extra}))
+        heavy.start()
+        time.sleep(0.5)  # the heavy request has reached the compile pool
+        beside = plain_latencies(url, key, repeats, heavy)
+        heavy.join()
+        med = statistics.median(t for t, _ in beside)
+        status = result["resp"].status_code
+        detail = "" if status == 200 else f" ({result['resp'].json()['error']['message'][:90]})"
+        print(f"[{backend}] beside {name}: median {med:.3f} s = {med / base:.2f}x alone "
+              f"({', '.join(f'{t:.3f}' + ('!' if late else '') for t, late in beside)}); "
+              f"the heavy request: {status} after {result['s']:.1f} s{detail}")
+
+
+def memory(url: str, key: str, pid: int, backend: str) -> None:
+    before = rss_mb(pid)
+    for k in range(4):
+        enum = {"enum": [f"{k}-{i}" for i in range(100_000)]}
+        elapsed, resp = post(url, {**PLAIN, "guided_json": enum}, key)
+        print(f"[{backend}] 100k enum #{k + 1}: {resp.status_code} in {elapsed:.1f} s, server RSS "
+              f"{rss_mb(pid):.0f} MB")
+    workers = [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    print(f"[{backend}] RSS before the four enums {before:.0f} MB, after {rss_mb(pid):.0f} MB "
+          f"(compile workers: {', '.join(f'{rss_mb(w):.0f} MB' for w in workers)})")
 
 
 def main() -> int:
@@ -129,10 +139,11 @@ def main() -> int:
     p.add_argument("--model", default="smollm2-135m-instruct")
     p.add_argument("--backends", nargs="+", default=["xgrammar", "llguidance"])
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--parts", nargs="+", default=["latency", "memory"], choices=["latency", "memory"])
     a = p.parse_args()
     print("loadavg:", Path("/proc/loadavg").read_text().strip(), file=sys.stderr)
     for backend in a.backends:
-        run_backend(backend, a.model, a.repeats, "bench")
+        run_backend(backend, a.model, a.repeats, "bench", a.parts)
     print("loadavg:", Path("/proc/loadavg").read_text().strip(), file=sys.stderr)
     return 0
 
