@@ -18,15 +18,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import socket
 import statistics
-import subprocess
 import sys
 import threading
 import time
 from pathlib import Path
 
 import httpx
+from bench_serve import start_server
 
 PLAIN = {"prompt": "Once upon a time", "max_tokens": 8, "temperature": 0}
 HEAVY = {
@@ -62,25 +61,6 @@ def rss_mb(pid: int) -> float:
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) / 1024
     return float("nan")
-
-
-def start_server(model: str, extra: list[str], key: str) -> tuple[subprocess.Popen, str]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    proc = subprocess.Popen([sys.executable, "-m", "lmplug.cli", "serve", model, "--port", str(port),
-                             "--api-key", key, *extra])
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 600
-    while time.monotonic() < deadline and proc.poll() is None:
-        try:
-            if httpx.get(url + "/health", headers={"Authorization": f"Bearer {key}"}, timeout=2).status_code == 200:
-                return proc, url + "/v1"
-        except httpx.TransportError:
-            pass
-        time.sleep(0.5)
-    proc.kill()
-    raise SystemExit("lmplug serve did not become healthy")
 
 
 def run_backend(backend: str, model: str, repeats: int, key: str, parts: list[str]) -> None:
