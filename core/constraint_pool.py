@@ -6,7 +6,8 @@ offers a way to cancel a compile: a thread that runs one cannot be stopped, so a
 ``max_compile_s`` would keep its core busy. Each compile is therefore tried first in a worker
 process (spawned, holding its own copy of the backend): one past ``max_compile_s`` is abandoned by
 killing the worker (its CPU use stops at once; a fresh worker replaces it) and refused with an error
-naming the limit; one the backend refuses is refused with the backend's error.
+naming the limit; one the backend refuses is refused with the backend's error. The limits checked
+before any compile (``check_before_compile``) run on the pool's thread too.
 
 What comes back is the verdict, not the compiled grammar: xgrammar's ``CompiledGrammar`` can be
 serialised (``serialize_json``), but writing and reading it back costs more than compiling again
@@ -42,6 +43,7 @@ from lmplug.interfaces.constraint import (
     ConstraintTokenizer,
     StructuredOutput,
 )
+from lmplug.interfaces.constraint_checks import check_before_compile
 
 logger = logging.getLogger(__name__)
 READY_TIMEOUT_S = 600.0  # a fresh worker imports the engine and reads the vocabulary
@@ -94,6 +96,8 @@ class CompilePool:
             if not future.set_running_or_notify_cancel():
                 continue
             try:
+                # here, not on the engine thread: walking a 100k-value enum takes a while
+                check_before_compile(spec, self.backend.options)
                 worker.check(spec, self.backend.options.max_compile_s)
                 future.set_result(self.backend.compile_cached(spec))
             except ConstraintError as exc:

@@ -34,7 +34,6 @@ import torch
 
 from lmplug.constraint_pool import CompilePool
 from lmplug.interfaces.constraint import ConstraintBackend, ConstraintError, Matcher, new_bitmask
-from lmplug.interfaces.constraint_checks import check_before_compile
 from lmplug.interfaces.sequence import Sequence
 
 logger = logging.getLogger(__name__)
@@ -86,8 +85,8 @@ class Constraints:
             self._pins[request_id] = compiled
 
     def compile_async(self, spec) -> Future | None:
-        """A future of ``spec`` compiled in the pool; None when the cache holds it already. Limits
-        checked before compiling raise ``ConstraintError`` here, at once."""
+        """A future of ``spec`` compiled in the pool (or of the ``ConstraintError`` refusing it);
+        None when the cache holds it already."""
         if self.backend is None:
             raise ConstraintError("structured", "structured output was asked for, but no constraint backend "
                                   "is configured (config section `structured_output`)")
@@ -95,7 +94,6 @@ class Constraints:
             return None
         if spec.kind not in self.backend.kinds:
             self.backend.compile_cached(spec)  # raises the backend's error naming the kind
-        check_before_compile(spec, self.backend.options)
         return self._start_pool().submit(spec)
 
     def _start_pool(self) -> CompilePool:
