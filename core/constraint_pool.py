@@ -76,7 +76,9 @@ class CompilePool:
                                       "constraints are waiting to compile (structured_output.compile_queue); "
                                       "retry later") from None
             self._inflight[spec.key] = future
-        future.add_done_callback(lambda _: self._forget(spec.key, future))
+        # no reference to the future in its own callback: a cycle would keep its result (hundreds
+        # of MB of grammar, maybe dropped from the cache already) until Python's cyclic collector ran
+        future.add_done_callback(functools.partial(self._forget, spec.key))
         return future
 
     def close(self) -> None:
@@ -105,6 +107,7 @@ class CompilePool:
             except Exception as exc:
                 logger.exception("structured output: compiling a %s constraint failed", spec.kind)
                 future.set_exception(exc)
+            del spec, future  # the compiled grammar belongs to the cache and its request from here on
             trim_heap()
 
 
