@@ -20,12 +20,13 @@ from lmplug.serve import ServeSettings
 def server(request, tmp_path_factory):
     if request.param == "xgrammar":
         model = get_model("llama", tmp_path_factory.mktemp("hostile-constraints"), tokenizer=True)
-        llm = model.llm(kvcache="contiguous", structured_output={"backend": "xgrammar"})
+        # a long max_compile_s: xgrammar compiles the 4,096 long choices for seconds (minutes when loaded)
+        llm = model.llm(kvcache="contiguous", structured_output={"backend": "xgrammar", "max_compile_s": 900})
     else:
         from lmplug import LLM
 
         llm = LLM(str(request.getfixturevalue("demo_gguf")), dtype="float32", max_model_len=256,
-                  structured_output={"backend": "llguidance"})
+                  structured_output={"backend": "llguidance", "max_compile_s": 900})
     with running_server(llm, ServeSettings(api_key="")) as running:
         yield running
 
