@@ -234,4 +234,5 @@ def _worker_main(conn, backend_cls: type[ConstraintBackend], options, tokenizer_
             verdict = (exc.field, str(exc))
         except Exception as exc:  # noqa: BLE001 - the engine's own error: the request is refused
             verdict = (spec.kind, f"structured output {spec.kind}: {backend.name} cannot compile it: {exc}")
+        trim_heap()  # the compiled grammar is not kept here
         conn.send(verdict)
