@@ -57,7 +57,9 @@ def start_server(model: str, extra: list[str], api_key: str) -> tuple[subprocess
         if proc.poll() is not None:
             raise SystemExit(f"lmplug serve exited with {proc.returncode}")
         try:
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
+            # /health takes the key like every route unless the server makes it public
+            if httpx.get(url + "/health", headers={"Authorization": f"Bearer {api_key}"},
+                         timeout=1).status_code == 200:
                 return proc, url + "/v1"
         except httpx.TransportError:
             pass

@@ -1,8 +1,13 @@
 """The engine's side of structured output: compile at admission, one matcher per sequence, masks.
 
 ``Constraints`` holds the configured grammar engine (a ``ConstraintBackend``). A request with
-``SamplingParams.structured`` is compiled when it is admitted (``admit``), so a bad schema, regex or
-grammar fails that request at once with an error naming the field. Each sequence gets its own
+``SamplingParams.structured`` is compiled before it is admitted, so a bad schema, regex or grammar
+fails that request at once with an error naming the field. Compiles run in a ``CompilePool``
+(worker processes, killed past ``max_compile_s``), never on the engine thread: the server asks for
+the compile (``compile_async``) and admits the request when it is done (``pin`` then ``admit``),
+while the other requests keep running; ``admit`` alone (the offline ``LLM``) waits for it. The
+compiled constraint is pinned to its request until its first matcher exists, so the cache may
+drop it (it is bounded in bytes) without a compile in the middle of a step. Each sequence gets its own
 ``Matcher`` when it first needs a mask (so ``n > 1`` siblings, forked at the first token, start from
 the beginning like their parent did). A matcher is kept in step with its sequence lazily: before a
 mask is filled, it accepts the output tokens it has not seen (``_sync``), so whatever appended them
@@ -27,6 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
+from lmplug.constraint_pool import CompilePool
 from lmplug.interfaces.constraint import ConstraintBackend, ConstraintError, Matcher, new_bitmask
 from lmplug.interfaces.sequence import Sequence
 
@@ -47,9 +53,11 @@ NO_MASKS = StepMasks(None, None)
 
 
 class _State:
-    __slots__ = ("consumed", "matcher")
+    __slots__ = ("compiled", "consumed", "matcher", "request_id")
 
-    def __init__(self, matcher: Matcher) -> None:
+    def __init__(self, request_id: str, compiled, matcher: Matcher) -> None:
+        self.request_id = request_id
+        self.compiled = compiled  # for the request's other sequences (n > 1)
         self.matcher = matcher
         self.consumed = 0  # output tokens the matcher has accepted
 
@@ -59,24 +67,62 @@ class Constraints:
         self.backend = backend
         self.vocab_size = vocab_size
         self._states: dict[int, _State] = {}  # seq_id -> its matcher
-        self._pool: ThreadPoolExecutor | None = None
+        self._pins: dict[str, object] = {}  # request_id -> its compiled constraint, until a matcher has it
+        self._pool: CompilePool | None = None
+        self._pool_lock = threading.Lock()
+        self._masks: ThreadPoolExecutor | None = None
 
     # -- requests ------------------------------------------------------------------------------
-    def admit(self, params) -> None:
-        """Compile the request's constraint (cached by the backend); raises ``ConstraintError``."""
+    def admit(self, params, request_id: str = "") -> None:
+        """Compile the request's constraint, unless ``pin`` handed it over (waiting for the compile
+        pool, or a cache hit); raises ``ConstraintError``."""
         spec = params.structured
-        if spec is None:
+        if spec is None or request_id in self._pins:
             return
+        future = self.compile_async(spec)
+        compiled = self.backend.cached(spec) if future is None else future.result()
+        if request_id:
+            self._pins[request_id] = compiled
+
+    def compile_async(self, spec) -> Future | None:
+        """A future of ``spec`` compiled in the pool (or of the ``ConstraintError`` refusing it);
+        None when the cache holds it already."""
         if self.backend is None:
             raise ConstraintError("structured", "structured output was asked for, but no constraint backend "
                                   "is configured (config section `structured_output`)")
-        self.backend.compile_cached(spec)
+        if self.backend.cached(spec) is not None:
+            return None
+        if spec.kind not in self.backend.kinds:
+            self.backend.compile_cached(spec)  # raises the backend's error naming the kind
+        return self._start_pool().submit(spec)
+
+    def _start_pool(self) -> CompilePool:
+        with self._pool_lock:
+            if self._pool is None:
+                options = self.backend.options
+                self._pool = CompilePool(self.backend, options.compile_workers, options.compile_queue)
+            return self._pool
+
+    def pin(self, request_id: str, compiled) -> None:
+        """Hold ``compiled`` for ``request_id`` (admitted next) until its first matcher exists."""
+        self._pins[request_id] = compiled
+
+    def unpin(self, request_id: str) -> None:
+        self._pins.pop(request_id, None)
+
+    def close(self) -> None:
+        """Stop the compile workers."""
+        if self._pool is not None:
+            self._pool.close()
+            self._pool = None
 
     def prepare_in_background(self) -> None:
-        """The backend's one-off set-up (``ConstraintBackend.prepare``) on a daemon thread; a failure
-        is logged, and the first constrained request then meets it and reports it."""
+        """The backend's one-off set-up (``ConstraintBackend.prepare``) on a daemon thread, and the
+        compile workers started; a failure is logged, and the first constrained request then meets
+        it and reports it."""
         if self.backend is None:
             return
+        self._start_pool()
 
         def run() -> None:
             try:
@@ -89,6 +135,8 @@ class Constraints:
 
     def release(self, seq: Sequence) -> None:
         self._states.pop(seq.seq_id, None)
+        if seq.is_finished:  # aborted or ended before its first mask
+            self._pins.pop(seq.request_id, None)
 
     def fork(self, src: Sequence, dst: Sequence) -> None:
         """``dst`` is about to take over ``src``'s tokens (a beam that descends from another; call
@@ -178,8 +226,8 @@ class Constraints:
     def _sync(self, seq: Sequence, num_draft: int = 0) -> _State:
         state = self._states.get(seq.seq_id)
         if state is None:
-            compiled = self.backend.compile_cached(seq.params.structured)  # compiled at admission: cached
-            state = self._states[seq.seq_id] = _State(self.backend.matcher(compiled))
+            compiled = self._compiled_for(seq)
+            state = self._states[seq.seq_id] = _State(seq.request_id, compiled, self.backend.matcher(compiled))
         output = seq.token_ids[seq.num_prompt_tokens:seq.num_tokens - num_draft]
         for token in output[state.consumed:]:
             if not state.matcher.accept(token):
@@ -188,14 +236,24 @@ class Constraints:
             state.consumed += 1
         return state
 
+    def _compiled_for(self, seq: Sequence):
+        """The constraint compiled at admission: pinned, a sibling's, or (dropped since) the cache's."""
+        compiled = self._pins.pop(seq.request_id, None)
+        if compiled is not None:
+            return compiled
+        for state in self._states.values():
+            if state.request_id == seq.request_id:
+                return state.compiled
+        return self.backend.compile_cached(seq.params.structured)
+
     # -- overlap with the forward --------------------------------------------------------------
     def start(self, seqs: list[Sequence], drafts: list[list[int]] | None = None) -> Future | None:
         """``fill`` on a worker thread, while the forward runs; None when no sequence is constrained."""
         if not any(self.wanted(s) for s in seqs):
             return None
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lmplug-masks")
-        return self._pool.submit(self.fill, list(seqs), None if drafts is None else [list(d) for d in drafts])
+        if self._masks is None:
+            self._masks = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lmplug-masks")
+        return self._masks.submit(self.fill, list(seqs), None if drafts is None else [list(d) for d in drafts])
 
     @staticmethod
     def result(job: Future | None) -> dict[int, torch.Tensor | Exception]:

@@ -123,6 +123,9 @@ class LLMEngine:
         KV cache finish what outlives it (a KV connector's pending writes)."""
         if self.parallel is not None:
             self.parallel.close()
+        constraints = getattr(self, "constraints", None)
+        if constraints is not None:
+            constraints.close()
         kv = getattr(self, "kv", None)  # None: the build failed before the cache existed
         if kv is not None:
             kv.close()
@@ -147,7 +150,7 @@ class LLMEngine:
         params = params or SamplingParams()
         check_token_ids(params, self.model_config.vocab_size)
         self.selector.admit(params)
-        self.constraints.admit(params)
+        self.constraints.admit(params, request_id)
         for seq in self.forks.hold(request_id, self.requests.add(request_id, prompt, params, priority)):
             self.scheduler.add(seq)
 

@@ -152,12 +152,27 @@ class ConstraintTokenizer:
 
 class ConstraintOptions(BackendOptions):
     cache_size: int = Field(default=256, ge=1, le=65536, description="compiled constraints kept (LRU)")
+    cache_bytes: int = Field(default=512 << 20, ge=1, description="memory the compiled constraints kept may "
+                             "take together (LRU, each entry's size as its backend estimates it); one larger "
+                             "than this is compiled for its request and not kept")
     max_compile_s: float = Field(default=30.0, gt=0, description="longest compile of one constraint; "
-                                 "slower ones are refused with an error naming the field")
+                                 "slower ones are stopped (their worker process killed) and refused with an "
+                                 "error naming this limit")
+    compile_workers: int = Field(default=1, ge=1, le=64, description="worker processes that compile "
+                                 "constraints off the engine thread (0 is not allowed: the engine thread "
+                                 "would stall)")
+    compile_queue: int = Field(default=64, ge=1, le=100_000, description="constraints that may wait for a "
+                               "compile worker; more are refused")
     max_schema_depth: int = Field(default=64, ge=1, le=10000, description="deepest nesting of a JSON "
                                   "schema (objects and arrays) accepted; deeper ones are refused before compiling")
     max_enum_values: int = Field(default=4096, ge=1, le=1_000_000, description="most values one JSON "
-                                 "schema enum may list; larger ones are refused before compiling")
+                                 "schema enum, or one guided_choice, may list; more are refused before compiling")
+    max_repeat: int = Field(default=10_000, ge=1, le=1_000_000_000, description="most copies a counted "
+                            "repetition in a regex or grammar may ask for (x{n}, its count times those of the "
+                            "groups around it: (a{1000}){1000} is 1,000,000); more are refused before compiling")
+    max_grammar_chars: int = Field(default=MAX_SPEC_CHARS, ge=1, le=MAX_SPEC_CHARS, description="longest "
+                                   "constraint text (JSON schema, regex, grammar, all choices together); "
+                                   "longer ones are refused before compiling")
 
 
 class Matcher(ABC):
@@ -220,23 +235,43 @@ class ConstraintBackend(ABC):
         the first constrained request does not pay it. The server calls it on a background thread at
         start; backends with such work override it."""
 
+    def size_bytes(self, compiled: Any) -> int:
+        """The memory ``compiled`` holds, as well as the backend can tell (the cache's measure).
+        Backends override; the default counts nothing."""
+        return 0
+
+    def cached(self, spec: StructuredOutput) -> Any:
+        """The compiled constraint if the cache holds it, else None."""
+        with self._lock:
+            compiled = self._cache.get(spec.key)
+            if compiled is not None:
+                self._cache.move_to_end(spec.key)
+            return None if compiled is None else compiled[0]
+
     def compile_cached(self, spec: StructuredOutput) -> Any:
-        """``compile`` once per ``spec.key`` (LRU of ``options.cache_size``); thread-safe."""
+        """``compile`` once per ``spec.key`` (LRU of ``options.cache_size`` entries and
+        ``options.cache_bytes`` bytes); thread-safe. Every limit is checked before compiling."""
         if spec.kind not in self.kinds:
             raise ConstraintError(spec.kind, f"structured output {spec.kind!r} is not supported by the "
                                   f"{self.name!r} constraint backend (it compiles {', '.join(sorted(self.kinds))})")
-        with self._lock:
-            if spec.key in self._cache:
-                self._cache.move_to_end(spec.key)
-                return self._cache[spec.key]
-        check_before_compile(spec, self.options.max_schema_depth, self.options.max_enum_values)
+        compiled = self.cached(spec)
+        if compiled is not None:
+            return compiled
+        check_before_compile(spec, self.options)
         compiled = self.compile(spec)
         check_satisfiable(self, spec, compiled)
-        with self._lock:
-            self._cache[spec.key] = compiled
-            while len(self._cache) > self.options.cache_size:
-                self._cache.popitem(last=False)
+        self._store(spec.key, compiled)
         return compiled
+
+    def _store(self, key: tuple, compiled: Any) -> None:
+        size = self.size_bytes(compiled)
+        if size > self.options.cache_bytes:
+            return
+        with self._lock:
+            self._cache[key] = (compiled, size)
+            held = sum(s for _, s in self._cache.values())
+            while len(self._cache) > self.options.cache_size or held > self.options.cache_bytes:
+                held -= self._cache.popitem(last=False)[1][1]
 
 
 def bitmask_words(vocab_size: int) -> int:

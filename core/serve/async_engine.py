@@ -157,6 +157,7 @@ class AsyncEngine:
         self._commands: queue.SimpleQueue[tuple] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._tracked: dict[str, _Tracked] = {}  # engine thread only
+        self._compiling: dict[str, tuple] = {}  # engine thread only: "add" commands waiting for a compile
         self._groups: set[RequestGroup] = set()  # event loop only
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
@@ -283,6 +284,8 @@ class AsyncEngine:
             kind, args = command[0], command[1:]
             if kind == "add":
                 self._add(*args)
+            elif kind == "compiled":
+                self._compiled(*args)
             elif kind == "abort":
                 for rid in args[0]:
                     self._abort(rid)
@@ -295,12 +298,23 @@ class AsyncEngine:
     def _add(self, rid: str, index: int, prompt: list[int], params: SamplingParams, group: RequestGroup,
              submitted_at: float, pooling: PoolingParams | None = None) -> None:
         try:
+            if self._compile_first(rid, (rid, index, prompt, params, group, submitted_at, pooling)):
+                return
+        except LmplugError as exc:
+            self._refuse(rid, index, prompt, group, exc)
+            return
+        self._admit(rid, index, prompt, params, group, submitted_at, pooling)
+
+    def _admit(self, rid: str, index: int, prompt: list[int], params: SamplingParams, group: RequestGroup,
+               submitted_at: float, pooling: PoolingParams | None = None) -> None:
+        try:
             self.engine.add_request(rid, prompt, params, pooling=pooling)
         except LmplugError as exc:
-            error = group.on_refused(exc) if group.on_refused is not None else APIError(400, str(exc))
-            self._deliver([(group, Update(rid, index, len(prompt), [], True, error))], admission=error)
+            self.engine.constraints.unpin(rid)
+            self._refuse(rid, index, prompt, group, exc)
             return
         except Exception as exc:
+            self.engine.constraints.unpin(rid)
             logger.exception("add_request %s failed", rid)
             error = _server_error(exc)
             self._deliver([(group, Update(rid, index, len(prompt), [], True, error))], admission=error)
@@ -309,14 +323,54 @@ class AsyncEngine:
         self.metrics.prompt_tokens.inc(len(prompt))
         self._deliver([], admitted=group)
 
+    def _compile_first(self, rid: str, add: tuple) -> bool:
+        """Start the request's constraint compiling in the pool, off this thread; True: the request
+        waits (not in the engine) until the compile posts "compiled"."""
+        params = add[3]
+        if params.structured is None or add[6] is not None:
+            return False
+        future = self.engine.constraints.compile_async(params.structured)
+        if future is None:
+            return False
+        self._compiling[rid] = add
+        future.add_done_callback(lambda done: self._post(("compiled", rid, done)))
+        return True
+
+    def _compiled(self, rid: str, future) -> None:
+        """The compile of a waiting request ended: admit the request, or refuse it with its error."""
+        add = self._compiling.pop(rid, None)
+        if add is None:  # aborted (client gone) while compiling
+            return
+        _, index, prompt, _, group, _, _ = add
+        if future.exception() is not None:
+            exc = future.exception()
+            if isinstance(exc, LmplugError):
+                self._refuse(rid, index, prompt, group, exc)
+            else:
+                error = _server_error(exc)
+                self._deliver([(group, Update(rid, index, len(prompt), [], True, error))], admission=error)
+            return
+        self.engine.constraints.pin(rid, future.result())
+        self._admit(*add)
+
+    def _refuse(self, rid: str, index: int, prompt: list[int], group: RequestGroup, exc: LmplugError) -> None:
+        error = group.on_refused(exc) if group.on_refused is not None else APIError(400, str(exc))
+        self._deliver([(group, Update(rid, index, len(prompt), [], True, error))], admission=error)
+
     def _abort(self, rid: str) -> None:
+        self._compiling.pop(rid, None)
         tracked = self._tracked.pop(rid, None)
         self.engine.abort_request(rid)
         if tracked is not None:
             self._observe_end(tracked, "abort", num_tokens=tracked.sent_tokens[0])
 
     def _cut_all(self) -> None:
-        """Abort every request and tell its client: a last delta with ``finish_reason="abort"``."""
+        """Abort every request and tell its client: a last delta with ``finish_reason="abort"``;
+        one still waiting for its compile is refused (503)."""
+        for rid, (_, index, prompt, _, group, _, _) in list(self._compiling.items()):
+            del self._compiling[rid]
+            error = APIError(503, "the server is shutting down; retry on another instance")
+            self._deliver([(group, Update(rid, index, len(prompt), [], True, error))], admission=error)
         out = []
         for rid, tracked in list(self._tracked.items()):
             self._abort(rid)

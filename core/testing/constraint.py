@@ -314,6 +314,27 @@ class ConstraintConformance(ConstraintHostile, Conformance):
             fail(f"{self.label()}: after compiling one regex from 4 threads, compile_cached does not return "
                  "one of their results from then on")
 
+    def test_cache_is_bounded_in_bytes(self, backend_class, backend_options, constraint_tokenizer) -> None:
+        """``cache_bytes`` bounds the cache by the backend's ``size_bytes``: a budget of one entry
+        keeps only the latest; one past the budget is returned, not kept."""
+        specs = [StructuredOutput(choice=tuple(f"{k}-{i}" for i in range(64))) for k in range(3)]
+        with reported(self.label()):
+            probe = backend_class(backend_options, constraint_tokenizer)
+            size = probe.size_bytes(probe.compile_cached(specs[0]))
+            if size <= 0:  # the backend reports no sizes: the entry bound alone applies
+                return
+            backend = backend_class(backend_options.model_copy(update={"cache_bytes": size + size // 2}),
+                                    constraint_tokenizer)
+            for spec in specs:
+                backend.compile_cached(spec)
+            held = [spec for spec in specs if backend.cached(spec) is not None]
+            small = backend_class(backend_options.model_copy(update={"cache_bytes": size // 2}), constraint_tokenizer)
+            compiled = small.compile_cached(specs[0])
+        if held != specs[-1:]:
+            fail(f"{self.label()}: with cache_bytes for one entry the cache holds {len(held)} of 3")
+        if compiled is None or small.cached(specs[0]) is not None:
+            fail(f"{self.label()}: an entry larger than cache_bytes was kept (or not returned)")
+
 
 def allowed_after(backend, compiled, vocab: Vocab, ids: list[int]) -> list[int]:
     matcher = backend.matcher(compiled)

@@ -35,6 +35,7 @@ from lmplug.interfaces.constraint import (
     bitmask_words,
 )
 
+BYTES_PER_GRAMMAR_CHAR = 64  # the cache's estimate of a compiled grammar's memory (see size_bytes)
 COMPACT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 FLEXIBLE = {"whitespace_flexible": True}
 
@@ -59,8 +60,11 @@ class LLGuidanceBackend(ConstraintBackend):
         return compile_within(self.options.max_compile_s, kind, self.name,
                               lambda: self._build(lltok, spec))
 
+    def size_bytes(self, compiled: Any) -> int:
+        return compiled[1]
+
     def matcher(self, compiled: Any) -> Matcher:
-        return LLGuidanceMatcher(compiled.deep_copy(), self.tokenizer.vocab_size, self._stops)
+        return LLGuidanceMatcher(compiled[0].deep_copy(), self.tokenizer.vocab_size, self._stops)
 
     def _build(self, lltok: Any, spec: StructuredOutput) -> Any:
         import llguidance
@@ -74,7 +78,8 @@ class LLGuidanceBackend(ConstraintBackend):
         if template.is_error():
             raise ConstraintError(spec.kind, f"structured output {spec.kind}: llguidance cannot compile it: "
                                   f"{trim(template.get_error())}")
-        return template
+        # llguidance reports no size; its lexer and parser tables grow with the grammar's text
+        return template, BYTES_PER_GRAMMAR_CHAR * len(grammar)
 
     def _tokenizer(self) -> Any:
         """Built on the first compile (it walks the whole vocabulary)."""
@@ -84,8 +89,13 @@ class LLGuidanceBackend(ConstraintBackend):
 
                 tok = self.tokenizer
                 self._stops = stop_ids(tok)
-                self._lltok = llguidance.LLTokenizer(tokenizer_json(tok.tokenizer), n_vocab=tok.vocab_size,
-                                                     eos_token=self._stops)
+                try:
+                    self._lltok = llguidance.LLTokenizer(tokenizer_json(tok.tokenizer), n_vocab=tok.vocab_size,
+                                                         eos_token=self._stops)
+                except ValueError as exc:  # e.g. "can't determine decoder type: ... Fuse"
+                    raise ConstraintError("structured", "structured output: the llguidance backend cannot read "
+                                          f"this model's tokenizer ({trim(str(exc))}); use "
+                                          "structured_output.backend: xgrammar") from None
             return self._lltok
 
 

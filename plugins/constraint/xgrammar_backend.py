@@ -85,6 +85,9 @@ class XGrammarBackend(ConstraintBackend):
     def prepare(self) -> None:
         self._grammar_compiler()
 
+    def size_bytes(self, compiled: Any) -> int:
+        return int(compiled.memory_size_bytes)  # xgrammar's own count: the grammar and its token masks
+
     def matcher(self, compiled: Any) -> Matcher:
         return XGrammarMatcher(compiled, self.tokenizer.vocab_size, self._stops, self._refused, self._guard)
 

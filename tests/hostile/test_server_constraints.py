@@ -5,6 +5,7 @@ streams too — and the server keeps serving plain requests afterwards."""
 from __future__ import annotations
 
 import json
+import threading
 
 import httpx
 import pytest
@@ -19,12 +20,13 @@ from lmplug.serve import ServeSettings
 def server(request, tmp_path_factory):
     if request.param == "xgrammar":
         model = get_model("llama", tmp_path_factory.mktemp("hostile-constraints"), tokenizer=True)
-        llm = model.llm(kvcache="contiguous", structured_output={"backend": "xgrammar"})
+        # a long max_compile_s: xgrammar compiles the 4,096 long choices for seconds (minutes when loaded)
+        llm = model.llm(kvcache="contiguous", structured_output={"backend": "xgrammar", "max_compile_s": 900})
     else:
         from lmplug import LLM
 
         llm = LLM(str(request.getfixturevalue("demo_gguf")), dtype="float32", max_model_len=256,
-                  structured_output={"backend": "llguidance"})
+                  structured_output={"backend": "llguidance", "max_compile_s": 900})
     with running_server(llm, ServeSettings(api_key="")) as running:
         yield running
 
@@ -62,17 +64,39 @@ def test_bad_constraint_is_400_before_any_200(server, name, extra, param, stream
     assert plain.status_code == 200, plain.text
 
 
-def test_regex_nested_repeat_is_not_a_500(server, request):
-    """``(a{1000}){1000}``: text of a's, or a 400 naming the field and the engine's limit."""
-    if "llguidance" in request.node.name:  # known gap (issue 45, item 3): see the mark's reason
-        request.applymarker(pytest.mark.xfail(strict=True, reason="llguidance hits its lexer limit after "
-                                              "the first token on the demo vocabulary: the step error is "
-                                              "a 500 'see the server log', not yet a clear error"))
-    resp = post(server, {**BASE, "guided_regex": "(a{1000}){1000}"})
-    if resp.status_code == 400:
-        check_400(resp, "guided_regex")
-        assert "limit" in resp.json()["error"]["message"]
-        return
+@pytest.mark.parametrize("extra, param", [({"guided_regex": "(a{1000}){1000}"}, "guided_regex"),
+                                          ({"guided_grammar": 'root ::= "a"{1000000000}'}, "guided_grammar")],
+                         ids=["regex-nested-repeat", "grammar-huge-repeat"])
+def test_huge_repetition_is_refused_naming_the_limit(server, extra, param):
+    """Both backends the same way: a 400 naming the field and ``max_repeat``, before compiling
+    (llguidance used to stop mid-generation with a 500, xgrammar to diverge)."""
+    resp = post(server, {**BASE, **extra})
+    check_400(resp, param)
+    assert "max_repeat" in resp.json()["error"]["message"] and "limit" in resp.json()["error"]["message"]
+    assert post(server, BASE).status_code == 200
+
+
+LONG_CHOICES = [f"option number {i} " + "x" * 200 for i in range(4096)]  # the probe's: 4,096 long options
+
+
+@pytest.mark.slow
+def test_long_choices_compile_off_the_engine_thread(server, request):
+    """4,096 long choices run correctly on both backends (text a prefix of one choice); on
+    xgrammar, whose compile takes seconds, a plain request sent meanwhile finishes while the
+    constrained one is still compiling: it waits outside the engine, the others do not."""
+    async_engine = server.server.engine
+    result: dict = {}
+    heavy = threading.Thread(target=lambda: result.update(resp=post(server, {**BASE, "guided_choice": LONG_CHOICES})))
+    heavy.start()
+    compiling = server.wait_for(lambda: async_engine._compiling or result, timeout=60)
+    assert compiling
+    if "xgrammar" in request.node.name:
+        assert async_engine._compiling, "the long-choice compile ended before a plain request could run"
+        plain = post(server, BASE)
+        assert plain.status_code == 200, plain.text
+        assert heavy.is_alive() and async_engine._compiling, "the plain request waited for the compile"
+    heavy.join()
+    resp = result["resp"]
     assert resp.status_code == 200, resp.text
-    choice = resp.json()["choices"][0]
-    assert set(choice["text"]) <= {"a"} and choice["text"] and choice["finish_reason"] == "length", choice
+    text = resp.json()["choices"][0]["text"]
+    assert text and any(c.startswith(text) for c in LONG_CHOICES), text
