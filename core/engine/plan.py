@@ -51,11 +51,11 @@ class EnginePlan:
     parallel: ParallelState  # this rank's shard layout (heads, slices, experts)
     kv_shape: Mapping[str, Any]  # ``KVCacheSpec`` fields per token: this rank's KV heads, head_dim, latent
     scale: float  # the attention softmax scale
-    # how each cached layer attends, where the architecture declares it (``CacheLayout.layers``)
-    attention_layers: tuple[LayerAttention, ...] = ()
     max_model_len: int
     architecture: BackendInfo | None = None  # the ``model`` family backend that serves the checkpoint
     architecture_reason: str = ""  # why (``engine.architecture.choose_architecture``), logged
+    # how each cached layer attends, where the architecture declares it (``CacheLayout.layers``)
+    attention_layers: tuple[LayerAttention, ...] = ()
 
 
 def model_facts(model_config: ModelConfig, layers: tuple[LayerAttention, ...] = ()) -> ModelFacts:
