@@ -8,7 +8,12 @@ addresses, draft-tree shapes). This package imports nothing from ``lmplug.engine
 """
 
 from lmplug.interfaces.acceptance import AcceptanceOptions, AcceptanceRule, Decision
-from lmplug.interfaces.attention import AttentionBackend, KVLayerView, LayerAttention, MLAAttentionBackend
+from lmplug.interfaces.attention import (
+    AttentionBackend,
+    KVLayerView,
+    LayerAttention,
+    MLAAttentionBackend,
+)
 from lmplug.interfaces.checkpoint import ModelSource
 from lmplug.interfaces.common import BackendInfo, BackendOptions, Capabilities
 from lmplug.interfaces.compressor import (

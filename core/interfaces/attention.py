@@ -13,7 +13,6 @@ from lmplug.interfaces.common import BackendOptions, Capabilities
 from lmplug.interfaces.native import NativeCall
 from lmplug.interfaces.step import StepContext
 
-
 # Capabilities.features of attention backends that a model's per-layer attention may need
 # (``LayerAttention``; the engine plan refuses a backend that lacks one, naming the feature):
 SLIDING_WINDOW = "sliding_window"  # one window, the same in every layer

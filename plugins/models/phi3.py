@@ -12,6 +12,7 @@ does: the long factors when ``max_model_len`` exceeds the original context, else
 from __future__ import annotations
 
 import math
+from typing import ClassVar
 
 import torch
 from lmplug_models.blocks import AttentionShape, FlexAttention, FlexDecoder, FlexLayer, GatedMLP
@@ -83,7 +84,7 @@ def phi3_rope(cfg: ModelConfig, max_model_len: int, dtype: torch.dtype) -> Rotar
 
 
 class Phi3ForCausalLM(FlexDecoder):
-    STACKED = {
+    STACKED: ClassVar[dict[str, tuple[str, str]]] = {
         **DecoderForCausalLM.STACKED,
         "self_attn.qkv_proj": ("self_attn.qkv_proj", "qkv_proj"),
         "mlp.gate_up_proj": ("mlp.gate_up_proj", "gate_up_proj"),

@@ -10,7 +10,6 @@
 from __future__ import annotations
 
 from lmplug_models.blocks import (
-    FULL,
     SLIDING,
     AttentionShape,
     FlexAttention,
