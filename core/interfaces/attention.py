@@ -88,6 +88,7 @@ class AttentionBackend(ABC):
         self.sliding_window = sliding_window
         self.layers = tuple(layers)
         self._uniform = LayerAttention(scale, sliding_window)
+        self._all_uniform = all(spec == self._uniform for spec in self.layers)
 
     def layer_attention(self, layer: int) -> LayerAttention:
         """How cache layer ``layer`` attends (its scale, window, soft-cap, sinks)."""
@@ -96,7 +97,7 @@ class AttentionBackend(ABC):
     @property
     def uniform_layers(self) -> bool:
         """Every layer attends with ``scale`` and ``sliding_window``, no soft-cap, no sinks."""
-        return all(spec == self._uniform for spec in self.layers)
+        return self._all_uniform
 
     @classmethod
     def features_for(cls, options: BackendOptions, device: str) -> frozenset[str]:

@@ -21,25 +21,17 @@ from lmplug.interfaces.quant import QuantMethod
 from lmplug.interfaces.rope import RotaryEmbedding
 from lmplug.interfaces.step import StepContext
 from lmplug.kit.decoder import Attention, DecoderForCausalLM
-from lmplug.kit.layers import RMSNorm, silu_and_mul
+from lmplug.kit.layers import RMSNorm, apply_rope, silu_and_mul
 from lmplug.kit.parallel import ParallelState
 from lmplug.kit.parallel_layers import column_linear, row_linear
 
 
 class OffsetRMSNorm(RMSNorm):
-    """Gemma's RMSNorm: ``x / rms(x) * (1 + w)``, computed in float32 (checkpoints store ``w``)."""
+    """Gemma's RMSNorm, ``x / rms(x) * (1 + w)``: checkpoints store ``w``; once loaded the weight
+    holds ``1 + w``, so the kit's norm (and its fused CPU path) computes it."""
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (xf * (1.0 + self._parameters["weight"].float())).to(x.dtype)
-
-    def reference(self, x: torch.Tensor) -> torch.Tensor:
-        return self.forward(x)
-
-    def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        total = x + residual
-        return total, self.forward(total)
+    def after_loading(self) -> None:
+        self._parameters["weight"].data.add_(1.0)
 
 
 def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
@@ -104,7 +96,7 @@ class FlexAttention(Attention):
     def _rotate(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         dim = self.shape.rotary_dim
         if dim is None or dim == self.head_dim:
-            return self.rope(positions, q, k)
+            return apply_rope(self.rope, positions, q, k)  # fused path: in place, the projection is ours
         q_rot, k_rot = self.rope(positions, q[..., :dim], k[..., :dim])  # Phi-4-mini: the first dims only
         return torch.cat([q_rot, q[..., dim:]], -1), torch.cat([k_rot, k[..., dim:]], -1)
 
@@ -154,15 +146,20 @@ class FlexLayer(torch.nn.Module):
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding,
                 kv: KVLayerView, ctx: StepContext) -> torch.Tensor:
+        # the blocks' outputs are fresh tensors: sums and scales go in place, norms fuse with adds
         if self.style == "pre":
             a = self.self_attn(self.input_layernorm(x), positions, rope, kv, ctx)
-            h = x + a * self.multiplier if self.multiplier != 1.0 else x + a
-            m = self.mlp(self.post_attention_layernorm(h))
-            return h + m * self.multiplier if self.multiplier != 1.0 else h + m
-        attn_in = self.input_layernorm(x) if self.style == "sandwich" else x
-        h = x + self.post_attention_layernorm(self.self_attn(attn_in, positions, rope, kv, ctx))
-        mlp_in = self.pre_feedforward_layernorm(h) if self.style == "sandwich" else h
-        return h + self.post_feedforward_layernorm(self.mlp(mlp_in))
+            if self.multiplier != 1.0:
+                a.mul_(self.multiplier)
+            h, normed = self.post_attention_layernorm.add_forward(a, x)
+            m = self.mlp(normed)
+            return h.add_(m.mul_(self.multiplier) if self.multiplier != 1.0 else m)
+        if self.style == "sandwich":
+            a = self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), positions, rope, kv, ctx))
+            h, normed = self.pre_feedforward_layernorm.add_forward(a, x)
+            return h.add_(self.post_feedforward_layernorm(self.mlp(normed)))
+        h = x + self.post_attention_layernorm(self.self_attn(x, positions, rope, kv, ctx))
+        return h.add_(self.post_feedforward_layernorm(self.mlp(h)))
 
 
 class FlexDecoder(DecoderForCausalLM):

@@ -37,6 +37,12 @@ class _Paged(ArchitectureConformance):
     def llm_options(self) -> dict[str, Any]:
         return {"model_impl": self.backend, "attention": {"backend": "paged"}}
 
+    def llm(self, path, **overrides: Any) -> Any:
+        """``paged`` reads the paged layout only: the kit's contiguous runs take paged blocks of 16."""
+        if overrides.get("kvcache", {}).get("backend", "contiguous") == "contiguous":
+            overrides["kvcache"] = {**overrides.get("kvcache", {}), "backend": "paged", "block_size": 16}
+        return super().llm(path, **overrides)
+
 
 GEMMA_CONFIGS = {
     "gemma2": GEMMA2,
