@@ -113,6 +113,11 @@ class GatedMLP(torch.nn.Module):
         self.gate_up_proj = column_linear(cfg.hidden_size, shards, bias=cfg.mlp_bias, dtype=dtype, quant=quant, tp=tp)
         self.down_proj = row_linear(cfg.intermediate_size, {"down_proj": cfg.hidden_size}, bias=cfg.mlp_bias,
                                     dtype=dtype, quant=quant, tp=tp)
+        if activation not in ACTIVATIONS:
+            from lmplug.errors import ModelLoadError
+
+            raise ModelLoadError(f"config.json: hidden_act {activation!r} is not supported by this architecture; "
+                                 f"supported: {', '.join(ACTIVATIONS)}")
         self.act = ACTIVATIONS[activation]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

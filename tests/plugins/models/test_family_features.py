@@ -80,3 +80,16 @@ def test_auto_attention_picks_a_backend_with_the_features(tmp_path, caplog):
     llm = LLM(path, device="cpu", dtype="float32", max_model_len=64)
     out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))[0]
     assert len(out.token_ids) == 2
+
+
+def test_an_unsupported_activation_is_named_at_load(tmp_path):
+    import json
+
+    from lmplug import LLM
+    from lmplug.errors import ModelLoadError
+
+    path = _tiny(tmp_path, model_type="olmo2")
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, "hidden_act": "relu2"}))
+    with pytest.raises(ModelLoadError, match="hidden_act 'relu2'"):
+        LLM(path, device="cpu", dtype="float32", max_model_len=64)
