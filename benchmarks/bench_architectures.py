@@ -22,7 +22,7 @@ import torch
 
 DEMO = {"vocab_size": 49152, "hidden_size": 576, "intermediate_size": 1536, "num_attention_heads": 9,
         "num_key_value_heads": 3, "max_position_embeddings": 2048, "rms_norm_eps": 1e-5,
-        "tie_word_embeddings": True, "bos_token_id": 1, "eos_token_id": 2}
+        "tie_word_embeddings": True, "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0}
 FAMILIES = {
     "gemma2": {"head_dim": 64, "sliding_window": 64, "attn_logit_softcapping": 50.0,
                "final_logit_softcapping": 30.0, "query_pre_attn_scalar": 64},

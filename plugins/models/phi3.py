@@ -21,7 +21,8 @@ from lmplug.errors import ModelLoadError
 from lmplug.interfaces.config_fields import ConfigReader
 from lmplug.interfaces.model_config import ModelConfig
 from lmplug.interfaces.rope import RotaryEmbedding
-from lmplug.kit.decoder import DecoderForCausalLM
+from lmplug.kit.decoder import MLP, Attention, DecoderForCausalLM, DecoderLayer
+from lmplug.kit.parallel_layers import column_linear
 
 
 def rotary_dim(cfg: ModelConfig, where: str = "config.json") -> int:
@@ -100,8 +101,20 @@ class Phi3ForCausalLM(FlexDecoder):
                          parallel=parallel)
         self.rope = self._phi_rope
 
+    # no multipliers: the kit's forward, whose native decode step takes the kit's layers
+    forward = DecoderForCausalLM.forward
+
     def new_layer(self, index, dtype, quant, attention, kv_layer=None):
-        cfg = self.config
+        cfg, layer = self.config, index if kv_layer is None else kv_layer
+        if self._rotary_dim == cfg.head_dim and cfg.hidden_act in ("silu", "swish"):
+            # the kit's layer with the fused tensors as one shard each (the native decode step runs it)
+            attn = Attention(cfg, layer, dtype, quant, attention, self.tp)
+            attn.qkv_proj = column_linear(cfg.hidden_size, {"qkv_proj": (0, attn.q_size + 2 * attn.kv_size)},
+                                          bias=cfg.attention_bias, dtype=dtype, quant=quant, tp=self.tp)
+            mlp = MLP(cfg, dtype, quant, tp=self.tp)
+            mlp.gate_up_proj = column_linear(cfg.hidden_size, {"gate_up_proj": (0, 2 * mlp.intermediate)},
+                                             bias=cfg.mlp_bias, dtype=dtype, quant=quant, tp=self.tp)
+            return DecoderLayer(cfg, layer, dtype, quant, attention, mlp=mlp, attn=attn, tp=self.tp)
         shape = AttentionShape(self.__dict__["_phi_rope"], rotary_dim=self._rotary_dim, fused_qkv=True)
-        attn = FlexAttention(cfg, index if kv_layer is None else kv_layer, dtype, quant, attention, self.tp, shape)
+        attn = FlexAttention(cfg, layer, dtype, quant, attention, self.tp, shape)
         return FlexLayer(cfg, attn, GatedMLP(cfg, dtype, quant, self.tp, cfg.hidden_act, fused=True), dtype, "pre")
