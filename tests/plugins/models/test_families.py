@@ -5,7 +5,7 @@ the family's options; each under ``sdpa`` and ``paged`` attention."""
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import Any
 
 import pytest
 
@@ -79,51 +79,10 @@ PHI3_CONFIGS = {
 }
 
 
-class TestGemmaSdpa(_Sdpa):
-    backend = "gemma"
-    configs: ClassVar[dict] = GEMMA_CONFIGS
+FAMILY_CONFIGS = {"gemma": GEMMA_CONFIGS, "smollm3": SMOLLM3_CONFIGS, "olmo2": OLMO2_CONFIGS,
+                  "granite": GRANITE_CONFIGS, "phi3": PHI3_CONFIGS}
 
-
-class TestGemmaPaged(_Paged):
-    backend = "gemma"
-    configs: ClassVar[dict] = GEMMA_CONFIGS
-
-
-class TestSmolLM3Sdpa(_Sdpa):
-    backend = "smollm3"
-    configs: ClassVar[dict] = SMOLLM3_CONFIGS
-
-
-class TestSmolLM3Paged(_Paged):
-    backend = "smollm3"
-    configs: ClassVar[dict] = SMOLLM3_CONFIGS
-
-
-class TestOlmo2Sdpa(_Sdpa):
-    backend = "olmo2"
-    configs: ClassVar[dict] = OLMO2_CONFIGS
-
-
-class TestOlmo2Paged(_Paged):
-    backend = "olmo2"
-    configs: ClassVar[dict] = OLMO2_CONFIGS
-
-
-class TestGraniteSdpa(_Sdpa):
-    backend = "granite"
-    configs: ClassVar[dict] = GRANITE_CONFIGS
-
-
-class TestGranitePaged(_Paged):
-    backend = "granite"
-    configs: ClassVar[dict] = GRANITE_CONFIGS
-
-
-class TestPhi3Sdpa(_Sdpa):
-    backend = "phi3"
-    configs: ClassVar[dict] = PHI3_CONFIGS
-
-
-class TestPhi3Paged(_Paged):
-    backend = "phi3"
-    configs: ClassVar[dict] = PHI3_CONFIGS
+for _name, _configs in FAMILY_CONFIGS.items():  # TestGemmaSdpa, TestGemmaPaged, ...
+    for _mode in (_Sdpa, _Paged):
+        _cls = type(f"Test{_name.title()}{_mode.__name__[1:]}", (_mode,), {"backend": _name, "configs": _configs})
+        globals()[_cls.__name__] = _cls
