@@ -34,6 +34,9 @@ class ModelFacts:
     mla: bool = False
     moe: bool = False
     states: bool = False  # linear-attention / state-space layers: a mixer backend (``auto``)
+    # the attention features its layers need (``interfaces.attention.needed_features``): ``auto``
+    # picks among the backends that have them on the device
+    attention_features: frozenset[str] = frozenset()
 
 
 @dataclass(frozen=True)
@@ -120,6 +123,10 @@ def _choose_auto(registry: Registry, section: str, family: str, device: str, dty
     if section == "attention" and model is not None:  # MLA models need the "mla" feature, others not
         candidates = [i for i in candidates if ("mla" in i.cls.capabilities.features) == model.mla]
         fits.append(f"{'MLA' if model.mla else 'non-MLA'} model {model.model_type}")
+        if model.attention_features:
+            candidates = [i for i in candidates if model.attention_features
+                          <= default_features(i, device)] or candidates  # none fits: the plan says why
+            fits.append(f"features {', '.join(sorted(model.attention_features))}")
     if section == "attention" and "kvcache" in chosen:
         candidates = _kv_readers(candidates, chosen["kvcache"], device, source, fits,
                                  check_dtype=model is None or not model.mla)
@@ -132,6 +139,14 @@ def _choose_auto(registry: Registry, section: str, family: str, device: str, dty
     listed = ", ".join(f"{i.name} ({i.distribution}, priority {i.cls.capabilities.priority})" for i in
                        sorted(candidates, key=lambda i: (-i.cls.capabilities.priority, i.name)))
     return best, f"auto: fit {', '.join(fits)}: {listed}; highest priority wins"
+
+
+def default_features(info: BackendInfo, device: str) -> frozenset[str]:
+    """The features a backend gives on ``device`` with its default options."""
+    try:
+        return info.cls.features_for(info.cls.Options(), device)
+    except ValidationError:  # options without defaults: what it declares
+        return info.cls.capabilities.features
 
 
 def _kv_readers(candidates: list[BackendInfo], kvcache: ResolvedBackend, device: str, source: str,

@@ -150,7 +150,7 @@ def build_engine_parts(resolved: ResolvedConfig, parallel: ParallelState | None 
     attention = backends["attention"].cls(
         backends["attention"].options, num_heads=model_config.num_heads // parallel.world_size,
         num_kv_heads=kv_shape["num_kv_heads"], head_dim=kv_shape["head_dim"],
-        scale=plan.scale, sliding_window=model_config.sliding_window)
+        scale=plan.scale, sliding_window=model_config.sliding_window, layers=plan.attention_layers)
     drafter = None
     if "speculative" in backends:
         drafter = backends["speculative"].cls(backends["speculative"].options)

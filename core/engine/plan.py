@@ -23,10 +23,12 @@ from typing import Any
 from pydantic import ValidationError
 
 from lmplug.config import ModelFacts, ResolvedBackend, ResolvedConfig, kv_dtype_of, resolve
+from lmplug.config_sections import default_features
 from lmplug.engine.architecture import architecture as make_architecture
 from lmplug.engine.architecture import choose_architecture
 from lmplug.errors import ConfigError, ModelLoadError, PluginError
 from lmplug.interfaces import architecture as arch_features
+from lmplug.interfaces.attention import LayerAttention, needed_features
 from lmplug.interfaces.common import BackendInfo
 from lmplug.interfaces.devices import capability
 from lmplug.interfaces.model_config import ModelConfig
@@ -52,11 +54,14 @@ class EnginePlan:
     max_model_len: int
     architecture: BackendInfo | None = None  # the ``model`` family backend that serves the checkpoint
     architecture_reason: str = ""  # why (``engine.architecture.choose_architecture``), logged
+    # how each cached layer attends, where the architecture declares it (``CacheLayout.layers``)
+    attention_layers: tuple[LayerAttention, ...] = ()
 
 
-def model_facts(model_config: ModelConfig) -> ModelFacts:
+def model_facts(model_config: ModelConfig, layers: tuple[LayerAttention, ...] = ()) -> ModelFacts:
     return ModelFacts(model_config.model_type, mla=model_config.mla is not None,
-                      moe=model_config.moe is not None, states=model_config.has_states)
+                      moe=model_config.moe is not None, states=model_config.has_states,
+                      attention_features=frozenset(needed_features(layers)))
 
 
 def make_plan(resolved: ResolvedConfig, hf_config: Mapping, model_config: ModelConfig, where: str,
@@ -66,16 +71,17 @@ def make_plan(resolved: ResolvedConfig, hf_config: Mapping, model_config: ModelC
     ``architecture``: the chosen architecture and why (default: chosen here from ``hf_config``)."""
     arch_info, arch_reason = architecture or choose_architecture(
         hf_config, resolved.config.model_impl, where, resolved.registry)
+    layout = make_architecture(arch_info).cache_layout(model_config)
     final = resolve(resolved.config, device=resolved.device, dtype=resolved.dtype, registry=resolved.registry,
-                    source=resolved.source, model=model_facts(model_config))
+                    source=resolved.source, model=model_facts(model_config, layout.layers))
     attention = final.backends["attention"]
     _check_window_support(model_config, attention)
+    _check_layer_features(model_config, layout.layers, final)
     _check_attention_fits(model_config, attention)
     _check_state_support(model_config, final)
     _check_connector_support(final, parallel)
     _check_swap_support(final, parallel)
     _check_architecture(arch_info, model_config, parallel, checkpoint_format)
-    layout = make_architecture(arch_info).cache_layout(model_config)
     kv_shape, scale = layout.kv_shape(), layout.scale
     if final.device == "cuda":  # what the attention kernels cannot build for this GPU, now
         attention.cls.check_target(attention.options, kv_dtype_of(final.backends["kvcache"]),
@@ -90,7 +96,7 @@ def make_plan(resolved: ResolvedConfig, hf_config: Mapping, model_config: ModelC
     plan = EnginePlan(final, model_config, where, parallel,
                       MappingProxyType(parallel_setup.local_kv_shape(kv_shape, parallel)), scale,
                       resolved.config.max_model_len or model_config.max_position_embeddings,
-                      arch_info, arch_reason)
+                      arch_info, arch_reason, attention_layers=layout.layers)
     if parallel.rank == 0:
         logger.info("%s: model: architecture %r from %s (%s)", final.source, arch_info.name,
                     arch_info.distribution, arch_reason)
@@ -157,6 +163,27 @@ def _check_window_support(model_config: ModelConfig, attention: ResolvedBackend)
                           f"attention, which this {model_config.model_type} model uses "
                           f"(window {model_config.sliding_window}); choose one that lists the "
                           "'sliding_window' feature (`lmplug plugins`)")
+
+
+def _check_layer_features(model_config: ModelConfig, layers: tuple[LayerAttention, ...],
+                          resolved: ResolvedConfig) -> None:
+    """The attention features the model's layers need (soft-caps, windows or scales per layer,
+    sinks) against what the chosen backend gives with its options on this device: a backend
+    without one is refused here, naming it, the model, the feature and backends that have it."""
+    attention = resolved.backends["attention"]
+    have = attention.cls.features_for(attention.options, resolved.device)
+    for feature, what in needed_features(layers).items():
+        if feature in have:
+            continue
+        registry = resolved.registry or get_registry()
+        others = sorted(name for name, info in registry.backends("attention").items()
+                        if feature in default_features(info, resolved.device)
+                        and info.cls.capabilities.fits(resolved.device, resolved.dtype))
+        hint = f"e.g. `attention: {others[0]}` (backends with it here: {', '.join(others)})" if others else \
+            "no installed attention backend has it on this device"
+        raise ConfigError(f"attention: backend {attention.name!r} (plugin {attention.info.plugin}) lacks the "
+                          f"{feature!r} feature on {resolved.device} with these options, which this "
+                          f"{model_config.model_type} model needs ({what}); {hint}")
 
 
 def _check_state_support(model_config: ModelConfig, resolved: ResolvedConfig) -> None:

@@ -8,7 +8,12 @@ addresses, draft-tree shapes). This package imports nothing from ``lmplug.engine
 """
 
 from lmplug.interfaces.acceptance import AcceptanceOptions, AcceptanceRule, Decision
-from lmplug.interfaces.attention import AttentionBackend, KVLayerView, MLAAttentionBackend
+from lmplug.interfaces.attention import (
+    AttentionBackend,
+    KVLayerView,
+    LayerAttention,
+    MLAAttentionBackend,
+)
 from lmplug.interfaces.checkpoint import ModelSource
 from lmplug.interfaces.common import BackendInfo, BackendOptions, Capabilities
 from lmplug.interfaces.compressor import (
@@ -86,6 +91,7 @@ __all__ = [
     "KVCacheSpec",
     "KVConnector",
     "KVLayerView",
+    "LayerAttention",
     "Logprob",
     "MLAAttentionBackend",
     "MTPDraft",

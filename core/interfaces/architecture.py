@@ -38,6 +38,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from lmplug.errors import ModelLoadError
+from lmplug.interfaces.attention import LayerAttention
 from lmplug.interfaces.common import BackendOptions, Capabilities
 from lmplug.interfaces.gguf_header import GGUFHeader, decoder_tensor_name
 from lmplug.interfaces.model_config import ModelConfig
@@ -55,12 +56,16 @@ PACKED_WEIGHTS = "packed_weights"  # lets a quant method keep GGUF blocks packed
 @dataclass(frozen=True)
 class CacheLayout:
     """What the KV cache holds per token and cached layer (``KVCacheSpec`` fields), and the
-    attention softmax scale. MLA caches one latent row per token and layer (``latent``)."""
+    attention softmax scale. MLA caches one latent row per token and layer (``latent``).
+    ``layers``: how each cached layer attends where layers differ or need more than a scale and
+    the model's window (soft-caps, windows per layer, sinks); the plan refuses an attention
+    backend without the features they need (``attention.needed_features``)."""
 
     num_kv_heads: int
     head_dim: int
     scale: float
     latent: bool = False
+    layers: tuple[LayerAttention, ...] = ()
 
     def kv_shape(self) -> dict[str, Any]:
         shape: dict[str, Any] = {"num_kv_heads": self.num_kv_heads, "head_dim": self.head_dim}

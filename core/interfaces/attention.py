@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
@@ -10,6 +12,45 @@ import torch
 from lmplug.interfaces.common import BackendOptions, Capabilities
 from lmplug.interfaces.native import NativeCall
 from lmplug.interfaces.step import StepContext
+
+# Capabilities.features of attention backends that a model's per-layer attention may need
+# (``LayerAttention``; the engine plan refuses a backend that lacks one, naming the feature):
+SLIDING_WINDOW = "sliding_window"  # one window, the same in every layer
+LAYER_WINDOWS = "layer_windows"  # a window per layer, some layers none (Gemma 2/3, GPT-OSS)
+LAYER_SCALES = "layer_scales"  # a softmax scale per layer, not the same in every layer
+LOGIT_SOFTCAP = "logit_softcap"  # scores soft-capped: cap * tanh(scores / cap) (Gemma 2)
+ATTENTION_SINKS = "attention_sinks"  # a learned per-head logit in the softmax denominator (GPT-OSS)
+
+
+@dataclass(frozen=True)
+class LayerAttention:
+    """How one cached layer attends: its softmax scale, its sliding window (None: none; a key
+    at position k is seen from position p when p - window < k <= p), its score soft-cap (None:
+    none) and whether it has attention sinks. An architecture declares one per cached layer
+    (``CacheLayout.layers``); a backend reads its layer's with ``layer_attention(layer)``."""
+
+    scale: float
+    sliding_window: int | None = None
+    softcap: float | None = None
+    sinks: bool = False
+
+
+def needed_features(layers: Sequence[LayerAttention]) -> dict[str, str]:
+    """The attention features these layers need, each with what needs it (for the plan's error)."""
+    needs: dict[str, str] = {}
+    windows = {spec.sliding_window for spec in layers}
+    if len(windows) > 1:
+        needs[LAYER_WINDOWS] = f"sliding windows per layer ({sorted(map(str, windows))})"
+    elif windows - {None}:
+        needs[SLIDING_WINDOW] = f"a sliding window of {next(iter(windows))}"
+    if len({spec.scale for spec in layers}) > 1:
+        needs[LAYER_SCALES] = "a softmax scale per layer"
+    caps = sorted({spec.softcap for spec in layers} - {None})
+    if caps:
+        needs[LOGIT_SOFTCAP] = f"attention-logit soft-capping at {', '.join(map(str, caps))}"
+    if any(spec.sinks for spec in layers):
+        needs[ATTENTION_SINKS] = "attention sinks"
+    return needs
 
 
 class AttentionBackend(ABC):
@@ -34,13 +75,29 @@ class AttentionBackend(ABC):
     short_query_tokens: ClassVar[int] = 0
 
     def __init__(self, options: BackendOptions, *, num_heads: int, num_kv_heads: int,
-                 head_dim: int, scale: float, sliding_window: int | None = None) -> None:
+                 head_dim: int, scale: float, sliding_window: int | None = None,
+                 layers: Sequence[LayerAttention] = ()) -> None:
+        """``layers``: each cached layer's ``LayerAttention`` where the model declares them (the
+        plan checked this backend has the features they need); (): every layer attends with
+        ``scale`` and ``sliding_window``."""
         self.options = options
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.scale = scale
         self.sliding_window = sliding_window
+        self.layers = tuple(layers)
+        self._uniform = LayerAttention(scale, sliding_window)
+        self._all_uniform = all(spec == self._uniform for spec in self.layers)
+
+    def layer_attention(self, layer: int) -> LayerAttention:
+        """How cache layer ``layer`` attends (its scale, window, soft-cap, sinks)."""
+        return self.layers[layer] if self.layers else self._uniform
+
+    @property
+    def uniform_layers(self) -> bool:
+        """Every layer attends with ``scale`` and ``sliding_window``, no soft-cap, no sinks."""
+        return self._all_uniform
 
     @classmethod
     def features_for(cls, options: BackendOptions, device: str) -> frozenset[str]:

@@ -110,8 +110,7 @@ class AttentionConformance(Conformance):
                 num_heads=spec.num_heads,
                 num_kv_heads=spec.num_kv_heads,
                 head_dim=spec.head_dim,
-                scale=spec.softmax_scale,
-                sliding_window=spec.sliding_window,
+                **_dims(spec),
             )
             with torch.inference_mode():
                 run.out = impl.forward(spec.layer, case.q, case.k, case.v, case.view, case.ctx)
@@ -197,8 +196,7 @@ class AttentionConformance(Conformance):
         label = f"{self.label()}, batch spec {spec.name!r} (layout {layout}, float32), native decode"
         with reported(label):
             impl = backend_class(backend_options, num_heads=spec.num_heads, num_kv_heads=spec.num_kv_heads,
-                                 head_dim=spec.head_dim, scale=spec.softmax_scale,
-                                 sliding_window=spec.sliding_window)
+                                 head_dim=spec.head_dim, **_dims(spec))
             call = impl.native_decode(case.ctx, [case.view] * (spec.layer + 1))
         if call is None:
             pytest.skip(f"{label}: native_decode returned None")
@@ -220,9 +218,19 @@ def _completed(run: AttentionRun) -> AttentionRun:
     return run
 
 
+def _dims(spec: BatchSpec) -> dict:
+    """The scale, window and per-layer attention a backend is built with for ``spec``: per layer,
+    the constructor's scale and window are another layer's (``BatchSpec.per_layer``)."""
+    layers = spec.layer_attentions()
+    if not layers:
+        return {"scale": spec.softmax_scale, "sliding_window": spec.sliding_window}
+    return {"scale": layers[0].scale, "sliding_window": layers[0].sliding_window, "layers": layers}
+
+
 def _reference(case: AttentionCase, **variant) -> torch.Tensor:
     spec = case.spec
-    kw = {"scale": spec.softmax_scale, "sliding_window": spec.sliding_window, **variant}
+    kw = {"scale": spec.softmax_scale, "sliding_window": spec.sliding_window, "softcap": spec.softcap,
+          **variant}
     keys, values = kw.pop("keys", case.keys), kw.pop("values", case.values)
     out = reference_attention(case.q, keys, values, list(spec.query_lens), **kw)
     return out.to(case.q.device)

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from lmplug.interfaces.attention import LayerAttention, needed_features
+
 
 @dataclass(frozen=True)
 class BatchSpec:
@@ -24,6 +26,11 @@ class BatchSpec:
     sliding_window: int | None = None
     scale: float | None = None  # None: head_dim ** -0.5
     layer: int = 0
+    softcap: float | None = None  # scores soft-capped: softcap * tanh(scores / softcap)
+    # the backend is built with per-layer ``LayerAttention``s: layer ``layer`` attends with this
+    # spec's scale, window and soft-cap, the layers before it with another scale and no window
+    # (a backend that reads its constructor's scale and window, not its layer's, fails)
+    per_layer: bool = False
 
     def __post_init__(self) -> None:
         if len(self.query_lens) != len(self.context_lens):
@@ -56,13 +63,25 @@ class BatchSpec:
     def softmax_scale(self) -> float:
         return self.scale if self.scale is not None else self.head_dim**-0.5
 
+    def layer_attentions(self) -> tuple[LayerAttention, ...]:
+        """The ``layers`` the backend is built with (() unless ``per_layer`` or a soft-cap)."""
+        if not self.per_layer and self.softcap is None:
+            return ()
+        own = LayerAttention(self.softmax_scale, self.sliding_window, self.softcap)
+        other = LayerAttention(0.5 * self.softmax_scale) if self.per_layer else own
+        return (other,) * self.layer + (own,)
+
     @property
     def required_features(self) -> frozenset[str]:
+        if self.per_layer or self.softcap is not None:
+            return frozenset(needed_features(self.layer_attentions()))
         return frozenset({"sliding_window"}) if self.sliding_window is not None else frozenset()
 
     def describe(self) -> str:
         window = f", sliding_window={self.sliding_window}" if self.sliding_window else ""
         scale = f", scale={self.scale}" if self.scale is not None else ""
+        scale += f", softcap={self.softcap}" if self.softcap is not None else ""
+        scale += f", per-layer attention (layer {self.layer})" if self.per_layer else ""
         return (
             f"query_lens={list(self.query_lens)}, context_lens={list(self.context_lens)}, "
             f"heads={self.num_heads}/{self.num_kv_heads} (q/kv), head_dim={self.head_dim}"
@@ -110,5 +129,13 @@ BATCH_SPECS: dict[str, BatchSpec] = {
         _spec("sliding_window_prefill", [20, 5], [0, 30], 4, 2, 64, sliding_window=8),
         _spec("sliding_window_decode", [1, 1], [40, 10], 4, 2, 64, sliding_window=16),
         _spec("sliding_window_mixed", [1, 24], [50, 20], 4, 1, 128, sliding_window=32),
+        # attention-logit soft-capping (Gemma 2): backends listing "logit_softcap"
+        _spec("softcap_mixed", [1, 1, 12, 5], [30, 3, 0, 20], 8, 2, 64, softcap=2.0, scale=0.5),
+        # each layer its own scale and window (Gemma 2/3): backends listing "layer_windows" and
+        # "layer_scales"; the layer under test has a window, the ones before it none
+        _spec("layer_window_mixed", [1, 1, 17, 6], [40, 5, 0, 20], 4, 2, 64, sliding_window=8,
+              scale=0.2, layer=1, per_layer=True),
+        _spec("layer_softcap_window_decode", [1, 1], [40, 10], 4, 2, 64, sliding_window=16, softcap=3.0,
+              scale=0.3, layer=2, per_layer=True),
     ]
 }

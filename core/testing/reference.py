@@ -23,6 +23,7 @@ def reference_attention(
     sliding_window: int | None = None,
     causal: bool = True,
     gqa: str = "grouped",
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Masked ``softmax(q k^T * scale) v`` per sequence, in float64.
 
@@ -33,13 +34,14 @@ def reference_attention(
     ``gqa="grouped"``: query head h reads KV head ``h // (H // Hkv)`` (the
     convention of every Llama-family checkpoint); ``"interleaved"`` (h % Hkv)
     exists only to recognise that common mistake in a failing backend.
+    ``softcap``: scores become ``softcap * tanh(scores / softcap)`` before the mask (Gemma 2).
     Returns [T, H, D] float64.
     """
     out = []
     start = 0
     for k, v, qlen in zip(keys, values, query_lens):
         qi = q[start : start + qlen].double()
-        out.append(_one_sequence(qi, k.double(), v.double(), scale, sliding_window, causal, gqa))
+        out.append(_one_sequence(qi, k.double(), v.double(), scale, sliding_window, causal, gqa, softcap))
         start += qlen
     return torch.cat(out) if out else q.new_zeros(q.shape, dtype=torch.float64)
 
@@ -52,6 +54,7 @@ def _one_sequence(
     window: int | None,
     causal: bool,
     gqa: str,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     qlen, num_heads, _ = q.shape
     seq_len, num_kv_heads, _ = k.shape
@@ -60,6 +63,8 @@ def _one_sequence(
     kv_head = heads // group if gqa == "grouped" else heads % num_kv_heads
     k, v = k[:, kv_head], v[:, kv_head]  # [S, H, D]
     scores = torch.einsum("qhd,khd->hqk", q, k) * scale  # [H, L, S]
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
     visible = visibility_mask(qlen, seq_len, window, causal)
     scores = scores.masked_fill(~visible, float("-inf"))
     return torch.einsum("hqk,khd->qhd", torch.softmax(scores, dim=-1), v)

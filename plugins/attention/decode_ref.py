@@ -22,7 +22,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float, *,
                      sliding_window: int | None = None, max_seq_len: int | None = None,
                      out: torch.Tensor | None = None, k_scale: torch.Tensor | None = None,
-                     v_scale: torch.Tensor | None = None) -> torch.Tensor:
+                     v_scale: torch.Tensor | None = None, softcap: float | None = None) -> torch.Tensor:
     """q [B, H, D], block_tables [B, max_blocks] int32, seq_lens [B] -> [B, H, D] (into ``out``
     when given). ``max_seq_len`` (a host int, at least the longest) spares a device sync."""
     batch, num_heads, head_dim = q.shape
@@ -40,6 +40,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     k, v = gather(k_cache, k_scale), gather(v_cache, v_scale)
     qg = q.float().reshape(batch, num_kv_heads, -1, head_dim)  # [B, Hkv, G, D]
     scores = torch.einsum("bhgd,bshd->bhgs", qg, k) * scale
+    if softcap is not None:  # soft-capped scores (Gemma 2)
+        scores = torch.tanh(scores / softcap) * softcap
     scores = scores.masked_fill(~visible[:, None, None, :], float("-inf"))
     result = torch.einsum("bhgs,bshd->bhgd", torch.softmax(scores, dim=-1), v)
     result = result.reshape(batch, num_heads, head_dim).to(q.dtype)

@@ -24,7 +24,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Literal
 
@@ -42,6 +42,7 @@ from lmplug.interfaces import (
     NativeCall,
     StepContext,
 )
+from lmplug.interfaces.attention import LAYER_SCALES, LAYER_WINDOWS, LOGIT_SOFTCAP
 
 logger = logging.getLogger(__name__)
 ALL_QUERIES = 1 << 62  # cpu_rows "all": no query is too long to be read as rows
@@ -132,6 +133,8 @@ class PagedStepMetadata:
     # else ``paged_cpu``'s gather index when that decodes; neither for the other decode ops
     native_batch: object | None = None
     cpu_index: object | None = None
+    # paged_cpu's gather indexes of the other windows of a model with a window per layer
+    cpu_by_window: dict = field(default_factory=dict)
     # the prefill call's arguments over sequences [rows.num_seqs:]; None when there are none
     prefill_args: dict | None = None
 
@@ -143,7 +146,9 @@ class PagedAttention(AttentionBackend):
         kv_layouts=frozenset({"paged"}),
         # tree_attention: not the Triton kernels (``features_for``); on CPU the
         # native kernel reads trees as masked decode rows, else the PyTorch prefill path masks them
-        features=frozenset({"sliding_window", "tree_attention"}),
+        # logit_softcap: the PyTorch path only (``features_for``; the C decode kernel is skipped
+        # for a soft-capped model)
+        features=frozenset({"sliding_window", "tree_attention", LAYER_WINDOWS, LAYER_SCALES, LOGIT_SOFTCAP}),
         kv_dtypes=KV_DTYPES,
         priority=20,  # above sdpa, which reads the paged layout too but gathers per sequence
     )
@@ -175,7 +180,8 @@ class PagedAttention(AttentionBackend):
         cache = kv.k_cache
         ops = self.ops(cache.device)
         plain_cpu = ops.cpu_decode is not None and not kv.quantized  # paged_cpu / paged_native decode
-        native = plain_cpu and ops.native is not None and cache.dtype in ops.native.dtypes
+        native = (plain_cpu and ops.native is not None and cache.dtype in ops.native.dtypes
+                  and not self._softcapped)
         rows = self._decode_rows(ctx, ops, trees=native)
         meta = PagedStepMetadata(ops, rows, prefill_args=self._prefill_args(ctx, rows, cache.device))
         if rows.num_tokens and native:
@@ -184,15 +190,18 @@ class PagedAttention(AttentionBackend):
             meta.native_batch = prepare(rows.block_tables, rows.seq_lens, cache.shape[1], cache.shape[0],
                                         mask_starts=rows.mask_starts, masks=rows.masks)
         elif rows.num_tokens and plain_cpu:
-            meta.cpu_index = ops.cpu_decode.decode_index(rows.block_tables, rows.seq_lens, cache.shape[1],
-                                                         cache.shape[2], max(rows.seq_lens_cpu),
-                                                         self.sliding_window)
+            meta.cpu_index = self._cpu_index(meta, cache, self.sliding_window)
         return meta
+
+    def _cpu_index(self, meta: PagedStepMetadata, cache: torch.Tensor, window: int | None):
+        rows = meta.rows
+        return meta.ops.cpu_decode.decode_index(rows.block_tables, rows.seq_lens, cache.shape[1], cache.shape[2],
+                                                max(rows.seq_lens_cpu), window)
 
     def native_decode(self, ctx: StepContext, views: list[KVLayerView]) -> NativeCall | None:
         """A native decode step's attention: the C decode kernel, where this backend decodes
         with it on the CPU (``cpu_kernel`` auto or native, and it builds)."""
-        if not views or self.ops(views[0].k_cache.device).native is None:
+        if not views or self.ops(views[0].k_cache.device).native is None or not self.uniform_layers:
             return None
         from lmplug_attention import paged_native
 
@@ -202,34 +211,44 @@ class PagedAttention(AttentionBackend):
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv: KVLayerView, ctx: StepContext) -> torch.Tensor:
         meta: PagedStepMetadata = ctx.metadata_for(self, kv)
+        spec = self.layer_attention(layer)
         scales = {"k_scale": kv.k_scale, "v_scale": kv.v_scale} if kv.quantized else {}
         meta.ops.write(k, v, kv.k_cache, kv.v_cache, ctx.slot_mapping, **scales)
         out = torch.empty_like(q)
         t = meta.rows.num_tokens  # query rows [0, t) read as decode rows, the rest prefill
         if t:
-            self._decode(meta, q[:t], kv, out[:t], scales)
+            self._decode(meta, q[:t], kv, out[:t], scales, spec)
         if meta.prefill_args is not None:
-            meta.ops.prefill(q[t:], kv.k_cache, kv.v_cache, scale=self.scale, out=out[t:], **scales,
-                             **meta.prefill_args)
+            capped = {"softcap": spec.softcap} if spec.softcap is not None else {}
+            meta.ops.prefill(q[t:], kv.k_cache, kv.v_cache, scale=spec.scale, out=out[t:], **scales,
+                             **{**meta.prefill_args, "sliding_window": spec.sliding_window}, **capped)
         return out
 
     def _decode(self, meta: PagedStepMetadata, q: torch.Tensor, kv: KVLayerView, out: torch.Tensor,
-                scales: dict) -> None:
+                scales: dict, spec) -> None:
         """The decode rows: the C kernel or ``paged_cpu`` (plain KV on CPU), else ``ops.decode``."""
+        window, capped = spec.sliding_window, ({"softcap": spec.softcap} if spec.softcap is not None else {})
         if meta.native_batch is not None:
             target = out if out.is_contiguous() else torch.empty(out.shape, dtype=out.dtype)
-            meta.ops.native.decode(q.contiguous(), kv.k_cache, kv.v_cache, meta.native_batch, self.scale,
-                                   self.sliding_window, target)
+            meta.ops.native.decode(q.contiguous(), kv.k_cache, kv.v_cache, meta.native_batch, spec.scale,
+                                   window, target)
             if target is not out:
                 out.copy_(target)
         elif meta.cpu_index is not None:
-            meta.ops.cpu_decode.paged_decode_attention_cpu(q, kv.k_cache, kv.v_cache, meta.cpu_index,
-                                                           self.scale, out=out)
+            index = meta.cpu_index if window == self.sliding_window else meta.cpu_by_window.get(window)
+            if index is None:
+                index = meta.cpu_by_window[window] = self._cpu_index(meta, kv.k_cache, window)
+            meta.ops.cpu_decode.paged_decode_attention_cpu(q, kv.k_cache, kv.v_cache, index, spec.scale, out=out,
+                                                           **capped)
         else:
             rows = meta.rows
-            meta.ops.decode(q, kv.k_cache, kv.v_cache, rows.block_tables, rows.seq_lens, self.scale,
-                            sliding_window=self.sliding_window, max_seq_len=max(rows.seq_lens_cpu), out=out,
-                            **scales)
+            meta.ops.decode(q, kv.k_cache, kv.v_cache, rows.block_tables, rows.seq_lens, spec.scale,
+                            sliding_window=window, max_seq_len=max(rows.seq_lens_cpu), out=out,
+                            **scales, **capped)
+
+    @property
+    def _softcapped(self) -> bool:
+        return any(spec.softcap is not None for spec in self.layers)
 
     def _decode_rows(self, ctx: StepContext, ops: SimpleNamespace, trees: bool) -> QueryRows:
         """The step's rows for the decode call: on CPU every query token of the leading short
@@ -264,10 +283,10 @@ class PagedAttention(AttentionBackend):
 
     @classmethod
     def features_for(cls, options: PagedAttentionOptions, device: str) -> frozenset[str]:
-        """No "tree_attention" where the Triton kernels run (CUDA, or ``kernels: triton``): tree
-        masks are applied by the PyTorch prefill path only."""
-        trees = options.kernels == "torch" or (options.kernels == "auto" and device != "cuda")
-        return cls.capabilities.features - (set() if trees else {"tree_attention"})
+        """No "tree_attention" nor "logit_softcap" where the Triton kernels run (CUDA, or
+        ``kernels: triton``): tree masks and soft-caps are applied by the PyTorch path only."""
+        torch_path = options.kernels == "torch" or (options.kernels == "auto" and device != "cuda")
+        return cls.capabilities.features - (set() if torch_path else {"tree_attention", LOGIT_SOFTCAP})
 
     def _tree_args(self, ctx: StepContext, n: int, device: torch.device) -> dict:
         """``ctx.query_masks`` renumbered for the prefill call over sequences ``n:`` (trees never

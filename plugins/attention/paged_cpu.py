@@ -50,15 +50,20 @@ def decode_index(block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size:
 
 
 def paged_decode_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                               index: DecodeIndex, scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
-    """q [B, H, D], caches [N, block_size, Hkv, D], ``index`` from ``decode_index`` -> [B, H, D]."""
+                               index: DecodeIndex, scale: float, out: torch.Tensor | None = None,
+                               softcap: float | None = None) -> torch.Tensor:
+    """q [B, H, D], caches [N, block_size, Hkv, D], ``index`` from ``decode_index`` -> [B, H, D];
+    scores soft-capped, ``softcap * tanh(s / softcap)``, where ``softcap`` is given."""
     batch, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     k = F.embedding(index.rows, k_cache.view(-1, head_dim))  # [B, Hkv, S, D], contiguous
     v = F.embedding(index.rows, v_cache.view(-1, head_dim))
     qg = q.reshape(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)  # [B, Hkv, G, D]
     scores = torch.matmul(qg, k.transpose(-1, -2)).float()  # [B, Hkv, G, S]
-    scores.mul_(scale).masked_fill_(~index.valid[:, None, None, :], float("-inf"))
+    scores.mul_(scale)
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap).mul_(softcap)
+    scores.masked_fill_(~index.valid[:, None, None, :], float("-inf"))
     probs = torch.softmax(scores, dim=-1).to(v.dtype)
     result = torch.matmul(probs, v).reshape(batch, num_heads, head_dim)
     if out is None:

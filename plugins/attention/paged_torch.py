@@ -22,10 +22,12 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
                             max_query_len: int | None = None, out: torch.Tensor | None = None,
                             k_scale: torch.Tensor | None = None,
                             v_scale: torch.Tensor | None = None,
-                            query_masks: dict[int, torch.Tensor] | None = None) -> torch.Tensor:
+                            query_masks: dict[int, torch.Tensor] | None = None,
+                            softcap: float | None = None) -> torch.Tensor:
     """q [T, H, D] (sequences back to back), cu_query_lens [B+1], seq_lens [B] -> [T, H, D] (into ``out``).
 
-    ``query_masks``: sequence index (in this call) -> bool [query_len, query_len] ancestor mask."""
+    ``query_masks``: sequence index (in this call) -> bool [query_len, query_len] ancestor mask;
+    ``softcap``: scores soft-capped (``sdpa.softcapped``)."""
     out = torch.empty_like(q) if out is None else out
     query_masks = query_masks or {}
     starts = cu_query_lens.tolist()
@@ -37,5 +39,5 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         tree = query_masks.get(i)
         plain = end - start == seq_len and sliding_window is None and tree is None
         mask = None if plain else causal_mask(end - start, seq_len, sliding_window, q.device, tree)
-        out[start:end] = attend(q[start:end], k, v, seq_len, scale, mask)
+        out[start:end] = attend(q[start:end], k, v, seq_len, scale, mask, softcap)
     return out

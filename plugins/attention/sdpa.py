@@ -20,7 +20,7 @@ PyTorch prefill (``paged_torch``).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -28,6 +28,7 @@ from lmplug_attention import paged_native
 from lmplug_attention.kv_ref import gather_context
 
 from lmplug.interfaces import AttentionBackend, Capabilities, KVLayerView, NativeCall, StepContext
+from lmplug.interfaces.attention import LAYER_SCALES, LAYER_WINDOWS, LOGIT_SOFTCAP
 from lmplug.interfaces.kvcache import dequantize_kv, store_kv
 
 # the kvcache `dtype` values the first-party dense backends read
@@ -43,6 +44,8 @@ class SdpaStepMetadata:
     masks: list[torch.Tensor | None]
     # each sequence's first cache block (a Python int, read once a step, not once a layer)
     first_blocks: list[int]
+    # the masks of the other windows of a model with a window per layer (built on first use)
+    by_window: dict[int | None, list[torch.Tensor | None]] = field(default_factory=dict)
 
 
 class SdpaAttention(AttentionBackend):
@@ -50,65 +53,106 @@ class SdpaAttention(AttentionBackend):
     capabilities = Capabilities(
         devices=frozenset({"cpu", "cuda"}),
         kv_layouts=frozenset({"contiguous", "paged"}),
-        features=frozenset({"sliding_window", "tree_attention"}),
+        features=frozenset({"sliding_window", "tree_attention", LAYER_WINDOWS, LAYER_SCALES, LOGIT_SOFTCAP}),
         kv_dtypes=KV_DTYPES,
         priority=10,
     )
 
     def prepare(self, ctx: StepContext, kv: KVLayerView) -> SdpaStepMetadata:
-        device = kv.k_cache.device
-        masks = []
-        for i, (qlen, seq_len) in enumerate(zip(ctx.query_lens_cpu, ctx.seq_lens_cpu)):
-            tree = ctx.query_masks.get(i)
-            plain = tree is None and self.sliding_window is None and qlen in (1, seq_len)
-            masks.append(None if plain else causal_mask(qlen, seq_len, self.sliding_window, device, tree))
-        return SdpaStepMetadata(masks, ctx.block_tables[:, 0].tolist() if ctx.block_tables.shape[-1] else [])
+        masks = step_masks(ctx, self.sliding_window, kv.k_cache.device)
+        return SdpaStepMetadata(masks, ctx.block_tables[:, 0].tolist() if ctx.block_tables.shape[-1] else [],
+                                {self.sliding_window: masks})
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv: KVLayerView, ctx: StepContext) -> torch.Tensor:
         meta: SdpaStepMetadata = ctx.metadata_for(self, kv)
+        spec = self.layer_attention(layer)
+        masks = meta.by_window.get(spec.sliding_window)
+        if masks is None:
+            masks = meta.by_window[spec.sliding_window] = step_masks(ctx, spec.sliding_window, q.device)
         write_kv(kv, k, v, ctx.slot_mapping)
         seq_lens = ctx.seq_lens_cpu
-        if len(seq_lens) == 1 and q.shape[0] == 1 and meta.masks[0] is None:  # batch-1 decode
+        if len(seq_lens) == 1 and q.shape[0] == 1 and masks[0] is None:  # batch-1 decode
             ctx_k, ctx_v = context_kv(kv.k_cache, kv.v_cache, ctx.block_tables[0], seq_lens[0],
                                       kv.k_scale, kv.v_scale, q.dtype, meta.first_blocks[0])
-            return self._decode(q[0], ctx_k, ctx_v)[None]
+            return self._decode(q[0], ctx_k, ctx_v, spec.scale, spec.softcap)[None]
         out = torch.empty_like(q)
         start = 0
         for i, (qlen, seq_len) in enumerate(zip(ctx.query_lens_cpu, seq_lens)):
             ctx_k, ctx_v = context_kv(kv.k_cache, kv.v_cache, ctx.block_tables[i], seq_len,
                                       kv.k_scale, kv.v_scale, q.dtype, meta.first_blocks[i])
             qi = q[start:start + qlen]
-            if meta.masks[i] is None and qlen == 1:
-                out[start] = self._decode(qi[0], ctx_k, ctx_v)
+            if masks[i] is None and qlen == 1:
+                out[start] = self._decode(qi[0], ctx_k, ctx_v, spec.scale, spec.softcap)
             else:
-                out[start:start + qlen] = attend(qi, ctx_k, ctx_v, seq_len, self.scale, meta.masks[i])
+                out[start:start + qlen] = attend(qi, ctx_k, ctx_v, seq_len, spec.scale, masks[i], spec.softcap)
             start += qlen
         return out
 
     def native_decode(self, ctx: StepContext, views: list[KVLayerView]) -> NativeCall | None:
         """A native decode step's attention: the family's C decode kernel (``paged_native``),
-        which reads this backend's contiguous and paged layouts alike; float32 caches only."""
+        which reads this backend's contiguous and paged layouts alike; float32 caches only, and
+        layers that all attend alike (one scale and window, no soft-cap)."""
+        if not self.uniform_layers:
+            return None
         return paged_native.step_attention(ctx, views, self.num_heads, self.num_kv_heads, self.head_dim,
                                            self.scale, self.sliding_window, "attention sdpa")
 
-    def _decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def _decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                softcap: float | None) -> torch.Tensor:
         # q: [H, D] -> [Hkv, G, D]; k, v: [S, Hkv, D] -> [Hkv, S, D]; no mask: all S keys are visible
         hkv = self.num_kv_heads
         qg = q.view(hkv, -1, self.head_dim)
+        if softcap is not None:
+            return softcapped(qg, k.transpose(0, 1), v.transpose(0, 1), None, scale, softcap).reshape(-1, self.head_dim)
         # 4-d (a batch of one): on CPU, 3-d inputs miss SDPA's flash kernel and take the math path
         o = F.scaled_dot_product_attention(qg[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
-                                           scale=self.scale)
+                                           scale=scale)
         return o.reshape(-1, self.head_dim)
 
 
+def step_masks(ctx: StepContext, window: int | None, device: torch.device) -> list[torch.Tensor | None]:
+    """Per sequence of the step, the bool [qlen, seq_len] mask its queries attend with under
+    ``window``, or None where none is needed (a plain causal prompt, a decode without a window)."""
+    masks = []
+    for i, (qlen, seq_len) in enumerate(zip(ctx.query_lens_cpu, ctx.seq_lens_cpu)):
+        tree = ctx.query_masks.get(i)
+        plain = tree is None and window is None and qlen in (1, seq_len)
+        masks.append(None if plain else causal_mask(qlen, seq_len, window, device, tree))
+    return masks
+
+
+def softcapped(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
+               softcap: float) -> torch.Tensor:
+    """Attention with soft-capped scores, ``softcap * tanh(q.k * scale / softcap)`` (Gemma 2),
+    over grouped heads: q [Hkv, G, L, D] or [Hkv, G, D] (one query), k, v [Hkv, S, D], ``mask``
+    bool [L, S] (True = attend) -> like q."""
+    one = q.dim() == 3
+    qq = q.unsqueeze(2) if one else q
+    scores = torch.matmul(qq, k.unsqueeze(1).transpose(-1, -2)).float() * scale  # [Hkv, G, L, S]
+    scores = torch.tanh(scores / softcap) * softcap
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    out = torch.matmul(torch.softmax(scores, -1).to(v.dtype), v.unsqueeze(1))
+    return out.squeeze(2) if one else out
+
+
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_len: int, scale: float,
-           mask: torch.Tensor | None = None) -> torch.Tensor:
+           mask: torch.Tensor | None = None, softcap: float | None = None) -> torch.Tensor:
     """q [L, H, D], the last L positions of a context k, v [S, Hkv, D] -> [L, H, D]: SDPA with
-    ``mask`` (bool [L, S], True = attend; ``causal_mask``), plain causal when it is None."""
+    ``mask`` (bool [L, S], True = attend; ``causal_mask``), plain causal when it is None;
+    scores soft-capped at ``softcap`` where given (``softcapped``)."""
     if mask is None and q.shape[0] != seq_len:
         raise ValueError(f"attend: without a mask the queries must be the whole context ({seq_len}), "
                          f"got {q.shape[0]}")
+    if softcap is not None:
+        length, heads, dim = q.shape
+        hkv = k.shape[1]
+        qg = q.permute(1, 0, 2).reshape(hkv, heads // hkv, length, dim)
+        if mask is None:
+            mask = causal_mask(length, seq_len, None, q.device)
+        out = softcapped(qg, k.transpose(0, 1), v.transpose(0, 1), mask, scale, softcap)  # [Hkv, G, L, D]
+        return out.reshape(heads, length, dim).transpose(0, 1)
     # 4-d (a batch of one): on CPU, 3-d inputs miss SDPA's flash kernel and take the math path
     o = F.scaled_dot_product_attention(
         q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],

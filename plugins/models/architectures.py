@@ -9,17 +9,28 @@ them through the entry-point group ``lmplug.plugins``, as a third-party architec
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from functools import partial
 from typing import Any, ClassVar
 
 import torch
 from lmplug_models.deepseek_v2 import DeepseekV2ForCausalLM
+from lmplug_models.gemma import GemmaForCausalLM, gemma_layers, gemma_options
 from lmplug_models.llama import LlamaForCausalLM
 from lmplug_models.mamba2 import Mamba2ForCausalLM
 from lmplug_models.minimax import MiniMaxForCausalLM
 from lmplug_models.moe import MoEForCausalLM
+from lmplug_models.phi3 import Phi3ForCausalLM, check_longrope
 from lmplug_models.qwen3_next import Qwen3NextForCausalLM
+from lmplug_models.small_families import (
+    GraniteForCausalLM,
+    Olmo2ForCausalLM,
+    SmolLM3ForCausalLM,
+    granite_multipliers,
+    smollm3_layers,
+    smollm3_ropes,
+)
 
 from lmplug.interfaces.architecture import (
     GGUF,
@@ -29,6 +40,7 @@ from lmplug.interfaces.architecture import (
     STATE_LAYERS,
     TENSOR_PARALLEL,
     Architecture,
+    CacheLayout,
 )
 from lmplug.interfaces.common import Capabilities
 from lmplug.interfaces.config_fields import ConfigReader, check_depth
@@ -161,7 +173,97 @@ class Qwen3NextArchitecture(_Native):
     capabilities = _caps(TENSOR_PARALLEL, STATE_LAYERS, MTP)
 
 
+def _parsed(hf_config: Mapping[str, Any], where: str, tied: bool = False, **changes: Any) -> ModelConfig:
+    """The contract's ``ModelConfig`` of a kit-built family, with what the family reads otherwise:
+    ``tied``, the default of ``tie_word_embeddings`` where its transformers config defaults to it."""
+    config = ModelConfig.from_hf(dict(hf_config), where)
+    if tied and "tie_word_embeddings" not in hf_config:
+        changes["tie_word_embeddings"] = True
+    return dataclasses.replace(config, **changes) if changes else config
+
+
+class GemmaArchitecture(_Native):
+    """Gemma 2 (soft-caps, 1:1 sliding / global layers) and Gemma 3 text (q/k norms, 5:1, two RoPE
+    thetas). The window lives in each layer's attention (``LayerAttention``), not the model's: the KV
+    cache keeps every block (the global layers read them all)."""
+
+    name = "gemma"
+    module = GemmaForCausalLM
+    model_types = ("gemma2", "gemma3_text")
+    capabilities = _caps(TENSOR_PARALLEL)
+
+    def parse_config(self, hf_config: Mapping[str, Any], where: str) -> ModelConfig:
+        config = _parsed(hf_config, where, tied=True, sliding_window=None)
+        opts = gemma_options(config, where)
+        return dataclasses.replace(config, hidden_act=opts.activation)
+
+    def cache_layout(self, model_config: ModelConfig) -> CacheLayout:
+        layers = gemma_layers(model_config)
+        return dataclasses.replace(super().cache_layout(model_config), scale=layers[0].scale, layers=layers)
+
+
+class SmolLM3Architecture(_Native):
+    """SmolLM3: Llama with no RoPE in every fourth layer (``no_rope_layers``)."""
+
+    name = "smollm3"
+    module = SmolLM3ForCausalLM
+    model_types = ("smollm3",)
+    capabilities = _caps(TENSOR_PARALLEL)
+
+    def parse_config(self, hf_config: Mapping[str, Any], where: str) -> ModelConfig:
+        config = _parsed(hf_config, where, tied=True, sliding_window=None)
+        smollm3_ropes(config, where)
+        return config
+
+    def cache_layout(self, model_config: ModelConfig) -> CacheLayout:
+        return dataclasses.replace(super().cache_layout(model_config), layers=smollm3_layers(model_config))
+
+
+class Olmo2Architecture(_Native):
+    """OLMo 2: norms after each block, q/k norms over all heads (one process: the norm spans every
+    head, which tensor parallelism splits)."""
+
+    name = "olmo2"
+    module = Olmo2ForCausalLM
+    model_types = ("olmo2",)
+    capabilities = _caps()
+
+
+class GraniteArchitecture(_Native):
+    """Granite 3: the embedding, residual, attention and logit multipliers of its config."""
+
+    name = "granite"
+    module = GraniteForCausalLM
+    model_types = ("granite",)
+    capabilities = _caps(TENSOR_PARALLEL)
+
+    def parse_config(self, hf_config: Mapping[str, Any], where: str) -> ModelConfig:
+        config = _parsed(hf_config, where)
+        granite_multipliers(config, where)
+        return config
+
+    def cache_layout(self, model_config: ModelConfig) -> CacheLayout:
+        scale = granite_multipliers(model_config)["attention"]
+        return dataclasses.replace(super().cache_layout(model_config), scale=scale)
+
+
+class Phi3Architecture(_Native):
+    """Phi-3 / Phi-3.5 / Phi-4-mini: fused qkv and gate/up tensors kept fused (one process),
+    LongRoPE, partial rotary."""
+
+    name = "phi3"
+    module = Phi3ForCausalLM
+    model_types = ("phi3",)
+    capabilities = _caps()
+
+    def parse_config(self, hf_config: Mapping[str, Any], where: str) -> ModelConfig:
+        config = _parsed(hf_config, where)
+        check_longrope(config, where)
+        return config
+
+
 FIRST_PARTY: tuple[type[Architecture], ...] = (
     LlamaArchitecture, MoEArchitecture, DeepseekV2Architecture, Mamba2Architecture,
-    MiniMaxArchitecture, Qwen3NextArchitecture,
+    MiniMaxArchitecture, Qwen3NextArchitecture, GemmaArchitecture, SmolLM3Architecture,
+    Olmo2Architecture, GraniteArchitecture, Phi3Architecture,
 )

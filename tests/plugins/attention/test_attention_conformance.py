@@ -25,6 +25,7 @@ INTERPRETER_SPECS = [
     "long_decode",
     "custom_scale",
     "sliding_window_mixed",
+    "layer_window_mixed",
 ]
 TRITON_SPECS = None if torch.cuda.is_available() else INTERPRETER_SPECS
 
@@ -43,6 +44,8 @@ class TestPagedAttentionTorch(AttentionConformance):
 class TestPagedAttentionTriton(AttentionConformance):
     backend = "paged"
     options = {"kernels": "triton"}
+    # what the Triton kernels give (``PagedAttention.features_for``): no tree masks, no soft-caps
+    features = ("sliding_window", "layer_windows", "layer_scales")
     specs = TRITON_SPECS
     skip_bf16_under_triton_interpreter = True
 

@@ -1,0 +1,108 @@
+"""The native Gemma 2/3, SmolLM3, OLMo 2, Granite and Phi-3 architectures against the transformers
+fallback and against transformers itself, side by side in one run.
+
+Random weights at the demo model's size (hidden 576, 30 layers, 9 heads / 3 KV heads, FFN 1536,
+vocab 49152; Gemma with head_dim 64 and its soft-caps on), fp32 on the CPU: decode tok/s at
+batch 1 and 16 sequences (prompts of PROMPT tokens; the decode time is a run's time less its
+prefill, measured alone). transformers: ``generate`` with its KV cache, greedy. Prints native /
+fallback (goal at batch 1: >= 1.5x) and native / transformers.
+
+    .venv/bin/python benchmarks/bench_architectures.py [--layers 30] [--decode 16] [--families gemma2,phi3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+DEMO = {"vocab_size": 49152, "hidden_size": 576, "intermediate_size": 1536, "num_attention_heads": 9,
+        "num_key_value_heads": 3, "max_position_embeddings": 2048, "rms_norm_eps": 1e-5,
+        "tie_word_embeddings": True, "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0}
+FAMILIES = {
+    "gemma2": {"head_dim": 64, "sliding_window": 64, "attn_logit_softcapping": 50.0,
+               "final_logit_softcapping": 30.0, "query_pre_attn_scalar": 64},
+    "gemma3_text": {"head_dim": 64, "sliding_window": 64, "query_pre_attn_scalar": 64},
+    "smollm3": {},
+    "olmo2": {},
+    "granite": {"embedding_multiplier": 12.0, "residual_multiplier": 0.22, "attention_multiplier": 0.015625,
+                "logits_scaling": 2.0},
+    "phi3": {},
+}
+PROMPT = 64
+
+
+def build(model_type: str, layers: int, root: Path) -> tuple[Path, torch.nn.Module]:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = AutoConfig.for_model(model_type, num_hidden_layers=layers, **DEMO, **FAMILIES[model_type])
+    torch.manual_seed(0)
+    path = root / model_type
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+    model.save_pretrained(path)
+    return path, model
+
+
+def prompts(batch: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(batch)
+    return [torch.randint(3, 49152, (PROMPT,), generator=g).tolist() for _ in range(batch)]
+
+
+def ours(llm, batch: int, decode: int) -> float:
+    from lmplug import SamplingParams
+
+    ids = prompts(batch)
+    llm.generate(ids[:1], SamplingParams(max_tokens=2, ignore_eos=True))  # warm-up
+    start = time.perf_counter()
+    llm.generate(ids, SamplingParams(max_tokens=1, ignore_eos=True))
+    prefill = time.perf_counter() - start
+    start = time.perf_counter()
+    llm.generate(ids, SamplingParams(max_tokens=decode + 1, temperature=0, ignore_eos=True))
+    return batch * decode / max(time.perf_counter() - start - prefill, 1e-9)
+
+
+@torch.no_grad()
+def theirs(model, batch: int, decode: int) -> float:
+    ids = torch.tensor(prompts(batch))
+    kw = {"do_sample": False, "pad_token_id": 0, "attention_mask": torch.ones_like(ids)}
+    model.generate(ids[:1], max_new_tokens=2, min_new_tokens=2, **{**kw, "attention_mask": torch.ones_like(ids[:1])})
+    start = time.perf_counter()
+    model.generate(ids, max_new_tokens=1, min_new_tokens=1, **kw)
+    prefill = time.perf_counter() - start
+    start = time.perf_counter()
+    model.generate(ids, max_new_tokens=decode + 1, min_new_tokens=decode + 1, **kw)
+    return batch * decode / max(time.perf_counter() - start - prefill, 1e-9)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--layers", type=int, default=30)
+    parser.add_argument("--decode", type=int, default=16)
+    parser.add_argument("--batches", default="1,16")
+    parser.add_argument("--families", default=",".join(FAMILIES))
+    args = parser.parse_args()
+    from lmplug import LLM
+
+    print(f"load average: {os.getloadavg()}, torch threads: {torch.get_num_threads()}")
+    with tempfile.TemporaryDirectory() as tmp:
+        for model_type in args.families.split(","):
+            path, hf = build(model_type, args.layers, Path(tmp))
+            for batch in map(int, args.batches.split(",")):
+                row = {}
+                for impl in ("native", "transformers"):
+                    llm = LLM(str(path), dtype="float32", device="cpu", max_model_len=512, model_impl=impl)
+                    row[impl] = ours(llm, batch, args.decode)
+                    del llm
+                row["hf"] = theirs(hf, batch, args.decode)
+                n, f, h = row["native"], row["transformers"], row["hf"]
+                print(f"{model_type:12} batch {batch:2}: decode native {n:7.1f}  fallback {f:7.1f}  transformers "
+                      f"{h:7.1f} tok/s; native/fallback {n / f:.2f}x, native/transformers {n / h:.2f}x", flush=True)
+            del hf
+
+
+if __name__ == "__main__":
+    main()
