@@ -149,7 +149,7 @@ class Constraints:
         state, mine = self._states.get(src.seq_id), self._states.pop(dst.seq_id, None)
         copy = None if state is None else state.matcher.fork()
         if copy is not None:
-            self._states[dst.seq_id] = _State(copy)
+            self._states[dst.seq_id] = _State(dst.request_id, state.compiled, copy)
             self._states[dst.seq_id].consumed = state.consumed
             return
         if mine is None:
