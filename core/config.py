@@ -32,7 +32,7 @@ from lmplug.config_sections import (
     resolve_one,
 )
 from lmplug.errors import ConfigError
-from lmplug.interfaces.families import configured, nested
+from lmplug.families import configured, nested
 from lmplug.plugins import Registry, get_registry
 
 logger = logging.getLogger(__name__)
@@ -41,7 +41,7 @@ DEFAULT_CONFIG = Path(__file__).parent / "configs" / "default.yaml"
 MAX_CONFIG_BYTES = 1 << 20  # a config file is a few KiB; refuse anything larger before reading it
 
 # config section -> (plugin family, key that names the backend), in resolution order; from the
-# family table (``lmplug.interfaces.families``)
+# family table (``lmplug.families``)
 SECTIONS: dict[str, tuple[str, str]] = {f.section: (f.name, f.name_key) for f in configured()}
 # absent = feature off / not an MoE model
 OPTIONAL_SECTIONS = frozenset(f.section for f in configured() if f.optional)

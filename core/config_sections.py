@@ -18,9 +18,9 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from lmplug.api import BackendInfo, BackendOptions
 from lmplug.errors import ConfigError
-from lmplug.interfaces import BackendInfo, BackendOptions
-from lmplug.interfaces.families import Family, by_section, nested
+from lmplug.families import Family, by_section, nested
 from lmplug.plugins import Registry
 
 

@@ -23,7 +23,7 @@ hookimpl = pluggy.HookimplMarker("lmplug")
 
 # -- registration: called once each when the registry is built ---------------
 # One per plugin family; which hook fills which family (and the base class its classes must
-# subclass) is the family table, ``lmplug.interfaces.families.TABLE``.
+# subclass) is the family table, ``lmplug.families.TABLE``.
 
 
 @hookspec

@@ -15,7 +15,7 @@ from pathlib import Path
 os.environ.pop("TRITON_INTERPRET", None)
 
 from lmplug.config import EngineConfig, ParallelConfig, PoolerConfig  # noqa: E402
-from lmplug.interfaces.families import configured, nested  # noqa: E402
+from lmplug.families import configured, nested  # noqa: E402
 from lmplug.plugins import Registry  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]

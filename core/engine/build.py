@@ -11,24 +11,18 @@ from pathlib import Path
 
 import torch
 
+from lmplug.api import Drafter, KVCacheBackend, KVCacheSpec, Scheduler, SchedulerLimits
 from lmplug.config import ResolvedConfig
 from lmplug.engine.architecture import architecture, choose_architecture
 from lmplug.engine.draft_parts import draft_target
 from lmplug.engine.plan import EnginePlan, fit_pool, make_plan
 from lmplug.engine.runner import ModelRunner
 from lmplug.errors import ConfigError, ModelLoadError
-from lmplug.interfaces import (
-    Drafter,
-    KVCacheBackend,
-    KVCacheSpec,
-    Scheduler,
-    SchedulerLimits,
-    native_build,
-)
 from lmplug.interfaces.acceptance import AcceptanceRule
 from lmplug.interfaces.constraint import ConstraintBackend, ConstraintTokenizer
 from lmplug.interfaces.model_config import ModelConfig
 from lmplug.interfaces.quant import QuantMethod, Unquantized
+from lmplug.kit import extras, native_build
 from lmplug.loading import open_source
 from lmplug.loading.identity import model_identity
 from lmplug.loading.memory import check_fits
@@ -119,9 +113,9 @@ SMALL_STEP_TOKENS = 16
 
 def small_step_tokens(quant: QuantMethod, device: torch.device, parallel: ParallelState) -> int:
     """The runner's ``small_step_tokens``: ``SMALL_STEP_TOKENS`` where the quant method's
-    products split across their own threads on this CPU (``QuantMethod.own_threads``; one
+    products split across their own threads on this CPU (``lmplug.kit.extras.OwnThreads``; one
     process: tensor-parallel slices are dense), else 0."""
-    if device.type != "cpu" or parallel.is_parallel or not quant.own_threads(device):
+    if device.type != "cpu" or parallel.is_parallel or not extras.own_threads(quant, device):
         return 0
     return SMALL_STEP_TOKENS
 
@@ -190,7 +184,7 @@ def build_engine_parts(resolved: ResolvedConfig, parallel: ParallelState | None 
     limits = SchedulerLimits(sched_opts.max_num_seqs, sched_opts.max_num_batched_tokens, max_model_len)
     scheduler = backends["scheduler"].cls(sched_opts, kv, limits)
     # group: rank 0's handle on the tensor-parallel workers (``lmplug.parallel.launch``), if any
-    runner = ModelRunner(model, kv, device, parallel=group, short_query_tokens=attention.short_query_tokens,
+    runner = ModelRunner(model, kv, device, parallel=group, short_query_tokens=extras.short_query_tokens(attention),
                          keep_hidden=drafter is not None and drafter.uses_hidden_states,
                          small_step_tokens=small_step_tokens(quant, device, parallel))
     if drafter is not None:

@@ -10,13 +10,14 @@ from collections.abc import Callable
 
 import torch
 
+from lmplug.api import AttentionBackend, DraftTarget, KVCacheBackend
 from lmplug.engine.runner import ModelRunner
 from lmplug.errors import ConfigError
-from lmplug.interfaces import AttentionBackend, DraftTarget, KVCacheBackend
 from lmplug.interfaces.checkpoint import ModelSource
 from lmplug.interfaces.drafter import DraftModel, MTPDraft
 from lmplug.interfaces.model_config import ModelConfig
 from lmplug.interfaces.quant import QuantMethod
+from lmplug.kit import extras
 
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
@@ -28,7 +29,7 @@ def draft_target(model: torch.nn.Module, model_config: ModelConfig, kv: KVCacheB
     """The ``DraftTarget`` of a target model, with the core's callables bound to its settings;
     ``build`` is the engine's ``build_engine_parts`` (handed in: the build imports this module);
     ``checkpoint`` the target's checkpoint path and ``quant`` its quant method (MTP modules)."""
-    runner = functools.partial(new_runner, device=device, short_query_tokens=attention.short_query_tokens)
+    runner = functools.partial(new_runner, device=device, short_query_tokens=extras.short_query_tokens(attention))
     return DraftTarget(
         model, model_config, kv, tokenizer, device, dtype, max_model_len, max_num_seqs,
         attention=attention,

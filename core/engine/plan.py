@@ -28,8 +28,8 @@ from lmplug.engine.architecture import choose_architecture
 from lmplug.errors import ConfigError, ModelLoadError, PluginError
 from lmplug.interfaces import architecture as arch_features
 from lmplug.interfaces.common import BackendInfo
-from lmplug.interfaces.devices import capability
 from lmplug.interfaces.model_config import ModelConfig
+from lmplug.kit.devices import capability
 from lmplug.parallel import ParallelState
 from lmplug.parallel import setup as parallel_setup
 from lmplug.plugins import get_registry

@@ -6,6 +6,7 @@ import itertools
 import time
 from dataclasses import dataclass
 from enum import Enum
+from typing import Protocol
 
 import torch
 
@@ -25,6 +26,36 @@ class Logprob:
     logprob: float
     rank: int  # 1 = the most likely token
     decoded_token: str | None = None
+
+
+class SequenceView(Protocol):
+    """What a backend may read of a sequence (``Sequence`` is one): the engine's stages own
+    its writes; a scheduler moves it only through ``start_running`` / ``requeue`` / ``finish``."""
+
+    @property
+    def seq_id(self) -> int: ...
+    @property
+    def request_id(self) -> str: ...
+    @property
+    def params(self) -> SamplingParams: ...
+    @property
+    def priority(self) -> int: ...
+    @property
+    def arrival_time(self) -> float: ...
+    @property
+    def status(self) -> SequenceStatus: ...
+    @property
+    def token_ids(self) -> list[int]: ...
+    @property
+    def num_prompt_tokens(self) -> int: ...
+    @property
+    def num_computed_tokens(self) -> int: ...
+    @property
+    def num_tokens(self) -> int: ...
+    @property
+    def is_finished(self) -> bool: ...
+    @property
+    def is_prefill(self) -> bool: ...
 
 
 class Sequence:

@@ -2,7 +2,7 @@
 
 At batch 1 on a CPU a small model's token is ~30 layers of ~12 ops each, and the Python and
 dispatch between the ops cost about as much as the matrix products. Where every plugin on a
-layer's path hands the core a C function (``lmplug.interfaces.native``: the quant method a
+layer's path hands the core a C function (``lmplug.kit.native``: the quant method a
 product per linear layer, the attention backend a decode attention per step), the core runs
 all the layers in ``decode_step_f32`` (``csrc/fused_cpu_ops.c``): the norms, residual adds,
 RoPE and SiLU * mul are the fused CPU ops' own functions, so those give the Python path's
@@ -24,11 +24,11 @@ import os
 
 import torch
 
-from lmplug.interfaces.native import NativeCall
-from lmplug.interfaces.rope import RotaryEmbedding
 from lmplug.interfaces.step import StepContext
-from lmplug.interfaces.threads import compute_threads
-from lmplug.kit import fused_cpu
+from lmplug.kit import extras, fused_cpu
+from lmplug.kit.native import NativeCall
+from lmplug.kit.rope import RotaryEmbedding
+from lmplug.kit.threads import compute_threads
 
 _P, _I64 = ctypes.c_void_p, ctypes.c_int64
 # decode_step_f32's stages, as it reports a failure (layer * 8 + stage)
@@ -101,7 +101,7 @@ class NativeDecodeStep:
                 return None
             products = []
             for linear in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
-                call = linear.quant.native_product(linear)
+                call = extras.native_product(linear.quant, linear)
                 if call is None:
                     return None
                 products.append(call)
@@ -121,7 +121,7 @@ class NativeDecodeStep:
     def run(self, x: torch.Tensor, positions: torch.Tensor, ctx: StepContext) -> torch.Tensor | None:
         """The hidden states after the last layer (``x`` [T, hidden], changed in place), or None
         when the attention backend has no native form for this step (the caller runs the layers)."""
-        attention: NativeCall | None = self.backend.native_decode(ctx, self.model.kv_views)
+        attention: NativeCall | None = extras.native_decode(self.backend, ctx, self.model.kv_views)
         if attention is None:
             return None
         rows = x.shape[0]

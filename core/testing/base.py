@@ -21,7 +21,8 @@ from typing import Any, ClassVar
 import pytest
 from pydantic import ValidationError
 
-from lmplug.interfaces import FAMILIES, BackendOptions, Capabilities
+from lmplug.api import BackendOptions, Capabilities
+from lmplug.families import FAMILIES
 from lmplug.testing.compare import DTYPES, fail
 
 ALL_DTYPES = list(DTYPES)

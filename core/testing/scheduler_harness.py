@@ -16,10 +16,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from lmplug.interfaces import KVCacheBackend, Scheduler, SchedulerOutput
-from lmplug.interfaces.kv_layout import kv_slots_list
+from lmplug.api import KVCacheBackend, Scheduler, SchedulerOutput
 from lmplug.interfaces.params import SamplingParams
 from lmplug.interfaces.sequence import Sequence
+from lmplug.kit.kv_layout import kv_slots_list
 from lmplug.outputs.stopping import check_stop
 from lmplug.testing.fakes import SchedulerViolation
 

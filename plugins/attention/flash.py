@@ -30,13 +30,7 @@ import torch
 from lmplug_attention.sdpa import KV_DTYPES
 from pydantic import Field
 
-from lmplug.interfaces import (
-    AttentionBackend,
-    BackendOptions,
-    Capabilities,
-    KVLayerView,
-    StepContext,
-)
+from lmplug.api import AttentionBackend, BackendOptions, Capabilities, KVLayerView, StepContext
 
 # read once, as triton does when it is first imported
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"

@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 import os
 
-from lmplug.interfaces import Capabilities, MixerBackend
+from lmplug.api import Capabilities, MixerBackend
 
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 

@@ -30,15 +30,10 @@ from lmplug_attention.paged_rows import QueryRows, leading_short_queries, query_
 from lmplug_attention.sdpa import KV_DTYPES
 from pydantic import Field, field_validator
 
+from lmplug.api import AttentionBackend, BackendOptions, Capabilities, KVLayerView, StepContext
 from lmplug.errors import ConfigError
-from lmplug.interfaces import (
-    AttentionBackend,
-    BackendOptions,
-    Capabilities,
-    KVLayerView,
-    NativeCall,
-    StepContext,
-)
+from lmplug.kit import extras
+from lmplug.kit.native import NativeCall
 
 logger = logging.getLogger(__name__)
 _warned: set[str] = set()  # reasons already logged, so a fallback warns once per process
@@ -124,7 +119,7 @@ class PagedStepMetadata:
     prefill_args: dict | None = None
 
 
-class PagedAttention(AttentionBackend):
+class PagedAttention(AttentionBackend, extras.NativeDecode, extras.ShortQueries):
     name = "paged"
     capabilities = Capabilities(
         devices=frozenset({"cpu", "cuda"}),

@@ -27,8 +27,10 @@ import torch.nn.functional as F
 from lmplug_attention import paged_native
 from lmplug_attention.kv_ref import gather_context
 
-from lmplug.interfaces import AttentionBackend, Capabilities, KVLayerView, NativeCall, StepContext
-from lmplug.interfaces.kvcache import dequantize_kv, store_kv
+from lmplug.api import AttentionBackend, Capabilities, KVLayerView, StepContext
+from lmplug.kit import extras
+from lmplug.kit.kv_quant import dequantize_kv, store_kv
+from lmplug.kit.native import NativeCall
 
 # the kvcache `dtype` values the first-party dense backends read
 KV_DTYPES = frozenset({"auto", "int8", "fp8_e4m3"})
@@ -45,7 +47,7 @@ class SdpaStepMetadata:
     first_blocks: list[int]
 
 
-class SdpaAttention(AttentionBackend):
+class SdpaAttention(AttentionBackend, extras.NativeDecode):
     name = "sdpa"
     capabilities = Capabilities(
         devices=frozenset({"cpu", "cuda"}),

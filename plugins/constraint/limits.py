@@ -13,7 +13,7 @@ import threading
 from collections.abc import Callable
 from typing import TypeVar
 
-from lmplug.interfaces.constraint import ConstraintError
+from lmplug.api import ConstraintError
 
 T = TypeVar("T")
 MAX_MESSAGE_CHARS = 600

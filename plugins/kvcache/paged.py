@@ -26,16 +26,17 @@ from lmplug_kvcache.swap import Swapped, SwapSpace
 from lmplug_kvcache.tier import BlockTier
 from pydantic import Field, field_validator
 
-from lmplug.errors import ConfigError
-from lmplug.interfaces import (
+from lmplug.api import (
     BackendOptions,
     Capabilities,
+    KVBlockFormat,
     KVCacheBackend,
     KVCacheSpec,
+    KVConnector,
     KVLayerView,
     StatePool,
 )
-from lmplug.interfaces.kvconnector import KVBlockFormat, KVConnector
+from lmplug.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 

@@ -38,8 +38,8 @@ from pathlib import Path
 import torch
 from pydantic import Field
 
+from lmplug.api import BackendOptions, Capabilities, KVBlockFormat, KVConnector
 from lmplug.errors import ConfigError
-from lmplug.interfaces import BackendOptions, Capabilities, KVBlockFormat, KVConnector
 
 logger = logging.getLogger(__name__)
 

@@ -43,8 +43,8 @@ import torch.distributed as dist
 from lmplug_kvconnector.host import HostConnector, HostOptions
 from pydantic import Field, field_validator
 
+from lmplug.api import BackendOptions, Capabilities, KVBlockFormat, KVConnector
 from lmplug.errors import ConfigError
-from lmplug.interfaces import BackendOptions, Capabilities, KVBlockFormat, KVConnector
 
 logger = logging.getLogger(__name__)
 

@@ -18,7 +18,7 @@ from lmplug_models.minimax import MiniMaxForCausalLM
 from lmplug_models.moe import MoEForCausalLM
 from lmplug_models.qwen3_next import Qwen3NextForCausalLM
 
-from lmplug.interfaces.architecture import (
+from lmplug.api import (
     GGUF,
     MLA,
     MTP,
@@ -26,9 +26,9 @@ from lmplug.interfaces.architecture import (
     STATE_LAYERS,
     TENSOR_PARALLEL,
     Architecture,
+    Capabilities,
+    ModelConfig,
 )
-from lmplug.interfaces.common import Capabilities
-from lmplug.interfaces.model_config import ModelConfig
 
 NATIVE_PRIORITY = 10  # above any fallback (priority 0)
 _ANY = frozenset({"cpu", "cuda"})

@@ -29,14 +29,8 @@ from typing import Literal
 from lmplug_scheduler.running_batch import RunningBatch
 from pydantic import Field
 
+from lmplug.api import Capabilities, ScheduledSeq, SchedulerOptions, SchedulerOutput, Sequence
 from lmplug.errors import ConfigError
-from lmplug.interfaces import (
-    Capabilities,
-    ScheduledSeq,
-    SchedulerOptions,
-    SchedulerOutput,
-)
-from lmplug.interfaces.sequence import Sequence
 
 
 class ContinuousOptions(SchedulerOptions):

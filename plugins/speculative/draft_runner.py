@@ -16,11 +16,15 @@ from __future__ import annotations
 
 import torch
 
-from lmplug.interfaces import DraftProposal, KVCacheBackend, ScheduledSeq
-from lmplug.interfaces.params import SamplingParams
-from lmplug.interfaces.runner import ForwardRunner
-from lmplug.interfaces.sampling import draw, processed_logits
-from lmplug.interfaces.sequence import Sequence
+from lmplug.api import (
+    DraftProposal,
+    ForwardRunner,
+    KVCacheBackend,
+    SamplingParams,
+    ScheduledSeq,
+    Sequence,
+)
+from lmplug.kit.sampling import draw, processed_logits
 
 _MIRROR_PARAMS = SamplingParams(max_tokens=None)
 

@@ -221,7 +221,27 @@ def test_plugin_written_for_api_1_gets_a_version_error_not_a_bare_import_error(s
     text = str(reg.failures[0])
     assert "fake-api1-plugin 0.1" in text and "targets an older lmplug API" in text
     assert "'lmplug.engine.sequence'" in text and "API version 3" in text
-    assert "lmplug.interfaces" in text and "Porting a plugin" in text
+    assert "lmplug.api" in text and "Porting a plugin" in text
+
+
+API2_PLUGIN = """
+from lmplug.hookspecs import hookimpl
+from lmplug.interfaces import AttentionBackend, Capabilities  # API 2: the contract's package
+
+LMPLUG_API_VERSION = 2
+"""
+
+
+def test_plugin_written_for_api_2_gets_a_version_error_naming_lmplug_api(site):
+    site("fake-api2-plugin", {"api2": "fake_lmplug_api2"}, {"fake_lmplug_api2": API2_PLUGIN})
+    reg = Registry()
+    first_party_loaded(reg)
+    assert [f.plugin for f in reg.failures] == ["api2"]
+    text = str(reg.failures[0])
+    assert "fake-api2-plugin 0.1" in text and "targets an older lmplug API" in text
+    assert "'lmplug.interfaces'" in text and "API version 3" in text
+    assert "lmplug.api" in text and "Porting a plugin" in text
+    assert reg.pm.get_plugin("api2") is None
 
 
 def test_two_backends_with_the_same_name(site):
@@ -247,7 +267,7 @@ def test_two_backends_with_the_same_name(site):
 
 
 def test_same_backend_name_in_different_families_is_fine():
-    from lmplug.interfaces import Capabilities, KVCacheBackend
+    from lmplug.api import Capabilities, KVCacheBackend
 
     class Kv(KVCacheBackend):
         name = "sdpa"  # same name as the attention backend, other family

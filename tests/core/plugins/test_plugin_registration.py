@@ -180,8 +180,7 @@ def test_the_family_table_matches_the_hookspecs_and_the_config():
 
     from lmplug import hookspecs
     from lmplug.config import OPTIONAL_SECTIONS, SECTIONS
-    from lmplug.interfaces import FAMILIES
-    from lmplug.interfaces.families import TABLE
+    from lmplug.families import FAMILIES, TABLE
 
     specs = {name for name, fn in vars(hookspecs).items()
              if name.startswith("lmplug_register_") and hasattr(fn, "lmplug_spec")}

@@ -15,8 +15,8 @@ import pytest
 import torch
 from lmplug_kvconnector.disk import STALE_TMP_S, DiskConnector, DiskOptions
 
+from lmplug.api import KVBlockFormat
 from lmplug.errors import ConfigError
-from lmplug.interfaces import KVBlockFormat
 from lmplug.testing.kvconnector import block_payload, same_bits
 
 FMT = KVBlockFormat("tiny:abc", "paged bs=4 layers=2 tensors=2 kv_heads=2 head_dim=8 float32")

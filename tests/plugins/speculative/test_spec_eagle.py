@@ -23,8 +23,8 @@ from lmplug.cli import main
 from lmplug.engine.build import build_engine_parts
 from lmplug.engine.draft_parts import draft_target
 from lmplug.errors import ConfigError
-from lmplug.interfaces import acceptance
 from lmplug.interfaces.params import SamplingParams
+from lmplug.kit import sampling as kit_sampling
 from lmplug.testing import DrafterConformance
 from lmplug.train_host import LLMTrainingHost
 
@@ -418,7 +418,7 @@ def test_sampled_continuations_follow_the_target(model, trained, pair_distributi
 
 
 def test_biased_verifier_is_caught(model, trained, pair_distribution, monkeypatch):
-    monkeypatch.setattr(acceptance, "residual_distribution", lambda p, q: p)
+    monkeypatch.setattr(kit_sampling, "residual_distribution", lambda p, q: p)
     counts, probs = _pair_counts(model, trained.folder, pair_distribution, 1000)
     assert chi_square_pvalue(counts, probs) < 1e-3
 

@@ -4,7 +4,7 @@ A family is an extension point: a base class (the contract), the registration ho
 implement to hand in their classes, and, for the families a user configures, the config
 section and the key in it that names the backend. Derived from this table:
 
-- ``lmplug.interfaces.FAMILIES`` (family -> base class) and the registry (``lmplug.plugins``:
+- ``FAMILIES`` (family -> base class) and the registry (``lmplug.plugins``:
   which hook fills which family, which base class each returned class must subclass);
 - ``lmplug.config``: the plugin sections of ``EngineConfig`` (``SECTIONS``, ``OPTIONAL_SECTIONS``),
   which accept ``auto``, and the order they are resolved in;
@@ -101,3 +101,6 @@ def nested() -> tuple[Family, ...]:
 
 def by_section(section: str) -> Family:
     return next(f for f in TABLE if f.section == section)
+
+# family name -> base class; the registry and config use these names.
+FAMILIES: dict[str, type] = {f.name: f.base for f in TABLE}
