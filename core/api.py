@@ -56,6 +56,7 @@ from lmplug.interfaces.drafter import (
     DraftTarget,
     MTPDraft,
 )
+from lmplug.interfaces.engine_view import EngineView
 from lmplug.interfaces.kvcache import KVCacheBackend, KVCacheSpec
 from lmplug.interfaces.kvconnector import KVBlockFormat, KVConnector
 from lmplug.interfaces.mixer import MixerBackend
@@ -132,6 +133,7 @@ __all__ = [
     "DraftTarget",
     "Drafter",
     "DrafterOptions",
+    "EngineView",
     "ForwardRunner",
     "KVBlockFormat",
     "KVCacheBackend",

@@ -69,9 +69,7 @@ def draft_kv_cache(target_kv: KVCacheBackend, num_layers: int, **spec) -> KVCach
     """A cache of the target's KV class for ``num_layers`` layers, without prefix caching
     (a draft's cached blocks may hold tokens the target later rejects); ``spec`` overrides
     other ``KVCacheSpec`` fields (e.g. a draft head's ``num_kv_heads``, ``head_dim``)."""
-    options = target_kv.options
-    if "prefix_caching" in type(options).model_fields:
-        options = options.model_copy(update={"prefix_caching": False})
+    options = type(target_kv).draft_options(target_kv.options)
     return type(target_kv)(options, dataclasses.replace(target_kv.spec, num_layers=num_layers, **spec))
 
 

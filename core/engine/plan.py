@@ -197,7 +197,7 @@ def _check_connector_support(resolved: ResolvedConfig, parallel: ParallelState) 
 def _check_swap_support(resolved: ResolvedConfig, parallel: ParallelState) -> None:
     """Swap preemption copies blocks in rank 0's pool only: one process (as forks)."""
     scheduler = resolved.backends["scheduler"]
-    if parallel.world_size > 1 and getattr(scheduler.options, "preemption", None) == "swap":
+    if parallel.world_size > 1 and "swap" in scheduler.cls.features_for(scheduler.options):
         raise ConfigError(f"scheduler: {scheduler.name}: preemption: swap is not built for tensor parallelism "
                           f"(tensor_parallel_size={parallel.world_size}): each rank's pool holds its own heads; "
                           "use preemption: recompute")

@@ -133,6 +133,13 @@ class KVCacheBackend(ABC):
         ``KV_CACHE_DTYPES`` name; the config checks the attention backend reads it."""
         return "auto"
 
+    @classmethod
+    def draft_options(cls, options: BackendOptions) -> BackendOptions:
+        """The options of a drafter's cache of this class (``DraftTarget.new_kv_cache``): the same,
+        less any sharing of blocks by prefix (a draft's cached blocks may hold tokens the target
+        later rejects). Default: ``options``."""
+        return options
+
     def pool_blocks(self) -> int | None:
         """Blocks this cache allocated, when its size is decided at construction (e.g. from
         free memory); None: fixed by the options and spec alone."""

@@ -81,6 +81,10 @@ class PagedKVCache(KVCacheBackend):
         return options.dtype
 
     @classmethod
+    def draft_options(cls, options: PagedOptions) -> PagedOptions:
+        return options.model_copy(update={"prefix_caching": False})
+
+    @classmethod
     def with_pool_blocks(cls, options: PagedOptions, blocks: int) -> PagedOptions:
         return options.model_copy(update={"num_blocks": blocks})
 

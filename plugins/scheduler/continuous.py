@@ -102,6 +102,10 @@ class ContinuousScheduler(RunningBatch):
                                 priority=20)
     Options = ContinuousOptions
 
+    @classmethod
+    def features_for(cls, options: ContinuousOptions) -> frozenset[str]:
+        return cls.capabilities.features | ({"swap"} if options.preemption == "swap" else set())
+
     def __init__(self, options: ContinuousOptions, kv, limits) -> None:
         if options.preemption == "swap" and "swap" not in kv.capabilities.features:
             raise ConfigError(f"scheduler: continuous: preemption: swap needs a kvcache backend with the "
