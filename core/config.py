@@ -19,7 +19,15 @@ from types import MappingProxyType
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from lmplug.config_sections import (
     ModelFacts,
@@ -45,6 +53,27 @@ MAX_CONFIG_BYTES = 1 << 20  # a config file is a few KiB; refuse anything larger
 SECTIONS: dict[str, tuple[str, str]] = {f.section: (f.name, f.name_key) for f in configured()}
 # absent = feature off / not an MoE model
 OPTIONAL_SECTIONS = frozenset(f.section for f in configured() if f.optional)
+# a section's earlier name -> its name: both load the same config; the old one warns, once
+SECTION_ALIASES: dict[str, str] = {alias: f.section for f in configured() for alias in f.aliases}
+_warned_aliases: set[str] = set()
+
+
+def canonical_sections(data: Mapping[str, Any], source: str = "config") -> dict[str, Any]:
+    """``data`` with every section under its one name (an old name renamed, with a deprecation
+    warning logged once per process); both names at once is an error naming them."""
+    out = dict(data)
+    for alias, section in SECTION_ALIASES.items():
+        if alias not in out:
+            continue
+        if section in out:
+            raise ConfigError(f"{source}: `{alias}` is the old name of the section `{section}`; "
+                              f"give it once, as `{section}`")
+        out[section] = out.pop(alias)
+        if alias not in _warned_aliases:
+            _warned_aliases.add(alias)
+            logger.warning("config section `%s` is deprecated: it is now `%s` (the %s family); the old "
+                           "name loads the same config", alias, section, SECTIONS[section][0])
+    return out
 
 
 class ParallelConfig(BaseModel):
@@ -105,13 +134,19 @@ class EngineConfig(BaseModel):
         default=None, description="models with linear-attention / state-space layers only; see below")
     quant: dict[str, Any] | None = Field(default=None, description="absent: the checkpoint's own format")
     speculative: dict[str, Any] | None = Field(default=None, description="absent: no speculative decoding")
-    structured_output: dict[str, Any] = Field(
+    constraint: dict[str, Any] = Field(
         default_factory=lambda: {"backend": "auto"},
-        description="the grammar engine for structured output and forced tool calls; see below")
+        description="the grammar engine for structured output and forced tool calls (formerly "
+        "`structured_output`, still accepted); see below")
     compression: dict[str, Any] | None = Field(
         default=None, description="absent: no prompt compression; present: the default for every request")
     parallel: ParallelConfig = Field(default_factory=ParallelConfig, description="tensor parallelism")
     pooler: PoolerConfig = Field(default_factory=PoolerConfig, description="embeddings' default pooling")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _old_section_names(cls, data: Any) -> Any:
+        return canonical_sections(data) if isinstance(data, Mapping) else data
 
     @field_validator(*SECTIONS, mode="before")
     @classmethod
@@ -124,6 +159,8 @@ class EngineConfig(BaseModel):
     # -- construction --------------------------------------------------------------
     @classmethod
     def from_dict(cls, data: dict[str, Any], *, source: str = "config") -> EngineConfig:
+        if isinstance(data, Mapping):
+            data = canonical_sections(data, source)
         try:
             return cls.model_validate(data)
         except ValidationError as exc:
@@ -175,9 +212,10 @@ def _read_config_file(path: Path) -> str:
 
 
 def merge(base: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
-    """Overrides win; plugin sections merge key by key (a new backend name drops old options)."""
-    out = dict(base)
-    for key, value in overrides.items():
+    """Overrides win; plugin sections merge key by key (a new backend name drops old options).
+    A section's old name merges into its new one."""
+    out = canonical_sections(base)
+    for key, value in canonical_sections(overrides).items():
         if value is None and key not in OPTIONAL_SECTIONS:
             continue
         if key in SECTIONS and isinstance(value, str):

@@ -69,7 +69,7 @@ class Constraints:
             return
         if self.backend is None:
             raise ConstraintError("structured", "structured output was asked for, but no constraint backend "
-                                  "is configured (config section `structured_output`)")
+                                  "is configured (config section `constraint`)")
         self.backend.compile_cached(spec)
 
     def prepare_in_background(self) -> None:

@@ -190,7 +190,7 @@ def build_engine_parts(resolved: ResolvedConfig, parallel: ParallelState | None 
     if drafter is not None:
         drafter.setup(draft_target(model, model_config, kv, source.tokenizer, device, dtype,
                                    max_model_len, sched_opts.max_num_seqs, attention,
-                                   build=build_engine_parts, checkpoint=str(source.path), quant=quant))
+                                   checkpoint=str(source.path), quant=quant))
     load_time = time.perf_counter() - started
     logger.info("loaded %s (%s, %d layers) in %.2f s; KV: %s (%s), %d bytes/token", source.path,
                 model_config.model_type, model_config.num_layers, load_time, kv.name,
@@ -198,8 +198,8 @@ def build_engine_parts(resolved: ResolvedConfig, parallel: ParallelState | None 
     memory = parallel_setup.memory_report(model, kv, parallel)
     eos_ids = _eos_ids(source)
     constraint = None
-    if "structured_output" in backends and source.tokenizer is not None:
-        chosen = backends["structured_output"]
+    if "constraint" in backends and source.tokenizer is not None:
+        chosen = backends["constraint"]
         constraint = chosen.cls(chosen.options, ConstraintTokenizer(
             source.tokenizer.backend, model_config.vocab_size, eos_ids))
     return EngineParts(model_config, model, source.tokenizer, kv, scheduler, runner, max_model_len,

@@ -36,7 +36,7 @@ def compile_within(seconds: float, field: str, backend: str, build: Callable[[],
     if worker.is_alive():
         raise ConstraintError(field, f"structured output {field}: compiling it with {backend} took longer "
                               f"than max_compile_s = {seconds:g} s; refused (simplify it, or raise "
-                              f"structured_output.max_compile_s)")
+                              f"constraint.max_compile_s)")
     if failure:
         exc = failure[0]
         if isinstance(exc, ConstraintError):
