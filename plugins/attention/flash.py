@@ -57,11 +57,12 @@ class FlashStepMetadata:
 class FlashAttention(AttentionBackend):
     name = "flash"
     capabilities = Capabilities(
-        devices=frozenset({"cuda", "cpu"} if _INTERPRETED else {"cuda"}),
+        devices=frozenset({"cuda"}),
+        named_devices=frozenset({"cpu"} if _INTERPRETED else ()),  # tests: named, never auto
         kv_layouts=frozenset({"contiguous", "paged"}),
         features=frozenset({"sliding_window"}),
         kv_dtypes=KV_DTYPES,
-        priority=1 if _INTERPRETED else 30,  # above sdpa (10) and paged (20) on CUDA
+        priority=30,  # above sdpa (10) and paged (20) on CUDA
     )
     Options = FlashAttentionOptions
 
