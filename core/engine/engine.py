@@ -183,7 +183,7 @@ class LLMEngine:
         """Advance the computed counts, select the next tokens, append them; returns the
         scheduled sequences that finished (failed ones included) and those that failed."""
         for item in scheduled:
-            item.seq.num_computed_tokens += item.num_new_tokens
+            item.seq.advance(item.num_new_tokens)
         pooled = self._pool(scheduled, result.pooled)
         guard = StepFailures()
         for seq_id, (first, logits) in result.prompt_logits.items():

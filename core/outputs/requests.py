@@ -218,8 +218,7 @@ class RequestTable:
     def finish_pooled(self, seq: Sequence, embedding: list[float], now: float) -> None:
         """An embedding sequence's prompt is pooled: it ends with its vector (no token sampled)."""
         self._requests[seq.request_id].embedding = embedding
-        seq.finish("stop")
-        seq.finish_time = now
+        seq.finish("stop", at=now)
 
     def append(self, seqs: list[Sequence], emitted: list[list[int]], logprobs: list[list[dict] | None],
                now: float) -> list[Sequence]:
@@ -249,8 +248,7 @@ class RequestTable:
                 if detok is not None and not isinstance(seq.stop_reason, str):
                     detok.flush()  # a character cut short by the end still shows
                     seq.text = detok.text
-                seq.finish()
-                seq.finish_time = now
+                seq.finish(at=now)
                 return True
         return False
 

@@ -172,12 +172,12 @@ class ContinuousScheduler(RunningBatch):
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         self.running.remove(seq)
         out.scheduled = [s for s in out.scheduled if s.seq is not seq]
-        if self.options.preemption == "swap" and self.kv.swap_out(seq):
+        swapped = self.options.preemption == "swap" and self.kv.swap_out(seq)
+        if swapped:
             self.num_swaps += 1  # keeps its computed tokens
         else:
             self.kv.free(seq)
-            seq.num_computed_tokens = 0
-        seq.requeue()
+        seq.requeue(recompute=not swapped)
         self.waiting.push(seq)
         out.preempted.append(seq)
         self.num_preemptions += 1

@@ -94,7 +94,7 @@ class DraftRunner:
             batch.append(ScheduledSeq(m, m.num_tokens - m.num_computed_tokens))
         result = self.runner.execute(batch)
         for item in batch:
-            item.seq.num_computed_tokens += item.num_new_tokens
+            item.seq.advance(item.num_new_tokens)
         row = {item.seq.seq_id: i for i, item in enumerate(result.sample_rows)}
         return result.logits[[row[m.seq_id] for m in mirrors]]
 

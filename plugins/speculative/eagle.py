@@ -312,7 +312,7 @@ class EagleDrafter(Drafter):
         input_ids, ctx = self.runner.build_context(batch)
         out = self._compute(input_ids, torch.cat([features[j] for j in order]), ctx)
         for item in batch:
-            item.seq.num_computed_tokens += item.num_new_tokens
+            item.seq.advance(item.num_new_tokens)
         if all_rows:
             cu = ctx.cu_query_lens.tolist()
             rows_of = [out[cu[b]:cu[b + 1]] for b in range(len(batch))]
