@@ -94,6 +94,19 @@ class ParallelConfig(BaseModel):
                              "group gives up (a dead worker is detected at once)")
 
 
+class CpuConfig(BaseModel):
+    """``cpu:``: the CPU fast paths, decided in the engine plan (``lmplug.engine.plan.cpu_policy``);
+    the environment variables named below override a key when set (benchmarks compare paths)."""
+
+    model_config = ConfigDict(extra="forbid")
+    native_step: bool = Field(
+        default=True, description="run a float32 decode step's decoder layers in one C call where every "
+        "plugin on the path has a C form (else the Python layers); `LMPLUG_NATIVE_STEP=0|1` overrides")
+    fused_ops: bool = Field(
+        default=True, description="fused float32 CPU ops (RMSNorm, add + RMSNorm, SiLU * mul, RoPE in C; "
+        "for the whole process); `LMPLUG_FUSED_CPU=0|1` overrides")
+
+
 class PoolerConfig(BaseModel):
     """``pooler:``: how embedding requests (``LLM.embed``, ``/v1/embeddings``) pool the final hidden
     states, by default (vLLM's ``PoolerConfig`` / ``--override-pooler-config``)."""
@@ -142,6 +155,7 @@ class EngineConfig(BaseModel):
         default=None, description="absent: no prompt compression; present: the default for every request")
     parallel: ParallelConfig = Field(default_factory=ParallelConfig, description="tensor parallelism")
     pooler: PoolerConfig = Field(default_factory=PoolerConfig, description="embeddings' default pooling")
+    cpu: CpuConfig = Field(default_factory=CpuConfig, description="the CPU fast paths (native step, fused ops)")
 
     @model_validator(mode="before")
     @classmethod

@@ -22,7 +22,7 @@ from lmplug.interfaces.acceptance import AcceptanceRule
 from lmplug.interfaces.constraint import ConstraintBackend, ConstraintTokenizer
 from lmplug.interfaces.model_config import ModelConfig
 from lmplug.interfaces.quant import QuantMethod, Unquantized
-from lmplug.kit import extras, native_build
+from lmplug.kit import extras, fused_cpu, native_build
 from lmplug.loading import open_source
 from lmplug.loading.identity import model_identity
 from lmplug.loading.memory import check_fits
@@ -165,6 +165,9 @@ def build_engine_parts(resolved: ResolvedConfig, parallel: ParallelState | None 
     _load_with_progress(model, source, parallel)
     model.eval()
     if device.type == "cpu":
+        fused_cpu.set_enabled(plan.cpu.fused_ops)  # the plan's CPU policy (process-wide ops)
+        if not plan.cpu.native_step and hasattr(model, "allow_native_step"):
+            model.allow_native_step(False)
         build_cpu_kernels()
 
     sched_opts = backends["scheduler"].options

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
@@ -22,7 +23,14 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from lmplug.config import ModelFacts, ResolvedBackend, ResolvedConfig, kv_dtype_of, resolve
+from lmplug.config import (
+    CpuConfig,
+    ModelFacts,
+    ResolvedBackend,
+    ResolvedConfig,
+    kv_dtype_of,
+    resolve,
+)
 from lmplug.engine.architecture import architecture as make_architecture
 from lmplug.engine.architecture import choose_architecture
 from lmplug.errors import ConfigError, ModelLoadError, PluginError
@@ -40,6 +48,29 @@ FROM_CHECKPOINT = "from the checkpoint's quantization_config"
 
 
 @dataclass(frozen=True)
+class CpuPolicy:
+    """The CPU fast paths this engine takes (``cpu:``, or the environment's override)."""
+
+    native_step: bool = True  # a decode step's layers in one C call, where every plugin has a C form
+    fused_ops: bool = True  # the fused float32 CPU ops (process-wide)
+
+
+# config key -> the environment variable that overrides it (documented in docs/configuration.md)
+CPU_OVERRIDES = {"native_step": "LMPLUG_NATIVE_STEP", "fused_ops": "LMPLUG_FUSED_CPU"}
+
+
+def cpu_policy(config: CpuConfig) -> CpuPolicy:
+    """``config``'s keys, each overridden by its environment variable when that is set
+    ("0", "false", "no", "off": off; anything else: on)."""
+    values = config.model_dump()
+    for key, env in CPU_OVERRIDES.items():
+        value = os.environ.get(env, "").strip().lower()
+        if value:
+            values[key] = value not in ("0", "false", "no", "off")
+    return CpuPolicy(**values)
+
+
+@dataclass(frozen=True)
 class EnginePlan:
     """Everything chosen for one engine (one rank), before anything is built."""
 
@@ -52,6 +83,7 @@ class EnginePlan:
     max_model_len: int
     architecture: BackendInfo | None = None  # the ``model`` family backend that serves the checkpoint
     architecture_reason: str = ""  # why (``engine.architecture.choose_architecture``), logged
+    cpu: CpuPolicy = CpuPolicy()  # the CPU fast paths (config ``cpu:``, environment overrides)
 
 
 def model_facts(model_config: ModelConfig) -> ModelFacts:
@@ -90,7 +122,7 @@ def make_plan(resolved: ResolvedConfig, hf_config: Mapping, model_config: ModelC
     plan = EnginePlan(final, model_config, where, parallel,
                       MappingProxyType(parallel_setup.local_kv_shape(kv_shape, parallel)), scale,
                       resolved.config.max_model_len or model_config.max_position_embeddings,
-                      arch_info, arch_reason)
+                      arch_info, arch_reason, cpu_policy(resolved.config.cpu))
     if parallel.rank == 0:
         logger.info("%s: model: architecture %r from %s (%s)", final.source, arch_info.name,
                     arch_info.distribution, arch_reason)

@@ -147,6 +147,10 @@ class DecoderForCausalLM(torch.nn.Module):
         # planned on the first forward, after loading (``native_step``): None until then, False: none
         self._native_step: NativeDecodeStep | bool | None = None
 
+    def allow_native_step(self, allowed: bool) -> None:
+        """The engine plan's ``cpu.native_step``: False keeps the Python layers for every step."""
+        self._native_step = None if allowed else False
+
     def new_layer(self, index: int, dtype: torch.dtype, quant: QuantMethod, attention: AttentionBackend,
                   kv_layer: int | None = None) -> DecoderLayer:
         """Decoder layer ``index`` of this architecture (its feed-forward block as layer ``index``
