@@ -31,7 +31,7 @@ _LAZY = {
     "PoolingParams": "lmplug.outputs",
     "RequestOutput": "lmplug.outputs",
     "RoutingConfig": "lmplug.api",
-    "SamplingParams": "lmplug.interfaces.params",
+    "SamplingParams": "lmplug.api",
     "BeamSearchParams": "lmplug.beam.api",
     "BeamSearchOutput": "lmplug.beam.api",
     "Scheduler": "lmplug.api",
