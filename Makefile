@@ -46,7 +46,7 @@ GPU_COMPILE := $(PY) tools/gpu_compile.py
 GPU_COMPILE_SAMPLE ?= 6
 TRITON_OLD ?= 3.6.0
 TRITON_OLD_SAMPLE ?= 3
-# the lmplug cache folder (lmplug.interfaces.paths.cache_dir): $LMPLUG_CACHE or ~/.cache/lmplug
+# the lmplug cache folder (lmplug.kit.paths.cache_dir): $LMPLUG_CACHE or ~/.cache/lmplug
 TRITON_OLD_DIR = $(or $(LMPLUG_CACHE),$(HOME)/.cache/lmplug)/triton-$(TRITON_OLD)
 
 $(TRITON_OLD_DIR)/.installed: $(STAMP)

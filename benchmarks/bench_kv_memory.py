@@ -41,8 +41,8 @@ import torch
 from lmplug_kvcache.contiguous import ContiguousKVCache, ContiguousOptions
 from lmplug_kvcache.paged import PagedKVCache, PagedOptions
 
+from lmplug.api import KVCacheSpec
 from lmplug.errors import LmplugError
-from lmplug.interfaces import KVCacheSpec
 from lmplug.interfaces.params import SamplingParams
 from lmplug.interfaces.sequence import Sequence
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 from lmplug_kvcache.paged import PagedKVCache, PagedOptions
 
-from lmplug.interfaces import KVCacheSpec
+from lmplug.api import KVCacheSpec
 
 
 @dataclass(frozen=True)

@@ -99,7 +99,7 @@ def write(shape: str, kind: str, path: Path, demo: Path, seed: int = 0) -> Path:
 
 def sized_file(shape: str, kind: str) -> Path:
     """The file of this shape and type in the cache, written first when absent."""
-    from lmplug.interfaces.paths import cache_dir
+    from lmplug.kit.paths import cache_dir
 
     if shape not in SHAPES:
         raise SystemExit(f"--shape {shape!r}: one of {', '.join(SHAPES)}")

@@ -16,26 +16,26 @@ __version__ = "0.2.0"
 
 # public name -> the module that defines it
 _LAZY = {
-    "API_VERSION": "lmplug.plugins",
+    "API_VERSION": "lmplug.api",
     "LLM": "lmplug.llm",
-    "AttentionBackend": "lmplug.interfaces",
-    "BackendOptions": "lmplug.interfaces",
-    "Capabilities": "lmplug.interfaces",
+    "AttentionBackend": "lmplug.api",
+    "BackendOptions": "lmplug.api",
+    "Capabilities": "lmplug.api",
     "CompletionOutput": "lmplug.outputs",
-    "Drafter": "lmplug.interfaces",
+    "Drafter": "lmplug.api",
     "EngineConfig": "lmplug.config",
-    "KVCacheBackend": "lmplug.interfaces",
-    "KVLayerView": "lmplug.interfaces",
-    "MoEBackend": "lmplug.interfaces",
-    "QuantMethod": "lmplug.interfaces",
+    "KVCacheBackend": "lmplug.api",
+    "KVLayerView": "lmplug.api",
+    "MoEBackend": "lmplug.api",
+    "QuantMethod": "lmplug.api",
     "PoolingParams": "lmplug.outputs",
     "RequestOutput": "lmplug.outputs",
-    "RoutingConfig": "lmplug.interfaces",
-    "SamplingParams": "lmplug.interfaces.params",
+    "RoutingConfig": "lmplug.api",
+    "SamplingParams": "lmplug.api",
     "BeamSearchParams": "lmplug.beam.api",
     "BeamSearchOutput": "lmplug.beam.api",
-    "Scheduler": "lmplug.interfaces",
-    "StepContext": "lmplug.interfaces",
+    "Scheduler": "lmplug.api",
+    "StepContext": "lmplug.api",
     "hookimpl": "lmplug.hookspecs",
     "hookspec": "lmplug.hookspecs",
 }
@@ -84,10 +84,7 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:  # what type checkers and IDEs see; nothing runs here
-    from lmplug.beam.api import BeamSearchOutput, BeamSearchParams
-    from lmplug.config import EngineConfig
-    from lmplug.hookspecs import hookimpl, hookspec
-    from lmplug.interfaces import (
+    from lmplug.api import (
         AttentionBackend,
         BackendOptions,
         Capabilities,
@@ -100,6 +97,9 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; nothing runs here
         Scheduler,
         StepContext,
     )
+    from lmplug.beam.api import BeamSearchOutput, BeamSearchParams
+    from lmplug.config import EngineConfig
+    from lmplug.hookspecs import hookimpl, hookspec
     from lmplug.interfaces.params import SamplingParams
     from lmplug.llm import LLM
     from lmplug.outputs import CompletionOutput, RequestOutput

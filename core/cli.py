@@ -203,7 +203,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_plugins(args: argparse.Namespace) -> int:
-    from lmplug.interfaces import FAMILIES
+    from lmplug.families import FAMILIES
     from lmplug.plugins import get_registry
 
     registry = get_registry()
@@ -227,7 +227,7 @@ def cmd_plugins(args: argparse.Namespace) -> int:
 def _check_backend(registry, name: str, options: list[str], device: str = "cpu",
                    hf_configs: list[str] | None = None) -> int:
     """Run the conformance suite on one installed backend (``[FAMILY:]NAME``) on ``device``."""
-    from lmplug.interfaces import FAMILIES
+    from lmplug.families import FAMILIES
     from lmplug.testing.runner import check, parse_options
 
     family, _, backend = name.rpartition(":")

@@ -19,7 +19,15 @@ from types import MappingProxyType
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from lmplug.config_sections import (
     ModelFacts,
@@ -32,7 +40,7 @@ from lmplug.config_sections import (
     resolve_one,
 )
 from lmplug.errors import ConfigError
-from lmplug.interfaces.families import configured, nested
+from lmplug.families import configured, nested
 from lmplug.plugins import Registry, get_registry
 
 logger = logging.getLogger(__name__)
@@ -41,10 +49,31 @@ DEFAULT_CONFIG = Path(__file__).parent / "configs" / "default.yaml"
 MAX_CONFIG_BYTES = 1 << 20  # a config file is a few KiB; refuse anything larger before reading it
 
 # config section -> (plugin family, key that names the backend), in resolution order; from the
-# family table (``lmplug.interfaces.families``)
+# family table (``lmplug.families``)
 SECTIONS: dict[str, tuple[str, str]] = {f.section: (f.name, f.name_key) for f in configured()}
 # absent = feature off / not an MoE model
 OPTIONAL_SECTIONS = frozenset(f.section for f in configured() if f.optional)
+# a section's earlier name -> its name: both load the same config; the old one warns, once
+SECTION_ALIASES: dict[str, str] = {alias: f.section for f in configured() for alias in f.aliases}
+_warned_aliases: set[str] = set()
+
+
+def canonical_sections(data: Mapping[str, Any], source: str = "config") -> dict[str, Any]:
+    """``data`` with every section under its one name (an old name renamed, with a deprecation
+    warning logged once per process); both names at once is an error naming them."""
+    out = dict(data)
+    for alias, section in SECTION_ALIASES.items():
+        if alias not in out:
+            continue
+        if section in out:
+            raise ConfigError(f"{source}: `{alias}` is the old name of the section `{section}`; "
+                              f"give it once, as `{section}`")
+        out[section] = out.pop(alias)
+        if alias not in _warned_aliases:
+            _warned_aliases.add(alias)
+            logger.warning("config section `%s` is deprecated: it is now `%s` (the %s family); the old "
+                           "name loads the same config", alias, section, SECTIONS[section][0])
+    return out
 
 
 class ParallelConfig(BaseModel):
@@ -63,6 +92,19 @@ class ParallelConfig(BaseModel):
         "are split as without it. No effect on dense models")
     timeout_s: float = Field(default=300.0, gt=0, description="longest wait in one collective before the "
                              "group gives up (a dead worker is detected at once)")
+
+
+class CpuConfig(BaseModel):
+    """``cpu:``: the CPU fast paths, decided in the engine plan (``lmplug.engine.plan.cpu_policy``);
+    the environment variables named below override a key when set (benchmarks compare paths)."""
+
+    model_config = ConfigDict(extra="forbid")
+    native_step: bool = Field(
+        default=True, description="run a float32 decode step's decoder layers in one C call where every "
+        "plugin on the path has a C form (else the Python layers); `LMPLUG_NATIVE_STEP=0|1` overrides")
+    fused_ops: bool = Field(
+        default=True, description="fused float32 CPU ops (RMSNorm, add + RMSNorm, SiLU * mul, RoPE in C; "
+        "for the whole process); `LMPLUG_FUSED_CPU=0|1` overrides")
 
 
 class PoolerConfig(BaseModel):
@@ -108,13 +150,20 @@ class EngineConfig(BaseModel):
         default=None, description="models with linear-attention / state-space layers only; see below")
     quant: dict[str, Any] | None = Field(default=None, description="absent: the checkpoint's own format")
     speculative: dict[str, Any] | None = Field(default=None, description="absent: no speculative decoding")
-    structured_output: dict[str, Any] = Field(
+    constraint: dict[str, Any] = Field(
         default_factory=lambda: {"backend": "auto"},
-        description="the grammar engine for structured output and forced tool calls; see below")
+        description="the grammar engine for structured output and forced tool calls (formerly "
+        "`structured_output`, still accepted); see below")
     compression: dict[str, Any] | None = Field(
         default=None, description="absent: no prompt compression; present: the default for every request")
     parallel: ParallelConfig = Field(default_factory=ParallelConfig, description="tensor parallelism")
     pooler: PoolerConfig = Field(default_factory=PoolerConfig, description="embeddings' default pooling")
+    cpu: CpuConfig = Field(default_factory=CpuConfig, description="the CPU fast paths (native step, fused ops)")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _old_section_names(cls, data: Any) -> Any:
+        return canonical_sections(data) if isinstance(data, Mapping) else data
 
     @field_validator(*SECTIONS, mode="before")
     @classmethod
@@ -127,6 +176,8 @@ class EngineConfig(BaseModel):
     # -- construction --------------------------------------------------------------
     @classmethod
     def from_dict(cls, data: dict[str, Any], *, source: str = "config") -> EngineConfig:
+        if isinstance(data, Mapping):
+            data = canonical_sections(data, source)
         try:
             return cls.model_validate(data)
         except ValidationError as exc:
@@ -178,9 +229,10 @@ def _read_config_file(path: Path) -> str:
 
 
 def merge(base: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
-    """Overrides win; plugin sections merge key by key (a new backend name drops old options)."""
-    out = dict(base)
-    for key, value in overrides.items():
+    """Overrides win; plugin sections merge key by key (a new backend name drops old options).
+    A section's old name merges into its new one."""
+    out = canonical_sections(base)
+    for key, value in canonical_sections(overrides).items():
         if value is None and key not in OPTIONAL_SECTIONS:
             continue
         if key in SECTIONS and isinstance(value, str):

@@ -18,9 +18,9 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from lmplug.api import BackendInfo, BackendOptions
 from lmplug.errors import ConfigError
-from lmplug.interfaces import BackendInfo, BackendOptions
-from lmplug.interfaces.families import Family, by_section, nested
+from lmplug.families import Family, by_section, nested
 from lmplug.plugins import Registry
 
 
@@ -118,7 +118,8 @@ def _choose_auto(registry: Registry, section: str, family: str, device: str, dty
                  chosen: Mapping[str, ResolvedBackend], source: str,
                  model: ModelFacts | None) -> tuple[BackendInfo, str]:
     """The highest-priority backend that fits, and why (the candidates, the winner's priority)."""
-    candidates = [i for i in registry.backends(family).values() if i.cls.capabilities.fits(device, dtype)]
+    candidates = [i for i in registry.backends(family).values()
+                  if i.cls.capabilities.fits(device, dtype, auto=True)]
     fits = [f"device {device}", f"dtype {dtype}"]
     if section == "attention" and model is not None:  # MLA models need the "mla" feature, others not
         candidates = [i for i in candidates if ("mla" in i.cls.capabilities.features) == model.mla]

@@ -89,7 +89,7 @@ class Constraints:
         None when the cache holds it already."""
         if self.backend is None:
             raise ConstraintError("structured", "structured output was asked for, but no constraint backend "
-                                  "is configured (config section `structured_output`)")
+                                  "is configured (config section `constraint`)")
         if self.backend.cached(spec) is not None:
             return None
         if spec.kind not in self.backend.kinds:

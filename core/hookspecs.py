@@ -23,7 +23,7 @@ hookimpl = pluggy.HookimplMarker("lmplug")
 
 # -- registration: called once each when the registry is built ---------------
 # One per plugin family; which hook fills which family (and the base class its classes must
-# subclass) is the family table, ``lmplug.interfaces.families.TABLE``.
+# subclass) is the family table, ``lmplug.families.TABLE``.
 
 
 @hookspec
@@ -113,12 +113,14 @@ def lmplug_configure(config: Any) -> None:
 
 @hookspec
 def lmplug_engine_started(engine: Any) -> None:
-    """Called once when an ``LLMEngine`` has built its model and backends."""
+    """Called once when an ``LLMEngine`` has built its model and backends. ``engine`` is a
+    read-only ``lmplug.api.EngineView`` (config, chosen backends, model facts, context limit,
+    last step's statistics), the same object the other lifecycle hooks receive."""
 
 
 @hookspec
 def lmplug_step_finished(engine: Any, stats: dict) -> None:
-    """Called after every engine step with that step's statistics
+    """Called after every engine step (``engine``: its ``EngineView``) with that step's statistics
     (``num_running``, ``num_waiting``, ``num_prefill_tokens``,
     ``num_decode_tokens``, ``kv_usage``, ``step_time_s``). Only called when some
     plugin implements it."""
@@ -126,4 +128,5 @@ def lmplug_step_finished(engine: Any, stats: dict) -> None:
 
 @hookspec
 def lmplug_request_finished(engine: Any, output: Any) -> None:
-    """Called once per finished request with its final ``RequestOutput``."""
+    """Called once per finished request (``engine``: its ``EngineView``) with its final
+    ``RequestOutput``."""

@@ -30,13 +30,14 @@ import importlib_metadata
 import pluggy
 
 from lmplug import hookspecs
+from lmplug.api import API_VERSION
 from lmplug.errors import PluginError
-from lmplug.interfaces import FAMILIES, BackendInfo, BackendOptions, Capabilities
-from lmplug.interfaces.families import TABLE as FAMILY_TABLE
+from lmplug.families import FAMILIES
+from lmplug.families import TABLE as FAMILY_TABLE
+from lmplug.interfaces.common import BackendInfo, BackendOptions, Capabilities
 
 logger = logging.getLogger(__name__)
 
-API_VERSION = 3  # 2: plugins import only the contract; 3: the model family and the kit (lmplug.kit)
 ENTRY_POINT_GROUP = "lmplug.plugins"
 ENV_ALLOWLIST = "LMPLUG_PLUGINS"
 ENV_DISABLE_AUTOLOAD = "LMPLUG_DISABLE_PLUGIN_AUTOLOAD"
@@ -277,13 +278,14 @@ def reset_registry() -> None:
 
 def _import_failure(target: str, exc: BaseException) -> str:
     """Why a plugin module did not import. A plugin written for API version 1 imported engine
-    internals that API 2 moved into ``lmplug.interfaces``: say that, not just the ImportError."""
+    internals that API 2 moved into the contract, one of API 2 names API 3 moved into ``lmplug.api``
+    or the kit: say that, not just the ImportError."""
     missing = getattr(exc, "name", None) or ""
     if isinstance(exc, ImportError) and (missing == "lmplug" or missing.startswith("lmplug.")):
         return (f"targets an older lmplug API: importing {target!r} failed on {missing!r} "
                 f"({type(exc).__name__}: {exc}); this core implements API version {API_VERSION}, in "
-                "which plugins import only lmplug.interfaces, lmplug.hookspecs, lmplug.errors and "
-                "the building kit lmplug.kit (docs/plugins.md, \"Porting a plugin\")")
+                "which plugins import the API from lmplug.api (and lmplug.errors) and building "
+                "helpers from the kit lmplug.kit (docs/plugins.md, \"Porting a plugin\")")
     if not isinstance(exc, Exception):
         return (f"failed to import {target!r}: it raised {type(exc).__name__}({exc!s}) while importing "
                 "(contained: a plugin's import may not end the process)")

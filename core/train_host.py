@@ -7,8 +7,8 @@ from collections.abc import Callable
 
 import torch
 
+from lmplug.api import ScheduledSeq
 from lmplug.errors import ConfigError
-from lmplug.interfaces import ScheduledSeq
 from lmplug.interfaces.params import SamplingParams
 from lmplug.interfaces.sequence import Sequence
 from lmplug.llm import LLM

@@ -14,8 +14,8 @@ from pathlib import Path
 # capabilities are documented as on a real machine, not as under the Triton interpreter
 os.environ.pop("TRITON_INTERPRET", None)
 
-from lmplug.config import EngineConfig, ParallelConfig, PoolerConfig  # noqa: E402
-from lmplug.interfaces.families import configured, nested  # noqa: E402
+from lmplug.config import CpuConfig, EngineConfig, ParallelConfig, PoolerConfig  # noqa: E402
+from lmplug.families import configured, nested  # noqa: E402
 from lmplug.plugins import Registry  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -67,6 +67,12 @@ def render() -> str:
     out = [HEADER, "## Top level", "", *_rows(EngineConfig), ""]
     out += ["## `parallel:` (tensor parallelism; `--tp N` on the command line)", "", *_rows(ParallelConfig), ""]
     out += ["## `pooler:` (embeddings: `LLM.embed`, `/v1/embeddings`)", "", *_rows(PoolerConfig), ""]
+    out += ["## `cpu:` (the CPU fast paths, decided in the engine plan)", "",
+            "Each key is overridden by its environment variable when that is set (`0`, `false`, `no`, "
+            "`off`: off; anything else: on); benchmarks compare the paths that way. The GGUF kernels "
+            "read two more: `LMPLUG_GGUF_THREADS` (threads of their own pool; default torch's thread "
+            "count) and `LMPLUG_GGUF_ISA` (`auto`, `generic`, `avx2`, `avx512`: which kernels run).", "",
+            *_rows(CpuConfig), ""]
     sections = [(f.section, f.name, f.name_key) for f in configured()]
     sections += [(f"{f.within}.{f.name}", f.name, f.name_key) for f in nested()]
     for section, family, name_key in sections:

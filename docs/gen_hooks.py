@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 from lmplug import hookspecs
-from lmplug.interfaces.families import TABLE
+from lmplug.families import TABLE
 
 ROOT = Path(__file__).resolve().parents[1]
 TARGET = ROOT / "docs" / "hooks.md"

@@ -43,7 +43,7 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
-from lmplug.interfaces.paths import cache_dir
+from lmplug.kit.paths import cache_dir
 
 # -- the limits --------------------------------------------------------------------------------
 
@@ -519,7 +519,7 @@ class Recorder:
 
 def capture(archs: list[int], families: list[str], only: str | None) -> tuple[list[Job], list[dict]]:
     """Call every case of ``families`` for every arch; (unique jobs, rows of wrappers that raised)."""
-    from lmplug.interfaces.devices import target_capability
+    from lmplug.kit.devices import target_capability
 
     jobs: dict[str, Job] = {}
     errors = []

@@ -11,24 +11,18 @@ from pathlib import Path
 
 import torch
 
+from lmplug.api import Drafter, KVCacheBackend, KVCacheSpec, Scheduler, SchedulerLimits
 from lmplug.config import ResolvedConfig
 from lmplug.engine.architecture import architecture, open_checkpoint
 from lmplug.engine.draft_parts import draft_target
 from lmplug.engine.plan import EnginePlan, fit_pool, make_plan
 from lmplug.engine.runner import ModelRunner
 from lmplug.errors import ConfigError, ModelLoadError
-from lmplug.interfaces import (
-    Drafter,
-    KVCacheBackend,
-    KVCacheSpec,
-    Scheduler,
-    SchedulerLimits,
-    native_build,
-)
 from lmplug.interfaces.acceptance import AcceptanceRule
 from lmplug.interfaces.constraint import ConstraintBackend, ConstraintTokenizer
 from lmplug.interfaces.model_config import ModelConfig
 from lmplug.interfaces.quant import QuantMethod, Unquantized
+from lmplug.kit import extras, fused_cpu, native_build
 from lmplug.loading.identity import model_identity
 from lmplug.loading.memory import check_fits
 from lmplug.loading.pooling_config import ModelPooling, read_pooling
@@ -120,9 +114,9 @@ SMALL_STEP_TOKENS = 16
 
 def small_step_tokens(quant: QuantMethod, device: torch.device, parallel: ParallelState) -> int:
     """The runner's ``small_step_tokens``: ``SMALL_STEP_TOKENS`` where the quant method's
-    products split across their own threads on this CPU (``QuantMethod.own_threads``; one
+    products split across their own threads on this CPU (``lmplug.kit.extras.OwnThreads``; one
     process: tensor-parallel slices are dense), else 0."""
-    if device.type != "cpu" or parallel.is_parallel or not quant.own_threads(device):
+    if device.type != "cpu" or parallel.is_parallel or not extras.own_threads(quant, device):
         return 0
     return SMALL_STEP_TOKENS
 
@@ -172,6 +166,9 @@ def build_engine_parts(resolved: ResolvedConfig, parallel: ParallelState | None 
     _load_with_progress(model, source, parallel)
     model.eval()
     if device.type == "cpu":
+        fused_cpu.set_enabled(plan.cpu.fused_ops)  # the plan's CPU policy (process-wide ops)
+        if not plan.cpu.native_step and hasattr(model, "allow_native_step"):
+            model.allow_native_step(False)
         build_cpu_kernels()
 
     sched_opts = backends["scheduler"].options
@@ -191,13 +188,13 @@ def build_engine_parts(resolved: ResolvedConfig, parallel: ParallelState | None 
     limits = SchedulerLimits(sched_opts.max_num_seqs, sched_opts.max_num_batched_tokens, max_model_len)
     scheduler = backends["scheduler"].cls(sched_opts, kv, limits)
     # group: rank 0's handle on the tensor-parallel workers (``lmplug.parallel.launch``), if any
-    runner = ModelRunner(model, kv, device, parallel=group, short_query_tokens=attention.short_query_tokens,
+    runner = ModelRunner(model, kv, device, parallel=group, short_query_tokens=extras.short_query_tokens(attention),
                          keep_hidden=drafter is not None and drafter.uses_hidden_states,
                          small_step_tokens=small_step_tokens(quant, device, parallel))
     if drafter is not None:
         drafter.setup(draft_target(model, model_config, kv, source.tokenizer, device, dtype,
                                    max_model_len, sched_opts.max_num_seqs, attention,
-                                   build=build_engine_parts, checkpoint=str(source.path), quant=quant))
+                                   checkpoint=str(source.path), quant=quant))
     load_time = time.perf_counter() - started
     logger.info("loaded %s (%s, %d layers) in %.2f s; KV: %s (%s), %d bytes/token", source.path,
                 model_config.model_type, model_config.num_layers, load_time, kv.name,
@@ -205,8 +202,8 @@ def build_engine_parts(resolved: ResolvedConfig, parallel: ParallelState | None 
     memory = parallel_setup.memory_report(model, kv, parallel)
     eos_ids = _eos_ids(source)
     constraint = None
-    if "structured_output" in backends and source.tokenizer is not None:
-        chosen = backends["structured_output"]
+    if "constraint" in backends and source.tokenizer is not None:
+        chosen = backends["constraint"]
         constraint = chosen.cls(chosen.options, ConstraintTokenizer(
             source.tokenizer.backend, model_config.vocab_size, eos_ids))
     return EngineParts(model_config, model, source.tokenizer, kv, scheduler, runner, max_model_len,

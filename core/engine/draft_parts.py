@@ -10,29 +10,29 @@ from collections.abc import Callable
 
 import torch
 
+from lmplug.api import AttentionBackend, DraftTarget, KVCacheBackend
 from lmplug.engine.runner import ModelRunner
 from lmplug.errors import ConfigError
-from lmplug.interfaces import AttentionBackend, DraftTarget, KVCacheBackend
 from lmplug.interfaces.checkpoint import ModelSource
 from lmplug.interfaces.drafter import DraftModel, MTPDraft
 from lmplug.interfaces.model_config import ModelConfig
 from lmplug.interfaces.quant import QuantMethod
+from lmplug.kit import extras
 
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
 def draft_target(model: torch.nn.Module, model_config: ModelConfig, kv: KVCacheBackend, tokenizer,
                  device: torch.device, dtype: torch.dtype, max_model_len: int, max_num_seqs: int,
-                 attention: AttentionBackend, *, build: Callable, checkpoint: str | None = None,
+                 attention: AttentionBackend, *, checkpoint: str | None = None,
                  quant: QuantMethod | None = None) -> DraftTarget:
     """The ``DraftTarget`` of a target model, with the core's callables bound to its settings;
-    ``build`` is the engine's ``build_engine_parts`` (handed in: the build imports this module);
     ``checkpoint`` the target's checkpoint path and ``quant`` its quant method (MTP modules)."""
-    runner = functools.partial(new_runner, device=device, short_query_tokens=attention.short_query_tokens)
+    runner = functools.partial(new_runner, device=device, short_query_tokens=extras.short_query_tokens(attention))
     return DraftTarget(
         model, model_config, kv, tokenizer, device, dtype, max_model_len, max_num_seqs,
         attention=attention,
-        open_model=functools.partial(open_draft_model, build=build, device=device, dtype=dtype,
+        open_model=functools.partial(open_draft_model, device=device, dtype=dtype,
                                      max_model_len=max_model_len, max_num_seqs=max_num_seqs),
         new_runner=runner,
         new_kv_cache=functools.partial(draft_kv_cache, kv),
@@ -40,11 +40,12 @@ def draft_target(model: torch.nn.Module, model_config: ModelConfig, kv: KVCacheB
                                    quant=quant, device=device, dtype=dtype, new_runner=runner))
 
 
-def open_draft_model(name_or_path: str, *, build: Callable, device: torch.device, dtype: torch.dtype,
+def open_draft_model(name_or_path: str, *, device: torch.device, dtype: torch.dtype,
                      max_model_len: int, max_num_seqs: int) -> DraftModel:
     """Load a draft model as an engine loads its target: on ``device`` in ``dtype``, its KV cache
     sized for ``max_model_len`` and ``max_num_seqs`` (backends: the default config's)."""
     from lmplug.config import EngineConfig, resolve
+    from lmplug.engine.build import build_engine_parts  # here: the build imports this module
 
     dtype_name = _DTYPE_NAMES[dtype]
     config = EngineConfig.from_dict({
@@ -53,7 +54,7 @@ def open_draft_model(name_or_path: str, *, build: Callable, device: torch.device
         "scheduler": {"backend": "auto", "max_num_seqs": max_num_seqs},
     }, source="speculative.model")
     resolved = resolve(config, device=device.type, dtype=dtype_name, source="speculative.model")
-    parts = build(resolved)
+    parts = build_engine_parts(resolved)
     return DraftModel(parts.model, parts.model_config, parts.kv, parts.tokenizer, parts.runner)
 
 
@@ -68,9 +69,7 @@ def draft_kv_cache(target_kv: KVCacheBackend, num_layers: int, **spec) -> KVCach
     """A cache of the target's KV class for ``num_layers`` layers, without prefix caching
     (a draft's cached blocks may hold tokens the target later rejects); ``spec`` overrides
     other ``KVCacheSpec`` fields (e.g. a draft head's ``num_kv_heads``, ``head_dim``)."""
-    options = target_kv.options
-    if "prefix_caching" in type(options).model_fields:
-        options = options.model_copy(update={"prefix_caching": False})
+    options = type(target_kv).draft_options(target_kv.options)
     return type(target_kv)(options, dataclasses.replace(target_kv.spec, num_layers=num_layers, **spec))
 
 

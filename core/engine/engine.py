@@ -19,6 +19,7 @@ from lmplug.engine.forks import Forks
 from lmplug.engine.isolation import Observers, StepFailures
 from lmplug.engine.stages import build_select_stages
 from lmplug.errors import ConfigError
+from lmplug.interfaces.engine_view import EngineView
 from lmplug.interfaces.params import SamplingParams, check_token_ids
 from lmplug.interfaces.scheduler import ScheduledSeq, SchedulerOutput
 from lmplug.interfaces.sequence import Sequence
@@ -111,7 +112,10 @@ class LLMEngine:
         self.observers = Observers(self.registry)
         self._observe_steps = self.observers.wanted("lmplug_step_finished")
         self.last_stats: dict = {}
-        self.observers.notify("lmplug_engine_started", engine=self)
+        # what the lifecycle hooks hand observers: read-only facts, not the engine
+        self.view = EngineView(self.config, {f: b.name for f, b in self.resolved.backends.items()},
+                               self.model_config, self.max_model_len, lambda: self.last_stats)
+        self.observers.notify("lmplug_engine_started", engine=self.view)
 
     @property
     def speculator(self) -> Speculator | None:
@@ -192,7 +196,7 @@ class LLMEngine:
         self.selector.annotate(outputs)
         for out in outputs:
             if out.finished:
-                self.observers.notify("lmplug_request_finished", engine=self, output=out)
+                self.observers.notify("lmplug_request_finished", engine=self.view, output=out)
         self._report(plan, started, num_decode)
         return outputs
 
@@ -208,7 +212,7 @@ class LLMEngine:
         """Advance the computed counts, select the next tokens, append them; returns the
         scheduled sequences that finished (failed ones included) and those that failed."""
         for item in scheduled:
-            item.seq.num_computed_tokens += item.num_new_tokens
+            item.seq.advance(item.num_new_tokens)
         pooled = self._pool(scheduled, result.pooled)
         guard = StepFailures()
         for seq_id, (first, logits) in result.prompt_logits.items():
@@ -274,4 +278,4 @@ class LLMEngine:
         }
         self.last_stats.update(self.selector.stats())
         if self._observe_steps:
-            self.observers.notify("lmplug_step_finished", engine=self, stats=self.last_stats)
+            self.observers.notify("lmplug_step_finished", engine=self.view, stats=self.last_stats)

@@ -41,8 +41,7 @@ class StepFailures:
     def fail(self, seq: Sequence, what: str, exc: BaseException) -> None:
         logger.error("request %r failed in the %s stage; it ends with finish_reason='error' "
                      "(the other requests go on)", seq.request_id, what, exc_info=exc)
-        seq.finish("error", clear_stop_reason=True)
-        seq.finish_time = time.perf_counter()
+        seq.finish("error", clear_stop_reason=True, at=time.perf_counter())
         if seq not in self.failed:
             self.failed.append(seq)
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
@@ -22,7 +23,14 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from lmplug.config import ModelFacts, ResolvedBackend, ResolvedConfig, kv_dtype_of, resolve
+from lmplug.config import (
+    CpuConfig,
+    ModelFacts,
+    ResolvedBackend,
+    ResolvedConfig,
+    kv_dtype_of,
+    resolve,
+)
 from lmplug.config_sections import default_features
 from lmplug.engine.architecture import architecture as make_architecture
 from lmplug.engine.architecture import choose_architecture
@@ -30,8 +38,8 @@ from lmplug.errors import ConfigError, ModelLoadError, PluginError
 from lmplug.interfaces import architecture as arch_features
 from lmplug.interfaces.attention import LayerAttention, needed_features
 from lmplug.interfaces.common import BackendInfo
-from lmplug.interfaces.devices import capability
 from lmplug.interfaces.model_config import ModelConfig
+from lmplug.kit.devices import capability
 from lmplug.parallel import ParallelState
 from lmplug.parallel import setup as parallel_setup
 from lmplug.plugins import get_registry
@@ -39,6 +47,29 @@ from lmplug.plugins import get_registry
 logger = logging.getLogger(__name__)
 
 FROM_CHECKPOINT = "from the checkpoint's quantization_config"
+
+
+@dataclass(frozen=True)
+class CpuPolicy:
+    """The CPU fast paths this engine takes (``cpu:``, or the environment's override)."""
+
+    native_step: bool = True  # a decode step's layers in one C call, where every plugin has a C form
+    fused_ops: bool = True  # the fused float32 CPU ops (process-wide)
+
+
+# config key -> the environment variable that overrides it (documented in docs/configuration.md)
+CPU_OVERRIDES = {"native_step": "LMPLUG_NATIVE_STEP", "fused_ops": "LMPLUG_FUSED_CPU"}
+
+
+def cpu_policy(config: CpuConfig) -> CpuPolicy:
+    """``config``'s keys, each overridden by its environment variable when that is set
+    ("0", "false", "no", "off": off; anything else: on)."""
+    values = config.model_dump()
+    for key, env in CPU_OVERRIDES.items():
+        value = os.environ.get(env, "").strip().lower()
+        if value:
+            values[key] = value not in ("0", "false", "no", "off")
+    return CpuPolicy(**values)
 
 
 @dataclass(frozen=True)
@@ -56,6 +87,7 @@ class EnginePlan:
     architecture_reason: str = ""  # why (``engine.architecture.choose_architecture``), logged
     # how each cached layer attends, where the architecture declares it (``CacheLayout.layers``)
     attention_layers: tuple[LayerAttention, ...] = ()
+    cpu: CpuPolicy = CpuPolicy()  # the CPU fast paths (config ``cpu:``, environment overrides)
 
 
 def model_facts(model_config: ModelConfig, layers: tuple[LayerAttention, ...] = ()) -> ModelFacts:
@@ -96,7 +128,8 @@ def make_plan(resolved: ResolvedConfig, hf_config: Mapping, model_config: ModelC
     plan = EnginePlan(final, model_config, where, parallel,
                       MappingProxyType(parallel_setup.local_kv_shape(kv_shape, parallel)), scale,
                       resolved.config.max_model_len or model_config.max_position_embeddings,
-                      arch_info, arch_reason, attention_layers=layout.layers)
+                      arch_info, arch_reason, attention_layers=layout.layers,
+                      cpu=cpu_policy(resolved.config.cpu))
     if parallel.rank == 0:
         logger.info("%s: model: architecture %r from %s (%s)", final.source, arch_info.name,
                     arch_info.distribution, arch_reason)
@@ -224,7 +257,7 @@ def _check_connector_support(resolved: ResolvedConfig, parallel: ParallelState) 
 def _check_swap_support(resolved: ResolvedConfig, parallel: ParallelState) -> None:
     """Swap preemption copies blocks in rank 0's pool only: one process (as forks)."""
     scheduler = resolved.backends["scheduler"]
-    if parallel.world_size > 1 and getattr(scheduler.options, "preemption", None) == "swap":
+    if parallel.world_size > 1 and "swap" in scheduler.cls.features_for(scheduler.options):
         raise ConfigError(f"scheduler: {scheduler.name}: preemption: swap is not built for tensor parallelism "
                           f"(tensor_parallel_size={parallel.world_size}): each rank's pool holds its own heads; "
                           "use preemption: recompute")

@@ -7,12 +7,12 @@ import operator
 
 import torch
 
-from lmplug.interfaces.kv_layout import kv_slots
 from lmplug.interfaces.kvcache import KVCacheBackend
 from lmplug.interfaces.runner import StepResult
 from lmplug.interfaces.scheduler import ScheduledSeq
 from lmplug.interfaces.step import StepContext
-from lmplug.interfaces.threads import small_ops_single_threaded
+from lmplug.kit.kv_layout import kv_slots
+from lmplug.kit.threads import small_ops_single_threaded
 
 # query tokens x positions each attends, summed over a step: at most this (a 512-token prompt's
 # 512 x 512), torch's attention and other ops are a small share of a step beside the products
@@ -33,7 +33,7 @@ class ModelRunner:
         self.short_query_tokens = short_query_tokens
         self.keep_hidden = keep_hidden  # return the final hidden states behind the logits (Medusa)
         # a step of at most this many tokens runs with torch on one thread
-        # (``lmplug.interfaces.threads``: the quant method's products keep their own threads); 0: never
+        # (``lmplug.kit.threads``: the quant method's products keep their own threads); 0: never
         self.small_step_tokens = small_step_tokens
         model.bind_kv([kv.layer_view(i) for i in range(kv.spec.num_layers)])
         if kv.spec.states:  # state layers read their pools through ``ctx.state_slots``

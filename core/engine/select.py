@@ -5,7 +5,7 @@ there): ``Sampler`` (here) draws one token per sequence; ``lmplug.speculation.Sp
 drafts, verifies and rolls back; ``lmplug.beam.stage.BeamStage`` steps beam groups.
 ``lmplug.engine.stages`` routes each sequence to one of them.
 
-Both shape each row the same way before drawing (``lmplug.interfaces.sampling.sample``): penalties,
+Both shape each row the same way before drawing (``lmplug.kit.sampling.sample``): penalties,
 logit bias and ``min_tokens``, then the structured-output mask (``lmplug.constraints``; filled on a
 worker thread while the forward runs), then temperature and the filters.
 """
@@ -18,10 +18,10 @@ import torch
 
 from lmplug.constraints import Constraints
 from lmplug.interfaces.params import SamplingParams
-from lmplug.interfaces.penalties import PromptIds
-from lmplug.interfaces.sampling import sample
 from lmplug.interfaces.scheduler import ScheduledSeq, samples_now
 from lmplug.interfaces.sequence import Sequence
+from lmplug.kit.penalties import PromptIds
+from lmplug.kit.sampling import sample
 
 
 class Sampler:

@@ -27,9 +27,9 @@ target distribution exactly (``SamplingParams.exact``, ``check_exact_request``).
 conformance suite (``lmplug.testing.AcceptanceConformance``) draws from every rule and checks
 its tokens against its declared law by chi-square, and a lossless rule's law against ``p``.
 
-The primitives speculative sampling needs (``rejection_sample``, ``greedy_prefix``,
-``residual_distribution``, ``point_mass``) live here so the core's default and rules that
-build on them (a cascade's mixture target) share one implementation.
+The primitives speculative sampling needs (``rejection_sample``, ``residual_distribution``,
+``point_mass``: ``lmplug.kit.sampling``; ``greedy_prefix``, the base class's default, here)
+live in one place so the core's default and rules that build on them (a cascade's mixture target) share one implementation.
 """
 
 from __future__ import annotations
@@ -42,7 +42,6 @@ import torch
 from lmplug.errors import ConfigError
 from lmplug.interfaces.common import BackendOptions, Capabilities
 from lmplug.interfaces.params import SamplingParams
-from lmplug.interfaces.sampling import draw
 
 LOSSY = "lossy"  # the capabilities feature every lossy rule lists
 
@@ -95,46 +94,6 @@ def greedy_prefix(logits: torch.Tensor, draft: list[int]) -> Decision:
     while m < len(draft) and draft[m] == best[m]:
         m += 1
     return Decision(m, list(draft[:m]) + [best[m]])
-
-
-def rejection_sample(target: torch.Tensor, q: torch.Tensor | None, draft: list[int],
-                     generator: torch.Generator | None) -> Decision:
-    """Speculative sampling (Leviathan et al., 2023; Chen et al., 2023) towards ``target``
-    [k+1, V], for drafts drawn from ``q`` [k, V] (None: point masses on the drafts).
-
-    Draft x ~ q is accepted with probability min(1, t(x) / q(x)); at the first rejection the
-    emitted token is drawn from the residual norm(max(0, t - q)) and the rest is dropped. Then
-    P(emit x) = q(x) min(1, t/q) + (1 - sum_y min(t, q)) max(0, t - q)(x) / sum_y max(0, t - q)
-    = min(t, q)(x) + max(0, t - q)(x) = t(x), since sum_y max(0, t - q) = 1 - sum_y min(t, q):
-    every emitted token is an exact sample of ``target``'s row; after k acceptances the bonus
-    token is drawn from ``target[k]``. Any target works (a cascade passes its mixture)."""
-    k = len(draft)
-    if k == 0:
-        return Decision(0, [draw(target[0], generator)])
-    rows = torch.arange(k)
-    ids = torch.tensor(draft, dtype=torch.long)
-    t_draft = target[rows, ids]
-    q_draft = torch.ones(k, dtype=target.dtype) if q is None else q[rows, ids].to(target.dtype)
-    u = torch.rand(k, generator=generator, dtype=target.dtype)
-    # u < t/q without dividing (q may be 0 for a token the drafter could not have drawn)
-    rejected = (u * q_draft >= t_draft).tolist()
-    m = rejected.index(True) if True in rejected else k
-    if m == k:
-        return Decision(k, list(draft) + [draw(target[k], generator)])
-    q_row = point_mass(draft[m], target.shape[-1], target.dtype) if q is None else q[m].to(target.dtype)
-    return Decision(m, list(draft[:m]) + [draw(residual_distribution(target[m], q_row), generator)])
-
-
-def residual_distribution(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
-    """max(0, p - q), unnormalised (``draw`` normalises); falls back to p if it vanishes."""
-    residual = (p - q).clamp_(min=0)
-    return residual if float(residual.sum()) > 0 else p
-
-
-def point_mass(token: int, vocab: int, dtype: torch.dtype) -> torch.Tensor:
-    out = torch.zeros(vocab, dtype=dtype)
-    out[token] = 1
-    return out
 
 
 def check_exact_request(params: SamplingParams, rule: AcceptanceRule | None) -> None:

@@ -10,7 +10,6 @@ from typing import ClassVar
 import torch
 
 from lmplug.interfaces.common import BackendOptions, Capabilities
-from lmplug.interfaces.native import NativeCall
 from lmplug.interfaces.step import StepContext
 
 # Capabilities.features of attention backends that a model's per-layer attention may need
@@ -70,10 +69,6 @@ class AttentionBackend(ABC):
     name: ClassVar[str]
     capabilities: ClassVar[Capabilities]
     Options: ClassVar[type[BackendOptions]] = BackendOptions
-    # the runner orders a step's non-decode queries of at most this many tokens before longer
-    # ones (a backend may read such a leading run as decode rows); 0: no such run
-    short_query_tokens: ClassVar[int] = 0
-
     def __init__(self, options: BackendOptions, *, num_heads: int, num_kv_heads: int,
                  head_dim: int, scale: float, sliding_window: int | None = None,
                  layers: Sequence[LayerAttention] = ()) -> None:
@@ -109,7 +104,7 @@ class AttentionBackend(ABC):
     def check_target(cls, options: BackendOptions, kv_dtype: str, head_dim: int, dtype: str,
                      capability: tuple[int, int] | None) -> None:
         """Refuse, when the config is loaded, a configuration this backend's kernels cannot build
-        or run on the CUDA GPU of compute ``capability`` (``lmplug.interfaces.devices``), rather
+        or run on the CUDA GPU of compute ``capability`` (``lmplug.kit.devices``), rather
         than failing to compile on the first step: raise ``lmplug.errors.ConfigError`` naming the
         config key, the backend and the GPU (``devices.describe(capability)``). ``kv_dtype`` is
         what the KV cache stores ("auto": the model dtype, or e.g. "int8", "fp8_e4m3"),
@@ -130,18 +125,6 @@ class AttentionBackend(ABC):
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv: KVLayerView, ctx: StepContext) -> torch.Tensor:
         """q: [T, H, D]; k, v: [T, Hkv, D] (the step's new tokens). Returns [T, H, D]."""
-
-    def native_decode(self, ctx: StepContext, views: list[KVLayerView]) -> NativeCall | None:
-        """This step's attention as a C function of ``lmplug.interfaces.native.ATTENTION_ABI``
-        (every layer of a native decode step calls it; ``views`` are the model's cache layers),
-        or None: the step keeps the Python path. Asked once per step of a float32 model on the
-        CPU whose sequences' queries are all short and after cached context: single-token
-        decodes, a speculative verify's ``k + 1`` rows or draft tree (``query_masks``), a later
-        chunk; at most ``lmplug.kit.native_step.MAX_QUERY_TOKENS`` tokens a sequence. Row t of
-        the function's ``qkv`` is the step's query token t; return None for any step it does
-        not read. The function must give what ``forward`` gives, to float rounding. Default:
-        None."""
-        return None
 
 
 class MLAAttentionBackend(AttentionBackend):
@@ -179,7 +162,7 @@ class KVLayerView:
     ``k_cache`` / ``v_cache``: [num_blocks, block_size, Hkv, D]. Slot ``s`` is
     block ``s // block_size``, offset ``s % block_size``; a sequence's blocks
     are listed in ``StepContext.block_tables`` (position to slot:
-    ``lmplug.interfaces.kv_layout.kv_slots``). The contiguous layout is the
+    ``lmplug.kit.kv_layout.kv_slots``). The contiguous layout is the
     special case of one block of ``max_model_len`` slots per sequence.
 
     Quantized KV (kvcache ``dtype: int8 | fp8_e4m3``): the caches hold int8 /

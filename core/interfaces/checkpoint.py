@@ -6,7 +6,7 @@ same thing: an HF-style ``config.json`` dict, tensors under HF names
 row permutation undone, quantized blocks dequantized), and a tokenizer. A reader of a
 block-quantized format may also offer ``iter_packed``: the same tensors, with 2-D weights left
 in their packed blocks (``lmplug.interfaces.packed.PackedTensor``), for quant methods that
-multiply by them directly (``QuantMethod.takes_packed``).
+multiply by them directly (``lmplug.kit.extras.PackedWeights``).
 """
 
 from __future__ import annotations

@@ -13,7 +13,9 @@ class Capabilities:
 
     ``priority`` orders candidates when the config says ``backend: auto``; the
     highest-priority backend whose capabilities fit the device, dtype and the
-    other chosen backends wins.
+    other chosen backends wins. ``named_devices``: devices it also runs on when the config names
+    it, which ``auto`` never picks it for (Triton kernels on a CPU under ``TRITON_INTERPRET``), so
+    ``auto``'s order is the same with or without the interpreter.
     """
 
     devices: frozenset[str] = frozenset({"cpu"})
@@ -26,12 +28,16 @@ class Capabilities:
     # "fp8_e4m3" = quantized K/V with per-(token, head) scales, KVLayerView.k_scale / v_scale)
     kv_dtypes: frozenset[str] = frozenset({"auto"})
     priority: int = 0
+    named_devices: frozenset[str] = frozenset()
 
-    def fits(self, device: str, dtype: str) -> bool:
-        return device in self.devices and dtype in self.dtypes
+    def fits(self, device: str, dtype: str, *, auto: bool = False) -> bool:
+        """Runs on ``device`` in ``dtype``; ``auto``: and may be chosen there by ``backend: auto``."""
+        devices = self.devices if auto else self.devices | self.named_devices
+        return device in devices and dtype in self.dtypes
 
     def describe(self) -> str:
-        parts = [f"devices={','.join(sorted(self.devices))}", f"dtypes={','.join(sorted(self.dtypes))}"]
+        parts = [f"devices={','.join(sorted(self.devices | self.named_devices))}",
+                 f"dtypes={','.join(sorted(self.dtypes))}"]
         if self.kv_layouts:
             parts.append(f"kv_layouts={','.join(sorted(self.kv_layouts))}")
         if self.features:

@@ -50,14 +50,14 @@ def check_before_compile(spec: StructuredOutput, options: ConstraintOptions) -> 
         node, depth, names = stack.pop()
         if depth > max_depth:
             raise ConstraintError("json", f"structured output json: the schema nests deeper than "
-                                  f"structured_output.max_schema_depth = {max_depth}; refused")
+                                  f"constraint.max_schema_depth = {max_depth}; refused")
         if isinstance(node, dict) and names:
             stack.extend((v, depth, False) for v in node.values())
         elif isinstance(node, dict):
             enum = node.get("enum")
             if isinstance(enum, list) and len(enum) > max_enum:
                 raise ConstraintError("json", f"structured output json: an enum of {len(enum)} values, more "
-                                      f"than structured_output.max_enum_values = {max_enum}; refused")
+                                      f"than constraint.max_enum_values = {max_enum}; refused")
             if "not" in node:
                 raise ConstraintError("json", "structured output json: the schema keyword 'not' is not "
                                       "supported by the constraint backends; refused")

@@ -171,7 +171,7 @@ class Drafter(ABC):
         """Propose up to ``num_tokens`` next tokens for each sequence (fewer, or none, is fine).
 
         A sampling drafter draws with ``seq.generator`` after applying the request's
-        temperature / top-k / top-p / min-p (``lmplug.interfaces.sampling.processed_logits``)
+        temperature / top-k / top-p / min-p (``lmplug.kit.sampling.processed_logits``)
         and returns those distributions in ``probs``.
         """
 

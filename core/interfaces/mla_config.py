@@ -14,9 +14,8 @@ from typing import Any
 
 from lmplug.interfaces.config_fields import ConfigReader
 
-LORA_NORM_EPS = 1e-6
 HF_DEFAULTS = {"q_lora_rank": 1536, "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
-               "v_head_dim": 128}  # q_a_layernorm / kv_a_layernorm: transformers builds them with the default eps
+               "v_head_dim": 128}
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,7 @@ A GGUF file stores each 2-D weight as rows of fixed-size blocks (``GGML_QUANT_SI
 and bytes per block). Dequantizing every tensor to float32 at load reads and holds several
 times the bytes llama.cpp does, so a reader may hand these bytes over as they lie in the file
 (``ModelSource.iter_packed``), a zero-copy view of its memory map, and a quant method that says
-it takes them (``QuantMethod.takes_packed``) multiplies by them directly. A row of the matrix is
+it takes them (``lmplug.kit.extras.PackedWeights``) multiplies by them directly. A row of the matrix is
 a row of bytes, so row subsets (shards, llama.cpp's Q/K row permutation) stay packed.
 
 The bytes are the file's own, read-only mapping: never write into ``data``.

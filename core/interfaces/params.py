@@ -6,7 +6,7 @@ step raise: ``top_k`` <= ``MAX_TOP_K``, ``seed`` in [0, 2**64), ``n`` <= ``MAX_N
 ``MAX_STOP_CHARS`` characters each. A temperature below ``GREEDY_EPSILON`` (but above 0) is
 greedy: dividing logits by it overflows float32 to inf/NaN, which would sample garbage.
 
-The logits adjustments (``lmplug.interfaces.penalties``) take OpenAI's ranges: presence and
+The logits adjustments (``lmplug.kit.penalties``) take OpenAI's ranges: presence and
 frequency penalties in [-2, 2], ``logit_bias`` values in [-100, 100] for at most
 ``MAX_LOGIT_BIAS`` token ids (JSON sends the ids as strings, so digit strings are accepted and
 converted); ``repetition_penalty`` (HF / vLLM) in (0, ``MAX_REPETITION_PENALTY``]. Token ids
@@ -54,7 +54,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     # structured output: what the output must match (``lmplug.interfaces.constraint``); None: free text
     structured: StructuredOutput | None = None
-    # logits adjustments, applied before the constraint mask and temperature (``lmplug.interfaces.penalties``)
+    # logits adjustments, applied before the constraint mask and temperature (``lmplug.kit.penalties``)
     presence_penalty: float = 0.0  # subtracted once from every token already in the output
     frequency_penalty: float = 0.0  # subtracted per occurrence in the output
     repetition_penalty: float = 1.0  # HF: tokens seen in prompt or output, logit < 0 ? * p : / p
@@ -140,7 +140,7 @@ class SamplingParams:
 
     @property
     def needs_adjusting(self) -> bool:
-        """Any of penalties, logit_bias or min_tokens is on (``lmplug.interfaces.penalties``)."""
+        """Any of penalties, logit_bias or min_tokens is on (``lmplug.kit.penalties``)."""
         return (self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
                 or bool(self.logit_bias) or self.min_tokens > 0)
 

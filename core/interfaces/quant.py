@@ -9,7 +9,6 @@ import torch
 import torch.nn.functional as F
 
 from lmplug.interfaces.common import BackendOptions, Capabilities
-from lmplug.interfaces.native import NativeCall
 
 
 class QuantMethod(ABC):
@@ -91,36 +90,6 @@ class QuantMethod(ABC):
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
         """Repack loaded tensors once (default: nothing to do)."""
-
-    def takes_packed(self, device: torch.device) -> bool:
-        """True: layers on ``device`` take checkpoint weights still in their packed blocks
-        (``lmplug.interfaces.packed.PackedTensor``, from ``ModelSource.iter_packed``) in
-        ``load_shard``, and the model routes its token embedding and LM head through this
-        method too (a ``Linear`` whose rows ``embedding`` looks up), so that no float copy of a
-        packed table is made. Such a method must also accept dense tensors (a reader without
-        packed tensors, tensor-parallel slices). Default: dense tensors only."""
-        return False
-
-    def own_threads(self, device: torch.device) -> bool:
-        """True: on ``device`` (a CPU) this method's products split across
-        ``lmplug.interfaces.threads.compute_threads()`` threads of a pool of its own, not
-        torch's intra-op threads; the engine then runs a step of few tokens with torch on one
-        thread (``small_ops_single_threaded``), which its small ops run faster on. Default:
-        False (the products are torch's, and need its threads)."""
-        return False
-
-    def native_product(self, layer: torch.nn.Module) -> NativeCall | None:
-        """``layer``'s product (``apply``, bias included) as a C function of
-        ``lmplug.interfaces.native.PRODUCT_ABI``, for the core's native decode step (float32
-        activations on the CPU), or None (the default): the step keeps the Python path. Asked
-        once per layer, after ``process_weights_after_loading``; the result must give what
-        ``apply`` gives, to float rounding."""
-        return None
-
-    def embedding(self, layer: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
-        """Rows ``ids`` of ``layer``'s weight ``[out, in]`` as ``[len(ids), in]`` floats: the
-        lookup of a token embedding held by this method (see ``takes_packed``)."""
-        return F.embedding(ids, layer.weight)
 
 
 def _check_shape(dest: torch.Tensor, tensor: torch.Tensor) -> None:

@@ -83,6 +83,12 @@ class Scheduler(ABC):
         self.kv = kv
         self.limits = limits
 
+    @classmethod
+    def features_for(cls, options: SchedulerOptions) -> frozenset[str]:
+        """The features these options use: ``capabilities.features`` plus any an option turns on
+        ("swap": preemption swaps K/V out, which the plan refuses under tensor parallelism)."""
+        return cls.capabilities.features
+
     @abstractmethod
     def add(self, seq: Sequence) -> None:
         """Queue a new sequence."""

@@ -6,6 +6,7 @@ import itertools
 import time
 from dataclasses import dataclass
 from enum import Enum
+from typing import Protocol
 
 import torch
 
@@ -25,6 +26,36 @@ class Logprob:
     logprob: float
     rank: int  # 1 = the most likely token
     decoded_token: str | None = None
+
+
+class SequenceView(Protocol):
+    """What a backend may read of a sequence (``Sequence`` is one): the engine's stages own
+    its writes; a scheduler moves it only through ``start_running`` / ``requeue`` / ``finish``."""
+
+    @property
+    def seq_id(self) -> int: ...
+    @property
+    def request_id(self) -> str: ...
+    @property
+    def params(self) -> SamplingParams: ...
+    @property
+    def priority(self) -> int: ...
+    @property
+    def arrival_time(self) -> float: ...
+    @property
+    def status(self) -> SequenceStatus: ...
+    @property
+    def token_ids(self) -> list[int]: ...
+    @property
+    def num_prompt_tokens(self) -> int: ...
+    @property
+    def num_computed_tokens(self) -> int: ...
+    @property
+    def num_tokens(self) -> int: ...
+    @property
+    def is_finished(self) -> bool: ...
+    @property
+    def is_prefill(self) -> bool: ...
 
 
 class Sequence:
@@ -79,18 +110,29 @@ class Sequence:
         """A scheduler admitted it: it runs from this step."""
         self._status = SequenceStatus.RUNNING
 
-    def requeue(self) -> None:
-        """A scheduler preempted it: it waits to be admitted again."""
+    def requeue(self, *, recompute: bool = False) -> None:
+        """A scheduler preempted it: it waits to be admitted again; ``recompute``: its K/V was
+        dropped, so every token is computed again."""
         self._status = SequenceStatus.WAITING
+        if recompute:
+            self.num_computed_tokens = 0
 
-    def finish(self, reason: str | None = None, *, clear_stop_reason: bool = False) -> None:
+    def finish(self, reason: str | None = None, *, clear_stop_reason: bool = False,
+               at: float | None = None) -> None:
         """It ends; ``reason`` (when given) is its ``finish_reason`` ("stop", "length", "abort",
-        "error"; a stop check sets it before); ``clear_stop_reason`` drops a stop reason already set."""
+        "error"; a stop check sets it before); ``clear_stop_reason`` drops a stop reason already
+        set; ``at`` (``time.perf_counter()``), when given, is its ``finish_time``."""
         self._status = SequenceStatus.FINISHED
         if reason is not None:
             self.finish_reason = reason
         if clear_stop_reason:
             self.stop_reason = None
+        if at is not None:
+            self.finish_time = at
+
+    def advance(self, num_tokens: int) -> None:
+        """A step computed ``num_tokens`` more of its tokens (the engine, after the forward)."""
+        self.num_computed_tokens += num_tokens
 
     @property
     def num_tokens(self) -> int:

@@ -1,8 +1,8 @@
 """The building kit: the layers an architecture plugin is made of (``lmplug.kit``).
 
-Plugins may import the kit beside the contract (``lmplug.interfaces``, ``lmplug.hookspecs``,
-``lmplug.errors``); import-linter holds that nothing else of the core is reachable from a plugin,
-and that the kit imports only the contract. The kit is versioned on its own terms
+Plugins may import the kit beside the API (``lmplug.api``, ``lmplug.errors``); import-linter
+holds that nothing else of the core is reachable from a plugin, and that the kit imports only
+the API's modules. Nothing in the API requires the kit. The kit is versioned on its own terms
 (``KIT_VERSION``, see docs/plugins.md): a name may change in a minor core release, and the
 change is listed in the porting table.
 
@@ -22,6 +22,19 @@ Modules (each imported on its own, so a plugin pays only for what it uses):
 - ``packed_embedding``: an embedding over a quant method's packed table (GGUF).
 - ``mtp``: multi-token-prediction modules built as the target's layer after its last one.
 - ``native_step``, ``fused_cpu``: the native CPU decode step and fused CPU ops.
+
+Helpers backends of every family share:
+
+- ``sampling``: ``processed_logits``, ``sample``, ``draw``, ``top_logprobs`` and speculative
+  sampling's ``rejection_sample``; ``penalties``: ``adjust_logits`` (penalties, ``logit_bias``,
+  ``min_tokens``, the constraint's bitmask).
+- ``rope``: ``RotaryEmbedding``; ``kv_layout``: ``kv_slots``, the one slot-address formula;
+  ``kv_quant``: quantized KV (``store_kv``, ``dequantize_kv``); ``draft_tree``: tree shapes.
+- ``devices``: the GPU capability kernels pick launch tables by; ``native_build``: a C library
+  built and cached on first use; ``native``: the native decode step's C ABI; ``threads``:
+  compute threads and torch on one thread; ``paths``: the cache folder.
+- ``extras``: the opt-in mixins of the first-party fast paths (packed weights, own threads,
+  native products and decode, short queries) the core asks only backends that list them.
 """
 
 KIT_VERSION = 1

@@ -15,13 +15,14 @@ import torch.nn.functional as F
 from lmplug.interfaces.attention import AttentionBackend, KVLayerView
 from lmplug.interfaces.model_config import ModelConfig
 from lmplug.interfaces.quant import QuantMethod
-from lmplug.interfaces.rope import RotaryEmbedding
 from lmplug.interfaces.step import StepContext
+from lmplug.kit import extras
 from lmplug.kit.layers import Linear, RMSNorm, apply_rope, silu_and_mul
 from lmplug.kit.native_step import NativeDecodeStep
 from lmplug.kit.packed_embedding import QuantEmbedding
 from lmplug.kit.parallel import ParallelState, single
 from lmplug.kit.parallel_layers import column_linear, embedding, row_linear
+from lmplug.kit.rope import RotaryEmbedding
 
 
 class Attention(torch.nn.Module):
@@ -126,7 +127,7 @@ class DecoderForCausalLM(torch.nn.Module):
         self.tp = parallel or single()
         # a quant method that takes packed tables (GGUF) holds the embedding and LM head too;
         # tensor parallelism slices dense ones
-        packed = quant.takes_packed(torch.get_default_device()) and not self.tp.is_parallel
+        packed = extras.takes_packed(quant, torch.get_default_device()) and not self.tp.is_parallel
         self.embed_tokens = (QuantEmbedding(cfg.vocab_size, cfg.hidden_size, dtype, quant) if packed else
                              embedding(cfg.vocab_size, cfg.hidden_size, dtype, self.tp))
         vocab_rows = self.tp.vocab_range(cfg.vocab_size)[1]
@@ -145,6 +146,10 @@ class DecoderForCausalLM(torch.nn.Module):
         self.kv_views: list[KVLayerView] = []
         # planned on the first forward, after loading (``native_step``): None until then, False: none
         self._native_step: NativeDecodeStep | bool | None = None
+
+    def allow_native_step(self, allowed: bool) -> None:
+        """The engine plan's ``cpu.native_step``: False keeps the Python layers for every step."""
+        self._native_step = None if allowed else False
 
     def new_layer(self, index: int, dtype: torch.dtype, quant: QuantMethod, attention: AttentionBackend,
                   kv_layer: int | None = None) -> DecoderLayer:

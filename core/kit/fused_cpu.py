@@ -8,7 +8,7 @@ call here, single-threaded (no parallel region over 576 floats), allocating noth
 output. (``torch.compile`` of the same ops, inductor on the CPU, was measured too: about
 70 us a call against 15 for these on a loaded 2-core machine, and 10 to 110 s to compile.)
 
-The library is built on first use and cached (``lmplug.interfaces.native_build``). Where it
+The library is built on first use and cached (``lmplug.kit.native_build``). Where it
 cannot be built, or for another device or dtype, or with ``LMPLUG_FUSED_CPU=0`` in the
 environment (or ``set_enabled(False)``), the callers in ``layers.py`` keep the PyTorch path,
 which stays the reference the tests compare against.
@@ -24,8 +24,8 @@ from pathlib import Path
 
 import torch
 
-from lmplug.interfaces.native_build import NativeBuildError, compiler, declare, shared_library
-from lmplug.interfaces.paths import cache_dir
+from lmplug.kit.native_build import NativeBuildError, compiler, declare, shared_library
+from lmplug.kit.paths import cache_dir
 
 logger = logging.getLogger(__name__)
 

@@ -15,8 +15,8 @@ import torch
 import torch.nn.functional as F
 
 from lmplug.interfaces.quant import QuantMethod
-from lmplug.interfaces.rope import RotaryEmbedding
 from lmplug.kit import fused_cpu
+from lmplug.kit.rope import RotaryEmbedding
 
 
 class RMSNorm(torch.nn.Module):

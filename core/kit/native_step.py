@@ -2,7 +2,7 @@
 
 At batch 1 on a CPU a small model's token is ~30 layers of ~12 ops each, and the Python and
 dispatch between the ops cost about as much as the matrix products. Where every plugin on a
-layer's path hands the core a C function (``lmplug.interfaces.native``: the quant method a
+layer's path hands the core a C function (``lmplug.kit.native``: the quant method a
 product per linear layer, the attention backend a decode attention per step), the core runs
 all the layers in ``decode_step_f32`` (``csrc/fused_cpu_ops.c``): the norms, residual adds,
 RoPE and SiLU * mul are the fused CPU ops' own functions, so those give the Python path's
@@ -28,11 +28,11 @@ import os
 
 import torch
 
-from lmplug.interfaces.native import NativeCall
-from lmplug.interfaces.rope import RotaryEmbedding
 from lmplug.interfaces.step import StepContext
-from lmplug.interfaces.threads import compute_threads
-from lmplug.kit import fused_cpu
+from lmplug.kit import extras, fused_cpu
+from lmplug.kit.native import NativeCall
+from lmplug.kit.rope import RotaryEmbedding
+from lmplug.kit.threads import compute_threads
 
 _P, _I64 = ctypes.c_void_p, ctypes.c_int64
 # the longest query per sequence a step may have to run natively: a verify's k + 1 rows or a
@@ -109,7 +109,7 @@ class NativeDecodeStep:
                 return None
             products = []
             for linear in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
-                call = linear.quant.native_product(linear)
+                call = extras.native_product(linear.quant, linear)
                 if call is None:
                     return None
                 products.append(call)
@@ -140,7 +140,7 @@ class NativeDecodeStep:
             views = self.model.kv_views
         elif not 0 < count <= len(self.layers) or any(self.layers[i].kv_layer >= len(views) for i in range(count)):
             return None
-        attention: NativeCall | None = self.backend.native_decode(ctx, views)
+        attention: NativeCall | None = extras.native_decode(self.backend, ctx, views)
         if attention is None:
             return None
         rows = x.shape[0]

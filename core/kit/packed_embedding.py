@@ -1,9 +1,9 @@
-"""A token embedding whose table a quant method holds (``QuantMethod.takes_packed``).
+"""A token embedding whose table a quant method holds (``lmplug.kit.extras.PackedWeights``).
 
 A GGUF's ``token_embd`` is the largest tensor of a small model and, tied, also its LM head,
 read at every step. Kept as a ``Linear`` ``[vocab, hidden]`` of the model's quant method, it
 stays in its packed blocks: the lookup dequantizes only the step's rows
-(``QuantMethod.embedding``), and a tied LM head multiplies by the same table through the
+(``PackedWeights.embedding``), and a tied LM head multiplies by the same table through the
 method (``Linear.forward``), so no float copy of it is ever made.
 """
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
 from lmplug.errors import ModelLoadError
-from lmplug.interfaces.paths import cache_dir
+from lmplug.kit.paths import cache_dir
 
 
 @dataclass(frozen=True)

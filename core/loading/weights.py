@@ -13,7 +13,7 @@ module may finish its own loading once every ``Linear`` is processed (``after_lo
 Tensor parallelism (``parallel``): each rank reads only its slice of every split tensor
 (``lmplug.kit.sharding.rank_piece``; lazily from safetensors), then loads it as above.
 Packed weights (GGUF blocks, ``PackedTensor``): when a ``Linear``'s quant method takes them
-(``QuantMethod.takes_packed``), the checkpoint is read through ``ModelSource.iter_packed`` and
+(``lmplug.kit.extras.PackedWeights``), the checkpoint is read through ``ModelSource.iter_packed`` and
 those layers get the blocks as they are; every other parameter gets them dequantized.
 """
 
@@ -26,6 +26,7 @@ import torch
 from lmplug.errors import ModelLoadError
 from lmplug.interfaces.checkpoint import ModelSource
 from lmplug.interfaces.packed import PackedTensor
+from lmplug.kit import extras
 from lmplug.kit.layers import Linear, bind_quant_methods
 from lmplug.loading.pooling_config import headless
 
@@ -58,7 +59,7 @@ def load_weights(model: torch.nn.Module, source: ModelSource, progress=None, par
                 from lmplug.kit.sharding import rank_piece
                 tensor = rank_piece(model, path, owner, param_name, shard, tensor)
             linear = isinstance(owner, Linear) and shard is not None and expert is None
-            takes_packed = linear and owner.quant.takes_packed(params[path].device)
+            takes_packed = linear and extras.takes_packed(owner.quant, params[path].device)
             if isinstance(tensor, PackedTensor) and not takes_packed:
                 tensor = tensor.dequantize()  # checks the block sizes first
             check_tensor(params[path], tensor)
@@ -128,7 +129,7 @@ def _takes_packed(model: torch.nn.Module) -> bool:
     """Whether some ``Linear`` takes packed blocks (and no ``split_tensor`` needs dense ones)."""
     if getattr(model, "split_tensor", None) is not None:
         return False
-    return any(isinstance(m, Linear) and m.quant.takes_packed(_device(m)) for m in model.modules())
+    return any(isinstance(m, Linear) and extras.takes_packed(m.quant, _device(m)) for m in model.modules())
 
 
 def _device(module: torch.nn.Module) -> torch.device:

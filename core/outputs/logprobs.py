@@ -9,8 +9,8 @@ from functools import lru_cache
 
 import torch
 
-from lmplug.interfaces.sampling import top_logprobs, with_text
 from lmplug.interfaces.sequence import Sequence
+from lmplug.kit.sampling import top_logprobs, with_text
 
 _decoders: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 

@@ -237,8 +237,7 @@ class RequestTable:
         """An embedding sequence's prompt is pooled: it ends with its vector (no token sampled)."""
         req = self._requests[seq.request_id]
         req.embedding = truncate(embedding, req.pooling)
-        seq.finish("stop")
-        seq.finish_time = now
+        seq.finish("stop", at=now)
 
     def append(self, seqs: list[Sequence], emitted: list[list[int]], logprobs: list[list[dict] | None],
                now: float) -> list[Sequence]:
@@ -268,8 +267,7 @@ class RequestTable:
                 if detok is not None and not isinstance(seq.stop_reason, str):
                     detok.flush()  # a character cut short by the end still shows
                     seq.text = detok.text
-                seq.finish()
-                seq.finish_time = now
+                seq.finish(at=now)
                 return True
         return False
 

@@ -42,13 +42,13 @@ import torch
 
 from lmplug.constraints import Constraints
 from lmplug.interfaces.acceptance import AcceptanceRule, check_exact_request
-from lmplug.interfaces.draft_tree import depths, is_chain, tree_rows
 from lmplug.interfaces.drafter import Drafter
 from lmplug.interfaces.kvcache import KVCacheBackend
 from lmplug.interfaces.params import SamplingParams
-from lmplug.interfaces.penalties import NO_HISTORY, PromptIds
 from lmplug.interfaces.scheduler import ScheduledSeq, samples_now
 from lmplug.interfaces.sequence import Sequence, SequenceStatus
+from lmplug.kit.draft_tree import depths, is_chain, tree_rows
+from lmplug.kit.penalties import NO_HISTORY, PromptIds
 from lmplug.speculation.tree import first_child_chain, head, move_kv, subtree
 from lmplug.speculation.verifier import verify_batch
 

@@ -23,8 +23,8 @@ from dataclasses import dataclass
 
 import torch
 
-from lmplug.interfaces.draft_tree import is_chain
-from lmplug.interfaces.kv_layout import kv_slots
+from lmplug.kit.draft_tree import is_chain
+from lmplug.kit.kv_layout import kv_slots
 
 
 def first_child_chain(parents: Sequence[int]) -> list[int]:

@@ -34,17 +34,15 @@ from dataclasses import dataclass
 
 import torch
 
-from lmplug.interfaces.acceptance import (
-    AcceptanceRule,
-    Decision,
-    greedy_prefix,
+from lmplug.interfaces.acceptance import AcceptanceRule, Decision, greedy_prefix
+from lmplug.interfaces.params import SamplingParams
+from lmplug.kit.penalties import NO_HISTORY, RowHistory, adjust_logits
+from lmplug.kit.sampling import (
     point_mass,
+    processed_logits,
     rejection_sample,
     residual_distribution,
 )
-from lmplug.interfaces.params import SamplingParams
-from lmplug.interfaces.penalties import NO_HISTORY, RowHistory, adjust_logits
-from lmplug.interfaces.sampling import processed_logits
 from lmplug.speculation.tree import verify_tree_greedy
 
 # (``point_mass`` and ``residual_distribution`` stay importable from here)

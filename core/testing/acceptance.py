@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from lmplug.interfaces.acceptance import LOSSY, AcceptanceRule, Decision, greedy_prefix
-from lmplug.interfaces.sampling import draw
+from lmplug.kit.sampling import draw
 from lmplug.testing.base import Conformance
 from lmplug.testing.compare import fail
 

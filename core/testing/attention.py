@@ -21,7 +21,8 @@ from typing import ClassVar
 import pytest
 import torch
 
-from lmplug.interfaces.native import call_attention
+from lmplug.kit import extras
+from lmplug.kit.native import call_attention
 from lmplug.testing.attention_case import AttentionCase, build_case, same_or_both_nan
 from lmplug.testing.base import Conformance
 from lmplug.testing.batches import BATCH_SPECS, BatchSpec
@@ -197,7 +198,7 @@ class AttentionConformance(Conformance):
         with reported(label):
             impl = backend_class(backend_options, num_heads=spec.num_heads, num_kv_heads=spec.num_kv_heads,
                                  head_dim=spec.head_dim, **_dims(spec))
-            call = impl.native_decode(case.ctx, [case.view] * (spec.layer + 1))
+            call = extras.native_decode(impl, case.ctx, [case.view] * (spec.layer + 1))
         if call is None:
             pytest.skip(f"{label}: native_decode returned None")
         qkv = torch.cat([case.q.flatten(1), case.k.flatten(1), case.v.flatten(1)], dim=1)

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
-from lmplug.interfaces import KVLayerView, StepContext
-from lmplug.interfaces.kv_layout import kv_slots_list
+from lmplug.api import KVLayerView, StepContext
+from lmplug.kit.kv_layout import kv_slots_list
 from lmplug.testing.batches import BatchSpec
 
 POISON = float("nan")

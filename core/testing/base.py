@@ -21,7 +21,8 @@ from typing import Any, ClassVar
 import pytest
 from pydantic import ValidationError
 
-from lmplug.interfaces import FAMILIES, BackendOptions, Capabilities
+from lmplug.api import BackendOptions, Capabilities
+from lmplug.families import FAMILIES
 from lmplug.testing.compare import DTYPES, fail
 
 ALL_DTYPES = list(DTYPES)
@@ -106,10 +107,10 @@ class Conformance:
     @pytest.fixture(autouse=True)
     def _device_available(self, backend_class) -> None:
         caps = backend_class.capabilities
-        if isinstance(caps, Capabilities) and self.device not in caps.devices:
+        if isinstance(caps, Capabilities) and self.device not in caps.devices | caps.named_devices:
             pytest.skip(
                 f"{self.label()} does not claim device {self.device!r} "
-                f"(capabilities.devices = {sorted(caps.devices)})"
+                f"(capabilities.devices = {sorted(caps.devices | caps.named_devices)})"
             )
         if self.device.startswith("cuda"):
             import torch

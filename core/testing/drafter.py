@@ -20,7 +20,7 @@ from typing import ClassVar
 import pytest
 import torch
 
-from lmplug.interfaces import Drafter, DraftProposal
+from lmplug.api import Drafter, DraftProposal
 from lmplug.interfaces.params import SamplingParams
 from lmplug.interfaces.sequence import Sequence
 from lmplug.testing.base import Conformance

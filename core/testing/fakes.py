@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from lmplug.interfaces import BackendOptions, Capabilities, KVCacheBackend, KVCacheSpec, KVLayerView
+from lmplug.api import BackendOptions, Capabilities, KVCacheBackend, KVCacheSpec, KVLayerView
 from lmplug.testing.compare import ContractViolation
 
 

@@ -26,7 +26,7 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
-from lmplug.interfaces import KVCacheSpec
+from lmplug.api import KVCacheSpec
 from lmplug.testing.base import ALL_DTYPES, Conformance
 from lmplug.testing.compare import DTYPES, fail, reported
 from lmplug.testing.kvcache_model import KVModel, KVViolation

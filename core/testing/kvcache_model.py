@@ -14,10 +14,10 @@ import itertools
 
 import torch
 
-from lmplug.interfaces import KVCacheBackend
-from lmplug.interfaces.kv_layout import kv_slots_list
+from lmplug.api import KVCacheBackend
 from lmplug.interfaces.params import SamplingParams
 from lmplug.interfaces.sequence import Sequence
+from lmplug.kit.kv_layout import kv_slots_list
 from lmplug.testing.compare import ContractViolation
 
 PROBE_TOKEN_BASE = 1_000_000  # token ids for capacity probes; never shared with test prompts

@@ -32,7 +32,7 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from lmplug.interfaces import BackendOptions, KVBlockFormat, KVConnector
+from lmplug.api import BackendOptions, KVBlockFormat, KVConnector
 from lmplug.testing.base import Conformance
 from lmplug.testing.compare import fail
 

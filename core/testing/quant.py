@@ -26,7 +26,8 @@ from typing import Any, ClassVar
 import pytest
 import torch
 
-from lmplug.interfaces.native import call_product
+from lmplug.kit import extras
+from lmplug.kit.native import call_product
 from lmplug.testing.base import Conformance
 from lmplug.testing.compare import DTYPES, fail, find_mismatch, reported, tolerance_for
 from lmplug.testing.reference import reference_linear
@@ -181,7 +182,7 @@ class QuantConformance(Conformance):
             layer = self.make_layer(method, shape, torch.float32, bias=True)
             load(layer, {**self.quantize(self.weight(shape)), "bias": bias}, self.label())
             method.process_weights_after_loading(layer)
-            call = method.native_product(layer)
+            call = extras.native_product(method, layer)
         if call is None:
             pytest.skip(f"{self.label()}: no native product (native_product returned None)")
         atol, rtol = tolerance_for(self.tolerances, "float32")

@@ -14,7 +14,7 @@ from typing import ClassVar
 
 import pytest
 
-from lmplug.interfaces import SchedulerLimits
+from lmplug.api import SchedulerLimits
 from lmplug.testing.base import Conformance
 from lmplug.testing.compare import reported
 from lmplug.testing.fakes import FakePagedKV, fake_spec

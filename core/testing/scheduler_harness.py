@@ -16,10 +16,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from lmplug.interfaces import KVCacheBackend, Scheduler, SchedulerOutput
-from lmplug.interfaces.kv_layout import kv_slots_list
+from lmplug.api import KVCacheBackend, Scheduler, SchedulerOutput
 from lmplug.interfaces.params import SamplingParams
 from lmplug.interfaces.sequence import Sequence
+from lmplug.kit.kv_layout import kv_slots_list
 from lmplug.outputs.stopping import check_stop
 from lmplug.testing.fakes import SchedulerViolation
 
@@ -123,7 +123,7 @@ class Harness:
             seq, start = item.seq, item.seq.num_computed_tokens
             self._check_context(seq, start)
             self._write(seq, start, start + item.num_new_tokens)
-            seq.num_computed_tokens += item.num_new_tokens
+            seq.advance(item.num_new_tokens)
             if seq.num_computed_tokens == seq.num_tokens:
                 seq.token_ids.append(next_token(seq.token_ids))
                 if check_stop(seq, seq.token_ids[-1], frozenset(), self.workload.max_model_len):

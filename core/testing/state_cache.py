@@ -21,7 +21,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from lmplug.interfaces import KVCacheSpec, SamplingParams, Sequence
+from lmplug.api import KVCacheSpec, SamplingParams, Sequence
 from lmplug.interfaces.state import StateSpec, StateTensor
 from lmplug.testing.base import Conformance
 from lmplug.testing.compare import fail

@@ -1,7 +1,7 @@
 """First-party attention backends and the mixer backends of state layers (linear attention, SSM).
 Registered through the ``lmplug.plugins`` entry point."""
 
-from lmplug.hookspecs import hookimpl
+from lmplug.api import hookimpl
 
 LMPLUG_API_VERSION = 3
 

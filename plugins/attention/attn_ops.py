@@ -32,7 +32,7 @@ backends run when the config is loaded (``check_triton_target``). The PyTorch
 references are ``decode_ref`` and ``prefill_ref``.
 
 Why launch tables rather than ``triton.autotune``: a table entry is chosen from
-the compute capability alone (``lmplug.interfaces.devices.capability``), so it is
+the compute capability alone (``lmplug.kit.devices.capability``), so it is
 deterministic (no launch-time benchmarking, no first-step stall, the same kernel
 every run) and the compile check builds exactly the configuration a GPU of that
 architecture will launch, for sm_80 and sm_90, on a machine without one.
@@ -49,7 +49,7 @@ import triton.language as tl
 from lmplug_attention.kv_ops import dequant_kv_tile, kv_tile_slots, load_kv_tile
 
 from lmplug.errors import ConfigError
-from lmplug.interfaces.devices import describe
+from lmplug.kit.devices import describe
 
 LOG2E = 1.4426950408889634
 NO_WINDOW = 2**30  # the window passed when there is none: larger than any context, int32-safe

@@ -50,7 +50,7 @@ from lmplug_attention.attn_ops import (
 )
 from lmplug_attention.kv_ops import check_scales, quant_args
 
-from lmplug.interfaces.devices import capability
+from lmplug.kit.devices import capability
 
 MIN_PARTITION = 256  # keys per split below which a split costs more than it saves
 MAX_SPLITS = 64

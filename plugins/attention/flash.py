@@ -30,13 +30,7 @@ import torch
 from lmplug_attention.sdpa import KV_DTYPES
 from pydantic import Field
 
-from lmplug.interfaces import (
-    AttentionBackend,
-    BackendOptions,
-    Capabilities,
-    KVLayerView,
-    StepContext,
-)
+from lmplug.api import AttentionBackend, BackendOptions, Capabilities, KVLayerView, StepContext
 
 # read once, as triton does when it is first imported
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
@@ -63,11 +57,12 @@ class FlashStepMetadata:
 class FlashAttention(AttentionBackend):
     name = "flash"
     capabilities = Capabilities(
-        devices=frozenset({"cuda", "cpu"} if _INTERPRETED else {"cuda"}),
+        devices=frozenset({"cuda"}),
+        named_devices=frozenset({"cpu"} if _INTERPRETED else ()),  # tests: named, never auto
         kv_layouts=frozenset({"contiguous", "paged"}),
         features=frozenset({"sliding_window"}),
         kv_dtypes=KV_DTYPES,
-        priority=1 if _INTERPRETED else 30,  # above sdpa (10) and paged (20) on CUDA
+        priority=30,  # above sdpa (10) and paged (20) on CUDA
     )
     Options = FlashAttentionOptions
 

@@ -43,7 +43,7 @@ from lmplug_attention.attn_ops import (
 )
 from lmplug_attention.kv_ops import check_scales, quant_args
 
-from lmplug.interfaces.devices import capability
+from lmplug.kit.devices import capability
 
 
 @triton.jit

@@ -1,7 +1,7 @@
 """KV-cache tiles in Triton: write K/V through the slot mapping, read them through block tables.
 
 Every attention kernel of ``flash`` and ``paged`` reads the same layout
-(``lmplug.interfaces.kv_layout``): a layer's cache is ``[num_blocks,
+(``lmplug.kit.kv_layout``): a layer's cache is ``[num_blocks,
 block_size, Hkv, D]`` and position ``pos`` of sequence ``b`` sits in block
 ``block_tables[b, pos // block_size]`` at offset ``pos % block_size``. The
 contiguous layout is one block of ``max_model_len`` slots per sequence, so one
@@ -39,7 +39,7 @@ import triton
 import triton.language as tl
 from lmplug_attention import kv_ref
 
-from lmplug.interfaces.kvcache import KV_QMAX
+from lmplug.kit.kv_quant import KV_QMAX
 
 
 @triton.jit

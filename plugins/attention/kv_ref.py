@@ -4,7 +4,7 @@
   (slot ``s`` = block ``s // block_size``, offset ``s % block_size``; a negative slot is
   padding and skipped), quantizing them (``store_kv``) when the cache has scales.
 - ``gather_context``: the first ``num_tokens`` positions of each sequence, read through its
-  block table (``lmplug.interfaces.kv_layout``), dequantized to the reader's dtype
+  block table (``lmplug.kit.kv_layout``), dequantized to the reader's dtype
   (``dequantize_kv``: the op order the kernels' ``dequant_kv_tile`` follows).
 
 The attention references (``decode_ref``, ``prefill_ref``) and the PyTorch paths that read
@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from lmplug.interfaces.kvcache import dequantize_kv, store_kv
+from lmplug.kit.kv_quant import dequantize_kv, store_kv
 
 
 def reshape_and_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -48,7 +48,7 @@ import triton.language as tl
 from lmplug_attention.attn_ops import arch_entry, dot_precision, head_dim_pad
 from lmplug_attention.lightning_ref import check_decode, check_prefill
 
-from lmplug.interfaces.devices import capability
+from lmplug.kit.devices import capability
 
 # (BLOCK_T, BLOCK_K, BLOCK_V, num_warps, num_stages) per architecture (``attn_ops.arch_entry``) and
 # input width (16-bit / fp32); None: the interpreter, whose BLOCK_K of 16 walks the key lanes in tiles

@@ -22,14 +22,8 @@ import torch
 from lmplug_attention import mla_ref
 from pydantic import Field
 
+from lmplug.api import BackendOptions, Capabilities, KVLayerView, MLAAttentionBackend, StepContext
 from lmplug.errors import ConfigError
-from lmplug.interfaces import (
-    BackendOptions,
-    Capabilities,
-    KVLayerView,
-    MLAAttentionBackend,
-    StepContext,
-)
 
 
 class MLAOptions(BackendOptions):

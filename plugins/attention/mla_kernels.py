@@ -44,7 +44,7 @@ from lmplug_attention.attn_ops import LOG2E, arch_entry, dot_precision
 from lmplug_attention.decode_ops import MAX_SPLITS, num_sms, plan_decode, reduce_partitions
 from lmplug_attention.kv_ops import kv_tile_slots
 
-from lmplug.interfaces.devices import capability
+from lmplug.kit.devices import capability
 
 # (BLOCK_H, BLOCK_N, num_warps, num_stages) per architecture (``attn_ops.arch_entry``). BLOCK_H
 # is 16, the smallest tile tl.dot takes (surplus heads are masked). Compiled for each target at

@@ -33,16 +33,19 @@ from lmplug_attention.paged_rows import MAX_QUERY_LEN, QueryRows, leading_short_
 from lmplug_attention.sdpa import KV_DTYPES
 from pydantic import Field, field_validator
 
-from lmplug.errors import ConfigError
-from lmplug.interfaces import (
+from lmplug.api import (
+    LAYER_SCALES,
+    LAYER_WINDOWS,
+    LOGIT_SOFTCAP,
     AttentionBackend,
     BackendOptions,
     Capabilities,
     KVLayerView,
-    NativeCall,
     StepContext,
 )
-from lmplug.interfaces.attention import LAYER_SCALES, LAYER_WINDOWS, LOGIT_SOFTCAP
+from lmplug.errors import ConfigError
+from lmplug.kit import extras
+from lmplug.kit.native import NativeCall
 
 logger = logging.getLogger(__name__)
 ALL_QUERIES = 1 << 62  # cpu_rows "all": no query is too long to be read as rows
@@ -139,7 +142,7 @@ class PagedStepMetadata:
     prefill_args: dict | None = None
 
 
-class PagedAttention(AttentionBackend):
+class PagedAttention(AttentionBackend, extras.NativeDecode, extras.ShortQueries):
     name = "paged"
     capabilities = Capabilities(
         devices=frozenset({"cpu", "cuda"}),

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from lmplug.interfaces import kv_slots
+from lmplug.kit.kv_layout import kv_slots
 
 
 @dataclass

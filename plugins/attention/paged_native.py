@@ -8,7 +8,7 @@ the cache, per (sequence, KV head), with no copy and no padding (see its header)
 
 The shared library is built on first use with ``$CC`` (default ``cc``) and
 ``FLAGS`` into ``<cache_dir>/kernels/paged_decode_cpu-<hash>.so`` by
-``lmplug.interfaces.native_build``: the hash covers the source, the flags, the compiler's
+``lmplug.kit.native_build``: the hash covers the source, the flags, the compiler's
 ``--version`` and the CPU's model and feature lines (``-march=native`` code from another
 CPU may not run here), and the library is renamed into place whole.
 
@@ -36,10 +36,10 @@ from pathlib import Path
 import torch
 from lmplug_attention.paged_rows import leading_short_queries, query_rows
 
-from lmplug.interfaces import native_build
-from lmplug.interfaces.native import NativeCall
-from lmplug.interfaces.native_build import NativeBuildError
-from lmplug.interfaces.paths import cache_dir
+from lmplug.kit import native_build
+from lmplug.kit.native import NativeCall
+from lmplug.kit.native_build import NativeBuildError
+from lmplug.kit.paths import cache_dir
 
 SOURCE = Path(__file__).resolve().parent / "csrc" / "paged_decode_cpu.c"
 FLAGS = ("-O3", "-march=native", "-shared", "-fPIC", "-pthread")
@@ -166,7 +166,7 @@ class NativeKernel:
 
     def __init__(self, lib: ctypes.CDLL, functions: dict, path: str) -> None:
         self._functions = functions  # storage dtype -> ctypes function
-        # decode_step_attention's address: the native decode step calls it from C (lmplug.interfaces.native)
+        # decode_step_attention's address: the native decode step calls it from C (lmplug.kit.native)
         self.step_fn = ctypes.cast(lib.decode_step_attention, ctypes.c_void_p).value
         self.path = path
         self.dtypes = frozenset(functions)
@@ -281,7 +281,7 @@ def _layer_pointers(views: list, num_kv_heads: int, head_dim: int) -> tuple | No
 
 def step_attention(ctx, views: list, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
                    sliding_window: int | None, name: str) -> NativeCall | None:
-    """A step's attention as a ``lmplug.interfaces.native`` attention function
+    """A step's attention as a ``lmplug.kit.native`` attention function
     (``decode_step_attention``: the KV write, then this kernel), or None where the step does not
     fit it: a query longer than ``paged_rows`` reads as rows (a prefill), caches that are not
     float32 on the CPU (quantized KV), the kernel not built here. Decodes are one row each; a

@@ -38,7 +38,7 @@ from lmplug_attention.attn_ops import (
 )
 from lmplug_attention.kv_ops import check_scales, quant_args
 
-from lmplug.interfaces.devices import capability
+from lmplug.kit.devices import capability
 
 # (ROWS: query rows, tokens x grouped heads, per program; TILE: context positions per loop
 # iteration; num_warps; num_stages) per architecture (``attn_ops.arch_entry``), by input width

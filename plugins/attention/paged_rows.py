@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from lmplug.interfaces import StepContext
+from lmplug.api import StepContext
 
 MAX_QUERY_LEN = 32  # longer queries take the prefill path (its matmuls win there)
 MAX_TREE_LEN = 64  # a tree row's mask spans its query tokens: 64 bits

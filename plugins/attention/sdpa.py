@@ -27,9 +27,18 @@ import torch.nn.functional as F
 from lmplug_attention import paged_native
 from lmplug_attention.kv_ref import gather_context
 
-from lmplug.interfaces import AttentionBackend, Capabilities, KVLayerView, NativeCall, StepContext
-from lmplug.interfaces.attention import LAYER_SCALES, LAYER_WINDOWS, LOGIT_SOFTCAP
-from lmplug.interfaces.kvcache import dequantize_kv, store_kv
+from lmplug.api import (
+    LAYER_SCALES,
+    LAYER_WINDOWS,
+    LOGIT_SOFTCAP,
+    AttentionBackend,
+    Capabilities,
+    KVLayerView,
+    StepContext,
+)
+from lmplug.kit import extras
+from lmplug.kit.kv_quant import dequantize_kv, store_kv
+from lmplug.kit.native import NativeCall
 
 # the kvcache `dtype` values the first-party dense backends read
 KV_DTYPES = frozenset({"auto", "int8", "fp8_e4m3"})
@@ -48,7 +57,7 @@ class SdpaStepMetadata:
     by_window: dict[int | None, list[torch.Tensor | None]] = field(default_factory=dict)
 
 
-class SdpaAttention(AttentionBackend):
+class SdpaAttention(AttentionBackend, extras.NativeDecode):
     name = "sdpa"
     capabilities = Capabilities(
         devices=frozenset({"cpu", "cuda"}),

@@ -66,7 +66,7 @@ import triton.language as tl
 from lmplug_attention.attn_ops import arch_entry, dot_precision
 from lmplug_attention.conv1d_ref import check_state_indices
 
-from lmplug.interfaces.devices import capability
+from lmplug.kit.devices import capability
 
 MIN_CHUNK = 16
 # the scan's launch sizes per architecture (``attn_ops.arch_entry``) and input width (16-bit / fp32):

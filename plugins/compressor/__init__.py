@@ -6,7 +6,7 @@ from lmplug_compressor.llmlingua import LLMLingua
 from lmplug_compressor.selective import Selective
 from lmplug_compressor.truncate import Truncate
 
-from lmplug.hookspecs import hookimpl
+from lmplug.api import hookimpl
 
 LMPLUG_API_VERSION = 3
 

@@ -33,7 +33,7 @@ import math
 from lmplug_compressor.units import assemble, paragraphs
 from pydantic import Field
 
-from lmplug.interfaces.compressor import (
+from lmplug.api import (
     CompressionInput,
     CompressionResult,
     Compressor,

@@ -16,7 +16,7 @@ from typing import Literal
 from lmplug_compressor.units import assemble, phrases, sentences, words
 from pydantic import Field
 
-from lmplug.interfaces.compressor import (
+from lmplug.api import (
     CompressionInput,
     CompressionResult,
     Compressor,

@@ -11,7 +11,7 @@ from __future__ import annotations
 from lmplug_compressor.units import assemble, words
 from pydantic import Field
 
-from lmplug.interfaces.compressor import (
+from lmplug.api import (
     CompressionInput,
     CompressionResult,
     Compressor,

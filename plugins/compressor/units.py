@@ -7,7 +7,7 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 
-from lmplug.interfaces.compressor import CompressionInput, CompressionResult, Segment
+from lmplug.api import CompressionInput, CompressionResult, Segment
 
 _WORDS = re.compile(r"\s*\S+\s*|\s+")
 _PHRASES = re.compile(r".*?(?:[.!?;:,]+(?=\s|$)\s*|\n\s*|$)", re.DOTALL)

@@ -6,7 +6,7 @@ compiles its first constraint, not here: importing xgrammar takes seconds.
 
 from __future__ import annotations
 
-from lmplug.hookspecs import hookimpl
+from lmplug.api import hookimpl
 
 LMPLUG_API_VERSION = 3
 

@@ -13,7 +13,7 @@ import threading
 from collections.abc import Callable
 from typing import TypeVar
 
-from lmplug.interfaces.constraint import ConstraintError
+from lmplug.api import ConstraintError
 
 T = TypeVar("T")
 MAX_MESSAGE_CHARS = 600
@@ -36,7 +36,7 @@ def compile_within(seconds: float, field: str, backend: str, build: Callable[[],
     if worker.is_alive():
         raise ConstraintError(field, f"structured output {field}: compiling it with {backend} took longer "
                               f"than max_compile_s = {seconds:g} s; refused (simplify it, or raise "
-                              f"structured_output.max_compile_s)")
+                              f"constraint.max_compile_s)")
     if failure:
         exc = failure[0]
         if isinstance(exc, ConstraintError):

@@ -25,8 +25,8 @@ import torch
 from lmplug_constraint.limits import compile_within, trim
 from lmplug_constraint.vocab import allow_only, stop_ids, tokenizer_json
 
-from lmplug.interfaces.common import Capabilities
-from lmplug.interfaces.constraint import (
+from lmplug.api import (
+    Capabilities,
     ConstraintBackend,
     ConstraintError,
     ConstraintOptions,

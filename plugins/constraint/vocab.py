@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from lmplug.interfaces.constraint import ConstraintTokenizer
+from lmplug.api import ConstraintTokenizer
 
 
 def tokenizer_size(tokenizer: Any) -> int:

@@ -39,8 +39,8 @@ from lmplug_constraint.vocab import (
     tokenizer_size,
 )
 
-from lmplug.interfaces.common import Capabilities
-from lmplug.interfaces.constraint import (
+from lmplug.api import (
+    Capabilities,
     ConstraintBackend,
     ConstraintOptions,
     Matcher,

@@ -25,8 +25,7 @@ from typing import Literal
 import torch
 from pydantic import Field
 
-from lmplug.errors import ConfigError
-from lmplug.interfaces import (
+from lmplug.api import (
     BackendOptions,
     Capabilities,
     KVCacheBackend,
@@ -34,6 +33,7 @@ from lmplug.interfaces import (
     KVLayerView,
     StatePool,
 )
+from lmplug.errors import ConfigError
 
 
 class ContiguousOptions(BackendOptions):

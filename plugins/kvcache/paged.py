@@ -26,16 +26,17 @@ from lmplug_kvcache.swap import Swapped, SwapSpace
 from lmplug_kvcache.tier import BlockTier
 from pydantic import Field, field_validator
 
-from lmplug.errors import ConfigError
-from lmplug.interfaces import (
+from lmplug.api import (
     BackendOptions,
     Capabilities,
+    KVBlockFormat,
     KVCacheBackend,
     KVCacheSpec,
+    KVConnector,
     KVLayerView,
     StatePool,
 )
-from lmplug.interfaces.kvconnector import KVBlockFormat, KVConnector
+from lmplug.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
@@ -79,6 +80,10 @@ class PagedKVCache(KVCacheBackend):
     @classmethod
     def kv_dtype_of(cls, options: PagedOptions) -> str:
         return options.dtype
+
+    @classmethod
+    def draft_options(cls, options: PagedOptions) -> PagedOptions:
+        return options.model_copy(update={"prefix_caching": False})
 
     @classmethod
     def with_pool_blocks(cls, options: PagedOptions, blocks: int) -> PagedOptions:

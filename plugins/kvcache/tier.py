@@ -14,7 +14,7 @@ import logging
 
 import torch
 
-from lmplug.interfaces.kvconnector import KVBlockFormat, KVConnector
+from lmplug.api import KVBlockFormat, KVConnector
 
 logger = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """First-party KV connectors: tiers for the paged cache's prefix blocks. Registered through the
 ``lmplug.plugins`` entry point."""
 
-from lmplug.hookspecs import hookimpl
+from lmplug.api import hookimpl
 
 LMPLUG_API_VERSION = 3
 

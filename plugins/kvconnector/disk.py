@@ -53,8 +53,8 @@ from typing import Any, TypeVar
 import torch
 from pydantic import Field
 
+from lmplug.api import BackendOptions, Capabilities, KVBlockFormat, KVConnector
 from lmplug.errors import ConfigError
-from lmplug.interfaces import BackendOptions, Capabilities, KVBlockFormat, KVConnector
 
 logger = logging.getLogger(__name__)
 

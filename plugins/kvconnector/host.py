@@ -15,7 +15,7 @@ from collections import OrderedDict
 import torch
 from pydantic import Field
 
-from lmplug.interfaces import BackendOptions, Capabilities, KVConnector
+from lmplug.api import BackendOptions, Capabilities, KVConnector
 
 
 class HostOptions(BackendOptions):

@@ -53,9 +53,9 @@ import torch
 from lmplug_kvconnector.host import HostConnector, HostOptions
 from pydantic import Field, SecretStr, field_validator
 
+from lmplug.api import BackendOptions, Capabilities, KVBlockFormat, KVConnector
 from lmplug.errors import ConfigError
-from lmplug.interfaces import BackendOptions, Capabilities, KVBlockFormat, KVConnector
-from lmplug.interfaces.paths import cache_dir
+from lmplug.kit.paths import cache_dir
 
 logger = logging.getLogger(__name__)
 

@@ -32,7 +32,7 @@ from lmplug_models.small_families import (
     smollm3_ropes,
 )
 
-from lmplug.interfaces.architecture import (
+from lmplug.api import (
     GGUF,
     MLA,
     MTP,
@@ -41,14 +41,21 @@ from lmplug.interfaces.architecture import (
     TENSOR_PARALLEL,
     Architecture,
     CacheLayout,
+    Capabilities,
+    ConfigReader,
+    GATED_DELTA,
+    GGUFHeader,
+    LIGHTNING,
+    MAMBA2,
+    ModelConfig,
+    check_depth,
+    decoder_config,
+    deepseek_moe,
+    hybrid_layer_types,
+    mamba2_fields,
+    mixtral_moe,
+    qwen_moe,
 )
-from lmplug.interfaces.common import Capabilities
-from lmplug.interfaces.config_fields import ConfigReader, check_depth
-from lmplug.interfaces.gguf_header import GGUFHeader, decoder_config
-from lmplug.interfaces.layer_types import hybrid_layer_types, mamba2_fields
-from lmplug.interfaces.model_config import ModelConfig
-from lmplug.interfaces.moe_config import deepseek_moe, mixtral_moe, qwen_moe
-from lmplug.interfaces.state import GATED_DELTA, LIGHTNING, MAMBA2
 
 NATIVE_PRIORITY = 10  # above any fallback (priority 0)
 _ANY = frozenset({"cpu", "cuda"})

@@ -15,11 +15,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from lmplug.interfaces.attention import AttentionBackend, KVLayerView
-from lmplug.interfaces.model_config import ModelConfig
-from lmplug.interfaces.quant import QuantMethod
-from lmplug.interfaces.rope import RotaryEmbedding
-from lmplug.interfaces.step import StepContext
+from lmplug.api import AttentionBackend, KVLayerView, ModelConfig, QuantMethod, StepContext
+from lmplug.kit.rope import RotaryEmbedding
 from lmplug.kit.decoder import Attention, DecoderForCausalLM
 from lmplug.kit.layers import RMSNorm, apply_rope, silu_and_mul
 from lmplug.kit.parallel import ParallelState

@@ -18,17 +18,21 @@ from typing import ClassVar
 import torch
 from lmplug_models.moe import MoEForCausalLM
 
+from lmplug.api import (
+    AttentionBackend,
+    KVLayerView,
+    MLAAttentionBackend,
+    ModelConfig,
+    MoEBackend,
+    QuantMethod,
+    StepContext,
+)
 from lmplug.errors import ModelLoadError
-from lmplug.interfaces.attention import AttentionBackend, KVLayerView, MLAAttentionBackend
-from lmplug.interfaces.mla_config import LORA_NORM_EPS
-from lmplug.interfaces.model_config import ModelConfig
-from lmplug.interfaces.moe import MoEBackend
-from lmplug.interfaces.quant import QuantMethod
-from lmplug.interfaces.rope import RotaryEmbedding
-from lmplug.interfaces.step import StepContext
 from lmplug.kit.layers import Linear, RMSNorm
 from lmplug.kit.parallel import ParallelState
+from lmplug.kit.rope import RotaryEmbedding
 
+LORA_NORM_EPS = 1e-6  # q_a_layernorm / kv_a_layernorm: transformers builds them with the default eps
 
 class MLAttention(torch.nn.Module):
     """x [T, h] -> [T, h] through the latent; the backend owns the cache and the attention math."""

@@ -27,15 +27,17 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from lmplug.interfaces.config_fields import ConfigReader
-from lmplug.interfaces.mixer import MixerBackend
-from lmplug.interfaces.model_config import ModelConfig
-from lmplug.interfaces.quant import QuantMethod
-from lmplug.interfaces.rope import RotaryEmbedding
-from lmplug.interfaces.state import StateTensor
-from lmplug.interfaces.step import StepContext
+from lmplug.api import (
+    ConfigReader,
+    MixerBackend,
+    ModelConfig,
+    QuantMethod,
+    StateTensor,
+    StepContext,
+)
 from lmplug.kit.parallel import ParallelState
 from lmplug.kit.parallel_layers import column_linear, row_linear
+from lmplug.kit.rope import RotaryEmbedding
 from lmplug.kit.sharding import RangeShard
 from lmplug.kit.state_layers import StateRows, run_split
 

@@ -22,9 +22,7 @@ from lmplug_models.blocks import (
     rope_of,
 )
 
-from lmplug.interfaces.attention import LayerAttention
-from lmplug.interfaces.config_fields import ConfigReader
-from lmplug.interfaces.model_config import ModelConfig
+from lmplug.api import ConfigReader, LayerAttention, ModelConfig
 
 GEMMA3 = "gemma3_text"
 

@@ -20,14 +20,18 @@ from __future__ import annotations
 import torch
 from lmplug_models.moe import MoEForCausalLM
 
+from lmplug.api import (
+    ATTENTION,
+    AttentionBackend,
+    MixerBackend,
+    ModelConfig,
+    MoEBackend,
+    QuantMethod,
+    StateSpec,
+    StepContext,
+    cache_indices,
+)
 from lmplug.errors import ModelLoadError
-from lmplug.interfaces.attention import AttentionBackend
-from lmplug.interfaces.mixer import MixerBackend
-from lmplug.interfaces.model_config import ModelConfig
-from lmplug.interfaces.moe import MoEBackend
-from lmplug.interfaces.quant import QuantMethod
-from lmplug.interfaces.state import ATTENTION, StateSpec, cache_indices
-from lmplug.interfaces.step import StepContext
 from lmplug.kit.parallel import ParallelState
 from lmplug.kit.state_layers import zero_fresh_states
 

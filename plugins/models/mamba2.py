@@ -32,13 +32,17 @@ from typing import ClassVar
 import torch
 import torch.nn.functional as F
 
+from lmplug.api import (
+    MAMBA2,
+    ConfigReader,
+    MixerBackend,
+    ModelConfig,
+    QuantMethod,
+    StateSpec,
+    StateTensor,
+    StepContext,
+)
 from lmplug.errors import ModelLoadError
-from lmplug.interfaces.config_fields import ConfigReader
-from lmplug.interfaces.mixer import MixerBackend
-from lmplug.interfaces.model_config import ModelConfig
-from lmplug.interfaces.quant import QuantMethod
-from lmplug.interfaces.state import MAMBA2, StateSpec, StateTensor
-from lmplug.interfaces.step import StepContext
 from lmplug.kit.layers import Linear, RMSNorm
 from lmplug.kit.parallel import ParallelState, single
 from lmplug.kit.parallel_layers import embedding, row_linear

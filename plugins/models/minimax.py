@@ -34,20 +34,23 @@ import torch
 import torch.nn.functional as F
 from lmplug_models.hybrid import HybridForCausalLM
 
+from lmplug.api import (
+    ATTENTION,
+    AttentionBackend,
+    ConfigReader,
+    MixerBackend,
+    ModelConfig,
+    MoEBackend,
+    QuantMethod,
+    StateTensor,
+    StepContext,
+)
 from lmplug.errors import ModelLoadError
-from lmplug.interfaces.attention import AttentionBackend
-from lmplug.interfaces.config_fields import ConfigReader
-from lmplug.interfaces.mixer import MixerBackend
-from lmplug.interfaces.model_config import ModelConfig
-from lmplug.interfaces.moe import MoEBackend
-from lmplug.interfaces.quant import QuantMethod
-from lmplug.interfaces.rope import RotaryEmbedding
-from lmplug.interfaces.state import ATTENTION, StateTensor
-from lmplug.interfaces.step import StepContext
 from lmplug.kit.decoder import Attention
 from lmplug.kit.layers import RMSNorm
 from lmplug.kit.parallel import ParallelState
 from lmplug.kit.parallel_layers import column_linear, row_linear
+from lmplug.kit.rope import RotaryEmbedding
 from lmplug.kit.sharding import RangeShard
 from lmplug.kit.state_layers import StateRows, run_split
 

@@ -13,11 +13,8 @@ from typing import ClassVar
 import torch
 from lmplug_models.llama import LlamaForCausalLM
 
+from lmplug.api import AttentionBackend, ModelConfig, MoEBackend, QuantMethod, Unquantized
 from lmplug.errors import ModelLoadError
-from lmplug.interfaces.attention import AttentionBackend
-from lmplug.interfaces.model_config import ModelConfig
-from lmplug.interfaces.moe import MoEBackend
-from lmplug.interfaces.quant import QuantMethod, Unquantized
 from lmplug.kit.moe import SparseMoeBlock
 from lmplug.kit.parallel import ParallelState
 from lmplug.kit.sharding import LazyPiece, tensor_shape

@@ -18,9 +18,8 @@ import torch
 from lmplug_models.blocks import AttentionShape, FlexAttention, FlexDecoder, FlexLayer, GatedMLP
 
 from lmplug.errors import ModelLoadError
-from lmplug.interfaces.config_fields import ConfigReader
-from lmplug.interfaces.model_config import ModelConfig
-from lmplug.interfaces.rope import RotaryEmbedding
+from lmplug.api import ConfigReader, ModelConfig
+from lmplug.kit.rope import RotaryEmbedding
 from lmplug.kit.decoder import MLP, Attention, DecoderForCausalLM, DecoderLayer
 from lmplug.kit.parallel_layers import column_linear
 

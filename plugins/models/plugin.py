@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from lmplug.hookspecs import hookimpl
+from lmplug.api import hookimpl
 
 LMPLUG_API_VERSION = 3
 

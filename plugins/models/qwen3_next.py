@@ -30,19 +30,22 @@ import torch.nn.functional as F
 from lmplug_models.gated_deltanet import GatedDeltaFacts, GatedDeltaNet
 from lmplug_models.hybrid import HybridForCausalLM
 
+from lmplug.api import (
+    ATTENTION,
+    AttentionBackend,
+    ConfigReader,
+    KVLayerView,
+    MixerBackend,
+    ModelConfig,
+    MoEBackend,
+    QuantMethod,
+    StepContext,
+)
 from lmplug.errors import ModelLoadError
-from lmplug.interfaces.attention import AttentionBackend, KVLayerView
-from lmplug.interfaces.config_fields import ConfigReader
-from lmplug.interfaces.mixer import MixerBackend
-from lmplug.interfaces.model_config import ModelConfig
-from lmplug.interfaces.moe import MoEBackend
-from lmplug.interfaces.quant import QuantMethod
-from lmplug.interfaces.rope import RotaryEmbedding
-from lmplug.interfaces.state import ATTENTION
-from lmplug.interfaces.step import StepContext
 from lmplug.kit.layers import RMSNorm
 from lmplug.kit.parallel import ParallelState, single
 from lmplug.kit.parallel_layers import column_linear, row_linear
+from lmplug.kit.rope import RotaryEmbedding
 
 
 class ZeroCentredRMSNorm(RMSNorm):

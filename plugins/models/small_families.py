@@ -19,9 +19,7 @@ from lmplug_models.blocks import (
     layer_kinds,
 )
 
-from lmplug.interfaces.attention import LayerAttention
-from lmplug.interfaces.config_fields import ConfigReader
-from lmplug.interfaces.model_config import ModelConfig
+from lmplug.api import ConfigReader, LayerAttention, ModelConfig
 
 
 def smollm3_ropes(cfg: ModelConfig, where: str = "config.json") -> tuple[bool, ...]:

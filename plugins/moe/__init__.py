@@ -1,6 +1,6 @@
 """First-party moe backends. Registered through the ``lmplug.plugins`` entry point."""
 
-from lmplug.hookspecs import hookimpl
+from lmplug.api import hookimpl
 
 LMPLUG_API_VERSION = 3
 

@@ -22,7 +22,7 @@ import torch
 from lmplug_moe.routing import select_experts
 from pydantic import Field, field_validator
 
-from lmplug.interfaces import BackendOptions, Capabilities, MoEBackend, RoutingConfig
+from lmplug.api import BackendOptions, Capabilities, MoEBackend, RoutingConfig
 
 # read once, as triton does when it is first imported
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"

@@ -19,7 +19,7 @@ Padding rows carry the sentinel ``num_pairs`` and are masked out; blocks past
 the padded total exit at once, so the grid can be sized without a host sync.
 
 Launches come from a table per architecture (``moe_config``, keyed by
-``lmplug.interfaces.devices.capability`` and the rows per expert): 16-row
+``lmplug.kit.devices.capability`` and the rows per expert): 16-row
 blocks for decode, up to 64 (sm_80) or 128 (sm_90, 8 warps) for prefill; None
 (the interpreter) keeps the small tiles the tests run. A table, not
 ``triton.autotune``: deterministic, nothing benchmarked at the first call,
@@ -40,7 +40,7 @@ import triton
 import triton.language as tl
 from lmplug_moe.reference import check_experts_args
 
-from lmplug.interfaces.devices import capability
+from lmplug.kit.devices import capability
 
 
 @triton.jit

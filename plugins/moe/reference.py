@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from lmplug_moe.routing import select_experts
 
-from lmplug.interfaces import BackendOptions, Capabilities, MoEBackend, RoutingConfig
+from lmplug.api import BackendOptions, Capabilities, MoEBackend, RoutingConfig
 
 
 def check_experts_args(x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor,

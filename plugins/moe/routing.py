@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from lmplug.interfaces.moe import RoutingConfig
+from lmplug.api import RoutingConfig
 
 
 def select_experts(router_logits: torch.Tensor, routing: RoutingConfig,

@@ -6,7 +6,7 @@ checkpoints); see ``common.py`` for how each runs on CPU and CUDA. W8A8:
 llama.cpp's block-quantized weights, multiplied packed (``gguf.py``).
 """
 
-from lmplug.hookspecs import hookimpl
+from lmplug.api import hookimpl
 
 LMPLUG_API_VERSION = 3
 

@@ -22,8 +22,8 @@ import torch
 import torch.nn.functional as F
 from pydantic import Field
 
+from lmplug.api import BackendOptions, Capabilities, QuantMethod
 from lmplug.errors import ModelLoadError
-from lmplug.interfaces import BackendOptions, Capabilities, QuantMethod
 
 WEIGHT_ONLY_CAPABILITIES = Capabilities(devices=frozenset({"cpu", "cuda"}))
 
@@ -77,7 +77,7 @@ def triton_interpreted() -> bool:
 
 # -- launch tables ------------------------------------------------------------------------------
 # The Triton kernels (w4a16_kernels, w8a8_kernels) choose their tiles from small tables keyed by the
-# target architecture (``lmplug.interfaces.devices.capability``) and the number of rows M, rather
+# target architecture (``lmplug.kit.devices.capability``) and the number of rows M, rather
 # than by ``triton.autotune``: a table is deterministic (no benchmarking on the first call, the same
 # numerics every run) and every entry can be compiled for sm_80 and sm_90 without a GPU.
 

@@ -46,9 +46,8 @@ from lmplug_quant.packing import pack_cols, unpack_cols, values_per_word
 from lmplug_quant.w8a8_common import W8A8_CAPABILITIES, W8A8Linear, W8A8Options, W8A8Scheme
 from pydantic import Field, model_validator
 
+from lmplug.api import QuantMethod, Unquantized
 from lmplug.errors import ModelLoadError
-from lmplug.interfaces import QuantMethod
-from lmplug.interfaces.quant import Unquantized
 
 METHOD = "compressed-tensors"
 

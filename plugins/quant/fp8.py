@@ -23,8 +23,8 @@ from typing import Literal
 from lmplug_quant.w8a8_common import CheckpointW8A8Options, W8A8Linear, W8A8Scheme, match_name
 from pydantic import Field, field_validator, model_validator
 
+from lmplug.api import Unquantized
 from lmplug.errors import ModelLoadError
-from lmplug.interfaces.quant import Unquantized
 
 
 class FP8Options(CheckpointW8A8Options):

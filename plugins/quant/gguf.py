@@ -28,9 +28,9 @@ import torch.nn.functional as F
 from lmplug_quant import gguf_ref
 from pydantic import Field
 
+from lmplug.api import BackendOptions, Capabilities, PackedTensor, QuantMethod, Unquantized
 from lmplug.errors import ConfigError
-from lmplug.interfaces import BackendOptions, Capabilities, QuantMethod, Unquantized, native_build
-from lmplug.interfaces.packed import PackedTensor
+from lmplug.kit import extras, native_build
 
 logger = logging.getLogger(__name__)
 
@@ -59,7 +59,7 @@ def native_kernel() -> tuple[object | None, str]:
 native_build.declare("gguf_mul_mat", native_kernel)  # built at engine load, not in the first matmul
 
 
-class GGUFQuant(QuantMethod):
+class GGUFQuant(QuantMethod, extras.PackedWeights, extras.OwnThreads, extras.NativeProduct):
     name = "gguf"
     capabilities = Capabilities(devices=frozenset({"cpu", "cuda"}))
     Options = GGUFOptions

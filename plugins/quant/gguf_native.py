@@ -7,14 +7,14 @@ weight's rows of ggml blocks as stored in the file (a view into an mmap is fine;
 be contiguous), returns float32 [M, N] = x @ dequantize(w)^T, computed with x quantized per
 block to 8 bits and integer dot products (the C file's header has the math). Types: ``SUPPORTED``.
 
-The library is built on first use by ``lmplug.interfaces.native_build`` (``$CC``, cached in
+The library is built on first use by ``lmplug.kit.native_build`` (``$CC``, cached in
 ``<cache_dir>/kernels/``) without ``-march``: the AVX2 kernels are compiled with target
 attributes and chosen at run time from what the CPU reports, so a cached build runs on any
 x86-64 (the cache key still holds the CPU's flags, as for every native kernel).
 ``available()`` says whether it builds here, and why not (logged once); a caller then keeps
 its PyTorch path.
 
-Environment: ``LMPLUG_GGUF_THREADS`` (default ``lmplug.interfaces.threads.compute_threads()``:
+Environment: ``LMPLUG_GGUF_THREADS`` (default ``lmplug.kit.threads.compute_threads()``:
 torch's thread count, also inside a step whose small ops the engine keeps on one thread) and
 ``LMPLUG_GGUF_ISA`` = ``auto`` (default) | ``generic`` (the portable C kernels) | ``avx2`` |
 ``avx512`` (AVX-512 F/BW/VL + VNNI over weights repacked at bind into 16-row panels, see
@@ -34,11 +34,11 @@ from pathlib import Path
 
 import torch
 
-from lmplug.interfaces import native_build
-from lmplug.interfaces.native import NativeCall
-from lmplug.interfaces.native_build import NativeBuildError
-from lmplug.interfaces.paths import cache_dir
-from lmplug.interfaces.threads import compute_threads
+from lmplug.kit import native_build
+from lmplug.kit.native import NativeCall
+from lmplug.kit.native_build import NativeBuildError
+from lmplug.kit.paths import cache_dir
+from lmplug.kit.threads import compute_threads
 
 logger = logging.getLogger(__name__)
 
@@ -103,7 +103,7 @@ class GGUFKernel:
         self._threads.restype = ctypes.c_int
         self._pool_workers = lib.gguf_cpu_pool_workers
         self._pool_workers.argtypes, self._pool_workers.restype = [], ctypes.c_int
-        self.layer_fn = lib.gguf_layer_product  # called from C (lmplug.interfaces.native), not here
+        self.layer_fn = lib.gguf_layer_product  # called from C (lmplug.kit.native), not here
         self._packed_bytes = lib.gguf_packed_bytes
         self._packed_bytes.argtypes, self._packed_bytes.restype = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64], \
             ctypes.c_int64
@@ -184,7 +184,7 @@ class BoundProduct:
     on the demo model, where the per-call checks, the op dispatch and the environment look-ups
     of ``mul_mat`` cost more than a small layer's product). ``LMPLUG_GGUF_ISA`` and
     ``LMPLUG_GGUF_THREADS`` are read when it is bound (the model's load); the thread count
-    otherwise follows ``lmplug.interfaces.threads.compute_threads()`` at each call (torch's
+    otherwise follows ``lmplug.kit.threads.compute_threads()`` at each call (torch's
     thread count, also while the engine keeps torch's small ops on one thread)."""
 
     __slots__ = ("_fn", "ggml_type", "isa", "k", "n", "stride", "threads", "w")
@@ -232,7 +232,7 @@ class _Layer(ctypes.Structure):
 def layer_product(kernel: GGUFKernel, runs: list[tuple[int | str | None, torch.Tensor]], k: int,
                   bias: torch.Tensor | None, name: str = "quant gguf") -> NativeCall:
     """A linear layer's whole product (its runs side by side, then the bias) as a
-    ``lmplug.interfaces.native`` product: ``gguf_layer_product`` with a context describing
+    ``lmplug.kit.native`` product: ``gguf_layer_product`` with a context describing
     ``runs`` (ggml type, packed rows, ``SUPPORTED`` or ``FLOAT_TYPES``; None, float32 rows [n, k]; or ``"t"``, float32 W^T [k, n]
     with dense rows). The weights are checked
     here, once; ``LMPLUG_GGUF_ISA`` and ``LMPLUG_GGUF_THREADS`` are read now (as ``BoundProduct``

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from gguf import GGMLQuantizationType as Q
 
-from lmplug.interfaces.packed import BLOCK_SIZES
+from lmplug.api import BLOCK_SIZES
 
 
 def _f16(blocks: torch.Tensor, offset: int) -> torch.Tensor:

@@ -31,7 +31,7 @@ from lmplug_quant.common import (
 )
 from pydantic import Field, field_validator
 
-from lmplug.interfaces import QuantMethod
+from lmplug.api import QuantMethod
 
 
 class RTNOptions(WeightOnlyOptions):

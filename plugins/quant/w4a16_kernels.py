@@ -28,7 +28,7 @@ act-order (``group_size`` None) each input row has its own group and the step
 gathers ``[BLOCK_K, BLOCK_N]`` of them through ``g_idx``.
 
 Launches come from tables per architecture and M bucket (``gemm_config``,
-``gemv_config``; ``lmplug.interfaces.devices.capability``): M <= 16 takes
+``gemv_config``; ``lmplug.kit.devices.capability``): M <= 16 takes
 16-row, wide-K tiles over N, prefill takes 128 x 128 tiles with 8 warps.
 The entries are sized by the register and shared-memory budgets of sm_80
 and sm_90 and compile-checked for spills there, not tuned by measurement.
@@ -46,7 +46,7 @@ import triton
 import triton.language as tl
 from lmplug_quant.common import LaunchConfig, arch_key, m_bucket
 
-from lmplug.interfaces.devices import capability
+from lmplug.kit.devices import capability
 
 
 @triton.jit

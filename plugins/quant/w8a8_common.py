@@ -40,9 +40,9 @@ from typing import Literal
 import torch
 from pydantic import Field, model_validator
 
+from lmplug.api import BackendOptions, Capabilities, QuantMethod
 from lmplug.errors import ModelLoadError
-from lmplug.interfaces import BackendOptions, Capabilities, QuantMethod
-from lmplug.interfaces.devices import capability, describe
+from lmplug.kit.devices import capability, describe
 
 logger = logging.getLogger(__name__)
 

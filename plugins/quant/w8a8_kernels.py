@@ -40,7 +40,7 @@ import triton
 import triton.language as tl
 from lmplug_quant.common import LaunchConfig, arch_key, m_bucket
 
-from lmplug.interfaces.devices import capability
+from lmplug.kit.devices import capability
 
 
 @triton.jit

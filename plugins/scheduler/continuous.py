@@ -29,14 +29,8 @@ from typing import Literal
 from lmplug_scheduler.running_batch import RunningBatch
 from pydantic import Field
 
+from lmplug.api import Capabilities, ScheduledSeq, SchedulerOptions, SchedulerOutput, Sequence
 from lmplug.errors import ConfigError
-from lmplug.interfaces import (
-    Capabilities,
-    ScheduledSeq,
-    SchedulerOptions,
-    SchedulerOutput,
-)
-from lmplug.interfaces.sequence import Sequence
 
 
 class ContinuousOptions(SchedulerOptions):
@@ -108,6 +102,10 @@ class ContinuousScheduler(RunningBatch):
                                 priority=20)
     Options = ContinuousOptions
 
+    @classmethod
+    def features_for(cls, options: ContinuousOptions) -> frozenset[str]:
+        return cls.capabilities.features | ({"swap"} if options.preemption == "swap" else set())
+
     def __init__(self, options: ContinuousOptions, kv, limits) -> None:
         if options.preemption == "swap" and "swap" not in kv.capabilities.features:
             raise ConfigError(f"scheduler: continuous: preemption: swap needs a kvcache backend with the "
@@ -174,12 +172,12 @@ class ContinuousScheduler(RunningBatch):
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         self.running.remove(seq)
         out.scheduled = [s for s in out.scheduled if s.seq is not seq]
-        if self.options.preemption == "swap" and self.kv.swap_out(seq):
+        swapped = self.options.preemption == "swap" and self.kv.swap_out(seq)
+        if swapped:
             self.num_swaps += 1  # keeps its computed tokens
         else:
             self.kv.free(seq)
-            seq.num_computed_tokens = 0
-        seq.requeue()
+        seq.requeue(recompute=not swapped)
         self.waiting.push(seq)
         out.preempted.append(seq)
         self.num_preemptions += 1

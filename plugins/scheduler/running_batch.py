@@ -10,8 +10,7 @@ from __future__ import annotations
 
 from abc import abstractmethod
 
-from lmplug.interfaces import Scheduler
-from lmplug.interfaces.sequence import Sequence
+from lmplug.api import Scheduler, Sequence
 
 
 class RunningBatch(Scheduler):

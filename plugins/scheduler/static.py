@@ -19,8 +19,7 @@ from collections import deque
 
 from lmplug_scheduler.running_batch import RunningBatch
 
-from lmplug.interfaces import Capabilities, ScheduledSeq, SchedulerOutput
-from lmplug.interfaces.sequence import Sequence
+from lmplug.api import Capabilities, ScheduledSeq, SchedulerOutput, Sequence
 
 
 class StaticScheduler(RunningBatch):

@@ -14,7 +14,7 @@ Acceptance rules (``speculative: {..., acceptance: {rule: NAME}}``, ``acceptance
 (the default), and the lossy ``typical``, ``cascade`` and ``route``.
 """
 
-from lmplug.hookspecs import hookimpl
+from lmplug.api import hookimpl
 
 LMPLUG_API_VERSION = 3
 

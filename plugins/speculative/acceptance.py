@@ -19,16 +19,8 @@ from typing import Literal
 import torch
 from pydantic import Field, ValidationInfo, field_validator
 
-from lmplug.interfaces.acceptance import (
-    LOSSY,
-    AcceptanceOptions,
-    AcceptanceRule,
-    Decision,
-    point_mass,
-    rejection_sample,
-)
-from lmplug.interfaces.common import Capabilities
-from lmplug.interfaces.sampling import draw
+from lmplug.api import LOSSY, AcceptanceOptions, AcceptanceRule, Capabilities, Decision
+from lmplug.kit.sampling import draw, point_mass, rejection_sample
 
 _DEVICES = frozenset({"cpu", "cuda"})
 

@@ -17,8 +17,8 @@ import torch
 from lmplug_speculative.draft_runner import DraftRunner
 from pydantic import Field
 
+from lmplug.api import Capabilities, Drafter, DrafterOptions, DraftProposal, DraftTarget
 from lmplug.errors import ConfigError
-from lmplug.interfaces import Capabilities, Drafter, DrafterOptions, DraftProposal, DraftTarget
 
 _TOKENIZER_PROBE = "Speculative decoding, 2 models: def f(x):\n    return x * 42  # ok?"
 

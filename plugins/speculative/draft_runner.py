@@ -16,11 +16,15 @@ from __future__ import annotations
 
 import torch
 
-from lmplug.interfaces import DraftProposal, KVCacheBackend, ScheduledSeq
-from lmplug.interfaces.params import SamplingParams
-from lmplug.interfaces.runner import ForwardRunner
-from lmplug.interfaces.sampling import draw, processed_logits
-from lmplug.interfaces.sequence import Sequence
+from lmplug.api import (
+    DraftProposal,
+    ForwardRunner,
+    KVCacheBackend,
+    SamplingParams,
+    ScheduledSeq,
+    Sequence,
+)
+from lmplug.kit.sampling import draw, processed_logits
 
 _MIRROR_PARAMS = SamplingParams(max_tokens=None)
 
@@ -90,7 +94,7 @@ class DraftRunner:
             batch.append(ScheduledSeq(m, m.num_tokens - m.num_computed_tokens))
         result = self.runner.execute(batch)
         for item in batch:
-            item.seq.num_computed_tokens += item.num_new_tokens
+            item.seq.advance(item.num_new_tokens)
         row = {item.seq.seq_id: i for i, item in enumerate(result.sample_rows)}
         return result.logits[[row[m.seq_id] for m in mirrors]]
 

@@ -43,18 +43,18 @@ from lmplug_speculative.feature_store import FeatureStore
 from lmplug_speculative.head_matrix import head_matrix
 from pydantic import Field, model_validator
 
-from lmplug.errors import ConfigError
-from lmplug.interfaces import (
+from lmplug.api import (
     Capabilities,
     Drafter,
     DrafterOptions,
     DraftProposal,
     DraftTarget,
+    SamplingParams,
     ScheduledSeq,
+    Sequence,
 )
-from lmplug.interfaces.draft_tree import tree_rows
-from lmplug.interfaces.params import SamplingParams
-from lmplug.interfaces.sequence import Sequence
+from lmplug.errors import ConfigError
+from lmplug.kit.draft_tree import tree_rows
 
 _MIRROR_PARAMS = SamplingParams(max_tokens=None)
 
@@ -312,7 +312,7 @@ class EagleDrafter(Drafter):
         input_ids, ctx = self.runner.build_context(batch)
         out = self._compute(input_ids, torch.cat([features[j] for j in order]), ctx)
         for item in batch:
-            item.seq.num_computed_tokens += item.num_new_tokens
+            item.seq.advance(item.num_new_tokens)
         if all_rows:
             cu = ctx.cu_query_lens.tolist()
             rows_of = [out[cu[b]:cu[b + 1]] for b in range(len(batch))]

@@ -34,9 +34,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from lmplug.api import ModelConfig
 from lmplug.errors import ConfigError
-from lmplug.interfaces.model_config import ModelConfig
-from lmplug.interfaces.rope import RotaryEmbedding
+from lmplug.kit.rope import RotaryEmbedding
 
 WEIGHTS = ("model.safetensors", "pytorch_model.bin")
 DRAFT_VOCAB = "draft_vocab.safetensors"  # optional, ours: tensor "token_ids" (int64, ascending)

@@ -31,7 +31,7 @@ from lmplug_speculative.head_matrix import head_matrix
 from lmplug_speculative.medusa_train import generate_answers, open_target
 from pydantic import BaseModel, ConfigDict, Field
 
-from lmplug.interfaces.training import TrainingHost, TrainingTarget
+from lmplug.api import TrainingHost, TrainingTarget
 
 
 class HeadTrainOptions(BaseModel):

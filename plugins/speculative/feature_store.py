@@ -20,9 +20,8 @@ from __future__ import annotations
 
 import torch
 
-from lmplug.interfaces.kv_layout import kv_slots
-from lmplug.interfaces.kvcache import KVCacheBackend
-from lmplug.interfaces.step import StepContext
+from lmplug.api import KVCacheBackend, StepContext
+from lmplug.kit.kv_layout import kv_slots
 
 
 class FeatureStore:

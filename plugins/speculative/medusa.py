@@ -24,9 +24,9 @@ from lmplug_speculative.head_matrix import plain_head
 from lmplug_speculative.medusa_heads import MedusaHeads, load_heads
 from pydantic import Field, field_validator
 
+from lmplug.api import Capabilities, Drafter, DrafterOptions, DraftProposal, DraftTarget
 from lmplug.errors import ConfigError
-from lmplug.interfaces import Capabilities, Drafter, DrafterOptions, DraftProposal, DraftTarget
-from lmplug.interfaces.sampling import draw, processed_logits
+from lmplug.kit.sampling import draw, processed_logits
 
 # FasterDecoding's Medusa choices ``mc_sim_7b_63`` (medusa/model/medusa_choices.py), in its order
 MC_SIM_7B_63 = [[0], [0, 0], [1], [0, 1], [2], [0, 0, 0], [1, 0], [0, 2], [3], [0, 3], [4], [0, 4], [2, 0],

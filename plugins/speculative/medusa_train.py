@@ -26,9 +26,8 @@ from lmplug_speculative.head_matrix import head_matrix
 from lmplug_speculative.medusa_heads import MedusaHeads, save_heads
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from lmplug.api import SamplingParams, TrainingHost, TrainingTarget
 from lmplug.errors import ConfigError
-from lmplug.interfaces.params import SamplingParams
-from lmplug.interfaces.training import TrainingHost, TrainingTarget
 
 TASKS = ["Write a short story about {}.", "Explain {} in simple terms.", "Give five tips about {}.",
          "Write a Python function that has something to do with {}.", "Describe {} in one paragraph.",

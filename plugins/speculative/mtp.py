@@ -17,8 +17,8 @@ import torch
 from lmplug_speculative.eagle import EagleDrafter, FeatureDraftOptions
 from pydantic import Field
 
+from lmplug.api import Capabilities, DraftTarget
 from lmplug.errors import ConfigError
-from lmplug.interfaces import Capabilities, DraftTarget
 
 
 class MTPOptions(FeatureDraftOptions):

@@ -21,9 +21,9 @@ from pathlib import Path
 import torch
 from lmplug_speculative.eagle_head import _MLP, _Attention, _Norm, attention, causal_attention
 
+from lmplug.api import ModelConfig
 from lmplug.errors import ConfigError
-from lmplug.interfaces.model_config import ModelConfig
-from lmplug.interfaces.rope import RotaryEmbedding
+from lmplug.kit.rope import RotaryEmbedding
 
 WEIGHTS = "model.safetensors"
 

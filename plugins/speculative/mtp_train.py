@@ -32,7 +32,7 @@ from lmplug_speculative.medusa_train import open_target
 from lmplug_speculative.mtp_head import MTPHead, save_mtp
 from pydantic import Field
 
-from lmplug.interfaces.training import TrainingHost
+from lmplug.api import TrainingHost
 
 
 class MTPTrainOptions(HeadTrainOptions):

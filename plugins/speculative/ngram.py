@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 from pydantic import Field, model_validator
 
-from lmplug.interfaces import Capabilities, Drafter, DrafterOptions, DraftProposal
+from lmplug.api import Capabilities, Drafter, DrafterOptions, DraftProposal
 
 
 class NgramOptions(DrafterOptions):

@@ -2,7 +2,7 @@
 through lmplug's scheduler, KV caches and attention backends. Registered through the
 ``lmplug.plugins`` entry point; transformers itself is imported only when a model is built."""
 
-from lmplug.hookspecs import hookimpl
+from lmplug.api import hookimpl
 
 LMPLUG_API_VERSION = 3
 

@@ -6,11 +6,8 @@ import importlib.util
 from collections.abc import Mapping
 from typing import Any
 
+from lmplug.api import Architecture, CacheLayout, Capabilities, ConfigReader, ModelConfig
 from lmplug.errors import ModelLoadError
-from lmplug.interfaces.architecture import Architecture, CacheLayout
-from lmplug.interfaces.common import Capabilities
-from lmplug.interfaces.config_fields import ConfigReader
-from lmplug.interfaces.model_config import ModelConfig
 
 CAUSAL_HEADS = ("ForCausalLM", "LMHeadModel")
 # Why encoders are refused: the engine's step is causal throughout (a prompt prefilled in chunks, its

@@ -18,10 +18,9 @@ from typing import Any
 
 import torch
 
-from lmplug.interfaces.attention import AttentionBackend, KVLayerView
-from lmplug.interfaces.kv_layout import kv_slots
-from lmplug.interfaces.kvcache import dequantize_kv, store_kv
-from lmplug.interfaces.step import StepContext
+from lmplug.api import AttentionBackend, KVLayerView, StepContext
+from lmplug.kit.kv_layout import kv_slots
+from lmplug.kit.kv_quant import dequantize_kv, store_kv
 
 NAME = "lmplug"
 

@@ -12,8 +12,7 @@ from typing import Any
 import torch
 from lmplug_transformers.attention import NAME, STEP, Step, register
 
-from lmplug.interfaces.attention import AttentionBackend, KVLayerView
-from lmplug.interfaces.step import StepContext
+from lmplug.api import AttentionBackend, KVLayerView, StepContext
 
 
 def build_hf_model(hf_config: dict[str, Any], dtype: torch.dtype) -> torch.nn.Module:

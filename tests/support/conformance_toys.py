@@ -14,8 +14,9 @@ import torch
 import torch.nn.functional as F
 
 from lmplug import Capabilities, Drafter, MoEBackend, QuantMethod, Scheduler
-from lmplug.interfaces import DraftProposal, ScheduledSeq, SchedulerOutput
+from lmplug.api import DraftProposal, ScheduledSeq, SchedulerOutput
 from lmplug.interfaces.sequence import SequenceStatus
+from lmplug.kit import extras
 
 # -- quant: round-to-nearest int8, one scale per output row ---------------------------------------
 
@@ -60,7 +61,7 @@ class ToyRtnWrongNames(ToyRtnInt8):
         del layer.scales
 
 
-class ToyRtnNative(ToyRtnInt8):
+class ToyRtnNative(ToyRtnInt8, extras.NativeProduct):
     """Correct, with a C product for the native decode step: the dequantized weight as one
     float32 run of the ``gguf`` plugin's layer product (any C function of the ABI would do)."""
 

@@ -5,7 +5,7 @@ which tests/conftest.py sets when no CUDA GPU is visible), or a CUDA GPU with th
 (the interpreter off). Tests take the ``kernel_device`` fixture (tests/conftest.py), parametrized
 by ``kernel_devices()``, so the same correctness checks run interpreted on a laptop and compiled on
 a lent GPU (``make gpu-check``). Architecture limits are asked of
-``lmplug.interfaces.devices.capability``, as the kernels themselves do.
+``lmplug.kit.devices.capability``, as the kernels themselves do.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import os
 import pytest
 import torch
 
-from lmplug.interfaces.devices import capability, describe
+from lmplug.kit.devices import capability, describe
 
 BF16_INTERPRETER = ("bf16 tl.dot returns garbage under TRITON_INTERPRET=1 (a Triton interpreter bug, "
                     "docs/triton-on-cpu.md); bf16 runs compiled on a CUDA GPU only")

@@ -35,8 +35,7 @@ FAKE_ATTENTION = '''
 import torch
 from pydantic import Field
 
-from lmplug.hookspecs import hookimpl
-from lmplug.interfaces import AttentionBackend, BackendOptions, Capabilities
+from lmplug.api import AttentionBackend, BackendOptions, Capabilities, hookimpl
 
 LMPLUG_API_VERSION = 3
 CALLS = {"init": 0, "forward": 0, "layers": set()}
@@ -90,7 +89,7 @@ def make_dist(
 
 
 def simple_plugin(body: str = "", version: str | None = str(API_VERSION)) -> str:
-    head = "from lmplug.hookspecs import hookimpl\n"
+    head = "from lmplug.api import hookimpl\n"
     if version is not None:
         head += f"LMPLUG_API_VERSION = {version}\n"
     return head + textwrap.dedent(body)
@@ -99,7 +98,7 @@ def simple_plugin(body: str = "", version: str | None = str(API_VERSION)) -> str
 def attention_backend_module(backend_name: str, version: str | None = str(API_VERSION)) -> str:
     return simple_plugin(
         f"""
-        from lmplug.interfaces import AttentionBackend, Capabilities
+        from lmplug.api import AttentionBackend, Capabilities
 
         class A(AttentionBackend):
             name = {backend_name!r}

@@ -17,10 +17,10 @@ import torch
 from pydantic import Field
 
 from lmplug import hookimpl
+from lmplug.api import Capabilities, Drafter, DrafterOptions, DraftProposal
 from lmplug.config import EngineConfig, resolve
 from lmplug.engine.engine import LLMEngine
-from lmplug.interfaces import Capabilities, Drafter, DrafterOptions, DraftProposal
-from lmplug.interfaces.sampling import draw
+from lmplug.kit.sampling import draw
 from lmplug.plugins import API_VERSION, Registry
 from support.hf_models import prompt_ids
 
@@ -109,7 +109,7 @@ STAT_PROMPT = prompt_ids(6, 21)
 def target_probs(hf, ids: list[int]) -> torch.Tensor:
     """transformers' next-token distribution after ``ids`` under ``SAMPLING``'s filters, float64."""
     from lmplug.interfaces.params import SamplingParams
-    from lmplug.interfaces.sampling import processed_logits
+    from lmplug.kit.sampling import processed_logits
 
     with torch.no_grad():
         logits = hf(torch.tensor([ids])).logits[0, -1:]

@@ -111,7 +111,7 @@ int rope_f32(float *x, int64_t token_stride, int64_t head_stride, int64_t heads,
 /* ---------------------------------------------------------------- the native decode step
  *
  * Every decoder layer of a Llama-family decode step in one call (lmplug.kit.native_step):
- * the products and the attention are the plugins' C functions (lmplug.interfaces.native's
+ * the products and the attention are the plugins' C functions (lmplug.kit.native's
  * ABI), the rest is this file's functions above, in the order the Python layer runs them:
  *   normed = rms_norm(x); qkv = qkv(normed); [q, k heads: rms_norm each (Qwen3)]; rope(q, k);
  *   att = attention(qkv); x = o(att) + x; normed = rms_norm(x); x = x + down(silu_mul(gate_up(normed)))

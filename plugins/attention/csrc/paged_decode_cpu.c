@@ -606,7 +606,7 @@ EXPORT int paged_decode_f16(DECODE_ARGS) { return DECODE_CALL(run_f16); }
 
 /* ---------------------------------------------------------------- one step, for the native decode step
  *
- * The attention function of lmplug's native-step ABI (lmplug.interfaces.native): for the step's
+ * The attention function of lmplug's native-step ABI (lmplug.kit.native): for the step's
  * `rows` decode rows, row t's q, k, v lie back to back at qkv + t * qkv_stride; k and v go to
  * slot slots[t] of layer `layer`'s float32 caches, q to a contiguous scratch, and the decode
  * kernel above attends (the same function, so the same bits as paged_decode_f32). The kernel

@@ -932,7 +932,7 @@ EXPORT int gguf_mul_mat(const float *x, int64_t M, int64_t K, const uint8_t *w, 
 
 /* ---------------------------------------------------------------- a layer's product, bound
  *
- * The product function of lmplug's native-step ABI (lmplug.interfaces.native): a fused linear
+ * The product function of lmplug's native-step ABI (lmplug.kit.native): a fused linear
  * layer's runs of equal type, each filling its columns of one output row, plus the bias. A run
  * with type GGUF_DENSE holds float32 rows (a float shard of a mixed layer, e.g. a BF16 v next
  * to Q4_K q/k), or GGUF_DENSE_T float32 columns (a layer the file stores in F16/F32 whole):

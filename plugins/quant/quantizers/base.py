@@ -20,10 +20,15 @@ from lmplug_quant.quantizers.reference import LINEARS, FloatLlama
 from lmplug_quant.quantizers.writer import float_tensors, tensor_bytes, write_checkpoint
 from pydantic import Field, field_validator
 
+from lmplug.api import (
+    BackendOptions,
+    CalibrationSpec,
+    Capabilities,
+    ModelSource,
+    Progress,
+    Quantizer,
+)
 from lmplug.errors import ConfigError
-from lmplug.interfaces.checkpoint import ModelSource
-from lmplug.interfaces.common import BackendOptions, Capabilities
-from lmplug.interfaces.quantizer import CalibrationSpec, Progress, Quantizer
 
 CHUNK = 4  # calibration windows per forward (bounds the attention scores' memory)
 GROUP_CHOICES = (128, 64, 32)  # the default group size: the largest of these that fits the model

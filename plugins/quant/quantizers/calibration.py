@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import torch
 
+from lmplug.api import CalibrationSpec
 from lmplug.errors import ConfigError
-from lmplug.interfaces.quantizer import CalibrationSpec
 
 HELDOUT_EVERY = 10
 BLOCK_CHARS = 2000

@@ -9,8 +9,8 @@ import torch
 from lmplug_quant.quantizers.grid import fake_quantize_fp8_tokens, fake_quantize_int8_tokens
 from lmplug_quant.quantizers.reference import FloatLlama
 
+from lmplug.api import ModelSource
 from lmplug.errors import ConfigError
-from lmplug.interfaces.checkpoint import ModelSource
 
 
 class W8A8Reference:

@@ -3,7 +3,7 @@
 The offline quantizers need what the engine hides: each linear layer's input
 for whole calibration windows, layer by layer, with weights swapped in place
 as they are quantized. So they run this small twin of ``lmplug_models.llama``
-(same math: RMSNorm, rotate-half RoPE from ``lmplug.interfaces.rope``, causal GQA
+(same math: RMSNorm, rotate-half RoPE from ``lmplug.kit.rope``, causal GQA
 attention, SwiGLU) on ``[windows, tokens, hidden]`` batches. Each decoder layer
 is split into the pieces between linear inputs (``attn_input`` -> q/k/v ->
 ``attn_context`` -> o -> ``mlp_input`` -> gate/up -> ``down_input`` -> down),
@@ -18,10 +18,9 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from lmplug.api import ModelConfig, ModelSource
 from lmplug.errors import ConfigError
-from lmplug.interfaces.checkpoint import ModelSource
-from lmplug.interfaces.model_config import ModelConfig
-from lmplug.interfaces.rope import RotaryEmbedding
+from lmplug.kit.rope import RotaryEmbedding
 
 # the model types it runs, and what each implies (``ModelConfig.from_hf``'s facts)
 SUPPORTED = {"llama": {}, "mistral": {}, "qwen2": {"qkv_bias": True, "window_flag": True},

@@ -254,3 +254,28 @@ def test_method_key_for_quant_and_speculative():
     assert out["quant"] == {"method": "fp8"}
     out = merge({"speculative": {"method": "ngram", "k": 4}}, {"speculative": {"k": 2}})
     assert out["speculative"] == {"method": "ngram", "k": 2}
+
+
+def test_old_section_name_loads_the_same_config_and_warns_once(tmp_path, caplog, monkeypatch):
+    """`structured_output:` is the constraint family's old section name: the same config as
+    `constraint:`, one deprecation warning per process; both at once is refused."""
+    from lmplug import config as config_module
+
+    monkeypatch.setattr(config_module, "_warned_aliases", set())
+    new = EngineConfig.from_dict({"model": "m", "constraint": {"backend": "llguidance", "max_compile_s": 5}})
+    with caplog.at_level("WARNING", logger="lmplug.config"):
+        old = EngineConfig.from_dict({"model": "m", "structured_output": {"backend": "llguidance",
+                                                                          "max_compile_s": 5}})
+        from_yaml = EngineConfig.from_yaml(write(tmp_path, "model: m\nstructured_output: llguidance\n"))
+    assert old == new and old.constraint == {"backend": "llguidance", "max_compile_s": 5}
+    assert from_yaml.constraint == {"backend": "llguidance"}
+    warnings = [r.getMessage() for r in caplog.records if "deprecated" in r.getMessage()]
+    assert len(warnings) == 1 and "`structured_output`" in warnings[0] and "`constraint`" in warnings[0]
+    resolved = resolve(old, device="cpu", dtype="float32")
+    assert resolved.backends["constraint"].name == "llguidance"
+    assert resolved == resolve(new, device="cpu", dtype="float32")
+    # an override in either name merges into the section
+    assert merge({"constraint": {"backend": "xgrammar"}}, {"structured_output": {"max_compile_s": 2}}) == {
+        "constraint": {"backend": "xgrammar", "max_compile_s": 2}}
+    with pytest.raises(ConfigError, match="`structured_output` is the old name of the section `constraint`"):
+        EngineConfig.from_dict({"model": "m", "constraint": "xgrammar", "structured_output": "xgrammar"})

@@ -88,7 +88,7 @@ KV = {"backend": "contiguous"}  # fixed, so `auto` attention choices don't depen
 
 def test_resolve_first_party_defaults():
     r = resolve(cfg(), device="cpu", dtype="float32")
-    assert set(r.backends) == {"kvcache", "attention", "scheduler", "structured_output"}  # optional ones are off
+    assert set(r.backends) == {"kvcache", "attention", "scheduler", "constraint"}  # optional ones are off
     for section, b in r.backends.items():
         assert b.info.distribution.startswith("lmplug "), (section, b.info)
         assert b.cls.capabilities.fits("cpu", "float32")
@@ -109,7 +109,7 @@ def test_resolve_first_party_defaults():
         "kvcache": "contiguous",
         "attention": "sdpa",
         "scheduler": "static",
-        "structured_output": "xgrammar",  # auto: the highest-priority grammar engine
+        "constraint": "xgrammar",  # auto: the highest-priority grammar engine
     }
 
 

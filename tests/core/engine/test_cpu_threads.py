@@ -1,4 +1,4 @@
-"""torch's small ops on one thread during small CPU steps (``lmplug.interfaces.threads``), while
+"""torch's small ops on one thread during small CPU steps (``lmplug.kit.threads``), while
 kernels with their own pool still see the thread count set before (``compute_threads``)."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from lmplug.engine.runner import ModelRunner
-from lmplug.interfaces.threads import compute_threads, small_ops_single_threaded
+from lmplug.kit.threads import compute_threads, small_ops_single_threaded
 
 
 @pytest.fixture
@@ -111,9 +111,10 @@ def test_steps_threads_follow_the_attention_share(two_threads, query_lens, seq_l
 def test_build_gives_small_steps_only_to_methods_with_their_own_threads():
     from lmplug.engine.build import SMALL_STEP_TOKENS, small_step_tokens
     from lmplug.interfaces.quant import Unquantized
+    from lmplug.kit import extras
     from lmplug.parallel import single
 
-    class OwnThreads(Unquantized):
+    class OwnThreads(Unquantized, extras.OwnThreads):
         def own_threads(self, device):
             return True
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from lmplug.interfaces import native_build
+from lmplug.kit import native_build
 
 C_SOURCE = "int lmplug_answer(void) { return 42; }\n"
 

@@ -1,4 +1,4 @@
-"""The logits-adjustment stage (``lmplug.interfaces.penalties``): repetition penalty, logit_bias
+"""The logits-adjustment stage (``lmplug.kit.penalties``): repetition penalty, logit_bias
 and min_tokens against transformers' own logits processors, presence / frequency penalties
 against a plain per-token loop, the constraint bitmask against a bool mask; the parameter
 checks; ``sample`` and ``verify_batch`` on the adjusted logits; and greedy ``LLM.generate``
@@ -20,9 +20,9 @@ from transformers.generation.logits_process import (
 from lmplug import ConfigError, SamplingParams
 from lmplug.interfaces.constraint import new_bitmask
 from lmplug.interfaces.params import check_token_ids
-from lmplug.interfaces.penalties import NO_HISTORY, RowHistory, adjust_logits
-from lmplug.interfaces.sampling import draw, processed_logits, sample
 from lmplug.interfaces.sequence import Sequence
+from lmplug.kit.penalties import NO_HISTORY, RowHistory, adjust_logits
+from lmplug.kit.sampling import draw, processed_logits, sample
 from lmplug.speculation.verifier import verify_batch
 
 V = 97  # not a multiple of 32: the bitmask's last word is partial

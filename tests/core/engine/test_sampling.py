@@ -11,8 +11,8 @@ import torch
 from support.hf_models import get_model, hf_greedy, one_torch_thread, prompt_ids  # noqa: F401
 
 from lmplug import ConfigError, SamplingParams
-from lmplug.interfaces.sampling import apply_filters, sample
 from lmplug.interfaces.sequence import Sequence
+from lmplug.kit.sampling import apply_filters, sample
 
 PROMPT = "the cat sat on the mat"
 

@@ -25,8 +25,8 @@ from support.spec_helpers import (
     target_probs,
 )
 
-from lmplug.interfaces import acceptance
 from lmplug.interfaces.params import SamplingParams
+from lmplug.kit import sampling as kit_sampling
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 PROMPTS = [prompt_ids(3, 11), prompt_ids(17, 12), prompt_ids(40, 13), [7, 8, 9, 10] * 5]
@@ -225,6 +225,6 @@ def test_sampled_continuations_follow_the_target(model, pair_distribution):
 
 
 def test_biased_verifier_is_caught(model, pair_distribution, monkeypatch):
-    monkeypatch.setattr(acceptance, "residual_distribution", lambda p, q: p)
+    monkeypatch.setattr(kit_sampling, "residual_distribution", lambda p, q: p)
     counts, probs = _pair_counts(model, pair_distribution, 1200)
     assert chi_square_pvalue(counts, probs) < 1e-3

@@ -22,10 +22,10 @@ from support.hf_models import get_model, one_torch_thread, prompt_ids  # noqa: F
 from support.spec_helpers import check_observed_hidden, make_engine, run
 
 from lmplug.errors import ConfigError
-from lmplug.interfaces.draft_tree import ancestor_mask, depths, is_chain
 from lmplug.interfaces.params import SamplingParams
 from lmplug.interfaces.scheduler import ScheduledSeq
 from lmplug.interfaces.sequence import Sequence
+from lmplug.kit.draft_tree import ancestor_mask, depths, is_chain
 from lmplug.speculation import Draft, Speculator
 from lmplug.speculation.tree import first_child_chain, subtree, verify_tree_greedy
 

@@ -9,9 +9,9 @@ import pytest
 import torch
 from support.spec_helpers import chi_square_pvalue
 
-from lmplug.interfaces import acceptance
 from lmplug.interfaces.params import SamplingParams
-from lmplug.interfaces.sampling import draw, processed_logits
+from lmplug.kit import sampling as kit_sampling
+from lmplug.kit.sampling import draw, processed_logits
 from lmplug.speculation.verifier import verify_batch, verify_greedy, verify_sampling
 
 ALPHA = 1e-3  # a correct verifier fails a check once in a thousand seeds; these seeds are fixed
@@ -53,7 +53,7 @@ def test_speculative_sampling_emits_the_target_distribution():
 def test_without_the_residual_correction_the_check_fails(monkeypatch):
     """Resampling from p instead of norm(max(0, p - q)) after a rejection biases the output
     (towards the tokens q over-proposes); the same chi-square check must catch it."""
-    monkeypatch.setattr(acceptance, "residual_distribution", lambda p, q: p)
+    monkeypatch.setattr(kit_sampling, "residual_distribution", lambda p, q: p)
     first, _, _ = emitted_counts(8000)
     assert chi_square_pvalue(first, P[0]) < ALPHA
 

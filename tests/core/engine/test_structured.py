@@ -34,7 +34,7 @@ def model(tmp_path_factory):
 
 
 def engine_for(model, backend: str, speculative: dict | None = None, **overrides):
-    return make_engine(model.path, speculative, structured_output={"backend": backend}, **overrides)
+    return make_engine(model.path, speculative, constraint={"backend": backend}, **overrides)
 
 
 def check_json(text: str, schema: dict) -> None:

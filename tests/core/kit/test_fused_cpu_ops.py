@@ -7,9 +7,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from lmplug.interfaces.rope import RotaryEmbedding
 from lmplug.kit import fused_cpu
 from lmplug.kit.layers import RMSNorm, apply_rope, silu_and_mul, silu_and_mul_reference
+from lmplug.kit.rope import RotaryEmbedding
 
 pytestmark = pytest.mark.skipif(fused_cpu.library() is None, reason="no C compiler: the fused ops cannot build")
 

@@ -1,5 +1,5 @@
 """The native decode step (``lmplug.kit.native_step``): every decoder layer of a decode step
-in one C call, through the plugins' C functions (``lmplug.interfaces.native``).
+in one C call, through the plugins' C functions (``lmplug.kit.native``).
 
 Reference: the same engine with ``LMPLUG_NATIVE_STEP=0`` (the Python layers, whose parity
 with HF transformers the model tests hold). The native step's norms, RoPE and SiLU are the
@@ -22,8 +22,8 @@ from support.gguf_fixtures import write_tiny_gguf
 from support.native_compare import assert_same
 
 from lmplug import LLM, SamplingParams
-from lmplug.interfaces.native import NativeCall
 from lmplug.kit import fused_cpu, native_step
+from lmplug.kit.native import NativeCall
 from lmplug.kit.native_step import NativeDecodeStep
 
 pytestmark = pytest.mark.skipif(fused_cpu.library() is None, reason="no C compiler: no native step")

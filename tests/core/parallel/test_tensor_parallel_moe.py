@@ -91,7 +91,7 @@ def _load_rank(path, state, read_log=None):
     from lmplug_models.moe import MoEForCausalLM
     from lmplug_moe.reference import ReferenceMoE
 
-    from lmplug.interfaces import BackendOptions
+    from lmplug.api import BackendOptions
     from lmplug.engine.architecture import model_config_of
     from lmplug.interfaces.quant import Unquantized
     from lmplug.loading import open_source

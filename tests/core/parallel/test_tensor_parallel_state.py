@@ -147,7 +147,7 @@ class TestStateTP2:
 def mixer_backend():
     from lmplug_attention.mixers import TorchMixer
 
-    from lmplug.interfaces import BackendOptions
+    from lmplug.api import BackendOptions
 
     return TorchMixer(BackendOptions())
 

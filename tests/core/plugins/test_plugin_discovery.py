@@ -205,23 +205,36 @@ def test_plugin_with_wrong_or_missing_api_version(site, version, expect):
     assert reg.pm.get_plugin("old") is None
 
 
-API1_PLUGIN = """
+# plugins written for an older API: each imports what that API offered and this one moved
+OLD_API_PLUGINS = {
+    1: ("""
 from lmplug import hookimpl
 from lmplug.engine.sequence import Sequence  # API 1: engine internals were importable
 
 LMPLUG_API_VERSION = 1
-"""
+""", "'lmplug.engine.sequence'"),
+    2: ("""
+from lmplug.hookspecs import hookimpl
+from lmplug.interfaces import AttentionBackend, Capabilities  # API 2: the contract's package
+
+LMPLUG_API_VERSION = 2
+""", "'lmplug.interfaces'"),
+}
 
 
-def test_plugin_written_for_api_1_gets_a_version_error_not_a_bare_import_error(site):
-    site("fake-api1-plugin", {"api1": "fake_lmplug_api1"}, {"fake_lmplug_api1": API1_PLUGIN})
+@pytest.mark.parametrize("version", sorted(OLD_API_PLUGINS))
+def test_plugin_written_for_an_older_api_gets_a_version_error_not_a_bare_import_error(site, version):
+    source, missing = OLD_API_PLUGINS[version]
+    name = f"api{version}"
+    site(f"fake-{name}-plugin", {name: f"fake_lmplug_{name}"}, {f"fake_lmplug_{name}": source})
     reg = Registry()
     first_party_loaded(reg)
-    assert [f.plugin for f in reg.failures] == ["api1"]
+    assert [f.plugin for f in reg.failures] == [name]
     text = str(reg.failures[0])
-    assert "fake-api1-plugin 0.1" in text and "targets an older lmplug API" in text
-    assert "'lmplug.engine.sequence'" in text and "API version 3" in text
-    assert "lmplug.interfaces" in text and "Porting a plugin" in text
+    assert f"fake-{name}-plugin 0.1" in text and "targets an older lmplug API" in text
+    assert missing in text and "API version 3" in text
+    assert "lmplug.api" in text and "Porting a plugin" in text
+    assert reg.pm.get_plugin(name) is None
 
 
 def test_two_backends_with_the_same_name(site):
@@ -247,7 +260,7 @@ def test_two_backends_with_the_same_name(site):
 
 
 def test_same_backend_name_in_different_families_is_fine():
-    from lmplug.interfaces import Capabilities, KVCacheBackend
+    from lmplug.api import Capabilities, KVCacheBackend
 
     class Kv(KVCacheBackend):
         name = "sdpa"  # same name as the attention backend, other family

@@ -7,6 +7,7 @@ from support.fake_plugins import FIRST_PARTY, _need_model_cache
 
 import lmplug
 from lmplug import ConfigError, EngineConfig, SamplingParams, hookimpl
+from lmplug.api import EngineView
 from lmplug.plugins import API_VERSION, get_registry, reset_registry
 
 # -- lifecycle hooks -------------------------------------------------------------------------------
@@ -52,7 +53,13 @@ def test_lifecycle_hooks(tiny_llama, tmp_path):
     config = rec.calls[0][1]["config"]
     assert isinstance(config, EngineConfig) and config.model == str(tiny_llama)
     assert config.max_model_len == 64 and config.scheduler == {"max_num_seqs": 4}
-    assert rec.calls[1][1]["engine"] is engine
+    view = rec.calls[1][1]["engine"]  # a read-only view of the engine, not the engine
+    assert isinstance(view, EngineView) and view is engine.view
+    assert view.config is engine.config and view.model_config is engine.model_config
+    assert view.max_model_len == engine.max_model_len == 64
+    assert view.backends == {f: b.name for f, b in engine.resolved.backends.items()}
+    assert view.backends["attention"] == engine.resolved.backends["attention"].name
+    assert not hasattr(view, "kv") and not hasattr(view, "scheduler") and not hasattr(view, "__dict__")
 
     outs = llm.generate(
         [[1, 2, 3], [1, 4, 5, 6]],
@@ -73,7 +80,7 @@ def test_lifecycle_hooks(tiny_llama, tmp_path):
         "step_time_s",
     }
     for d in steps:
-        assert d["engine"] is engine
+        assert d["engine"] is view
         assert set(d["stats"]) >= keys
         assert 0.0 <= d["stats"]["kv_usage"] <= 1.0 and d["stats"]["step_time_s"] >= 0
     assert sum(d["stats"]["num_prefill_tokens"] for d in steps) >= 7  # both prompts were computed
@@ -81,10 +88,12 @@ def test_lifecycle_hooks(tiny_llama, tmp_path):
     # once per request, with its final output
     assert sorted(d["output"].request_id for d in finished) == sorted(o.request_id for o in outs)
     for d in finished:
-        assert d["engine"] is engine and d["output"].finished
+        assert d["engine"] is view and d["output"].finished
     by_id = {d["output"].request_id: d["output"] for d in finished}
     assert [by_id[o.request_id].token_ids for o in outs] == [o.token_ids for o in outs]
     assert [len(o.token_ids) for o in outs] == [3, 5]
+    assert view.stats == engine.last_stats == steps[-1]["stats"]  # the last step's, a copy
+    assert view.stats is not engine.last_stats
     assert kinds == ["configure", "engine_started"]  # the first two calls, unchanged
 
 

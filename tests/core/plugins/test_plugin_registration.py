@@ -180,8 +180,7 @@ def test_the_family_table_matches_the_hookspecs_and_the_config():
 
     from lmplug import hookspecs
     from lmplug.config import OPTIONAL_SECTIONS, SECTIONS
-    from lmplug.interfaces import FAMILIES
-    from lmplug.interfaces.families import TABLE
+    from lmplug.families import FAMILIES, TABLE
 
     specs = {name for name, fn in vars(hookspecs).items()
              if name.startswith("lmplug_register_") and hasattr(fn, "lmplug_spec")}
@@ -193,7 +192,7 @@ def test_the_family_table_matches_the_hookspecs_and_the_config():
                         "attention": ("attention", "backend"),
                         "scheduler": ("scheduler", "backend"), "quant": ("quant", "method"),
                         "speculative": ("drafter", "method"), "moe": ("moe", "backend"),
-                        "mixer": ("mixer", "backend"), "structured_output": ("constraint", "backend"), "compression": ("compressor", "method")}
+                        "mixer": ("mixer", "backend"), "constraint": ("constraint", "backend"), "compression": ("compressor", "method")}
     assert list(SECTIONS).index("kvcache") < list(SECTIONS).index("attention")  # attention's auto reads it
     assert OPTIONAL_SECTIONS == {"quant", "speculative", "moe", "mixer", "compression", "kvconnector"}
     assert set(SECTIONS) <= set(EngineConfig.model_fields)

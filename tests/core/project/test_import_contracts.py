@@ -10,8 +10,9 @@ from pathlib import Path
 import tomllib
 
 ROOT = Path(__file__).resolve().parents[3]
-CONTRACT = {"lmplug.interfaces", "lmplug.hookspecs", "lmplug.errors"}
-KIT = {"lmplug.kit"}  # the building kit: plugins may import it beside the contract
+API = {"lmplug.api", "lmplug.errors"}  # the versioned API: what plugins import
+API_MODULES = {"lmplug.interfaces", "lmplug.hookspecs"}  # its definitions: reached through lmplug.api only
+KIT = {"lmplug.kit"}  # the building kit: plugins may import it beside the API
 
 
 def _contracts() -> list[dict]:
@@ -36,15 +37,20 @@ def test_every_core_module_is_in_a_layer():
     assert not missing, f"add these to the layers contract in pyproject.toml: {sorted(missing)}"
 
 
-def test_plugins_may_import_only_the_contract():
-    forbidden = next(c for c in _contracts() if c["type"] == "forbidden"
-                     and "lmplug_attention" in c["source_modules"])["forbidden_modules"]
-    assert set(forbidden) == _core_top_level() - CONTRACT - KIT
+def test_plugins_may_import_only_the_api_and_the_kit():
+    plugin_contracts = [c for c in _contracts() if c["type"] == "forbidden"
+                        and "lmplug_attention" in c["source_modules"]]
+    reached = next(c for c in plugin_contracts if not c.get("allow_indirect_imports"))
+    direct = next(c for c in plugin_contracts if c.get("allow_indirect_imports"))
+    assert set(reached["forbidden_modules"]) == _core_top_level() - API - KIT - API_MODULES
+    assert set(direct["forbidden_modules"]) == API_MODULES
 
 
-def test_the_kit_sits_just_above_the_contract():
+def test_the_kit_sits_just_above_the_api_and_the_api_above_its_modules():
     layers = [layer.strip() for layer in next(c for c in _contracts() if c["type"] == "layers")["layers"]]
-    assert layers.index("lmplug.kit") == layers.index("lmplug.interfaces | lmplug.hookspecs") - 1
+    modules = layers.index("lmplug.interfaces | lmplug.hookspecs")
+    assert layers.index("lmplug.api") == modules - 1
+    assert layers.index("lmplug.kit") == modules - 2
 
 
 def test_every_plugin_package_is_under_the_plugin_contracts():

@@ -25,8 +25,8 @@ from support.hf_models import get_model, one_torch_thread  # noqa: F401  (fixtur
 from support.serve_util import running_router, running_server
 
 from lmplug import LLM
+from lmplug.api import KVBlockFormat
 from lmplug.errors import ConfigError
-from lmplug.interfaces import KVBlockFormat
 from lmplug.serve import ServeSettings
 from lmplug.serve.roles import _strip_flags, with_role
 from lmplug.serve.router import RouterSettings, prefill_body

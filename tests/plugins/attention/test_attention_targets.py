@@ -35,12 +35,12 @@ from lmplug_attention.mla import MLAAttention, MLAOptions
 from lmplug_attention.paged import PagedAttention, PagedAttentionOptions
 from lmplug_attention.sdpa import SdpaAttention
 
+from lmplug.api import BackendOptions
 from lmplug.config import EngineConfig, resolve
 from lmplug.engine.plan import make_plan
-from lmplug.errors import ConfigError
-from lmplug.interfaces import BackendOptions
-from lmplug.interfaces.devices import target_capability
 from lmplug.engine.architecture import model_config_of
+from lmplug.errors import ConfigError
+from lmplug.kit.devices import target_capability
 from lmplug.parallel import single as single_parallel
 
 A100, H100 = (8, 0), (9, 0)

@@ -12,7 +12,7 @@ import torch
 from lmplug_attention.mixers import TorchMixer
 from support.devices import interpreted, kernel_device
 
-from lmplug.interfaces import BackendOptions
+from lmplug.api import BackendOptions
 from lmplug.testing import MixerConformance
 from lmplug.testing.mixer import CASES
 

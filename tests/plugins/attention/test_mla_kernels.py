@@ -17,7 +17,7 @@ from lmplug_attention import mla_kernels, mla_ref
 from lmplug_attention.mla import MLAAttention, MLAOptions
 from support.devices import bf16_param
 
-from lmplug.interfaces import BackendOptions, StepContext
+from lmplug.api import BackendOptions, StepContext
 from lmplug.interfaces.attention import KVLayerView
 
 TOL = {torch.float32: {"atol": 2e-5, "rtol": 2e-5}, torch.float16: {"atol": 2e-3, "rtol": 2e-3},

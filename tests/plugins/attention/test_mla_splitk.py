@@ -16,7 +16,7 @@ from lmplug_attention import mla_kernels, mla_ref
 from lmplug_attention.decode_ops import MAX_SPLITS, plan_decode
 from lmplug_attention.mla import MLAAttention, MLAOptions
 
-from lmplug.interfaces.devices import target_capability
+from lmplug.kit.devices import target_capability
 
 TOL = {torch.float32: {"atol": 2e-5, "rtol": 2e-5}, torch.float16: {"atol": 2e-3, "rtol": 2e-3}}
 RANK, ROPE = 24, 8  # neither a power of two: both parts are masked tiles

@@ -228,7 +228,7 @@ def test_build_is_cached_per_source_compiler_and_cpu(native, monkeypatch, tmp_pa
     assert native.available() == (True, path)  # loaded once, not rebuilt
 
 
-# --- the native decode step's attention (lmplug.interfaces.native) --------------------------------
+# --- the native decode step's attention (lmplug.kit.native) --------------------------------
 
 def step_context(tables, lens, slots, query_masks=None):
     from lmplug.interfaces.step import StepContext
@@ -245,7 +245,7 @@ def test_step_attention_writes_the_rows_then_gives_the_kernels_bits(native):
     """Each row's k and v go to its slot of the layer's caches, and the output is the decode
     kernel's over the updated caches, bit for bit (1 row: one thread; 10 rows: several)."""
     from lmplug.interfaces.attention import KVLayerView
-    from lmplug.interfaces.native import call_attention
+    from lmplug.kit.native import call_attention
 
     for lens_list in ([33], LENS):
         q, kc, vc, tables, lens = paged_batch(lens_list, 9, 3, 64, 16, torch.float32, seed=8)
@@ -271,7 +271,7 @@ def test_step_attention_reads_a_verifys_short_queries_as_rows(native, tree):
     its sequence's table over its first positions, tree rows masked to their ancestors; the
     result is the kernel's on those rows, bit for bit, after every row's K/V is written."""
     from lmplug.interfaces.attention import KVLayerView
-    from lmplug.interfaces.native import call_attention
+    from lmplug.kit.native import call_attention
     from lmplug.interfaces.step import StepContext
 
     q, kc, vc, tables, _ = paged_batch([20, 33], 4, 2, 64, 16, torch.float32, seed=3)
@@ -316,7 +316,7 @@ def test_step_attention_declines_or_refuses(native):
     assert native.step_attention(step_context(tables, lens, slots), [KVLayerView(kc.bfloat16(), vc.bfloat16(),
                                                                                  "paged")], *args) is None
     # the C function checks the tables and slots it would trust, before writing anything
-    from lmplug.interfaces.native import call_attention
+    from lmplug.kit.native import call_attention
 
     qkv = torch.zeros(2, (4 + 2 * 2) * 64)
     before = kc.clone()

@@ -11,8 +11,8 @@ import torch
 from lmplug_attention.paged import PagedAttention, PagedAttentionOptions
 from lmplug_attention.paged_rows import leading_short_queries, query_rows
 
-from lmplug.interfaces import KVLayerView, StepContext
-from lmplug.interfaces.draft_tree import ancestor_mask
+from lmplug.api import KVLayerView, StepContext
+from lmplug.kit.draft_tree import ancestor_mask
 
 H, HKV, D, BS = 6, 2, 16, 4
 

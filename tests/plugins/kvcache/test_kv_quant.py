@@ -28,10 +28,11 @@ from lmplug_kvcache.contiguous import ContiguousKVCache, ContiguousOptions
 from lmplug_kvcache.paged import PagedKVCache, PagedOptions
 from support.hf_models import one_torch_thread  # noqa: F401 - fixture
 
+from lmplug.api import BackendOptions, KVCacheSpec, KVLayerView
 from lmplug.config import EngineConfig, resolve
 from lmplug.errors import ConfigError
-from lmplug.interfaces import BackendOptions, KVCacheSpec, KVLayerView
-from lmplug.interfaces.kvcache import KV_CACHE_DTYPES, dequantize_kv, quantize_kv, store_kv
+from lmplug.interfaces.kvcache import KV_CACHE_DTYPES
+from lmplug.kit.kv_quant import dequantize_kv, quantize_kv, store_kv
 from lmplug.testing.attention_case import build_case
 from lmplug.testing.batches import BatchSpec
 
@@ -345,7 +346,7 @@ def resolved(**sections):
 
 
 def test_auto_attention_picks_a_backend_that_reads_the_kv_dtype(monkeypatch):
-    from lmplug.interfaces import Capabilities
+    from lmplug.api import Capabilities
 
     assert resolved(kvcache={"backend": "paged", "dtype": "int8"}).backends["attention"].name == "paged"
     # a paged attention that does not read int8: auto falls back to sdpa, which does

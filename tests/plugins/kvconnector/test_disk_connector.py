@@ -16,8 +16,8 @@ import torch
 from lmplug_kvconnector.disk import STALE_TMP_S, DiskConnector
 from support.disk_tier import FMT, opened, stored
 
+from lmplug.api import KVBlockFormat
 from lmplug.errors import ConfigError
-from lmplug.interfaces import KVBlockFormat
 from lmplug.testing.kvconnector import block_payload, same_bits
 
 

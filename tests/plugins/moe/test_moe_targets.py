@@ -12,7 +12,7 @@ from lmplug_moe.routing import select_experts
 from support.hf_models import one_torch_thread  # noqa: F401
 
 from lmplug import RoutingConfig
-from lmplug.interfaces.devices import target_capability
+from lmplug.kit.devices import target_capability
 
 SM80, SM90 = (8, 0), (9, 0)
 

@@ -19,7 +19,7 @@ import torch
 from gguf import GGMLQuantizationType
 from support.gguf_weights import make_weight, type_id
 
-from lmplug.interfaces.native_build import NativeBuildError
+from lmplug.kit.native_build import NativeBuildError
 
 gguf_native = pytest.importorskip("lmplug_quant.gguf_native")
 
@@ -322,7 +322,7 @@ def test_bound_product_is_mul_mat(kernel, name):
     """The decode hot path (checked once, then straight to the C call) gives mul_mat's bits, at
     every row count and inside the engine's single-threaded small-op region (its threads are
     the count torch had before)."""
-    from lmplug.interfaces.threads import small_ops_single_threaded
+    from lmplug.kit.threads import small_ops_single_threaded
 
     w = torch.from_numpy(make_weight(name, N, K, seed=5))
     bound = gguf_native.BoundProduct(kernel, w, type_id(name), K)
@@ -342,7 +342,7 @@ def test_layer_product_is_the_runs_side_by_side_plus_bias(kernel):
     """The native decode step's product of a fused layer: each packed run gives mul_mat's bits
     in its columns (M = 1 and 9, 1 and 2 threads), the float runs (F16 / BF16 / F32 rows,
     float32 rows, float32 W^T) their float32 products, and the bias is added last."""
-    from lmplug.interfaces.native import call_product
+    from lmplug.kit.native import call_product
 
     gen = torch.Generator().manual_seed(7)
     q4 = torch.from_numpy(make_weight("Q4_1", N, K, seed=1))

@@ -52,7 +52,7 @@ def test_panels_give_the_portable_bits(avx512, monkeypatch, name, n):
 def test_bound_and_layer_products_read_panels_made_once(avx512, monkeypatch, name):
     """Bound at avx512, a product reads the panels (made at bind, shared by the bound product
     and the layer's native-step product of the same weight) and gives the portable bits."""
-    from lmplug.interfaces.native import call_product
+    from lmplug.kit.native import call_product
 
     k, n = 256 * 3, 45  # 24 blocks of 32 / 3 of 256, a partial last panel
     w = torch.from_numpy(make_weight(name, n, k, seed=11))

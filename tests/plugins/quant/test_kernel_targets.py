@@ -26,7 +26,7 @@ from support.devices import kernel_device
 from support.w8a8_operands import definition, operands
 
 from lmplug import ModelLoadError
-from lmplug.interfaces.devices import target_capability
+from lmplug.kit.devices import target_capability
 
 DEVICE = kernel_device() or "cpu"  # the interpreter's CPU, or a CUDA GPU with the kernels compiled
 SM80, SM90 = (8, 0), (9, 0)

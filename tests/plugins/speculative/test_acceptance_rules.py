@@ -22,7 +22,7 @@ from support.hf_models import get_model, one_torch_thread, prompt_ids  # noqa: F
 from support.spec_helpers import chi_square_pvalue, make_engine, run
 
 from lmplug.errors import ConfigError
-from lmplug.interfaces.sampling import draw
+from lmplug.kit.sampling import draw
 from lmplug.testing import AcceptanceConformance
 
 ALPHA = 1e-3

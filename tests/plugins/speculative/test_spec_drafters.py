@@ -12,7 +12,6 @@ from lmplug_speculative.ngram import find_match, propose_ngram
 from support.hf_models import get_model, one_torch_thread, prompt_ids  # noqa: F401 - fixture
 from support.spec_helpers import make_engine, run
 
-from lmplug.engine.build import build_engine_parts
 from lmplug.engine.draft_parts import draft_target
 from lmplug.errors import ConfigError
 from lmplug.interfaces.params import SamplingParams
@@ -172,8 +171,7 @@ class _ModelDrafterConformance(DrafterConformance):
         drafter = backend_class(options)
         drafter.setup(draft_target(parts.model, parts.model_config, parts.kv, parts.tokenizer,
                                    torch.device("cpu"), torch.float32, parts.max_model_len, 8,
-                                   parts.model.layers[0].self_attn.backend,
-                                   build=build_engine_parts))
+                                   parts.model.layers[0].self_attn.backend))
         return drafter
 
     def extra_options(self) -> dict:

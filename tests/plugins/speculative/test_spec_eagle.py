@@ -20,11 +20,10 @@ from support.spec_helpers import SAMPLING, chi_square_pvalue, make_engine, pair_
 from support.spec_helpers import pair_distribution as pair_distribution_of
 
 from lmplug.cli import main
-from lmplug.engine.build import build_engine_parts
 from lmplug.engine.draft_parts import draft_target
 from lmplug.errors import ConfigError
-from lmplug.interfaces import acceptance
 from lmplug.interfaces.params import SamplingParams
+from lmplug.kit import sampling as kit_sampling
 from lmplug.testing import DrafterConformance
 from lmplug.train_host import LLMTrainingHost
 
@@ -418,7 +417,7 @@ def test_sampled_continuations_follow_the_target(model, trained, pair_distributi
 
 
 def test_biased_verifier_is_caught(model, trained, pair_distribution, monkeypatch):
-    monkeypatch.setattr(acceptance, "residual_distribution", lambda p, q: p)
+    monkeypatch.setattr(kit_sampling, "residual_distribution", lambda p, q: p)
     counts, probs = _pair_counts(model, trained.folder, pair_distribution, 1000)
     assert chi_square_pvalue(counts, probs) < 1e-3
 
@@ -467,8 +466,7 @@ class TestEagleConformance(DrafterConformance):
         drafter = backend_class(backend_class.Options(**{**options.model_dump(), "heads": str(self._heads)}))
         drafter.setup(draft_target(parts.model, parts.model_config, parts.kv, parts.tokenizer,
                                    torch.device("cpu"), torch.float32, parts.max_model_len, 8,
-                                   parts.model.layers[0].self_attn.backend,
-                                   build=build_engine_parts))
+                                   parts.model.layers[0].self_attn.backend))
         drafter.store.close()
         drafter.store = TokenFeatures(parts.model.embed_tokens)
         return drafter

@@ -24,8 +24,8 @@ from support.spec_helpers import pair_distribution as pair_distribution_of
 
 from lmplug.cli import main
 from lmplug.errors import ConfigError
-from lmplug.interfaces import acceptance
 from lmplug.interfaces.params import SamplingParams
+from lmplug.kit import sampling as kit_sampling
 from lmplug.train_host import LLMTrainingHost
 
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
@@ -305,7 +305,7 @@ def test_sampled_continuations_follow_the_target(llama, trained, pair_distributi
 
 
 def test_biased_verifier_is_caught(llama, trained, pair_distribution, monkeypatch):
-    monkeypatch.setattr(acceptance, "residual_distribution", lambda p, q: p)
+    monkeypatch.setattr(kit_sampling, "residual_distribution", lambda p, q: p)
     counts, probs = _pair_counts(llama, trained, pair_distribution, 1000)
     assert chi_square_pvalue(counts, probs) < 1e-3
 

@@ -6,7 +6,7 @@ lmplug imports this module through the entry point ``example`` in the group
 calls the hooks below when it builds its registry.
 """
 
-from lmplug.hookspecs import hookimpl
+from lmplug.api import hookimpl
 
 LMPLUG_API_VERSION = 3  # the lmplug core API this plugin is written against
 

@@ -13,10 +13,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from lmplug.interfaces.architecture import TENSOR_PARALLEL, Architecture
-from lmplug.interfaces.common import Capabilities
-from lmplug.interfaces.model_config import ModelConfig
-from lmplug.interfaces.quant import QuantMethod
+from lmplug.api import TENSOR_PARALLEL, Architecture, Capabilities, ModelConfig, QuantMethod
 from lmplug.kit.decoder import DecoderForCausalLM
 from lmplug.kit.parallel import ParallelState
 from lmplug.kit.parallel_layers import column_linear, row_linear

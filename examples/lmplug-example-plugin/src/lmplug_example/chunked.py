@@ -17,13 +17,7 @@ from __future__ import annotations
 import torch
 from pydantic import Field
 
-from lmplug.interfaces import (
-    AttentionBackend,
-    BackendOptions,
-    Capabilities,
-    KVLayerView,
-    StepContext,
-)
+from lmplug.api import AttentionBackend, BackendOptions, Capabilities, KVLayerView, StepContext
 
 
 class ChunkedOptions(BackendOptions):

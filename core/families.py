@@ -4,7 +4,7 @@ A family is an extension point: a base class (the contract), the registration ho
 implement to hand in their classes, and, for the families a user configures, the config
 section and the key in it that names the backend. Derived from this table:
 
-- ``lmplug.interfaces.FAMILIES`` (family -> base class) and the registry (``lmplug.plugins``:
+- ``FAMILIES`` (family -> base class) and the registry (``lmplug.plugins``:
   which hook fills which family, which base class each returned class must subclass);
 - ``lmplug.config``: the plugin sections of ``EngineConfig`` (``SECTIONS``, ``OPTIONAL_SECTIONS``),
   which accept ``auto``, and the order they are resolved in;
@@ -52,6 +52,8 @@ class Family:
     after: tuple[str, ...] = ()  # sections resolved first: this one's ``auto`` reads their choice
     # chosen by the key ``name`` inside this section (e.g. ``speculative: {acceptance: {rule: ...}}``)
     within: str | None = None
+    # earlier names of ``section`` that still load the same config (deprecated: a warning, once)
+    aliases: tuple[str, ...] = ()
 
 
 TABLE: tuple[Family, ...] = (
@@ -66,8 +68,8 @@ TABLE: tuple[Family, ...] = (
            within="speculative"),
     Family("moe", MoEBackend, "lmplug_register_moe_backends", "moe", auto=True, optional=True),
     Family("mixer", MixerBackend, "lmplug_register_mixer_backends", "mixer", auto=True, optional=True),
-    Family("constraint", ConstraintBackend, "lmplug_register_constraint_backends", "structured_output",
-           auto=True),
+    Family("constraint", ConstraintBackend, "lmplug_register_constraint_backends", "constraint",
+           auto=True, aliases=("structured_output",)),
     Family("compressor", Compressor, "lmplug_register_compressors", "compression", "method", optional=True),
     Family("quantizer", Quantizer, "lmplug_register_quantizers"),
     # chosen by the top-level key ``model_impl`` from what serves the checkpoint (``engine.plan``)
@@ -101,3 +103,6 @@ def nested() -> tuple[Family, ...]:
 
 def by_section(section: str) -> Family:
     return next(f for f in TABLE if f.section == section)
+
+# family name -> base class; the registry and config use these names.
+FAMILIES: dict[str, type] = {f.name: f.base for f in TABLE}

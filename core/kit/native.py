@@ -5,9 +5,9 @@ dispatch between them cost about as much as the products themselves. The core ca
 decoder layer of a decode step in one C call (``lmplug.kit.native_step``) when each
 plugin on that path hands it a C function to call instead of a Python method:
 
-- a quant method, per linear layer: ``QuantMethod.native_product(layer)``, a ``NativeCall``
+- a quant method, per linear layer: ``NativeProduct.native_product(layer)`` (``lmplug.kit.extras``), a ``NativeCall``
   to a ``PRODUCT_ABI`` function;
-- the attention backend, per step: ``AttentionBackend.native_decode(ctx, views)``, a
+- the attention backend, per step: ``NativeDecode.native_decode(ctx, views)`` (``lmplug.kit.extras``), a
   ``NativeCall`` to an ``ATTENTION_ABI`` function.
 
 The core does the rest in C itself (RMSNorm, the residual adds, RoPE, SiLU * mul: the same

@@ -1,12 +1,13 @@
 """Turn the last position's logits into next tokens, per sequence params; logprobs on request.
 
-``sample`` first adjusts the logits (``lmplug.interfaces.penalties``: penalties, logit_bias,
+``sample`` first adjusts the logits (``lmplug.kit.penalties``: penalties, logit_bias,
 min_tokens, the structured-output bitmask); then greedy rows take the argmax and sampled rows
 go through ``processed_logits``, whose order matches HF transformers: temperature, top-k,
 top-p, min-p. Sampling draws with each sequence's own ``torch.Generator`` (the
 exponential-race form of multinomial sampling: ``argmax(p / E)`` with
 ``E ~ Exp(1)``), so a seeded request gives the same tokens whatever else is
-in the batch.
+in the batch. The rejection-sampling math of speculative decoding (``rejection_sample``) draws
+with the same ``draw``.
 """
 
 from __future__ import annotations
@@ -16,9 +17,10 @@ from dataclasses import replace
 
 import torch
 
+from lmplug.interfaces.acceptance import Decision
 from lmplug.interfaces.params import SamplingParams
-from lmplug.interfaces.penalties import NO_HISTORY, PromptIds, RowHistory, adjust_logits
 from lmplug.interfaces.sequence import Logprob, Sequence
+from lmplug.kit.penalties import NO_HISTORY, PromptIds, RowHistory, adjust_logits
 
 
 def apply_filters(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
@@ -122,3 +124,43 @@ def top_logprobs(logits: torch.Tensor, chosen: torch.Tensor, k: int,
 def with_text(row: dict[int, Logprob], decode: Callable[[int], str]) -> dict[int, Logprob]:
     """``row`` with each entry's ``decoded_token`` set to its token's text."""
     return {tid: replace(lp, decoded_token=decode(tid)) for tid, lp in row.items()}
+
+
+def rejection_sample(target: torch.Tensor, q: torch.Tensor | None, draft: list[int],
+                     generator: torch.Generator | None) -> Decision:
+    """Speculative sampling (Leviathan et al., 2023; Chen et al., 2023) towards ``target``
+    [k+1, V], for drafts drawn from ``q`` [k, V] (None: point masses on the drafts).
+
+    Draft x ~ q is accepted with probability min(1, t(x) / q(x)); at the first rejection the
+    emitted token is drawn from the residual norm(max(0, t - q)) and the rest is dropped. Then
+    P(emit x) = q(x) min(1, t/q) + (1 - sum_y min(t, q)) max(0, t - q)(x) / sum_y max(0, t - q)
+    = min(t, q)(x) + max(0, t - q)(x) = t(x), since sum_y max(0, t - q) = 1 - sum_y min(t, q):
+    every emitted token is an exact sample of ``target``'s row; after k acceptances the bonus
+    token is drawn from ``target[k]``. Any target works (a cascade passes its mixture)."""
+    k = len(draft)
+    if k == 0:
+        return Decision(0, [draw(target[0], generator)])
+    rows = torch.arange(k)
+    ids = torch.tensor(draft, dtype=torch.long)
+    t_draft = target[rows, ids]
+    q_draft = torch.ones(k, dtype=target.dtype) if q is None else q[rows, ids].to(target.dtype)
+    u = torch.rand(k, generator=generator, dtype=target.dtype)
+    # u < t/q without dividing (q may be 0 for a token the drafter could not have drawn)
+    rejected = (u * q_draft >= t_draft).tolist()
+    m = rejected.index(True) if True in rejected else k
+    if m == k:
+        return Decision(k, list(draft) + [draw(target[k], generator)])
+    q_row = point_mass(draft[m], target.shape[-1], target.dtype) if q is None else q[m].to(target.dtype)
+    return Decision(m, list(draft[:m]) + [draw(residual_distribution(target[m], q_row), generator)])
+
+
+def residual_distribution(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """max(0, p - q), unnormalised (``draw`` normalises); falls back to p if it vanishes."""
+    residual = (p - q).clamp_(min=0)
+    return residual if float(residual.sum()) > 0 else p
+
+
+def point_mass(token: int, vocab: int, dtype: torch.dtype) -> torch.Tensor:
+    out = torch.zeros(vocab, dtype=dtype)
+    out[token] = 1
+    return out

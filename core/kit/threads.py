@@ -9,7 +9,7 @@ worker there spins a little before it sleeps). The same holds in a prefill, whos
 torch's OpenMP workers spin on the cores the products' threads need. The engine therefore runs
 a whole step (forward, sampling, commit) of few tokens, or a prefill with little attention
 (``ModelRunner.threads_for``), inside ``small_ops_single_threaded()`` when the model's quant
-method says its products split across threads of their own (``QuantMethod.own_threads``):
+method says its products split across threads of their own (``lmplug.kit.extras.OwnThreads``):
 torch gets one thread, and ``compute_threads()`` still answers the thread count set before,
 which such kernels read instead of ``torch.get_num_threads()``.
 """
