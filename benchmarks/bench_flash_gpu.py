@@ -81,8 +81,8 @@ def tolerance(dtype: torch.dtype) -> float:
 def check_correctness(dtype: torch.dtype, head_dim: int, device: str) -> list[str]:
     """Small varlen/cached/decode cases against the references and SDPA; returns the failures."""
     from lmplug_attention import decode_ref, prefill_ref
-    from lmplug_attention.flash_decode_kernels import flash_decode_with_kvcache
-    from lmplug_attention.flash_prefill_kernels import (
+    from lmplug_attention.flash.decode_kernels import flash_decode_with_kvcache
+    from lmplug_attention.flash.prefill_kernels import (
         flash_prefill_with_kvcache,
         flash_varlen_attention,
     )
@@ -155,7 +155,7 @@ def best_sdpa_ms(qt, kt, vt, scale: float, timer) -> tuple[float, str]:
 
 
 def bench_prefill(args, dtype, head_dim, seq_len, timer, dev: str = "cuda") -> dict:
-    from lmplug_attention.flash_prefill_kernels import (
+    from lmplug_attention.flash.prefill_kernels import (
         flash_prefill_with_kvcache,
         flash_varlen_attention,
     )
@@ -182,7 +182,7 @@ def bench_prefill(args, dtype, head_dim, seq_len, timer, dev: str = "cuda") -> d
 
 
 def bench_decode(args, dtype, head_dim, seq_len, batch, timer, dev: str = "cuda") -> dict:
-    from lmplug_attention.flash_decode_kernels import (
+    from lmplug_attention.flash.decode_kernels import (
         decode_block_n,
         flash_decode_with_kvcache,
         num_sms,

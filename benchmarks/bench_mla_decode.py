@@ -73,7 +73,8 @@ def tolerance(dtype: torch.dtype) -> float:
 
 def bench_case(batch: int, context: int, args, device: str, dtype: torch.dtype, timer) -> dict:
     """Check the kernel against the reference on the timed inputs, then time both."""
-    from lmplug_attention import mla_kernels, mla_ref
+    from lmplug_attention.mla import kernels as mla_kernels
+    from lmplug_attention.mla import ref as mla_ref
 
     q, cache, tables, seq_lens, scale = make_inputs(batch, context, args, device, dtype)
     with torch.inference_mode():

@@ -107,21 +107,21 @@ def measure(decode, inputs, args, device: torch.device) -> tuple[int, float]:
 
 def decode_fn(impl: str):
     if impl == "native":
-        from lmplug_attention import paged_native
+        from lmplug_attention.paged import native as paged_native
 
         ok, why = paged_native.available()
         if not ok:
             raise SystemExit(f"--impl native: the C kernel is not available here: {why}")
         return paged_native.paged_decode_attention
     if impl == "cpu":
-        from lmplug_attention.paged_cpu import decode_index, paged_decode_attention_cpu
+        from lmplug_attention.paged.cpu import decode_index, paged_decode_attention_cpu
 
         def decode(q, k_cache, v_cache, tables, seq_lens, scale, max_seq_len, partition_size):
             index = decode_index(tables, seq_lens, k_cache.shape[1], k_cache.shape[2], max_seq_len)
             return paged_decode_attention_cpu(q, k_cache, v_cache, index, scale)
         return decode
     if impl == "triton":
-        from lmplug_attention.paged_kernels import paged_decode_attention
+        from lmplug_attention.paged.kernels import paged_decode_attention
 
         return paged_decode_attention
     from lmplug_attention.decode_ref import decode_attention

@@ -61,7 +61,7 @@ def time_native_calls() -> None:
     not through the registered op)."""
     import importlib
 
-    for module, cls, method, label in (("lmplug_attention.paged_native", "NativeKernel", "decode",
+    for module, cls, method, label in (("lmplug_attention.paged.native", "NativeKernel", "decode",
                                         "native::attention_decode"),
                                        ("lmplug_quant.gguf_native", "BoundProduct", "__call__",
                                         "native::gguf_mul_mat")):

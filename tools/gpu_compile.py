@@ -182,7 +182,7 @@ def _q(p: dict, tokens: int):
 
 
 def call_flash_varlen(p: dict) -> None:
-    from lmplug_attention.flash_prefill_kernels import flash_varlen_attention
+    from lmplug_attention.flash.prefill_kernels import flash_varlen_attention
     torch = _torch()
     q = _q(p, 32)
     kv = torch.zeros(32, KV_HEADS, p["head_dim"], dtype=q.dtype)
@@ -190,7 +190,7 @@ def call_flash_varlen(p: dict) -> None:
 
 
 def call_flash_prefill(p: dict) -> None:
-    from lmplug_attention.flash_prefill_kernels import flash_prefill_with_kvcache
+    from lmplug_attention.flash.prefill_kernels import flash_prefill_with_kvcache
     torch = _torch()
     k, v, ks, vs = _kv_cache(p)
     tables, lens = _tables(2, 48)
@@ -199,7 +199,7 @@ def call_flash_prefill(p: dict) -> None:
 
 
 def call_flash_decode(p: dict) -> None:
-    from lmplug_attention.flash_decode_kernels import flash_decode_with_kvcache
+    from lmplug_attention.flash.decode_kernels import flash_decode_with_kvcache
     k, v, ks, vs = _kv_cache(p)
     tables, lens = _tables(1, 48)
     flash_decode_with_kvcache(_q(p, 1), k, v, tables, lens, 0.1, max_seq_len=8192, num_splits=p["splits"],
@@ -207,7 +207,7 @@ def call_flash_decode(p: dict) -> None:
 
 
 def call_paged_decode(p: dict) -> None:
-    from lmplug_attention.paged_kernels import paged_decode_attention
+    from lmplug_attention.paged.kernels import paged_decode_attention
     k, v, ks, vs = _kv_cache(p)
     tables, lens = _tables(1, 48)
     paged_decode_attention(_q(p, 1), k, v, tables, lens, 0.1, max_seq_len=8192, partition_size=p["partition"],
@@ -215,7 +215,7 @@ def call_paged_decode(p: dict) -> None:
 
 
 def call_decode_reduce(p: dict) -> None:
-    from lmplug_attention.flash_decode_kernels import flash_decode_with_kvcache
+    from lmplug_attention.flash.decode_kernels import flash_decode_with_kvcache
     k, v, _, _ = _kv_cache({**p, "kv": "same", "gqa": 1, "block_size": 16})
     tables, lens = _tables(1, 48)
     flash_decode_with_kvcache(_q({**p, "gqa": 1}, 1), k, v, tables, lens, 0.1, max_seq_len=64 * 4096,
@@ -223,7 +223,7 @@ def call_decode_reduce(p: dict) -> None:
 
 
 def call_paged_prefill(p: dict) -> None:
-    from lmplug_attention.paged_prefill_kernels import paged_prefill_attention
+    from lmplug_attention.paged.prefill_kernels import paged_prefill_attention
     torch = _torch()
     k, v, ks, vs = _kv_cache(p)
     tables, lens = _tables(2, 48)
@@ -241,7 +241,7 @@ def call_reshape_and_cache(p: dict) -> None:
 
 
 def call_mla_decode(p: dict) -> None:
-    from lmplug_attention.mla_kernels import mla_decode_latent
+    from lmplug_attention.mla.kernels import mla_decode_latent
     torch = _torch()
     rank, rope = p["rank_rope"]
     dtype = _dtype(p["dtype"])
@@ -300,7 +300,7 @@ def _cu_seqlens():
 
 
 def call_lightning_prefill(p: dict) -> None:
-    from lmplug_attention.lightning_kernels import lightning_attention_prefill
+    from lmplug_mixer.lightning_kernels import lightning_attention_prefill
     torch = _torch()
     d = p["head_dim"]
     q = torch.empty(32, LINEAR_HEADS, d, dtype=_dtype(p["dtype"]))
@@ -310,7 +310,7 @@ def call_lightning_prefill(p: dict) -> None:
 
 
 def call_lightning_decode(p: dict) -> None:
-    from lmplug_attention.lightning_kernels import lightning_attention_decode
+    from lmplug_mixer.lightning_kernels import lightning_attention_decode
     torch = _torch()
     d = p["head_dim"]
     q = torch.empty(2, LINEAR_HEADS, d, dtype=_dtype(p["dtype"]))
@@ -329,7 +329,7 @@ def _ssd_inputs(p: dict, tokens: int) -> tuple:
 
 
 def call_ssd_scan(p: dict) -> None:
-    from lmplug_attention.ssd_kernels import ssd_chunk_scan
+    from lmplug_mixer.ssd_kernels import ssd_chunk_scan
     torch = _torch()
     x, dt, a, b, c, d, dt_bias = _ssd_inputs(p, 32)
     init = torch.empty(2, MAMBA_HEADS, MAMBA_HEAD_DIM, p["d_state"]) if p["init"] else None
@@ -337,7 +337,7 @@ def call_ssd_scan(p: dict) -> None:
 
 
 def call_ssd_update(p: dict) -> None:
-    from lmplug_attention.ssd_kernels import ssd_state_update
+    from lmplug_mixer.ssd_kernels import ssd_state_update
     torch = _torch()
     x, dt, a, b, c, d, dt_bias = _ssd_inputs(p, 2)
     ssd_state_update(torch.empty(2, MAMBA_HEADS, MAMBA_HEAD_DIM, p["d_state"]), x, dt, a, b, c, d, dt_bias)
@@ -354,14 +354,14 @@ def _conv_parts(p: dict, batch: int) -> tuple:
 
 
 def call_conv1d(p: dict) -> None:
-    from lmplug_attention.conv1d_kernels import causal_conv1d
+    from lmplug_mixer.conv1d_kernels import causal_conv1d
     torch = _torch()
     weight, bias, state = _conv_parts(p, 2)
     causal_conv1d(torch.empty(32, CONV_CHANNELS, dtype=_dtype(p["dtype"])), weight, bias, _cu_seqlens(), state)
 
 
 def call_conv1d_update(p: dict) -> None:
-    from lmplug_attention.conv1d_kernels import causal_conv1d_update
+    from lmplug_mixer.conv1d_kernels import causal_conv1d_update
     torch = _torch()
     weight, bias, state = _conv_parts(p, 2)
     causal_conv1d_update(torch.empty(2, CONV_CHANNELS, dtype=_dtype(p["dtype"])), state, weight, bias)
@@ -378,7 +378,7 @@ def _delta_inputs(p: dict, tokens: int) -> tuple:
 
 
 def call_delta_chunk(p: dict) -> None:
-    from lmplug_attention.delta_kernels import chunk_gated_delta_rule
+    from lmplug_mixer.delta_kernels import chunk_gated_delta_rule
     torch = _torch()
     q, k, v, g, beta = _delta_inputs(p, 32)
     init = torch.empty(2, v.shape[1], DELTA_HEAD_DIM, DELTA_HEAD_DIM) if p["init"] else None
@@ -386,7 +386,7 @@ def call_delta_chunk(p: dict) -> None:
 
 
 def call_delta_update(p: dict) -> None:
-    from lmplug_attention.delta_kernels import fused_recurrent_gated_delta_rule_update
+    from lmplug_mixer.delta_kernels import fused_recurrent_gated_delta_rule_update
     torch = _torch()
     q, k, v, g, beta = _delta_inputs(p, 2)
     fused_recurrent_gated_delta_rule_update(q, k, v, g, beta,

@@ -40,25 +40,26 @@ architecture will launch, for sm_80 and sm_90, on a machine without one.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import TypeVar
-
 import torch
 import triton
 import triton.language as tl
 from lmplug_attention.kv_ops import dequant_kv_tile, kv_tile_slots, load_kv_tile
 
 from lmplug.errors import ConfigError
+from lmplug.kit.triton_launch import (  # noqa: F401 (shared with the kernels)
+    DTYPES,
+    arch_entry,
+    bucket,
+    check_power_of_two,
+    dot_precision,
+    head_dim_pad,
+)
 from lmplug.kit.devices import describe
 
 LOG2E = 1.4426950408889634
 NO_WINDOW = 2**30  # the window passed when there is none: larger than any context, int32-safe
-DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 MAX_HEAD_DIM = 256  # a head is one tile of head_dim_pad lanes; the launch tables cover up to 256
 MIN_CAPABILITY = (8, 0)  # the oldest architecture the launch tables are built and checked for
-
-T = TypeVar("T")
-
 
 @triton.jit
 def softmax_state(M: tl.constexpr, D: tl.constexpr):
@@ -128,25 +129,6 @@ def attend_tiles(acc, l_i, m_i, q, q_pos, t_begin, t_end, kv_lo, kv_hi, window, 
 # -- host-side helpers shared by the wrappers ---------------------------------------------------------
 
 
-def arch_entry(table: Mapping[tuple[int, int] | None, T], cap: tuple[int, int] | None) -> T:
-    """``table``'s entry for a GPU of compute capability ``cap``: the newest architecture listed
-    that is not newer than ``cap`` (sm_86 / sm_89 take sm_80's entry, sm_100 sm_90's), the
-    oldest listed one for an older GPU, and the ``None`` entry (the interpreter's) for no GPU.
-    Entries for sm_80 stay within 99 KiB of shared memory, so sm_86 / sm_89 can launch them."""
-    if cap is None:
-        return table[None]
-    listed = sorted(k for k in table if k is not None)
-    older = [k for k in listed if k <= tuple(cap)]
-    return table[older[-1] if older else listed[0]]
-
-
-def bucket(n: int, floor: int, cap: int) -> int:
-    """``n`` rounded up to a power of two and clamped to ``[floor, cap]`` (powers of two): a
-    constexpr computed this way from a context length or a split count takes at most
-    ``log2(cap / floor) + 1`` values, so serving compiles each kernel a bounded number of times."""
-    return max(floor, min(cap, triton.next_power_of_2(max(n, 1))))
-
-
 def check_triton_target(backend: str, head_dim: int, dtype: str, cap: tuple[int, int] | None,
                         max_head_dim: int | None = MAX_HEAD_DIM, kv_dtype: str = "auto") -> None:
     """Refuse, when the config is loaded, what the Triton attention kernels cannot build or launch
@@ -177,16 +159,6 @@ def check_triton_target(backend: str, head_dim: int, dtype: str, cap: tuple[int,
                           "use attention.backend: sdpa")
 
 
-def dot_precision(dtype: torch.dtype) -> str:
-    # fp32 operands would otherwise be rounded to tf32 on NVIDIA GPUs: not exact enough for a reference
-    return "ieee" if dtype == torch.float32 else "tf32"
-
-
-def head_dim_pad(head_dim: int) -> int:
-    """The head dim a tile holds: the next power of two (>= 16 for tl.dot); extra lanes are masked."""
-    return max(16, triton.next_power_of_2(head_dim))
-
-
 def window_arg(sliding_window: int | None, what: str) -> int:
     """Keys at positions (p - window, p] are visible to the query at p; "no window" is NO_WINDOW."""
     if sliding_window is None:
@@ -194,11 +166,6 @@ def window_arg(sliding_window: int | None, what: str) -> int:
     if not isinstance(sliding_window, int) or sliding_window < 1:
         raise ValueError(f"{what}: sliding_window must be None or an integer >= 1, got {sliding_window!r}")
     return min(sliding_window, NO_WINDOW)
-
-
-def check_power_of_two(value: int, name: str, what: str, minimum: int = 16) -> None:
-    if value < minimum or value & (value - 1):
-        raise ValueError(f"{what}: {name} must be a power of two >= {minimum}, got {value}")
 
 
 def check_query(q: torch.Tensor, what: str) -> None:

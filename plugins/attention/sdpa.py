@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
-from lmplug_attention import paged_native
+from lmplug_attention.paged import native as paged_native
 from lmplug_attention.kv_ref import gather_context
 
 from lmplug.api import (

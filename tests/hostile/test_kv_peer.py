@@ -24,7 +24,7 @@ from support.hf_models import get_model, one_torch_thread, prompt_ids  # noqa: F
 
 from lmplug import LLM, SamplingParams
 from lmplug.errors import ConfigError
-from lmplug.interfaces import KVBlockFormat
+from lmplug.api import KVBlockFormat
 from lmplug.testing.kvconnector import block_payload, same_bits
 
 TIMEOUT_S = 5.0

@@ -6,7 +6,7 @@ import random
 
 from lmplug_kvconnector.disk import DiskConnector, DiskOptions
 
-from lmplug.interfaces import KVBlockFormat
+from lmplug.api import KVBlockFormat
 from lmplug.testing.kvconnector import block_payload
 
 FMT = KVBlockFormat("tiny:abc", "paged bs=4 layers=2 tensors=2 kv_heads=2 head_dim=8 float32")

@@ -145,7 +145,7 @@ class TestStateTP2:
 
 
 def mixer_backend():
-    from lmplug_attention.mixers import TorchMixer
+    from lmplug_mixer.mixers import TorchMixer
 
     from lmplug.api import BackendOptions
 

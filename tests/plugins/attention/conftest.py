@@ -5,8 +5,8 @@ import pytest
 
 @pytest.fixture(scope="module")
 def native():
-    """``lmplug_attention.paged_native`` (the C decode kernel), skipping where it cannot be built."""
-    from lmplug_attention import paged_native
+    """``lmplug_attention.paged.native`` (the C decode kernel), skipping where it cannot be built."""
+    from lmplug_attention.paged import native as paged_native
 
     ok, why = paged_native.available()
     if not ok:

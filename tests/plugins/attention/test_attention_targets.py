@@ -21,18 +21,15 @@ import pytest
 import torch
 import triton
 import triton.language as tl
-from lmplug_attention import (
-    decode_ops,
-    flash_decode_kernels,
-    flash_prefill_kernels,
-    kv_ops,
-    mla_kernels,
-    paged_prefill_kernels,
-)
+from lmplug_attention import decode_ops, kv_ops
+from lmplug_attention.flash import decode_kernels as flash_decode_kernels
+from lmplug_attention.flash import prefill_kernels as flash_prefill_kernels
+from lmplug_attention.mla import kernels as mla_kernels
+from lmplug_attention.paged import prefill_kernels as paged_prefill_kernels
 from lmplug_attention.attn_ops import arch_entry, bucket
-from lmplug_attention.flash import FlashAttention, FlashAttentionOptions
-from lmplug_attention.mla import MLAAttention, MLAOptions
-from lmplug_attention.paged import PagedAttention, PagedAttentionOptions
+from lmplug_attention.flash.backend import FlashAttention, FlashAttentionOptions
+from lmplug_attention.mla.backend import MLAAttention, MLAOptions
+from lmplug_attention.paged.backend import PagedAttention, PagedAttentionOptions
 from lmplug_attention.sdpa import SdpaAttention
 
 from lmplug.api import BackendOptions

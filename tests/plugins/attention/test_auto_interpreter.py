@@ -12,8 +12,8 @@ import sys
 PROBE = """
 import json
 from lmplug.config import EngineConfig, resolve
-from lmplug_attention.flash import FlashAttention
-from lmplug_attention.mixers import TritonMixer
+from lmplug_attention.flash.backend import FlashAttention
+from lmplug_mixer.mixers import TritonMixer
 
 config = EngineConfig.from_dict({"model": "m", "attention": "auto", "kvcache": "paged", "mixer": "auto"})
 chosen = {s: b.name for s, b in resolve(config, device="cpu", dtype="float32").backends.items()}

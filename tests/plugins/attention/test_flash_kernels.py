@@ -17,8 +17,8 @@ import pytest
 import torch
 from lmplug_attention.decode_ops import MAX_SPLITS, choose_num_splits, plan_decode
 from lmplug_attention.decode_ref import decode_attention
-from lmplug_attention.flash_decode_kernels import flash_decode_with_kvcache
-from lmplug_attention.flash_prefill_kernels import (
+from lmplug_attention.flash.decode_kernels import flash_decode_with_kvcache
+from lmplug_attention.flash.prefill_kernels import (
     flash_prefill_with_kvcache,
     flash_varlen_attention,
 )
@@ -299,7 +299,7 @@ def test_split_plan():
 
 
 def test_backend_split_option_matches_kernel_limit():
-    from lmplug_attention.flash import MAX_SPLITS as option_limit
+    from lmplug_attention.flash.backend import MAX_SPLITS as option_limit
 
     assert option_limit == MAX_SPLITS
 

@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from lmplug_attention import mla_kernels, mla_ref
-from lmplug_attention.mla import MLAAttention, MLAOptions
+from lmplug_attention.mla import kernels as mla_kernels
+from lmplug_attention.mla import ref as mla_ref
+from lmplug_attention.mla.backend import MLAAttention, MLAOptions
 from support.devices import bf16_param
 
 from lmplug.api import BackendOptions, StepContext

@@ -3,7 +3,7 @@
 import pytest
 import torch
 from lmplug_attention.decode_ref import decode_attention
-from lmplug_attention.paged_cpu import decode_index, paged_decode_attention_cpu
+from lmplug_attention.paged.cpu import decode_index, paged_decode_attention_cpu
 
 
 def _paged_batch(lens, num_heads, num_kv_heads, head_dim, block_size, dtype, seed=0):

@@ -9,8 +9,8 @@ import logging
 
 import pytest
 import torch
-from lmplug_attention import paged as paged_backend
-from lmplug_attention import paged_native
+from lmplug_attention.paged import backend as paged_backend
+from lmplug_attention.paged import native as paged_native
 from lmplug_attention.decode_ref import decode_attention
 from support.paged_cases import float64_attention, paged_batch
 
@@ -210,7 +210,7 @@ def test_auto_falls_back_to_torch_with_one_warning(demo_like_llama, monkeypatch,
     monkeypatch.setenv("CC", "/bin/false")
     monkeypatch.setattr(paged_backend, "_warned", set())
     batch = prompts(9, 33)
-    with caplog.at_level(logging.WARNING, logger="lmplug_attention.paged"):
+    with caplog.at_level(logging.WARNING, logger="lmplug_attention.paged.backend"):
         got = paged_llm(demo_like_llama, "auto").generate(batch, GREEDY)
         again = paged_llm(demo_like_llama, "auto").generate(batch, GREEDY)
     warnings = [r.getMessage() for r in caplog.records if "native CPU decode kernel" in r.getMessage()]

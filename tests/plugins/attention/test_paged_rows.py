@@ -8,8 +8,8 @@ bfloat16 (where any change of summation order can flip a near-tie).
 
 import pytest
 import torch
-from lmplug_attention.paged import PagedAttention, PagedAttentionOptions
-from lmplug_attention.paged_rows import leading_short_queries, query_rows
+from lmplug_attention.paged.backend import PagedAttention, PagedAttentionOptions
+from lmplug_attention.paged.rows import leading_short_queries, query_rows
 
 from lmplug.api import KVLayerView, StepContext
 from lmplug.kit.draft_tree import ancestor_mask

@@ -19,10 +19,11 @@ import math
 
 import pytest
 import torch
-from lmplug_attention import decode_ref, kv_ref, paged_torch
-from lmplug_attention.flash import FlashAttention, FlashAttentionOptions
-from lmplug_attention.paged import PagedAttention, PagedAttentionOptions
-from lmplug_attention.paged_rows import leading_short_queries, query_rows
+from lmplug_attention import decode_ref, kv_ref
+from lmplug_attention.paged import torch_path as paged_torch
+from lmplug_attention.flash.backend import FlashAttention, FlashAttentionOptions
+from lmplug_attention.paged.backend import PagedAttention, PagedAttentionOptions
+from lmplug_attention.paged.rows import leading_short_queries, query_rows
 from lmplug_attention.sdpa import SdpaAttention
 from lmplug_kvcache.contiguous import ContiguousKVCache, ContiguousOptions
 from lmplug_kvcache.paged import PagedKVCache, PagedOptions
@@ -262,7 +263,7 @@ def test_fp16_model_with_quantized_kv(backend, kernel_device):
 
 
 def test_kernels_reject_mismatched_scales():
-    from lmplug_attention import paged_kernels
+    from lmplug_attention.paged import kernels as paged_kernels
 
     case = build_case(SPECS["mixed"], "paged", torch.float32, "cpu")
     view = quantized_view(case.view, INT8)

@@ -63,8 +63,8 @@ import math
 import torch
 import triton
 import triton.language as tl
-from lmplug_attention.attn_ops import arch_entry, dot_precision
-from lmplug_attention.conv1d_ref import check_state_indices
+from lmplug.kit.triton_launch import arch_entry, dot_precision
+from lmplug_mixer.conv1d_ref import check_state_indices
 
 from lmplug.kit.devices import capability
 

@@ -10,9 +10,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from lmplug.cli_args import CommandParser, engine_args, sampling_args
-from lmplug.cli_checks import check_port, label_set_error, version_text
-from lmplug.cli_serve import add_serve_arguments
+from lmplug.cli.args import CommandParser, engine_args, sampling_args
+from lmplug.cli.checks import check_port, label_set_error, version_text
+from lmplug.cli.serve_flags import add_serve_arguments
 from lmplug.errors import LmplugError
 
 DEFAULT_CHAT_SYSTEM = None

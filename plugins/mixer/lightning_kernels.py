@@ -45,8 +45,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from lmplug_attention.attn_ops import arch_entry, dot_precision, head_dim_pad
-from lmplug_attention.lightning_ref import check_decode, check_prefill
+from lmplug.kit.triton_launch import arch_entry, dot_precision, head_dim_pad
+from lmplug_mixer.lightning_ref import check_decode, check_prefill
 
 from lmplug.kit.devices import capability
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from lmplug_attention.mixers import TorchMixer
+from lmplug_mixer.mixers import TorchMixer
 from support.devices import interpreted, kernel_device
 
 from lmplug.api import BackendOptions

@@ -29,7 +29,7 @@ from types import SimpleNamespace
 from typing import Literal
 
 import torch
-from lmplug_attention.paged_rows import MAX_QUERY_LEN, QueryRows, leading_short_queries, query_rows
+from lmplug_attention.paged.rows import MAX_QUERY_LEN, QueryRows, leading_short_queries, query_rows
 from lmplug_attention.sdpa import KV_DTYPES
 from pydantic import Field, field_validator
 
@@ -82,7 +82,9 @@ class PagedAttentionOptions(BackendOptions):
 
 
 def _torch_ops() -> SimpleNamespace:
-    from lmplug_attention import decode_ref, kv_ref, paged_cpu, paged_torch
+    from lmplug_attention import decode_ref, kv_ref
+    from lmplug_attention.paged import cpu as paged_cpu
+    from lmplug_attention.paged import torch_path as paged_torch
 
     return SimpleNamespace(write=kv_ref.reshape_and_cache, decode=decode_ref.decode_attention,
                            prefill=paged_torch.paged_prefill_attention, cpu_decode=paged_cpu, native=None)
@@ -94,7 +96,7 @@ def _native_kernel(cpu_kernel: str):
     with a warning."""
     if cpu_kernel == "torch":
         return None
-    from lmplug_attention import paged_native
+    from lmplug_attention.paged import native as paged_native
 
     try:
         return paged_native.load()
@@ -119,7 +121,9 @@ def _check_interpreter() -> None:
 def _triton_ops(device: torch.device, partition_size: int | None) -> SimpleNamespace:
     if device.type != "cuda":
         _check_interpreter()
-    from lmplug_attention import kv_ops, paged_kernels, paged_prefill_kernels
+    from lmplug_attention import kv_ops
+    from lmplug_attention.paged import kernels as paged_kernels
+    from lmplug_attention.paged import prefill_kernels as paged_prefill_kernels
 
     decode = functools.partial(paged_kernels.paged_decode_attention, partition_size=partition_size)
     return SimpleNamespace(write=kv_ops.reshape_and_cache, decode=decode,
@@ -188,7 +192,7 @@ class PagedAttention(AttentionBackend, extras.NativeDecode, extras.ShortQueries)
         rows = self._decode_rows(ctx, ops, trees=native)
         meta = PagedStepMetadata(ops, rows, prefill_args=self._prefill_args(ctx, rows, cache.device))
         if rows.num_tokens and native:
-            from lmplug_attention.paged_native import prepare
+            from lmplug_attention.paged.native import prepare
 
             meta.native_batch = prepare(rows.block_tables, rows.seq_lens, cache.shape[1], cache.shape[0],
                                         mask_starts=rows.mask_starts, masks=rows.masks)
@@ -206,7 +210,7 @@ class PagedAttention(AttentionBackend, extras.NativeDecode, extras.ShortQueries)
         with it on the CPU (``cpu_kernel`` auto or native, and it builds)."""
         if not views or self.ops(views[0].k_cache.device).native is None or not self.uniform_layers:
             return None
-        from lmplug_attention import paged_native
+        from lmplug_attention.paged import native as paged_native
 
         return paged_native.step_attention(ctx, views, self.num_heads, self.num_kv_heads, self.head_dim,
                                            self.scale, self.sliding_window, "attention paged")

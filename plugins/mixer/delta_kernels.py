@@ -46,8 +46,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from lmplug_attention.attn_ops import DTYPES, check_power_of_two, dot_precision, head_dim_pad
-from lmplug_attention.delta_ref import L2NORM_EPS, check_gated_delta, check_state
+from lmplug.kit.triton_launch import DTYPES, check_power_of_two, dot_precision, head_dim_pad
+from lmplug_mixer.delta_ref import L2NORM_EPS, check_gated_delta, check_state
 
 MAX_HEAD_DIM = 256  # the decode kernel holds a head's keys as one tile of head_dim_pad lanes
 # prefill launch sizes; at chunk 64 the largest uses 170 registers a thread (fp32 WY, 8 warps)

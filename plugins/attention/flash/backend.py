@@ -68,7 +68,9 @@ class FlashAttention(AttentionBackend):
 
     def __init__(self, options: FlashAttentionOptions, **kwargs) -> None:
         super().__init__(options, **kwargs)
-        from lmplug_attention import flash_decode_kernels, flash_prefill_kernels, kv_ops
+        from lmplug_attention import kv_ops
+        from lmplug_attention.flash import decode_kernels as flash_decode_kernels
+        from lmplug_attention.flash import prefill_kernels as flash_prefill_kernels
 
         self._write = kv_ops.reshape_and_cache
         self._decode = flash_decode_kernels.flash_decode_with_kvcache

@@ -32,7 +32,7 @@ pool), as ``conv1d_ref`` describes.
 from __future__ import annotations
 
 import torch
-from lmplug_attention.conv1d_ref import check_state_indices
+from lmplug_mixer.conv1d_ref import check_state_indices
 
 DEFAULT_BLOCK_SIZE = 256  # MiniMax-Text-01's config.block_size
 

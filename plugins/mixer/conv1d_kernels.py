@@ -35,7 +35,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from lmplug_attention.conv1d_ref import check_activation, check_state_indices, sequence_positions
+from lmplug_mixer.conv1d_ref import check_activation, check_state_indices, sequence_positions
 
 # tokens x channels per prefill program (BLOCK_C also per program of the state and update kernels).
 # 16 x 64 spilled 32-108 B in fp16 on sm_80 / sm_90 (Triton 3.7.1) at 48-72 registers: ptxas's

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from lmplug_attention.paged_rows import leading_short_queries, query_rows
+from lmplug_attention.paged.rows import leading_short_queries, query_rows
 
 from lmplug.kit import native_build
 from lmplug.kit.native import NativeCall

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 import torch
-from lmplug_attention import mla_ref
+from lmplug_attention.mla import ref as mla_ref
 from pydantic import Field
 
 from lmplug.api import BackendOptions, Capabilities, KVLayerView, MLAAttentionBackend, StepContext
@@ -45,7 +45,7 @@ def _decode_latent_op(options: MLAOptions, device: torch.device) -> Callable:
     if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         raise ConfigError("attention: mla: kernels='triton' needs a CUDA device (or TRITON_INTERPRET=1 "
                           "set before triton is imported, for tests); use kernels='torch' or 'auto' on CPU")
-    from lmplug_attention import mla_kernels
+    from lmplug_attention.mla import kernels as mla_kernels
 
     return functools.partial(mla_kernels.mla_decode_latent, allow_tf32=options.allow_tf32)
 

@@ -43,7 +43,7 @@ import math
 
 import torch
 import torch.nn.functional as F
-from lmplug_attention.conv1d_ref import check_state_indices, sequence_positions
+from lmplug_mixer.conv1d_ref import check_state_indices, sequence_positions
 
 
 def discretize_dt(dt: torch.Tensor, dt_bias: torch.Tensor | None, dt_softplus: bool,

@@ -1,0 +1,1 @@
+"""The ``flash`` attention backend: FlashAttention-2-style Triton kernels (varlen prefill, split-K decode)."""
