@@ -52,7 +52,7 @@ READY_TIMEOUT_S = 600.0  # a fresh worker imports the engine and reads the vocab
 class CompilePool:
     def __init__(self, backend: ConstraintBackend, workers: int, queue_size: int) -> None:
         self.backend = backend
-        self._jobs: queue.Queue[tuple[StructuredOutput, Future]] = queue.Queue(maxsize=queue_size)
+        self._jobs: queue.Queue[tuple[StructuredOutput, Future] | None] = queue.Queue(maxsize=queue_size)
         self._inflight: dict[tuple, Future] = {}
         self._lock = threading.Lock()
         self._closed = False
@@ -82,9 +82,17 @@ class CompilePool:
         return future
 
     def close(self) -> None:
+        """Kill the workers and end the threads serving them (idempotent)."""
+        if self._closed:
+            return
         self._closed = True
         for worker in self._workers:
             worker.stop()
+        for _ in self._workers:  # wake the threads waiting for a job: they see the pool closed
+            try:
+                self._jobs.put_nowait(None)
+            except queue.Full:
+                break
 
     def _forget(self, key: tuple, future: Future) -> None:
         with self._lock:
@@ -93,8 +101,14 @@ class CompilePool:
 
     def _serve(self, worker: _Worker) -> None:
         worker.start()  # at once: the first constrained request does not wait for the set-up
+        if self._closed:  # closed while it started
+            worker.stop()
+            return
         while not self._closed:
-            spec, future = self._jobs.get()
+            job = self._jobs.get()
+            if job is None:
+                break
+            spec, future = job
             if not future.set_running_or_notify_cancel():
                 continue
             try:

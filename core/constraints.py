@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -101,6 +102,8 @@ class Constraints:
             if self._pool is None:
                 options = self.backend.options
                 self._pool = CompilePool(self.backend, options.compile_workers, options.compile_queue)
+                # an engine dropped without close() (a test's, a notebook's) stops its workers too
+                weakref.finalize(self, self._pool.close)
             return self._pool
 
     def pin(self, request_id: str, compiled) -> None:
