@@ -3,6 +3,8 @@ prompts, greedy runs with log-probs and their comparison, worker processes, tiny
 
 from __future__ import annotations
 
+import gc
+
 import psutil
 import torch
 
@@ -42,6 +44,9 @@ def assert_same(single, parallel, atol=1e-4):
 
 
 def children() -> list[psutil.Process]:
+    """This process's live children; engines dropped without close() are collected first (their
+    constraint compile workers stop when the engine goes)."""
+    gc.collect()
     return [p for p in psutil.Process().children(recursive=True)
             if p.is_running() and p.status() != psutil.STATUS_ZOMBIE and "resource_tracker" not in " ".join(p.cmdline())]
 
