@@ -26,6 +26,7 @@ constraints asked for at once share one job.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import functools
@@ -230,12 +231,16 @@ def _worker_main(conn, backend_cls: type[ConstraintBackend], options, tokenizer_
     try:
         backend.prepare()
     except ConstraintError as exc:  # e.g. a tokenizer the engine cannot read: every request's answer
-        conn.send((exc.field, str(exc)))
+        with contextlib.suppress(OSError):
+            conn.send((exc.field, str(exc)))
         return
     except Exception:
         logging.getLogger(__name__).exception("the %s compile worker could not start", backend.name)
         return
-    conn.send("ready")
+    try:
+        conn.send("ready")
+    except OSError:  # the engine went away while this worker started (a broken pipe)
+        return
     while True:
         try:
             spec = conn.recv()
@@ -249,4 +254,7 @@ def _worker_main(conn, backend_cls: type[ConstraintBackend], options, tokenizer_
         except Exception as exc:  # noqa: BLE001 - the engine's own error: the request is refused
             verdict = (spec.kind, f"structured output {spec.kind}: {backend.name} cannot compile it: {exc}")
         trim_heap()  # the compiled grammar is not kept here
-        conn.send(verdict)
+        try:
+            conn.send(verdict)
+        except OSError:  # the engine went away (or gave up on this compile)
+            return
