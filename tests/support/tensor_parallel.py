@@ -4,6 +4,7 @@ prompts, greedy runs with log-probs and their comparison, worker processes, tiny
 from __future__ import annotations
 
 import gc
+import multiprocessing
 
 import psutil
 import torch
@@ -44,11 +45,14 @@ def assert_same(single, parallel, atol=1e-4):
 
 
 def children() -> list[psutil.Process]:
-    """This process's live children; engines dropped without close() are collected first (their
-    constraint compile workers stop when the engine goes)."""
+    """This process's live children but the constraint compile workers (``lmplug.constraint_pool``:
+    an engine another test still holds keeps its worker; engines dropped without close() are
+    collected first, which stops theirs)."""
     gc.collect()
+    compile_workers = {p.pid for p in multiprocessing.active_children() if p.name.endswith("-compile")}
     return [p for p in psutil.Process().children(recursive=True)
-            if p.is_running() and p.status() != psutil.STATUS_ZOMBIE and "resource_tracker" not in " ".join(p.cmdline())]
+            if p.pid not in compile_workers and p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+            and "resource_tracker" not in " ".join(p.cmdline())]
 
 
 # -- models -----------------------------------------------------------------------------------------
