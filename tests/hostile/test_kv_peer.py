@@ -107,6 +107,11 @@ def test_strangers_are_refused_and_the_stream_goes_on(tmp_path, caplog):
         producer.flush()
         with caplog.at_level(logging.WARNING, logger="lmplug_kvconnector.torch_distributed"):
             assert strangers(address, key_file(tmp_path, "wrong", "not-the-secret")) == ["closed"] * 3 + ["refused"]
+            # the listener logs a refusal after the stranger sees its socket close: wait for the last
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline and sum(
+                    "refused a connection from 127.0.0.1:" in r.getMessage() for r in caplog.records) < 4:
+                time.sleep(0.05)
         refusals = [r.getMessage() for r in caplog.records if "refused a connection from 127.0.0.1:" in r.getMessage()]
         assert len(refusals) == 4 and consumer.stats()["refused"] == 4, refusals
         for key, payload in after.items():
