@@ -18,13 +18,12 @@ step then asks ``fits`` (every sequence's query short: a decode, or a speculativ
 quant method's small-M kernels read each weight once for all of them) and each row's attention
 is a decode row of its own: on the demo model a verify of 4 drafts costs about 1.3-1.5 decode
 steps instead of 2.4-2.7 through the Python layers (``benchmarks/bench_speculative.py``).
-``LMPLUG_NATIVE_STEP=0`` in the environment turns it off (benchmarks compare the two).
+The engine plan decides whether it runs (``cpu.native_step``, overridden by ``LMPLUG_NATIVE_STEP``; benchmarks compare the two).
 """
 
 from __future__ import annotations
 
 import ctypes
-import os
 
 import torch
 
@@ -59,10 +58,6 @@ class _Step(ctypes.Structure):
                 ("scratch", _P)]
 
 
-def enabled() -> bool:
-    return os.environ.get("LMPLUG_NATIVE_STEP", "1").strip().lower() not in ("0", "false", "no", "off")
-
-
 def _f32(t: torch.Tensor | None) -> bool:
     return t is not None and t.dtype == torch.float32 and t.is_cpu and t.is_contiguous()
 
@@ -88,7 +83,7 @@ class NativeDecodeStep:
         """The plan, or None where some part of the model has no native form (module docstring)."""
         from lmplug.kit.decoder import MLP, Attention, DecoderLayer
 
-        if not enabled() or model.tp.is_parallel or not len(model.layers):
+        if model.tp.is_parallel or not len(model.layers):
             return None
         lib = fused_cpu.library()
         rope = model.rope
