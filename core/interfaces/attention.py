@@ -124,7 +124,12 @@ class AttentionBackend(ABC):
     @abstractmethod
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv: KVLayerView, ctx: StepContext) -> torch.Tensor:
-        """q: [T, H, D]; k, v: [T, Hkv, D] (the step's new tokens). Returns [T, H, D]."""
+        """q: [T, H, D]; k, v: [T, Hkv, D] (the step's new tokens). Returns [T, H, D].
+
+        A backend that lists ``ATTENTION_SINKS`` also takes the keyword ``sinks``: a float tensor
+        [H] of learned logits, one per query head, joined to each row's softmax denominator
+        (``exp(sinks[h])`` added to the sum, with no value: GPT-OSS). Models pass it only for
+        layers whose ``LayerAttention.sinks`` is true; the plan refuses a backend without it."""
 
 
 class MLAAttentionBackend(AttentionBackend):
