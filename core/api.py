@@ -16,6 +16,7 @@ from lmplug.errors import ConfigError, LmplugError, ModelLoadError, PluginError
 from lmplug.hookspecs import hookimpl
 from lmplug.interfaces.acceptance import LOSSY, AcceptanceOptions, AcceptanceRule, Decision
 from lmplug.interfaces.architecture import (
+    ENCODER,
     GGUF,
     MLA,
     MTP,
@@ -138,6 +139,7 @@ __all__ = [
     "DraftTarget",
     "Drafter",
     "DrafterOptions",
+    "ENCODER",
     "EngineView",
     "ForwardRunner",
     "GATED_DELTA",

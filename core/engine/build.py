@@ -138,6 +138,8 @@ def build_engine_parts(resolved: ResolvedConfig, parallel: ParallelState | None 
     plan = make_plan(resolved, source.hf_config, model_config, str(source.path), parallel,
                      architecture=chosen, checkpoint_format=source.format)
     backends, kv_shape = plan.resolved.backends, plan.kv_shape
+    if plan.encoder and source.tokenizer is not None:
+        source.tokenizer.post_process = True  # [CLS] ... [SEP], as the encoder was trained
     dtype = DTYPES[resolved.dtype]
     device = torch.device(resolved.device)
     max_model_len = plan.max_model_len
@@ -202,7 +204,7 @@ def build_engine_parts(resolved: ResolvedConfig, parallel: ParallelState | None 
     memory = parallel_setup.memory_report(model, kv, parallel)
     eos_ids = _eos_ids(source)
     constraint = None
-    if "constraint" in backends and source.tokenizer is not None:
+    if "constraint" in backends and source.tokenizer is not None and not plan.encoder:  # encoders never generate
         chosen = backends["constraint"]
         constraint = chosen.cls(chosen.options, ConstraintTokenizer(
             source.tokenizer.backend, model_config.vocab_size, eos_ids))

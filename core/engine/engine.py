@@ -98,7 +98,8 @@ class LLMEngine:
         self.eos_token_ids = parts.eos_token_ids
         self.constraints = Constraints(parts.constraint, self.model_config.vocab_size)
         self.requests = RequestTable(self.tokenizer, self.eos_token_ids, self.max_model_len,
-                                     self.model_config.vocab_size, self.config.seed)
+                                     self.model_config.vocab_size, self.config.seed,
+                                     whole_prompts=parts.plan.encoder)
         self.forks = Forks(self.kv, self.scheduler, parallel=self.parallel is not None)  # n > 1
         # the select stages (beam groups; the speculator or the sampler), behind one SelectStage
         # beams fork through the cache's fork, or its "fork_copy" (a dropped beam frees the row its
@@ -147,6 +148,10 @@ class LLMEngine:
             for seq in self.requests.add(request_id, prompt, SamplingParams(max_tokens=1), priority, pooling):
                 self.scheduler.add(seq)
             return
+        if self.parts.plan.encoder:
+            raise ConfigError(f"model {self.config.model!r} is an encoder ({self.model_config.model_type}, "
+                              "bidirectional attention): it serves embeddings (LLM.embed, /v1/embeddings), "
+                              "not generation")
         if self.parts.pooling.headless:
             raise ConfigError(f"model {self.config.model!r} was saved without its LM head (config.json "
                               "architectures: a base model, as embedding checkpoints are): it serves embeddings "

@@ -88,6 +88,8 @@ class EnginePlan:
     # how each cached layer attends, where the architecture declares it (``CacheLayout.layers``)
     attention_layers: tuple[LayerAttention, ...] = ()
     cpu: CpuPolicy = CpuPolicy()  # the CPU fast paths (config ``cpu:``, environment overrides)
+    # an encoder (``ENCODER``): embeddings only, every prompt scheduled whole, no prefix reuse
+    encoder: bool = False
 
 
 def model_facts(model_config: ModelConfig, layers: tuple[LayerAttention, ...] = ()) -> ModelFacts:
@@ -114,6 +116,7 @@ def make_plan(resolved: ResolvedConfig, hf_config: Mapping, model_config: ModelC
     _check_connector_support(final, parallel)
     _check_swap_support(final, parallel)
     _check_architecture(arch_info, model_config, parallel, checkpoint_format)
+    encoder = arch_features.ENCODER in arch_info.cls.capabilities.features
     kv_shape, scale = layout.kv_shape(), layout.scale
     if final.device == "cuda":  # what the attention kernels cannot build for this GPU, now
         attention.cls.check_target(attention.options, kv_dtype_of(final.backends["kvcache"]),
@@ -129,7 +132,9 @@ def make_plan(resolved: ResolvedConfig, hf_config: Mapping, model_config: ModelC
                       MappingProxyType(parallel_setup.local_kv_shape(kv_shape, parallel)), scale,
                       resolved.config.max_model_len or model_config.max_position_embeddings,
                       arch_info, arch_reason, attention_layers=layout.layers,
-                      cpu=cpu_policy(resolved.config.cpu))
+                      cpu=cpu_policy(resolved.config.cpu), encoder=encoder)
+    if encoder:
+        _check_encoder_budget(plan)
     if parallel.rank == 0:
         logger.info("%s: model: architecture %r from %s (%s)", final.source, arch_info.name,
                     arch_info.distribution, arch_reason)
@@ -217,6 +222,15 @@ def _check_layer_features(model_config: ModelConfig, layers: tuple[LayerAttentio
         raise ConfigError(f"attention: backend {attention.name!r} (plugin {attention.info.plugin}) lacks the "
                           f"{feature!r} feature on {resolved.device} with these options, which this "
                           f"{model_config.model_type} model needs ({what}); {hint}")
+
+
+def _check_encoder_budget(plan: EnginePlan) -> None:
+    """An encoder's prompt runs in one step, so one step's token budget must hold the longest."""
+    budget = plan.resolved.backends["scheduler"].options.max_num_batched_tokens
+    if budget < plan.max_model_len:
+        raise ConfigError(f"model: {plan.model_config.model_type!r} is an encoder: each prompt runs whole in one step, "
+                          f"so scheduler.max_num_batched_tokens ({budget}) must be >= max_model_len "
+                          f"({plan.max_model_len}); raise the first or lower the second")
 
 
 def _check_state_support(model_config: ModelConfig, resolved: ResolvedConfig) -> None:

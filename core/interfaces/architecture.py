@@ -51,6 +51,9 @@ MTP = "mtp"  # builds a checkpoint's multi-token-prediction layers (``speculativ
 STATE_LAYERS = "state_layers"  # linear-attention / SSM layers with per-sequence states
 MLA = "mla"  # multi-head latent attention (DeepSeek-V2/V3)
 PACKED_WEIGHTS = "packed_weights"  # lets a quant method keep GGUF blocks packed (embedding, LM head)
+# an encoder (BERT): bidirectional attention over each whole prompt, for embeddings only; the engine
+# schedules every prompt in one step, never reuses a cached prefix and refuses generation
+ENCODER = "encoder"
 
 
 @dataclass(frozen=True)

@@ -95,6 +95,9 @@ class Sequence:
         # ("last", "mean" or "cls"), never sampled; None: a generation
         self.pooling: str | None = None
         self.pooling_normalize = True
+        # computed in one step from its first token, never from a cached prefix (an encoder's
+        # prompt: its attention looks both ways); schedulers must not split it
+        self.whole_prompt = False
 
     # -- status: waiting -> running (a scheduler admits it) -> waiting (preempted) ... -> finished --
     @property
@@ -170,7 +173,7 @@ class Sequence:
         The last token is always computed (its logits give the next token), and a
         request that wants prompt logprobs computes its whole prompt.
         """
-        if self.params.prompt_logprobs is not None or self.pooling in ("mean", "cls"):
+        if self.params.prompt_logprobs is not None or self.pooling in ("mean", "cls") or self.whole_prompt:
             num_cached = 0  # every prompt position's logits / hidden state is needed
         self.num_computed_tokens = min(num_cached, self.num_tokens - 1)
 

@@ -71,6 +71,9 @@ class Tokenizer:
         # True: special-token text in message content becomes control tokens (unsafe with
         # untrusted clients: a user could forge a system turn); False: it stays plain text.
         self.allow_special_in_content = False
+        # True (an encoder's tokenizer: the engine build sets it): ``encode`` adds what tokenizer.json's
+        # post-processor adds, BERT's [CLS] ... [SEP], as sentence-transformers encodes a text
+        self.post_process = False
 
     # -- construction -----------------------------------------------------------------
 
@@ -158,7 +161,10 @@ class Tokenizer:
     # -- encode / decode --------------------------------------------------------------
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """Token ids for ``text``; BOS is prepended only when the model's config asks for it."""
+        """Token ids for ``text``; BOS is prepended only when the model's config asks for it (an
+        encoder's: the post-processor's special tokens, ``post_process``)."""
+        if self.post_process:
+            return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
         ids = self.backend.encode(text, add_special_tokens=False).ids
         bos_id = self.bos_token_id
         if add_special_tokens and self.add_bos_token and bos_id is not None:

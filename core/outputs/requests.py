@@ -147,8 +147,10 @@ class RequestTable:
     """The engine's live requests."""
 
     def __init__(self, tokenizer, eos_token_ids: frozenset[int], max_model_len: int, vocab_size: int,
-                 seed: int) -> None:
+                 seed: int, *, whole_prompts: bool = False) -> None:
+        """``whole_prompts``: embedding prompts run whole (``Sequence.whole_prompt``: an encoder's)."""
         self.tokenizer = tokenizer
+        self.whole_prompts = whole_prompts
         self.eos_token_ids = eos_token_ids
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
@@ -183,6 +185,7 @@ class RequestTable:
         if pooling is not None:
             seq = Sequence(request_id, ids, params, priority=priority)
             seq.pooling, seq.pooling_normalize = pooling.pooling_type, bool(pooling.normalize)
+            seq.whole_prompt = self.whole_prompts
             self._requests[request_id] = Request(request_id, text, ids, [seq], [None])
             self._requests[request_id].pooling = pooling
             return [seq]

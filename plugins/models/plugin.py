@@ -11,5 +11,6 @@ LMPLUG_API_VERSION = 3
 @hookimpl
 def lmplug_register_architectures() -> list[type]:
     from lmplug_models.architectures import FIRST_PARTY
+    from lmplug_models.bert import BertArchitecture
 
-    return list(FIRST_PARTY)
+    return [*FIRST_PARTY, BertArchitecture]

@@ -153,7 +153,11 @@ class ContinuousScheduler(RunningBatch):
             return remaining
         # a decode may always be cut: past its one token it only has lookahead, any prefix of
         # which may run
-        return budget if self.options.chunked_prefill or not seq.is_prefill else 0
+        return budget if self._may_split(seq) or not seq.is_prefill else 0
+
+    def _may_split(self, seq: Sequence) -> bool:
+        """Whether ``seq``'s prompt may run over several steps (never an encoder's: ``whole_prompt``)."""
+        return self.options.chunked_prefill and not seq.whole_prompt
 
     def _make_room(self, seq: Sequence, num_tokens: int, out: SchedulerOutput) -> bool:
         """Preempt victims until ``seq`` can grow to ``num_tokens``; False if ``seq`` itself went."""
@@ -191,7 +195,7 @@ class ContinuousScheduler(RunningBatch):
                 budget -= out.scheduled[-1].num_new_tokens
                 continue
             first = min(seq.num_tokens, budget)
-            if not self.options.chunked_prefill and seq.num_tokens > budget:
+            if not self._may_split(seq) and seq.num_tokens > budget:
                 break
             if not self.kv.can_allocate(seq, first):
                 if not self.running and not out.scheduled:
@@ -221,7 +225,7 @@ class ContinuousScheduler(RunningBatch):
         scheduled sequence without tokens would have no row."""
         rerun = self.num_pending(seq) == 0
         n = min(self.num_pending(seq) or 1, budget)
-        if not self.options.chunked_prefill and self.num_pending(seq) > budget:
+        if not self._may_split(seq) and self.num_pending(seq) > budget:
             return False
         total = seq.num_computed_tokens - rerun + n
         if not self.kv.can_allocate(seq, total):

@@ -42,6 +42,8 @@ class StaticScheduler(RunningBatch):
             if budget == 0:
                 break
             n = min(self.num_pending(seq), budget)
+            if seq.whole_prompt and n < self.num_pending(seq):
+                continue  # an encoder's prompt runs whole: in a later step, with the budget free
             self.kv.allocate(seq, seq.num_computed_tokens + n)
             out.scheduled.append(ScheduledSeq(seq, n))
             budget -= n

@@ -10,10 +10,11 @@ from lmplug.api import Architecture, CacheLayout, Capabilities, ConfigReader, Mo
 from lmplug.errors import ModelLoadError
 
 CAUSAL_HEADS = ("ForCausalLM", "LMHeadModel")
-# Why encoders are refused: the engine's step is causal throughout (a prompt prefilled in chunks, its
-# blocks shared by the prefix cache, recomputed after preemption), which bidirectional attention breaks.
-ENCODER = ("model_type {model_type!r} is an encoder (bidirectional attention, e.g. BERT): lmplug runs causal "
-           "models over a KV cache; embed it with sentence-transformers (SentenceTransformer(path).encode), or "
+# Why encoders are refused here: this fallback runs a model through the engine's causal step (prompts
+# prefilled in chunks, prefixes shared); the native encoders (architecture 'bert') are scheduled whole.
+ENCODER = ("model_type {model_type!r} is an encoder (bidirectional attention) that no native architecture "
+           "serves (lmplug embeds bert, roberta and xlm-roberta natively); embed it with sentence-transformers "
+           "(SentenceTransformer(path).encode), or "
            "embed with lmplug from a decoder-based embedding checkpoint (last-token pooling, e.g. "
            "Qwen3-Embedding, gte-Qwen2, e5-mistral), whose sentence-transformers pooling config it follows")
 ATTENTION_LAYERS = frozenset({"full_attention", "sliding_attention", "attention", "chunked_attention"})

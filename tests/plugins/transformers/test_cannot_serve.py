@@ -20,7 +20,7 @@ TINY = {"model_type": "llama", "vocab_size": 256, "hidden_size": 64, "intermedia
     ({"model_type": "t5", "is_encoder_decoder": True}, "encoder-decoder"),
     ({"model_type": "vit"}, "not a causal LM"),
     ({"model_type": "bert", "architectures": ["BertForMaskedLM"]}, "'BertForMaskedLM' is not a causal LM"),
-    ({"model_type": "bert"}, "'bert' is an encoder (bidirectional attention"),
+    ({"model_type": "electra"}, "'electra' is an encoder (bidirectional attention"),
     ({"model_type": "roberta", "architectures": ["RobertaModel"]}, "embed it with sentence-transformers"),
     ({"model_type": "no_such_model"}, "does not know model_type 'no_such_model'"),
     ({"model_type": "llama", "auto_map": {"AutoModelForCausalLM": "x.Y"}}, "remote code"),
@@ -75,15 +75,16 @@ def test_no_architecture_serves_an_encoder_decoder(tmp_path):
 
 
 def test_an_encoder_checkpoint_is_refused_naming_what_works(tmp_path):
-    """A real (tiny, random) BERT folder: the load error names the folder, why, and what would work."""
-    from transformers import BertConfig, BertModel
+    """A real (tiny, random) ELECTRA folder (an encoder no native architecture serves): the load error
+    names the folder, why, and what would work."""
+    from transformers import ElectraConfig, ElectraModel
 
     from lmplug import LLM
 
-    BertModel(BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
-                         intermediate_size=64)).save_pretrained(tmp_path)
+    ElectraModel(ElectraConfig(vocab_size=64, hidden_size=32, embedding_size=32, num_hidden_layers=1,
+                               num_attention_heads=2, intermediate_size=64)).save_pretrained(tmp_path)
     with pytest.raises(ModelLoadError) as err:
         LLM(str(tmp_path), dtype="float32", device="cpu")
     text = str(err.value)
-    assert str(tmp_path) in text and "'BertModel' is not a causal LM head" in text
+    assert str(tmp_path) in text and "'ElectraModel' is not a causal LM head" in text
     assert "is an encoder" in text and "SentenceTransformer(path).encode" in text and "last-token pooling" in text
