@@ -86,6 +86,12 @@ class DFlashDrafter(Drafter):
         self.device = target.device
         self._states: dict[int, _Context] = {}
 
+    @classmethod
+    def train(cls, host, model: str, out: str, options: dict) -> None:
+        from lmplug_speculative.dflash_train import train_dflash
+
+        train_dflash(host, model, out, options)
+
     def release(self, seq) -> None:
         self._states.pop(seq.seq_id, None)
 
@@ -167,7 +173,7 @@ class _Context:
         n, end = k.shape[2], self.length + k.shape[2]
         if self.k is None or end > self.k.shape[2]:
             cap = max(end, 2 * (0 if self.k is None else self.k.shape[2]), 16)
-            grown_k, grown_v = (k.new_empty(*k.shape[:2], cap, k.shape[3]) for _ in range(2))
+            grown_k, grown_v = (k.new_zeros(*k.shape[:2], cap, k.shape[3]) for _ in range(2))  # masked, never NaN
             if self.k is not None:
                 grown_k[:, :, :self.length] = self.k[:, :, :self.length]
                 grown_v[:, :, :self.length] = self.v[:, :, :self.length]
