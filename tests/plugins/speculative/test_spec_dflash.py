@@ -76,7 +76,7 @@ def trained(models, tmp_path_factory):
 
     root = tmp_path_factory.mktemp("trained")
     result = train_dflash(LLMTrainingHost(), str(models["llama"].path), str(root / "head"), {
-        "num_prompts": 32, "max_tokens": 32, "epochs": 8, "block_size": 4, "device": "cpu",
+        "num_prompts": 48, "max_tokens": 32, "temperature": 1.0, "epochs": 8, "block_size": 4, "device": "cpu",
         "answers": str(root / "answers.json")})
     answers = json.loads((root / "answers.json").read_text())
     return types.SimpleNamespace(folder=result.folder, accuracy_before=result.accuracy_before,
