@@ -37,9 +37,11 @@ from lmplug.errors import ConfigError
 
 
 class DFlashOptions(DrafterOptions):
+    num_tokens: int | None = Field(default=None, ge=1, le=64, description="drafts per step (k): at most the "
+                                                                         "head's block_size - 1, which is the "
+                                                                         "default")
     heads: str = Field(description="folder with config.json (model_type muse_glimmer_assistant) and "
-                                   "model.safetensors of a DFlash block-diffusion head; num_tokens may be at "
-                                   "most its block_size - 1 (default: block_size - 1)")
+                                   "model.safetensors of a DFlash block-diffusion head")
 
 
 class DFlashDrafter(Drafter):
@@ -68,7 +70,7 @@ class DFlashDrafter(Drafter):
             raise ConfigError(f"speculative: dflash: heads {folder}: mask_token_id {hc.mask_token_id} is outside "
                               f"the target's vocabulary of {cfg.vocab_size}")
         most = hc.block_size - 1
-        if "num_tokens" not in self.options.model_fields_set:
+        if self.options.num_tokens is None:
             self.options = self.options.model_copy(update={"num_tokens": most})
         elif self.options.num_tokens > most:
             raise ConfigError(f"speculative: dflash: num_tokens {self.options.num_tokens} is more than the heads' "
