@@ -32,7 +32,14 @@ from lmplug_speculative.draft_runner import choose_tokens, common_prefix
 from lmplug_speculative.feature_store import FeatureStore
 from pydantic import Field
 
-from lmplug.api import Capabilities, Drafter, DrafterOptions, DraftProposal, DraftTarget, StepContext
+from lmplug.api import (
+    Capabilities,
+    Drafter,
+    DrafterOptions,
+    DraftProposal,
+    DraftTarget,
+    StepContext,
+)
 from lmplug.errors import ConfigError
 
 

@@ -27,6 +27,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from lmplug_speculative.eagle_head import _MLP, _Norm  # Llama's, as this head has them
 
 from lmplug.api import ConfigReader, ModelConfig, ModelLoadError
 from lmplug.errors import ConfigError
@@ -47,17 +48,6 @@ class DFlashConfig:
     sliding_window: int
 
 
-class _Norm(torch.nn.Module):
-    def __init__(self, size: int, eps: float) -> None:
-        super().__init__()
-        self.weight = torch.nn.Parameter(torch.ones(size))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        return self.weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
-
-
 def _linear(n_in: int, n_out: int) -> torch.nn.Linear:
     return torch.nn.Linear(n_in, n_out, bias=False)
 
@@ -69,16 +59,6 @@ class _Attention(torch.nn.Module):
         self.q_proj, self.o_proj = _linear(h, cfg.num_heads * d), _linear(cfg.num_heads * d, h)
         self.k_proj, self.v_proj = _linear(h, cfg.num_kv_heads * d), _linear(h, cfg.num_kv_heads * d)
         self.q_norm, self.k_norm = _Norm(d, cfg.rms_norm_eps), _Norm(d, cfg.rms_norm_eps)
-
-
-class _MLP(torch.nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
-        super().__init__()
-        h, i = cfg.hidden_size, cfg.intermediate_size
-        self.gate_proj, self.up_proj, self.down_proj = _linear(h, i), _linear(h, i), _linear(i, h)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class _Layer(torch.nn.Module):

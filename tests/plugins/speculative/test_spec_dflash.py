@@ -15,7 +15,7 @@ from typing import ClassVar
 import pytest
 import torch
 from support.hf_models import get_model, one_torch_thread, prompt_ids  # noqa: F401 - fixture
-from support.spec_helpers import SAMPLING, chi_square_pvalue, make_engine, pair_counts, run
+from support.spec_helpers import chi_square_pvalue, make_engine, pair_counts, run
 from support.spec_helpers import pair_distribution as pair_distribution_of
 
 from lmplug.cli import main
