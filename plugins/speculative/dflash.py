@@ -179,7 +179,7 @@ class _Context:
 
     def append(self, kv: list[tuple[torch.Tensor, torch.Tensor]], tokens: list[int]) -> None:
         k, v = torch.stack([a for a, _ in kv]), torch.stack([b for _, b in kv])  # [L, Hkv, n, D]
-        n, end = k.shape[2], self.length + k.shape[2]
+        end = self.length + k.shape[2]
         if self.k is None or end > self.k.shape[2]:
             cap = max(end, 2 * (0 if self.k is None else self.k.shape[2]), 16)
             grown_k, grown_v = (k.new_zeros(*k.shape[:2], cap, k.shape[3]) for _ in range(2))  # masked, never NaN
@@ -191,7 +191,6 @@ class _Context:
         self.v[:, :, self.length:end] = v
         self.length = end
         self.tokens.extend(tokens)
-        assert len(self.tokens) == self.length and n == len(tokens)
 
     def padded(self, layer: int, which: int, length: int) -> torch.Tensor:
         """Layer ``layer``'s K (0) or V (1) over ``length`` positions [Hkv, length, D] (zeros past ours)."""
