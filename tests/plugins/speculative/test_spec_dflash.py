@@ -15,11 +15,16 @@ from typing import ClassVar
 import pytest
 import torch
 from support.hf_models import get_model, one_torch_thread, prompt_ids  # noqa: F401 - fixture
-from support.spec_helpers import chi_square_pvalue, make_engine, pair_counts, run
+from support.spec_helpers import (
+    chi_square_pvalue,
+    drafter_on_token_features,
+    make_engine,
+    pair_counts,
+    run,
+)
 from support.spec_helpers import pair_distribution as pair_distribution_of
 
 from lmplug.cli import main
-from lmplug.engine.draft_parts import draft_target
 from lmplug.errors import ConfigError
 from lmplug.interfaces.params import SamplingParams
 from lmplug.kit import sampling as kit_sampling
@@ -282,19 +287,6 @@ def test_train_drafter_cli_output_runs_exactly(models, tmp_path):
 
 
 # -- the conformance suite -------------------------------------------------------------------------
-class TokenContext:
-    """Stands in for the context store: the suite's fake target computes no hidden states, so the
-    context at position t is a fixed function of (token t, t), deterministic as the suite requires
-    and different at every position, so K/V kept past a changed token would show."""
-
-    def __init__(self, embed: torch.nn.Module) -> None:
-        self.embed = embed
-
-    def read(self, seq, start: int, end: int) -> torch.Tensor:
-        ids = torch.tensor(seq.token_ids[start:end])
-        return torch.tanh(3 * self.embed(ids) + torch.arange(start, end)[:, None] / 7)
-
-
 class TestDFlashConformance(DrafterConformance):
     backend = "dflash"
     options: ClassVar[dict] = {"heads": "set-in-make_drafter"}
@@ -307,11 +299,5 @@ class TestDFlashConformance(DrafterConformance):
         type(self)._heads = write_head(tmp_path_factory.mktemp("conf_head"), block_size=6, seed=5)
 
     def make_drafter(self, backend_class, options):
-        parts = make_engine(self._model.path).parts
-        drafter = backend_class(backend_class.Options(**{**options.model_dump(), "heads": str(self._heads)}))
-        drafter.setup(draft_target(parts.model, parts.model_config, parts.kv, parts.tokenizer,
-                                   torch.device("cpu"), torch.float32, parts.max_model_len, 8,
-                                   parts.model.layers[0].self_attn.backend))
-        drafter.store.close()
-        drafter.store = TokenContext(parts.model.embed_tokens)
-        return drafter
+        return drafter_on_token_features(self._model.path, backend_class,
+                                         {**options.model_dump(), "heads": str(self._heads)})
