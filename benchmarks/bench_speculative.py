@@ -7,6 +7,8 @@
         [--eagle-heads DIR]    # heads from: lmplug train-drafter --method eagle MODEL DIR
         [--configs ...,eagle_tree] [--eagle-tree-width 3]  # EAGLE's chain plus runner-up leaves
         [--mtp-path DIR]       # an MTP module from: lmplug train-drafter --method mtp MODEL DIR
+        [--dflash-heads DIR]   # a DFlash head (muse_glimmer_assistant), e.g. from
+                               # lmplug train-drafter --method dflash MODEL DIR
         [--dtype bfloat16] [--kv paged] [--repeats 1]
 
 Two prompt sets: (a) *copy*: rewrite / fix / extract tasks whose answer copies from the
@@ -81,6 +83,8 @@ def speculative_configs(args) -> dict[str, dict | None]:
         "eagle_dynamic": {"method": "eagle", "num_tokens": args.eagle_dynamic_depth, "heads": args.eagle_heads,
                           "dynamic_tree": True, "top_k": args.eagle_top_k, "total_tokens": args.eagle_total_tokens},
         "mtp": {"method": "mtp", "num_tokens": args.mtp_k, "path": args.mtp_path},
+        "dflash": {"method": "dflash", "heads": args.dflash_heads,
+                   **({"num_tokens": args.dflash_k} if args.dflash_k else {})},
     }
 
 
@@ -183,7 +187,8 @@ def main() -> None:
                         "paged + attention paged (on CPU a verify's chain drafts are read as decode rows "
                         "by the C kernel, paged_rows.py)")
     p.add_argument("--configs", default="plain,ngram,layer_skip",
-                   help="comma-separated: plain, ngram, ngram_adaptive, layer_skip, medusa, medusa_tree, eagle")
+                   help="comma-separated: plain, ngram, ngram_adaptive, layer_skip, medusa, medusa_tree, eagle, "
+                        "eagle_tree, eagle_dynamic, mtp, dflash")
     p.add_argument("--ngram-k", type=int, default=4)
     p.add_argument("--ngram-adaptive-k", type=int, default=16, help="most drafts of the ngram_adaptive config")
     p.add_argument("--layer-skip-k", type=int, default=2)
@@ -203,6 +208,9 @@ def main() -> None:
     p.add_argument("--eagle-total-tokens", type=int, default=10, help="eagle_dynamic: nodes verified per step")
     p.add_argument("--mtp-path", help="MTP module folder (lmplug train-drafter --method mtp); adds the mtp config")
     p.add_argument("--mtp-k", type=int, default=3)
+    p.add_argument("--dflash-heads", help="DFlash head folder (muse_glimmer_assistant, or lmplug train-drafter "
+                                          "--method dflash); adds the dflash config")
+    p.add_argument("--dflash-k", type=int, default=0, help="dflash drafts per step (0: the head's block_size - 1)")
     p.add_argument("--repeats", type=int, default=1, help="passes over the prompts (configs interleaved)")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
@@ -216,16 +224,26 @@ def main() -> None:
         chosen.append("eagle")
     if args.mtp_path and "mtp" not in chosen:
         chosen.append("mtp")
+    if args.dflash_heads and "dflash" not in chosen:
+        chosen.append("dflash")
     if "plain" not in chosen:
         chosen.insert(0, "plain")
     tok_llm = LLM(args.model, dtype=args.dtype, device=args.device, max_model_len=2048)
-    prompts = {s: [tok_llm.apply_chat_template([{"role": "user", "content": t}]) for t in texts]
-               for s, texts in PROMPT_SETS.items() if s in args.sets.split(",")}
+    prompts = {s: [_prompt_ids(tok_llm, t) for t in texts] for s, texts in PROMPT_SETS.items()
+               if s in args.sets.split(",")}
     del tok_llm
     print(f"model {args.model}, batch 1, greedy, max_tokens {args.max_tokens}, device {args.device}, "
           f"{args.threads} CPU thread(s)")
     results = bench_all({name: configs[name] for name in chosen}, args, prompts)
     report(results, configs)
+
+
+def _prompt_ids(llm: LLM, text: str) -> list[int]:
+    """``text`` as one user message in the model's chat template; plainly encoded without one (a
+    tiny test model, as the drafter trainers prompt it)."""
+    if llm.tokenizer.chat_template:
+        return llm.apply_chat_template([{"role": "user", "content": text}])
+    return llm.tokenizer.encode(text)
 
 
 def _first_difference(runs: list[dict], plain: list[dict]) -> int | None:

@@ -21,13 +21,15 @@ LMPLUG_API_VERSION = 3
 
 @hookimpl
 def lmplug_register_drafters() -> list[type]:
+    from lmplug_speculative.dflash import DFlashDrafter
     from lmplug_speculative.draft_model import DraftModelDrafter, LayerSkipDrafter
     from lmplug_speculative.eagle import EagleDrafter
     from lmplug_speculative.medusa import MedusaDrafter
     from lmplug_speculative.mtp import MTPDrafter
     from lmplug_speculative.ngram import NgramDrafter
 
-    return [NgramDrafter, DraftModelDrafter, LayerSkipDrafter, MedusaDrafter, EagleDrafter, MTPDrafter]
+    return [NgramDrafter, DraftModelDrafter, LayerSkipDrafter, MedusaDrafter, EagleDrafter, MTPDrafter,
+            DFlashDrafter]
 
 
 @hookimpl

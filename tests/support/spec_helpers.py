@@ -179,3 +179,32 @@ def chi_square_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
     if df == 0:
         return 1.0
     return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), stat / 2))
+
+
+class TokenFeatures:
+    """Stands in for a drafter's store of the target's features (EAGLE's features, DFlash's
+    context) in the conformance suite, whose fake target computes none: the feature at position t
+    is a fixed function of (token t, t) — deterministic, as the suite requires, and different at
+    every position, so a drafter's state that goes stale shows."""
+
+    def __init__(self, embed: torch.nn.Module) -> None:
+        self.embed = embed
+
+    def read(self, seq, start: int, end: int) -> torch.Tensor:
+        ids = torch.tensor(seq.token_ids[start:end])
+        return torch.tanh(3 * self.embed(ids) + torch.arange(start, end)[:, None] / 7)
+
+
+def drafter_on_token_features(path, backend_class, options: dict):
+    """A drafter set up on the tiny model at ``path`` (as the engine sets it up), its feature
+    store replaced by ``TokenFeatures``: for the drafter conformance suite."""
+    from lmplug.engine.draft_parts import draft_target
+
+    parts = make_engine(path).parts
+    drafter = backend_class(backend_class.Options(**options))
+    drafter.setup(draft_target(parts.model, parts.model_config, parts.kv, parts.tokenizer,
+                               torch.device("cpu"), torch.float32, parts.max_model_len, 8,
+                               parts.model.layers[0].self_attn.backend))
+    drafter.store.close()
+    drafter.store = TokenFeatures(parts.model.embed_tokens)
+    return drafter

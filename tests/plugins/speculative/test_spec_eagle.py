@@ -16,11 +16,17 @@ import torch
 from lmplug_speculative.eagle_head import load_head
 from lmplug_speculative.eagle_train import train_eagle
 from support.hf_models import get_model, make_config, one_torch_thread, prompt_ids  # noqa: F401 - fixture
-from support.spec_helpers import SAMPLING, chi_square_pvalue, make_engine, pair_counts, run
+from support.spec_helpers import (
+    SAMPLING,
+    chi_square_pvalue,
+    drafter_on_token_features,
+    make_engine,
+    pair_counts,
+    run,
+)
 from support.spec_helpers import pair_distribution as pair_distribution_of
 
 from lmplug.cli import main
-from lmplug.engine.draft_parts import draft_target
 from lmplug.errors import ConfigError
 from lmplug.interfaces.params import SamplingParams
 from lmplug.kit import sampling as kit_sampling
@@ -437,19 +443,6 @@ def test_train_drafter_cli_output_runs_exactly(model, reference, tmp_path):
 
 
 # -- the conformance suite -------------------------------------------------------------------------
-class TokenFeatures:
-    """Stands in for the target's features: the suite's fake target computes none, so the
-    feature at position t is a fixed function of (token t, t) — deterministic, as the suite
-    requires, and different at every position, so a mirror that goes stale shows."""
-
-    def __init__(self, embed: torch.nn.Module) -> None:
-        self.embed = embed
-
-    def read(self, seq, start: int, end: int) -> torch.Tensor:
-        ids = torch.tensor(seq.token_ids[start:end])
-        return torch.tanh(3 * self.embed(ids) + torch.arange(start, end)[:, None] / 7)
-
-
 class TestEagleConformance(DrafterConformance):
     backend = "eagle"
     options: ClassVar[dict] = {"heads": "set-in-make_drafter"}
@@ -462,14 +455,8 @@ class TestEagleConformance(DrafterConformance):
         type(self)._heads = RefEagle(seed=5).write(tmp_path_factory.mktemp("conf_heads"))
 
     def make_drafter(self, backend_class, options):
-        parts = make_engine(self._model.path).parts
-        drafter = backend_class(backend_class.Options(**{**options.model_dump(), "heads": str(self._heads)}))
-        drafter.setup(draft_target(parts.model, parts.model_config, parts.kv, parts.tokenizer,
-                                   torch.device("cpu"), torch.float32, parts.max_model_len, 8,
-                                   parts.model.layers[0].self_attn.backend))
-        drafter.store.close()
-        drafter.store = TokenFeatures(parts.model.embed_tokens)
-        return drafter
+        return drafter_on_token_features(self._model.path, backend_class,
+                                         {**options.model_dump(), "heads": str(self._heads)})
 
 
 # -- a target whose LM head stays packed (GGUF blocks held by the quant method) -------------------------
