@@ -18,7 +18,8 @@ Environment: ``LMPLUG_GGUF_THREADS`` (default ``lmplug.kit.threads.compute_threa
 torch's thread count, also inside a step whose small ops the engine keeps on one thread) and
 ``LMPLUG_GGUF_ISA`` = ``auto`` (default) | ``generic`` (the portable C kernels) | ``avx2`` |
 ``avx512`` (AVX-512 F/BW/VL + VNNI over weights repacked at bind into 16-row panels, see
-``csrc/gguf_repack.c``). Results do not depend
+``csrc/gguf_repack.c``; rows that lie in the file's memory map are then dropped from the
+process's memory, ``release_file_pages``, so the panels are not a second resident copy). Results do not depend
 on the thread count; the AVX-512 kernels give the portable kernels' bits, the AVX2 ones differ
 from them only in the order of float additions.
 """
@@ -28,7 +29,9 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
+import mmap
 import os
+import sys
 import weakref
 from pathlib import Path
 
@@ -127,6 +130,7 @@ class GGUFKernel:
             raise RuntimeError(f"{_WHAT}: repacking: {_ERRORS.get(status, f'error {status}')}")
         out.lmplug_source = w  # the rows stay alive while their panels are cached: no address reuse
         _panels[key] = out
+        release_file_pages(w)
         return out
 
     def operand(self, w: torch.Tensor, ggml_type: int, k: int, isa: int) -> tuple[torch.Tensor, int]:
@@ -276,6 +280,44 @@ def layer_product(kernel: GGUFKernel, runs: list[tuple[int | str | None, torch.T
     fn = ctypes.cast(kernel.layer_fn, ctypes.c_void_p).value
     return NativeCall(fn, ctypes.addressof(desc), (desc, kernel, [w for _, w in runs], keep, bias), name,
                       {**_ERRORS, -5: "the layer's description is out of range"})
+
+
+MADV_DONTNEED = 4  # <sys/mman.h> on Linux
+
+
+def release_file_pages(w: torch.Tensor) -> bool:
+    """Drop this process's pages of ``w``'s rows when they lie in a read-only file mapping (the
+    GGUF's memory map), once its panels are made: the resident memory then holds the panels,
+    not a second copy of the weights. The rows stay valid: a later read (an embedding lookup of
+    the tied head, the op path) faults its pages back in from the file. Memory of any other kind
+    (a copy made at load: permuted q/k rows, joined shards) is left alone. True when released."""
+    if not sys.platform.startswith("linux") or w.numel() == 0:
+        return False
+    page = mmap.PAGESIZE
+    start = w.data_ptr()
+    end = start + (w.shape[0] - 1) * w.stride(0) + w.shape[1]
+    lo, hi = -(-start // page) * page, end // page * page  # the whole pages inside the rows
+    if hi <= lo:
+        return False
+    try:
+        with open("/proc/self/maps") as maps:
+            for line in maps:
+                fields = line.split()
+                first, last = (int(a, 16) for a in fields[0].split("-"))
+                if first <= lo < last:
+                    if hi > last or fields[1][1] != "-" or fields[4] == "0" or len(fields) < 6:
+                        return False  # writable, anonymous, or not one mapping: keep it
+                    return _libc().madvise(ctypes.c_void_p(lo), ctypes.c_size_t(hi - lo), MADV_DONTNEED) == 0
+    except OSError:
+        return False
+    return False
+
+
+@functools.cache
+def _libc() -> ctypes.CDLL:
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise.argtypes, libc.madvise.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int
+    return libc
 
 
 def _check_weight(w: torch.Tensor, ggml_type: int, k: int, size: int) -> tuple[int, ...]:
