@@ -66,11 +66,30 @@ _loaded: dict[tuple[str | None, ...], GGUFKernel] = {}
 _panels: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # GGUFKernel.panels, by weight
 
 
+def _missing_flags() -> dict[str, list[str]]:
+    """Per SIMD kernel set, the features it needs that /proc/cpuinfo's flags line lacks."""
+    flags = set(native_build.cpu_id().replace("_", "").split())
+    return {name: [f for f in need if f.replace("_", "") not in flags] for name, need in ISA_FLAGS.items()}
+
+
+def cpuinfo_isa(cpuid_best: str) -> str:
+    """The best kernel set both the CPU (``cpuid_best``: what the C library's CPUID check says)
+    and the operating system's /proc/cpuinfo flags report (a feature the kernel turned off is
+    missing there); CPUID's answer alone where there is no flags line (not Linux)."""
+    if not any(line.startswith("flags") for line in native_build.cpu_id().splitlines()):
+        return cpuid_best
+    missing, best = _missing_flags(), "generic"
+    for name in ISAS[1:ISAS.index(cpuid_best) + 1]:  # each set needs the one below it
+        if missing[name]:
+            break
+        best = name
+    return best
+
+
 def describe_isa(best: str) -> str:
     """The kernel set ``auto`` picks, what it leaves out (the features a faster set needs that
     this CPU lacks) and the types that take another path: the load's log line."""
-    flags = set(native_build.cpu_id().replace("_", "").split())
-    missing = {name: [f for f in need if f.replace("_", "") not in flags] for name, need in ISA_FLAGS.items()}
+    missing = _missing_flags()
     text = {"generic": "portable C (no SIMD kernel set runs here)", "avx2": "AVX2 (+FMA, F16C)",
             "avx512": "AVX-512 F/BW/VL + VNNI over 16-row panels repacked at load"}[best]
     better = [name for name in ISAS[ISAS.index(best) + 1:]]
@@ -100,7 +119,7 @@ class GGUFKernel:
         self.path = path
         self._fn = lib.gguf_mul_mat
         self._fn.argtypes, self._fn.restype = _ARGTYPES, ctypes.c_int
-        self.best_isa = ISAS[lib.gguf_cpu_isa()]
+        self.best_isa = cpuinfo_isa(ISAS[lib.gguf_cpu_isa()])
         self._threads = lib.gguf_cpu_threads
         self._threads.argtypes = [ctypes.c_int64] * 3 + [ctypes.c_int]
         self._threads.restype = ctypes.c_int

@@ -143,3 +143,26 @@ def test_panels_release_the_rows_of_a_file_mapping(kernel, tmp_path):
     plain = torch.from_numpy(w.copy())
     assert not gguf_native.release_file_pages(plain)
     assert torch.equal(plain, torch.from_numpy(w))
+
+
+def test_proc_cpuinfo_flags_bound_the_kernel_set(kernel, monkeypatch, caplog):
+    """A feature /proc/cpuinfo does not list (the OS turned it off, or a CPU lacks it) rules its
+    kernel set out whatever CPUID says, and the load's line names what is missing; without a
+    flags line (not Linux) CPUID's answer stands."""
+    no_vnni = "model name\t: test\nflags\t\t: fpu sse2 avx2 fma f16c avx512f avx512bw avx512vl"
+    monkeypatch.setattr(gguf_native.native_build, "cpu_id", lambda: no_vnni)
+    assert gguf_native.cpuinfo_isa("avx512") == "avx2"
+    assert gguf_native.cpuinfo_isa("avx2") == "avx2"
+    assert "avx512 needs avx512_vnni" in gguf_native.describe_isa("avx2")
+    monkeypatch.setattr(gguf_native.native_build, "cpu_id", lambda: "model name\t: test\nflags\t\t: fpu sse2 avx512f")
+    assert gguf_native.cpuinfo_isa("avx512") == "generic"
+    assert gguf_native.describe_isa("generic").startswith("portable C (no SIMD kernel set runs here); avx2 needs avx2 fma f16c")
+    monkeypatch.setattr(gguf_native.native_build, "cpu_id", lambda: "aarch64 ")
+    assert gguf_native.cpuinfo_isa("avx2") == "avx2"
+    monkeypatch.setattr(gguf_native.native_build, "cpu_id", lambda: no_vnni)
+    with caplog.at_level(logging.INFO, logger="lmplug_quant.gguf_native"):
+        loaded = gguf_native.GGUFKernel(*_reload(kernel))
+    assert loaded.best_isa in ("generic", "avx2")
+    monkeypatch.setenv("LMPLUG_GGUF_ISA", "avx512")
+    with pytest.raises(ValueError, match="runs at most"):
+        loaded.isa()
