@@ -526,7 +526,6 @@ def sizes_main(args: argparse.Namespace) -> int:
     for t in args.threads:
         measured[t].append(read_bandwidth(t))
     bandwidth = {t: statistics.mean(v) for t, v in measured.items()}
-    load_after = os.getloadavg()
     report = []
     for model, raw in results:
         rows = table(raw, args) + bandwidth_rows(model, raw, args, bandwidth)
@@ -537,13 +536,19 @@ def sizes_main(args: argparse.Namespace) -> int:
           f"{' '.join(args.lmplug_set) or 'none (default config)'} | {args.rounds} round(s), medians | read "
           f"bandwidth (start, end): " + ", ".join(f"{t} thread(s) {'/'.join(f'{x:.1f}' for x in v)} GB/s"
                                                   for t, v in measured.items()))
+    finish(args, load_before, started, {"files": report, "bandwidth": measured})
+    return 0
+
+
+def finish(args: argparse.Namespace, load_before: tuple, started: float, record: dict) -> None:
+    """The load-average line, and with --json the record plus the loads and the arguments."""
+    load_after = os.getloadavg()
     print(f"load average (1/5/15 min): before {'/'.join(f'{x:.2f}' for x in load_before)}, after "
           f"{'/'.join(f'{x:.2f}' for x in load_after)} on {os.cpu_count()} CPUs; "
           f"{time.perf_counter() - started:.0f} s in all")
     if args.json:
-        Path(args.json).write_text(json.dumps({"files": report, "bandwidth": measured, "load_before": load_before,
-                                               "load_after": load_after, "args": vars(args)}, indent=2))
-    return 0
+        Path(args.json).write_text(json.dumps({**record, "load_before": load_before, "load_after": load_after,
+                                               "args": vars(args)}, indent=2))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -556,17 +561,11 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     raw = run(args)
     rows = table(raw, args)
-    load_after = os.getloadavg()
     print(f"model {gguf_file(args.model)} | llama.cpp {llama_version(llama_bin_dir(args.llama_bin_dir))} | "
           f"lmplug sets: {' '.join(args.lmplug_set) or 'none (default config)'} | "
           f"{args.rounds} round(s), medians")
     print_table(rows)
-    print(f"load average (1/5/15 min): before {'/'.join(f'{x:.2f}' for x in load_before)}, after "
-          f"{'/'.join(f'{x:.2f}' for x in load_after)} on {os.cpu_count()} CPUs; "
-          f"{time.perf_counter() - started:.0f} s in all")
-    if args.json:
-        Path(args.json).write_text(json.dumps({"rows": rows, "raw": raw, "load_before": load_before,
-                                               "load_after": load_after, "args": vars(args)}, indent=2))
+    finish(args, load_before, started, {"rows": rows, "raw": raw})
     return 0
 
 

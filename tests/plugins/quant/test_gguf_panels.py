@@ -108,7 +108,9 @@ def _reload(kernel):
 def _resident_kib(lo: int, hi: int) -> int:
     """This process's resident KiB of the mapping holding address ``lo`` (/proc/self/smaps)."""
     found = False
-    for line in open("/proc/self/smaps"):
+    with open("/proc/self/smaps") as smaps:
+        lines = smaps.readlines()
+    for line in lines:
         head = line.split()
         if "-" in head[0] and ":" not in head[0]:
             first, last = (int(a, 16) for a in head[0].split("-"))
