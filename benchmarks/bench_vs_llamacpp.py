@@ -4,6 +4,7 @@
     python benchmarks/bench_vs_llamacpp.py --quick    # a short run
     python benchmarks/bench_vs_llamacpp.py --threads 1,2 --rounds 3 --json out.json
     python benchmarks/bench_vs_llamacpp.py --lmplug-set attention.backend=paged --sections decode,prefill
+    python benchmarks/bench_vs_llamacpp.py --sizes --quick      # 135M / 1B / 3B files, Q4_0 Q8_0 Q4_K_M
 
 Per thread count, each round runs both engines one after the other (so a noisy, shared machine
 weighs on both alike) and the table gives medians over the rounds:
@@ -22,6 +23,15 @@ weighs on both alike) and the table gives medians over the rounds:
   prompts, max_tokens 64, temperature 0, ignore_eos) sent by one client to ``llama-server
   --parallel N -c N*slot_ctx`` and to ``lmplug serve`` (with ``scheduler.max_num_seqs=N``, the
   same number of slots), plus each server's peak RSS.
+
+``--sizes`` runs the decode, prefill (512), batched (8 sequences) and cold (RSS) sections on
+random-weight GGUFs of the 135M, 1B and 3B shapes with the demo tokenizer (``sized_gguf.py``;
+``--shapes``, ``--types``; Q4_K_M by ``llama-quantize`` from the Q8_0 file where it was built,
+else the 1B and 3B shapes' approximation), written into the cache once, and adds per file the
+weights read per token (every tensor but an untied embedding), the GB/s of weights each
+engine's batch-1 decode reaches, and that as a share of the machine's read bandwidth
+(``read_bandwidth.py``, measured at each thread count at the start and at the end of the run).
+With ``--quick``: one round, 32 decode tokens.
 
 lmplug runs with its default config, plus ``--lmplug-set KEY=VALUE`` (as ``lmplug --set``).
 llama.cpp's binaries come from ``--llama-bin-dir``, else ``$LLAMA_CPP_BIN``, else the cache
@@ -84,6 +94,16 @@ def gguf_file(model: str) -> Path:
     if path.suffix != ".gguf":
         raise SystemExit(f"bench_vs_llamacpp: {path} is not a .gguf file; llama.cpp reads GGUF only")
     return path
+
+
+def weight_bytes(model: Path) -> int:
+    """Bytes a batch-1 decode step reads: every tensor, the token embedding only where it is
+    also the output head (tied: no ``output.weight``), a lookup reading a row of it."""
+    import gguf
+
+    tensors = {t.name: int(t.n_bytes) for t in gguf.GGUFReader(str(model)).tensors}
+    tied = "output.weight" not in tensors
+    return sum(size for name, size in tensors.items() if tied or name != "token_embd.weight")
 
 
 def lmplug_set_args(sets: list[str]) -> list[str]:
@@ -413,7 +433,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--sections", default=",".join(SECTIONS), help=f"any of {', '.join(SECTIONS)}")
     p.add_argument("--lmplug-set", action="append", default=[], metavar="KEY=VALUE",
                    help="an lmplug config key for every lmplug run (as `lmplug --set`); repeatable")
-    p.add_argument("--quick", action="store_true", help="one round, one cold start each")
+    p.add_argument("--sizes", action="store_true", help="the sized random-weight files instead of --model "
+                   "(sections decode, prefill, batched, cold unless --sections; prompt 512)")
+    p.add_argument("--shapes", default="135m,1b,3b", help="--sizes: the shapes (sized_gguf.py)")
+    p.add_argument("--types", default="Q4_0,Q8_0,Q4_K_M", help="--sizes: the file types")
+    p.add_argument("--quick", action="store_true", help="one round, one cold start each (--sizes: 32 decode tokens)")
     p.add_argument("--json", metavar="PATH", help="write the table and raw measurements here")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -422,6 +446,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         args.prompt_sizes = [int(n) for n in str(args.prompt_sizes).split(",") if n]
     except ValueError:
         p.error("--threads and --prompt-sizes take comma-separated integers, e.g. 1,2")
+    if args.sizes:
+        given = set(argv if argv is not None else sys.argv[1:])
+        if "--sections" not in given and not any(a.startswith("--sections=") for a in given):
+            args.sections = "decode,prefill,batched,cold"
+        if "--prompt-sizes" not in given and not any(a.startswith("--prompt-sizes=") for a in given):
+            args.prompt_sizes = [512]
+        args.shapes = [x for x in args.shapes.split(",") if x]
+        args.types = [x for x in args.types.split(",") if x]
+        shapes = {"135m", "1b", "3b"}
+        if set(args.shapes) - shapes or set(args.types) - {"Q4_0", "Q8_0", "Q4_K_M"}:
+            p.error(f"--shapes takes {', '.join(sorted(shapes))}; --types takes Q4_0, Q8_0, Q4_K_M")
+        if args.quick:
+            args.decode_tokens = 32
     args.sections = [s for s in args.sections.split(",") if s]
     unknown = set(args.sections) - set(SECTIONS)
     if unknown:
@@ -433,25 +470,102 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    if args.worker:
-        return worker_main(args)
+def sized_files(args: argparse.Namespace) -> list[Path]:
+    """The --sizes files (written into the cache on first use), in --shapes x --types order."""
+    import sized_gguf
+
+    quantize = llama_bin_dir(args.llama_bin_dir) / "llama-quantize"
+    quantize = str(quantize) if os.access(quantize, os.X_OK) else None
+    files = []
+    for shape in args.shapes:
+        for kind in args.types:
+            if kind == "Q4_K_M" and not quantize and sized_gguf.SHAPES[shape][1] % 256:
+                print(f"bench_vs_llamacpp: {shape} Q4_K_M left out: no llama-quantize in "
+                      f"{llama_bin_dir(args.llama_bin_dir)} and the approximation needs a hidden size "
+                      "that is a multiple of 256", file=sys.stderr)
+                continue
+            started = time.perf_counter()
+            files.append(sized_gguf.sized_file(shape, kind, quantize))
+            if time.perf_counter() - started > 1:
+                print(f"wrote {files[-1]} in {time.perf_counter() - started:.0f} s", file=sys.stderr)
+    return files
+
+
+def bandwidth_rows(model: Path, raw: dict, args: argparse.Namespace, bandwidth: dict[int, float]) -> list[dict]:
+    """Per thread count: the GB/s of weights each engine's batch-1 decode reads, and that
+    over the measured read bandwidth (the ratio column: lmplug / llama.cpp, as the others)."""
+    size = weight_bytes(model)
+    rows = []
+    for threads in args.threads:
+        llama, ours = raw.get(f"decode|{threads}|llama.cpp"), raw.get(f"decode|{threads}|lmplug")
+        if not llama or not ours:
+            continue
+        a, b = (statistics.median(v) * size / 1e9 for v in (llama, ours))
+        rows.append({"metric": f"weights GB/s (decode, {size / 1e6:.0f} MB a token)", "threads": threads,
+                     "llama.cpp": a, "lmplug": b, "ratio": b / a, "better": "higher", "runs": len(ours)})
+        bw = bandwidth[threads]
+        rows.append({"metric": f"% of read bandwidth ({bw:.1f} GB/s)", "threads": threads,
+                     "llama.cpp": 100 * a / bw, "lmplug": 100 * b / bw, "ratio": b / a, "better": "higher",
+                     "runs": len(ours)})
+    return rows
+
+
+def sizes_main(args: argparse.Namespace) -> int:
+    """--sizes: the side-by-side on each sized file, one table per file."""
+    from read_bandwidth import read_bandwidth
+
     load_before = os.getloadavg()
     started = time.perf_counter()
-    raw = run(args)
-    rows = table(raw, args)
+    files = sized_files(args)
+    measured = {t: [read_bandwidth(t)] for t in args.threads}
+    results = []
+    for model in files:
+        args.model = str(model)
+        raw = run(args)
+        results.append((model, raw))
+    for t in args.threads:
+        measured[t].append(read_bandwidth(t))
+    bandwidth = {t: statistics.mean(v) for t, v in measured.items()}
+    report = []
+    for model, raw in results:
+        rows = table(raw, args) + bandwidth_rows(model, raw, args, bandwidth)
+        print(f"\n{model.name} ({model.stat().st_size / 1e6:.0f} MB)")
+        print_table(rows)
+        report.append({"model": str(model), "rows": rows, "raw": raw})
+    print(f"\nllama.cpp {llama_version(llama_bin_dir(args.llama_bin_dir))} | lmplug sets: "
+          f"{' '.join(args.lmplug_set) or 'none (default config)'} | {args.rounds} round(s), medians | read "
+          f"bandwidth (start, end): " + ", ".join(f"{t} thread(s) {'/'.join(f'{x:.1f}' for x in v)} GB/s"
+                                                  for t, v in measured.items()))
+    finish(args, load_before, started, {"files": report, "bandwidth": measured})
+    return 0
+
+
+def finish(args: argparse.Namespace, load_before: tuple, started: float, record: dict) -> None:
+    """The load-average line, and with --json the record plus the loads and the arguments."""
     load_after = os.getloadavg()
-    print(f"model {gguf_file(args.model)} | llama.cpp {llama_version(llama_bin_dir(args.llama_bin_dir))} | "
-          f"lmplug sets: {' '.join(args.lmplug_set) or 'none (default config)'} | "
-          f"{args.rounds} round(s), medians")
-    print_table(rows)
     print(f"load average (1/5/15 min): before {'/'.join(f'{x:.2f}' for x in load_before)}, after "
           f"{'/'.join(f'{x:.2f}' for x in load_after)} on {os.cpu_count()} CPUs; "
           f"{time.perf_counter() - started:.0f} s in all")
     if args.json:
-        Path(args.json).write_text(json.dumps({"rows": rows, "raw": raw, "load_before": load_before,
-                                               "load_after": load_after, "args": vars(args)}, indent=2))
+        Path(args.json).write_text(json.dumps({**record, "load_before": load_before, "load_after": load_after,
+                                               "args": vars(args)}, indent=2))
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.worker:
+        return worker_main(args)
+    if args.sizes:
+        return sizes_main(args)
+    load_before = os.getloadavg()
+    started = time.perf_counter()
+    raw = run(args)
+    rows = table(raw, args)
+    print(f"model {gguf_file(args.model)} | llama.cpp {llama_version(llama_bin_dir(args.llama_bin_dir))} | "
+          f"lmplug sets: {' '.join(args.lmplug_set) or 'none (default config)'} | "
+          f"{args.rounds} round(s), medians")
+    print_table(rows)
+    finish(args, load_before, started, {"rows": rows, "raw": raw})
     return 0
 
 

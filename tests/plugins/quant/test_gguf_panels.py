@@ -8,6 +8,7 @@ kernel set's log line are checked everywhere."""
 from __future__ import annotations
 
 import logging
+import warnings
 
 import pytest
 import torch
@@ -102,3 +103,68 @@ def _reload(kernel):
     import ctypes
 
     return ctypes.CDLL(kernel.path), kernel.path
+
+
+def _resident_kib(lo: int, hi: int) -> int:
+    """This process's resident KiB of the mapping holding address ``lo`` (/proc/self/smaps)."""
+    found = False
+    with open("/proc/self/smaps") as smaps:
+        lines = smaps.readlines()
+    for line in lines:
+        head = line.split()
+        if "-" in head[0] and ":" not in head[0]:
+            first, last = (int(a, 16) for a in head[0].split("-"))
+            found = first <= lo < last and hi <= last
+        elif found and head[0] == "Rss:":
+            return int(head[1])
+    raise AssertionError("no mapping holds the rows")
+
+
+@pytest.mark.skipif(not __import__("sys").platform.startswith("linux"), reason="madvise and /proc are Linux's")
+def test_panels_release_the_rows_of_a_file_mapping(kernel, tmp_path):
+    """Rows that are a view of a read-only memory map (as the GGUF reader leaves them) leave the
+    process's resident memory once repacked, and still read the same bytes afterwards (faulted
+    back in from the file); rows in ordinary memory are left alone."""
+    import numpy as np
+
+    k, n = 256, 4096  # 576 KiB of Q4_0 rows
+    w = make_weight("Q4_0", n, k, seed=2)
+    path = tmp_path / "rows.bin"
+    path.write_bytes(b"\0" * 100 + w.tobytes())  # an offset: the rows do not start on a page
+    with warnings.catch_warnings():  # torch: the mapping is read-only (nothing writes it)
+        warnings.simplefilter("ignore", UserWarning)
+        mapped = torch.from_numpy(np.memmap(path, mode="r")[100:].view(np.ndarray)).view(n, -1)
+    assert torch.equal(mapped, torch.from_numpy(w))  # every page now resident
+    lo, hi = mapped.data_ptr(), mapped.data_ptr() + mapped.numel()
+    before = _resident_kib(lo, hi)
+    assert before >= 500
+    panels = kernel.panels(mapped, type_id("Q4_0"), k)
+    assert _resident_kib(lo, hi) <= 8  # at most the two partial pages at the ends
+    assert torch.equal(mapped, torch.from_numpy(w))
+    assert torch.equal(panels, kernel.panels(torch.from_numpy(w.copy()), type_id("Q4_0"), k))
+    plain = torch.from_numpy(w.copy())
+    assert not gguf_native.release_file_pages(plain)
+    assert torch.equal(plain, torch.from_numpy(w))
+
+
+def test_proc_cpuinfo_flags_bound_the_kernel_set(kernel, monkeypatch, caplog):
+    """A feature /proc/cpuinfo does not list (the OS turned it off, or a CPU lacks it) rules its
+    kernel set out whatever CPUID says, and the load's line names what is missing; without a
+    flags line (not Linux) CPUID's answer stands."""
+    no_vnni = "model name\t: test\nflags\t\t: fpu sse2 avx2 fma f16c avx512f avx512bw avx512vl"
+    monkeypatch.setattr(gguf_native.native_build, "cpu_id", lambda: no_vnni)
+    assert gguf_native.cpuinfo_isa("avx512") == "avx2"
+    assert gguf_native.cpuinfo_isa("avx2") == "avx2"
+    assert "avx512 needs avx512_vnni" in gguf_native.describe_isa("avx2")
+    monkeypatch.setattr(gguf_native.native_build, "cpu_id", lambda: "model name\t: test\nflags\t\t: fpu sse2 avx512f")
+    assert gguf_native.cpuinfo_isa("avx512") == "generic"
+    assert gguf_native.describe_isa("generic").startswith("portable C (no SIMD kernel set runs here); avx2 needs avx2 fma f16c")
+    monkeypatch.setattr(gguf_native.native_build, "cpu_id", lambda: "aarch64 ")
+    assert gguf_native.cpuinfo_isa("avx2") == "avx2"
+    monkeypatch.setattr(gguf_native.native_build, "cpu_id", lambda: no_vnni)
+    with caplog.at_level(logging.INFO, logger="lmplug_quant.gguf_native"):
+        loaded = gguf_native.GGUFKernel(*_reload(kernel))
+    assert loaded.best_isa in ("generic", "avx2")
+    monkeypatch.setenv("LMPLUG_GGUF_ISA", "avx512")
+    with pytest.raises(ValueError, match="runs at most"):
+        loaded.isa()
