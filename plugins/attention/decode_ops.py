@@ -45,8 +45,9 @@ from lmplug_attention.attn_ops import (
     check_kv,
     check_query,
     dot_precision,
+    feature_args,
     head_dim_pad,
-    softmax_state,
+    sink_state,
 )
 from lmplug_attention.kv_ops import check_scales, quant_args
 
@@ -63,8 +64,8 @@ REDUCE_TILE_ELEMENTS = 8192  # S_TILE x D_PAD fp32 partial outputs per reduce st
 @triton.jit
 def _decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
-    out_ptr, part_out_ptr, part_max_ptr, part_sum_ptr, k_scale_ptr, v_scale_ptr,
-    qk_scale, window, num_queries_per_kv, partition_size,
+    out_ptr, part_out_ptr, part_max_ptr, part_sum_ptr, k_scale_ptr, v_scale_ptr, sinks_ptr,
+    qk_scale, softcap, window, num_queries_per_kv, partition_size,
     stride_qb, stride_qh, stride_qd,
     stride_kb, stride_kt, stride_kh, stride_kd,
     stride_vb, stride_vt, stride_vh, stride_vd,
@@ -75,6 +76,7 @@ def _decode_kernel(
     stride_sb, stride_st, stride_sh,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, G_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, SPLIT: tl.constexpr, PRECISION: tl.constexpr, QUANT: tl.constexpr,
+    SOFTCAP: tl.constexpr, SINKS: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -93,15 +95,17 @@ def _decode_kernel(
     q = tl.load(q_ptr + seq.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + offs_d[None, :] * stride_qd,
                 mask=io_mask, other=0.0)  # [G_PAD, D_PAD]
 
-    acc, l_i, m_i = softmax_state(G_PAD, D_PAD)
+    # the sinks join the first partition only, so the reduce counts each once
+    acc, l_i, m_i = sink_state(sinks_ptr, heads, (offs_g < num_queries_per_kv) & (split == 0), G_PAD, D_PAD, SINKS)
     table_ptr = block_tables_ptr + seq.to(tl.int64) * stride_btb
     q_pos = tl.zeros([G_PAD], tl.int32) + seq_len - 1  # every row is the sequence's last token
     acc, l_i, m_i = attend_tiles(
         acc, l_i, m_i, q, q_pos, part_lo // BLOCK_N, tl.cdiv(part_hi, BLOCK_N), lo, part_hi, window, qk_scale,
+        softcap,
         k_cache_ptr, v_cache_ptr, table_ptr, stride_btn, 0, kv_head, offs_d, d_mask,
         stride_kb, stride_kt, stride_kh, stride_kd, stride_vb, stride_vt, stride_vh, stride_vd,
         k_scale_ptr, v_scale_ptr, stride_sb, stride_st, stride_sh,
-        BLOCK_N, BLOCK_SIZE, True, True, PRECISION, QUANT)
+        BLOCK_N, BLOCK_SIZE, True, True, PRECISION, QUANT, SOFTCAP)
 
     # an empty partition (a sequence shorter than the longest) keeps l = 0, m = -inf: weight 0
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
@@ -208,28 +212,33 @@ def check_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
 def launch_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                   seq_lens: torch.Tensor, scale: float, window: int, splits: int, partition: int,
                   block_n: int, out: torch.Tensor, k_scale: torch.Tensor | None = None,
-                  v_scale: torch.Tensor | None = None) -> torch.Tensor:
-    """Run the kernel (and the reduce when ``splits > 1``) on checked arguments into ``out``."""
+                  v_scale: torch.Tensor | None = None, softcap: float | None = None,
+                  sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """Run the kernel (and the reduce when ``splits > 1``) on checked arguments into ``out``;
+    scores soft-capped at ``softcap``, ``sinks`` [H] (one logit per query head) in every row's
+    softmax denominator, where given (``attn_ops.feature_args`` checks them)."""
     batch, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads
     d_pad = head_dim_pad(head_dim)
+    cap, sinks, capped, sunk = feature_args(softcap, sinks, num_heads, q.device, "decode attention")
     k_cache, v_cache, scale_ptrs, scale_strides, quant = quant_args(k_cache, v_cache, k_scale, v_scale)
     meta = {"HEAD_DIM": head_dim, "D_PAD": d_pad, "G_PAD": max(16, triton.next_power_of_2(group)),
             "BLOCK_N": block_n, "BLOCK_SIZE": k_cache.shape[1], "PRECISION": dot_precision(q.dtype),
-            "QUANT": quant, "num_warps": 4}
+            "QUANT": quant, "SOFTCAP": capped, "SINKS": sunk, "num_warps": 4}
     args = (q, k_cache, v_cache, block_tables, seq_lens)
-    scalars = (scale * LOG2E, window, group, partition,
+    sink_ptr = sinks if sunk else q
+    scalars = (scale * LOG2E, cap, window, group, partition,
                *q.stride(), *k_cache.stride(), *v_cache.stride(), *block_tables.stride())
     grid = (batch, num_kv_heads, splits)
     if splits == 1:
-        _decode_kernel[grid](*args, out, out, out, out, *scale_ptrs, *scalars, *out.stride(),
+        _decode_kernel[grid](*args, out, out, out, out, *scale_ptrs, sink_ptr, *scalars, *out.stride(),
                              0, 0, 0, 0, 0, 0, 0, *scale_strides, SPLIT=False, **meta)
         return out
     part_out = torch.empty(batch, num_heads, splits, head_dim, dtype=torch.float32, device=q.device)
     part_max = torch.empty(batch, num_heads, splits, dtype=torch.float32, device=q.device)
     part_sum = torch.empty_like(part_max)
-    _decode_kernel[grid](*args, out, part_out, part_max, part_sum, *scale_ptrs, *scalars,
+    _decode_kernel[grid](*args, out, part_out, part_max, part_sum, *scale_ptrs, sink_ptr, *scalars,
                          *out.stride(), *part_out.stride(), *part_max.stride(), *scale_strides,
                          SPLIT=True, **meta)
     return reduce_partitions(part_out, part_max, part_sum, out)
