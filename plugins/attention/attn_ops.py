@@ -57,6 +57,7 @@ from lmplug.kit.triton_launch import (  # noqa: F401 (shared with the kernels)
 from lmplug.kit.devices import describe
 
 LOG2E = 1.4426950408889634
+LOG2E_JIT = tl.constexpr(LOG2E)  # the same inside kernels (a plain global is refused there)
 NO_WINDOW = 2**30  # the window passed when there is none: larger than any context, int32-safe
 MAX_HEAD_DIM = 256  # a head is one tile of head_dim_pad lanes; the launch tables cover up to 256
 MIN_CAPABILITY = (8, 0)  # the oldest architecture the launch tables are built and checked for
@@ -75,7 +76,7 @@ def sink_state(sinks_ptr, heads, rows_mask, M: tl.constexpr, D: tl.constexpr, SI
     (padding, or a split-K partition other than the first) start with none."""
     acc, l_i, m_i = softmax_state(M, D)
     if SINKS:
-        m_i = tl.load(sinks_ptr + heads, mask=rows_mask, other=float("-inf")).to(tl.float32) * LOG2E
+        m_i = tl.load(sinks_ptr + heads, mask=rows_mask, other=float("-inf")).to(tl.float32) * LOG2E_JIT
         l_i = tl.where(rows_mask, 1.0, 0.0)
     return acc, l_i, m_i
 
@@ -84,7 +85,7 @@ def sink_state(sinks_ptr, heads, rows_mask, M: tl.constexpr, D: tl.constexpr, SI
 def tanh(x):
     """tanh from exp2, stable for any |x| (1 - e over 1 + e, e = exp(-2|x|) <= 1): the interpreter
     and every target alike, with no libdevice."""
-    e = tl.math.exp2(tl.abs(x) * (-2.0 * LOG2E))
+    e = tl.math.exp2(tl.abs(x) * (-2.0 * LOG2E_JIT))
     t = (1.0 - e) / (1.0 + e)
     return tl.where(x < 0, -t, t)
 

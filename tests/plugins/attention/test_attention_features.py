@@ -164,3 +164,68 @@ def test_triton_feature_arguments_are_checked():
         feature_args(None, torch.zeros(3), 4, torch.device("cpu"), "x")
     cap, sinks, capped, sunk = feature_args(30.0, torch.zeros(4, dtype=torch.bfloat16), 4, torch.device("cpu"), "x")
     assert math.isclose(cap, 30.0 / math.log(2)) and sinks.dtype == torch.float32 and capped and sunk
+
+
+# -- the PyTorch paths and the C decode kernel --------------------------------------------------------
+
+
+@pytest.mark.parametrize("softcap,sinks", FEATURES, ids=FEATURE_IDS)
+@pytest.mark.parametrize("window", [None, 20])
+def test_torch_decode_paths(softcap, sinks, window):
+    """``decode_ref`` (the quantized-KV decode) and ``paged_cpu`` (the gather + matmul decode)."""
+    from lmplug_attention.decode_ref import decode_attention
+    from lmplug_attention.paged import cpu as paged_cpu
+
+    q, kc, vc, tables, lens = _decode_case(torch.float32)
+    sink = sinks_for(q.shape[1], sinks)
+    want = decode_math(q, kc, vc, tables, lens, window, softcap, sink)
+    got = decode_attention(q, kc, vc, tables, lens, SCALE, sliding_window=window, softcap=softcap, sinks=sink)
+    torch.testing.assert_close(got.double(), want, atol=2e-5, rtol=2e-5)
+    index = paged_cpu.decode_index(tables, lens, kc.shape[1], kc.shape[2], int(lens.max()), window)
+    got = paged_cpu.paged_decode_attention_cpu(q, kc, vc, index, SCALE, softcap=softcap, sinks=sink)
+    torch.testing.assert_close(got.double(), want, atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("softcap,sinks", FEATURES, ids=FEATURE_IDS)
+@pytest.mark.parametrize("window", [None, 6])
+def test_torch_prefill_path(softcap, sinks, window):
+    from lmplug_attention.paged.torch_path import paged_prefill_attention
+
+    q, kc, vc, tables, seq_lens, cu = _prefill_case(torch.float32)
+    sink = sinks_for(q.shape[1], sinks)
+    want = prefill_math(q, kc, vc, tables, seq_lens, cu, window, softcap, sink)
+    got = paged_prefill_attention(q, kc, vc, tables, cu, seq_lens, SCALE, sliding_window=window, softcap=softcap,
+                                  sinks=sink)
+    torch.testing.assert_close(got.double(), want, atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("softcap,sinks", FEATURES, ids=FEATURE_IDS)
+@pytest.mark.parametrize("head_dim", [64, 40])  # 64: the AVX-512 loops where the CPU has them; 40: the portable ones
+@pytest.mark.parametrize("window", [None, 20])
+def test_native_decode_kernel(native, softcap, sinks, head_dim, window):
+    q, kc, vc, tables, lens = _decode_case(torch.float32, block_size=4, heads=(9, 3), head_dim=head_dim)
+    sink = sinks_for(q.shape[1], sinks)
+    want = decode_math(q, kc, vc, tables, lens, window, softcap, sink)
+    got = native.paged_decode_attention(q, kc, vc, tables, lens, SCALE, sliding_window=window, softcap=softcap,
+                                        sinks=sink)
+    torch.testing.assert_close(got.double(), want, atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("softcap,sinks", FEATURES[1:], ids=FEATURE_IDS[1:])
+@pytest.mark.parametrize("head_dim", [64, 40])  # 64: the bf16 "pairs" AVX-512 layout
+def test_native_decode_kernel_bf16(native, softcap, sinks, head_dim):
+    q, kc, vc, tables, lens = _decode_case(torch.bfloat16, heads=(4, 2), head_dim=head_dim, seed=5)
+    sink = sinks_for(q.shape[1], sinks)
+    want = decode_math(q, kc, vc, tables, lens, None, softcap, sink)
+    got = native.paged_decode_attention(q, kc, vc, tables, lens, SCALE, softcap=softcap, sinks=sink)
+    # float32 math, one bf16 rounding of the output
+    torch.testing.assert_close(got.double(), want, atol=1e-2, rtol=2.0 ** -8)
+
+
+def test_native_sink_far_above_every_score_gives_zeros_not_nan(native):
+    """A sink 200 above the scores: the denominator is its exp (not an overflow), the output ~0."""
+    q, kc, vc, tables, lens = _decode_case(torch.float32, heads=(2, 2))
+    got = native.paged_decode_attention(q, kc, vc, tables, lens, SCALE, sinks=torch.tensor([200.0, -200.0]))
+    want = decode_math(q, kc, vc, tables, lens, None, None, torch.tensor([200.0, -200.0]))
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got.double(), want, atol=2e-5, rtol=2e-5)
