@@ -69,16 +69,16 @@ def softmax_state(M: tl.constexpr, D: tl.constexpr):
 
 
 @triton.jit
-def sink_state(sinks_ptr, heads, rows_mask, M: tl.constexpr, D: tl.constexpr, SINKS: tl.constexpr):
-    """``softmax_state`` of rows reading query heads ``heads`` [M]; with ``SINKS``, each row
-    starts as if it had seen one key of logit ``sinks[head]`` and value 0 (attention sinks:
-    ``exp(sink)`` joins the softmax denominator, nothing the output). Rows outside ``rows_mask``
-    (padding, or a split-K partition other than the first) start with none."""
-    acc, l_i, m_i = softmax_state(M, D)
+def fold_sinks(l_i, m_i, sinks_ptr, heads, rows_mask, SINKS: tl.constexpr):
+    """With ``SINKS``, each row's finished sum ``l`` with its attention sink joined: a key of logit
+    ``sinks[head]`` and value 0, so ``exp(sink)`` (relative to the row's running max ``m``) adds to
+    the denominator and nothing to the output. Rows outside ``rows_mask`` (padding, a split-K
+    partition other than the first) get none. A sink more than 2^126 times every key's weight adds
+    2^126: the output is then ~0 either way, and never inf / inf."""
     if SINKS:
-        m_i = tl.load(sinks_ptr + heads, mask=rows_mask, other=float("-inf")).to(tl.float32) * LOG2E_JIT
-        l_i = tl.where(rows_mask, 1.0, 0.0)
-    return acc, l_i, m_i
+        sink = tl.load(sinks_ptr + heads, mask=rows_mask, other=float("-inf")).to(tl.float32) * LOG2E_JIT
+        l_i += tl.math.exp2(tl.minimum(sink - m_i, 126.0))
+    return l_i
 
 
 @triton.jit

@@ -46,8 +46,9 @@ from lmplug_attention.attn_ops import (
     check_query,
     dot_precision,
     feature_args,
+    fold_sinks,
     head_dim_pad,
-    sink_state,
+    softmax_state,
 )
 from lmplug_attention.kv_ops import check_scales, quant_args
 
@@ -95,8 +96,7 @@ def _decode_kernel(
     q = tl.load(q_ptr + seq.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + offs_d[None, :] * stride_qd,
                 mask=io_mask, other=0.0)  # [G_PAD, D_PAD]
 
-    # the sinks join the first partition only, so the reduce counts each once
-    acc, l_i, m_i = sink_state(sinks_ptr, heads, (offs_g < num_queries_per_kv) & (split == 0), G_PAD, D_PAD, SINKS)
+    acc, l_i, m_i = softmax_state(G_PAD, D_PAD)
     table_ptr = block_tables_ptr + seq.to(tl.int64) * stride_btb
     q_pos = tl.zeros([G_PAD], tl.int32) + seq_len - 1  # every row is the sequence's last token
     acc, l_i, m_i = attend_tiles(
@@ -106,6 +106,8 @@ def _decode_kernel(
         stride_kb, stride_kt, stride_kh, stride_kd, stride_vb, stride_vt, stride_vh, stride_vd,
         k_scale_ptr, v_scale_ptr, stride_sb, stride_st, stride_sh,
         BLOCK_N, BLOCK_SIZE, True, True, PRECISION, QUANT, SOFTCAP)
+    if not SPLIT:  # split, the reduce joins the sinks (here, a split == 0 mask spills on sm_90)
+        l_i = fold_sinks(l_i, m_i, sinks_ptr, heads, offs_g < num_queries_per_kv, SINKS)
 
     # an empty partition (a sequence shorter than the longest) keeps l = 0, m = -inf: weight 0
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
@@ -122,13 +124,14 @@ def _decode_kernel(
 
 @triton.jit
 def _decode_reduce_kernel(
-    part_out_ptr, part_max_ptr, part_sum_ptr, out_ptr, num_splits,
+    part_out_ptr, part_max_ptr, part_sum_ptr, out_ptr, sinks_ptr, num_splits,
     stride_pb, stride_ph, stride_ps, stride_pd,
     stride_mb, stride_mh, stride_ms,
     stride_ob, stride_oh, stride_od,
-    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, S_TILE: tl.constexpr,
+    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, S_TILE: tl.constexpr, SINKS: tl.constexpr,
 ):
-    """Merge the partitions of one (sequence, query head), ``S_TILE`` partitions at a time."""
+    """Merge the partitions of one (sequence, query head), ``S_TILE`` partitions at a time; with
+    ``SINKS``, the head's sink joins the merged denominator (``attn_ops.fold_sinks``)."""
     seq = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     offs_d = tl.arange(0, D_PAD)
@@ -152,6 +155,7 @@ def _decode_reduce_kernel(
         den = den * alpha + tl.sum(weight, 0)
         acc = acc * alpha + tl.sum(weight[:, None] * o, 0)
         m_run = m_new
+    den = fold_sinks(den, m_run, sinks_ptr, head, True, SINKS)
     tl.store(out_ptr + seq * stride_ob + head * stride_oh + offs_d * stride_od,
              (acc / den).to(out_ptr.dtype.element_ty), mask=d_mask)
 
@@ -241,20 +245,22 @@ def launch_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     _decode_kernel[grid](*args, out, part_out, part_max, part_sum, *scale_ptrs, sink_ptr, *scalars,
                          *out.stride(), *part_out.stride(), *part_max.stride(), *scale_strides,
                          SPLIT=True, **meta)
-    return reduce_partitions(part_out, part_max, part_sum, out)
+    return reduce_partitions(part_out, part_max, part_sum, out, sinks if sunk else None)
 
 
 def reduce_partitions(part_out: torch.Tensor, part_max: torch.Tensor, part_sum: torch.Tensor,
-                      out: torch.Tensor) -> torch.Tensor:
+                      out: torch.Tensor, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Merge split-K partials into ``out`` [B, H, D]: part_out [B, H, S, D] (each partition's
-    normalised output, fp32), part_max / part_sum [B, H, S] (its running max, base 2, and sum).
-    Partition 0 of every row must hold a key. Shared by this decode and the MLA decode."""
+    normalised output, fp32), part_max / part_sum [B, H, S] (its running max, base 2, and sum);
+    ``sinks`` (float32 [H]) joined to each head's denominator once. Partition 0 of every row must
+    hold a key. Shared by this decode and the MLA decode."""
     batch, num_heads, splits, head_dim = part_out.shape
     d_pad = head_dim_pad(head_dim)
     # S_TILE partitions per step, bucketed (<= 6 values): a bounded number of compilations
     s_tile = bucket(splits, 2, max(2, min(MAX_SPLITS, REDUCE_TILE_ELEMENTS // d_pad)))
     _decode_reduce_kernel[(batch, num_heads)](
-        part_out, part_max, part_sum, out, splits, *part_out.stride(), *part_max.stride(), *out.stride(),
-        HEAD_DIM=head_dim, D_PAD=d_pad, S_TILE=s_tile, num_warps=4)
+        part_out, part_max, part_sum, out, out if sinks is None else sinks, splits, *part_out.stride(),
+        *part_max.stride(), *out.stride(), HEAD_DIM=head_dim, D_PAD=d_pad, S_TILE=s_tile, SINKS=sinks is not None,
+        num_warps=4)
     return out
 

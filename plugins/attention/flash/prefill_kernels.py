@@ -37,9 +37,10 @@ from lmplug_attention.attn_ops import (
     check_query,
     dot_precision,
     feature_args,
+    fold_sinks,
     head_dim_pad,
     output_for,
-    sink_state,
+    softmax_state,
     window_arg,
 )
 from lmplug_attention.kv_ops import check_scales, quant_args
@@ -98,8 +99,7 @@ def _flash_prefill_kernel(
     mid_lo = tl.minimum(tl.maximum(full_lo, t_lo), t_hi)
     mid_hi = tl.minimum(tl.maximum(full_hi, mid_lo), t_hi)
 
-    acc, l_i, m_i = sink_state(sinks_ptr, tl.zeros([BLOCK_M], tl.int32) + head, offs_m < query_len,
-                               BLOCK_M, D_PAD, SINKS)
+    acc, l_i, m_i = softmax_state(BLOCK_M, D_PAD)
     table_ptr = block_tables_ptr + seq.to(tl.int64) * stride_btb
     # masked tiles before the fully visible ones (window edge), those, then the diagonal
     acc, l_i, m_i = attend_tiles(
@@ -121,6 +121,8 @@ def _flash_prefill_kernel(
         k_scale_ptr, v_scale_ptr, stride_sb, stride_st, stride_sh,
         BLOCK_N, BLOCK_SIZE, PAGED, True, PRECISION, QUANT, SOFTCAP)
 
+    l_i = fold_sinks(l_i, m_i, sinks_ptr, tl.zeros([BLOCK_M], tl.int32) + head, offs_m < query_len,
+                               SINKS)
     # every real row sees at least its own key, so l > 0; padding rows are not stored
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(out_ptr + q_rows[:, None] * stride_ot + head * stride_oh + offs_d[None, :] * stride_od,

@@ -32,9 +32,10 @@ from lmplug_attention.attn_ops import (
     check_query,
     dot_precision,
     feature_args,
+    fold_sinks,
     head_dim_pad,
     output_for,
-    sink_state,
+    softmax_state,
     window_arg,
 )
 from lmplug_attention.kv_ops import check_scales, quant_args
@@ -106,7 +107,7 @@ def _paged_prefill_kernel(
     q = tl.load(q_ptr + q_rows[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :] * stride_qd,
                 mask=io_mask, other=0.0)  # [BLOCK_Q * G_PAD, D]
 
-    acc, l_i, m_i = sink_state(sinks_ptr, head, row_mask, BLOCK_Q * G_PAD, D_PAD, SINKS)
+    acc, l_i, m_i = softmax_state(BLOCK_Q * G_PAD, D_PAD)
     table_ptr = block_tables_ptr + seq.to(tl.int64) * stride_btb
     # keys [lo, hi): from the first query's window start to the last query's position
     hi = tl.minimum(context_len + (q_block + 1) * BLOCK_Q, seq_len)
@@ -117,6 +118,7 @@ def _paged_prefill_kernel(
         stride_kb, stride_kt, stride_kh, stride_kd, stride_vb, stride_vt, stride_vh, stride_vd,
         k_scale_ptr, v_scale_ptr, stride_sb, stride_st, stride_sh,
         TILE, BLOCK_SIZE, True, True, DOT_PRECISION, QUANT, SOFTCAP)
+    l_i = fold_sinks(l_i, m_i, sinks_ptr, head, row_mask, SINKS)
 
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     out_ptrs = out_ptr + q_rows[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :] * stride_od
