@@ -77,7 +77,8 @@ def fold_sinks(l_i, m_i, sinks_ptr, heads, rows_mask, SINKS: tl.constexpr):
     2^126: the output is then ~0 either way, and never inf / inf."""
     if SINKS:
         sink = tl.load(sinks_ptr + heads, mask=rows_mask, other=float("-inf")).to(tl.float32) * LOG2E_JIT
-        l_i += tl.math.exp2(tl.minimum(sink - m_i, 126.0))
+        m_ref = tl.where(rows_mask, m_i, 0.0)  # padding rows may hold -inf: no -inf - -inf
+        l_i += tl.math.exp2(tl.minimum(sink - m_ref, 126.0))
     return l_i
 
 

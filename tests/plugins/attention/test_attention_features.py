@@ -229,3 +229,68 @@ def test_native_sink_far_above_every_score_gives_zeros_not_nan(native):
     want = decode_math(q, kc, vc, tables, lens, None, None, torch.tensor([200.0, -200.0]))
     assert torch.isfinite(got).all()
     torch.testing.assert_close(got.double(), want, atol=2e-5, rtol=2e-5)
+
+
+# -- the backends: layers with and without each feature, in one model ------------------------------
+
+# Gemma 2 (window + soft-cap), GPT-OSS (sinks, windowed or not), a plain layer: each its own scale
+LAYERS = None  # built lazily: the interface import stays out of collection
+
+
+def _model_layers():
+    from lmplug.interfaces.attention import LayerAttention
+
+    return (LayerAttention(0.3, 7, 2.0), LayerAttention(0.2, None, None, sinks=True),
+            LayerAttention(0.25, 7, None, sinks=True), LayerAttention(0.35), LayerAttention(0.3, None, 1.5))
+
+
+BACKENDS = [("paged", {"kernels": "torch"}), ("paged", {"kernels": "torch", "cpu_kernel": "torch"}),
+            ("paged", {"kernels": "torch", "cpu_rows": "short"}), ("paged", {"kernels": "triton"}),
+            ("flash", {}), ("sdpa", {})]
+BACKEND_IDS = ["paged-native", "paged-torch", "paged-short-rows", "paged-triton", "flash", "sdpa"]
+
+
+@pytest.mark.parametrize("name,options", BACKENDS, ids=BACKEND_IDS)
+@pytest.mark.parametrize("layout", ["paged", "contiguous"])
+def test_backend_layers_mixed_in_one_model(name, options, layout):
+    """One step (decodes, a fresh prompt, a chunk over a cached prefix) through every layer of a
+    model whose layers differ in window, scale, soft-cap and sinks: each layer's output is the math
+    with that layer's own features. sdpa (no sinks here) is checked on the layers without sinks."""
+    from lmplug.interfaces.attention import ATTENTION_SINKS
+    from lmplug.plugins import get_registry
+    from lmplug.testing.attention_case import build_case
+    from lmplug.testing.batches import BatchSpec
+
+    cls = get_registry().backends("attention")[name].cls
+    if name == "flash" or options.get("kernels") == "triton":
+        import os
+
+        if os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available():
+            pytest.skip("the Triton kernels need a CUDA GPU or TRITON_INTERPRET=1")
+    if cls.capabilities.kv_layouts.isdisjoint({layout}):
+        pytest.skip(f"{name} does not read the {layout} layout")
+    layers = _model_layers()
+    spec = BatchSpec("mixed-layers", (1, 1, 12, 5), (30, 3, 0, 20), 8, 2, 32, block_size=4)
+    case = build_case(spec, layout, torch.float32, "cpu")
+    opts = cls.Options(**options)
+    has_sinks = ATTENTION_SINKS in cls.features_for(opts, "cpu")
+    impl = cls(opts, num_heads=8, num_kv_heads=2, head_dim=32, scale=layers[0].scale,
+               sliding_window=layers[0].sliding_window, layers=layers)
+    checked = 0
+    for layer, la in enumerate(layers):
+        if la.sinks and not has_sinks:
+            continue
+        sink = sinks_for(8, True) * (layer + 1) / 2 if la.sinks else None
+        with torch.inference_mode():
+            got = (impl.forward(layer, case.q, case.k, case.v, case.view, case.ctx, sinks=sink) if la.sinks else
+                   impl.forward(layer, case.q, case.k, case.v, case.view, case.ctx))
+        want, start = [], 0
+        for i, (qlen, seq_len) in enumerate(zip(spec.query_lens, spec.seq_lens)):
+            want.append(math_attention(case.q[start:start + qlen], case.keys[i], case.values[i],
+                                       list(range(seq_len - qlen, seq_len)), la.scale, la.sliding_window,
+                                       la.softcap, sink))
+            start += qlen
+        torch.testing.assert_close(got.double(), torch.cat(want), atol=3e-5, rtol=3e-5,
+                                   msg=lambda m, layer=layer: f"layer {layer} ({layers[layer]}): {m}")
+        checked += 1
+    assert checked == (3 if name == "sdpa" and not has_sinks else len(layers))
