@@ -1,7 +1,8 @@
 """Attention math in Triton, shared by every ``flash`` and ``paged`` kernel.
 
 What: exact attention (``softmax(q k^T * scale) v``, causal, optional left
-sliding window, GQA) without ever materialising the ``[queries, keys]``
+sliding window, GQA; per layer, scores soft-capped and attention sinks in the
+denominator: ``feature_args``) without ever materialising the ``[queries, keys]``
 score matrix. Keys are walked in tiles of ``BLOCK_N`` positions and folded
 into a running maximum ``m``, running sum ``l`` and unnormalised output
 ``acc`` per query row (the online softmax of FlashAttention-2,

@@ -8,7 +8,8 @@ the step's packed tensors; chunked prefills and prefix-cache hits read their
 whole context through the block tables. Kernels: ``flash_prefill_kernels.py``
 and ``flash_decode_kernels.py`` (the write and the decode kernel are shared with
 ``paged``: ``kv_ops``, ``decode_ops``); the PyTorch references are ``kv_ref``,
-``decode_ref`` and ``prefill_ref``. The host-side decisions every layer repeats
+``decode_ref`` and ``prefill_ref``. Each layer attends with its own ``LayerAttention`` (window,
+scale, soft-cap) and, where it has them, the ``sinks`` handed to ``forward``. The host-side decisions every layer repeats
 (which sequences decode, their longest context, whether the prefill reads the
 packed K/V) are made once per step by ``prepare``.
 
