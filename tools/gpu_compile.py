@@ -69,23 +69,25 @@ DTYPES = ("fp16", "bf16", "fp32")
 HEAD_DIMS = (64, 80, 96, 128, 256)
 KV_DTYPES = ("same", "int8", "fp8")  # the cache's dtype: q's, or quantized with scales
 GQA = (1, 4, 8)  # query heads per KV head
+# a layer's attention features (``LayerAttention``): none, Gemma 2's soft-cap, GPT-OSS's sinks, both
+FEATURES = ("none", "softcap", "sinks", "softcap+sinks")
 BLOCK_SIZES = (16, 32)  # KV cache block size (tokens)
 
 CASES: dict[str, dict[str, tuple]] = {
     # attention: flash prefill without a cache (packed K/V), and over the cache
-    "flash_varlen": {"dtype": DTYPES, "head_dim": HEAD_DIMS, "gqa": GQA},
+    "flash_varlen": {"dtype": DTYPES, "head_dim": HEAD_DIMS, "gqa": GQA, "features": FEATURES},
     "flash_prefill": {"dtype": DTYPES, "head_dim": HEAD_DIMS, "kv": KV_DTYPES, "gqa": GQA,
-                      "block_size": BLOCK_SIZES},
+                      "block_size": BLOCK_SIZES, "features": FEATURES},
     # decode: flash's num_splits option (1: no split, None: planned from a long context)
     "flash_decode": {"dtype": DTYPES, "head_dim": HEAD_DIMS, "kv": KV_DTYPES, "gqa": GQA,
-                     "block_size": BLOCK_SIZES, "splits": (1, None)},
+                     "block_size": BLOCK_SIZES, "splits": (1, None), "features": FEATURES},
     # paged's partition_size option: 0 never splits, None plans, 16/32 force smaller key tiles
     "paged_decode": {"dtype": DTYPES, "head_dim": HEAD_DIMS, "kv": KV_DTYPES, "gqa": GQA,
-                     "block_size": BLOCK_SIZES, "partition": (0, None, 16, 32)},
+                     "block_size": BLOCK_SIZES, "partition": (0, None, 16, 32), "features": FEATURES},
     # the split-K reduce: its partition tile (S_TILE) follows the split count
     "decode_reduce": {"dtype": DTYPES, "head_dim": HEAD_DIMS, "splits": (2, 4, 8, 16, 32, 64)},
     "paged_prefill": {"dtype": DTYPES, "head_dim": HEAD_DIMS, "kv": KV_DTYPES, "gqa": GQA,
-                      "block_size": BLOCK_SIZES},
+                      "block_size": BLOCK_SIZES, "features": FEATURES},
     "reshape_and_cache": {"dtype": DTYPES, "head_dim": HEAD_DIMS, "kv_heads": (1, 2, 8),
                           "block_size": BLOCK_SIZES},
     # MLA decode over latent rows: DeepSeek-V2/V3 (512 + 64), and a small test model's shape
@@ -181,12 +183,20 @@ def _q(p: dict, tokens: int):
     return torch.zeros(tokens, KV_HEADS * p["gqa"], p["head_dim"], dtype=_dtype(p["dtype"]))
 
 
+def _features(p: dict) -> dict:
+    """The wrapper's ``softcap`` / ``sinks`` arguments for the case's ``features``."""
+    torch = _torch()
+    features = p["features"].split("+")
+    return {"softcap": 30.0 if "softcap" in features else None,
+            "sinks": torch.zeros(KV_HEADS * p["gqa"]) if "sinks" in features else None}
+
+
 def call_flash_varlen(p: dict) -> None:
     from lmplug_attention.flash.prefill_kernels import flash_varlen_attention
     torch = _torch()
     q = _q(p, 32)
     kv = torch.zeros(32, KV_HEADS, p["head_dim"], dtype=q.dtype)
-    flash_varlen_attention(q, kv, kv.clone(), torch.tensor([0, 16, 32], dtype=torch.int32), 0.1)
+    flash_varlen_attention(q, kv, kv.clone(), torch.tensor([0, 16, 32], dtype=torch.int32), 0.1, **_features(p))
 
 
 def call_flash_prefill(p: dict) -> None:
@@ -195,7 +205,7 @@ def call_flash_prefill(p: dict) -> None:
     k, v, ks, vs = _kv_cache(p)
     tables, lens = _tables(2, 48)
     flash_prefill_with_kvcache(_q(p, 32), k, v, tables, torch.tensor([0, 16, 32], dtype=torch.int32), lens,
-                               0.1, k_scale=ks, v_scale=vs)
+                               0.1, k_scale=ks, v_scale=vs, **_features(p))
 
 
 def call_flash_decode(p: dict) -> None:
@@ -203,7 +213,7 @@ def call_flash_decode(p: dict) -> None:
     k, v, ks, vs = _kv_cache(p)
     tables, lens = _tables(1, 48)
     flash_decode_with_kvcache(_q(p, 1), k, v, tables, lens, 0.1, max_seq_len=8192, num_splits=p["splits"],
-                              k_scale=ks, v_scale=vs)
+                              k_scale=ks, v_scale=vs, **_features(p))
 
 
 def call_paged_decode(p: dict) -> None:
@@ -211,7 +221,7 @@ def call_paged_decode(p: dict) -> None:
     k, v, ks, vs = _kv_cache(p)
     tables, lens = _tables(1, 48)
     paged_decode_attention(_q(p, 1), k, v, tables, lens, 0.1, max_seq_len=8192, partition_size=p["partition"],
-                           k_scale=ks, v_scale=vs)
+                           k_scale=ks, v_scale=vs, **_features(p))
 
 
 def call_decode_reduce(p: dict) -> None:
@@ -228,7 +238,7 @@ def call_paged_prefill(p: dict) -> None:
     k, v, ks, vs = _kv_cache(p)
     tables, lens = _tables(2, 48)
     paged_prefill_attention(_q(p, 32), k, v, tables, torch.tensor([0, 16, 32], dtype=torch.int32), lens, 0.1,
-                            k_scale=ks, v_scale=vs)
+                            k_scale=ks, v_scale=vs, **_features(p))
 
 
 def call_reshape_and_cache(p: dict) -> None:

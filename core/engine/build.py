@@ -180,7 +180,8 @@ def build_engine_parts(resolved: ResolvedConfig, parallel: ParallelState | None 
     spec = KVCacheSpec(num_layers=model_config.num_kv_layers, **kv_shape, dtype=dtype, device=device,
                        max_model_len=max_model_len, max_num_seqs=sched_opts.max_num_seqs,
                        sliding_window=model_config.sliding_window,
-                       max_num_batched_tokens=sched_opts.max_num_batched_tokens, states=states)
+                       max_num_batched_tokens=sched_opts.max_num_batched_tokens, states=states,
+                       layer_windows=_layer_windows(plan))
     kv = parallel_setup.build_kv(backends["kvcache"].cls, backends["kvcache"].options, spec, parallel)
     plan, kv = _fit_pool(plan, kv, backends["kvcache"], spec, parallel)
     if "kvconnector" in backends:  # a tier for prefix-cached blocks (host memory, disk), on the fitted pool
@@ -211,6 +212,12 @@ def build_engine_parts(resolved: ResolvedConfig, parallel: ParallelState | None 
     return EngineParts(model_config, model, source.tokenizer, kv, scheduler, runner, max_model_len,
                        eos_ids, load_time, drafter, acceptance, constraint=constraint, memory=memory, plan=plan,
                        pooling=pooling)
+
+
+def _layer_windows(plan: EnginePlan) -> tuple[int | None, ...]:
+    """Each cached layer's window where they differ (``KVCacheSpec.layer_windows``), else ()."""
+    windows = tuple(layer.sliding_window for layer in plan.attention_layers)
+    return windows if len(set(windows)) > 1 else ()
 
 
 def build_cpu_kernels() -> float:

@@ -54,6 +54,9 @@ class KVCacheSpec:
     # order (``lmplug.interfaces.state``); ``num_layers`` then counts the softmax layers only.
     # Backends listing the "state" feature keep them in a ``StatePool`` beside the K/V
     states: tuple[StateSpec, ...] = ()
+    # each cached layer's sliding window where the model's layers differ (``LayerAttention``;
+    # Gemma 2/3, GPT-OSS), () otherwise: what the paged cache accounts per layer group
+    layer_windows: tuple[int | None, ...] = ()
 
     @property
     def state_bytes_per_seq(self) -> int:

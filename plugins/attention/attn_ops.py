@@ -1,7 +1,8 @@
 """Attention math in Triton, shared by every ``flash`` and ``paged`` kernel.
 
 What: exact attention (``softmax(q k^T * scale) v``, causal, optional left
-sliding window, GQA) without ever materialising the ``[queries, keys]``
+sliding window, GQA; per layer, scores soft-capped and attention sinks in the
+denominator: ``feature_args``) without ever materialising the ``[queries, keys]``
 score matrix. Keys are walked in tiles of ``BLOCK_N`` positions and folded
 into a running maximum ``m``, running sum ``l`` and unnormalised output
 ``acc`` per query row (the online softmax of FlashAttention-2,
@@ -57,6 +58,7 @@ from lmplug.kit.triton_launch import (  # noqa: F401 (shared with the kernels)
 from lmplug.kit.devices import describe
 
 LOG2E = 1.4426950408889634
+LOG2E_JIT = tl.constexpr(LOG2E)  # the same inside kernels (a plain global is refused there)
 NO_WINDOW = 2**30  # the window passed when there is none: larger than any context, int32-safe
 MAX_HEAD_DIM = 256  # a head is one tile of head_dim_pad lanes; the launch tables cover up to 256
 MIN_CAPABILITY = (8, 0)  # the oldest architecture the launch tables are built and checked for
@@ -68,10 +70,37 @@ def softmax_state(M: tl.constexpr, D: tl.constexpr):
 
 
 @triton.jit
-def online_softmax_update(q, k, v, visible, m_i, l_i, acc, qk_scale,
-                           MASKED: tl.constexpr, PRECISION: tl.constexpr):
-    """Fold one tile into (m, l, acc). q [M, D]; k, v [N, D]; ``visible`` [M, N] used if MASKED."""
+def fold_sinks(l_i, m_i, sinks_ptr, heads, rows_mask, SINKS: tl.constexpr):
+    """With ``SINKS``, each row's finished sum ``l`` with its attention sink joined: a key of logit
+    ``sinks[head]`` and value 0, so ``exp(sink)`` (relative to the row's running max ``m``) adds to
+    the denominator and nothing to the output. Rows outside ``rows_mask`` (padding, a split-K
+    partition other than the first) get none. A sink more than 2^126 times every key's weight adds
+    2^126: the output is then ~0 either way, and never inf / inf."""
+    if SINKS:
+        sink = tl.load(sinks_ptr + heads, mask=rows_mask, other=float("-inf")).to(tl.float32) * LOG2E_JIT
+        m_ref = tl.where(rows_mask, m_i, 0.0)  # padding rows may hold -inf: no -inf - -inf
+        l_i += tl.math.exp2(tl.minimum(sink - m_ref, 126.0))
+    return l_i
+
+
+@triton.jit
+def tanh(x):
+    """tanh from exp2, stable for any |x| (1 - e over 1 + e, e = exp(-2|x|) <= 1): the interpreter
+    and every target alike, with no libdevice."""
+    e = tl.math.exp2(tl.abs(x) * (-2.0 * LOG2E_JIT))
+    t = (1.0 - e) / (1.0 + e)
+    return tl.where(x < 0, -t, t)
+
+
+@triton.jit
+def online_softmax_update(q, k, v, visible, m_i, l_i, acc, qk_scale, softcap,
+                           MASKED: tl.constexpr, PRECISION: tl.constexpr, SOFTCAP: tl.constexpr):
+    """Fold one tile into (m, l, acc). q [M, D]; k, v [N, D]; ``visible`` [M, N] used if MASKED.
+    With ``SOFTCAP``, scores are soft-capped: ``softcap * tanh(s / softcap)``, both in base 2
+    (``softcap`` is the cap times log2(e), as ``qk_scale`` is the scale times log2(e))."""
     s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+    if SOFTCAP:
+        s = softcap * tanh(s / softcap)
     if MASKED:
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -88,20 +117,22 @@ def online_softmax_update(q, k, v, visible, m_i, l_i, acc, qk_scale,
 
 
 @triton.jit
-def attend_tiles(acc, l_i, m_i, q, q_pos, t_begin, t_end, kv_lo, kv_hi, window, qk_scale,
+def attend_tiles(acc, l_i, m_i, q, q_pos, t_begin, t_end, kv_lo, kv_hi, window, qk_scale, softcap,
                  k_ptr, v_ptr, table_ptr, stride_btn, row0, kv_head, offs_d, d_mask,
                  stride_kb, stride_kt, stride_kh, stride_kd,
                  stride_vb, stride_vt, stride_vh, stride_vd,
                  k_scale_ptr, v_scale_ptr, stride_sb, stride_st, stride_sh,
                  BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, PAGED: tl.constexpr,
-                 MASKED: tl.constexpr, PRECISION: tl.constexpr, QUANT: tl.constexpr):
+                 MASKED: tl.constexpr, PRECISION: tl.constexpr, QUANT: tl.constexpr,
+                 SOFTCAP: tl.constexpr):
     """Fold the key tiles ``[t_begin, t_end)`` (``BLOCK_N`` positions each) into (acc, l, m).
 
     The rows of ``q`` [M, D_PAD] sit at positions ``q_pos`` [M] (a GQA tile repeats a
     position once per grouped head) and see keys ``(q_pos - window, q_pos]`` among those
     that exist, ``[kv_lo, kv_hi)``; ``MASKED=False`` is for tiles every row sees whole (no
     mask arithmetic). Tiles come through ``kv_ops`` (block tables or packed K/V, dequantized
-    when ``QUANT``, a ``kv_ops.QUANT_*`` code). Every kernel of ``flash`` and ``paged`` walks its keys with this loop.
+    when ``QUANT``, a ``kv_ops.QUANT_*`` code); scores soft-capped at ``softcap`` (base 2) when
+    ``SOFTCAP``. Every kernel of ``flash`` and ``paged`` walks its keys with this loop.
     """
     for t in range(t_begin, t_end):
         start = tl.multiple_of(t * BLOCK_N, BLOCK_N)
@@ -122,7 +153,8 @@ def attend_tiles(acc, l_i, m_i, q, q_pos, t_begin, t_end, kv_lo, kv_hi, window, 
         if QUANT:
             k, v = dequant_kv_tile(k, v, k_scale_ptr, v_scale_ptr, block, offset, kv_head, valid,
                                    stride_sb, stride_st, stride_sh, q.dtype, QUANT)
-        m_i, l_i, acc = online_softmax_update(q, k, v, visible, m_i, l_i, acc, qk_scale, MASKED, PRECISION)
+        m_i, l_i, acc = online_softmax_update(q, k, v, visible, m_i, l_i, acc, qk_scale, softcap, MASKED,
+                                              PRECISION, SOFTCAP)
     return acc, l_i, m_i
 
 
@@ -157,6 +189,24 @@ def check_triton_target(backend: str, head_dim: int, dtype: str, cap: tuple[int,
         raise ConfigError(f"attention.backend: {backend!r} (Triton kernels) takes head dims 1 to "
                           f"{max_head_dim}, but the model's head_dim is {head_dim} ({describe(cap)}); "
                           "use attention.backend: sdpa")
+
+
+def feature_args(softcap: float | None, sinks: torch.Tensor | None, num_heads: int, device: torch.device,
+                 what: str) -> tuple[float, torch.Tensor | None, bool, bool]:
+    """(softcap in base 2, sinks as float32 [H], SOFTCAP, SINKS): what the kernels take for a
+    layer's soft-cap (None: none) and attention sinks (None: none; else one logit per query
+    head, ``LayerAttention``), checked."""
+    if softcap is not None and not (isinstance(softcap, (int, float)) and softcap > 0):
+        raise ValueError(f"{what}: softcap must be None or a number > 0, got {softcap!r}")
+    if sinks is not None:
+        if not isinstance(sinks, torch.Tensor) or sinks.shape != (num_heads,) or not sinks.is_floating_point():
+            got = f"{sinks.dtype} {tuple(sinks.shape)}" if isinstance(sinks, torch.Tensor) else type(sinks).__name__
+            raise ValueError(f"{what}: sinks must be a float tensor [num_heads={num_heads}], got {got}")
+        if sinks.device != device:
+            raise ValueError(f"{what}: sinks must be on the queries' device {device}, got {sinks.device}")
+        sinks = sinks.to(torch.float32).contiguous()
+    cap = float(softcap) * LOG2E if softcap is not None else 1.0
+    return cap, sinks, softcap is not None, sinks is not None
 
 
 def window_arg(sliding_window: int | None, what: str) -> int:

@@ -45,6 +45,8 @@ from lmplug_attention.attn_ops import (
     check_kv,
     check_query,
     dot_precision,
+    feature_args,
+    fold_sinks,
     head_dim_pad,
     softmax_state,
 )
@@ -63,8 +65,8 @@ REDUCE_TILE_ELEMENTS = 8192  # S_TILE x D_PAD fp32 partial outputs per reduce st
 @triton.jit
 def _decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
-    out_ptr, part_out_ptr, part_max_ptr, part_sum_ptr, k_scale_ptr, v_scale_ptr,
-    qk_scale, window, num_queries_per_kv, partition_size,
+    out_ptr, part_out_ptr, part_max_ptr, part_sum_ptr, k_scale_ptr, v_scale_ptr, sinks_ptr,
+    qk_scale, softcap, window, num_queries_per_kv, partition_size,
     stride_qb, stride_qh, stride_qd,
     stride_kb, stride_kt, stride_kh, stride_kd,
     stride_vb, stride_vt, stride_vh, stride_vd,
@@ -75,6 +77,7 @@ def _decode_kernel(
     stride_sb, stride_st, stride_sh,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, G_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, SPLIT: tl.constexpr, PRECISION: tl.constexpr, QUANT: tl.constexpr,
+    SOFTCAP: tl.constexpr, SINKS: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -98,10 +101,13 @@ def _decode_kernel(
     q_pos = tl.zeros([G_PAD], tl.int32) + seq_len - 1  # every row is the sequence's last token
     acc, l_i, m_i = attend_tiles(
         acc, l_i, m_i, q, q_pos, part_lo // BLOCK_N, tl.cdiv(part_hi, BLOCK_N), lo, part_hi, window, qk_scale,
+        softcap,
         k_cache_ptr, v_cache_ptr, table_ptr, stride_btn, 0, kv_head, offs_d, d_mask,
         stride_kb, stride_kt, stride_kh, stride_kd, stride_vb, stride_vt, stride_vh, stride_vd,
         k_scale_ptr, v_scale_ptr, stride_sb, stride_st, stride_sh,
-        BLOCK_N, BLOCK_SIZE, True, True, PRECISION, QUANT)
+        BLOCK_N, BLOCK_SIZE, True, True, PRECISION, QUANT, SOFTCAP)
+    if not SPLIT:  # split, the reduce joins the sinks (here, a split == 0 mask spills on sm_90)
+        l_i = fold_sinks(l_i, m_i, sinks_ptr, heads, offs_g < num_queries_per_kv, SINKS)
 
     # an empty partition (a sequence shorter than the longest) keeps l = 0, m = -inf: weight 0
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
@@ -118,13 +124,14 @@ def _decode_kernel(
 
 @triton.jit
 def _decode_reduce_kernel(
-    part_out_ptr, part_max_ptr, part_sum_ptr, out_ptr, num_splits,
+    part_out_ptr, part_max_ptr, part_sum_ptr, out_ptr, sinks_ptr, num_splits,
     stride_pb, stride_ph, stride_ps, stride_pd,
     stride_mb, stride_mh, stride_ms,
     stride_ob, stride_oh, stride_od,
-    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, S_TILE: tl.constexpr,
+    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, S_TILE: tl.constexpr, SINKS: tl.constexpr,
 ):
-    """Merge the partitions of one (sequence, query head), ``S_TILE`` partitions at a time."""
+    """Merge the partitions of one (sequence, query head), ``S_TILE`` partitions at a time; with
+    ``SINKS``, the head's sink joins the merged denominator (``attn_ops.fold_sinks``)."""
     seq = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     offs_d = tl.arange(0, D_PAD)
@@ -148,6 +155,7 @@ def _decode_reduce_kernel(
         den = den * alpha + tl.sum(weight, 0)
         acc = acc * alpha + tl.sum(weight[:, None] * o, 0)
         m_run = m_new
+    den = fold_sinks(den, m_run, sinks_ptr, head, True, SINKS)
     tl.store(out_ptr + seq * stride_ob + head * stride_oh + offs_d * stride_od,
              (acc / den).to(out_ptr.dtype.element_ty), mask=d_mask)
 
@@ -208,44 +216,51 @@ def check_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
 def launch_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                   seq_lens: torch.Tensor, scale: float, window: int, splits: int, partition: int,
                   block_n: int, out: torch.Tensor, k_scale: torch.Tensor | None = None,
-                  v_scale: torch.Tensor | None = None) -> torch.Tensor:
-    """Run the kernel (and the reduce when ``splits > 1``) on checked arguments into ``out``."""
+                  v_scale: torch.Tensor | None = None, softcap: float | None = None,
+                  sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """Run the kernel (and the reduce when ``splits > 1``) on checked arguments into ``out``;
+    scores soft-capped at ``softcap``, ``sinks`` [H] (one logit per query head) in every row's
+    softmax denominator, where given (``attn_ops.feature_args`` checks them)."""
     batch, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads
     d_pad = head_dim_pad(head_dim)
+    cap, sinks, capped, sunk = feature_args(softcap, sinks, num_heads, q.device, "decode attention")
     k_cache, v_cache, scale_ptrs, scale_strides, quant = quant_args(k_cache, v_cache, k_scale, v_scale)
     meta = {"HEAD_DIM": head_dim, "D_PAD": d_pad, "G_PAD": max(16, triton.next_power_of_2(group)),
             "BLOCK_N": block_n, "BLOCK_SIZE": k_cache.shape[1], "PRECISION": dot_precision(q.dtype),
-            "QUANT": quant, "num_warps": 4}
+            "QUANT": quant, "SOFTCAP": capped, "SINKS": sunk, "num_warps": 4}
     args = (q, k_cache, v_cache, block_tables, seq_lens)
-    scalars = (scale * LOG2E, window, group, partition,
+    sink_ptr = sinks if sunk else q
+    scalars = (scale * LOG2E, cap, window, group, partition,
                *q.stride(), *k_cache.stride(), *v_cache.stride(), *block_tables.stride())
     grid = (batch, num_kv_heads, splits)
     if splits == 1:
-        _decode_kernel[grid](*args, out, out, out, out, *scale_ptrs, *scalars, *out.stride(),
+        _decode_kernel[grid](*args, out, out, out, out, *scale_ptrs, sink_ptr, *scalars, *out.stride(),
                              0, 0, 0, 0, 0, 0, 0, *scale_strides, SPLIT=False, **meta)
         return out
     part_out = torch.empty(batch, num_heads, splits, head_dim, dtype=torch.float32, device=q.device)
     part_max = torch.empty(batch, num_heads, splits, dtype=torch.float32, device=q.device)
     part_sum = torch.empty_like(part_max)
-    _decode_kernel[grid](*args, out, part_out, part_max, part_sum, *scale_ptrs, *scalars,
+    _decode_kernel[grid](*args, out, part_out, part_max, part_sum, *scale_ptrs, sink_ptr, *scalars,
                          *out.stride(), *part_out.stride(), *part_max.stride(), *scale_strides,
                          SPLIT=True, **meta)
-    return reduce_partitions(part_out, part_max, part_sum, out)
+    return reduce_partitions(part_out, part_max, part_sum, out, sinks if sunk else None)
 
 
 def reduce_partitions(part_out: torch.Tensor, part_max: torch.Tensor, part_sum: torch.Tensor,
-                      out: torch.Tensor) -> torch.Tensor:
+                      out: torch.Tensor, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Merge split-K partials into ``out`` [B, H, D]: part_out [B, H, S, D] (each partition's
-    normalised output, fp32), part_max / part_sum [B, H, S] (its running max, base 2, and sum).
-    Partition 0 of every row must hold a key. Shared by this decode and the MLA decode."""
+    normalised output, fp32), part_max / part_sum [B, H, S] (its running max, base 2, and sum);
+    ``sinks`` (float32 [H]) joined to each head's denominator once. Partition 0 of every row must
+    hold a key. Shared by this decode and the MLA decode."""
     batch, num_heads, splits, head_dim = part_out.shape
     d_pad = head_dim_pad(head_dim)
     # S_TILE partitions per step, bucketed (<= 6 values): a bounded number of compilations
     s_tile = bucket(splits, 2, max(2, min(MAX_SPLITS, REDUCE_TILE_ELEMENTS // d_pad)))
     _decode_reduce_kernel[(batch, num_heads)](
-        part_out, part_max, part_sum, out, splits, *part_out.stride(), *part_max.stride(), *out.stride(),
-        HEAD_DIM=head_dim, D_PAD=d_pad, S_TILE=s_tile, num_warps=4)
+        part_out, part_max, part_sum, out, out if sinks is None else sinks, splits, *part_out.stride(),
+        *part_max.stride(), *out.stride(), HEAD_DIM=head_dim, D_PAD=d_pad, S_TILE=s_tile, SINKS=sinks is not None,
+        num_warps=4)
     return out
 

@@ -15,16 +15,18 @@ from __future__ import annotations
 
 import torch
 from lmplug_attention.kv_ref import gather_context
-from lmplug_attention.prefill_ref import visible_keys
+from lmplug_attention.prefill_ref import sink_softmax, visible_keys
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float, *,
                      sliding_window: int | None = None, max_seq_len: int | None = None,
                      out: torch.Tensor | None = None, k_scale: torch.Tensor | None = None,
-                     v_scale: torch.Tensor | None = None, softcap: float | None = None) -> torch.Tensor:
+                     v_scale: torch.Tensor | None = None, softcap: float | None = None,
+                     sinks: torch.Tensor | None = None) -> torch.Tensor:
     """q [B, H, D], block_tables [B, max_blocks] int32, seq_lens [B] -> [B, H, D] (into ``out``
-    when given). ``max_seq_len`` (a host int, at least the longest) spares a device sync."""
+    when given). ``max_seq_len`` (a host int, at least the longest) spares a device sync.
+    ``softcap``: scores soft-capped; ``sinks`` [H]: attention sinks (``prefill_ref.sink_softmax``)."""
     batch, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     if max_seq_len is None:
@@ -43,6 +45,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     if softcap is not None:  # soft-capped scores (Gemma 2)
         scores = torch.tanh(scores / softcap) * softcap
     scores = scores.masked_fill(~visible[:, None, None, :], float("-inf"))
-    result = torch.einsum("bhgs,bshd->bhgd", torch.softmax(scores, dim=-1), v)
+    sink = None if sinks is None else sinks.to(q.device).view(1, num_kv_heads, -1, 1)
+    result = torch.einsum("bhgs,bshd->bhgd", sink_softmax(scores, sink), v)
     result = result.reshape(batch, num_heads, head_dim).to(q.dtype)
     return result if out is None else out.copy_(result)

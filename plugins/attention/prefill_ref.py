@@ -38,6 +38,16 @@ def visible_keys(q_pos: torch.Tensor, k_pos: torch.Tensor, sliding_window: int |
     return visible
 
 
+def sink_softmax(scores: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tensor:
+    """softmax over the last dim of float32 ``scores``; with ``sinks`` (broadcast to
+    ``scores[..., :1]``: one logit per query head), each ``exp(sink)`` joins its row's
+    denominator and carries no value (attention sinks, GPT-OSS)."""
+    if sinks is None:
+        return torch.softmax(scores, dim=-1)
+    logits = torch.cat([scores, sinks.to(scores.dtype).expand(scores[..., :1].shape)], dim=-1)
+    return torch.softmax(logits, dim=-1)[..., :-1]
+
+
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor,
             scale: float) -> torch.Tensor:
     """q [L, H, D], k, v [S, Hkv, D], visible [L, S] -> [L, H, D] fp32 (grouped heads)."""

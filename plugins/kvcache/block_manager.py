@@ -132,6 +132,10 @@ class BlockManager:
     def num_used_blocks(self) -> int:
         return self.num_blocks - self.num_free_blocks
 
+    def held_counts(self) -> list[int]:
+        """How many blocks each sequence references (``layer_groups``' accounting)."""
+        return [len(seq.held) for seq in self._seqs.values()]
+
     @property
     def free_block_ids(self) -> list[int]:
         return list(self._free)

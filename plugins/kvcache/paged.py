@@ -22,6 +22,7 @@ from typing import Literal
 
 import torch
 from lmplug_kvcache.block_manager import BlockManager
+from lmplug_kvcache.layer_groups import LayerGroup, describe, layer_groups
 from lmplug_kvcache.swap import Swapped, SwapSpace
 from lmplug_kvcache.tier import BlockTier
 from pydantic import Field, field_validator
@@ -117,12 +118,25 @@ class PagedKVCache(KVCacheBackend):
         self.tier: BlockTier | None = None  # a KV connector's tier of blocks (``attach_connector``)
         self.swap = SwapSpace(int(options.swap_space_gb * 2**30), spec.device)  # preempted sequences' K/V
         self._copies: list[list[tuple[int, int]]] | None = None  # recorded for the other TP ranks
+        if spec.layer_windows:
+            logger.info("paged KV cache: layer groups %s: one block table per sequence, so windowed layers "
+                        "keep the blocks full layers need (layer_groups() reports the bytes)",
+                        describe(self.layer_groups()))
         logger.info("paged KV cache: %s, %d bytes/token, %d blocks of %d tokens = %d tokens (%.2f GiB)%s%s",
                     _dtype_name(spec), spec.bytes_per_token, self.num_blocks, options.block_size,
                     self.num_tokens, self.memory_bytes / 2**30,
                     ", prefix caching on" if options.prefix_caching else "",
                     f"; states: {spec.max_num_seqs} slots x {spec.state_bytes_per_seq} bytes "
                     f"({len(spec.states)} layers)" if spec.states else "")
+
+    def layer_groups(self) -> list[LayerGroup]:
+        """Per group of layers with one window (``KVCacheSpec.layer_windows``; one group when the
+        layers do not differ): the K/V bytes its layers hold now and at most need
+        (``layer_groups.py``: one block table per sequence, so no group releases blocks alone)."""
+        spec = self.spec
+        windows = spec.layer_windows or (spec.sliding_window,) * spec.num_layers
+        layer_block_bytes = spec.bytes_per_token // max(spec.num_layers, 1) * self.options.block_size
+        return layer_groups(windows, self.options.block_size, layer_block_bytes, self.blocks.held_counts())
 
     def _view(self, layer: int) -> KVLayerView:
         pool, spec = self._pool[layer], self.spec

@@ -8,7 +8,8 @@ the step's packed tensors; chunked prefills and prefix-cache hits read their
 whole context through the block tables. Kernels: ``flash_prefill_kernels.py``
 and ``flash_decode_kernels.py`` (the write and the decode kernel are shared with
 ``paged``: ``kv_ops``, ``decode_ops``); the PyTorch references are ``kv_ref``,
-``decode_ref`` and ``prefill_ref``. The host-side decisions every layer repeats
+``decode_ref`` and ``prefill_ref``. Each layer attends with its own ``LayerAttention`` (window,
+scale, soft-cap) and, where it has them, the ``sinks`` handed to ``forward``. The host-side decisions every layer repeats
 (which sequences decode, their longest context, whether the prefill reads the
 packed K/V) are made once per step by ``prepare``.
 
@@ -30,7 +31,17 @@ import torch
 from lmplug_attention.sdpa import KV_DTYPES
 from pydantic import Field
 
-from lmplug.api import AttentionBackend, BackendOptions, Capabilities, KVLayerView, StepContext
+from lmplug.api import (
+    ATTENTION_SINKS,
+    LAYER_SCALES,
+    LAYER_WINDOWS,
+    LOGIT_SOFTCAP,
+    AttentionBackend,
+    BackendOptions,
+    Capabilities,
+    KVLayerView,
+    StepContext,
+)
 
 # read once, as triton does when it is first imported
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
@@ -60,7 +71,8 @@ class FlashAttention(AttentionBackend):
         devices=frozenset({"cuda"}),
         named_devices=frozenset({"cpu"} if _INTERPRETED else ()),  # tests: named, never auto
         kv_layouts=frozenset({"contiguous", "paged"}),
-        features=frozenset({"sliding_window"}),
+        # each layer's window, scale, soft-cap and sinks (``layer_attention``) go to every kernel
+        features=frozenset({"sliding_window", LAYER_WINDOWS, LAYER_SCALES, LOGIT_SOFTCAP, ATTENTION_SINKS}),
         kv_dtypes=KV_DTYPES,
         priority=30,  # above sdpa (10) and paged (20) on CUDA
     )
@@ -93,25 +105,27 @@ class FlashAttention(AttentionBackend):
                                  prefill_lens == ctx.seq_lens_cpu[n:])
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                kv: KVLayerView, ctx: StepContext) -> torch.Tensor:
+                kv: KVLayerView, ctx: StepContext, sinks: torch.Tensor | None = None) -> torch.Tensor:
         meta: FlashStepMetadata = ctx.metadata_for(self, kv)
         self._write(k, v, kv.k_cache, kv.v_cache, ctx.slot_mapping, kv.k_scale, kv.v_scale)
         scales = {"k_scale": kv.k_scale, "v_scale": kv.v_scale} if kv.quantized else {}
+        spec = self.layer_attention(layer)
+        # this layer's window, soft-cap and sinks, for every kernel
+        features = {"sliding_window": spec.sliding_window, "softcap": spec.softcap, "sinks": sinks}
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         n = meta.num_decodes
-        window = self.sliding_window
         if n:
             # decodes own one query row each, so rows [0, n) are theirs
-            self._decode(q[:n], kv.k_cache, kv.v_cache, ctx.block_tables[:n], ctx.seq_lens[:n], self.scale,
-                         sliding_window=window, max_seq_len=meta.max_decode_len,
-                         num_splits=self.options.num_splits, out=out[:n], **scales)
+            self._decode(q[:n], kv.k_cache, kv.v_cache, ctx.block_tables[:n], ctx.seq_lens[:n], spec.scale,
+                         max_seq_len=meta.max_decode_len, num_splits=self.options.num_splits, out=out[:n],
+                         **scales, **features)
         if n == ctx.num_seqs:
             return out
         if meta.packed:  # nothing cached before this step: the keys are exactly the step's packed k, v
-            self._varlen(q, k, v, ctx.cu_query_lens, self.scale, sliding_window=window,
-                         max_seqlen=meta.max_prefill_len, first_seq=n, out=out)
+            self._varlen(q, k, v, ctx.cu_query_lens, spec.scale, max_seqlen=meta.max_prefill_len, first_seq=n,
+                         out=out, **features)
         else:
             self._prefill(q, kv.k_cache, kv.v_cache, ctx.block_tables, ctx.cu_query_lens, ctx.seq_lens,
-                          self.scale, sliding_window=window, max_query_len=meta.max_prefill_len,
-                          first_seq=n, out=out, **scales)
+                          spec.scale, max_query_len=meta.max_prefill_len, first_seq=n, out=out, **scales,
+                          **features)
         return out

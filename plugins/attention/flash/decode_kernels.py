@@ -26,7 +26,8 @@ def flash_decode_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
                               sliding_window: int | None = None, max_seq_len: int | None = None,
                               num_splits: int | None = None, out: torch.Tensor | None = None,
                               block_n: int | None = None, k_scale: torch.Tensor | None = None,
-                              v_scale: torch.Tensor | None = None) -> torch.Tensor:
+                              v_scale: torch.Tensor | None = None, softcap: float | None = None,
+                              sinks: torch.Tensor | None = None) -> torch.Tensor:
     """One query per sequence over its cache: q [B, H, D] -> [B, H, D].
 
     k_cache, v_cache: [num_blocks, block_size, Hkv, D] holding each sequence's
@@ -35,6 +36,8 @@ def flash_decode_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     number of split-K partitions (``None``: chosen from context length and
     batch size; 1: no split); ``max_seq_len`` (a host int) spares a sync. ``k_scale`` /
     ``v_scale`` ([num_blocks, block_size, Hkv] float32) mark int8 / float8_e4m3fn caches.
+    ``softcap``: scores soft-capped, ``softcap * tanh(s / softcap)``; ``sinks`` [H]: one logit per
+    query head joined to the softmax denominator (attention sinks).
     """
     what = "flash_decode_with_kvcache"
     check_decode(q, k_cache, v_cache, block_tables, seq_lens, k_scale, v_scale, what)
@@ -51,4 +54,4 @@ def flash_decode_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     splits, partition = plan_decode(q.shape[0], k_cache.shape[2], max_seq_len, sliding_window, bn, num_splits,
                                     num_sms(q.device))
     return launch_decode(q, k_cache, v_cache, block_tables, seq_lens, scale, window, splits, partition, bn,
-                         out, k_scale, v_scale)
+                         out, k_scale, v_scale, softcap, sinks)

@@ -36,6 +36,8 @@ from lmplug_attention.attn_ops import (
     check_power_of_two,
     check_query,
     dot_precision,
+    feature_args,
+    fold_sinks,
     head_dim_pad,
     output_for,
     softmax_state,
@@ -49,7 +51,7 @@ from lmplug.kit.devices import capability
 @triton.jit
 def _flash_prefill_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, cu_seqlens_ptr, seq_lens_ptr, block_tables_ptr, k_scale_ptr, v_scale_ptr,
-    first_seq, qk_scale, window, num_queries_per_kv,
+    sinks_ptr, first_seq, qk_scale, softcap, window, num_queries_per_kv,
     stride_qt, stride_qh, stride_qd,
     stride_kb, stride_kt, stride_kh, stride_kd,
     stride_vb, stride_vt, stride_vh, stride_vd,
@@ -58,6 +60,7 @@ def _flash_prefill_kernel(
     stride_sb, stride_st, stride_sh,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, PAGED: tl.constexpr, PRECISION: tl.constexpr, QUANT: tl.constexpr,
+    SOFTCAP: tl.constexpr, SINKS: tl.constexpr,
 ):
     tl.static_assert(D_PAD >= HEAD_DIM)
     pid_m = tl.program_id(0)
@@ -100,24 +103,26 @@ def _flash_prefill_kernel(
     table_ptr = block_tables_ptr + seq.to(tl.int64) * stride_btb
     # masked tiles before the fully visible ones (window edge), those, then the diagonal
     acc, l_i, m_i = attend_tiles(
-        acc, l_i, m_i, q, q_pos, t_lo, mid_lo, kv_lo, seq_len, window, qk_scale,
+        acc, l_i, m_i, q, q_pos, t_lo, mid_lo, kv_lo, seq_len, window, qk_scale, softcap,
         k_ptr, v_ptr, table_ptr, stride_btn, q_start, kv_head, offs_d, d_mask,
         stride_kb, stride_kt, stride_kh, stride_kd, stride_vb, stride_vt, stride_vh, stride_vd,
         k_scale_ptr, v_scale_ptr, stride_sb, stride_st, stride_sh,
-        BLOCK_N, BLOCK_SIZE, PAGED, True, PRECISION, QUANT)
+        BLOCK_N, BLOCK_SIZE, PAGED, True, PRECISION, QUANT, SOFTCAP)
     acc, l_i, m_i = attend_tiles(
-        acc, l_i, m_i, q, q_pos, mid_lo, mid_hi, kv_lo, seq_len, window, qk_scale,
+        acc, l_i, m_i, q, q_pos, mid_lo, mid_hi, kv_lo, seq_len, window, qk_scale, softcap,
         k_ptr, v_ptr, table_ptr, stride_btn, q_start, kv_head, offs_d, d_mask,
         stride_kb, stride_kt, stride_kh, stride_kd, stride_vb, stride_vt, stride_vh, stride_vd,
         k_scale_ptr, v_scale_ptr, stride_sb, stride_st, stride_sh,
-        BLOCK_N, BLOCK_SIZE, PAGED, False, PRECISION, QUANT)
+        BLOCK_N, BLOCK_SIZE, PAGED, False, PRECISION, QUANT, SOFTCAP)
     acc, l_i, m_i = attend_tiles(
-        acc, l_i, m_i, q, q_pos, mid_hi, t_hi, kv_lo, seq_len, window, qk_scale,
+        acc, l_i, m_i, q, q_pos, mid_hi, t_hi, kv_lo, seq_len, window, qk_scale, softcap,
         k_ptr, v_ptr, table_ptr, stride_btn, q_start, kv_head, offs_d, d_mask,
         stride_kb, stride_kt, stride_kh, stride_kd, stride_vb, stride_vt, stride_vh, stride_vd,
         k_scale_ptr, v_scale_ptr, stride_sb, stride_st, stride_sh,
-        BLOCK_N, BLOCK_SIZE, PAGED, True, PRECISION, QUANT)
+        BLOCK_N, BLOCK_SIZE, PAGED, True, PRECISION, QUANT, SOFTCAP)
 
+    l_i = fold_sinks(l_i, m_i, sinks_ptr, tl.zeros([BLOCK_M], tl.int32) + head, offs_m < query_len,
+                               SINKS)
     # every real row sees at least its own key, so l > 0; padding rows are not stored
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(out_ptr + q_rows[:, None] * stride_ot + head * stride_oh + offs_d[None, :] * stride_od,
@@ -158,7 +163,7 @@ def prefill_config(d_pad: int, dtype: torch.dtype, cap: tuple[int, int] | None =
 
 
 def _launch(q, k, v, out, cu_seqlens, seq_lens, block_tables, scale, sliding_window, max_query_len,
-            first_seq, block_m, block_n, paged, what, k_scale=None, v_scale=None):
+            first_seq, block_m, block_n, paged, what, k_scale=None, v_scale=None, softcap=None, sinks=None):
     num_seqs = cu_seqlens.shape[0] - 1
     if not 0 <= first_seq <= num_seqs:
         raise ValueError(f"{what}: first_seq must be in [0, {num_seqs}], got {first_seq}")
@@ -184,12 +189,13 @@ def _launch(q, k, v, out, cu_seqlens, seq_lens, block_tables, scale, sliding_win
         bt_strides, block_size = (0, 0), 1
     grid = (triton.cdiv(max_query_len, bm), num_seqs - first_seq, q.shape[1])
     k, v, scale_ptrs, scale_strides, quant = quant_args(k, v, k_scale, v_scale)
+    cap, sinks, capped, sunk = feature_args(softcap, sinks, q.shape[1], q.device, what)
     _flash_prefill_kernel[grid](
-        q, k, v, out, cu_seqlens, seq_lens, block_tables, *scale_ptrs,
-        first_seq, scale * LOG2E, window_arg(sliding_window, what), group,
+        q, k, v, out, cu_seqlens, seq_lens, block_tables, *scale_ptrs, sinks if sunk else q,
+        first_seq, scale * LOG2E, cap, window_arg(sliding_window, what), group,
         *q.stride(), kb, kt, kh, kd, vb, vt, vh, vd, *out.stride(), *bt_strides, *scale_strides,
         HEAD_DIM=head_dim, D_PAD=d_pad, BLOCK_M=bm, BLOCK_N=bn, BLOCK_SIZE=block_size, PAGED=paged,
-        PRECISION=dot_precision(q.dtype), QUANT=quant, num_warps=num_warps,
+        PRECISION=dot_precision(q.dtype), QUANT=quant, SOFTCAP=capped, SINKS=sunk, num_warps=num_warps,
         num_stages=num_stages)
     return out
 
@@ -204,13 +210,16 @@ def flash_varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
                            scale: float, *, sliding_window: int | None = None,
                            max_seqlen: int | None = None, first_seq: int = 0,
                            out: torch.Tensor | None = None, block_m: int | None = None,
-                           block_n: int | None = None) -> torch.Tensor:
+                           block_n: int | None = None, softcap: float | None = None,
+                           sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Causal self-attention of packed sequences: q [T, H, D], k, v [T, Hkv, D] -> [T, H, D].
 
     Sequence ``b`` is rows ``cu_seqlens[b] : cu_seqlens[b+1]`` (int32 [B+1]) of
     q, k and v. Sequences before ``first_seq`` are left alone (their rows of
     ``out`` are not written). ``max_seqlen`` (a host int) spares a device sync;
-    ``block_m`` / ``block_n`` override the tile sizes (powers of two >= 16).
+    ``block_m`` / ``block_n`` override the tile sizes (powers of two >= 16). ``softcap``: scores
+    soft-capped, ``softcap * tanh(s / softcap)``; ``sinks`` [H]: one logit per query head joined to
+    the softmax denominator (attention sinks).
     """
     what = "flash_varlen_attention"
     check_query(q, what)
@@ -220,7 +229,7 @@ def flash_varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
         raise ValueError(f"{what}: k and v must be [T={q.shape[0]}, num_kv_heads, head_dim], got {tuple(k.shape)}")
     out = output_for(q, out, what)
     return _launch(q, k, v, out, cu_seqlens, cu_seqlens, cu_seqlens, scale, sliding_window, max_seqlen,
-                   first_seq, block_m, block_n, False, what)
+                   first_seq, block_m, block_n, False, what, softcap=softcap, sinks=sinks)
 
 
 def flash_prefill_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -229,7 +238,8 @@ def flash_prefill_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
                                max_query_len: int | None = None, first_seq: int = 0,
                                out: torch.Tensor | None = None, block_m: int | None = None,
                                block_n: int | None = None, k_scale: torch.Tensor | None = None,
-                               v_scale: torch.Tensor | None = None) -> torch.Tensor:
+                               v_scale: torch.Tensor | None = None, softcap: float | None = None,
+                               sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Queries over their whole cached context: q [T, H, D] -> [T, H, D].
 
     k_cache, v_cache: [num_blocks, block_size, Hkv, D], already holding every
@@ -238,7 +248,8 @@ def flash_prefill_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     cu_query_lens[b+1]`` are the last positions of sequence ``b``. Only
     sequences ``first_seq..B-1`` are computed (earlier rows of ``out`` are
     left alone: the decode kernel owns them). ``k_scale`` / ``v_scale`` ([num_blocks,
-    block_size, Hkv] float32) mark int8 / float8_e4m3fn caches.
+    block_size, Hkv] float32) mark int8 / float8_e4m3fn caches. ``softcap`` and ``sinks``: as
+    ``flash_varlen_attention``'s.
     """
     what = "flash_prefill_with_kvcache"
     check_query(q, what)
@@ -254,4 +265,4 @@ def flash_prefill_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
                          f"got {cu_query_lens.shape[0]}")
     out = output_for(q, out, what)
     return _launch(q, k_cache, v_cache, out, cu_query_lens, seq_lens, block_tables, scale, sliding_window,
-                   max_query_len, first_seq, block_m, block_n, True, what, k_scale, v_scale)
+                   max_query_len, first_seq, block_m, block_n, True, what, k_scale, v_scale, softcap, sinks)

@@ -34,6 +34,7 @@ from lmplug_attention.sdpa import KV_DTYPES
 from pydantic import Field, field_validator
 
 from lmplug.api import (
+    ATTENTION_SINKS,
     LAYER_SCALES,
     LAYER_WINDOWS,
     LOGIT_SOFTCAP,
@@ -152,10 +153,10 @@ class PagedAttention(AttentionBackend, extras.NativeDecode, extras.ShortQueries)
         devices=frozenset({"cpu", "cuda"}),
         kv_layouts=frozenset({"paged"}),
         # tree_attention: not the Triton kernels (``features_for``); on CPU the
-        # native kernel reads trees as masked decode rows, else the PyTorch prefill path masks them
-        # logit_softcap: the PyTorch path only (``features_for``; the C decode kernel is skipped
-        # for a soft-capped model)
-        features=frozenset({"sliding_window", "tree_attention", LAYER_WINDOWS, LAYER_SCALES, LOGIT_SOFTCAP}),
+        # native kernel reads trees as masked decode rows, else the PyTorch prefill path masks them.
+        # Soft-caps, sinks, windows and scales per layer: every path (Triton, C, PyTorch)
+        features=frozenset({"sliding_window", "tree_attention", LAYER_WINDOWS, LAYER_SCALES, LOGIT_SOFTCAP,
+                            ATTENTION_SINKS}),
         kv_dtypes=KV_DTYPES,
         priority=20,  # above sdpa, which reads the paged layout too but gathers per sequence
     )
@@ -187,8 +188,7 @@ class PagedAttention(AttentionBackend, extras.NativeDecode, extras.ShortQueries)
         cache = kv.k_cache
         ops = self.ops(cache.device)
         plain_cpu = ops.cpu_decode is not None and not kv.quantized  # paged_cpu / paged_native decode
-        native = (plain_cpu and ops.native is not None and cache.dtype in ops.native.dtypes
-                  and not self._softcapped)
+        native = plain_cpu and ops.native is not None and cache.dtype in ops.native.dtypes
         rows = self._decode_rows(ctx, ops, trees=native)
         meta = PagedStepMetadata(ops, rows, prefill_args=self._prefill_args(ctx, rows, cache.device))
         if rows.num_tokens and native:
@@ -216,29 +216,30 @@ class PagedAttention(AttentionBackend, extras.NativeDecode, extras.ShortQueries)
                                            self.scale, self.sliding_window, "attention paged")
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                kv: KVLayerView, ctx: StepContext) -> torch.Tensor:
+                kv: KVLayerView, ctx: StepContext, sinks: torch.Tensor | None = None) -> torch.Tensor:
         meta: PagedStepMetadata = ctx.metadata_for(self, kv)
         spec = self.layer_attention(layer)
         scales = {"k_scale": kv.k_scale, "v_scale": kv.v_scale} if kv.quantized else {}
+        # the layer's soft-cap and sinks, for every op (the PyTorch, Triton and C paths all take them)
+        features = {"softcap": spec.softcap, "sinks": sinks}
         meta.ops.write(k, v, kv.k_cache, kv.v_cache, ctx.slot_mapping, **scales)
         out = torch.empty_like(q)
         t = meta.rows.num_tokens  # query rows [0, t) read as decode rows, the rest prefill
         if t:
-            self._decode(meta, q[:t], kv, out[:t], scales, spec)
+            self._decode(meta, q[:t], kv, out[:t], scales, spec, features)
         if meta.prefill_args is not None:
-            capped = {"softcap": spec.softcap} if spec.softcap is not None else {}
             meta.ops.prefill(q[t:], kv.k_cache, kv.v_cache, scale=spec.scale, out=out[t:], **scales,
-                             **{**meta.prefill_args, "sliding_window": spec.sliding_window}, **capped)
+                             **{**meta.prefill_args, "sliding_window": spec.sliding_window}, **features)
         return out
 
     def _decode(self, meta: PagedStepMetadata, q: torch.Tensor, kv: KVLayerView, out: torch.Tensor,
-                scales: dict, spec) -> None:
+                scales: dict, spec, features: dict) -> None:
         """The decode rows: the C kernel or ``paged_cpu`` (plain KV on CPU), else ``ops.decode``."""
-        window, capped = spec.sliding_window, ({"softcap": spec.softcap} if spec.softcap is not None else {})
+        window = spec.sliding_window
         if meta.native_batch is not None:
             target = out if out.is_contiguous() else torch.empty(out.shape, dtype=out.dtype)
             meta.ops.native.decode(q.contiguous(), kv.k_cache, kv.v_cache, meta.native_batch, spec.scale,
-                                   window, target)
+                                   window, target, **features)
             if target is not out:
                 out.copy_(target)
         elif meta.cpu_index is not None:
@@ -246,16 +247,12 @@ class PagedAttention(AttentionBackend, extras.NativeDecode, extras.ShortQueries)
             if index is None:
                 index = meta.cpu_by_window[window] = self._cpu_index(meta, kv.k_cache, window)
             meta.ops.cpu_decode.paged_decode_attention_cpu(q, kv.k_cache, kv.v_cache, index, spec.scale, out=out,
-                                                           **capped)
+                                                           **features)
         else:
             rows = meta.rows
             meta.ops.decode(q, kv.k_cache, kv.v_cache, rows.block_tables, rows.seq_lens, spec.scale,
                             sliding_window=window, max_seq_len=max(rows.seq_lens_cpu), out=out,
-                            **scales, **capped)
-
-    @property
-    def _softcapped(self) -> bool:
-        return any(spec.softcap is not None for spec in self.layers)
+                            **scales, **features)
 
     def _decode_rows(self, ctx: StepContext, ops: SimpleNamespace, trees: bool) -> QueryRows:
         """The step's rows for the decode call: on CPU every query token of the leading short
@@ -290,10 +287,10 @@ class PagedAttention(AttentionBackend, extras.NativeDecode, extras.ShortQueries)
 
     @classmethod
     def features_for(cls, options: PagedAttentionOptions, device: str) -> frozenset[str]:
-        """No "tree_attention" nor "logit_softcap" where the Triton kernels run (CUDA, or
-        ``kernels: triton``): tree masks and soft-caps are applied by the PyTorch path only."""
+        """No "tree_attention" where the Triton kernels run (CUDA, or ``kernels: triton``): tree
+        masks are applied by the PyTorch path only."""
         torch_path = options.kernels == "torch" or (options.kernels == "auto" and device != "cuda")
-        return cls.capabilities.features - (set() if torch_path else {"tree_attention", LOGIT_SOFTCAP})
+        return cls.capabilities.features - (set() if torch_path else {"tree_attention"})
 
     def _tree_args(self, ctx: StepContext, n: int, device: torch.device) -> dict:
         """``ctx.query_masks`` renumbered for the prefill call over sequences ``n:`` (trees never

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from lmplug_attention.prefill_ref import sink_softmax
 
 from lmplug.kit.kv_layout import kv_slots
 
@@ -51,9 +52,10 @@ def decode_index(block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size:
 
 def paged_decode_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                index: DecodeIndex, scale: float, out: torch.Tensor | None = None,
-                               softcap: float | None = None) -> torch.Tensor:
+                               softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """q [B, H, D], caches [N, block_size, Hkv, D], ``index`` from ``decode_index`` -> [B, H, D];
-    scores soft-capped, ``softcap * tanh(s / softcap)``, where ``softcap`` is given."""
+    scores soft-capped, ``softcap * tanh(s / softcap)``, where ``softcap`` is given; ``sinks`` [H]:
+    one logit per query head in each row's softmax denominator (``prefill_ref.sink_softmax``)."""
     batch, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     k = F.embedding(index.rows, k_cache.view(-1, head_dim))  # [B, Hkv, S, D], contiguous
@@ -64,7 +66,8 @@ def paged_decode_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     if softcap is not None:
         scores = torch.tanh(scores / softcap).mul_(softcap)
     scores.masked_fill_(~index.valid[:, None, None, :], float("-inf"))
-    probs = torch.softmax(scores, dim=-1).to(v.dtype)
+    sink = None if sinks is None else sinks.view(1, num_kv_heads, -1, 1)
+    probs = sink_softmax(scores, sink).to(v.dtype)
     result = torch.matmul(probs, v).reshape(batch, num_heads, head_dim)
     if out is None:
         return result

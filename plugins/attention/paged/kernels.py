@@ -55,14 +55,17 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            sliding_window: int | None = None, max_seq_len: int | None = None,
                            partition_size: int | None = None, out: torch.Tensor | None = None,
                            k_scale: torch.Tensor | None = None,
-                           v_scale: torch.Tensor | None = None) -> torch.Tensor:
+                           v_scale: torch.Tensor | None = None, softcap: float | None = None,
+                           sinks: torch.Tensor | None = None) -> torch.Tensor:
     """q [B, H, D], block_tables [B, max_blocks] int32, seq_lens [B] int32 (each >= 1) -> [B, H, D].
 
     ``partition_size`` forces split-K with partitions of that many tokens (a
     power of two >= 16), 0 forbids it, ``None`` decides from the batch and
     context size. ``max_seq_len`` (host int) spares a device sync. ``out``
     ([B, H, D], q's dtype) receives the result when given. ``k_scale`` / ``v_scale``
-    ([num_blocks, block_size, Hkv] float32) mark int8 / float8_e4m3fn caches.
+    ([num_blocks, block_size, Hkv] float32) mark int8 / float8_e4m3fn caches. ``softcap``: scores
+    soft-capped, ``softcap * tanh(s / softcap)``; ``sinks`` [H]: one logit per query head joined to
+    the softmax denominator (attention sinks).
     """
     what = "paged_decode_attention"
     check_decode(q, k_cache, v_cache, block_tables, seq_lens, k_scale, v_scale, what)
@@ -75,4 +78,4 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     if q.shape[0] == 0:
         return out
     return launch_decode(q, k_cache, v_cache, block_tables, seq_lens, scale, window, splits, partition,
-                         block_n, out, k_scale, v_scale)
+                         block_n, out, k_scale, v_scale, softcap, sinks)

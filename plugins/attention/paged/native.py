@@ -46,9 +46,9 @@ FLAGS = ("-O3", "-march=native", "-shared", "-fPIC", "-pthread")
 _SYMBOLS = {torch.float32: "paged_decode_f32", torch.bfloat16: "paged_decode_bf16",
             torch.float16: "paged_decode_f16"}
 # q, k_cache, v_cache, block_tables, bt_stride, seq_lens, mask_starts, masks, out, B, H, Hkv, D,
-# block_size, scale, window, num_threads (csrc/paged_decode_cpu.c, DECODE_ARGS)
+# block_size, scale, window, softcap, sinks, num_threads (csrc/paged_decode_cpu.c, DECODE_ARGS)
 _ARGTYPES = [ctypes.c_void_p] * 4 + [ctypes.c_int64] + [ctypes.c_void_p] * 4 + \
-    [ctypes.c_int] * 5 + [ctypes.c_float, ctypes.c_int, ctypes.c_int]
+    [ctypes.c_int] * 5 + [ctypes.c_float, ctypes.c_int, ctypes.c_float, ctypes.c_void_p, ctypes.c_int]
 MAX_MASK_SPAN = 64  # positions [mask_start, seq_len) one uint64 mask covers
 _WHAT = "paged native decode"
 
@@ -173,10 +173,13 @@ class NativeKernel:
 
     def decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: Prepared,
                scale: float, sliding_window: int | None, out: torch.Tensor,
-               num_threads: int | None = None) -> torch.Tensor:
+               num_threads: int | None = None, softcap: float | None = None,
+               sinks: torch.Tensor | None = None) -> torch.Tensor:
         """q, out [B, H, D]; caches [num_blocks, block_size, Hkv, D]: one call of the kernel (tree
-        masks: ``batch``'s, checked by ``prepare``)."""
+        masks: ``batch``'s, checked by ``prepare``); scores soft-capped at ``softcap``, ``sinks``
+        [H] (one logit per query head) in each row's softmax denominator, where given."""
         fn = self._function(q, k_cache, v_cache, out)
+        sinks = _sinks_arg(softcap, sinks, q.shape[1])
         mask_starts, masks = batch.mask_starts, batch.masks
         _, block_size, num_kv_heads, head_dim = k_cache.shape
         size, num_heads, _ = q.shape
@@ -190,7 +193,7 @@ class NativeKernel:
                     None if mask_starts is None else mask_starts.data_ptr(),
                     None if masks is None else masks.data_ptr(), out.data_ptr(), size,
                     num_heads, num_kv_heads, head_dim, block_size, scale, sliding_window or 0,
-                    max(1, threads))
+                    softcap or 0.0, None if sinks is None else sinks.data_ptr(), max(1, threads))
         if status != 0:
             raise MemoryError(f"{_WHAT}: the kernel could not allocate its scratch memory")
         return out
@@ -217,17 +220,31 @@ class NativeKernel:
                              f"{sorted(str(d) for d in self.dtypes)}")
         return fn
 
+def _sinks_arg(softcap: float | None, sinks: torch.Tensor | None, num_heads: int) -> torch.Tensor | None:
+    """``sinks`` as the kernel reads them (contiguous float32 CPU [H]), ``softcap`` checked."""
+    if softcap is not None and not softcap > 0:
+        raise ValueError(f"{_WHAT}: softcap must be None or > 0, got {softcap!r}")
+    if sinks is None:
+        return None
+    if sinks.shape != (num_heads,) or sinks.device.type != "cpu" or not sinks.is_floating_point():
+        raise ValueError(f"{_WHAT}: sinks must be a float CPU tensor [num_heads={num_heads}], got "
+                         f"{sinks.dtype} {tuple(sinks.shape)} on {sinks.device}")
+    return sinks.to(torch.float32).contiguous()
+
+
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float, *,
                            sliding_window: int | None = None, max_seq_len: int | None = None,
                            partition_size: int | None = None, out: torch.Tensor | None = None,
                            k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
                            num_threads: int | None = None, mask_starts: torch.Tensor | None = None,
-                           masks: torch.Tensor | None = None) -> torch.Tensor:
+                           masks: torch.Tensor | None = None, softcap: float | None = None,
+                           sinks: torch.Tensor | None = None) -> torch.Tensor:
     """``decode_ref.decode_attention`` in C: q [B, H, D], block_tables [B, max_blocks],
     seq_lens [B] -> [B, H, D] (into ``out`` when given). ``max_seq_len`` and ``partition_size``
     are accepted for parity and not needed; ``num_threads`` defaults to ``torch.get_num_threads()``.
     ``mask_starts`` int32 [B] and ``masks`` int64 [B]: per-row tree masks (module docstring).
+    ``softcap`` and ``sinks``: as the reference's.
     """
     if k_scale is not None or v_scale is not None:
         raise ValueError(f"{_WHAT}: quantized KV caches are not supported (they take the PyTorch path)")
@@ -239,9 +256,9 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                     masks=masks)
     q = q.contiguous()
     if out is not None and out.is_contiguous():
-        return kernel.decode(q, k_cache, v_cache, batch, scale, sliding_window, out, num_threads)
+        return kernel.decode(q, k_cache, v_cache, batch, scale, sliding_window, out, num_threads, softcap, sinks)
     result = kernel.decode(q, k_cache, v_cache, batch, scale, sliding_window,
-                           torch.empty(q.shape, dtype=q.dtype, device=q.device), num_threads)
+                           torch.empty(q.shape, dtype=q.dtype, device=q.device), num_threads, softcap, sinks)
     return result if out is None else out.copy_(result)
 
 class _StepAttention(ctypes.Structure):

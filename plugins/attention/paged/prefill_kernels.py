@@ -31,6 +31,8 @@ from lmplug_attention.attn_ops import (
     check_kv,
     check_query,
     dot_precision,
+    feature_args,
+    fold_sinks,
     head_dim_pad,
     output_for,
     softmax_state,
@@ -69,8 +71,8 @@ def prefill_config(d_pad: int, dtype: torch.dtype, cap: tuple[int, int] | None =
 @triton.jit
 def _paged_prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, cu_query_lens_ptr, out_ptr,
-    k_scale_ptr, v_scale_ptr,
-    qk_scale, sliding_window, num_queries_per_kv, head_dim,
+    k_scale_ptr, v_scale_ptr, sinks_ptr,
+    qk_scale, softcap, sliding_window, num_queries_per_kv, head_dim,
     stride_qt, stride_qh, stride_qd,
     stride_kb, stride_kt, stride_kh, stride_kd,
     stride_vb, stride_vt, stride_vh, stride_vd,
@@ -78,7 +80,8 @@ def _paged_prefill_kernel(
     stride_ot, stride_oh, stride_od,
     stride_sb, stride_st, stride_sh,
     BLOCK_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr, G_PAD: tl.constexpr, TILE: tl.constexpr,
-    D_PAD: tl.constexpr, DOT_PRECISION: tl.constexpr, QUANT: tl.constexpr,
+    D_PAD: tl.constexpr, DOT_PRECISION: tl.constexpr, QUANT: tl.constexpr, SOFTCAP: tl.constexpr,
+    SINKS: tl.constexpr,
 ):
     q_block = tl.program_id(0)
     seq = tl.program_id(1)
@@ -110,11 +113,12 @@ def _paged_prefill_kernel(
     hi = tl.minimum(context_len + (q_block + 1) * BLOCK_Q, seq_len)
     lo = tl.maximum(context_len + q_block * BLOCK_Q - sliding_window + 1, 0)
     acc, l_i, m_i = attend_tiles(
-        acc, l_i, m_i, q, q_pos, lo // TILE, tl.cdiv(hi, TILE), lo, hi, sliding_window, qk_scale,
+        acc, l_i, m_i, q, q_pos, lo // TILE, tl.cdiv(hi, TILE), lo, hi, sliding_window, qk_scale, softcap,
         k_cache_ptr, v_cache_ptr, table_ptr, stride_btn, 0, kv_head, offs_d, d_mask,
         stride_kb, stride_kt, stride_kh, stride_kd, stride_vb, stride_vt, stride_vh, stride_vd,
         k_scale_ptr, v_scale_ptr, stride_sb, stride_st, stride_sh,
-        TILE, BLOCK_SIZE, True, True, DOT_PRECISION, QUANT)
+        TILE, BLOCK_SIZE, True, True, DOT_PRECISION, QUANT, SOFTCAP)
+    l_i = fold_sinks(l_i, m_i, sinks_ptr, head, row_mask, SINKS)
 
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     out_ptrs = out_ptr + q_rows[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :] * stride_od
@@ -142,17 +146,21 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
                             seq_lens: torch.Tensor, scale: float, *, sliding_window: int | None = None,
                             max_query_len: int | None = None, out: torch.Tensor | None = None,
                             k_scale: torch.Tensor | None = None,
-                            v_scale: torch.Tensor | None = None) -> torch.Tensor:
+                            v_scale: torch.Tensor | None = None, softcap: float | None = None,
+                            sinks: torch.Tensor | None = None) -> torch.Tensor:
     """q [T, H, D] (sequences back to back), cu_query_lens [B+1] int32, seq_lens [B] int32 -> [T, H, D].
 
     ``max_query_len`` (host int) spares a device sync; ``out`` (like q) receives the result when given;
-    ``k_scale`` / ``v_scale`` ([num_blocks, block_size, Hkv] float32) mark quantized caches.
+    ``k_scale`` / ``v_scale`` ([num_blocks, block_size, Hkv] float32) mark quantized caches;
+    ``softcap``: scores soft-capped, ``softcap * tanh(s / softcap)``; ``sinks`` [H]: one logit per
+    query head joined to every row's softmax denominator (attention sinks).
     """
     what = "paged_prefill_attention"
     _check(q, k_cache, v_cache, block_tables, cu_query_lens, seq_lens, k_scale, v_scale, what)
     window = window_arg(sliding_window, what)
     out = output_for(q, out, what)
     _, num_heads, head_dim = q.shape
+    cap, sinks, capped, sunk = feature_args(softcap, sinks, num_heads, q.device, what)
     _, block_size, num_kv_heads, _ = k_cache.shape
     num_seqs = seq_lens.shape[0]
     if num_seqs == 0 or q.shape[0] == 0:
@@ -166,10 +174,11 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     block_q = max(1, rows // g_pad)
     k_cache, v_cache, scale_ptrs, scale_strides, quant = quant_args(k_cache, v_cache, k_scale, v_scale)
     _paged_prefill_kernel[(triton.cdiv(max_query_len, block_q), num_seqs, num_kv_heads)](
-        q, k_cache, v_cache, block_tables, seq_lens, cu_query_lens, out, *scale_ptrs,
-        scale * LOG2E, window, group, head_dim,
+        q, k_cache, v_cache, block_tables, seq_lens, cu_query_lens, out, *scale_ptrs, sinks if sunk else q,
+        scale * LOG2E, cap, window, group, head_dim,
         *q.stride(), *k_cache.stride(), *v_cache.stride(), *block_tables.stride(), *out.stride(),
         *scale_strides, BLOCK_SIZE=block_size, BLOCK_Q=block_q, G_PAD=g_pad, TILE=tile,
-        D_PAD=d_pad, DOT_PRECISION=dot_precision(q.dtype), QUANT=quant, num_warps=num_warps,
+        D_PAD=d_pad, DOT_PRECISION=dot_precision(q.dtype), QUANT=quant, SOFTCAP=capped, SINKS=sunk,
+        num_warps=num_warps,
         num_stages=num_stages)
     return out

@@ -26,6 +26,8 @@ INTERPRETER_SPECS = [
     "custom_scale",
     "sliding_window_mixed",
     "layer_window_mixed",
+    "softcap_mixed",
+    "layer_softcap_window_decode",
 ]
 TRITON_SPECS = None if torch.cuda.is_available() else INTERPRETER_SPECS
 
@@ -44,8 +46,8 @@ class TestPagedAttentionTorch(AttentionConformance):
 class TestPagedAttentionTriton(AttentionConformance):
     backend = "paged"
     options = {"kernels": "triton"}
-    # what the Triton kernels give (``PagedAttention.features_for``): no tree masks, no soft-caps
-    features = ("sliding_window", "layer_windows", "layer_scales")
+    # what the Triton kernels give (``PagedAttention.features_for``): no tree masks
+    features = ("sliding_window", "layer_windows", "layer_scales", "logit_softcap", "attention_sinks")
     specs = TRITON_SPECS
     skip_bf16_under_triton_interpreter = True
 

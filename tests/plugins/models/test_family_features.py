@@ -49,28 +49,77 @@ def _tiny(tmp_path, **config):
     return str(tmp_path)
 
 
-def test_softcapped_gemma2_on_triton_paged_is_refused_naming_feature_and_alternative(tmp_path):
+@pytest.fixture
+def plain_attention(request):
+    """A third-party attention backend, ``plain_attn``, registered in-process, with the features
+    the test's parameter names (default: one window per model, none of the per-layer ones)."""
+    import types
+
+    from lmplug_attention.sdpa import SdpaAttention
+
+    from lmplug.api import Capabilities, hookimpl
+    from lmplug.plugins import get_registry, reset_registry
+
+    class PlainAttention(SdpaAttention):
+        name = "plain_attn"
+        capabilities = Capabilities(devices=frozenset({"cpu"}), kv_layouts=frozenset({"contiguous", "paged"}),
+                                    features=frozenset(getattr(request, "param", {"sliding_window"})),
+                                    priority=1)
+
+    plugin = types.SimpleNamespace(LMPLUG_API_VERSION=3)
+    plugin.lmplug_register_attention_backends = hookimpl(specname="lmplug_register_attention_backends")(
+        lambda: [PlainAttention])
+    assert get_registry().register(plugin, name="plain-attention", distribution="plain-attn 0.1")
+    yield "plain_attn"
+    reset_registry()  # forget it: the cached backend tables included it
+
+
+@pytest.mark.parametrize("plain_attention", [{"sliding_window", LAYER_WINDOWS, LAYER_SCALES}], indirect=True)
+
+def test_softcapped_gemma2_on_a_backend_without_softcap_is_refused_naming_feature_and_alternative(
+        tmp_path, plain_attention):
     from lmplug import LLM
 
     path = _tiny(tmp_path, model_type="gemma2", sliding_window=8, attn_logit_softcapping=50.0)
     with pytest.raises(ConfigError) as err:
-        LLM(path, device="cpu", dtype="float32", attention={"backend": "paged", "kernels": "triton"},
-            kvcache={"backend": "paged"})
+        LLM(path, device="cpu", dtype="float32", attention={"backend": plain_attention}, kvcache={"backend": "paged"})
     msg = str(err.value)
-    for part in ("'paged'", "'logit_softcap'", "gemma2", "attention-logit soft-capping at 50.0", "sdpa"):
+    for part in ("'plain_attn'", "plain-attention", "'logit_softcap'", "gemma2",
+                 "attention-logit soft-capping at 50.0", "e.g. `attention: ", "paged", "sdpa"):
         assert part in msg, msg
 
 
-def test_gemma3_windows_per_layer_refused_by_a_backend_without_them(tmp_path):
+def test_gemma3_windows_per_layer_refused_by_a_backend_without_them(tmp_path, plain_attention):
     from lmplug import LLM
 
     path = _tiny(tmp_path, model_type="gemma3_text", sliding_window=8,
                  layer_types=["sliding_attention", "full_attention"])
     with pytest.raises(ConfigError) as err:
-        LLM(path, device="cpu", dtype="float32", attention={"backend": "flash"})
+        LLM(path, device="cpu", dtype="float32", attention={"backend": plain_attention})
     msg = str(err.value)
-    for part in ("'flash'", "'layer_windows'", "gemma3_text", "sdpa"):
+    for part in ("'plain_attn'", "'layer_windows'", "gemma3_text", "flash", "paged", "sdpa"):
         assert part in msg, msg
+
+
+@pytest.mark.parametrize("options", [{"kernels": "torch"}, {"kernels": "torch", "cpu_kernel": "torch"},
+                                     {"kernels": "triton"}], ids=["native", "torch", "triton"])
+def test_softcapped_gemma2_runs_on_every_paged_path(tmp_path, options):
+    """Soft-caps and windows per layer on each path of ``paged`` (the C decode kernel, the PyTorch
+    decode, the Triton kernels under the interpreter): greedy tokens equal sdpa's."""
+    import os
+
+    from lmplug import LLM, SamplingParams
+
+    if options["kernels"] == "triton" and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("the Triton kernels on the CPU need TRITON_INTERPRET=1")
+    path = _tiny(tmp_path, model_type="gemma2", sliding_window=4, attn_logit_softcapping=2.0, query_pre_attn_scalar=8)
+    greedy = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    prompt = [[5, 6, 7, 8, 9, 10, 11]]
+    want = LLM(path, device="cpu", dtype="float32", max_model_len=64, attention={"backend": "sdpa"},
+               kvcache={"backend": "paged", "block_size": 2}).generate(prompt, greedy)[0].token_ids
+    got = LLM(path, device="cpu", dtype="float32", max_model_len=64, attention={"backend": "paged", **options},
+              kvcache={"backend": "paged", "block_size": 2}).generate(prompt, greedy)[0].token_ids
+    assert got == want
 
 
 def test_auto_attention_picks_a_backend_with_the_features(tmp_path, caplog):

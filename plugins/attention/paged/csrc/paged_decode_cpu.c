@@ -11,6 +11,10 @@
  * (mask_starts[b] >= 0: a speculative draft tree's node), the positions [0, mask_start), then
  * those p in [mask_start, len) whose bit p - mask_start of masks[b] is set, in increasing
  * order (len - mask_start <= 64). With a sliding window only the list's last `window` entries.
+ * Per layer (Gemma 2, GPT-OSS): softcap > 0 soft-caps every score, softcap * tanh(s / softcap)
+ * (tanh from exp_nonpos: no libm, the same bits on every path); sinks (NULL: none), float32 [H],
+ * one logit per query head whose exp joins the softmax denominator with no value, folded into
+ * the running max and sum once the last chunk is in.
  * The list is visited in chunks of CHUNK consecutive entries; scores are float32 and the
  * softmax is online (running max and sum per query head, the accumulator rescaled once per
  * chunk), V is accumulated in float32 and the output written once at the end. So a row's
@@ -341,6 +345,25 @@ static inline float softmax_update(float *sc, int n, float *max, float *sum) {
     return correction;
 }
 
+/* softcap * tanh(s / softcap) for the n scores at sc: tanh(|x|) = (1 - e) / (1 + e), e = exp(-2|x|) */
+static inline void cap_scores(float *sc, int n, float softcap) {
+    for (int i = 0; i < n; i++) {
+        const float x = sc[i] / softcap, e = exp_nonpos(-2.0f * fabsf(x));
+        sc[i] = softcap * copysignf((1.0f - e) / (1.0f + e), x);
+    }
+}
+
+/* the factor a row's accumulator is multiplied by for its output: 1 / sum, with the sink's
+ * exp(sink) joining the sum (rescaled to whichever of the running max and the sink is larger) */
+static inline float output_factor(float max, float sum, const float *sink) {
+    if (sink) {
+        if (*sink <= max) return 1.0f / (sum + exp_nonpos(*sink - max));
+        const float c = exp_nonpos(max - *sink); /* max = -inf (no position): c = 0, output 0 */
+        return c / (sum * c + 1.0f);
+    }
+    return sum > 0 ? 1.0f / sum : 0.0f;
+}
+
 typedef struct {
     const void *q, *k_cache, *v_cache;
     const int32_t *block_tables, *seq_lens, *mask_starts; /* mask_starts, masks: NULL or [B] */
@@ -348,7 +371,8 @@ typedef struct {
     void *out;
     int64_t bt_stride;
     int B, H, Hkv, D, block_size, window;
-    float scale;
+    float scale, softcap; /* softcap 0: none */
+    const float *sinks;   /* [H] or NULL */
     int first, last; /* this worker's tasks: [first, last) of B * Hkv */
     int status;
 } job_t;
@@ -462,6 +486,7 @@ static inline __attribute__((always_inline)) void attend(const job_t *j, int b, 
             }
         }
         for (int r = 0; r < R; r++) { /* online softmax update, over whole chunks */
+            if (j->softcap > 0) cap_scores(s->scores + r * CHUNK, n, j->softcap);
             const float correction = softmax_update(s->scores + r * CHUNK, n, &s->max[r], &s->sum[r]);
             if (correction != 1.0f) {
                 float *acc = s->acc + (size_t)r * D;
@@ -513,7 +538,8 @@ static inline __attribute__((always_inline)) void attend(const job_t *j, int b, 
             acc = s->rows;
         }
 #endif
-        store_row(oh + r * row_bytes, acc, s->sum[r] > 0 ? 1.0f / s->sum[r] : 0.0f, D, t);
+        const float *sink = j->sinks ? j->sinks + (size_t)h0 * G + r : NULL;
+        store_row(oh + r * row_bytes, acc, output_factor(s->max[r], s->sum[r], sink), D, t);
     }
 }
 
@@ -561,7 +587,7 @@ static int launch(void *(*worker)(void *), const void *q, const void *k_cache, c
                   const int32_t *block_tables, int64_t bt_stride, const int32_t *seq_lens,
                   const int32_t *mask_starts, const uint64_t *masks, void *out,
                   int B, int H, int Hkv, int D, int block_size, float scale, int window,
-                  int num_threads) {
+                  float softcap, const float *sinks, int num_threads) {
     const int tasks = B * Hkv;
     int workers = num_threads < tasks ? num_threads : tasks;
     if (workers > MAX_THREADS) workers = MAX_THREADS;
@@ -571,7 +597,7 @@ static int launch(void *(*worker)(void *), const void *q, const void *k_cache, c
     int started[MAX_THREADS] = {0};
     for (int w = 0; w < workers; w++) {
         jobs[w] = (job_t){q, k_cache, v_cache, block_tables, seq_lens, mask_starts, masks, out, bt_stride, B, H, Hkv, D,
-                          block_size, window, scale, (int)((int64_t)tasks * w / workers),
+                          block_size, window, scale, softcap, sinks, (int)((int64_t)tasks * w / workers),
                           (int)((int64_t)tasks * (w + 1) / workers), 0};
     }
     for (int w = 1; w < workers; w++) /* a thread that cannot start runs inline below */
@@ -593,10 +619,10 @@ static int launch(void *(*worker)(void *), const void *q, const void *k_cache, c
     const void *q, const void *k_cache, const void *v_cache, const int32_t *block_tables,        \
         int64_t bt_stride, const int32_t *seq_lens, const int32_t *mask_starts,                  \
         const uint64_t *masks, void *out, int B, int H, int Hkv, int D, int block_size,          \
-        float scale, int window, int num_threads
+        float scale, int window, float softcap, const float *sinks, int num_threads
 #define DECODE_CALL(worker)                                                                      \
     launch(worker, q, k_cache, v_cache, block_tables, bt_stride, seq_lens, mask_starts, masks, out, \
-           B, H, Hkv, D, block_size, scale, window, num_threads)
+           B, H, Hkv, D, block_size, scale, window, softcap, sinks, num_threads)
 
 EXPORT int paged_decode_f32(DECODE_ARGS) { return DECODE_CALL(run_f32); }
 EXPORT int paged_decode_bf16(DECODE_ARGS) { return DECODE_CALL(run_bf16); }
@@ -668,5 +694,5 @@ EXPORT int decode_step_attention(void *ctx, int64_t layer, const float *qkv, int
     }
     return launch(run_f32, s->q, kc, vc, s->block_tables, s->bt_stride, s->seq_lens, s->mask_starts, s->masks,
                   out, (int)s->rows, (int)s->H, (int)s->Hkv, (int)s->D, (int)s->block_size, s->scale, (int)s->window,
-                  s->rows < STEP_THREADS_MIN_ROWS ? 1 : threads);
+                  0.0f, NULL, s->rows < STEP_THREADS_MIN_ROWS ? 1 : threads);
 }
