@@ -17,6 +17,7 @@ from typing import Any, ClassVar
 import torch
 from lmplug_models.deepseek_v2 import DeepseekV2ForCausalLM
 from lmplug_models.gemma import GemmaForCausalLM, gemma_layers, gemma_options
+from lmplug_models.gemma4 import Gemma4ForCausalLM, gemma4_layers, gemma4_options
 from lmplug_models.llama import LlamaForCausalLM
 from lmplug_models.mamba2 import Mamba2ForCausalLM
 from lmplug_models.minimax import MiniMaxForCausalLM
@@ -209,6 +210,28 @@ class GemmaArchitecture(_Native):
         return dataclasses.replace(super().cache_layout(model_config), scale=layers[0].scale, layers=layers)
 
 
+class Gemma4Architecture(_Native):
+    """Gemma 4 text, dense and MoE: sliding and full layers of different head sizes and KV heads,
+    so the KV cache stores each layer at its own shape (``CacheLayout.layer_shapes``). One
+    process (no tensor parallelism yet)."""
+
+    name = "gemma4"
+    module = Gemma4ForCausalLM
+    model_types = ("gemma4_text",)
+    capabilities = _caps()
+
+    def parse_config(self, hf_config: Mapping[str, Any], where: str) -> ModelConfig:
+        config = _parsed(hf_config, where, tied=True, sliding_window=None)
+        opts = gemma4_options(config, where)
+        return dataclasses.replace(config, hidden_act=opts.activation)
+
+    def cache_layout(self, model_config: ModelConfig) -> CacheLayout:
+        opts = gemma4_options(model_config)
+        heads, dim = opts.shapes[0]
+        return CacheLayout(heads, dim, 1.0, layers=gemma4_layers(opts),
+                           layer_shapes=opts.shapes if len(set(opts.shapes)) > 1 else ())
+
+
 class SmolLM3Architecture(_Native):
     """SmolLM3: Llama with no RoPE in every fourth layer (``no_rope_layers``)."""
 
@@ -271,6 +294,5 @@ class Phi3Architecture(_Native):
 
 FIRST_PARTY: tuple[type[Architecture], ...] = (
     LlamaArchitecture, MoEArchitecture, DeepseekV2Architecture, Mamba2Architecture,
-    MiniMaxArchitecture, Qwen3NextArchitecture, GemmaArchitecture, SmolLM3Architecture,
-    Olmo2Architecture, GraniteArchitecture, Phi3Architecture,
+    MiniMaxArchitecture, Qwen3NextArchitecture, GemmaArchitecture, Gemma4Architecture, SmolLM3Architecture, Olmo2Architecture, GraniteArchitecture, Phi3Architecture,
 )
