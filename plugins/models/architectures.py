@@ -17,6 +17,7 @@ from typing import Any, ClassVar
 import torch
 from lmplug_models.deepseek_v2 import DeepseekV2ForCausalLM
 from lmplug_models.gemma import GemmaForCausalLM, gemma_layers, gemma_options
+from lmplug_models.diffusion_gemma import DiffusionGemmaForBlockDiffusion, diffusion_layers, diffusion_text_config
 from lmplug_models.gemma4 import Gemma4ForCausalLM, gemma4_layers, gemma4_options
 from lmplug_models.llama import LlamaForCausalLM
 from lmplug_models.mamba2 import Mamba2ForCausalLM
@@ -232,6 +233,26 @@ class Gemma4Architecture(_Native):
                            layer_shapes=opts.shapes if len(set(opts.shapes)) > 1 else ())
 
 
+class DiffusionGemmaArchitecture(_Native):
+    """DiffusionGemma (block diffusion): a Gemma 4 MoE backbone run as a causal encoder, the only
+    writer of the KV cache, and a bidirectional denoising decoder over each canvas; generation is
+    the ``lmplug.diffusion`` select stage's. Text only (the vision tower is not loaded)."""
+
+    name = "diffusion_gemma"
+    module = DiffusionGemmaForBlockDiffusion
+    model_types = ("diffusion_gemma",)
+    capabilities = _caps()
+
+    def parse_config(self, hf_config: Mapping[str, Any], where: str) -> ModelConfig:
+        config = _parsed(diffusion_text_config(dict(hf_config), where), where, tied=True, sliding_window=None)
+        return dataclasses.replace(config, hidden_act=gemma4_options(config, where).activation)
+
+    def cache_layout(self, model_config: ModelConfig) -> CacheLayout:
+        shapes = gemma4_options(model_config).shapes
+        return CacheLayout(*shapes[0], 1.0, layers=diffusion_layers(model_config),
+                           layer_shapes=shapes if len(set(shapes)) > 1 else ())
+
+
 class SmolLM3Architecture(_Native):
     """SmolLM3: Llama with no RoPE in every fourth layer (``no_rope_layers``)."""
 
@@ -294,5 +315,6 @@ class Phi3Architecture(_Native):
 
 FIRST_PARTY: tuple[type[Architecture], ...] = (
     LlamaArchitecture, MoEArchitecture, DeepseekV2Architecture, Mamba2Architecture,
-    MiniMaxArchitecture, Qwen3NextArchitecture, GemmaArchitecture, Gemma4Architecture, SmolLM3Architecture, Olmo2Architecture, GraniteArchitecture, Phi3Architecture,
+    MiniMaxArchitecture, Qwen3NextArchitecture, GemmaArchitecture, Gemma4Architecture,
+    DiffusionGemmaArchitecture, SmolLM3Architecture, Olmo2Architecture, GraniteArchitecture, Phi3Architecture,
 )
