@@ -60,17 +60,17 @@ class DenoisingStage:
         """Refuse a denoising request to another model, and on a block-diffusion model any
         autoregressive option (named) or a canvas other than the model's."""
         if not self.diffusion:
-            raise ConfigError(f"denoising: model {self.model_name!r} is not a block-diffusion model (no canvas "
+            raise ConfigError(f"SamplingParams.denoising: model {self.model_name!r} is not a block-diffusion model (no canvas "
                               "to denoise); remove `denoising` or serve a DiffusionGemma checkpoint")
         for name, neutral in _AUTOREGRESSIVE.items():
             value = getattr(params, name)
             if value not in (neutral if isinstance(neutral, tuple) else (neutral,)):
-                raise ConfigError(f"{name}={value!r} is not an option of block-diffusion denoising (model "
+                raise ConfigError(f"SamplingParams.{name}={value!r} is not an option of block-diffusion denoising (model "
                                   f"{self.model_name!r}): its draws are set by `denoising` (max_denoising_steps, "
                                   "t_min, t_max, entropy_bound, stability_threshold, confidence_threshold)")
         denoising = params.denoising or DenoisingParams()
         if denoising.canvas_length not in (None, self.canvas_length):
-            raise ConfigError(f"denoising.canvas_length={denoising.canvas_length} is out of range: model "
+            raise ConfigError(f"SamplingParams.denoising.canvas_length={denoising.canvas_length} is out of range: model "
                               f"{self.model_name!r} denoises canvases of {self.canvas_length} tokens (config.json "
                               "canvas_length); leave it unset")
         if self.canvas_length > self.max_num_batched_tokens:
