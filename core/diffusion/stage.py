@@ -19,6 +19,8 @@ sequence (every request to such a model is this stage's):
    writes their K/V, and the step that catches up starts the next canvas.
 
 A row the scheduler cut short of the whole canvas (the token budget) denoises nothing that step.
+A sequence preempted (recomputed) keeps its canvas here; its catch-up after the recompute does
+not start another.
 """
 
 from __future__ import annotations
@@ -121,6 +123,8 @@ class DenoisingStage:
     def _advance(self, seq: Sequence, logits: torch.Tensor) -> list[int]:
         planned = self._planned.get(seq.seq_id)
         if planned is None:  # an encoder pass caught up (the prompt, or a committed canvas)
+            if seq.seq_id in self._canvases:  # recomputed after a preemption: its canvas goes on
+                return []
             if seq.num_tokens + self.canvas_length > self.max_model_len:
                 seq.finish("length")
                 return []

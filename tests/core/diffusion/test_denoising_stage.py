@@ -121,3 +121,16 @@ def test_bad_requests_are_refused_naming_the_option(tiny, tmp_path):
     plain = LLM(str(tmp_path), dtype="float32", device="cpu", max_model_len=64)
     with pytest.raises(ConfigError, match="denoising.*not a block-diffusion model"):
         plain.generate([prompt], SamplingParams(denoising={"max_denoising_steps": 4}))
+
+
+@pytest.mark.slow
+def test_preemption_in_a_tiny_pool_keeps_the_tokens(tiny):
+    """Four requests in a pool of 12 blocks of 4 tokens: sequences are preempted (recomputed)
+    between canvases and mid-denoising; each output equals its run alone."""
+    path, _ = tiny
+    prompts = [prompt_of(14, 40 + i) for i in range(4)]
+    small = llm_of(path, kvcache={"backend": "paged", "block_size": 4, "num_blocks": 12})
+    got = [o.token_ids for o in small.generate(prompts, [params(i, 12) for i in range(4)])]
+    assert small.engine.scheduler.num_preemptions > 0
+    alone = llm_of(path)
+    assert got == [alone.generate([p], params(i, 12))[0].token_ids for i, p in enumerate(prompts)]
