@@ -191,6 +191,18 @@ def _parsed(hf_config: Mapping[str, Any], where: str, tied: bool = False, **chan
     return dataclasses.replace(config, **changes) if changes else config
 
 
+def _gemma_parsed(hf_config: Mapping[str, Any], where: str, read_options) -> ModelConfig:
+    """A Gemma family's ``ModelConfig``: tied embeddings by default, no model-wide window (each
+    layer's is its ``LayerAttention``'s), the activation its options read (``read_options``)."""
+    config = _parsed(hf_config, where, tied=True, sliding_window=None)
+    return dataclasses.replace(config, hidden_act=read_options(config, where).activation)
+
+
+def _shaped_layout(shapes: tuple[tuple[int, int], ...], layers: tuple) -> CacheLayout:
+    """Attention scale 1.0 (Gemma 4's q/k norms), each layer's (KV heads, head_dim) where they differ."""
+    return CacheLayout(*shapes[0], 1.0, layers=layers, layer_shapes=shapes if len(set(shapes)) > 1 else ())
+
+
 class GemmaArchitecture(_Native):
     """Gemma 2 (soft-caps, 1:1 sliding / global layers) and Gemma 3 text (q/k norms, 5:1, two RoPE
     thetas). The window lives in each layer's attention (``LayerAttention``), not the model's: the KV
@@ -202,9 +214,7 @@ class GemmaArchitecture(_Native):
     capabilities = _caps(TENSOR_PARALLEL)
 
     def parse_config(self, hf_config: Mapping[str, Any], where: str) -> ModelConfig:
-        config = _parsed(hf_config, where, tied=True, sliding_window=None)
-        opts = gemma_options(config, where)
-        return dataclasses.replace(config, hidden_act=opts.activation)
+        return _gemma_parsed(hf_config, where, gemma_options)
 
     def cache_layout(self, model_config: ModelConfig) -> CacheLayout:
         layers = gemma_layers(model_config)
@@ -222,15 +232,11 @@ class Gemma4Architecture(_Native):
     capabilities = _caps()
 
     def parse_config(self, hf_config: Mapping[str, Any], where: str) -> ModelConfig:
-        config = _parsed(hf_config, where, tied=True, sliding_window=None)
-        opts = gemma4_options(config, where)
-        return dataclasses.replace(config, hidden_act=opts.activation)
+        return _gemma_parsed(hf_config, where, gemma4_options)
 
     def cache_layout(self, model_config: ModelConfig) -> CacheLayout:
         opts = gemma4_options(model_config)
-        heads, dim = opts.shapes[0]
-        return CacheLayout(heads, dim, 1.0, layers=gemma4_layers(opts),
-                           layer_shapes=opts.shapes if len(set(opts.shapes)) > 1 else ())
+        return _shaped_layout(opts.shapes, gemma4_layers(opts))
 
 
 class DiffusionGemmaArchitecture(_Native):
@@ -244,13 +250,10 @@ class DiffusionGemmaArchitecture(_Native):
     capabilities = _caps()
 
     def parse_config(self, hf_config: Mapping[str, Any], where: str) -> ModelConfig:
-        config = _parsed(diffusion_text_config(dict(hf_config), where), where, tied=True, sliding_window=None)
-        return dataclasses.replace(config, hidden_act=gemma4_options(config, where).activation)
+        return _gemma_parsed(diffusion_text_config(dict(hf_config), where), where, gemma4_options)
 
     def cache_layout(self, model_config: ModelConfig) -> CacheLayout:
-        shapes = gemma4_options(model_config).shapes
-        return CacheLayout(*shapes[0], 1.0, layers=diffusion_layers(model_config),
-                           layer_shapes=shapes if len(set(shapes)) > 1 else ())
+        return _shaped_layout(gemma4_options(model_config).shapes, diffusion_layers(model_config))
 
 
 class SmolLM3Architecture(_Native):
