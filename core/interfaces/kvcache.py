@@ -78,10 +78,6 @@ class KVCacheSpec:
         return groups
 
     @property
-    def max_head_dim(self) -> int:
-        return max((d for _, d in self.layer_shapes), default=self.head_dim)
-
-    @property
     def state_bytes_per_seq(self) -> int:
         """Bytes of one sequence's state over every state layer (0 without state layers)."""
         return state_bytes(self.states)
