@@ -120,7 +120,8 @@ def make_plan(resolved: ResolvedConfig, hf_config: Mapping, model_config: ModelC
     kv_shape, scale = layout.kv_shape(), layout.scale
     if final.device == "cuda":  # what the attention kernels cannot build for this GPU, now
         attention.cls.check_target(attention.options, kv_dtype_of(final.backends["kvcache"]),
-                                   kv_shape["head_dim"], final.dtype, capability("cuda"))
+                                   max(d for _, d in kv_shape.get("layer_shapes", ((0, kv_shape["head_dim"]),))),
+                                   final.dtype, capability("cuda"))
     parallel_setup.check_model(model_config, parallel.world_size, where, parallel.expert_parallel)
     backends, reasons = dict(final.backends), dict(final.reasons)
     quant = checkpoint_quant(final, hf_config, where)

@@ -50,6 +50,7 @@ class ModelRunner:
         slot_positions: list[int] = []  # where each token's K/V goes (differs from positions in a tree)
         query_lens, seq_lens, tables = [], [], []
         query_masks: dict[int, torch.Tensor] = {}
+        row_inputs = {b: item.inputs for b, item in enumerate(batch) if item.inputs is not None}
         for b, item in enumerate(batch):
             seq, n = item.seq, item.num_new_tokens
             start = seq.num_computed_tokens
@@ -86,7 +87,7 @@ class ModelRunner:
             query_lens=ql.to(dev), seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
             cu_query_lens=cu.to(dev), slot_mapping=slots.to(dev),
             block_tables=block_tables.to(dev), query_lens_cpu=query_lens, seq_lens_cpu=seq_lens,
-            num_decodes=num_decodes, query_masks=query_masks,
+            num_decodes=num_decodes, query_masks=query_masks, row_inputs=row_inputs,
             state_slots=(torch.tensor([self.kv.state_slot(item.seq) for item in batch], dtype=torch.int32,
                                       device=dev) if self.kv.spec.states else None))
         return torch.tensor(ids, dtype=torch.int64, device=dev), ctx

@@ -13,6 +13,7 @@ import torch
 
 from lmplug.beam.stage import BeamStage
 from lmplug.constraints import Constraints
+from lmplug.diffusion.stage import DenoisingStage
 from lmplug.engine.select import Sampler
 from lmplug.interfaces.params import SamplingParams
 from lmplug.interfaces.scheduler import ScheduledSeq
@@ -22,7 +23,8 @@ from lmplug.speculation import Speculator
 
 
 def build_select_stages(parts, constraints: Constraints, requests, *, can_fork: bool) -> SelectStages:
-    """Beam groups first, then the speculator (``parts.drafter``) or the sampler for the rest."""
+    """Block diffusion first (every request to a block-diffusion model, and denoising requests to
+refuse), beam groups, then the speculator (``parts.drafter``) or the sampler for the rest."""
     default: SelectStage
     if parts.drafter is not None:
         default = Speculator(parts.drafter, parts.drafter.options.num_tokens, parts.kv, parts.max_model_len,
@@ -32,7 +34,9 @@ def build_select_stages(parts, constraints: Constraints, requests, *, can_fork: 
     beam = BeamStage(parts.kv, requests, parts.eos_token_ids, parts.max_model_len, parts.tokenizer,
                      max_num_seqs=parts.kv.spec.max_num_seqs, can_fork=can_fork,
                      speculative=parts.drafter is not None, constraints=constraints)
-    return SelectStages([beam, default])
+    denoise = DenoisingStage(parts.model, parts.kv, parts.model_config.vocab_size, parts.max_model_len,
+                             parts.scheduler.limits.max_num_batched_tokens, parts.model_config.model_type)
+    return SelectStages([denoise, beam, default])
 
 
 class SelectStages:

@@ -69,11 +69,16 @@ class CacheLayout:
     scale: float
     latent: bool = False
     layers: tuple[LayerAttention, ...] = ()
+    # per cached layer (num_kv_heads, head_dim) where layers differ (Gemma 4's sliding and full
+    # layers); (): every layer has ``num_kv_heads`` x ``head_dim``
+    layer_shapes: tuple[tuple[int, int], ...] = ()
 
     def kv_shape(self) -> dict[str, Any]:
         shape: dict[str, Any] = {"num_kv_heads": self.num_kv_heads, "head_dim": self.head_dim}
         if self.latent:
             shape["latent"] = True
+        if self.layer_shapes:
+            shape["layer_shapes"] = self.layer_shapes
         return shape
 
 

@@ -57,6 +57,28 @@ class KVCacheSpec:
     # each cached layer's sliding window where the model's layers differ (``LayerAttention``;
     # Gemma 2/3, GPT-OSS), () otherwise: what the paged cache accounts per layer group
     layer_windows: tuple[int | None, ...] = ()
+    # per cached layer (num_kv_heads, head_dim) where layers differ (Gemma 4: sliding layers of
+    # ``head_dim``, full ones of ``global_head_dim`` and other KV heads); (): every layer is
+    # ``num_kv_heads`` x ``head_dim``. Backends store each layer at its own shape
+    layer_shapes: tuple[tuple[int, int], ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.layer_shapes and len(self.layer_shapes) != self.num_layers:
+            raise ValueError(f"KVCacheSpec: layer_shapes lists {len(self.layer_shapes)} layers, "
+                             f"num_layers is {self.num_layers}")
+
+    def layer_shape(self, layer: int) -> tuple[int, int]:
+        """(num_kv_heads, head_dim) of cached layer ``layer``."""
+        return self.layer_shapes[layer] if self.layer_shapes else (self.num_kv_heads, self.head_dim)
+
+    @property
+    def shape_groups(self) -> dict[tuple[int, int], list[int]]:
+        """The cached layers by (num_kv_heads, head_dim), in first-seen order: one group unless
+        layers differ."""
+        groups: dict[tuple[int, int], list[int]] = {}
+        for layer in range(self.num_layers):
+            groups.setdefault(self.layer_shape(layer), []).append(layer)
+        return groups
 
     @property
     def state_bytes_per_seq(self) -> int:
@@ -89,12 +111,12 @@ class KVCacheSpec:
 
     @property
     def bytes_per_token(self) -> int:
-        """Every layer's K and V (or latent): tensors x layers x kv_heads x (head_dim x dtype bytes,
-        plus a 4-byte scale when quantized)."""
-        per_head = self.head_dim * torch.empty((), dtype=self.cache_dtype).element_size()
-        if self.quantized:
-            per_head += 4
-        return self.num_kv_tensors * self.num_layers * self.num_kv_heads * per_head
+        """Every layer's K and V (or latent): tensors x the sum over layers of kv_heads x (head_dim
+        x dtype bytes, plus a 4-byte scale when quantized)."""
+        item = torch.empty((), dtype=self.cache_dtype).element_size()
+        scale = 4 if self.quantized else 0
+        return self.num_kv_tensors * sum(heads * (dim * item + scale)
+                                         for heads, dim in map(self.layer_shape, range(self.num_layers)))
 
 
 class KVCacheBackend(ABC):

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 from lmplug.errors import ConfigError
 from lmplug.interfaces.constraint import StructuredOutput
+from lmplug.interfaces.denoising import DenoisingParams
 
 MAX_N = 64  # samples of one request
 MAX_TOP_K = 2**31 - 1
@@ -69,8 +70,12 @@ class SamplingParams:
     early_stopping: bool | str = False  # True / False / "never", as transformers defines them
     # sample best_of sequences, return the n with the highest cumulative logprob (OpenAI / vLLM); None: n
     best_of: int | None = None
+    # block diffusion (``lmplug.diffusion``): how each canvas is denoised, a ``DenoisingParams`` or
+    # a dict of its fields; a block-diffusion model denoises with the defaults when None
+    denoising: DenoisingParams | None = None
 
     def __post_init__(self) -> None:
+        self.denoising = DenoisingParams.coerce(self.denoising)
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])

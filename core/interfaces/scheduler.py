@@ -6,7 +6,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from pydantic import Field
 
@@ -46,6 +46,9 @@ class ScheduledSeq:
     mask: torch.Tensor | None = None
     # when the sequence catches up: how many of its last rows need logits (1 + verified drafts)
     num_logit_rows: int = 1
+    # what the select stage hands the model for this row (``StepContext.row_inputs``), e.g. a
+    # block-diffusion decoder's self-conditioning; None: nothing
+    inputs: Any = None
 
 
 def samples_now(item: ScheduledSeq) -> bool:

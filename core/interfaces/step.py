@@ -45,6 +45,9 @@ class StepContext:
     # models with state layers (``KVCacheSpec.states``): [B] int32, each sequence's state slot
     # (``KVCacheBackend.state_slot``), in step order; None otherwise
     state_slots: torch.Tensor | None = None
+    # what a select stage hands the model for a row (``ScheduledSeq.inputs``: a block-diffusion
+    # decoder's self-conditioning), batch index -> the stage's object; empty for plain rows
+    row_inputs: dict[int, Any] = field(default_factory=dict)
     # what the attention backend derives from the fields above once per step and every layer
     # reuses (``AttentionBackend.prepare``): built on first use by ``metadata_for``, never by
     # the runner. Not an __init__ field, so ``dataclasses.replace`` (a copy moved to another

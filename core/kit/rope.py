@@ -22,7 +22,12 @@ def inv_frequencies(head_dim: int, theta: float, scaling: dict | None, max_posit
         return _llama3(inv_freq, scaling), 1.0
     if kind == "yarn":
         return _yarn(head_dim, theta, scaling, max_position)
-    raise ModelLoadError(f"rope_scaling type {kind!r} is not supported; supported: linear, llama3, yarn")
+    if kind == "proportional":  # Gemma 4's full layers: the first angles rotate, the others stay put
+        angles = int(float(scaling.get("partial_rotary_factor", 1.0)) * head_dim // 2)
+        inv_freq[angles:] = 0.0
+        return inv_freq / float(scaling.get("factor", 1.0)), 1.0
+    raise ModelLoadError(f"rope_scaling type {kind!r} is not supported; supported: linear, llama3, yarn, "
+                         "proportional")
 
 
 def _llama3(inv_freq: torch.Tensor, s: dict) -> torch.Tensor:

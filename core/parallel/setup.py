@@ -111,7 +111,10 @@ def local_kv_shape(kv_shape: dict, parallel: ParallelState) -> dict:
     """The KV heads this rank stores."""
     if not parallel.is_parallel:
         return kv_shape
-    return {**kv_shape, "num_kv_heads": parallel.kv_heads(kv_shape["num_kv_heads"])[1]}
+    local = {**kv_shape, "num_kv_heads": parallel.kv_heads(kv_shape["num_kv_heads"])[1]}
+    if "layer_shapes" in kv_shape:
+        local["layer_shapes"] = tuple((parallel.kv_heads(h)[1], d) for h, d in kv_shape["layer_shapes"])
+    return local
 
 
 def build_kv(cls, options, spec, parallel: ParallelState):

@@ -334,7 +334,7 @@ def sampling_params(req: ChatCompletionRequest | CompletionRequest, prompts: lis
             repetition_penalty=req.repetition_penalty, logit_bias=req.logit_bias or None,
             min_tokens=req.min_tokens, structured=None if constraint is None else constraint.spec,
             exact=req.exact, beam_width=req.beam_width, length_penalty=req.length_penalty,
-            early_stopping=req.early_stopping,
+            early_stopping=req.early_stopping, denoising=req.denoising,
             best_of=None if req.use_beam_search or best_of == req.n else best_of)
     except LmplugError as exc:
         # "SamplingParams.top_k=-3 is invalid: ..." -> "top_k=-3 is invalid: ..."

@@ -139,6 +139,8 @@ class _SamplingFields(BaseModel):
     use_beam_search: bool = False
     length_penalty: float = 1.0
     early_stopping: bool | Literal["never"] = False
+    # lmplug: block diffusion (``DenoisingParams`` fields: max_denoising_steps, t_min, t_max, ...)
+    denoising: dict[str, Any] | None = None
 
     def unsupported(self) -> list[str]:
         """Fields set to something lmplug cannot do (each becomes a 400 naming it)."""

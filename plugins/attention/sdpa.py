@@ -110,14 +110,15 @@ class SdpaAttention(AttentionBackend, extras.NativeDecode):
     def _decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                 softcap: float | None) -> torch.Tensor:
         # q: [H, D] -> [Hkv, G, D]; k, v: [S, Hkv, D] -> [Hkv, S, D]; no mask: all S keys are visible
-        hkv = self.num_kv_heads
-        qg = q.view(hkv, -1, self.head_dim)
+        # (the layer's own KV heads and head_dim: layers may differ, Gemma 4)
+        hkv, dim = k.shape[1], q.shape[-1]
+        qg = q.view(hkv, -1, dim)
         if softcap is not None:
-            return softcapped(qg, k.transpose(0, 1), v.transpose(0, 1), None, scale, softcap).reshape(-1, self.head_dim)
+            return softcapped(qg, k.transpose(0, 1), v.transpose(0, 1), None, scale, softcap).reshape(-1, dim)
         # 4-d (a batch of one): on CPU, 3-d inputs miss SDPA's flash kernel and take the math path
         o = F.scaled_dot_product_attention(qg[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
                                            scale=scale)
-        return o.reshape(-1, self.head_dim)
+        return o.reshape(-1, dim)
 
 
 def step_masks(ctx: StepContext, window: int | None, device: torch.device) -> list[torch.Tensor | None]:

@@ -60,20 +60,22 @@ class ContiguousKVCache(KVCacheBackend):
         super().__init__(options, spec)
         self.num_rows = options.max_num_seqs or spec.max_num_seqs
         self.row_slots = _row_slots(spec)
-        shape = (self.num_rows, self.row_slots, spec.num_kv_heads, spec.head_dim)
         _check_reservation(self.num_rows, self.row_slots, spec)
+        # each layer at its own (KV heads, head_dim): models whose layers differ (Gemma 4)
+        shapes = [(self.num_rows, self.row_slots, *spec.layer_shape(i)) for i in range(spec.num_layers)]
 
-        def alloc(shape: tuple[int, ...], dtype: torch.dtype) -> list[torch.Tensor]:
+        def alloc(dtype: torch.dtype, drop_dim: bool = False) -> list[torch.Tensor]:
             # torch.empty: pages are only touched as sequences fill them
-            return [torch.empty(shape, dtype=dtype, device=spec.device) for _ in range(spec.num_layers)]
+            return [torch.empty(shape[:3] if drop_dim else shape, dtype=dtype, device=spec.device)
+                    for shape in shapes]
 
-        self._k = alloc(shape, spec.cache_dtype)
+        self._k = alloc(spec.cache_dtype)
         # the latent layout (MLA) stores no V: attention gets an empty view
-        self._v = [k[..., :0] for k in self._k] if spec.latent else alloc(shape, spec.cache_dtype)
+        self._v = [k[..., :0] for k in self._k] if spec.latent else alloc(spec.cache_dtype)
         # quantized: one float32 scale per (slot, KV head), same rows and slots as the data
         none = [None] * spec.num_layers
-        self._k_scale = alloc(shape[:3], torch.float32) if spec.quantized else none
-        self._v_scale = alloc(shape[:3], torch.float32) if spec.quantized else none
+        self._k_scale = alloc(torch.float32, True) if spec.quantized else none
+        self._v_scale = alloc(torch.float32, True) if spec.quantized else none
         self._views = [KVLayerView(k, v, "contiguous", ks, vs)
                        for k, v, ks, vs in zip(self._k, self._v, self._k_scale, self._v_scale)]
         self._free_rows = list(range(self.num_rows - 1, -1, -1))

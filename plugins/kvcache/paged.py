@@ -104,13 +104,24 @@ class PagedKVCache(KVCacheBackend):
         self.num_blocks = pool_blocks(options, spec)
         # state layers: one slot per running sequence (the scheduler admits at most max_num_seqs)
         self.states = StatePool(spec.states, spec.max_num_seqs, spec.device) if spec.states else None
-        shape = (spec.num_layers, spec.num_kv_tensors, self.num_blocks, options.block_size,
-                 spec.num_kv_heads, spec.head_dim)
-        # zeros, not empty: attention masks unused slots, but 0 x NaN garbage would still be NaN
-        self._pool = torch.zeros(shape, dtype=spec.cache_dtype, device=spec.device)
-        # quantized: a float32 scale per (slot, KV head) in the pool's layout without D
-        self._scales = (torch.zeros(shape[:-1], dtype=torch.float32, device=spec.device)
-                        if spec.quantized else None)
+        # one pool per group of layers of one (KV heads, head_dim): one for most models, two for
+        # Gemma 4's sliding and full layers; every group has the same blocks
+        self._pools: list[torch.Tensor] = []
+        self._group_scales: list[torch.Tensor] = []
+        self._where: dict[int, tuple[int, int]] = {}  # cache layer -> (group, index in it)
+        # (a model of state layers only has no cached layer: one empty pool)
+        for (heads, dim), layers in (spec.shape_groups or {(spec.num_kv_heads, spec.head_dim): []}).items():
+            shape = (len(layers), spec.num_kv_tensors, self.num_blocks, options.block_size, heads, dim)
+            # zeros, not empty: attention masks unused slots, but 0 x NaN garbage would still be NaN
+            self._pools.append(torch.zeros(shape, dtype=spec.cache_dtype, device=spec.device))
+            # quantized: a float32 scale per (slot, KV head) in the pool's layout without D
+            if spec.quantized:
+                self._group_scales.append(torch.zeros(shape[:-1], dtype=torch.float32, device=spec.device))
+            self._where.update({layer: (len(self._pools) - 1, i) for i, layer in enumerate(layers)})
+        # the first group's: with one group (every layer alike) the whole pool, which swap and a
+        # connector's tier move; with several they decline (``swap_out``, ``attach_connector``)
+        self._pool = self._pools[0]
+        self._scales = self._group_scales[0] if spec.quantized else None
         self._views = [self._view(i) for i in range(spec.num_layers)]
         self.blocks = BlockManager(self.num_blocks, options.block_size,
                                    enable_prefix_caching=options.prefix_caching,
@@ -135,16 +146,21 @@ class PagedKVCache(KVCacheBackend):
         (``layer_groups.py``: one block table per sequence, so no group releases blocks alone)."""
         spec = self.spec
         windows = spec.layer_windows or (spec.sliding_window,) * spec.num_layers
-        layer_block_bytes = spec.bytes_per_token // max(spec.num_layers, 1) * self.options.block_size
-        return layer_groups(windows, self.options.block_size, layer_block_bytes, self.blocks.held_counts())
+        item = torch.empty((), dtype=spec.cache_dtype).element_size()
+        scale = 4 if spec.quantized else 0
+        block_bytes = [spec.num_kv_tensors * heads * (dim * item + scale) * self.options.block_size
+                       for heads, dim in map(spec.layer_shape, range(spec.num_layers))]
+        return layer_groups(windows, self.options.block_size, block_bytes, self.blocks.held_counts())
 
     def _view(self, layer: int) -> KVLayerView:
-        pool, spec = self._pool[layer], self.spec
+        group, index = self._where[layer]
+        pool, spec = self._pools[group][index], self.spec
         # the latent layout (MLA) has one tensor per layer and no V: attention gets an empty view
         v = pool[0, ..., :0] if spec.latent else pool[1]
-        if self._scales is None:
+        if not spec.quantized:
             return KVLayerView(pool[0], v, "paged")
-        return KVLayerView(pool[0], v, "paged", self._scales[layer, 0], self._scales[layer, 1])
+        scales = self._group_scales[group][index]
+        return KVLayerView(pool[0], v, "paged", scales[0], scales[1])
 
     # -- layout -----------------------------------------------------------------------------
     @property
@@ -163,9 +179,8 @@ class PagedKVCache(KVCacheBackend):
     @property
     def memory_bytes(self) -> int:
         """The K/V pool, its scales and the state slots."""
-        scales = 0 if self._scales is None else self._scales.numel() * self._scales.element_size()
         states = 0 if self.states is None else self.states.nbytes
-        return self._pool.numel() * self._pool.element_size() + scales + states
+        return sum(t.numel() * t.element_size() for t in self._pools + self._group_scales) + states
 
     def layer_view(self, layer: int) -> KVLayerView:
         return self._views[layer]
@@ -205,8 +220,10 @@ class PagedKVCache(KVCacheBackend):
     # -- swap preemption ----------------------------------------------------------------------
     def swap_out(self, seq) -> bool:
         computed = seq.num_computed_tokens
-        # a sliding window releases leading blocks as it goes: recompute instead
-        if computed == 0 or self.spec.sliding_window is not None or not self.blocks.has_seq(seq.seq_id):
+        # a sliding window releases leading blocks as it goes, and layers of different shapes
+        # (several pools) are not swapped: recompute instead
+        if (computed == 0 or self.spec.sliding_window is not None or len(self._pools) > 1
+                or not self.blocks.has_seq(seq.seq_id)):
             return False
         table = self.blocks.block_table(seq.seq_id)[:-(-computed // self.block_size)]
         idx = torch.tensor(table, device=self._pool.device)
@@ -249,6 +266,11 @@ class PagedKVCache(KVCacheBackend):
             raise ConfigError(f"kvconnector: {connector.name}: the paged KV cache moves blocks to and from a "
                               "tier by their prefix hash, which needs kvcache.prefix_caching: true")
         spec = self.spec
+        if len(self._pools) > 1:
+            raise ConfigError(f"kvconnector: {connector.name}: the paged KV cache of this model holds layers of "
+                              f"{len(self._pools)} shapes (KV heads x head_dim: "
+                              f"{', '.join(f'{h}x{d}' for h, d in spec.shape_groups)}); a tier of blocks "
+                              "is built for one shape only: remove the kvconnector section")
         layout = (f"paged bs={self.block_size} layers={spec.num_layers} tensors={spec.num_kv_tensors} "
                   f"kv_heads={spec.num_kv_heads} head_dim={spec.head_dim} {_dtype_name(spec)}")
         self.tier = BlockTier(connector, KVBlockFormat(model, layout), self._pool, self._scales)
@@ -294,11 +316,12 @@ class PagedKVCache(KVCacheBackend):
             self._copies.append(copies)
         src = torch.tensor([s for s, _ in copies], device=self._pool.device)
         dst = torch.tensor([d for _, d in copies], device=self._pool.device)
-        # CPU index_put has no float8 kernel: copy the bytes
-        pool = self._pool.view(torch.uint8) if self._pool.dtype == torch.float8_e4m3fn else self._pool
-        pool[:, :, dst] = pool[:, :, src]
-        if self._scales is not None:
-            self._scales[:, :, dst] = self._scales[:, :, src]
+        for pool in self._pools:
+            # CPU index_put has no float8 kernel: copy the bytes
+            pool = pool.view(torch.uint8) if pool.dtype == torch.float8_e4m3fn else pool
+            pool[:, :, dst] = pool[:, :, src]
+        for scales in self._group_scales:
+            scales[:, :, dst] = scales[:, :, src]
 
 
 def _dtype_name(spec: KVCacheSpec) -> str:

@@ -17,6 +17,8 @@ from typing import Any, ClassVar
 import torch
 from lmplug_models.deepseek_v2 import DeepseekV2ForCausalLM
 from lmplug_models.gemma import GemmaForCausalLM, gemma_layers, gemma_options
+from lmplug_models.diffusion_gemma import DiffusionGemmaForBlockDiffusion, diffusion_layers, diffusion_text_config
+from lmplug_models.gemma4 import Gemma4ForCausalLM, gemma4_layers, gemma4_options
 from lmplug_models.llama import LlamaForCausalLM
 from lmplug_models.mamba2 import Mamba2ForCausalLM
 from lmplug_models.minimax import MiniMaxForCausalLM
@@ -189,6 +191,18 @@ def _parsed(hf_config: Mapping[str, Any], where: str, tied: bool = False, **chan
     return dataclasses.replace(config, **changes) if changes else config
 
 
+def _gemma_parsed(hf_config: Mapping[str, Any], where: str, read_options) -> ModelConfig:
+    """A Gemma family's ``ModelConfig``: tied embeddings by default, no model-wide window (each
+    layer's is its ``LayerAttention``'s), the activation its options read (``read_options``)."""
+    config = _parsed(hf_config, where, tied=True, sliding_window=None)
+    return dataclasses.replace(config, hidden_act=read_options(config, where).activation)
+
+
+def _shaped_layout(shapes: tuple[tuple[int, int], ...], layers: tuple) -> CacheLayout:
+    """Attention scale 1.0 (Gemma 4's q/k norms), each layer's (KV heads, head_dim) where they differ."""
+    return CacheLayout(*shapes[0], 1.0, layers=layers, layer_shapes=shapes if len(set(shapes)) > 1 else ())
+
+
 class GemmaArchitecture(_Native):
     """Gemma 2 (soft-caps, 1:1 sliding / global layers) and Gemma 3 text (q/k norms, 5:1, two RoPE
     thetas). The window lives in each layer's attention (``LayerAttention``), not the model's: the KV
@@ -200,13 +214,46 @@ class GemmaArchitecture(_Native):
     capabilities = _caps(TENSOR_PARALLEL)
 
     def parse_config(self, hf_config: Mapping[str, Any], where: str) -> ModelConfig:
-        config = _parsed(hf_config, where, tied=True, sliding_window=None)
-        opts = gemma_options(config, where)
-        return dataclasses.replace(config, hidden_act=opts.activation)
+        return _gemma_parsed(hf_config, where, gemma_options)
 
     def cache_layout(self, model_config: ModelConfig) -> CacheLayout:
         layers = gemma_layers(model_config)
         return dataclasses.replace(super().cache_layout(model_config), scale=layers[0].scale, layers=layers)
+
+
+class Gemma4Architecture(_Native):
+    """Gemma 4 text, dense and MoE: sliding and full layers of different head sizes and KV heads,
+    so the KV cache stores each layer at its own shape (``CacheLayout.layer_shapes``). One
+    process (no tensor parallelism yet)."""
+
+    name = "gemma4"
+    module = Gemma4ForCausalLM
+    model_types = ("gemma4_text",)
+    capabilities = _caps()
+
+    def parse_config(self, hf_config: Mapping[str, Any], where: str) -> ModelConfig:
+        return _gemma_parsed(hf_config, where, gemma4_options)
+
+    def cache_layout(self, model_config: ModelConfig) -> CacheLayout:
+        opts = gemma4_options(model_config)
+        return _shaped_layout(opts.shapes, gemma4_layers(opts))
+
+
+class DiffusionGemmaArchitecture(_Native):
+    """DiffusionGemma (block diffusion): a Gemma 4 MoE backbone run as a causal encoder, the only
+    writer of the KV cache, and a bidirectional denoising decoder over each canvas; generation is
+    the ``lmplug.diffusion`` select stage's. Text only (the vision tower is not loaded)."""
+
+    name = "diffusion_gemma"
+    module = DiffusionGemmaForBlockDiffusion
+    model_types = ("diffusion_gemma",)
+    capabilities = _caps()
+
+    def parse_config(self, hf_config: Mapping[str, Any], where: str) -> ModelConfig:
+        return _gemma_parsed(diffusion_text_config(dict(hf_config), where), where, gemma4_options)
+
+    def cache_layout(self, model_config: ModelConfig) -> CacheLayout:
+        return _shaped_layout(gemma4_options(model_config).shapes, diffusion_layers(model_config))
 
 
 class SmolLM3Architecture(_Native):
@@ -271,6 +318,6 @@ class Phi3Architecture(_Native):
 
 FIRST_PARTY: tuple[type[Architecture], ...] = (
     LlamaArchitecture, MoEArchitecture, DeepseekV2Architecture, Mamba2Architecture,
-    MiniMaxArchitecture, Qwen3NextArchitecture, GemmaArchitecture, SmolLM3Architecture,
-    Olmo2Architecture, GraniteArchitecture, Phi3Architecture,
+    MiniMaxArchitecture, Qwen3NextArchitecture, GemmaArchitecture, Gemma4Architecture,
+    DiffusionGemmaArchitecture, SmolLM3Architecture, Olmo2Architecture, GraniteArchitecture, Phi3Architecture,
 )

@@ -141,7 +141,8 @@ class PagedStepMetadata:
     # else ``paged_cpu``'s gather index when that decodes; neither for the other decode ops
     native_batch: object | None = None
     cpu_index: object | None = None
-    # paged_cpu's gather indexes of the other windows of a model with a window per layer
+    cpu_key: tuple = ()  # the (window, KV heads) ``cpu_index`` was built for
+    # paged_cpu's gather indexes of the other (window, KV heads) of a model whose layers differ
     cpu_by_window: dict = field(default_factory=dict)
     # the prefill call's arguments over sequences [rows.num_seqs:]; None when there are none
     prefill_args: dict | None = None
@@ -198,6 +199,7 @@ class PagedAttention(AttentionBackend, extras.NativeDecode, extras.ShortQueries)
                                         mask_starts=rows.mask_starts, masks=rows.masks)
         elif rows.num_tokens and plain_cpu:
             meta.cpu_index = self._cpu_index(meta, cache, self.sliding_window)
+            meta.cpu_key = (self.sliding_window, cache.shape[2])
         return meta
 
     def _cpu_index(self, meta: PagedStepMetadata, cache: torch.Tensor, window: int | None):
@@ -243,9 +245,11 @@ class PagedAttention(AttentionBackend, extras.NativeDecode, extras.ShortQueries)
             if target is not out:
                 out.copy_(target)
         elif meta.cpu_index is not None:
-            index = meta.cpu_index if window == self.sliding_window else meta.cpu_by_window.get(window)
+            # the gather index depends on the window and the layer's KV heads (layers may differ)
+            key = (window, kv.k_cache.shape[2])
+            index = meta.cpu_index if key == meta.cpu_key else meta.cpu_by_window.get(key)
             if index is None:
-                index = meta.cpu_by_window[window] = self._cpu_index(meta, kv.k_cache, window)
+                index = meta.cpu_by_window[key] = self._cpu_index(meta, kv.k_cache, window)
             meta.ops.cpu_decode.paged_decode_attention_cpu(q, kv.k_cache, kv.v_cache, index, spec.scale, out=out,
                                                            **features)
         else:

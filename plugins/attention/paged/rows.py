@@ -47,10 +47,17 @@ class QueryRows:
 
 def leading_short_queries(ctx: StepContext, max_query_len: int = MAX_QUERY_LEN, trees: bool = False) -> int:
     """How many of the step's first sequences have at most ``max_query_len`` new tokens (draft
-    trees: at most ``MAX_TREE_LEN``, and only with ``trees``, a kernel that takes row masks)."""
+    trees: at most ``MAX_TREE_LEN``, and only with ``trees``, a kernel that takes row masks). A
+    row reads the keys up to its own, so a mask that lets a token see a later one (a diffusion
+    canvas, bidirectional) ends the run: the prefill path reads it."""
     m = 0
     while m < ctx.num_seqs:
-        limit = (MAX_TREE_LEN if trees else -1) if m in ctx.query_masks else max_query_len
+        if m in ctx.query_masks:
+            mask = ctx.query_masks[m]
+            readable = trees and (mask is None or not bool(torch.triu(mask, 1).any()))
+            limit = MAX_TREE_LEN if readable else -1
+        else:
+            limit = max_query_len
         if ctx.query_lens_cpu[m] > limit:
             break
         m += 1

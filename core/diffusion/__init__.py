@@ -1,0 +1,1 @@
+"""Block diffusion: the denoising select stage (``stage.py``) and its sampler (``canvas.py``)."""
