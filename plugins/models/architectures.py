@@ -17,6 +17,7 @@ from typing import Any, ClassVar
 import torch
 from lmplug_models.deepseek_v2 import DeepseekV2ForCausalLM
 from lmplug_models.gemma import GemmaForCausalLM, gemma_layers, gemma_options
+from lmplug_models.gpt_oss import GptOssForCausalLM, gpt_oss_layers, gpt_oss_options
 from lmplug_models.llama import LlamaForCausalLM
 from lmplug_models.mamba2 import Mamba2ForCausalLM
 from lmplug_models.minimax import MiniMaxForCausalLM
@@ -269,8 +270,29 @@ class Phi3Architecture(_Native):
         return config
 
 
+class GptOssArchitecture(_Native):
+    """GPT-OSS: attention sinks, 1:1 sliding / global layers, biases, YaRN, MoE with router and
+    expert biases and a clamped SwiGLU; MXFP4 experts through the ``mxfp4`` quant method. The
+    window lives in each layer's attention, as Gemma's."""
+
+    name = "gpt_oss"
+    module = GptOssForCausalLM
+    model_types = ("gpt_oss",)
+    capabilities = _caps(TENSOR_PARALLEL)
+
+    def parse_config(self, hf_config: Mapping[str, Any], where: str) -> ModelConfig:
+        # Mixtral's expert keys (num_local_experts, intermediate_size, num_experts_per_tok; softmax top-k)
+        config = ModelConfig.from_hf(dict(hf_config), where, moe=mixtral_moe)
+        config = dataclasses.replace(config, sliding_window=None)
+        gpt_oss_options(config, where)
+        return config
+
+    def cache_layout(self, model_config: ModelConfig) -> CacheLayout:
+        return dataclasses.replace(super().cache_layout(model_config), layers=gpt_oss_layers(model_config))
+
+
 FIRST_PARTY: tuple[type[Architecture], ...] = (
     LlamaArchitecture, MoEArchitecture, DeepseekV2Architecture, Mamba2Architecture,
     MiniMaxArchitecture, Qwen3NextArchitecture, GemmaArchitecture, SmolLM3Architecture,
-    Olmo2Architecture, GraniteArchitecture, Phi3Architecture,
+    Olmo2Architecture, GraniteArchitecture, Phi3Architecture, GptOssArchitecture,
 )
