@@ -106,3 +106,18 @@ def test_an_mxfp4_tensor_with_the_wrong_block_count_is_named(mxfp4_model, tmp_pa
     with pytest.raises(ModelLoadError) as err:
         _llm(tmp_path)
     assert bad in str(err.value) and "1 blocks a row where 2 cover the 64 input features" in str(err.value)
+
+
+@pytest.mark.slow
+def test_mxfp4_experts_split_under_tensor_parallelism(mxfp4_model):
+    """TP=2: each rank reads its rows of gate/up and its whole blocks of down's inputs (32 of 64)."""
+    from lmplug import SamplingParams
+
+    path, hf = mxfp4_model
+    ids = prompt(24, 7, 96)
+    llm = _llm(path, parallel={"tensor_parallel_size": 2})
+    try:
+        out = llm.generate([ids], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))[0]
+    finally:
+        llm.close()
+    assert out.token_ids == hf_greedy(hf, ids, 16)
