@@ -17,7 +17,13 @@ from typing import Any, ClassVar
 import torch
 from lmplug_models.deepseek_v2 import DeepseekV2ForCausalLM
 from lmplug_models.gemma import GemmaForCausalLM, gemma_layers, gemma_options
-from lmplug_models.gpt_oss import GptOssForCausalLM, gpt_oss_layers, gpt_oss_options
+from lmplug_models.gpt_oss import (
+    GptOssForCausalLM,
+    gpt_oss_gguf_config,
+    gpt_oss_layers,
+    gpt_oss_options,
+    gpt_oss_tensor_name,
+)
 from lmplug_models.llama import LlamaForCausalLM
 from lmplug_models.mamba2 import Mamba2ForCausalLM
 from lmplug_models.minimax import MiniMaxForCausalLM
@@ -278,7 +284,16 @@ class GptOssArchitecture(_Native):
     name = "gpt_oss"
     module = GptOssForCausalLM
     model_types = ("gpt_oss",)
-    capabilities = _caps(TENSOR_PARALLEL)
+    gguf_architectures = ("gpt-oss",)
+    capabilities = _caps(TENSOR_PARALLEL, GGUF)
+
+    @classmethod
+    def gguf_config(cls, header: GGUFHeader) -> dict[str, Any]:
+        return gpt_oss_gguf_config(header, decoder_config(header, "GptOssForCausalLM", "gpt_oss"))
+
+    @classmethod
+    def gguf_tensor_name(cls, gguf_name: str, where: str) -> str:
+        return gpt_oss_tensor_name(gguf_name, where)
 
     def parse_config(self, hf_config: Mapping[str, Any], where: str) -> ModelConfig:
         # Mixtral's expert keys (num_local_experts, intermediate_size, num_experts_per_tok; softmax top-k)

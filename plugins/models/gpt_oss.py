@@ -11,7 +11,9 @@ so tensor parallelism splits an expert's width like a dense MLP's: the interleav
 rank's slice of the intermediate size are contiguous. The checkpoint's stacked tensors
 (``experts.gate_up_proj [E, h, 2I]``, ``experts.down_proj [E, I, h]``, their ``_bias``, or the
 MXFP4 ``_blocks [E, rows, in/32, 16]`` and ``_scales [E, rows, in/32]``) are split per expert at
-load (``split_tensor``).
+load (``split_tensor``). llama.cpp's GGUF files (``gpt-oss``) keep gate and up apart
+(``ffn_gate_exps``, ``ffn_up_exps`` ``[E, I, h]``, MXFP4 or float, read dequantized): they are
+interleaved again once both of a layer have been read.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from lmplug_models.blocks import (
     layer_kinds,
 )
 
-from lmplug.api import ConfigReader, LayerAttention, ModelConfig, MoEBackend
+from lmplug.api import ConfigReader, GGUFHeader, LayerAttention, ModelConfig, MoEBackend, decoder_tensor_name
 from lmplug.errors import ModelLoadError
 from lmplug.kit.parallel_layers import column_linear, row_linear
 from lmplug.kit.sharding import RangeShard, tensor_shape
@@ -39,7 +41,12 @@ from lmplug.kit.sharding import RangeShard, tensor_shape
 _STACKED = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)(_bias|_blocks|_scales)?")
 # the per-expert names ``split_tensor`` gives them
 _PER_EXPERT = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)\.(\d+)\.(\w+)")
+# a GGUF's experts, as ``gpt_oss_tensor_name`` names them: [E, out, in] weights, [E, out] biases
+_GGUF_EXPERTS = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(gate_proj|up_proj|down_proj)\.(weight|bias)")
 _SHARD = {"gate_up_proj": "gate_up", "down_proj": "down"}
+_GGUF_NAMES = {"post_attention_norm": "post_attention_layernorm", "attn_sinks": "self_attn.sinks",
+               "ffn_gate_inp": "mlp.router", "ffn_gate_exps": "mlp.experts.gate_proj",
+               "ffn_up_exps": "mlp.experts.up_proj", "ffn_down_exps": "mlp.experts.down_proj"}
 MXFP4_BLOCK = 32  # values per MXFP4 block (one E8M0 scale each)
 
 
@@ -56,6 +63,25 @@ def gpt_oss_options(cfg: ModelConfig, where: str = "config.json") -> GptOssOptio
     return GptOssOptions(alpha=r.number("swiglu_alpha", 1.702), limit=r.number("swiglu_limit", 7.0),
                          window=r.int("sliding_window", 128),
                          kinds=layer_kinds(cfg, lambda i: SLIDING if i % 2 == 0 else "full_attention"))
+
+
+def gpt_oss_gguf_config(header: GGUFHeader, config: dict) -> dict:
+    """llama.cpp's ``gpt-oss`` metadata on top of the standard decoder's (``config``): experts, their
+    width, the window; llama.cpp fixes the SwiGLU's alpha and limit (the defaults here) and its YaRN
+    truncates the correction range (``truncate`` left at its default)."""
+    return {**config, "num_local_experts": int(header.key("expert_count")),
+            "num_experts_per_tok": int(header.key("expert_used_count")),
+            "intermediate_size": int(header.key("expert_feed_forward_length", config["intermediate_size"])),
+            "sliding_window": int(header.key("attention.sliding_window", 128)), "attention_bias": True}
+
+
+def gpt_oss_tensor_name(gguf_name: str, where: str) -> str:
+    """llama.cpp's GPT-OSS tensor names -> the HF ones (the experts' gate, up and down kept apart)."""
+    parts = gguf_name.split(".")
+    if len(parts) == 4 and parts[0] == "blk" and parts[2] in _GGUF_NAMES:
+        name = f"model.layers.{parts[1]}.{_GGUF_NAMES[parts[2]]}"
+        return name if parts[2] == "attn_sinks" else f"{name}.{parts[3]}"
+    return decoder_tensor_name(gguf_name, where)
 
 
 def gpt_oss_layers(cfg: ModelConfig) -> tuple[LayerAttention, ...]:
@@ -132,6 +158,7 @@ class GptOssForCausalLM(FlexDecoder):
         if cfg.moe is None or moe is None:
             raise ModelLoadError("gpt_oss: the model needs its MoE configuration and an moe backend")
         self._options, self._moe_backend = gpt_oss_options(cfg), moe
+        self._gguf_pending: dict[tuple[str, str, str], torch.Tensor] = {}  # a GGUF's gate or up, awaiting the other
         super().__init__(cfg, dtype, quant, attention, max_model_len, parallel=parallel)
 
     def new_layer(self, index, dtype, quant, attention, kv_layer=None):
@@ -148,7 +175,8 @@ class GptOssForCausalLM(FlexDecoder):
         count does not cover the input features."""
         match = _STACKED.fullmatch(name)
         if match is None:
-            return [(name, tensor)]
+            gguf = _GGUF_EXPERTS.fullmatch(name)
+            return [(name, tensor)] if gguf is None else self._split_gguf(*gguf.groups(), tensor)
         layer, proj, kind = match[1], match[2], match[3] or ""
         moe, hidden = self.config.moe, self.config.hidden_size
         rows, cols = (2 * moe.intermediate_size, hidden) if proj == "gate_up_proj" else (hidden, moe.intermediate_size)
@@ -171,6 +199,27 @@ class GptOssForCausalLM(FlexDecoder):
         prefix = f"model.layers.{layer}.mlp.experts.{proj}"
         return [(f"{prefix}.{e}.{suffix}", tensor[e].t() if kind == "" else tensor[e])
                 for e in range(moe.num_experts)]
+
+    def _split_gguf(self, layer: str, proj: str, kind: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+        """A GGUF's ``[E, out, in]`` expert weights or ``[E, out]`` biases -> per-expert tensors; gate
+        and up wait for each other, then go out interleaved (gate at even rows) as ``gate_up_proj``."""
+        moe, hidden = self.config.moe, self.config.hidden_size
+        rows, cols = (hidden, moe.intermediate_size) if proj == "down_proj" else (moe.intermediate_size, hidden)
+        want = (moe.num_experts, rows, cols) if kind == "weight" else (moe.num_experts, rows)
+        if tuple(tensor.shape) != want:
+            raise ValueError(f"has shape {tuple(tensor.shape)}, the model expects {want} "
+                             f"({'[experts, out, in]' if kind == 'weight' else '[experts, out]'})")
+        prefix = f"model.layers.{layer}.mlp.experts"
+        if proj == "down_proj":
+            return [(f"{prefix}.down_proj.{e}.{kind}", tensor[e]) for e in range(moe.num_experts)]
+        other = "up_proj" if proj == "gate_proj" else "gate_proj"
+        partner = self._gguf_pending.pop((layer, other, kind), None)
+        if partner is None:
+            self._gguf_pending[layer, proj, kind] = tensor
+            return []
+        gate, up = (tensor, partner) if proj == "gate_proj" else (partner, tensor)
+        both = torch.stack([gate, up], dim=2).flatten(1, 2)  # [E, 2I(, h)]: gate, up, gate, up, ...
+        return [(f"{prefix}.gate_up_proj.{e}.{kind}", both[e]) for e in range(moe.num_experts)]
 
     def weight_target(self, name: str):
         match = _PER_EXPERT.fullmatch(name)
