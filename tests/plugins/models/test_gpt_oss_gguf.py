@@ -18,8 +18,9 @@ HIDDEN, INTER, EXPERTS, LAYERS, HEADS, KV_HEADS, HEAD_DIM = 64, 64, 4, 2, 4, 2, 
 YARN = {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0, "original_max_position_embeddings": 64}
 
 
-def write_gpt_oss_gguf(path, seed: int = 0):
-    """(GGUF path, the transformers model it stands for)."""
+def write_gpt_oss_gguf(path, seed: int = 0, matrices: str = "F32"):
+    """(GGUF path, the transformers model it stands for); ``matrices``: the ggml type of the
+    embedding, LM head and attention matrices (F32 or Q8_0, which transformers' model then takes)."""
     from gguf import GGMLQuantizationType as Q
     from gguf import GGUFWriter, RopeScalingType
     from gguf.quants import dequantize, quantize
@@ -54,7 +55,13 @@ def write_gpt_oss_gguf(path, seed: int = 0):
     writer.add_rope_scaling_orig_ctx_len(64)
 
     def put(name, tensor):
-        writer.add_tensor(name, tensor.detach().float().numpy().astype(np.float32))
+        if matrices == "F32" or tensor.dim() != 2 or "exps" in name or "gate_inp" in name:
+            writer.add_tensor(name, tensor.detach().float().numpy().astype(np.float32))
+            return
+        data = quantize(tensor.detach().float().numpy(), Q.Q8_0)
+        writer.add_tensor(name, data, raw_dtype=Q.Q8_0)
+        with torch.no_grad():  # the state dict's tensors are the model's parameters
+            tensor.copy_(torch.from_numpy(dequantize(data, Q.Q8_0).reshape(tensor.shape)))
 
     def put_mxfp4(name, tensor) -> torch.Tensor:
         data = quantize(tensor.detach().float().numpy(), Q.MXFP4)
@@ -94,10 +101,11 @@ def write_gpt_oss_gguf(path, seed: int = 0):
     return path / "model.gguf", hf
 
 
-def test_gpt_oss_gguf_with_mxfp4_experts_matches_transformers(tmp_path):
+@pytest.mark.parametrize("matrices", ["F32", "Q8_0"])
+def test_gpt_oss_gguf_with_mxfp4_experts_matches_transformers(tmp_path, matrices):
     from lmplug import LLM, SamplingParams
 
-    path, hf = write_gpt_oss_gguf(tmp_path)
+    path, hf = write_gpt_oss_gguf(tmp_path, matrices=matrices)
     ids = prompt(24, 1, hf.config.vocab_size)
     llm = LLM(str(path), dtype="float32", device="cpu", max_model_len=128, attention={"backend": "sdpa"})
     assert llm.engine.runner.model.__class__.__name__ == "GptOssForCausalLM"
