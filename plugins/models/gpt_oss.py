@@ -195,6 +195,10 @@ class GptOssForCausalLM(FlexDecoder):
             blocks = (f" ({shape[2] if len(shape) > 2 else '?'} blocks a row where {groups} cover the {cols} "
                       "input features)" if kind in ("_blocks", "_scales") else "")
             raise ValueError(f"has shape {shape}, the model expects {want} {what}{blocks}")
+        holder = self.layers[int(layer)].mlp.gate_up_proj[0] if int(layer) < len(self.layers) else None
+        if kind == "" and holder is not None and "blocks" in holder._parameters:
+            raise ValueError(f"holds float experts, but quant method {holder.quant.name!r} reads MXFP4 checkpoints "
+                             "only (`*_blocks` and `*_scales`); drop the `quant` section for this checkpoint")
         suffix = {"": "weight", "_bias": "bias", "_blocks": "blocks", "_scales": "scales"}[kind]
         prefix = f"model.layers.{layer}.mlp.experts.{proj}"
         return [(f"{prefix}.{e}.{suffix}", tensor[e].t() if kind == "" else tensor[e])

@@ -121,3 +121,12 @@ def test_mxfp4_experts_split_under_tensor_parallelism(mxfp4_model):
     finally:
         llm.close()
     assert out.token_ids == hf_greedy(hf, ids, 16)
+
+
+def test_mxfp4_on_a_float_checkpoint_is_refused_by_name(tmp_path):
+    from lmplug.errors import ModelLoadError
+    from lmplug.testing.architecture import build_tiny
+
+    build_tiny(CONFIG, tmp_path)
+    with pytest.raises(ModelLoadError, match=r"experts\.(gate_up|down)_proj' holds float experts, but quant method 'mxfp4'"):
+        _llm(tmp_path, quant={"method": "mxfp4"})
