@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from lmplug_models.blocks import (
+    FULL,
     SLIDING,
     AttentionShape,
     FlexAttention,
@@ -62,7 +63,7 @@ def gpt_oss_options(cfg: ModelConfig, where: str = "config.json") -> GptOssOptio
     r = ConfigReader(cfg.raw, where)
     return GptOssOptions(alpha=r.number("swiglu_alpha", 1.702), limit=r.number("swiglu_limit", 7.0),
                          window=r.int("sliding_window", 128),
-                         kinds=layer_kinds(cfg, lambda i: SLIDING if i % 2 == 0 else "full_attention"))
+                         kinds=layer_kinds(cfg, lambda i: SLIDING if i % 2 == 0 else FULL))
 
 
 def gpt_oss_gguf_config(header: GGUFHeader, config: dict) -> dict:
