@@ -79,6 +79,7 @@ def test_gpt_oss_is_chosen_natively_and_needs_sinks(tiny_top4):
     assert "attention_sinks" in needed_features(layers)
 
 
+@pytest.mark.slow
 def test_ngram_speculative_decoding_gives_transformers_greedy_tokens(tiny_top4):
     from lmplug import LLM, SamplingParams
 
