@@ -1,4 +1,4 @@
-"""The native Gemma 2/3, SmolLM3, OLMo 2, Granite and Phi-3 architectures against the transformers
+"""The native Gemma 2/3, SmolLM3, OLMo 2, Granite, Phi-3 and GPT-OSS architectures against the transformers
 fallback and against transformers itself, side by side in one run.
 
 Random weights at the demo model's size (hidden 576, 30 layers, 9 heads / 3 KV heads, FFN 1536,
@@ -32,6 +32,9 @@ FAMILIES = {
     "granite": {"embedding_multiplier": 12.0, "residual_multiplier": 0.22, "attention_multiplier": 0.015625,
                 "logits_scaling": 2.0},
     "phi3": {},
+    # 8 experts of 384 (top 2), their biases, sinks and YaRN at transformers' defaults
+    "gpt_oss": {"head_dim": 64, "sliding_window": 64, "num_local_experts": 8, "num_experts_per_tok": 2,
+                "intermediate_size": 384},
 }
 PROMPT = 64
 
@@ -39,7 +42,7 @@ PROMPT = 64
 def build(model_type: str, layers: int, root: Path) -> tuple[Path, torch.nn.Module]:
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    cfg = AutoConfig.for_model(model_type, num_hidden_layers=layers, **DEMO, **FAMILIES[model_type])
+    cfg = AutoConfig.for_model(model_type, num_hidden_layers=layers, **{**DEMO, **FAMILIES[model_type]})
     torch.manual_seed(0)
     path = root / model_type
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()

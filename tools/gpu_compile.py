@@ -103,6 +103,8 @@ CASES: dict[str, dict[str, tuple]] = {
     # W8A8: int8 / fp8 operands; scale groups (0: per token x per channel; 128: DeepSeek-V3
     # blocks; 16/32/64: the other K steps block_k_for can pick); M buckets 1/16/64/128, and N wide
     # enough (8192) for the wide decode tiles
+    # MXFP4 experts (GPT-OSS): x [M, K] @ W^T with W in 32-value FP4 blocks; M: decode to prefill tiles
+    "mxfp4": {"dtype": DTYPES, "m": (1, 16, 64), "bias": (False, True)},
     "w8a8": {"kind": ("int8", "fp8"), "group_k": (0, 16, 32, 64, 128), "m": (1, 16, 64, 128),
              "n": (256, 8192), "out": ("fp16", "bf16", "fp32"), "bias": (False, True)},
     # linear attention and SSMs. Lightning (MiniMax, head_dim 128): block_size None is the
@@ -131,7 +133,7 @@ PENDING: dict[str, str] = {}
 
 # families whose 16-bit, unquantized configurations are hot paths (a spill budget of 0)
 HOT = {"flash_varlen", "flash_prefill", "flash_decode", "paged_decode", "decode_reduce", "paged_prefill",
-       "reshape_and_cache", "mla_decode", "fused_moe", "w4a16", "lightning_prefill", "lightning_decode",
+       "reshape_and_cache", "mla_decode", "fused_moe", "w4a16", "mxfp4", "lightning_prefill", "lightning_decode",
        "ssd_scan", "ssd_update", "conv1d", "conv1d_update", "delta_chunk", "delta_update"}
 
 
@@ -283,6 +285,14 @@ def call_w4a16(p: dict) -> None:
     g_idx = torch.arange(k, dtype=torch.int32) // group
     w4a16_gemm(torch.empty(p["m"], k, dtype=_dtype(p["dtype"])), qweight, qzeros, scales, g_idx, bits=bits,
                awq_order=awq, group_size=p["group"])
+
+
+def call_mxfp4(p: dict) -> None:
+    from lmplug_quant.mxfp4_kernels import linear
+    torch = _torch()
+    n, k, dtype = 256, 256, _dtype(p["dtype"])
+    linear(torch.empty(p["m"], k, dtype=dtype), torch.empty(n, k // 32, 16, dtype=torch.uint8),
+           torch.empty(n, k // 32, dtype=torch.uint8), torch.empty(n, dtype=dtype) if p["bias"] else None)
 
 
 def call_w8a8(p: dict) -> None:

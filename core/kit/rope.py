@@ -58,8 +58,10 @@ def _yarn(head_dim: int, theta: float, s: dict, max_position: int) -> tuple[torc
     def correction_dim(rotations: float) -> float:
         return (head_dim * math.log(old_len / (rotations * 2 * math.pi))) / (2 * math.log(theta))
 
-    low = max(math.floor(correction_dim(beta_fast)), 0)
-    high = min(math.ceil(correction_dim(beta_slow)), head_dim - 1)
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if s.get("truncate", True):  # GPT-OSS: truncate false, the correction range kept fractional
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
     if low == high:
         high += 0.001
     pos_freqs = theta ** (torch.arange(0, head_dim, 2).float() / head_dim)

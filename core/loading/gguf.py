@@ -45,7 +45,7 @@ Q = GGMLQuantizationType
 DEQUANTIZABLE = frozenset({
     Q.F32, Q.F16, Q.BF16, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0,
     Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K,
-    Q.IQ2_XXS, Q.IQ2_XS, Q.IQ2_S, Q.IQ3_XXS, Q.IQ3_S, Q.IQ1_S, Q.IQ1_M, Q.IQ4_NL, Q.IQ4_XS,
+    Q.IQ2_XXS, Q.IQ2_XS, Q.IQ2_S, Q.IQ3_XXS, Q.IQ3_S, Q.IQ1_S, Q.IQ1_M, Q.IQ4_NL, Q.IQ4_XS, Q.MXFP4,
 })
 _FLOAT_TYPES = frozenset({Q.F32, Q.F16, Q.BF16})
 # (GGUF architecture, file) -> the architecture that reads it (``Architecture.gguf_architectures``)

@@ -9,7 +9,9 @@ Quantized KV (kvcache ``dtype: int8 | fp8_e4m3``): writes quantize per
 (token, KV head); reads dequantize only the rows of the sequence's context.
 Tree attention (feature ``tree_attention``, for tree speculative decoding): a
 sequence in ``ctx.query_masks`` attends to its cached context plus the new tokens
-its ancestor mask allows (``causal_mask(..., tree=...)``).
+its ancestor mask allows (``causal_mask(..., tree=...)``). Soft-capped scores (Gemma 2) and
+attention sinks (GPT-OSS: ``forward(..., sinks=)``, a learned logit per head in the softmax
+denominator) take an explicit math path (``explicit_attention``).
 
 Per step (``prepare``): each sequence's attention mask, built once and read by
 every layer. A native decode step (``native_decode``: the core runs a float32 CPU decode
@@ -28,6 +30,7 @@ from lmplug_attention.paged import native as paged_native
 from lmplug_attention.kv_ref import gather_context
 
 from lmplug.api import (
+    ATTENTION_SINKS,
     LAYER_SCALES,
     LAYER_WINDOWS,
     LOGIT_SOFTCAP,
@@ -62,7 +65,8 @@ class SdpaAttention(AttentionBackend, extras.NativeDecode):
     capabilities = Capabilities(
         devices=frozenset({"cpu", "cuda"}),
         kv_layouts=frozenset({"contiguous", "paged"}),
-        features=frozenset({"sliding_window", "tree_attention", LAYER_WINDOWS, LAYER_SCALES, LOGIT_SOFTCAP}),
+        features=frozenset({"sliding_window", "tree_attention", LAYER_WINDOWS, LAYER_SCALES, LOGIT_SOFTCAP,
+                            ATTENTION_SINKS}),
         kv_dtypes=KV_DTYPES,
         priority=10,
     )
@@ -73,7 +77,7 @@ class SdpaAttention(AttentionBackend, extras.NativeDecode):
                                 {self.sliding_window: masks})
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                kv: KVLayerView, ctx: StepContext) -> torch.Tensor:
+                kv: KVLayerView, ctx: StepContext, *, sinks: torch.Tensor | None = None) -> torch.Tensor:
         meta: SdpaStepMetadata = ctx.metadata_for(self, kv)
         spec = self.layer_attention(layer)
         masks = meta.by_window.get(spec.sliding_window)
@@ -84,7 +88,7 @@ class SdpaAttention(AttentionBackend, extras.NativeDecode):
         if len(seq_lens) == 1 and q.shape[0] == 1 and masks[0] is None:  # batch-1 decode
             ctx_k, ctx_v = context_kv(kv.k_cache, kv.v_cache, ctx.block_tables[0], seq_lens[0],
                                       kv.k_scale, kv.v_scale, q.dtype, meta.first_blocks[0])
-            return self._decode(q[0], ctx_k, ctx_v, spec.scale, spec.softcap)[None]
+            return self._decode(q[0], ctx_k, ctx_v, spec.scale, spec.softcap, sinks)[None]
         out = torch.empty_like(q)
         start = 0
         for i, (qlen, seq_len) in enumerate(zip(ctx.query_lens_cpu, seq_lens)):
@@ -92,29 +96,31 @@ class SdpaAttention(AttentionBackend, extras.NativeDecode):
                                       kv.k_scale, kv.v_scale, q.dtype, meta.first_blocks[i])
             qi = q[start:start + qlen]
             if masks[i] is None and qlen == 1:
-                out[start] = self._decode(qi[0], ctx_k, ctx_v, spec.scale, spec.softcap)
+                out[start] = self._decode(qi[0], ctx_k, ctx_v, spec.scale, spec.softcap, sinks)
             else:
-                out[start:start + qlen] = attend(qi, ctx_k, ctx_v, seq_len, spec.scale, masks[i], spec.softcap)
+                out[start:start + qlen] = attend(qi, ctx_k, ctx_v, seq_len, spec.scale, masks[i], spec.softcap,
+                                                 sinks)
             start += qlen
         return out
 
     def native_decode(self, ctx: StepContext, views: list[KVLayerView]) -> NativeCall | None:
         """A native decode step's attention: the family's C decode kernel (``paged_native``),
         which reads this backend's contiguous and paged layouts alike; float32 caches only, and
-        layers that all attend alike (one scale and window, no soft-cap)."""
+        layers that all attend alike (one scale and window, no soft-cap, no sinks)."""
         if not self.uniform_layers:
             return None
         return paged_native.step_attention(ctx, views, self.num_heads, self.num_kv_heads, self.head_dim,
                                            self.scale, self.sliding_window, "attention sdpa")
 
     def _decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-                softcap: float | None) -> torch.Tensor:
+                softcap: float | None, sinks: torch.Tensor | None = None) -> torch.Tensor:
         # q: [H, D] -> [Hkv, G, D]; k, v: [S, Hkv, D] -> [Hkv, S, D]; no mask: all S keys are visible
         # (the layer's own KV heads and head_dim: layers may differ, Gemma 4)
         hkv, dim = k.shape[1], q.shape[-1]
         qg = q.view(hkv, -1, dim)
-        if softcap is not None:
-            return softcapped(qg, k.transpose(0, 1), v.transpose(0, 1), None, scale, softcap).reshape(-1, dim)
+        if softcap is not None or sinks is not None:
+            return explicit_attention(qg, k.transpose(0, 1), v.transpose(0, 1), None, scale, softcap,
+                                      sinks).reshape(-1, dim)
         # 4-d (a batch of one): on CPU, 3-d inputs miss SDPA's flash kernel and take the math path
         o = F.scaled_dot_product_attention(qg[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
                                            scale=scale)
@@ -132,36 +138,48 @@ def step_masks(ctx: StepContext, window: int | None, device: torch.device) -> li
     return masks
 
 
-def softcapped(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
-               softcap: float) -> torch.Tensor:
-    """Attention with soft-capped scores, ``softcap * tanh(q.k * scale / softcap)`` (Gemma 2),
-    over grouped heads: q [Hkv, G, L, D] or [Hkv, G, D] (one query), k, v [Hkv, S, D], ``mask``
-    bool [L, S] (True = attend) -> like q."""
+def explicit_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                       scale: float, softcap: float | None = None,
+                       sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """Attention in explicit math, over grouped heads: q [Hkv, G, L, D] or [Hkv, G, D] (one query),
+    k, v [Hkv, S, D], ``mask`` bool [L, S] (True = attend) -> like q. ``softcap``: scores
+    ``softcap * tanh(q.k * scale / softcap)`` (Gemma 2). ``sinks`` [H] (head h = kv head h // G,
+    group member h % G): ``exp(sinks[h])`` joins each row's softmax denominator, with no value
+    (GPT-OSS), so a row's weights sum to less than one."""
     one = q.dim() == 3
     qq = q.unsqueeze(2) if one else q
     scores = torch.matmul(qq, k.unsqueeze(1).transpose(-1, -2)).float() * scale  # [Hkv, G, L, S]
-    scores = torch.tanh(scores / softcap) * softcap
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
-    out = torch.matmul(torch.softmax(scores, -1).to(v.dtype), v.unsqueeze(1))
+    if sinks is None:
+        probs = torch.softmax(scores, -1)
+    else:
+        sink = sinks.float().view(*scores.shape[:2], 1, 1).expand(*scores.shape[:3], 1)
+        probs = torch.softmax(torch.cat([scores, sink], -1), -1)[..., :-1]
+    out = torch.matmul(probs.to(v.dtype), v.unsqueeze(1))
     return out.squeeze(2) if one else out
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_len: int, scale: float,
-           mask: torch.Tensor | None = None, softcap: float | None = None) -> torch.Tensor:
+           mask: torch.Tensor | None = None, softcap: float | None = None,
+           sinks: torch.Tensor | None = None) -> torch.Tensor:
     """q [L, H, D], the last L positions of a context k, v [S, Hkv, D] -> [L, H, D]: SDPA with
     ``mask`` (bool [L, S], True = attend; ``causal_mask``), plain causal when it is None;
-    scores soft-capped at ``softcap`` where given (``softcapped``)."""
+    scores soft-capped at ``softcap`` and sinks [H] joined to the softmax where given
+    (``explicit_attention``)."""
     if mask is None and q.shape[0] != seq_len:
         raise ValueError(f"attend: without a mask the queries must be the whole context ({seq_len}), "
                          f"got {q.shape[0]}")
-    if softcap is not None:
+    if softcap is not None or sinks is not None:
         length, heads, dim = q.shape
         hkv = k.shape[1]
         qg = q.permute(1, 0, 2).reshape(hkv, heads // hkv, length, dim)
         if mask is None:
             mask = causal_mask(length, seq_len, None, q.device)
-        out = softcapped(qg, k.transpose(0, 1), v.transpose(0, 1), mask, scale, softcap)  # [Hkv, G, L, D]
+        out = explicit_attention(qg, k.transpose(0, 1), v.transpose(0, 1), mask, scale, softcap,
+                                 sinks)  # [Hkv, G, L, D]
         return out.reshape(heads, length, dim).transpose(0, 1)
     # 4-d (a batch of one): on CPU, 3-d inputs miss SDPA's flash kernel and take the math path
     o = F.scaled_dot_product_attention(

@@ -19,6 +19,13 @@ from lmplug_models.deepseek_v2 import DeepseekV2ForCausalLM
 from lmplug_models.gemma import GemmaForCausalLM, gemma_layers, gemma_options
 from lmplug_models.diffusion_gemma import DiffusionGemmaForBlockDiffusion, diffusion_layers, diffusion_text_config
 from lmplug_models.gemma4 import Gemma4ForCausalLM, gemma4_layers, gemma4_options
+from lmplug_models.gpt_oss import (
+    GptOssForCausalLM,
+    gpt_oss_gguf_config,
+    gpt_oss_layers,
+    gpt_oss_options,
+    gpt_oss_tensor_name,
+)
 from lmplug_models.llama import LlamaForCausalLM
 from lmplug_models.mamba2 import Mamba2ForCausalLM
 from lmplug_models.minimax import MiniMaxForCausalLM
@@ -316,8 +323,39 @@ class Phi3Architecture(_Native):
         return config
 
 
+class GptOssArchitecture(_Native):
+    """GPT-OSS: attention sinks, 1:1 sliding / global layers, biases, YaRN, MoE with router and
+    expert biases and a clamped SwiGLU; MXFP4 experts through the ``mxfp4`` quant method. The
+    window lives in each layer's attention, as Gemma's."""
+
+    name = "gpt_oss"
+    module = GptOssForCausalLM
+    model_types = ("gpt_oss",)
+    gguf_architectures = ("gpt-oss",)
+    capabilities = _caps(TENSOR_PARALLEL, GGUF)
+
+    @classmethod
+    def gguf_config(cls, header: GGUFHeader) -> dict[str, Any]:
+        return gpt_oss_gguf_config(header, decoder_config(header, "GptOssForCausalLM", "gpt_oss"))
+
+    @classmethod
+    def gguf_tensor_name(cls, gguf_name: str, where: str) -> str:
+        return gpt_oss_tensor_name(gguf_name, where)
+
+    def parse_config(self, hf_config: Mapping[str, Any], where: str) -> ModelConfig:
+        # Mixtral's expert keys (num_local_experts, intermediate_size, num_experts_per_tok; softmax top-k)
+        config = ModelConfig.from_hf(dict(hf_config), where, moe=mixtral_moe)
+        config = dataclasses.replace(config, sliding_window=None)
+        gpt_oss_options(config, where)
+        return config
+
+    def cache_layout(self, model_config: ModelConfig) -> CacheLayout:
+        return dataclasses.replace(super().cache_layout(model_config), layers=gpt_oss_layers(model_config))
+
+
 FIRST_PARTY: tuple[type[Architecture], ...] = (
     LlamaArchitecture, MoEArchitecture, DeepseekV2Architecture, Mamba2Architecture,
     MiniMaxArchitecture, Qwen3NextArchitecture, GemmaArchitecture, Gemma4Architecture,
     DiffusionGemmaArchitecture, SmolLM3Architecture, Olmo2Architecture, GraniteArchitecture, Phi3Architecture,
+    GptOssArchitecture,
 )

@@ -62,6 +62,7 @@ class FlexAttention(Attention):
         super().__init__(cfg, layer, dtype, quant, backend, tp)
         self.shape = shape
         self.rope = shape.rope
+        self.sinks: torch.nn.Parameter | None = None  # GPT-OSS: a learned logit per head (the subclass's)
         if shape.fused_qkv:  # Phi-3: one qkv_proj tensor, kept fused (one process)
             self.qkv_proj = column_linear(cfg.hidden_size, {"qkv_proj": (0, self.q_size + 2 * self.kv_size)},
                                           bias=cfg.attention_bias, dtype=dtype, quant=quant, tp=tp)
@@ -87,7 +88,8 @@ class FlexAttention(Attention):
             q, k = self.q_norm(q), self.k_norm(k)
         if self.rope is not None:
             q, k = self._rotate(positions, q, k)
-        out = self.backend.forward(self.layer, q.contiguous(), k.contiguous(), v.contiguous(), kv, ctx)
+        extra = {} if self.sinks is None else {"sinks": self.sinks}
+        out = self.backend.forward(self.layer, q.contiguous(), k.contiguous(), v.contiguous(), kv, ctx, **extra)
         return self.o_proj(out.reshape(-1, self.q_size))
 
     def _rotate(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):

@@ -3,7 +3,8 @@
 ``rtn`` (round-to-nearest at load time), ``gptq`` and ``awq`` (packed
 checkpoints); see ``common.py`` for how each runs on CPU and CUDA. W8A8:
 ``fp8``, ``int8`` (``w8a8_common.py``), and ``compressed-tensors`` checkpoints. ``gguf``:
-llama.cpp's block-quantized weights, multiplied packed (``gguf.py``).
+llama.cpp's block-quantized weights, multiplied packed (``gguf.py``). ``mxfp4``: MXFP4 experts
+(GPT-OSS), multiplied packed (``mxfp4.py``).
 """
 
 from lmplug.api import hookimpl
@@ -19,9 +20,10 @@ def lmplug_register_quant_methods() -> list[type]:
     from lmplug_quant.gguf import GGUFQuant
     from lmplug_quant.gptq import GPTQ
     from lmplug_quant.int8 import INT8
+    from lmplug_quant.mxfp4 import MXFP4
     from lmplug_quant.rtn import RTN
 
-    return [RTN, GPTQ, AWQ, FP8, INT8, CompressedTensors, GGUFQuant]
+    return [RTN, GPTQ, AWQ, FP8, INT8, CompressedTensors, GGUFQuant, MXFP4]
 
 
 @hookimpl

@@ -29,7 +29,7 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     """q [T, H, D] (sequences back to back), cu_query_lens [B+1], seq_lens [B] -> [T, H, D] (into ``out``).
 
     ``query_masks``: sequence index (in this call) -> bool [query_len, query_len] ancestor mask;
-    ``softcap``: scores soft-capped (``sdpa.softcapped``); ``sinks`` [H]: attention sinks."""
+    ``softcap``: scores soft-capped (``sdpa.explicit_attention``); ``sinks`` [H]: attention sinks."""
     out = torch.empty_like(q) if out is None else out
     query_masks = query_masks or {}
     starts = cu_query_lens.tolist()
