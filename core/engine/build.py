@@ -215,8 +215,11 @@ def build_engine_parts(resolved: ResolvedConfig, parallel: ParallelState | None 
 
 
 def _layer_windows(plan: EnginePlan) -> tuple[int | None, ...]:
-    """Each cached layer's window where they differ (``KVCacheSpec.layer_windows``), else ()."""
-    windows = tuple(layer.sliding_window for layer in plan.attention_layers)
+    """Each cached layer's window where they differ (``KVCacheSpec.layer_windows``), else (). A
+    layout may declare more attention layers than it caches (DiffusionGemma's decoder layers read
+    the encoder's cache through ids past it): only the cached ones count."""
+    cached = plan.attention_layers[:plan.model_config.num_kv_layers]
+    windows = tuple(layer.sliding_window for layer in cached)
     return windows if len(set(windows)) > 1 else ()
 
 
