@@ -18,6 +18,7 @@ __version__ = "0.2.0"
 _LAZY = {
     "API_VERSION": "lmplug.api",
     "LLM": "lmplug.llm",
+    "LoRARequest": "lmplug.api",
     "AttentionBackend": "lmplug.api",
     "BackendOptions": "lmplug.api",
     "Capabilities": "lmplug.api",
@@ -43,6 +44,7 @@ _LAZY = {
 __all__ = [
     "API_VERSION",
     "LLM",
+    "LoRARequest",
     "AttentionBackend",
     "BackendOptions",
     "BeamSearchOutput",

@@ -37,6 +37,7 @@ from lmplug.interfaces.attention import (
     MLAAttentionBackend,
     needed_features,
 )
+from lmplug.interfaces.adapter import AdapterBackend, AdapterOptions, LoRARequest
 from lmplug.interfaces.checkpoint import ModelSource
 from lmplug.interfaces.common import BackendInfo, BackendOptions, Capabilities
 from lmplug.interfaces.compressor import (
@@ -113,6 +114,8 @@ __all__ = [
     "ATTENTION_SINKS",
     "AcceptanceOptions",
     "AcceptanceRule",
+    "AdapterBackend",
+    "AdapterOptions",
     "Architecture",
     "AttentionBackend",
     "BLOCK_SIZES",
@@ -156,6 +159,7 @@ __all__ = [
     "LayerAttention",
     "LmplugError",
     "Logprob",
+    "LoRARequest",
     "MAMBA2",
     "MLA",
     "MLAAttentionBackend",

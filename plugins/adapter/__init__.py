@@ -1,0 +1,14 @@
+"""lmplug_adapter: the LoRA math of a batch whose rows each have their own adapter."""
+
+from __future__ import annotations
+
+from lmplug_adapter.torch_lora import TorchLoRA
+
+from lmplug.api import hookimpl
+
+LMPLUG_API_VERSION = 3
+
+
+@hookimpl
+def lmplug_register_adapter_backends() -> list[type]:
+    return [TorchLoRA]
