@@ -168,6 +168,24 @@ class LLMEngine:
                 seq.adapter, seq.cache_salt = lora.lora_name, salt
             self.scheduler.add(seq)
 
+    # -- LoRA adapters (vLLM's names) ---------------------------------------------------------
+    def add_lora(self, lora: LoRARequest) -> None:
+        """Read and check an adapter now (``ModelLoadError`` naming it and the field)."""
+        self._adapter_of(lora)
+
+    def remove_lora(self, name: str) -> None:
+        """Forget adapter ``name`` (``UnknownAdapter``); refused while requests run with it."""
+        if self.adapters is None:
+            raise ConfigError("this engine serves no LoRA adapters (no `lora:` section)")
+        busy = sum(1 for seq in self.requests.sequences() if seq.adapter == name and not seq.is_finished)
+        if busy:
+            raise ConfigError(f"LoRA adapter {name!r} is in use by {busy} running sequence(s); unload it "
+                              "once they finish")
+        self.adapters.remove(name)
+
+    def list_loras(self) -> list[LoRARequest]:
+        return [] if self.adapters is None else list(self.adapters.known.values())
+
     def _adapter_of(self, lora: LoRARequest | None) -> int | None:
         """The prefix-cache salt of ``lora``'s adapter, known to the engine from now on."""
         if lora is None:
