@@ -22,7 +22,8 @@ from lmplug.testing.base import Conformance
 from lmplug.testing.compare import DTYPES, DEFAULT_TOLERANCES, find_mismatch
 
 # (tokens, slots, shards, rank, in, out): a decode token, a decode batch, prefill-sized steps
-CASES = [(1, 1, 1, 4, 32, 48), (7, 3, 3, 8, 64, 96), (16, 4, 2, 16, 48, 40), (45, 3, 1, 8, 64, 64),
+CASES = [(1, 1, 1, 4, 32, 48), (7, 3, 3, 8, 64, 96), (16, 4, 2, 16, 48, 40), (12, 9, 3, 8, 48, 40),
+         (45, 3, 1, 8, 64, 64),
          (130, 5, 2, 16, 96, 80)]
 
 

@@ -1,8 +1,8 @@
 """The reference LoRA backend: the step's tokens grouped by slot, two small matmuls per group.
 
-Decode batches (a few tokens, usually as many adapters) gather each token's A and B and run two
-batched products; larger steps (prefill chunks) take one shrink and one expand per slot over
-its tokens. Any device torch runs on; rows without an adapter are never touched.
+Decode batches over many adapters gather each token's A and B and run two batched products;
+other steps (prefill chunks, a few adapters) take one shrink and one expand per slot over its
+tokens. Any device torch runs on; rows without an adapter are never touched.
 """
 
 from __future__ import annotations
@@ -11,8 +11,10 @@ import torch
 
 from lmplug.api import AdapterBackend, Capabilities
 
-# at most this many tokens a step gathers each token's own A and B (bmm); more: grouped by slot
+# a step of at most GATHER_TOKENS tokens over more than GROUPED_SLOTS adapters gathers each token's
+# own A and B (one bmm each); otherwise one shrink and one expand per adapter over its tokens
 GATHER_TOKENS = 16
+GROUPED_SLOTS = 4
 
 
 class TorchLoRA(AdapterBackend):
@@ -20,19 +22,19 @@ class TorchLoRA(AdapterBackend):
     capabilities = Capabilities(devices=frozenset({"cpu", "cuda"}), priority=10)
 
     def prepare(self, token_slots: torch.Tensor, token_slots_cpu: list[int]) -> object:
-        tokens = [t for t, s in enumerate(token_slots_cpu) if s >= 0]
-        if len(token_slots_cpu) <= GATHER_TOKENS:
-            rows = torch.tensor(tokens, dtype=torch.long, device=token_slots.device)
-            return "gather", rows, token_slots[rows].long()
         groups: dict[int, list[int]] = {}
         for t, s in enumerate(token_slots_cpu):
             if s >= 0:
                 groups.setdefault(s, []).append(t)
+        if len(token_slots_cpu) <= GATHER_TOKENS and len(groups) > GROUPED_SLOTS:
+            rows = [t for t, s in enumerate(token_slots_cpu) if s >= 0]
+            index = torch.tensor(rows, dtype=torch.long, device=token_slots.device)
+            return "gather", index, token_slots[index].long()
         out = []
         for s, rows in groups.items():
             # a contiguous run is a slice (a view: no gather, no scatter)
             where = slice(rows[0], rows[-1] + 1) if rows[-1] - rows[0] + 1 == len(rows) else \
-                torch.tensor(rows, device=token_slots.device)
+                torch.tensor(rows, dtype=torch.long, device=token_slots.device)
             out.append((s, where))
         return "grouped", out
 
