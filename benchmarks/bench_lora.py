@@ -117,7 +117,7 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3)
     a = p.parse_args()
     torch.set_num_threads(a.threads)
-    print(f"loadavg before: {open('/proc/loadavg').read().strip()}  (a shared machine: other jobs run)")
+    print(f"loadavg before: {Path('/proc/loadavg').read_text().strip()}  (a shared machine: other jobs run)")
     root = Path(tempfile.mkdtemp(prefix="bench-lora-"))
     try:
         base = make_model(root, a.layers)
@@ -162,7 +162,7 @@ def main() -> None:
             print(f"  {name:<20} {rate / base_rate:5.2f}x")
     finally:
         shutil.rmtree(root, ignore_errors=True)
-        print(f"loadavg after: {open('/proc/loadavg').read().strip()}")
+        print(f"loadavg after: {Path('/proc/loadavg').read_text().strip()}")
 
 
 if __name__ == "__main__":

@@ -44,7 +44,6 @@ _LAZY = {
 __all__ = [
     "API_VERSION",
     "LLM",
-    "LoRARequest",
     "AttentionBackend",
     "BackendOptions",
     "BeamSearchOutput",
@@ -57,6 +56,7 @@ __all__ = [
     "KVCacheBackend",
     "KVLayerView",
     "LmplugError",
+    "LoRARequest",
     "MoEBackend",
     "ModelLoadError",
     "PluginError",

@@ -15,6 +15,7 @@ modules; plugins import them from here).
 from lmplug.errors import ConfigError, LmplugError, ModelLoadError, PluginError
 from lmplug.hookspecs import hookimpl
 from lmplug.interfaces.acceptance import LOSSY, AcceptanceOptions, AcceptanceRule, Decision
+from lmplug.interfaces.adapter import AdapterBackend, AdapterOptions, LoRARequest
 from lmplug.interfaces.architecture import (
     GGUF,
     MLA,
@@ -37,7 +38,6 @@ from lmplug.interfaces.attention import (
     MLAAttentionBackend,
     needed_features,
 )
-from lmplug.interfaces.adapter import AdapterBackend, AdapterOptions, LoRARequest
 from lmplug.interfaces.checkpoint import ModelSource
 from lmplug.interfaces.common import BackendInfo, BackendOptions, Capabilities
 from lmplug.interfaces.compressor import (

@@ -135,7 +135,7 @@ def _read_weights(folder: Path, where: str) -> dict[str, torch.Tensor]:
 
 def _split_key(key: str, where: str) -> tuple[str, str]:
     """``base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight`` -> (module, "lora_A")."""
-    name = key[len(PREFIX):] if key.startswith(PREFIX) else key
+    name = key.removeprefix(PREFIX)
     if "lora_embedding" in name or "embed_tokens" in name:
         raise ModelLoadError(f"{where}: {key}: LoRA on the embedding (embed_tokens) is not supported")
     if "lm_head" in name:

@@ -30,12 +30,12 @@ from lmplug.interfaces.adapter import LoRARequest
 from lmplug.interfaces.params import SamplingParams
 from lmplug.llm import LLM
 from lmplug.serve import compress, convert, embeddings, responses_api, tokenize_routes
-from lmplug.serve.lora_routes import Models, lora_router
 from lmplug.serve import tools as tool_calls
 from lmplug.serve.async_engine import AsyncEngine
 from lmplug.serve.body import read_json
 from lmplug.serve.errors import APIError, from_validation_error, install_handlers
 from lmplug.serve.hardening import api_key_check, guard_app
+from lmplug.serve.lora_routes import Models, lora_router
 from lmplug.serve.metrics import Metrics
 from lmplug.serve.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 from lmplug.serve.responses import Accumulator, ChatFormat, CompletionFormat, collect, stream_events

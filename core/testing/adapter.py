@@ -19,7 +19,7 @@ from pydantic import ValidationError
 
 from lmplug.interfaces.adapter import AdapterBackend
 from lmplug.testing.base import Conformance
-from lmplug.testing.compare import DTYPES, DEFAULT_TOLERANCES, find_mismatch
+from lmplug.testing.compare import DEFAULT_TOLERANCES, DTYPES, find_mismatch
 
 # (tokens, slots, shards, rank, in, out): a decode token, a decode batch, prefill-sized steps
 CASES = [(1, 1, 1, 4, 32, 48), (7, 3, 3, 8, 64, 96), (16, 4, 2, 16, 48, 40), (12, 9, 3, 8, 48, 40),

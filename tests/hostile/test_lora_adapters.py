@@ -112,9 +112,9 @@ def test_names_and_ids_are_unique(setup):
 
 def test_an_engine_without_a_lora_section_says_so(setup):
     tiny, root, _, _ = setup
-    with LLM(str(tiny.path), dtype="float32", device="cpu", max_model_len=64) as plain:
-        with pytest.raises(ConfigError, match="lora:"):
-            plain.generate([[5, 6, 7]], GREEDY, lora=LoRARequest("good", 1, str(root / "good")))
+    with LLM(str(tiny.path), dtype="float32", device="cpu", max_model_len=64) as plain, \
+            pytest.raises(ConfigError, match="lora:"):
+        plain.generate([[5, 6, 7]], GREEDY, lora=LoRARequest("good", 1, str(root / "good")))
 
 
 def test_bad_lora_options_name_the_field():
