@@ -16,15 +16,24 @@ BLOCK_M = 16  # tokens of one segment per program (tl.dot's minimum tile)
 
 
 @triton.jit
+def _segment_tile(order_ptr, seg_start_ptr, seg_len_ptr, seg_slot_ptr, BLOCK_M: tl.constexpr):
+    """This program's segment (program id 0) and token tile (id 1): its start in the sorted order,
+    length, slot, the tile's positions in the segment and their token rows."""
+    seg, tile = tl.program_id(0), tl.program_id(1)
+    start, length, slot = tl.load(seg_start_ptr + seg), tl.load(seg_len_ptr + seg), tl.load(seg_slot_ptr + seg)
+    m = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    rows = tl.load(order_ptr + start + m, mask=m < length, other=0)
+    return start, length, slot, m, rows
+
+
+@triton.jit
 def _shrink_kernel(x_ptr, a_ptr, mid_ptr, order_ptr, seg_start_ptr, seg_len_ptr, seg_slot_ptr,
                    d_in, kr, sx, sa0, sa1, smid,
                    BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
-    seg, tile, rt = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    start, length, slot = tl.load(seg_start_ptr + seg), tl.load(seg_len_ptr + seg), tl.load(seg_slot_ptr + seg)
+    tile, rt = tl.program_id(1), tl.program_id(2)
+    start, length, slot, m, rows = _segment_tile(order_ptr, seg_start_ptr, seg_len_ptr, seg_slot_ptr, BLOCK_M)
     if tile * BLOCK_M >= length:
         return
-    m = tile * BLOCK_M + tl.arange(0, BLOCK_M)
-    rows = tl.load(order_ptr + start + m, mask=m < length, other=0)
     r = rt * BLOCK_R + tl.arange(0, BLOCK_R)
     acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
     for k0 in range(0, d_in, BLOCK_K):
@@ -41,12 +50,10 @@ def _shrink_kernel(x_ptr, a_ptr, mid_ptr, order_ptr, seg_start_ptr, seg_len_ptr,
 def _expand_kernel(mid_ptr, b_ptr, y_ptr, order_ptr, seg_start_ptr, seg_len_ptr, seg_slot_ptr,
                    d_out, kr, smid, sb0, sb1, sy,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
-    seg, tile, nt = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    start, length, slot = tl.load(seg_start_ptr + seg), tl.load(seg_len_ptr + seg), tl.load(seg_slot_ptr + seg)
+    tile, nt = tl.program_id(1), tl.program_id(2)
+    start, length, slot, m, rows = _segment_tile(order_ptr, seg_start_ptr, seg_len_ptr, seg_slot_ptr, BLOCK_M)
     if tile * BLOCK_M >= length:
         return
-    m = tile * BLOCK_M + tl.arange(0, BLOCK_M)
-    rows = tl.load(order_ptr + start + m, mask=m < length, other=0)
     n = nt * BLOCK_N + tl.arange(0, BLOCK_N)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, kr, BLOCK_K):
