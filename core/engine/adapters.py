@@ -45,6 +45,8 @@ class Adapters:
         self.targets = {prefix: (lin.in_features, end - start)
                         for prefix, lin in self.layers.items()
                         for p, (start, end) in zip(lin.prefixes, lin.ranges) if p == prefix}
+        # replaced, never changed in place: the server's event loop reads it while the engine
+        # thread loads and unloads
         self.known: dict[str, LoRARequest] = {}
         self._host: OrderedDict[str, HostAdapter] = OrderedDict()
         self._slots: OrderedDict[str, int] = OrderedDict()  # resident adapter -> slot, LRU first
@@ -64,12 +66,12 @@ class Adapters:
             raise ConfigError(f"LoRA adapter {request.lora_name!r}: lora_int_id {request.lora_int_id} is "
                               f"already used by adapter {same_id.lora_name!r}")
         self._remember(request.lora_name, self._read(request))
-        self.known[request.lora_name] = request
+        self.known = {**self.known, request.lora_name: request}
 
     def remove(self, name: str) -> None:
         if name not in self.known:
             raise UnknownAdapter(f"LoRA adapter {name!r} is not loaded")
-        del self.known[name]
+        self.known = {n: r for n, r in self.known.items() if n != name}
         self._host.pop(name, None)
         self._slots.pop(name, None)
 
