@@ -27,46 +27,34 @@ def _segment_tile(order_ptr, seg_start_ptr, seg_len_ptr, seg_slot_ptr, BLOCK_M: 
 
 
 @triton.jit
-def _shrink_kernel(x_ptr, a_ptr, mid_ptr, order_ptr, seg_start_ptr, seg_len_ptr, seg_slot_ptr,
-                   d_in, kr, sx, sa0, sa1, smid,
-                   BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
-    tile, rt = tl.program_id(1), tl.program_id(2)
-    start, length, slot, m, rows = _segment_tile(order_ptr, seg_start_ptr, seg_len_ptr, seg_slot_ptr, BLOCK_M)
-    if tile * BLOCK_M >= length:
-        return
-    r = rt * BLOCK_R + tl.arange(0, BLOCK_R)
-    acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-    for k0 in range(0, d_in, BLOCK_K):
-        k = k0 + tl.arange(0, BLOCK_K)
-        xs = tl.load(x_ptr + rows[:, None] * sx + k[None, :], mask=(m[:, None] < length) & (k[None, :] < d_in),
-                     other=0.0)
-        at = tl.load(a_ptr + slot.to(tl.int64) * sa0 + r[None, :] * sa1 + k[:, None],
-                     mask=(r[None, :] < kr) & (k[:, None] < d_in), other=0.0)  # [BLOCK_K, BLOCK_R]
-        acc = tl.dot(xs, at, acc, input_precision=PRECISION)
-    tl.store(mid_ptr + (start + m)[:, None] * smid + r[None, :], acc, mask=(m[:, None] < length) & (r[None, :] < kr))
-
-
-@triton.jit
-def _expand_kernel(mid_ptr, b_ptr, y_ptr, order_ptr, seg_start_ptr, seg_len_ptr, seg_slot_ptr,
-                   d_out, kr, smid, sb0, sb1, sy,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
+def _segment_gemm_kernel(in_ptr, w_ptr, out_ptr, order_ptr, seg_start_ptr, seg_len_ptr, seg_slot_ptr,
+                         d_in, d_out, s_in, sw0, sw1, s_out, SHRINK: tl.constexpr,
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                         PRECISION: tl.constexpr):
+    """``out[o] (+)= w[slot] @ in[i]`` over a segment tile. SHRINK: ``in`` rows are the tokens
+    (``order``), ``out`` rows the sorted positions, stored; otherwise the reverse, added."""
     tile, nt = tl.program_id(1), tl.program_id(2)
     start, length, slot, m, rows = _segment_tile(order_ptr, seg_start_ptr, seg_len_ptr, seg_slot_ptr, BLOCK_M)
     if tile * BLOCK_M >= length:
         return
+    in_rows = rows if SHRINK else start + m
+    out_rows = start + m if SHRINK else rows
     n = nt * BLOCK_N + tl.arange(0, BLOCK_N)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, kr, BLOCK_K):
+    for k0 in range(0, d_in, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
-        mids = tl.load(mid_ptr + (start + m)[:, None] * smid + k[None, :],
-                       mask=(m[:, None] < length) & (k[None, :] < kr), other=0.0)
-        bt = tl.load(b_ptr + slot.to(tl.int64) * sb0 + n[None, :] * sb1 + k[:, None],
-                     mask=(n[None, :] < d_out) & (k[:, None] < kr), other=0.0).to(tl.float32)
-        acc = tl.dot(mids, bt, acc, input_precision=PRECISION)
+        xs = tl.load(in_ptr + in_rows[:, None] * s_in + k[None, :],
+                     mask=(m[:, None] < length) & (k[None, :] < d_in), other=0.0)
+        wt = tl.load(w_ptr + slot.to(tl.int64) * sw0 + n[None, :] * sw1 + k[:, None],
+                     mask=(n[None, :] < d_out) & (k[:, None] < d_in), other=0.0)  # [BLOCK_K, BLOCK_N]
+        acc = tl.dot(xs, wt.to(xs.dtype), acc, input_precision=PRECISION)
     mask = (m[:, None] < length) & (n[None, :] < d_out)
-    where = y_ptr + rows[:, None] * sy + n[None, :]
-    old = tl.load(where, mask=mask, other=0.0)
-    tl.store(where, (old.to(tl.float32) + acc).to(old.dtype), mask=mask)
+    where = out_ptr + out_rows[:, None] * s_out + n[None, :]
+    if SHRINK:
+        tl.store(where, acc, mask=mask)
+    else:
+        old = tl.load(where, mask=mask, other=0.0)
+        tl.store(where, (old.to(tl.float32) + acc).to(old.dtype), mask=mask)
 
 
 def sgmv(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, order: torch.Tensor,
@@ -79,12 +67,11 @@ def sgmv(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, ord
         raise ValueError("sgmv: y's rows must be dense")
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
     mid = torch.empty(order.shape[0], kr, dtype=torch.float32, device=x.device)
-    tiles = triton.cdiv(max_len, BLOCK_M)
+    tiles, segments = triton.cdiv(max_len, BLOCK_M), seg_len.shape[0]
     block_r = max(16, min(64, triton.next_power_of_2(kr)))
-    _shrink_kernel[(seg_len.shape[0], tiles, triton.cdiv(kr, block_r))](
+    _segment_gemm_kernel[(segments, tiles, triton.cdiv(kr, block_r))](
         x, a, mid, order, seg_start, seg_len, seg_slot, d_in, kr, x.stride(0), a.stride(0), a.stride(1),
-        mid.stride(0), BLOCK_M=BLOCK_M, BLOCK_R=block_r, BLOCK_K=64, PRECISION=precision)
-    block_k = max(16, min(64, triton.next_power_of_2(kr)))
-    _expand_kernel[(seg_len.shape[0], tiles, triton.cdiv(d_out, 64))](
-        mid, b, y, order, seg_start, seg_len, seg_slot, d_out, kr, mid.stride(0), b.stride(0), b.stride(1),
-        y.stride(0), BLOCK_M=BLOCK_M, BLOCK_N=64, BLOCK_K=block_k, PRECISION=precision)
+        mid.stride(0), SHRINK=True, BLOCK_M=BLOCK_M, BLOCK_N=block_r, BLOCK_K=64, PRECISION=precision)
+    _segment_gemm_kernel[(segments, tiles, triton.cdiv(d_out, 64))](
+        mid, b, y, order, seg_start, seg_len, seg_slot, kr, d_out, mid.stride(0), b.stride(0), b.stride(1),
+        y.stride(0), SHRINK=False, BLOCK_M=BLOCK_M, BLOCK_N=64, BLOCK_K=block_r, PRECISION=precision)
