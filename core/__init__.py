@@ -18,6 +18,7 @@ __version__ = "0.2.0"
 _LAZY = {
     "API_VERSION": "lmplug.api",
     "LLM": "lmplug.llm",
+    "LoRARequest": "lmplug.api",
     "AttentionBackend": "lmplug.api",
     "BackendOptions": "lmplug.api",
     "Capabilities": "lmplug.api",
@@ -55,6 +56,7 @@ __all__ = [
     "KVCacheBackend",
     "KVLayerView",
     "LmplugError",
+    "LoRARequest",
     "MoEBackend",
     "ModelLoadError",
     "PluginError",

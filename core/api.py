@@ -15,6 +15,7 @@ modules; plugins import them from here).
 from lmplug.errors import ConfigError, LmplugError, ModelLoadError, PluginError
 from lmplug.hookspecs import hookimpl
 from lmplug.interfaces.acceptance import LOSSY, AcceptanceOptions, AcceptanceRule, Decision
+from lmplug.interfaces.adapter import AdapterBackend, AdapterOptions, LoRARequest
 from lmplug.interfaces.architecture import (
     ENCODER,
     GGUF,
@@ -114,6 +115,8 @@ __all__ = [
     "ATTENTION_SINKS",
     "AcceptanceOptions",
     "AcceptanceRule",
+    "AdapterBackend",
+    "AdapterOptions",
     "Architecture",
     "AttentionBackend",
     "BLOCK_SIZES",
@@ -158,6 +161,7 @@ __all__ = [
     "LayerAttention",
     "LmplugError",
     "Logprob",
+    "LoRARequest",
     "MAMBA2",
     "MLA",
     "MLAAttentionBackend",

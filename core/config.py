@@ -154,6 +154,8 @@ class EngineConfig(BaseModel):
         default_factory=lambda: {"backend": "auto"},
         description="the grammar engine for structured output and forced tool calls (formerly "
         "`structured_output`, still accepted); see below")
+    lora: dict[str, Any] | None = Field(
+        default=None, description="absent: no LoRA adapters; present: how many are served at once (see below)")
     compression: dict[str, Any] | None = Field(
         default=None, description="absent: no prompt compression; present: the default for every request")
     parallel: ParallelConfig = Field(default_factory=ParallelConfig, description="tensor parallelism")

@@ -24,6 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from lmplug.interfaces.acceptance import AcceptanceRule
+from lmplug.interfaces.adapter import AdapterBackend
 from lmplug.interfaces.architecture import Architecture
 from lmplug.interfaces.attention import AttentionBackend
 from lmplug.interfaces.compressor import Compressor
@@ -70,6 +71,8 @@ TABLE: tuple[Family, ...] = (
     Family("mixer", MixerBackend, "lmplug_register_mixer_backends", "mixer", auto=True, optional=True),
     Family("constraint", ConstraintBackend, "lmplug_register_constraint_backends", "constraint",
            auto=True, aliases=("structured_output",)),
+    # LoRA adapters served beside the base weights; absent: none
+    Family("adapter", AdapterBackend, "lmplug_register_adapter_backends", "lora", auto=True, optional=True),
     Family("compressor", Compressor, "lmplug_register_compressors", "compression", "method", optional=True),
     Family("quantizer", Quantizer, "lmplug_register_quantizers"),
     # chosen by the top-level key ``model_impl`` from what serves the checkpoint (``engine.plan``)

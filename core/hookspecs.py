@@ -82,6 +82,11 @@ def lmplug_register_constraint_backends() -> list[type]:
 
 
 @hookspec
+def lmplug_register_adapter_backends() -> list[type]:
+    """Return ``AdapterBackend`` subclasses (LoRA math over a batch's rows; ``lora:`` section)."""
+
+
+@hookspec
 def lmplug_register_compressors() -> list[type]:
     """Return ``Compressor`` subclasses this plugin provides: prompt-compression methods applied
     to a request's prompt before the engine tokenizes it."""

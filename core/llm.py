@@ -13,6 +13,7 @@ from lmplug.config import EngineConfig, resolve
 from lmplug.engine.build import pick_device, pick_dtype
 from lmplug.engine.engine import LLMEngine
 from lmplug.errors import ConfigError
+from lmplug.interfaces.adapter import LoRARequest
 from lmplug.interfaces.compressor import CompressionParams, CompressionReport
 from lmplug.interfaces.params import SamplingParams
 from lmplug.outputs import EmbeddingRequestOutput, PoolingParams, RequestOutput
@@ -50,6 +51,9 @@ class LLM:
         if "tensor_parallel_size" in overrides:  # vLLM's keyword
             overrides["parallel"] = {**(overrides.get("parallel") or {}),
                                      "tensor_parallel_size": overrides.pop("tensor_parallel_size")}
+        lora_keys = [k for k in ("max_loras", "max_lora_rank", "max_cpu_loras") if k in overrides]
+        if overrides.pop("enable_lora", False) or lora_keys:  # vLLM's keywords for the lora: section
+            overrides["lora"] = {**(overrides.get("lora") or {}), **{k: overrides.pop(k) for k in lora_keys}}
         if isinstance(config, EngineConfig):
             cfg = EngineConfig.from_dict({**config.model_dump(), **overrides})
             source = "config"
@@ -82,19 +86,25 @@ class LLM:
         return self.engine.tokenizer
 
     def generate(self, prompts: Prompt | list[Prompt], params: SamplingParams | list[SamplingParams] | None = None,
-                 *, use_tqdm: bool = False, compression: Compression = None) -> list[RequestOutput]:
+                 *, use_tqdm: bool = False, compression: Compression = None,
+                 lora: LoRARequest | list[LoRARequest | None] | None = None) -> list[RequestOutput]:
         """Run every prompt to completion; outputs in the order of ``prompts``.
 
         A prompt is a string, a list of token ids, or ``{"prompt_token_ids": [...]}``.
         ``compression`` shortens text prompts first (``docs/compression.md``); each output's
-        ``compression`` then reports the prompt tokens before and after.
+        ``compression`` then reports the prompt tokens before and after. ``lora``: the LoRA adapter
+        every prompt runs with, or one per prompt (None: the base model); the engine needs a
+        ``lora:`` section.
         """
         prompts = self._as_list(prompts)
         params_list = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
         if len(params_list) != len(prompts):
             raise ConfigError(f"got {len(prompts)} prompts but {len(params_list)} SamplingParams")
+        loras = lora if isinstance(lora, list) else [lora] * len(prompts)
+        if len(loras) != len(prompts):
+            raise ConfigError(f"got {len(prompts)} prompts but {len(loras)} LoRA requests")
         prompts, reports = self._compress(prompts, compression)
-        return self._run(prompts, params_list, reports)
+        return self._run(prompts, params_list, reports, loras)
 
     def embed(self, prompts: Prompt | list[Prompt], pooling_params: PoolingParams | None = None,
               ) -> list[EmbeddingRequestOutput]:
@@ -118,8 +128,8 @@ class LLM:
         return [to_beam_output(out) for out in outs]
 
     def _run(self, prompts: list, params_list: list[SamplingParams],
-             reports: list[CompressionReport | None]) -> list[RequestOutput]:
-        ids = [self._add(p, sp) for p, sp in zip(prompts, params_list)]
+             reports: list[CompressionReport | None], loras: list | None = None) -> list[RequestOutput]:
+        ids = [self._add(p, sp, lora=lr) for p, sp, lr in zip(prompts, params_list, loras or [None] * len(prompts))]
         outputs = self._collect(ids)
         for out, report in zip(outputs, reports):
             out.compression = report
@@ -140,10 +150,10 @@ class LLM:
         return [done[rid] for rid in ids]
 
     def stream(self, prompt: Prompt, params: SamplingParams | None = None, *,
-               compression: Compression = None) -> Iterator[RequestOutput]:
+               compression: Compression = None, lora: LoRARequest | None = None) -> Iterator[RequestOutput]:
         """Yield outputs as tokens arrive; each has ``delta_text`` / ``delta_token_ids``."""
         (prompt,), (report,) = self._compress([prompt], compression)
-        rid = self._add(prompt, params or SamplingParams())
+        rid = self._add(prompt, params or SamplingParams(), lora=lora)
         try:
             while True:
                 for out in self.engine.step():
@@ -206,7 +216,8 @@ class LLM:
             return [prompts]
         return list(prompts)
 
-    def _add(self, prompt: Prompt, params: SamplingParams, pooling: PoolingParams | None = None) -> str:
+    def _add(self, prompt: Prompt, params: SamplingParams, pooling: PoolingParams | None = None,
+             lora: LoRARequest | None = None) -> str:
         rid = str(next(self._ids))
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
@@ -215,5 +226,5 @@ class LLM:
                 prompt = prompt["prompt"]
             else:
                 raise ConfigError("a dict prompt needs 'prompt' or 'prompt_token_ids'")
-        self.engine.add_request(rid, prompt, params, pooling=pooling)
+        self.engine.add_request(rid, prompt, params, pooling=pooling, lora=lora)
         return rid

@@ -125,6 +125,9 @@ CASES: dict[str, dict[str, tuple]] = {
     # wrapper takes (FLA's 64 and smaller), 1 or 2 value heads per key head
     "delta_chunk": {"dtype": DTYPES, "chunk": (16, 32, 64), "group": (1, 2), "init": (False, True)},
     "delta_update": {"dtype": DTYPES, "group": (1, 2)},
+    # LoRA's segment-grouped shrink / expand (lmplug_adapter.triton): K * R columns of a fused q/k/v
+    # layer's slots (3 x 8, 3 x 16) and of one projection's (64), over a decode batch and a prefill
+    "lora_sgmv": {"dtype": DTYPES, "kr": (24, 48, 64), "tokens": (1, 16, 256)},
 }
 
 # families the default run leaves out (``--only NAME`` compiles them): ones whose compile results are
@@ -134,7 +137,7 @@ PENDING: dict[str, str] = {}
 # families whose 16-bit, unquantized configurations are hot paths (a spill budget of 0)
 HOT = {"flash_varlen", "flash_prefill", "flash_decode", "paged_decode", "decode_reduce", "paged_prefill",
        "reshape_and_cache", "mla_decode", "fused_moe", "w4a16", "mxfp4", "lightning_prefill", "lightning_decode",
-       "ssd_scan", "ssd_update", "conv1d", "conv1d_update", "delta_chunk", "delta_update"}
+       "ssd_scan", "ssd_update", "conv1d", "conv1d_update", "delta_chunk", "delta_update", "lora_sgmv"}
 
 
 def spill_path(family: str, params: dict) -> str:
@@ -371,6 +374,19 @@ def _conv_parts(p: dict, batch: int) -> tuple:
     state = None if state_dtype is None else torch.empty(batch, CONV_CHANNELS, CONV_WIDTH - 1, dtype=state_dtype)
     return (torch.empty(CONV_CHANNELS, CONV_WIDTH, dtype=dtype),
             torch.empty(CONV_CHANNELS, dtype=dtype) if p["bias"] else None, state)
+
+
+def call_lora_sgmv(p: dict) -> None:
+    from lmplug_adapter.triton_kernels import sgmv
+    torch = _torch()
+    dtype, tokens, slots, d_in, d_out = _dtype(p["dtype"]), p["tokens"], 4, 576, 960
+    order = torch.arange(tokens, dtype=torch.int32)
+    lens = [tokens // slots + (k < tokens % slots) for k in range(slots)]
+    starts = [sum(lens[:k]) for k in range(slots)]
+    sgmv(torch.empty(tokens, d_out, dtype=dtype), torch.empty(tokens, d_in, dtype=dtype),
+         torch.empty(slots, p["kr"], d_in, dtype=dtype), torch.empty(slots, d_out, p["kr"], dtype=dtype), order,
+         torch.tensor(starts, dtype=torch.int32), torch.tensor(lens, dtype=torch.int32),
+         torch.arange(slots, dtype=torch.int32), max(lens))
 
 
 def call_conv1d(p: dict) -> None:

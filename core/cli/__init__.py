@@ -199,7 +199,19 @@ def cmd_serve(args: argparse.Namespace) -> int:
         from lmplug.serve.roles import serve_role
 
         return serve_role(args, _build_llm)
-    return serve_from_args(args, _build_llm(args))
+    return serve_from_args(args, _build_llm(args, _with_lora(args)))
+
+
+def _with_lora(args: argparse.Namespace) -> Callable[[dict[str, Any]], dict[str, Any]]:
+    """The overrides with a ``lora:`` section when a LoRA flag asks for one (vLLM's flags)."""
+    def adjust(overrides: dict[str, Any]) -> dict[str, Any]:
+        sizes = {key: value for key, value in (("max_loras", args.max_loras), ("max_lora_rank", args.max_lora_rank))
+                 if value is not None}
+        if args.lora_modules or args.enable_lora or sizes:
+            section = overrides.get("lora")
+            overrides["lora"] = {**(section if isinstance(section, dict) else {}), **sizes}
+        return overrides
+    return adjust
 
 
 def cmd_plugins(args: argparse.Namespace) -> int:

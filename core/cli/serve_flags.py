@@ -33,6 +33,13 @@ def add_serve_arguments(s: argparse.ArgumentParser) -> None:
     s.add_argument("--tool-call-parser", default="auto", choices=("auto", "hermes", "llama3", "mistral", "none"),
                    help="how tool calls are read out of chat output (tool_choice \"auto\"); auto: by the "
                    "chat template's markers, hermes when it has none (default: auto)")
+    lo = s.add_argument_group("LoRA adapters (the lora: config section)")
+    lo.add_argument("--lora-modules", nargs="+", action="extend", metavar="NAME=PATH",
+                    help="PEFT adapter folders served beside the base model; a request picks one with model: NAME")
+    lo.add_argument("--enable-lora", action="store_true",
+                    help="serve LoRA adapters (loaded at run time with /v1/load_lora_adapter)")
+    lo.add_argument("--max-loras", type=int, metavar="N", help="adapters on the device at once (lora.max_loras)")
+    lo.add_argument("--max-lora-rank", type=int, metavar="R", help="largest adapter rank (lora.max_lora_rank)")
     r = s.add_argument_group("prefill/decode disaggregation")
     r.add_argument("--role", default="single", choices=("single", "prefill", "decode", "router", "pd"),
                    help="prefill / decode: one side, KV blocks sent over --kv-peer; router: only the router "

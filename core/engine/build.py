@@ -13,6 +13,7 @@ import torch
 
 from lmplug.api import Drafter, KVCacheBackend, KVCacheSpec, Scheduler, SchedulerLimits
 from lmplug.config import ResolvedConfig
+from lmplug.engine.adapters import Adapters
 from lmplug.engine.architecture import architecture, open_checkpoint
 from lmplug.engine.draft_parts import draft_target
 from lmplug.engine.plan import EnginePlan, fit_pool, make_plan
@@ -56,6 +57,7 @@ class EngineParts:
     plan: EnginePlan | None = None  # what was chosen (``plan.resolved.backends``: every backend in use)
     # the checkpoint's embedding recipe (sentence-transformers modules, Matryoshka sizes)
     pooling: ModelPooling = field(default_factory=ModelPooling)
+    adapters: Adapters | None = None  # LoRA adapters (the ``lora:`` section), None: none
 
 
 def pick_device(name: str) -> str:
@@ -172,6 +174,7 @@ def build_engine_parts(resolved: ResolvedConfig, parallel: ParallelState | None 
         if not plan.cpu.native_step and hasattr(model, "allow_native_step"):
             model.allow_native_step(False)
         build_cpu_kernels()
+    adapters = _adapters(backends, model, parallel)
 
     sched_opts = backends["scheduler"].options
     # state layers (linear attention, SSM) keep a fixed-size state per sequence; the K/V cache
@@ -194,6 +197,7 @@ def build_engine_parts(resolved: ResolvedConfig, parallel: ParallelState | None 
     runner = ModelRunner(model, kv, device, parallel=group, short_query_tokens=extras.short_query_tokens(attention),
                          keep_hidden=drafter is not None and drafter.uses_hidden_states,
                          small_step_tokens=small_step_tokens(quant, device, parallel))
+    runner.adapters = adapters
     if drafter is not None:
         drafter.setup(draft_target(model, model_config, kv, source.tokenizer, device, dtype,
                                    max_model_len, sched_opts.max_num_seqs, attention,
@@ -211,7 +215,20 @@ def build_engine_parts(resolved: ResolvedConfig, parallel: ParallelState | None 
             source.tokenizer.backend, model_config.vocab_size, eos_ids))
     return EngineParts(model_config, model, source.tokenizer, kv, scheduler, runner, max_model_len,
                        eos_ids, load_time, drafter, acceptance, constraint=constraint, memory=memory, plan=plan,
-                       pooling=pooling)
+                       pooling=pooling, adapters=adapters)
+
+
+def _adapters(backends, model: torch.nn.Module, parallel: ParallelState) -> Adapters | None:
+    """The LoRA slots in the model's linear layers, when the ``lora:`` section is set."""
+    if "lora" not in backends:
+        return None
+    if parallel.is_parallel:
+        raise ConfigError("lora: LoRA adapters with tensor parallelism (parallel.tensor_parallel_size > 1) "
+                          "are not supported yet")
+    if hasattr(model, "allow_native_step"):
+        model.allow_native_step(False)  # the one-C-call decode step has no LoRA: the Python layers do
+    chosen = backends["lora"]
+    return Adapters(chosen.cls(chosen.options), chosen.options, model)
 
 
 def _layer_windows(plan: EnginePlan) -> tuple[int | None, ...]:

@@ -14,11 +14,13 @@ from collections.abc import Sequence as Seq
 
 from lmplug.config import ResolvedConfig
 from lmplug.constraints import Constraints
+from lmplug.engine.adapters import cache_salt
 from lmplug.engine.build import EngineParts, build_engine_parts
 from lmplug.engine.forks import Forks
 from lmplug.engine.isolation import Observers, StepFailures
 from lmplug.engine.stages import build_select_stages
 from lmplug.errors import ConfigError
+from lmplug.interfaces.adapter import LoRARequest
 from lmplug.interfaces.engine_view import EngineView
 from lmplug.interfaces.params import SamplingParams, check_token_ids
 from lmplug.interfaces.scheduler import ScheduledSeq, SchedulerOutput
@@ -94,6 +96,7 @@ class LLMEngine:
         self.kv = parts.kv
         self.scheduler = parts.scheduler
         self.runner = parts.runner
+        self.adapters = parts.adapters  # LoRA adapters (``lora:`` section), None: none
         self.max_model_len = parts.max_model_len
         self.eos_token_ids = parts.eos_token_ids
         self.constraints = Constraints(parts.constraint, self.model_config.vocab_size)
@@ -137,15 +140,20 @@ class LLMEngine:
 
     # -- requests --------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | Seq[int], params: SamplingParams | None = None,
-                    *, priority: int = 0, pooling: PoolingParams | None = None) -> None:
+                    *, priority: int = 0, pooling: PoolingParams | None = None,
+                    lora: LoRARequest | None = None) -> None:
         """Admit a request. Everything that can be wrong with it fails here, before any state: token
         ids past the vocabulary (``logit_bias``, ``stop_token_ids``), a constraint that does not
         compile (``ConstraintError`` naming the field), ``exact`` under a lossy acceptance rule.
         ``pooling``: an embedding request (prefill only; ``params`` unused), refused by a model
-        that cannot pool."""
+        that cannot pool. ``lora``: the adapter it runs with (read and checked on first use;
+        ``UnknownAdapter`` for a name that was never loaded and comes without its folder)."""
+        salt = self._adapter_of(lora)
         if pooling is not None:
             pooling = check_pooling(self, pooling)
             for seq in self.requests.add(request_id, prompt, SamplingParams(max_tokens=1), priority, pooling):
+                if lora is not None:
+                    seq.adapter, seq.cache_salt = lora.lora_name, salt
                 self.scheduler.add(seq)
             return
         if self.parts.plan.encoder:
@@ -161,7 +169,37 @@ class LLMEngine:
         self.selector.admit(params)
         self.constraints.admit(params, request_id)
         for seq in self.forks.hold(request_id, self.requests.add(request_id, prompt, params, priority)):
+            if lora is not None:
+                seq.adapter, seq.cache_salt = lora.lora_name, salt
             self.scheduler.add(seq)
+
+    # -- LoRA adapters (vLLM's names) ---------------------------------------------------------
+    def add_lora(self, lora: LoRARequest) -> None:
+        """Read and check an adapter now (``ModelLoadError`` naming it and the field)."""
+        self._adapter_of(lora)
+
+    def remove_lora(self, name: str) -> None:
+        """Forget adapter ``name`` (``UnknownAdapter``); refused while requests run with it."""
+        if self.adapters is None:
+            raise ConfigError("this engine serves no LoRA adapters (no `lora:` section)")
+        busy = sum(1 for seq in self.requests.sequences() if seq.adapter == name and not seq.is_finished)
+        if busy:
+            raise ConfigError(f"LoRA adapter {name!r} is in use by {busy} running sequence(s); unload it "
+                              "once they finish")
+        self.adapters.remove(name)
+
+    def list_loras(self) -> list[LoRARequest]:
+        return [] if self.adapters is None else list(self.adapters.known.values())
+
+    def _adapter_of(self, lora: LoRARequest | None) -> int | None:
+        """The prefix-cache salt of ``lora``'s adapter, known to the engine from now on."""
+        if lora is None:
+            return None
+        if self.adapters is None:
+            raise ConfigError(f"LoRA adapter {lora.lora_name!r}: this engine serves no adapters; add a "
+                              "`lora:` section to its config (e.g. lora: {max_loras: 4, max_lora_rank: 16})")
+        self.adapters.add(lora)
+        return cache_salt(lora)
 
     def abort_request(self, request_id: str) -> None:
         req = self.requests.pop(request_id)

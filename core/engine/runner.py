@@ -35,6 +35,7 @@ class ModelRunner:
         # a step of at most this many tokens runs with torch on one thread
         # (``lmplug.kit.threads``: the quant method's products keep their own threads); 0: never
         self.small_step_tokens = small_step_tokens
+        self.adapters = None  # the LoRA adapters served (``engine.adapters.Adapters``), set by the build
         model.bind_kv([kv.layer_view(i) for i in range(kv.spec.num_layers)])
         if kv.spec.states:  # state layers read their pools through ``ctx.state_slots``
             model.bind_states([kv.state_view(i) for i in range(len(kv.spec.states))])
@@ -92,8 +93,17 @@ class ModelRunner:
                                       device=dev) if self.kv.spec.states else None))
         return torch.tensor(ids, dtype=torch.int64, device=dev), ctx
 
-    @torch.inference_mode()
     def execute(self, batch: list[ScheduledSeq]) -> StepResult:
+        """One forward over the batch; with LoRA adapters, one per group of rows whose adapters fit
+        the device slots (``Adapters.groups``), their results joined."""
+        if self.adapters is not None:
+            groups = self.adapters.groups(batch)
+            if len(groups) > 1:
+                return _joined([self._execute(group) for group in groups])
+        return self._execute(batch)
+
+    @torch.inference_mode()
+    def _execute(self, batch: list[ScheduledSeq]) -> StepResult:
         # decodes first (backends take a fast path over ``[:num_decodes]``), then short queries,
         # chains shortest first, then draft trees (a verify of a few drafts, a small chunk: backends
         # may read a leading run of short queries as decode rows), then the long ones
@@ -120,10 +130,16 @@ class ModelRunner:
                 rows.extend(range(end - n, end))
                 num_rows.append(n)
         groups = [where for _, where in prompt_rows.values()] + ([rows] if rows else [])
-        if self.parallel is not None:  # tensor parallel: every rank runs the same step on its shard
-            logits, hidden = self.parallel.run_step(self, input_ids, ctx, groups)
-        else:
-            logits, hidden = self.run(input_ids, ctx, groups)
+        if self.adapters is not None:  # each token's adapter slot, read by every adapted layer
+            self.adapters.set_step([(item.seq.adapter, item.num_new_tokens) for item in batch], self.device)
+        try:
+            if self.parallel is not None:  # tensor parallel: every rank runs the same step on its shard
+                logits, hidden = self.parallel.run_step(self, input_ids, ctx, groups)
+            else:
+                logits, hidden = self.run(input_ids, ctx, groups)
+        finally:
+            if self.adapters is not None:  # forwards outside a step (a drafter's) run on the base
+                self.adapters.clear_step()
         prompt_logits = {seq_id: (first, lg) for (seq_id, (first, _)), lg in zip(prompt_rows.items(), logits)}
         pooled = {seq_id: (first, hidden[where]) for seq_id, (first, where) in pool_rows.items()}
         if not rows:
@@ -158,3 +174,15 @@ class ModelRunner:
         hidden = self.model(input_ids, ctx.positions, ctx)  # [T, h]
         return [self.model.compute_logits(hidden[where]) for where in groups], hidden
 
+
+
+def _joined(results: list[StepResult]) -> StepResult:
+    """Step results of disjoint groups of rows as one."""
+    logits = [r.logits for r in results if r.logits is not None]
+    hidden = [r.hidden for r in results if r.hidden is not None]
+    return StepResult([item for r in results for item in r.sample_rows],
+                      torch.cat(logits) if logits else None,
+                      {k: v for r in results for k, v in r.prompt_logits.items()},
+                      [n for r in results for n in r.num_rows],
+                      torch.cat(hidden) if hidden else None,
+                      pooled={k: v for r in results for k, v in r.pooled.items()})

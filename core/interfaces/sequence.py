@@ -56,6 +56,8 @@ class SequenceView(Protocol):
     def is_finished(self) -> bool: ...
     @property
     def is_prefill(self) -> bool: ...
+    @property
+    def cache_salt(self) -> int | None: ...
 
 
 class Sequence:
@@ -98,6 +100,10 @@ class Sequence:
         # computed in one step from its first token, never from a cached prefix (an encoder's
         # prompt: its attention looks both ways); schedulers must not split it
         self.whole_prompt = False
+        # the LoRA adapter it runs with (``LoRARequest.lora_name``; None: the base model) and what
+        # its prefix-cache hashes start from (None: the base's): K/V is shared only under one adapter
+        self.adapter: str | None = None
+        self.cache_salt: int | None = None
 
     # -- status: waiting -> running (a scheduler admits it) -> waiting (preempted) ... -> finished --
     @property

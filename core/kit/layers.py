@@ -104,6 +104,8 @@ class Linear(torch.nn.Module):
         self.out_features = sum(shards.values())
         self.quant = quant
         self.dtype, self.has_bias = dtype, bias
+        # LoRA slots (``lmplug.kit.lora``), a plain attribute: None unless the engine serves adapters
+        self.lora = None
         quant.create_weights(self, in_features, self.out_features, dtype, bias)
 
     def bind_checkpoint_prefixes(self, prefixes: list[str]) -> None:
@@ -128,7 +130,10 @@ class Linear(torch.nn.Module):
         raise KeyError(shard)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.quant.apply(self, x)
+        lora = self.__dict__["lora"]
+        if lora is None:
+            return self.quant.apply(self, x)
+        return lora.add(self.quant.apply(self, x), x)
 
 
 def bind_quant_methods(model: torch.nn.Module) -> None:

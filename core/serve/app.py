@@ -26,6 +26,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.concurrency import run_in_threadpool
 
 from lmplug.compression import PromptCompressor
+from lmplug.interfaces.adapter import LoRARequest
 from lmplug.interfaces.params import SamplingParams
 from lmplug.llm import LLM
 from lmplug.serve import compress, convert, embeddings, responses_api, tokenize_routes
@@ -34,6 +35,7 @@ from lmplug.serve.async_engine import AsyncEngine
 from lmplug.serve.body import read_json
 from lmplug.serve.errors import APIError, from_validation_error, install_handlers
 from lmplug.serve.hardening import api_key_check, guard_app
+from lmplug.serve.lora_routes import Models, lora_router
 from lmplug.serve.metrics import Metrics
 from lmplug.serve.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 from lmplug.serve.responses import Accumulator, ChatFormat, CompletionFormat, collect, stream_events
@@ -58,6 +60,7 @@ class ServeSettings:
     public_metrics: bool = False  # /metrics without the API key
     allow_special_in_content: bool = False  # special-token text in chat messages stays text
     max_num_seqs: int = 1024  # sequences (n x prompts) of all open requests together; past it: 429
+    lora_modules: tuple[tuple[str, str], ...] = ()  # LoRA adapters (name, folder) loaded at start
     tool_parser: str = "auto"  # reads tool calls out of chat output: auto (by the chat template), hermes,
     #                            llama3, mistral, none (lmplug.serve.tools.parser_for)
 
@@ -79,6 +82,8 @@ def create_app(llm: LLM, settings: ServeSettings | None = None) -> FastAPI:
     model_name = settings.served_model_name or llm.engine.config.model
     template = llm.engine.tokenizer.chat_template if llm.engine.tokenizer is not None else None
     parser = tool_calls.parser_for(settings.tool_parser, template)  # an unknown name fails here, at start
+    for k, (name, path) in enumerate(settings.lora_modules, start=1):  # a bad adapter fails here, at start
+        llm.engine.add_lora(LoRARequest(name, k, path))
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -155,12 +160,19 @@ def _v1_router(engine: AsyncEngine, settings: ServeSettings, model_name: str,
     core = engine.engine
     names = convert.TokenText(core.tokenizer)
 
-    check_model = functools.partial(_check_model, model_name)
+    served = Models(engine, model_name)  # the base model and the LoRA adapters loaded
+
+    async def read(request: Request, model: type[BaseModel]) -> Any:
+        return _parse(model, await read_json(request, settings.max_body_bytes))
+
+    router.include_router(lora_router(engine, read))
 
     @router.get("/models")
     async def models() -> ModelList:
-        return ModelList(data=[ModelCard(id=model_name, created=int(time.time()),
-                                         max_model_len=core.max_model_len)])
+        now = int(time.time())
+        return ModelList(data=[ModelCard(id=model_name, created=now, max_model_len=core.max_model_len)] + [
+            ModelCard(id=lora.lora_name, created=now, max_model_len=core.max_model_len, root=lora.lora_path,
+                      parent=model_name) for lora in core.list_loras()])
 
     @router.post("/chat/completions")
     async def chat(request: Request) -> Response:
@@ -181,7 +193,7 @@ def _v1_router(engine: AsyncEngine, settings: ServeSettings, model_name: str,
         return JSONResponse(body)
 
     async def run_chat(request: Request, req: ChatCompletionRequest) -> Response:
-        check_model(req.model)
+        lora = served.resolve(req.model)
         tools = convert.tool_plan(req, parser)
         constraint = convert.structured_output(req, tools)
         tool_list = None if tools is None else tools.tools
@@ -196,14 +208,14 @@ def _v1_router(engine: AsyncEngine, settings: ServeSettings, model_name: str,
             messages, report = done
         prompts = [await run_in_threadpool(convert.chat_prompt_ids, core.tokenizer, req, tool_list, messages)]
         params = convert.sampling_params(req, prompts, core.max_model_len, None, constraint, tools)
-        fmt = ChatFormat(model_name, params.logprobs, names, tools)
+        fmt = ChatFormat(req.model if lora else model_name, params.logprobs, names, tools)
         return await _respond(request, engine, req, prompts, params, fmt, constraint,
-                              compress.tokens_before([report]))
+                              compress.tokens_before([report]), lora)
 
     @router.post("/completions")
     async def completions(request: Request) -> Response:
         req = _parse(CompletionRequest, await read_json(request, settings.max_body_bytes))
-        check_model(req.model)
+        lora = served.resolve(req.model)
         constraint = convert.structured_output(req)
         texts = convert.prompt_list(req)
         reports: list = [None] * len(texts)
@@ -217,9 +229,9 @@ def _v1_router(engine: AsyncEngine, settings: ServeSettings, model_name: str,
         params = convert.sampling_params(req, prompts, core.max_model_len, COMPLETIONS_DEFAULT_MAX_TOKENS,
                                          constraint)
         echo = convert.echo_texts(core.tokenizer, req, prompts) if req.echo else None
-        fmt = CompletionFormat(model_name, params.logprobs, names, echo, prompts)
+        fmt = CompletionFormat(req.model if lora else model_name, params.logprobs, names, echo, prompts)
         return await _respond(request, engine, req, prompts, params, fmt, constraint,
-                              compress.tokens_before(reports))
+                              compress.tokens_before(reports), lora)
 
     return router
 
@@ -227,11 +239,12 @@ def _v1_router(engine: AsyncEngine, settings: ServeSettings, model_name: str,
 async def _respond(request: Request, engine: AsyncEngine, req: ChatCompletionRequest | CompletionRequest,
                    prompts: list[list[int]], params: SamplingParams, fmt: ChatFormat | CompletionFormat,
                    constraint: convert.Constraint | None, tokens_before_compression: int | None = None,
-                   ) -> Response:
+                   lora: LoRARequest | None = None) -> Response:
     beam_field = "best_of" if getattr(req, "best_of", None) else "n"  # what sets the beam width
     group = engine.generate(prompts, params, fmt.id, on_refused=partial(convert.admission_error,
                                                                          constraint=constraint,
-                                                                         beam_field=beam_field))
+                                                                         beam_field=beam_field),
+                            lora=lora)
     try:
         # what the engine refuses on admission (a schema that does not compile, ...) is a 400,
         # streamed or not: no headers go out before the engine has taken the request

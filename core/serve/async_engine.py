@@ -34,11 +34,13 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from typing_extensions import Self
 
 from lmplug.engine.engine import LLMEngine
 from lmplug.errors import LmplugError
+from lmplug.interfaces.adapter import LoRARequest
 from lmplug.interfaces.params import SamplingParams
 from lmplug.interfaces.sequence import Logprob
 from lmplug.outputs import EmbeddingRequestOutput, PoolingParams, RequestMetrics, RequestOutput
@@ -205,7 +207,7 @@ class AsyncEngine:
     # -- requests (event loop side) ---------------------------------------------------------------
     def generate(self, prompts: list[list[int]], params: SamplingParams, request_id: str,
                  on_refused: Callable[[LmplugError], APIError] | None = None, *,
-                 pooling: PoolingParams | None = None) -> RequestGroup:
+                 pooling: PoolingParams | None = None, lora: LoRARequest | None = None) -> RequestGroup:
         """Queue one engine request per prompt (ids ``{request_id}-{i}``); outputs arrive on the group.
         ``on_refused``: the response for a request ``add_request`` refuses (default: a 400 with its
         message)."""
@@ -227,8 +229,18 @@ class AsyncEngine:
         self._groups.add(group)
         now = time.perf_counter()
         for i, (rid, prompt) in enumerate(zip(ids, prompts)):
-            self._post(("add", rid, i, prompt, params, group, now, pooling))
+            self._post(("add", rid, i, prompt, params, group, now, pooling, lora))
         return group
+
+    async def call(self, fn: Callable[[], Any]) -> Any:
+        """``fn()`` on the engine thread between steps (the engine is not thread-safe: loading
+        and unloading LoRA adapters); its result, or its exception raised here."""
+        if not self.is_running:
+            raise APIError(503, "the engine is not running")
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        self._post(("call", fn, loop, future))
+        return await future
 
     def embed(self, prompts: list[list[int]], pooling: PoolingParams, request_id: str) -> RequestGroup:
         """Queue one embedding request per prompt; each one's single update carries its vector."""
@@ -259,8 +271,12 @@ class AsyncEngine:
                 command = self._commands.get_nowait()
             except queue.Empty:
                 return
+            if command[0] == "call":
+                _, _, loop, future = command
+                loop.call_soon_threadsafe(_settle, future, None,
+                                          APIError(503, "the server is shutting down; retry on another instance"))
             if command[0] == "add":
-                rid, index, prompt, _, group, _, _ = command[1:]
+                rid, index, prompt, _, group, _, _, _ = command[1:]
                 error = APIError(503, "the server is shutting down; retry on another instance")
                 self._deliver([(group, Update(rid, index, len(prompt), [], True, error))], admission=error)
 
@@ -291,24 +307,33 @@ class AsyncEngine:
                     self._abort(rid)
             elif kind == "cut":
                 self._cut_all()
+            elif kind == "call":
+                self._call(*args)
             changed = True
         if changed:
             self._publish_stats()
 
-    def _add(self, rid: str, index: int, prompt: list[int], params: SamplingParams, group: RequestGroup,
-             submitted_at: float, pooling: PoolingParams | None = None) -> None:
+    def _call(self, fn: Callable[[], Any], loop: asyncio.AbstractEventLoop, future: asyncio.Future) -> None:
         try:
-            if self._compile_first(rid, (rid, index, prompt, params, group, submitted_at, pooling)):
+            result, error = fn(), None
+        except Exception as exc:  # noqa: BLE001  (handed to the caller, which answers for it)
+            result, error = None, exc
+        loop.call_soon_threadsafe(_settle, future, result, error)
+
+    def _add(self, rid: str, index: int, prompt: list[int], params: SamplingParams, group: RequestGroup,
+             submitted_at: float, pooling: PoolingParams | None = None, lora: LoRARequest | None = None) -> None:
+        try:
+            if self._compile_first(rid, (rid, index, prompt, params, group, submitted_at, pooling, lora)):
                 return
         except LmplugError as exc:
             self._refuse(rid, index, prompt, group, exc)
             return
-        self._admit(rid, index, prompt, params, group, submitted_at, pooling)
+        self._admit(rid, index, prompt, params, group, submitted_at, pooling, lora)
 
     def _admit(self, rid: str, index: int, prompt: list[int], params: SamplingParams, group: RequestGroup,
-               submitted_at: float, pooling: PoolingParams | None = None) -> None:
+               submitted_at: float, pooling: PoolingParams | None = None, lora: LoRARequest | None = None) -> None:
         try:
-            self.engine.add_request(rid, prompt, params, pooling=pooling)
+            self.engine.add_request(rid, prompt, params, pooling=pooling, lora=lora)
         except LmplugError as exc:
             self.engine.constraints.unpin(rid)
             self._refuse(rid, index, prompt, group, exc)
@@ -341,7 +366,7 @@ class AsyncEngine:
         add = self._compiling.pop(rid, None)
         if add is None:  # aborted (client gone) while compiling
             return
-        _, index, prompt, _, group, _, _ = add
+        _, index, prompt, _, group, _, _, _ = add
         if future.exception() is not None:
             exc = future.exception()
             if isinstance(exc, LmplugError):
@@ -466,6 +491,16 @@ class AsyncEngine:
             self._loop.call_soon_threadsafe(_put_all, items, admitted, admission)
         except RuntimeError:  # the event loop is closed: nobody is listening any more
             pass
+
+
+def _settle(future: asyncio.Future, result: Any, error: BaseException | None) -> None:
+    """On the event loop: an engine-thread call's outcome into its future (unless cancelled)."""
+    if future.done():
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result)
 
 
 def _put_all(items: list[tuple[RequestGroup, Update]], admitted: RequestGroup | None,

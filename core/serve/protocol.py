@@ -350,6 +350,8 @@ class ModelCard(BaseModel):
     created: int
     owned_by: str = "lmplug"
     max_model_len: int
+    root: str | None = None  # a LoRA adapter's folder (vLLM's field)
+    parent: str | None = None  # a LoRA adapter's base model; None: a base model
 
 
 class ModelList(BaseModel):

@@ -80,10 +80,24 @@ def serve_from_args(args: argparse.Namespace, llm: LLM, prepare: Callable[[FastA
                              cors_origins=tuple(_split(args.cors_origins)), read_timeout_s=args.read_timeout,
                              public_health=args.public_health, public_metrics=args.public_metrics,
                              allow_special_in_content=args.allow_special_tokens_in_content,
-                             max_num_seqs=args.max_open_seqs, tool_parser=args.tool_call_parser)
+                             max_num_seqs=args.max_open_seqs, tool_parser=args.tool_call_parser,
+                             lora_modules=lora_modules(getattr(args, "lora_modules", None)))
     log_level = "debug" if args.verbose > 1 else "info"
     serve(llm, settings, host=args.host, port=args.port, log_level=log_level, prepare=prepare)
     return 0
+
+
+def lora_modules(values: list[str] | None) -> tuple[tuple[str, str], ...]:
+    """``--lora-modules NAME=PATH ...`` -> ((name, path), ...); a malformed or repeated NAME exits."""
+    out: dict[str, str] = {}
+    for item in values or ():
+        name, sep, path = item.partition("=")
+        if not sep or not name.strip() or not path.strip():
+            raise SystemExit(f"--lora-modules {item!r}: expected NAME=PATH (a PEFT adapter folder)")
+        if name.strip() in out:
+            raise SystemExit(f"--lora-modules: adapter name {name.strip()!r} is given twice")
+        out[name.strip()] = path.strip()
+    return tuple(out.items())
 
 
 def _split(values: list[str] | None) -> list[str]:

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 _EXPORTS = {
     "AcceptanceConformance": "lmplug.testing.acceptance",
+    "AdapterConformance": "lmplug.testing.adapter",
     "ArchitectureConformance": "lmplug.testing.architecture",
     "AttentionConformance": "lmplug.testing.attention",
     "CompressorConformance": "lmplug.testing.compressor",
@@ -43,6 +44,7 @@ _EXPORTS = {
 __all__ = [
     "BATCH_SPECS",
     "AcceptanceConformance",
+    "AdapterConformance",
     "ArchitectureConformance",
     "AttentionConformance",
     "BatchSpec",
@@ -61,6 +63,7 @@ __all__ = [
 
 if TYPE_CHECKING:
     from lmplug.testing.acceptance import AcceptanceConformance as AcceptanceConformance
+    from lmplug.testing.adapter import AdapterConformance as AdapterConformance
     from lmplug.testing.architecture import ArchitectureConformance as ArchitectureConformance
     from lmplug.testing.attention import AttentionConformance as AttentionConformance
     from lmplug.testing.base import Conformance as Conformance

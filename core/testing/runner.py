@@ -30,6 +30,7 @@ RUNNABLE = {
     "acceptance": "AcceptanceConformance",
     "mixer": "MixerConformance",
     "kvconnector": "KVConnectorConformance",
+    "adapter": "AdapterConformance",
     "model": "ArchitectureConformance",
 }
 

@@ -65,6 +65,7 @@ class _SeqBlocks:
     table: list[int] = field(default_factory=list)
     hashes: list[int] = field(default_factory=list)  # chain hashes of the leading registered blocks
     num_dropped: int = 0  # leading blocks released because they left the sliding window
+    salt: int | None = None  # what the first block's hash chains onto (a LoRA adapter's; None: none)
 
     @property
     def held(self) -> list[int]:
@@ -159,26 +160,27 @@ class BlockManager:
 
     # -- allocation -----------------------------------------------------------------------
     def can_allocate(self, seq_id: int, token_ids: Sequence[int], num_tokens: int,
-                     num_computed: int) -> bool:
+                     num_computed: int, salt: int | None = None) -> bool:
         """Whether ``seq_id`` can grow to ``num_tokens`` tokens with the blocks free now."""
-        return self._num_blocks_taken(seq_id, token_ids, num_tokens, num_computed) <= self.num_free_blocks
+        return self._num_blocks_taken(seq_id, token_ids, num_tokens, num_computed, salt) <= self.num_free_blocks
 
     def allocate(self, seq_id: int, token_ids: Sequence[int], num_tokens: int,
-                 num_computed: int) -> Allocation:
+                 num_computed: int, salt: int | None = None) -> Allocation:
         """Grow ``seq_id``'s table to hold ``num_tokens`` tokens; the step then writes
         tokens ``[num_computed, num_tokens)``.
 
         On a sequence's first allocation, full blocks of its prefix found in the
         cache are reused (never the block of its last token, whose logits must be
-        computed) and their count in tokens is returned.
+        computed) and their count in tokens is returned. ``salt`` (a LoRA adapter's
+        ``cache_salt``) starts the hash chain: prefixes match only under the same salt.
         """
-        need = self._num_blocks_taken(seq_id, token_ids, num_tokens, num_computed)
+        need = self._num_blocks_taken(seq_id, token_ids, num_tokens, num_computed, salt)
         if need > self.num_free_blocks:
             raise OutOfBlocksError(f"paged KV cache: sequence {seq_id} needs {need} more blocks of "
                                    f"{self.block_size} tokens but only {self.num_free_blocks} of "
                                    f"{self.num_blocks} are free")
         first = seq_id not in self._seqs
-        seq = self._seqs.setdefault(seq_id, _SeqBlocks())
+        seq = self._seqs.setdefault(seq_id, _SeqBlocks(salt=salt))
         num_cached, loads = 0, []
         if first:
             num_cached, loads = self._take_prefix_hits(seq, token_ids)
@@ -198,7 +200,7 @@ class BlockManager:
         parent = self._seqs[parent_id]
         for block in parent.held:
             self._ref_counts[block] += 1
-        self._seqs[child_id] = _SeqBlocks(list(parent.table), list(parent.hashes), parent.num_dropped)
+        self._seqs[child_id] = _SeqBlocks(list(parent.table), list(parent.hashes), parent.num_dropped, parent.salt)
 
     def free(self, seq_id: int, token_ids: Sequence[int] = (), num_computed: int = 0) -> None:
         """Drop ``seq_id``'s references; its computed full blocks stay cached (prefix caching).
@@ -230,24 +232,24 @@ class BlockManager:
 
     # -- internals ------------------------------------------------------------------------
     def _num_blocks_taken(self, seq_id: int, token_ids: Sequence[int], num_tokens: int,
-                          num_computed: int) -> int:
+                          num_computed: int, salt: int | None = None) -> int:
         """Blocks this allocation takes out of the free + cached pool."""
         seq = self._seqs.get(seq_id)
         if seq is None:
-            hits, _ = self._find_prefix_hits(token_ids)
+            hits, _ = self._find_prefix_hits(token_ids, salt)
             num_new = max(0, -(-num_tokens // self.block_size) - len(hits))
             return num_new + sum(1 for b in hits if self._ref_counts[b] == 0)
         num_new = max(0, -(-num_tokens // self.block_size) - len(seq.table))
         return num_new + len(self._shared_write_blocks(seq, num_computed, num_tokens))
 
-    def _find_prefix_hits(self, token_ids: Sequence[int]) -> tuple[list[int], list[int]]:
+    def _find_prefix_hits(self, token_ids: Sequence[int], salt: int | None = None) -> tuple[list[int], list[int]]:
         """(blocks of the pool holding the prefix's leading full blocks, hashes of the full
         blocks after them that the tier holds)."""
         if not self.enable_prefix_caching:
             return [], []
         hits: list[int] = []
         tiered: list[int] = []
-        prev = None
+        prev = salt
         # the last token is never served from the cache: its logits are needed
         for i in range((len(token_ids) - 1) // self.block_size):
             prev = chain_hash(prev, token_ids[i * self.block_size:(i + 1) * self.block_size])
@@ -261,7 +263,7 @@ class BlockManager:
         return hits, tiered
 
     def _take_prefix_hits(self, seq: _SeqBlocks, token_ids: Sequence[int]) -> tuple[int, list[tuple[int, int]]]:
-        hits, tiered = self._find_prefix_hits(token_ids)
+        hits, tiered = self._find_prefix_hits(token_ids, seq.salt)
         for block in hits:
             if self._ref_counts[block] == 0:
                 del self._cached[block]
@@ -282,7 +284,7 @@ class BlockManager:
         num_full = min(num_computed // self.block_size, len(seq.table), len(token_ids) // self.block_size)
         bs = self.block_size
         for i in range(len(seq.hashes), num_full):
-            prev = seq.hashes[-1] if seq.hashes else None
+            prev = seq.hashes[-1] if seq.hashes else seq.salt
             h = chain_hash(prev, token_ids[i * bs:(i + 1) * bs])
             seq.hashes.append(h)
             block = seq.table[i]

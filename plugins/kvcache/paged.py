@@ -191,13 +191,15 @@ class PagedKVCache(KVCacheBackend):
             return False
         if self.states is not None and not self.states.can_take(seq.seq_id):
             return False
-        return self.blocks.can_allocate(seq.seq_id, seq.token_ids, num_tokens, seq.num_computed_tokens)
+        return self.blocks.can_allocate(seq.seq_id, seq.token_ids, num_tokens, seq.num_computed_tokens,
+                                        getattr(seq, "cache_salt", None))
 
     def allocate(self, seq, num_tokens: int) -> int:
         if self.states is not None and not self.states.can_take(seq.seq_id):
             raise RuntimeError(f"paged KV cache: no free state slot for sequence {seq.seq_id} "
                                f"({self.states.num_slots} slots)")
-        alloc = self.blocks.allocate(seq.seq_id, seq.token_ids, num_tokens, seq.num_computed_tokens)
+        alloc = self.blocks.allocate(seq.seq_id, seq.token_ids, num_tokens, seq.num_computed_tokens,
+                                     getattr(seq, "cache_salt", None))
         if alloc.copies:
             self._copy_blocks(alloc.copies)
         if self.states is not None:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from lmplug.plugins import API_VERSION, ENTRY_POINT_GROUP, Registry
 
-FIRST_PARTY = {"attention", "mixer", "kvcache", "scheduler", "quant", "speculative", "moe", "constraint", "compressor", "models", "transformers",
+FIRST_PARTY = {"attention", "mixer", "adapter", "kvcache", "scheduler", "quant", "speculative", "moe", "constraint", "compressor", "models", "transformers",
                "kvconnector"}
 FAMILIES = ("attention", "kvcache", "scheduler", "quant", "drafter", "moe")
 

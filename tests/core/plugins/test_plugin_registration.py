@@ -192,9 +192,10 @@ def test_the_family_table_matches_the_hookspecs_and_the_config():
                         "attention": ("attention", "backend"),
                         "scheduler": ("scheduler", "backend"), "quant": ("quant", "method"),
                         "speculative": ("drafter", "method"), "moe": ("moe", "backend"),
-                        "mixer": ("mixer", "backend"), "constraint": ("constraint", "backend"), "compression": ("compressor", "method")}
+                        "mixer": ("mixer", "backend"), "constraint": ("constraint", "backend"), "compression": ("compressor", "method"),
+                        "lora": ("adapter", "backend")}
     assert list(SECTIONS).index("kvcache") < list(SECTIONS).index("attention")  # attention's auto reads it
-    assert OPTIONAL_SECTIONS == {"quant", "speculative", "moe", "mixer", "compression", "kvconnector"}
+    assert OPTIONAL_SECTIONS == {"quant", "speculative", "moe", "mixer", "compression", "kvconnector", "lora"}
     assert set(SECTIONS) <= set(EngineConfig.model_fields)
 
 

@@ -154,6 +154,25 @@ def _run(bm: BlockManager, sid: int, tokens: list[int]) -> int:
     return hit
 
 
+def test_a_salt_keeps_prefixes_apart():
+    """A LoRA adapter's ``cache_salt`` starts the hash chain: the same tokens under another salt
+    (or none) never hit, under the same salt they do, and a fork keeps its parent's salt."""
+    bm = BlockManager(16, 4, enable_prefix_caching=True)
+    prompt = list(range(10))
+    for sid, salt in enumerate((7, None, 8)):
+        assert bm.allocate(sid, prompt, len(prompt), 0, salt).num_cached_tokens == 0
+        bm.free(sid, prompt, len(prompt))
+    assert bm.can_allocate(3, prompt + [1], 11, 0, 8)
+    assert bm.allocate(3, prompt + [1], 11, 0, 8).num_cached_tokens == 8
+    bm.fork(3, 4)
+    bm.free(3, prompt + [1], 11)
+    tail = prompt + [1] + list(range(20, 26))  # the fork registers its next block under salt 8 too
+    bm.allocate(4, tail, len(tail), 11)
+    bm.free(4, tail, len(tail))
+    assert bm.allocate(5, tail + [0], len(tail) + 1, 0, 8).num_cached_tokens == 16
+    assert bm.allocate(6, tail + [0], len(tail) + 1, 0, 9).num_cached_tokens == 0
+
+
 def test_prefix_hit_reuses_full_computed_blocks_only():
     bm = BlockManager(8, 4, enable_prefix_caching=True)
     prompt = list(range(10))  # blocks [0..3], [4..7], and a partial one
