@@ -32,7 +32,7 @@ import pluggy
 from lmplug import hookspecs
 from lmplug.api import API_VERSION
 from lmplug.errors import PluginError
-from lmplug.families import FAMILIES
+from lmplug.families import FAMILIES, canonical
 from lmplug.families import TABLE as FAMILY_TABLE
 from lmplug.interfaces.common import BackendInfo, BackendOptions, Capabilities
 
@@ -182,6 +182,7 @@ class Registry:
     # -- the registry -----------------------------------------------------------------
 
     def backends(self, family: str) -> dict[str, BackendInfo]:
+        family = canonical(family)
         if family not in FAMILIES:
             raise PluginError(f"unknown plugin family {family!r}; families: {', '.join(FAMILIES)}")
         if family not in self._backends:
@@ -201,10 +202,10 @@ class Registry:
         raise PluginError(msg)
 
     def _build(self, family: str) -> dict[str, BackendInfo]:
-        """One family's table: call every plugin's registration hook of that family."""
-        hook_name = _HOOKS[family]
+        """One family's table: call every plugin's registration hook of that family (and the
+        hook's earlier names, which older plugins still implement)."""
         table: dict[str, BackendInfo] = {}
-        for plugin, results, exc in self.call_each(hook_name):
+        for hook_name, (plugin, results, exc) in ((h, r) for h in _HOOKS[family] for r in self.call_each(h)):
             dist = self.distribution(plugin)
             if exc is not None:
                 self._fail(plugin, dist, f"{hook_name} raised {type(exc).__name__}: {exc}")
@@ -230,7 +231,8 @@ class Registry:
         return table
 
 
-_HOOKS = {f.name: f.hook for f in FAMILY_TABLE}  # family -> its registration hook
+# family -> its registration hook and the hook's earlier names
+_HOOKS = {f.name: (f.hook, *f.old_hooks) for f in FAMILY_TABLE}
 
 
 def _as_module(plugin: Any, name: str) -> types.ModuleType:

@@ -43,7 +43,7 @@ def target_next(tokens: list[int], vocab_size: int) -> int:
 
 
 class DrafterConformance(Conformance):
-    family = "drafter"
+    family = "speculative"
     vocab_size: ClassVar[int] = 64
     num_speculative_tokens: ClassVar[list[int]] = [1, 3, 5]
     prompts: ClassVar[tuple[tuple[int, ...], ...]] = DEFAULT_PROMPTS

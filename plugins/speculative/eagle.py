@@ -19,7 +19,7 @@ position t holds the pair (target feature at t, token t+1) — the features come
 With ``tree_width: w > 1`` a greedy request's proposal is a tree: the chain above plus, at
 every depth, the ``w - 1`` runner-up tokens of the same draft step as leaves beside the
 chain's node. They cost no extra head forward; the target verifies all of them in one
-forward with tree attention (``lmplug.speculation.tree``). When it accepts a leaf, the
+forward with tree attention (``lmplug.speculative.tree``). When it accepts a leaf, the
 engine moves that node's K/V to the chain position and ``kv_moved`` moves its feature too.
 
 With a draft vocabulary (``draft_vocab.safetensors`` beside the heads, written by the

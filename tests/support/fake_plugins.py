@@ -14,9 +14,9 @@ from pathlib import Path
 
 from lmplug.plugins import API_VERSION, ENTRY_POINT_GROUP, Registry
 
-FIRST_PARTY = {"attention", "mixer", "kvcache", "scheduler", "quant", "speculative", "moe", "constraint", "compressor", "models", "transformers",
+FIRST_PARTY = {"attention", "mixer", "kvcache", "scheduler", "quant", "speculative", "moe", "constraint", "compression", "models", "transformers",
                "kvconnector"}
-FAMILIES = ("attention", "kvcache", "scheduler", "quant", "drafter", "moe")
+FAMILIES = ("attention", "kvcache", "scheduler", "quant", "speculative", "moe")
 
 
 def _first_party_attention() -> set[str]:

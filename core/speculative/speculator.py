@@ -49,8 +49,8 @@ from lmplug.interfaces.scheduler import ScheduledSeq, samples_now
 from lmplug.interfaces.sequence import Sequence, SequenceStatus
 from lmplug.kit.draft_tree import depths, is_chain, tree_rows
 from lmplug.kit.penalties import NO_HISTORY, PromptIds
-from lmplug.speculation.tree import first_child_chain, head, move_kv, subtree
-from lmplug.speculation.verifier import verify_batch
+from lmplug.speculative.tree import first_child_chain, head, move_kv, subtree
+from lmplug.speculative.verifier import verify_batch
 
 
 @dataclass
