@@ -35,6 +35,7 @@ from lmplug.errors import PluginError
 from lmplug.families import FAMILIES, canonical
 from lmplug.families import TABLE as FAMILY_TABLE
 from lmplug.interfaces.common import BackendInfo, BackendOptions, Capabilities
+from lmplug.kit.kv_extras import missing_mixins
 
 logger = logging.getLogger(__name__)
 
@@ -258,6 +259,10 @@ def _check_backend_class(family: str, cls: Any) -> str | None:
     options = getattr(cls, "Options", None)
     if not (isinstance(options, type) and issubclass(options, BackendOptions)):
         return f"{family} backend {cls.name!r}: `Options` must subclass lmplug.BackendOptions"
+    missing = missing_mixins(cls, cls.capabilities.features) if family == "kvcache" else []
+    if missing:
+        return (f"kvcache backend {cls.name!r} lists features without their mixin of lmplug.kit.kv_extras: "
+                f"{', '.join(missing)}; add the mixin to its bases or drop the feature")
     return None
 
 
