@@ -43,7 +43,7 @@ class StepContext:
     # without the "tree_attention" feature never see one (refused at load time)
     query_masks: dict[int, torch.Tensor] = field(default_factory=dict)
     # models with state layers (``KVCacheSpec.states``): [B] int32, each sequence's state slot
-    # (``KVCacheBackend.state_slot``), in step order; None otherwise
+    # (``lmplug.kit.kv_extras.StateSlots.state_slot``), in step order; None otherwise
     state_slots: torch.Tensor | None = None
     # what the attention backend derives from the fields above once per step and every layer
     # reuses (``AttentionBackend.prepare``): built on first use by ``metadata_for``, never by
