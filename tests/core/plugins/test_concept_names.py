@@ -55,8 +55,8 @@ def test_a_plugin_on_the_old_hooks_registers_in_the_renamed_families():
 
     drafter, compressor = _backend(Drafter, "olddraft"), _backend(Compressor, "oldsqueeze")
     reg = Registry(autoload=False)
-    with pytest.warns(DeprecationWarning, match="lmplug_register_drafters is now"), \
-            pytest.warns(DeprecationWarning, match="lmplug_register_compressors is now"):  # rename_concepts: keep
+    with (pytest.warns(DeprecationWarning, match="lmplug_register_drafters is now"),  # rename_concepts: keep
+          pytest.warns(DeprecationWarning, match="lmplug_register_compressors is now")):  # rename_concepts: keep
         assert reg.register(_plugin(
             lmplug_register_drafters=hookimpl(lambda: [drafter]),  # rename_concepts: keep
             lmplug_register_compressors=hookimpl(lambda: [compressor])),  # rename_concepts: keep
