@@ -71,9 +71,9 @@ def tracked() -> list[str]:
 
 def planned_moves() -> list[tuple[str, str]]:
     """(old file, new file) for every tracked file still under an old folder."""
-    out = []
+    out, files = [], tracked()
     for old, new in MOVES:
-        for path in tracked():
+        for path in files:
             if path.startswith(old + "/"):
                 target = new + path[len(old):]
                 if (ROOT / target).exists():
@@ -82,14 +82,15 @@ def planned_moves() -> list[tuple[str, str]]:
     return out
 
 
+COMPILED = [(re.compile(pattern, re.M), repl, only) for pattern, repl, only in RULES]
+
+
 def rewrite(path: str, text: str) -> str:
-    lines = text.splitlines(keepends=True)
-    for pattern, repl, only in RULES:
-        if only is not None and not any(path.endswith(s) for s in only):
-            continue
-        rx = re.compile(pattern)
-        lines = [ln if KEEP in ln else rx.sub(repl, ln) for ln in lines]
-    return "".join(lines)
+    """``text`` with the rules applied in order, each to the lines not kept."""
+    for rx, repl, only in COMPILED:
+        if (only is None or path.endswith(only)) and rx.search(text):
+            text = "".join(ln if KEEP in ln else rx.sub(repl, ln) for ln in text.splitlines(keepends=True))
+    return text
 
 
 def main() -> int:

@@ -3,9 +3,8 @@ the registry pairs with the features they implement, and the core asks a cache w
 
 from __future__ import annotations
 
-import types
-
 import torch
+from support.fake_plugins import plugin_module
 
 from lmplug.api import (
     Capabilities,
@@ -95,11 +94,8 @@ def test_the_first_party_caches_carry_the_mixins_of_their_features():
 
 
 def _register(cls) -> Registry:
-    module = types.ModuleType("kv_plugin")
-    module.LMPLUG_API_VERSION = 3
-    module.lmplug_register_kvcache_backends = hookimpl(lambda: [cls])
     reg = Registry(autoload=False)
-    assert reg.register(module, name="kvp")
+    assert reg.register(plugin_module(lmplug_register_kvcache_backends=hookimpl(lambda: [cls])), name="kvp")
     return reg
 
 

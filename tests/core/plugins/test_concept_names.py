@@ -7,11 +7,11 @@ from __future__ import annotations
 import shutil
 import subprocess
 import sys
-import types
 import warnings
 from pathlib import Path
 
 import pytest
+from support.fake_plugins import plugin_module as _plugin
 
 from lmplug.config import EngineConfig, resolve
 from lmplug.hookspecs import hookimpl
@@ -19,14 +19,6 @@ from lmplug.plugins import Registry
 
 ROOT = Path(__file__).resolve().parents[3]
 SCRIPT = ROOT / "tools" / "rename_concepts.py"
-
-
-def _plugin(**hooks) -> types.ModuleType:
-    module = types.ModuleType("old_plugin")
-    module.LMPLUG_API_VERSION = 3
-    for name, impl in hooks.items():
-        setattr(module, name, impl)
-    return module
 
 
 def _backend(base: type, name: str) -> type:
@@ -83,7 +75,7 @@ def test_a_plugin_on_the_new_hooks_registers_without_a_warning():
 
 def _run(repo: Path, *args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, str(repo / "tools" / "rename_concepts.py"), *args], check=False, cwd=repo,
-                          capture_output=True, text=True, timeout=60)
+                          capture_output=True, text=True, timeout=600)
 
 
 def test_this_tree_needs_no_rename():
