@@ -266,7 +266,7 @@ class PromptCompressor:
             raise ConfigError("compression.method: no method given, and the engine config has no "
                               "`compression` section to take it from")
         try:
-            info = self.registry.get("compressor", method)
+            info = self.registry.get("compression", method)
         except Exception as exc:  # noqa: BLE001 - PluginError, or a registry broken by some plugin
             raise ConfigError(f"compression.method: {exc}") from None
         base = {k: v for k, v in default.items() if k != "method"} if default.get("method") == method else \

@@ -21,6 +21,7 @@ registration spec there has a row here.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
 from lmplug.interfaces.acceptance import AcceptanceRule
@@ -55,6 +56,10 @@ class Family:
     within: str | None = None
     # earlier names of ``section`` that still load the same config (deprecated: a warning, once)
     aliases: tuple[str, ...] = ()
+    # earlier names of the family (the registry and ``lmplug.testing`` still accept them, with a
+    # deprecation warning) and of its registration hook (still called; pluggy warns its implementers)
+    old_names: tuple[str, ...] = ()
+    old_hooks: tuple[str, ...] = ()
 
 
 TABLE: tuple[Family, ...] = (
@@ -64,7 +69,8 @@ TABLE: tuple[Family, ...] = (
     Family("kvconnector", KVConnector, "lmplug_register_kvconnectors", "kvconnector", optional=True),
     Family("scheduler", Scheduler, "lmplug_register_schedulers", "scheduler", auto=True),
     Family("quant", QuantMethod, "lmplug_register_quant_methods", "quant", "method", optional=True),
-    Family("drafter", Drafter, "lmplug_register_drafters", "speculative", "method", optional=True),
+    Family("speculative", Drafter, "lmplug_register_speculative_methods", "speculative", "method", optional=True,
+           old_names=("drafter",), old_hooks=("lmplug_register_drafters",)),  # rename_concepts: keep
     Family("acceptance", AcceptanceRule, "lmplug_register_acceptance_rules", name_key="rule",
            within="speculative"),
     Family("moe", MoEBackend, "lmplug_register_moe_backends", "moe", auto=True, optional=True),
@@ -73,7 +79,8 @@ TABLE: tuple[Family, ...] = (
            auto=True, aliases=("structured_output",)),
     # LoRA adapters served beside the base weights; absent: none
     Family("adapter", AdapterBackend, "lmplug_register_adapter_backends", "lora", auto=True, optional=True),
-    Family("compressor", Compressor, "lmplug_register_compressors", "compression", "method", optional=True),
+    Family("compression", Compressor, "lmplug_register_compression_methods", "compression", "method",
+           optional=True, old_names=("compressor",), old_hooks=("lmplug_register_compressors",)),  # rename_concepts: keep
     Family("quantizer", Quantizer, "lmplug_register_quantizers"),
     # chosen by the top-level key ``model_impl`` from what serves the checkpoint (``engine.plan``)
     Family("model", Architecture, "lmplug_register_architectures"),
@@ -106,6 +113,18 @@ def nested() -> tuple[Family, ...]:
 
 def by_section(section: str) -> Family:
     return next(f for f in TABLE if f.section == section)
+
+
+# a family's earlier name -> its name (one name per concept: section, family, hook and package agree)
+OLD_NAMES: dict[str, str] = {old: f.name for f in TABLE for old in f.old_names}
+
+
+def canonical(name: str) -> str:
+    """``name``, or the family's current name when ``name`` is an earlier one (a deprecation warning)."""
+    if name in OLD_NAMES:
+        warnings.warn(f"plugin family {name!r} is now {OLD_NAMES[name]!r}", DeprecationWarning, stacklevel=3)
+        return OLD_NAMES[name]
+    return name
 
 # family name -> base class; the registry and config use these names.
 FAMILIES: dict[str, type] = {f.name: f.base for f in TABLE}

@@ -53,8 +53,9 @@ def lmplug_register_quant_methods() -> list[type]:
 
 
 @hookspec
-def lmplug_register_drafters() -> list[type]:
-    """Return ``Drafter`` subclasses this plugin provides."""
+def lmplug_register_speculative_methods() -> list[type]:
+    """Return ``Drafter`` subclasses this plugin provides: speculative decoding methods, chosen by
+    ``speculative: {method: NAME}``."""
 
 
 @hookspec
@@ -87,9 +88,9 @@ def lmplug_register_adapter_backends() -> list[type]:
 
 
 @hookspec
-def lmplug_register_compressors() -> list[type]:
+def lmplug_register_compression_methods() -> list[type]:
     """Return ``Compressor`` subclasses this plugin provides: prompt-compression methods applied
-    to a request's prompt before the engine tokenizes it."""
+    to a request's prompt before the engine tokenizes it, chosen by ``compression: {method: NAME}``."""
 
 
 @hookspec
@@ -103,6 +104,22 @@ def lmplug_register_architectures() -> list[type]:
     """Return ``Architecture`` subclasses this plugin provides: model architectures, each serving
     the checkpoints whose ``config.json`` it declares (``model_types`` / ``hf_architectures``), or,
     marked ``fallback``, what no native architecture serves. Chosen by ``model_impl``."""
+
+
+# -- registration hooks' earlier names: still called, deprecated (pluggy warns their implementers)
+# The family table lists them (``old_hooks``); the generated docs name them under the new hook.
+
+
+@hookspec(warn_on_impl=DeprecationWarning(
+    "lmplug_register_drafters is now lmplug_register_speculative_methods"))  # rename_concepts: keep
+def lmplug_register_drafters() -> list[type]:  # rename_concepts: keep
+    """Deprecated name of ``lmplug_register_speculative_methods`` (same contract)."""
+
+
+@hookspec(warn_on_impl=DeprecationWarning(
+    "lmplug_register_compressors is now lmplug_register_compression_methods"))  # rename_concepts: keep
+def lmplug_register_compressors() -> list[type]:  # rename_concepts: keep
+    """Deprecated name of ``lmplug_register_compression_methods`` (same contract)."""
 
 
 # -- lifecycle: observation points ---------------------------------------------

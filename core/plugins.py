@@ -32,9 +32,10 @@ import pluggy
 from lmplug import hookspecs
 from lmplug.api import API_VERSION
 from lmplug.errors import PluginError
-from lmplug.families import FAMILIES
+from lmplug.families import FAMILIES, canonical
 from lmplug.families import TABLE as FAMILY_TABLE
 from lmplug.interfaces.common import BackendInfo, BackendOptions, Capabilities
+from lmplug.kit.kv_extras import missing_mixins
 
 logger = logging.getLogger(__name__)
 
@@ -182,6 +183,7 @@ class Registry:
     # -- the registry -----------------------------------------------------------------
 
     def backends(self, family: str) -> dict[str, BackendInfo]:
+        family = canonical(family)
         if family not in FAMILIES:
             raise PluginError(f"unknown plugin family {family!r}; families: {', '.join(FAMILIES)}")
         if family not in self._backends:
@@ -201,10 +203,10 @@ class Registry:
         raise PluginError(msg)
 
     def _build(self, family: str) -> dict[str, BackendInfo]:
-        """One family's table: call every plugin's registration hook of that family."""
-        hook_name = _HOOKS[family]
+        """One family's table: call every plugin's registration hook of that family (and the
+        hook's earlier names, which older plugins still implement)."""
         table: dict[str, BackendInfo] = {}
-        for plugin, results, exc in self.call_each(hook_name):
+        for hook_name, (plugin, results, exc) in ((h, r) for h in _HOOKS[family] for r in self.call_each(h)):
             dist = self.distribution(plugin)
             if exc is not None:
                 self._fail(plugin, dist, f"{hook_name} raised {type(exc).__name__}: {exc}")
@@ -230,7 +232,8 @@ class Registry:
         return table
 
 
-_HOOKS = {f.name: f.hook for f in FAMILY_TABLE}  # family -> its registration hook
+# family -> its registration hook and the hook's earlier names
+_HOOKS = {f.name: (f.hook, *f.old_hooks) for f in FAMILY_TABLE}
 
 
 def _as_module(plugin: Any, name: str) -> types.ModuleType:
@@ -256,6 +259,10 @@ def _check_backend_class(family: str, cls: Any) -> str | None:
     options = getattr(cls, "Options", None)
     if not (isinstance(options, type) and issubclass(options, BackendOptions)):
         return f"{family} backend {cls.name!r}: `Options` must subclass lmplug.BackendOptions"
+    missing = missing_mixins(cls, cls.capabilities.features) if family == "kvcache" else []
+    if missing:
+        return (f"kvcache backend {cls.name!r} lists features without their mixin of lmplug.kit.kv_extras: "
+                f"{', '.join(missing)}; add the mixin to its bases or drop the feature")
     return None
 
 

@@ -114,8 +114,11 @@ def render_hook(fn) -> str:
         doc,
         "",
     ]
-    family = next((f for f in TABLE if f.hook == name), None)
+    family = next((f for f in TABLE if name in (f.hook, *f.old_hooks)), None)
     lines.append(f"- results: {results(fn, family is not None)}")
+    if family and name != family.hook:
+        lines.append(f"- deprecated: the earlier name of `{family.hook}`, still called (pluggy warns "
+                     "the plugins that implement it)")
     if family:
         lines.append(
             f"- family: `{family.name}`; each class must subclass `lmplug.{family.base.__name__}` "
@@ -137,7 +140,7 @@ def render_hook(fn) -> str:
 
 def render() -> str:
     fns = hook_functions()
-    registration = [f for f in fns if f.__name__ in {family.hook for family in TABLE}]
+    registration = [f for f in fns if f.__name__ in {h for family in TABLE for h in (family.hook, *family.old_hooks)}]
     lifecycle = [f for f in fns if f not in registration]
     intro = (
         "Called once each when the registry is built (the first `lmplug plugins`, config "

@@ -85,7 +85,7 @@ def report(tier: str) -> None:
           f"from {len({m for m, _ in used})} modules, {len({n for _, n in outside})} outside __all__")
 
 
-SEQ_RECEIVERS = ("seq", "child", "parent", "dst", "hyp", "slot", "mirror", "m", "copy", "s")
+SEQ_RECEIVERS = ("seq", "child", "parent", "dst", "slot", "mirror", "m", "copy", "s")  # (a beam's `hyp` is no Sequence)
 MUTATORS = ("append", "extend", "pop", "clear", "insert")
 
 
@@ -101,7 +101,7 @@ def _is_seq(node: ast.expr) -> bool:
     return name in SEQ_RECEIVERS or "seq" in name
 
 
-def sequence_writers() -> None:
+def sequence_writers() -> tuple[list[str], dict[str, set[str]]]:
     """``Sequence``'s fields (its ``__init__``) and the modules that write each (assign, add to,
     mutate in place) outside ``Sequence`` itself; a heuristic on the receiver's name."""
     src = ROOT / "core" / "interfaces" / "sequence.py"
@@ -136,7 +136,11 @@ def sequence_writers() -> None:
                     t = t.value
                 if isinstance(t, ast.Attribute) and t.attr in public and _is_seq(t.value):
                     writers[t.attr].add(mod)
-    written = {f: w for f, w in writers.items() if w}
+    return fields, {f: w for f, w in writers.items() if w}
+
+
+def print_sequence_writers() -> None:
+    fields, written = sequence_writers()
     pairs = sum(len(w) for w in written.values())
     print(f"Sequence: {len(fields)} fields; {len(written)} written outside it, "
           f"{pairs} (field, module) writes, {len(set().union(*written.values()))} writing modules")
@@ -152,7 +156,7 @@ def main() -> int:
     for tier in args.tiers:
         report(tier)
     if args.sequence:
-        sequence_writers()
+        print_sequence_writers()
     return 0
 
 

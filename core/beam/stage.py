@@ -27,6 +27,7 @@ from lmplug.interfaces.constraint import apply_bitmask
 from lmplug.interfaces.params import SamplingParams
 from lmplug.interfaces.scheduler import ScheduledSeq, samples_now
 from lmplug.interfaces.sequence import Sequence
+from lmplug.kit.kv_extras import is_swapped
 
 
 def is_beam(seq: Sequence) -> bool:
@@ -105,12 +106,12 @@ class BeamStage:
                     src = where.get(parent_seqs[parent].seq_id)
                     tokens[i], rows[i] = [token], [last[src] if src is not None else last[i]]
                 elif not slot.is_finished:
-                    slot.token_ids.append(token)  # did not run this step: no row to return it for
+                    slot.append_token(token)  # did not run this step: no row to return it for
         return tokens, rows
 
     def _in_cache(self, seq: Sequence) -> bool:
         """Every token of ``seq`` is in the KV cache (not preempted, not swapped out)."""
-        return not seq.is_finished and seq.num_computed_tokens == seq.num_tokens and not self.kv.is_swapped(seq)
+        return not seq.is_finished and seq.num_computed_tokens == seq.num_tokens and not is_swapped(self.kv, seq)
 
     def _step(self, rid: str, logits: torch.Tensor, slots: list[Sequence], filled: dict,
               ) -> list[tuple[int, int]]:
@@ -179,8 +180,7 @@ class BeamStage:
             dst = dropped.pop()
             self.kv.free(dst)
             self.constraints.fork(src, dst)
-            dst.token_ids, dst.logprobs = list(src.token_ids), list(src.logprobs)
-            dst.num_computed_tokens = src.num_computed_tokens
+            dst.fork_from(src, outputs=True)
             self.kv.fork(src, dst)
             order.append(dst)
         self.requests[rid].seqs[:] = order

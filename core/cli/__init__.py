@@ -263,7 +263,7 @@ def cmd_train_drafter(args: argparse.Namespace) -> int:
         if not sep or not key:
             raise LmplugError(f"-o {pair!r}: expected KEY=VALUE")
         options[key] = yaml.safe_load(value)
-    info = get_registry().get("drafter", args.method)
+    info = get_registry().get("speculative", args.method)
     try:
         info.cls.train(LLMTrainingHost(), args.model, args.out, options)
     except NotImplementedError as exc:

@@ -23,7 +23,7 @@ from lmplug.interfaces.acceptance import AcceptanceRule
 from lmplug.interfaces.constraint import ConstraintBackend, ConstraintTokenizer
 from lmplug.interfaces.model_config import ModelConfig
 from lmplug.interfaces.quant import QuantMethod, Unquantized
-from lmplug.kit import extras, fused_cpu, native_build
+from lmplug.kit import extras, fused_cpu, kv_extras, native_build
 from lmplug.loading.identity import model_identity
 from lmplug.loading.memory import check_fits
 from lmplug.loading.pooling_config import ModelPooling, read_pooling
@@ -254,10 +254,10 @@ def _fit_pool(plan: EnginePlan, kv: KVCacheBackend, chosen, spec: KVCacheSpec,
     """The plan's limits once the pool's size is known (``plan.fit_pool``); when it lowers
     ``max_model_len``, the cache is rebuilt with the same blocks and the plan's limit, so that its
     spec, the scheduler's limits and the engine agree."""
-    fitted = fit_pool(plan, kv.pool_blocks(), kv.block_size, kv.name, spec.sliding_window)
+    fitted = fit_pool(plan, kv_extras.pool_blocks(kv), kv.block_size, kv.name, spec.sliding_window)
     if fitted.max_model_len == spec.max_model_len:
         return fitted, kv
-    options = chosen.cls.with_pool_blocks(chosen.options, kv.pool_blocks())
+    options = kv_extras.with_pool_blocks(chosen.cls, chosen.options, kv_extras.pool_blocks(kv))
     del kv  # (its pool goes before the rebuilt one takes the same memory)
     spec = dataclasses.replace(spec, max_model_len=fitted.max_model_len)
     return fitted, parallel_setup.build_kv(chosen.cls, options, spec, parallel)

@@ -17,7 +17,7 @@ from lmplug.interfaces.checkpoint import ModelSource
 from lmplug.interfaces.drafter import DraftModel, MTPDraft
 from lmplug.interfaces.model_config import ModelConfig
 from lmplug.interfaces.quant import QuantMethod
-from lmplug.kit import extras
+from lmplug.kit import extras, kv_extras
 
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
@@ -69,7 +69,7 @@ def draft_kv_cache(target_kv: KVCacheBackend, num_layers: int, **spec) -> KVCach
     """A cache of the target's KV class for ``num_layers`` layers, without prefix caching
     (a draft's cached blocks may hold tokens the target later rejects); ``spec`` overrides
     other ``KVCacheSpec`` fields (e.g. a draft head's ``num_kv_heads``, ``head_dim``)."""
-    options = type(target_kv).draft_options(target_kv.options)
+    options = kv_extras.draft_options(type(target_kv), target_kv.options)
     return type(target_kv)(options, dataclasses.replace(target_kv.spec, num_layers=num_layers, **spec))
 
 

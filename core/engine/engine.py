@@ -30,7 +30,7 @@ from lmplug.outputs import RequestOutput, RequestTable
 from lmplug.outputs.logprobs import record_prompt_logprobs
 from lmplug.outputs.pooling import Pooler, PoolingParams
 from lmplug.plugins import Registry, get_registry
-from lmplug.speculation import Speculator
+from lmplug.speculative import Speculator
 
 logger = logging.getLogger(__name__)
 

@@ -52,7 +52,7 @@ class Forks:
         rows, forked = [], []
         for i, parent in enumerate(seqs):
             for child in self._pending.pop(parent.request_id, []):
-                child.num_computed_tokens = parent.num_computed_tokens
+                child.fork_from(parent)
                 self.kv.fork(parent, child)
                 rows.append(last_rows[i])
                 forked.append(child)

@@ -1,7 +1,7 @@
 """The select stage: which tokens each sequence emits from the step's logits.
 
 Implementations of ``lmplug.interfaces.select.SelectStage`` (when the engine calls each method:
-there): ``Sampler`` (here) draws one token per sequence; ``lmplug.speculation.Speculator``
+there): ``Sampler`` (here) draws one token per sequence; ``lmplug.speculative.Speculator``
 drafts, verifies and rolls back; ``lmplug.beam.stage.BeamStage`` steps beam groups.
 ``lmplug.engine.stages`` routes each sequence to one of them.
 

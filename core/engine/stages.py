@@ -19,7 +19,7 @@ from lmplug.interfaces.params import SamplingParams
 from lmplug.interfaces.scheduler import ScheduledSeq
 from lmplug.interfaces.select import OnError, SelectStage
 from lmplug.interfaces.sequence import Sequence
-from lmplug.speculation import Speculator
+from lmplug.speculative import Speculator
 
 
 def build_select_stages(parts, constraints: Constraints, requests, *, can_fork: bool) -> SelectStages:

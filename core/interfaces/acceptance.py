@@ -2,7 +2,7 @@
 family, chosen inside the speculative section: ``speculative: {method: ..., acceptance: {rule:
 typical, posterior_threshold: 0.09}}``; absent: exact rejection sampling).
 
-The verifier (``lmplug.speculation.verifier``) hands a rule one sequence's chain:
+The verifier (``lmplug.speculative.verifier``) hands a rule one sequence's chain:
 
 - ``p`` [k+1, V]: the target's next-token probabilities after the last accepted token and after
   each draft token, shaped exactly as plain sampling shapes them (penalties, ``logit_bias``,

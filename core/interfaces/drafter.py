@@ -11,7 +11,7 @@ Life of a drafter in an engine:
    and the verifier keeps the longest acceptable prefix plus one target token
    (a drafter with ``drafts_trees`` may propose a tree, ``DraftProposal.parents``: the
    target scores it with tree attention and greedy verification follows its argmax down
-   the tree, ``lmplug.speculation.tree``);
+   the tree, ``lmplug.speculative.tree``);
 3. ``observe(seqs, hidden)`` after each step, only for drafters that set
    ``uses_hidden_states`` (heads that draft from the target's hidden states);
 4. ``release(seq)`` when a sequence finishes or is aborted.
@@ -177,7 +177,7 @@ class Drafter(ABC):
 
     def kv_moved(self, seq: Sequence, src: list[int], dst: list[int]) -> None:
         """After a draft tree's verification the engine moved the target's K/V of the accepted
-        path from positions ``src`` to ``dst`` (``lmplug.speculation.tree.move_kv``); a drafter that keeps
+        path from positions ``src`` to ``dst`` (``lmplug.speculative.tree.move_kv``); a drafter that keeps
         something per target KV slot (EAGLE's features) moves it the same way."""
 
     def observe(self, seqs: list[Sequence], hidden: torch.Tensor) -> None:

@@ -12,15 +12,14 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
 from lmplug.errors import ConfigError
 from lmplug.interfaces.attention import KVLayerView
 from lmplug.interfaces.common import BackendOptions, Capabilities
-from lmplug.interfaces.kvconnector import KVConnector
-from lmplug.interfaces.state import StatePool, StateSpec, state_bytes
+from lmplug.interfaces.state import StateSpec, state_bytes
 
 if TYPE_CHECKING:
     from lmplug.interfaces.sequence import Sequence
@@ -124,7 +123,10 @@ class KVCacheBackend(ABC):
 
     The scheduler never touches tensors; the runner asks ``block_table(seq)``
     to build slot mappings. Slots of a sequence are ``block_table[i] *
-    block_size + offset``.
+    block_size + offset``. Eight abstract methods are the whole of what a KV cache must
+    implement; forking, swap space, a connector's tier, tensor-parallel copies, state slots,
+    a pool sized at construction and prefix sharing are opt-in mixins of the kit
+    (``lmplug.kit.kv_extras``), each paired with the feature it implements.
     """
 
     name: ClassVar[str]
@@ -134,22 +136,6 @@ class KVCacheBackend(ABC):
     def __init__(self, options: BackendOptions, spec: KVCacheSpec) -> None:
         self.options = options
         self.spec = spec
-        # the per-sequence states of state layers (``spec.states``): backends with the "state"
-        # feature build one (``StatePool``) and keep its slots in step with their accounting
-        self.states: StatePool | None = None
-
-    # -- state layers (``spec.states``) --------------------------------------------------------
-    def state_view(self, index: int) -> dict[str, torch.Tensor]:
-        """State layer ``index``'s pools by tensor name, ``[num_slots, *shape]`` each."""
-        if self.states is None:
-            raise NotImplementedError(f"kvcache backend {self.name!r} keeps no per-sequence state")
-        return self.states.layer(index)
-
-    def state_slot(self, seq: Sequence) -> int:
-        """The state slot ``seq`` holds (from its first ``allocate`` until ``free``)."""
-        if self.states is None:
-            raise NotImplementedError(f"kvcache backend {self.name!r} keeps no per-sequence state")
-        return self.states.slot(seq.seq_id)
 
     # -- what the core asks of the options, before and across instances -------------
     @classmethod
@@ -157,24 +143,6 @@ class KVCacheBackend(ABC):
         """The K/V storage these options choose: "auto" (the model dtype, the default) or a
         ``KV_CACHE_DTYPES`` name; the config checks the attention backend reads it."""
         return "auto"
-
-    @classmethod
-    def draft_options(cls, options: BackendOptions) -> BackendOptions:
-        """The options of a drafter's cache of this class (``DraftTarget.new_kv_cache``): the same,
-        less any sharing of blocks by prefix (a draft's cached blocks may hold tokens the target
-        later rejects). Default: ``options``."""
-        return options
-
-    def pool_blocks(self) -> int | None:
-        """Blocks this cache allocated, when its size is decided at construction (e.g. from
-        free memory); None: fixed by the options and spec alone."""
-        return None
-
-    @classmethod
-    def with_pool_blocks(cls, options: BackendOptions, blocks: int) -> BackendOptions:
-        """``options`` that allocate exactly ``blocks`` blocks (tensor-parallel ranks build
-        rank 0's pool size); the default: unchanged."""
-        return options
 
     # -- layout ---------------------------------------------------------------
     @property
@@ -228,56 +196,8 @@ class KVCacheBackend(ABC):
     def usage(self) -> float:
         """Fraction of the pool in use, 0..1."""
 
-    # -- swap preemption (the "swap" feature; ``scheduler: {preemption: swap}``) ---------------
-    def swap_out(self, seq: Sequence) -> bool:
-        """Move ``seq``'s computed K/V (and state) out of the pool into swap space and release its
-        blocks, keeping ``seq.num_computed_tokens``; ``swap_in`` brings it back. False: not swapped
-        (no room, or nothing to keep) and nothing changed; the caller frees and recomputes it."""
-        return False
-
-    def is_swapped(self, seq: Sequence) -> bool:
-        return False
-
-    def swap_in(self, seq: Sequence) -> None:
-        """Allocate ``seq``'s computed tokens again and restore what ``swap_out`` kept (check
-        ``can_allocate(seq, seq.num_computed_tokens + n)`` first). ``free`` drops swapped data."""
-        raise NotImplementedError(f"kvcache backend {self.name!r} cannot swap sequences")
-
-    def attach_connector(self, connector: KVConnector, model: str) -> None:
-        """Write computed blocks through to ``connector`` and serve prefix blocks missing from
-        the pool from it (``lmplug.interfaces.kvconnector``); ``model``: the model's identity
-        for ``KVBlockFormat``. Backends that implement it list ``"kv_connector"`` in
-        ``capabilities.features``."""
-        raise NotImplementedError(f"kvcache backend {self.name!r} cannot use a KV connector")
-
     def close(self) -> None:
         """Release what outlives the engine (a connector's pending writes); called at shutdown."""
-
-    def fork(self, parent: Sequence, child: Sequence) -> None:
-        """Let ``child`` share ``parent``'s stored tokens (copy-on-write backends).
-
-        Backends that implement it list ``"fork"`` in ``capabilities.features``;
-        the engine then runs ``n > 1`` samples as forks of the first sequence.
-        A later ``allocate`` that would write into a shared block copies it first.
-        """
-        raise NotImplementedError(f"kvcache backend {self.name!r} cannot fork sequences")
-
-    # -- tensor parallelism: copies every rank repeats (the "tp_copies" feature) ------------------
-    def record_copies(self) -> None:
-        """Keep, from now on, every copy between stored tokens this cache makes itself (a
-        copy-on-write block, a forked row) for ``take_copies``. Rank 0 of a tensor-parallel group
-        calls it: its pool is the only one the accounting runs on, and the other ranks' pools
-        (their own KV heads, the same block ids) must make the same copies."""
-        raise NotImplementedError(f"kvcache backend {self.name!r} cannot record its copies")
-
-    def take_copies(self) -> Any:
-        """The copies recorded since the last call, in order (None: none), for ``apply_copies``
-        on the other ranks before the next forward."""
-        return None
-
-    def apply_copies(self, copies: Any) -> None:
-        """Make, on this rank's pool, the copies rank 0's ``take_copies`` returned."""
-        raise NotImplementedError(f"kvcache backend {self.name!r} cannot repeat copies")
 
     @property
     def bytes_per_token(self) -> int:

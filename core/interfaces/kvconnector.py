@@ -1,7 +1,7 @@
 """KV connectors: tiers a KV cache's blocks move to and come back from (``kvconnector:`` section).
 
 A KV backend that lists the ``"kv_connector"`` feature takes a connector
-(``KVCacheBackend.attach_connector``) and, with prefix caching on, writes every full block it
+(``lmplug.kit.kv_extras.ConnectorTier.attach_connector``) and, with prefix caching on, writes every full block it
 computes through to it, keyed by the block's prefix hash (the chain of its tokens and every
 token before it), and, when a new prompt's prefix runs past what its own pool still holds,
 asks the connector for the following blocks before computing them. A block that comes back

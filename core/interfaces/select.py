@@ -18,7 +18,7 @@ at the same points, in this order (each stage sees only the sequences it ``claim
   say about how its tokens were chosen (the acceptance rule under speculation).
 
 The engine's stages (``lmplug.engine.stages``): beam groups (``lmplug.beam.stage.BeamStage``),
-then either the speculator (``lmplug.speculation.Speculator``, with a drafter) or the sampler
+then either the speculator (``lmplug.speculative.Speculator``, with a drafter) or the sampler
 (``lmplug.engine.select.Sampler``), which claims every sequence left.
 """
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 from enum import Enum
 from typing import Protocol
@@ -139,9 +140,38 @@ class Sequence:
         if at is not None:
             self.finish_time = at
 
+    # -- its tokens and computed count: written here only (``tools/contract_names.py --sequence``) --
     def advance(self, num_tokens: int) -> None:
         """A step computed ``num_tokens`` more of its tokens (the engine, after the forward)."""
         self.num_computed_tokens += num_tokens
+
+    def rewind(self, num_tokens: int) -> None:
+        """Its K/V holds its first ``num_tokens`` tokens only (rejected drafts, a swap-in's last
+        token computed again, a drafter's copy brought in step with the target)."""
+        self.num_computed_tokens = num_tokens
+
+    def fork_from(self, parent: Sequence, *, outputs: bool = False) -> None:
+        """It continues ``parent`` (the cache's ``fork`` shares or copies the K/V): the same
+        computed count; ``outputs``: also its tokens and logprobs (a beam taking another's slot)."""
+        if outputs:
+            self.token_ids, self.logprobs = list(parent.token_ids), list(parent.logprobs)
+        self.num_computed_tokens = parent.num_computed_tokens
+
+    def append_token(self, token: int) -> None:
+        self.token_ids.append(token)
+
+    def extend_tokens(self, tokens: Iterable[int]) -> None:
+        self.token_ids.extend(tokens)
+
+    def truncate_tokens(self, num_tokens: int) -> None:
+        """Keep its first ``num_tokens`` tokens (drafts stripped after the verify)."""
+        del self.token_ids[num_tokens:]
+
+    def reset_tokens(self, token_ids: Iterable[int], num_computed: int) -> None:
+        """Its tokens become ``token_ids``, of which ``num_computed`` have K/V (a drafter's copy
+        of a target sequence, or a conformance harness's)."""
+        self.token_ids = list(token_ids)
+        self.num_computed_tokens = num_computed
 
     @property
     def num_tokens(self) -> int:

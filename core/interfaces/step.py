@@ -43,7 +43,7 @@ class StepContext:
     # without the "tree_attention" feature never see one (refused at load time)
     query_masks: dict[int, torch.Tensor] = field(default_factory=dict)
     # models with state layers (``KVCacheSpec.states``): [B] int32, each sequence's state slot
-    # (``KVCacheBackend.state_slot``), in step order; None otherwise
+    # (``lmplug.kit.kv_extras.StateSlots.state_slot``), in step order; None otherwise
     state_slots: torch.Tensor | None = None
     # what a select stage hands the model for a row (``ScheduledSeq.inputs``: a block-diffusion
     # decoder's self-conditioning), batch index -> the stage's object; empty for plain rows

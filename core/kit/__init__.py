@@ -35,6 +35,8 @@ Helpers backends of every family share:
   compute threads and torch on one thread; ``paths``: the cache folder.
 - ``extras``: the opt-in mixins of the first-party fast paths (packed weights, own threads,
   native products and decode, short queries) the core asks only backends that list them.
+- ``kv_extras``: the opt-in mixins of a KV cache beyond its interface (forks, swap space, a
+  connector's tier, tensor-parallel copies, state slots, a sized pool, prefix sharing).
 """
 
 KIT_VERSION = 1

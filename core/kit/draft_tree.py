@@ -3,7 +3,7 @@
 Node ``j`` of a tree has parent ``parents[j]`` (``-1``: the root, the sequence's last accepted
 token); parents come first (``parents[j] < j``). Scoring a tree puts node ``j`` at position
 ``start + depth(j)`` with an ancestor mask over the root and the nodes
-(``lmplug.speculation.tree`` verifies trees; ``ScheduledSeq.positions`` / ``mask`` carry the
+(``lmplug.speculative.tree`` verifies trees; ``ScheduledSeq.positions`` / ``mask`` carry the
 shape to the runner).
 """
 

@@ -260,7 +260,7 @@ class RequestTable:
         detok = self._requests[seq.request_id].detokenizers[seq.index]
         for j, token in enumerate(tokens):
             new_text_from = len(seq.text)
-            seq.token_ids.append(token)
+            seq.append_token(token)
             if logprobs is not None:
                 seq.logprobs.append(logprobs[j])
             if detok is not None and not self._is_stop_token(seq, token):

@@ -26,6 +26,7 @@ from multiprocessing.connection import wait as wait_sentinels
 
 import torch
 
+from lmplug.kit.kv_extras import take_copies
 from lmplug.kit.parallel import ParallelState, TensorParallelError
 from lmplug.parallel.group import STOP, ctx_to, expert_parallel, init_rank, leave_group
 from lmplug.parallel.worker import worker_main
@@ -189,7 +190,7 @@ class WorkerGroup:
         step, which every rank repeats first), then run rank 0's shard of it (``ModelRunner.run``)."""
         self.check()
         try:
-            self._send((input_ids.cpu(), ctx_to(ctx, "cpu"), groups, runner.kv.take_copies()))
+            self._send((input_ids.cpu(), ctx_to(ctx, "cpu"), groups, take_copies(runner.kv)))
             return runner.run(input_ids, ctx, groups)
         except BaseException as exc:  # Ctrl-C mid-step too: the ranks are out of step
             error = self._step_error(exc)

@@ -22,6 +22,7 @@ import logging
 import torch
 
 from lmplug.errors import ConfigError
+from lmplug.kit import kv_extras
 from lmplug.kit.parallel import ParallelState
 
 logger = logging.getLogger(__name__)
@@ -121,10 +122,10 @@ def build_kv(cls, options, spec, parallel: ParallelState):
     if not parallel.is_parallel:
         return cls(options, spec)
     kv = cls(options, spec) if parallel.rank == 0 else None
-    blocks = parallel.broadcast_object(None if kv is None else kv.pool_blocks())
+    blocks = parallel.broadcast_object(None if kv is None else kv_extras.pool_blocks(kv))
     if kv is None:
         if blocks is not None:
-            options = cls.with_pool_blocks(options, blocks)
+            options = kv_extras.with_pool_blocks(cls, options, blocks)
         return cls(options, spec)
     if "tp_copies" in kv.capabilities.features:
         kv.record_copies()

@@ -54,7 +54,7 @@ def document(paragraphs: int = 4, sentences: int = 3, seed: int = 0) -> str:
 
 
 class CompressorConformance(Conformance):
-    family = "compressor"
+    family = "compression"
     rates: ClassVar[list[float]] = [0.5, 0.33]
     paragraphs: ClassVar[int] = 4  # the size of the test prompt (the scorer scores all of it)
 

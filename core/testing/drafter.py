@@ -22,7 +22,7 @@ import torch
 
 from lmplug.api import Drafter, DraftProposal
 from lmplug.interfaces.params import SamplingParams
-from lmplug.interfaces.sequence import Sequence
+from lmplug.interfaces.sequence import Sequence, SequenceStatus
 from lmplug.testing.base import Conformance
 from lmplug.testing.compare import ContractViolation, fail, reported
 
@@ -43,7 +43,7 @@ def target_next(tokens: list[int], vocab_size: int) -> int:
 
 
 class DrafterConformance(Conformance):
-    family = "drafter"
+    family = "speculative"
     vocab_size: ClassVar[int] = 64
     num_speculative_tokens: ClassVar[list[int]] = [1, 3, 5]
     prompts: ClassVar[tuple[tuple[int, ...], ...]] = DEFAULT_PROMPTS
@@ -69,9 +69,7 @@ class DrafterConformance(Conformance):
                 f"req-{i}", [t % self.vocab_size for t in prompt], SamplingParams(temperature=0)
             )
             seq.start_running()
-            seq.num_computed_tokens = (
-                seq.num_tokens - 1
-            )  # as after a step: the last token is not yet computed
+            seq.rewind(seq.num_tokens - 1)  # as after a step: the last token is not yet computed
             out.append(seq)
         return out
 
@@ -142,11 +140,9 @@ class DrafterConformance(Conformance):
         copies = []
         for seq in seqs:
             copy = Sequence(seq.request_id, seq.prompt_token_ids, seq.params)
-            copy.token_ids, copy.num_computed_tokens, copy.status = (
-                list(seq.token_ids),
-                seq.num_computed_tokens,
-                seq.status,
-            )
+            copy.reset_tokens(seq.token_ids, seq.num_computed_tokens)
+            if seq.status is SequenceStatus.RUNNING:  # (a fresh one waits; finished ones draft nothing)
+                copy.start_running()
             copies.append(copy)
         fresh = self.make_drafter(backend_class, options).propose(copies, k).token_ids
         if fresh != proposal.token_ids:
@@ -171,10 +167,10 @@ def accept_greedy(seq: Sequence, draft: list[int], vocab_size: int) -> int:
     for token in draft:
         if token != target_next(seq.token_ids, vocab_size):
             break
-        seq.token_ids.append(token)
+        seq.append_token(token)
         accepted += 1
-    seq.token_ids.append(target_next(seq.token_ids, vocab_size))
-    seq.num_computed_tokens = seq.num_tokens - 1
+    seq.append_token(target_next(seq.token_ids, vocab_size))
+    seq.rewind(seq.num_tokens - 1)
     return accepted
 
 

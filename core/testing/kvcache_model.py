@@ -85,10 +85,10 @@ class KVModel:
 
     def grow(self, seq: Sequence, tokens: list[int]) -> bool:
         """Decode steps: append tokens and the storage for them; False (undone) if it does not fit."""
-        seq.token_ids.extend(tokens)
+        seq.extend_tokens(tokens)
         n = seq.num_tokens
         if not self.kv.can_allocate(seq, n):
-            del seq.token_ids[n - len(tokens) :]
+            seq.truncate_tokens(n - len(tokens))
             return False
         self.kv.allocate(seq, n)
         self._write(seq, self.stored[seq.seq_id], n)
@@ -97,7 +97,7 @@ class KVModel:
 
     def fork(self, parent: Sequence) -> Sequence:
         child = self.new_sequence(list(parent.token_ids), parent.request_id)
-        child.num_computed_tokens = parent.num_computed_tokens
+        child.fork_from(parent)
         self.kv.fork(parent, child)
         self.live[child.seq_id] = child
         self.stored[child.seq_id] = self.stored[parent.seq_id]
@@ -142,7 +142,7 @@ class KVModel:
             view.k_cache.view(-1, *shape[1:])[slots.to(dev)] = rows.to(dev)
             view.v_cache.view(-1, *shape[1:])[slots.to(dev)] = (-rows).to(dev)
         self.stored[seq.seq_id] = end
-        seq.num_computed_tokens = end
+        seq.rewind(end)
 
     def _check_exclusive(self, seq: Sequence, start: int, end: int) -> None:
         """Blocks about to be written must belong to ``seq`` alone (no double allocation, CoW done)."""

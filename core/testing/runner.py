@@ -24,7 +24,7 @@ RUNNABLE = {
     "attention": "AttentionConformance",
     "kvcache": "KVCacheConformance",
     "scheduler": "SchedulerConformance",
-    "drafter": "DrafterConformance",
+    "speculative": "DrafterConformance",
     "moe": "MoEConformance",
     "constraint": "ConstraintConformance",
     "acceptance": "AcceptanceConformance",
@@ -134,6 +134,9 @@ def check(family: str, backend: str, options: dict, pytest_args: list[str], devi
     of the architecture's first model type)."""
     import pytest
 
+    from lmplug.families import canonical
+
+    family = canonical(family)
     if family not in RUNNABLE:
         hint = (
             "quant methods need the format hooks (checkpoint_tensors, quantize, dequantize): "

@@ -125,7 +125,7 @@ class Harness:
             self._write(seq, start, start + item.num_new_tokens)
             seq.advance(item.num_new_tokens)
             if seq.num_computed_tokens == seq.num_tokens:
-                seq.token_ids.append(next_token(seq.token_ids))
+                seq.append_token(next_token(seq.token_ids))
                 if check_stop(seq, seq.token_ids[-1], frozenset(), self.workload.max_model_len):
                     seq.finish()
                     finished.append(seq)

@@ -125,7 +125,7 @@ class StateCacheConformance(Conformance):
         parent, child = self._seq(5), self._seq(5)
         self._allocate(kv, parent)
         self._write(kv, parent, 7.0)
-        child.num_computed_tokens = parent.num_computed_tokens
+        child.fork_from(parent)
         kv.fork(parent, child)
         if kv.state_slot(child) == kv.state_slot(parent):
             fail(f"{self.label()}: fork gave the child the parent's state slot")

@@ -34,6 +34,7 @@ from lmplug.api import (
     StatePool,
 )
 from lmplug.errors import ConfigError
+from lmplug.kit import kv_extras
 
 
 class ContiguousOptions(BackendOptions):
@@ -44,7 +45,7 @@ class ContiguousOptions(BackendOptions):
                                     "value plus a float32 scale per (token, KV head)")
 
 
-class ContiguousKVCache(KVCacheBackend):
+class ContiguousKVCache(KVCacheBackend, kv_extras.Forks, kv_extras.CopyRecording, kv_extras.StateSlots):
     name = "contiguous"
     capabilities = Capabilities(devices=frozenset({"cpu", "cuda"}), kv_layouts=frozenset({"contiguous"}),
                                 features=frozenset({"sliding_window", "state", "fork_copy", "tp_copies"}),

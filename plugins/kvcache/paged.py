@@ -38,6 +38,7 @@ from lmplug.api import (
     StatePool,
 )
 from lmplug.errors import ConfigError
+from lmplug.kit import kv_extras
 
 logger = logging.getLogger(__name__)
 
@@ -70,7 +71,8 @@ class PagedOptions(BackendOptions):
         return value
 
 
-class PagedKVCache(KVCacheBackend):
+class PagedKVCache(KVCacheBackend, kv_extras.Forks, kv_extras.SwapSpace, kv_extras.ConnectorTier,
+                   kv_extras.CopyRecording, kv_extras.StateSlots, kv_extras.SizedPool, kv_extras.PrefixSharing):
     name = "paged"
     capabilities = Capabilities(devices=frozenset({"cpu", "cuda"}), kv_layouts=frozenset({"paged"}),
                                 features=frozenset({"fork", "prefix_caching", "sliding_window", "state", "kv_connector", "swap",

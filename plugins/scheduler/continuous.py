@@ -31,6 +31,7 @@ from pydantic import Field
 
 from lmplug.api import Capabilities, ScheduledSeq, SchedulerOptions, SchedulerOutput, Sequence
 from lmplug.errors import ConfigError
+from lmplug.kit import kv_extras
 
 
 class ContinuousOptions(SchedulerOptions):
@@ -176,7 +177,7 @@ class ContinuousScheduler(RunningBatch):
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         self.running.remove(seq)
         out.scheduled = [s for s in out.scheduled if s.seq is not seq]
-        swapped = self.options.preemption == "swap" and self.kv.swap_out(seq)
+        swapped = self.options.preemption == "swap" and kv_extras.swap_out(self.kv, seq)
         if swapped:
             self.num_swaps += 1  # keeps its computed tokens
         else:
@@ -189,7 +190,7 @@ class ContinuousScheduler(RunningBatch):
     def _admit(self, out: SchedulerOutput, budget: int) -> int:
         while len(self.waiting) and budget > 0 and len(self.running) < self.limits.max_num_seqs:
             seq = self.waiting.peek()
-            if self.kv.is_swapped(seq):
+            if kv_extras.is_swapped(self.kv, seq):
                 if not self._swap_in(seq, out, budget):
                     break
                 budget -= out.scheduled[-1].num_new_tokens
@@ -235,7 +236,7 @@ class ContinuousScheduler(RunningBatch):
             return False
         self.waiting.pop()
         self.kv.swap_in(seq)
-        seq.num_computed_tokens -= rerun
+        seq.rewind(seq.num_computed_tokens - rerun)
         self.kv.allocate(seq, seq.num_computed_tokens + n)
         seq.start_running()
         self.running.append(seq)

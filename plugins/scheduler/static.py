@@ -20,6 +20,7 @@ from collections import deque
 from lmplug_scheduler.running_batch import RunningBatch
 
 from lmplug.api import Capabilities, ScheduledSeq, SchedulerOutput, Sequence
+from lmplug.kit import kv_extras
 
 
 class StaticScheduler(RunningBatch):
@@ -70,7 +71,7 @@ class StaticScheduler(RunningBatch):
 
     def _free_blocks(self) -> int | None:
         """Free blocks of a block pool (None: the cache has no shared pool)."""
-        blocks = self.kv.pool_blocks()
+        blocks = kv_extras.pool_blocks(self.kv)
         return None if blocks is None else round(blocks * (1 - self.kv.usage))
 
     def _blocks_needed(self, seq: Sequence) -> int:

@@ -20,7 +20,7 @@ LMPLUG_API_VERSION = 3
 
 
 @hookimpl
-def lmplug_register_drafters() -> list[type]:
+def lmplug_register_speculative_methods() -> list[type]:
     from lmplug_speculative.dflash import DFlashDrafter
     from lmplug_speculative.draft_model import DraftModelDrafter, LayerSkipDrafter
     from lmplug_speculative.eagle import EagleDrafter

@@ -46,7 +46,7 @@ class DraftRunner:
             logits = self._forward([m for _, m in pairs])
             chosen, q = self._choose(logits, [s for s, _ in pairs], sampling)
             for i, (seq, mirror) in enumerate(pairs):
-                mirror.token_ids.append(chosen[i])
+                mirror.append_token(chosen[i])
                 tokens[seq.seq_id].append(chosen[i])
                 if q is not None:
                     probs[seq.seq_id].append(q[i])
@@ -70,8 +70,7 @@ class DraftRunner:
             self._mirrors[seq.seq_id] = mirror
             return mirror
         valid = common_prefix(mirror.token_ids, seq.token_ids, mirror.num_computed_tokens)
-        mirror.token_ids = list(seq.token_ids)
-        mirror.num_computed_tokens = min(valid, mirror.num_tokens - 1)
+        mirror.reset_tokens(seq.token_ids, min(valid, seq.num_tokens - 1))
         self.kv.truncate(mirror, mirror.num_computed_tokens)
         return mirror
 

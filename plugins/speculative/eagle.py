@@ -19,7 +19,7 @@ position t holds the pair (target feature at t, token t+1) — the features come
 With ``tree_width: w > 1`` a greedy request's proposal is a tree: the chain above plus, at
 every depth, the ``w - 1`` runner-up tokens of the same draft step as leaves beside the
 chain's node. They cost no extra head forward; the target verifies all of them in one
-forward with tree attention (``lmplug.speculation.tree``). When it accepts a leaf, the
+forward with tree attention (``lmplug.speculative.tree``). When it accepts a leaf, the
 engine moves that node's K/V to the chain position and ``kv_moved`` moves its feature too.
 
 With a draft vocabulary (``draft_vocab.safetensors`` beside the heads, written by the
@@ -197,7 +197,7 @@ class EagleDrafter(Drafter):
             alternatives = _runners_up(logits, chosen, width - 1, self.vocab) if width > 1 else None
             for b, (i, mirror) in enumerate(live):
                 ids[i].append(chosen[b])
-                mirror.seq.token_ids.append(chosen[b])
+                mirror.seq.append_token(chosen[b])
                 feats[i] = hidden[b:b + 1]  # the next position's feature: the head's prediction
                 if q is not None:
                     q_rows[i].append(q[b])
@@ -232,9 +232,9 @@ class EagleDrafter(Drafter):
             for i, mirror in live:
                 nodes, parents = trees[i].head_query()
                 m = mirror.seq
-                del m.token_ids[mirror.real:]
-                m.token_ids.extend(trees[i].tokens[x] for x in nodes)
-                m.num_computed_tokens = mirror.real - 1
+                m.truncate_tokens(mirror.real)
+                m.extend_tokens(trees[i].tokens[x] for x in nodes)
+                m.rewind(mirror.real - 1)
                 mirror.parents = parents
                 inputs = [first[i] if trees[i].parents[x] < 0 else outputs[i][trees[i].parents[x]] for x in nodes]
                 features.append(torch.cat([roots[i], *inputs]))
@@ -247,8 +247,8 @@ class EagleDrafter(Drafter):
                 trees[i].expand(self._log_probs(rows[-len(frontier):]))
         results = []
         for i, mirror, _, _ in grow:  # the mirror keeps its real positions; the tree's slots are stale
-            del mirror.seq.token_ids[mirror.real:]
-            mirror.seq.num_computed_tokens = min(mirror.seq.num_computed_tokens, mirror.real)
+            mirror.seq.truncate_tokens(mirror.real)
+            mirror.seq.rewind(min(mirror.seq.num_computed_tokens, mirror.real))
             results.append(trees[i].select(opts.total_tokens))
         return results
 
@@ -278,8 +278,7 @@ class EagleDrafter(Drafter):
             mirror = _Mirror(Sequence(f"eagle-{seq.request_id}", target_tokens, _MIRROR_PARAMS))
             self._mirrors[seq.seq_id] = mirror
         valid = common_prefix(mirror.seq.token_ids, target_tokens, mirror.real)
-        mirror.seq.token_ids = list(target_tokens)
-        mirror.seq.num_computed_tokens = min(valid, c - 1)
+        mirror.seq.reset_tokens(target_tokens, min(valid, c - 1))
         self.kv.truncate(mirror.seq, mirror.seq.num_computed_tokens)
         mirror.real = c
         return mirror

@@ -7,7 +7,7 @@ model, no draft KV cache. Candidates form a chain (each head's top choice, or a 
 from its filtered distribution for sampling requests, returned as ``probs``), or, with
 the option ``tree``, a tree for greedy requests: Medusa's "choices", each a path of top-k
 ranks — the node at path ``(r_1, ..., r_d)`` carries the token of rank ``r_d`` in head
-``d - 1``'s logits — verified in one forward with tree attention (``lmplug.speculation.tree``;
+``d - 1``'s logits — verified in one forward with tree attention (``lmplug.speculative.tree``;
 the attention backend must list the "tree_attention" feature). Sampling requests keep the
 sampled chain (speculative sampling stays exact); ``num_tokens`` bounds only that chain.
 

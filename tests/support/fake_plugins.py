@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import importlib.util
 import textwrap
+import types
 from pathlib import Path
 
 from lmplug.plugins import API_VERSION, ENTRY_POINT_GROUP, Registry
 
-FIRST_PARTY = {"attention", "mixer", "adapter", "kvcache", "scheduler", "quant", "speculative", "moe", "constraint", "compressor", "models", "transformers",
+FIRST_PARTY = {"attention", "mixer", "adapter", "kvcache", "scheduler", "quant", "speculative", "moe", "constraint", "compression", "models", "transformers",
                "kvconnector"}
-FAMILIES = ("attention", "kvcache", "scheduler", "quant", "drafter", "moe")
+FAMILIES = ("attention", "kvcache", "scheduler", "quant", "speculative", "moe")
 
 
 def _first_party_attention() -> set[str]:
@@ -86,6 +87,15 @@ def make_dist(
     for mod, source in modules.items():
         (root / f"{mod}.py").write_text(textwrap.dedent(source))
     return root
+
+
+def plugin_module(**hooks) -> types.ModuleType:
+    """An in-process plugin module with ``hooks`` (name -> hookimpl), as an entry point would load it."""
+    module = types.ModuleType("fake_plugin")
+    module.LMPLUG_API_VERSION = API_VERSION
+    for name, impl in hooks.items():
+        setattr(module, name, impl)
+    return module
 
 
 def simple_plugin(body: str = "", version: str | None = str(API_VERSION)) -> str:

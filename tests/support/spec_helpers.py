@@ -72,7 +72,7 @@ def registry() -> Registry:
     reg = Registry()
     plugin = types.ModuleType("spec_test_drafters")
     plugin.LMPLUG_API_VERSION = API_VERSION
-    plugin.lmplug_register_drafters = hookimpl(lambda: [OracleDrafter, TableDrafter])
+    plugin.lmplug_register_speculative_methods = hookimpl(lambda: [OracleDrafter, TableDrafter])
     reg.register(plugin, name="spec_test_drafters")
     return reg
 

@@ -107,7 +107,7 @@ class FakePlugin:
     LMPLUG_API_VERSION = 3
 
     @hookimpl
-    def lmplug_register_compressors(self):
+    def lmplug_register_compression_methods(self):
         return [Broken, Mangler, Recorder]
 
 

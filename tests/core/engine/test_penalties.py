@@ -23,7 +23,7 @@ from lmplug.interfaces.params import check_token_ids
 from lmplug.interfaces.sequence import Sequence
 from lmplug.kit.penalties import NO_HISTORY, RowHistory, adjust_logits
 from lmplug.kit.sampling import draw, processed_logits, sample
-from lmplug.speculation.verifier import verify_batch
+from lmplug.speculative.verifier import verify_batch
 
 V = 97  # not a multiple of 32: the bitmask's last word is partial
 EOS = frozenset({2, 5})

@@ -55,3 +55,22 @@ def test_clamped_engine_generates_as_one_configured_with_that_limit(model):
         [[d[t].logprob for d, t in zip(o.logprobs, o.token_ids)] for o in want]
     with pytest.raises(ConfigError, match="max_model_len=40"):
         clamped.generate([list(range(3, 50))], params)
+
+
+def test_every_holder_of_the_limit_agrees_after_the_plan_with_a_drafter_and_beams(model):
+    """Nothing clamps after the plan: with a draft model (a cache of its own, sized by the
+    target's ``DraftTarget``), the beam stage and the lifecycle hooks' view, every copy of
+    ``max_model_len`` is the plan's, and a drafted run stops at it as a plain one does."""
+    from lmplug.beam.stage import BeamStage
+
+    llm = LLM(str(model.path), dtype="float32", device="cpu", max_model_len=256, kvcache=POOL,
+              speculative={"method": "draft_model", "model": str(model.path), "num_tokens": 3})
+    engine = llm.engine
+    seen = {**limits(engine), "view": engine.view.max_model_len,
+            "beam": engine.selector.find(BeamStage).max_model_len,
+            "draft kv.spec": engine.speculator.drafter.runner.kv.spec.max_model_len}
+    assert seen == dict.fromkeys(seen, 40)
+    params = SamplingParams(temperature=0, max_tokens=100, ignore_eos=True)
+    out = llm.generate([[5, 17, 42, 9]], params)[0]
+    assert len(out.token_ids) == 36 and out.finish_reason == "length"
+    assert out.token_ids == build(model, max_model_len=40).generate([[5, 17, 42, 9]], params)[0].token_ids

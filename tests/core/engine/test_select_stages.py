@@ -11,7 +11,7 @@ from lmplug.engine.stages import SelectStages
 from lmplug.interfaces.params import SamplingParams
 from lmplug.interfaces.select import SelectStage
 from lmplug.interfaces.sequence import Sequence
-from lmplug.speculation import Speculator
+from lmplug.speculative import Speculator
 
 
 class Recording:

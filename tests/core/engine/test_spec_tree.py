@@ -26,8 +26,8 @@ from lmplug.interfaces.params import SamplingParams
 from lmplug.interfaces.scheduler import ScheduledSeq
 from lmplug.interfaces.sequence import Sequence
 from lmplug.kit.draft_tree import ancestor_mask, depths, is_chain
-from lmplug.speculation import Draft, Speculator
-from lmplug.speculation.tree import first_child_chain, subtree, verify_tree_greedy
+from lmplug.speculative import Draft, Speculator
+from lmplug.speculative.tree import first_child_chain, subtree, verify_tree_greedy
 
 V = 20
 

@@ -12,7 +12,7 @@ from support.spec_helpers import chi_square_pvalue
 from lmplug.interfaces.params import SamplingParams
 from lmplug.kit import sampling as kit_sampling
 from lmplug.kit.sampling import draw, processed_logits
-from lmplug.speculation.verifier import verify_batch, verify_greedy, verify_sampling
+from lmplug.speculative.verifier import verify_batch, verify_greedy, verify_sampling
 
 ALPHA = 1e-3  # a correct verifier fails a check once in a thousand seeds; these seeds are fixed
 

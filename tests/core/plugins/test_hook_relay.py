@@ -2,20 +2,11 @@
 
 from __future__ import annotations
 
-import types
+from support.fake_plugins import plugin_module as _plugin
 
 from lmplug.engine.isolation import Observers
 from lmplug.hookspecs import hookimpl
 from lmplug.plugins import Registry
-
-
-def _plugin(**hooks) -> types.ModuleType:
-    """A plugin module, as an entry point would load it."""
-    module = types.ModuleType("fake_plugin")
-    module.LMPLUG_API_VERSION = 3
-    for name, impl in hooks.items():
-        setattr(module, name, impl)
-    return module
 
 
 def test_wrappers_run_around_each_plugin_and_a_raising_one_does_not_stop_the_others(caplog):

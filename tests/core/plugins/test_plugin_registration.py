@@ -184,15 +184,15 @@ def test_the_family_table_matches_the_hookspecs_and_the_config():
 
     specs = {name for name, fn in vars(hookspecs).items()
              if name.startswith("lmplug_register_") and hasattr(fn, "lmplug_spec")}
-    assert {f.hook for f in TABLE} == specs
+    assert {h for f in TABLE for h in (f.hook, *f.old_hooks)} == specs
     for family in TABLE:
         assert inspect.signature(getattr(hookspecs, family.hook)).parameters == {}
     assert FAMILIES == {f.name: f.base for f in TABLE}
     assert SECTIONS == {"kvcache": ("kvcache", "backend"), "kvconnector": ("kvconnector", "backend"),
                         "attention": ("attention", "backend"),
                         "scheduler": ("scheduler", "backend"), "quant": ("quant", "method"),
-                        "speculative": ("drafter", "method"), "moe": ("moe", "backend"),
-                        "mixer": ("mixer", "backend"), "constraint": ("constraint", "backend"), "compression": ("compressor", "method"),
+                        "speculative": ("speculative", "method"), "moe": ("moe", "backend"),
+                        "mixer": ("mixer", "backend"), "constraint": ("constraint", "backend"), "compression": ("compression", "method"),
                         "lora": ("adapter", "backend")}
     assert list(SECTIONS).index("kvcache") < list(SECTIONS).index("attention")  # attention's auto reads it
     assert OPTIONAL_SECTIONS == {"quant", "speculative", "moe", "mixer", "compression", "kvconnector", "lora"}

@@ -13,7 +13,7 @@ from __future__ import annotations
 from itertools import accumulate
 from typing import Literal
 
-from lmplug_compressor.units import assemble, phrases, sentences, words
+from lmplug_compression.units import assemble, phrases, sentences, words
 from pydantic import Field
 
 from lmplug.api import (

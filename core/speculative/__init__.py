@@ -6,6 +6,6 @@ verifies them (``verifier.py``, trees: ``tree.py``), rolls back rejected K/V and
 It never imports the engine: the engine drives it.
 """
 
-from lmplug.speculation.speculator import Draft, Speculator
+from lmplug.speculative.speculator import Draft, Speculator
 
 __all__ = ["Draft", "Speculator"]

@@ -7,9 +7,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import pytest
-from lmplug_compressor.llmlingua import LLMLingua, _fine_rates
-from lmplug_compressor.selective import Selective
-from lmplug_compressor.truncate import Truncate
+from lmplug_compression.llmlingua import LLMLingua, _fine_rates
+from lmplug_compression.selective import Selective
+from lmplug_compression.truncate import Truncate
 
 from lmplug.interfaces.compressor import CompressionInput, Scorer, Segment
 

@@ -43,7 +43,7 @@ from lmplug.kit.sampling import (
     rejection_sample,
     residual_distribution,
 )
-from lmplug.speculation.tree import verify_tree_greedy
+from lmplug.speculative.tree import verify_tree_greedy
 
 # (``point_mass`` and ``residual_distribution`` stay importable from here)
 __all__ = ["Verdict", "point_mass", "residual_distribution", "verify_batch", "verify_greedy", "verify_sampling"]
@@ -53,7 +53,7 @@ __all__ = ["Verdict", "point_mass", "residual_distribution", "verify_batch", "ve
 class Verdict:
     tokens: list[int]  # the accepted drafts, then one target token (correction or bonus)
     num_accepted: int
-    # a tree (``lmplug.speculation.tree``): the accepted nodes, root to leaf; None for a chain (drafts 0..m-1)
+    # a tree (``lmplug.speculative.tree``): the accepted nodes, root to leaf; None for a chain (drafts 0..m-1)
     nodes: list[int] | None = None
 
     @property

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import math
 
-from lmplug_compressor.units import assemble, paragraphs
+from lmplug_compression.units import assemble, paragraphs
 from pydantic import Field
 
 from lmplug.api import (

@@ -49,8 +49,8 @@ from lmplug.interfaces.scheduler import ScheduledSeq, samples_now
 from lmplug.interfaces.sequence import Sequence, SequenceStatus
 from lmplug.kit.draft_tree import depths, is_chain, tree_rows
 from lmplug.kit.penalties import NO_HISTORY, PromptIds
-from lmplug.speculation.tree import first_child_chain, head, move_kv, subtree
-from lmplug.speculation.verifier import verify_batch
+from lmplug.speculative.tree import first_child_chain, head, move_kv, subtree
+from lmplug.speculative.verifier import verify_batch
 
 
 @dataclass
@@ -180,7 +180,7 @@ class Speculator:
         """Append ``draft`` to the scheduled sequence and describe its rows to the runner."""
         seq = item.seq
         start = seq.num_computed_tokens
-        seq.token_ids.extend(draft.tokens)
+        seq.extend_tokens(draft.tokens)
         self._planned[seq.seq_id] = draft
         item.num_logit_rows = 1 + len(draft.tokens)
         if draft.parents is not None:
@@ -208,7 +208,7 @@ class Speculator:
         drafts = [self._planned.pop(s.seq_id, None) or Draft([]) for s in seqs]
         for seq, draft in zip(seqs, drafts):
             if draft.tokens:
-                del seq.token_ids[seq.num_tokens - len(draft.tokens):]
+                seq.truncate_tokens(seq.num_tokens - len(draft.tokens))
         verdicts = self._verdicts(logits, num_rows, seqs, drafts, filled, on_error)
         emitted, rows, last, start = [], [], [], 0
         for seq, draft, verdict, n in zip(seqs, drafts, verdicts, num_rows):
@@ -308,7 +308,7 @@ class Speculator:
         computed next step)."""
         valid = seq.num_tokens - 1
         if seq.num_computed_tokens > valid:
-            seq.num_computed_tokens = valid
+            seq.rewind(valid)
             self.kv.truncate(seq, valid)
 
     def release(self, seq: Sequence) -> None:

@@ -8,7 +8,7 @@ involved; the cut is on word boundaries.
 
 from __future__ import annotations
 
-from lmplug_compressor.units import assemble, words
+from lmplug_compression.units import assemble, words
 from pydantic import Field
 
 from lmplug.api import (
