@@ -34,6 +34,47 @@ PERMUTED = ("smollm3", "granite")  # LlamaModel subclasses: Q/K rows permuted
 GEMMA = ("gemma2", "gemma3")
 
 
+def _base(vocab: int) -> dict[str, Any]:
+    return {"vocab_size": vocab, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 3,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "max_position_embeddings": 256,
+            "initializer_range": 0.1, "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0}
+
+
+def family_configs(vocab: int) -> dict[str, dict[str, Any]]:
+    """Configs the converter represents: Gemma's ``query_pre_attn_scalar`` is ``head_dim`` (llama.cpp
+    derives the scale from the size), Gemma 2 tied with soft-caps (its converter drops ``lm_head``
+    and writes both caps), Gemma 3's default 5:1 windows."""
+    base = _base(vocab)
+    long = {"short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5, 3.0, 4.0], "long_factor": [1.0, 1.5, 2, 3, 4, 6, 8, 12]}
+    phi3 = {**base, "model_type": "phi3", "num_hidden_layers": 2, "original_max_position_embeddings": 256}
+    return {
+        "gemma2": {**base, "model_type": "gemma2", "sliding_window": 8, "query_pre_attn_scalar": 16,
+                   "attn_logit_softcapping": 1.5, "final_logit_softcapping": 3.0},
+        "gemma3": {**base, "model_type": "gemma3_text", "num_hidden_layers": 7, "sliding_window": 8,
+                   "query_pre_attn_scalar": 16},
+        "gemma3-scaled-rope": {**base, "model_type": "gemma3_text", "num_hidden_layers": 7, "sliding_window": 8,
+                               "query_pre_attn_scalar": 16, "final_logit_softcapping": 5.0, "rope_parameters": {
+                                   "sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+                                   "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 50000.0}}},
+        "smollm3": {**base, "model_type": "smollm3", "num_hidden_layers": 4},
+        "olmo2": {**base, "model_type": "olmo2"},
+        "granite": {**base, "model_type": "granite", "embedding_multiplier": 4.0, "residual_multiplier": 0.5,
+                    "attention_multiplier": 0.1, "logits_scaling": 2.5},
+        "phi3": phi3,
+        # the original context (16) below the prompt: LongRoPE's long factors, as transformers
+        "phi3-longrope": {**phi3, "original_max_position_embeddings": 16, "rope_parameters": {
+            "rope_type": "longrope", "rope_theta": 10000.0, **long, "original_max_position_embeddings": 16}},
+        # Phi-4-mini's partial rotary (12 of 16), short factors
+        "phi4mini-partial": {**phi3, "rope_parameters": {
+            "rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
+            "short_factor": long["short_factor"][:6], "long_factor": long["long_factor"][:6],
+            "original_max_position_embeddings": 256}},
+    }
+
+
+FAMILIES = ("gemma2", "gemma3", "smollm3", "olmo2", "granite", "phi3")  # one config each
+
+
 def vocab_size() -> int:
     """The byte-level vocabulary the files carry (the tiny models' ``vocab_size``)."""
     return len(train_byte_level()[0])

@@ -24,6 +24,8 @@ from typing import Any
 import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
+from support.gguf_families import FAMILIES
+from support.gguf_families import family_configs as configs
 
 pytestmark = pytest.mark.hf
 
@@ -33,45 +35,6 @@ PACKED = {"method": "gguf", "kernel": "torch"}
 DENSE = {"method": "gguf", "dequantize_at_load": True}
 
 
-def _base(vocab: int) -> dict[str, Any]:
-    return {"vocab_size": vocab, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 3,
-            "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "max_position_embeddings": 256,
-            "initializer_range": 0.1, "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0}
-
-
-def configs(vocab: int) -> dict[str, dict[str, Any]]:
-    """Configs the converter represents: Gemma's ``query_pre_attn_scalar`` is ``head_dim`` (llama.cpp
-    derives the scale from the size), Gemma 2 tied with soft-caps (its converter drops ``lm_head``
-    and writes both caps), Gemma 3's default 5:1 windows."""
-    base = _base(vocab)
-    long = {"short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5, 3.0, 4.0], "long_factor": [1.0, 1.5, 2, 3, 4, 6, 8, 12]}
-    phi3 = {**base, "model_type": "phi3", "num_hidden_layers": 2, "original_max_position_embeddings": 256}
-    return {
-        "gemma2": {**base, "model_type": "gemma2", "sliding_window": 8, "query_pre_attn_scalar": 16,
-                   "attn_logit_softcapping": 1.5, "final_logit_softcapping": 3.0},
-        "gemma3": {**base, "model_type": "gemma3_text", "num_hidden_layers": 7, "sliding_window": 8,
-                   "query_pre_attn_scalar": 16},
-        "gemma3-scaled-rope": {**base, "model_type": "gemma3_text", "num_hidden_layers": 7, "sliding_window": 8,
-                               "query_pre_attn_scalar": 16, "final_logit_softcapping": 5.0, "rope_parameters": {
-                                   "sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
-                                   "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 50000.0}}},
-        "smollm3": {**base, "model_type": "smollm3", "num_hidden_layers": 4},
-        "olmo2": {**base, "model_type": "olmo2"},
-        "granite": {**base, "model_type": "granite", "embedding_multiplier": 4.0, "residual_multiplier": 0.5,
-                    "attention_multiplier": 0.1, "logits_scaling": 2.5},
-        "phi3": phi3,
-        # the original context (16) below the prompt: LongRoPE's long factors, as transformers
-        "phi3-longrope": {**phi3, "original_max_position_embeddings": 16, "rope_parameters": {
-            "rope_type": "longrope", "rope_theta": 10000.0, **long, "original_max_position_embeddings": 16}},
-        # Phi-4-mini's partial rotary (12 of 16), short factors
-        "phi4mini-partial": {**phi3, "rope_parameters": {
-            "rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
-            "short_factor": long["short_factor"][:6], "long_factor": long["long_factor"][:6],
-            "original_max_position_embeddings": 256}},
-    }
-
-
-FAMILIES = ("gemma2", "gemma3", "smollm3", "olmo2", "granite", "phi3")
 
 
 @pytest.fixture(scope="module")
@@ -239,17 +202,41 @@ def _converter() -> Path | None:
     return found[-1] if found else None
 
 
-# the converter run with one change: a tiny tokenizer's pre-tokenizer hash is in no table of its
-# (``get_vocab_base_pre`` refuses unknown ones), so it is named "default"
+# the converter run with two changes for tiny models: their tokenizer's pre-tokenizer hash is in no
+# table of its (``get_vocab_base_pre`` refuses unknown ones), so it is named "default"; and without
+# the sentencepiece package a stand-in lets ``_create_vocab_sentencepiece`` reach its own check for
+# ``tokenizer.model`` (absent: the converter falls back to the byte-level BPE vocabulary)
 _RUN_CONVERTER = """
-import runpy, sys
+import runpy, sys, types
 root = sys.argv[1]
 sys.path[:0] = [root, root + "/gguf-py"]
 from conversion import base
+try:
+    import sentencepiece
+except ImportError:
+    sys.modules["sentencepiece"] = types.SimpleNamespace(SentencePieceProcessor=None)
 base.TextModel.get_vocab_base_pre = lambda self, tokenizer: "default"
 sys.argv = [root + "/convert_hf_to_gguf.py"] + sys.argv[2:]
 runpy.run_path(sys.argv[0], run_name="__main__")
 """
+
+
+def _write_bpe_tokenizer(path: Path, tokenizer_class: str) -> int:
+    """A byte-level BPE ``tokenizer.json`` (with merges, which a GGUF of this kind must carry)."""
+    import json
+
+    from support.gguf_fixtures import train_byte_level
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    tokens, merges = train_byte_level()
+    tok = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)},
+                               merges=[tuple(m.split(" ")) for m in merges]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": tokenizer_class, "bos_token": "<|im_start|>", "eos_token": "<|im_end|>"}))
+    return len(tokens)
 
 
 @pytest.mark.slow
@@ -261,22 +248,19 @@ def test_llama_cpp_converter_output_matches_transformers(tmp_path, name):
     if name == "gemma2":
         pytest.skip("Gemma2Model.set_vocab reads a SentencePiece tokenizer.model (and the sentencepiece "
                     "package), which the tiny models have not")
-    import json
-
-    from support.hf_models import VOCAB, write_tokenizer
+    from support.gguf_families import vocab_size
 
     from lmplug import LLM
     from lmplug.testing.architecture import build_tiny, prompt
 
-    config = configs(VOCAB)[name]
+    config = configs(vocab_size())[name]
     hf = build_tiny(config, tmp_path / "hf")
-    write_tokenizer(tmp_path / "hf")
-    if config["model_type"] == "phi3":  # Phi3MiniModel.set_vocab: a GPT-2 style tokenizer by class name
-        cfg = json.loads((tmp_path / "hf" / "tokenizer_config.json").read_text())
-        (tmp_path / "hf" / "tokenizer_config.json").write_text(json.dumps({**cfg, "tokenizer_class": "GPT2Tokenizer"}))
+    # Phi3MiniModel.set_vocab takes a GPT-2 style vocabulary by the tokenizer's class name
+    _write_bpe_tokenizer(tmp_path / "hf", "GPT2Tokenizer" if config["model_type"] == "phi3" else
+                         "PreTrainedTokenizerFast")
     out = tmp_path / "model.gguf"
     done = subprocess.run([sys.executable, "-c", _RUN_CONVERTER, str(converter.parent), str(tmp_path / "hf"),
                            "--outfile", str(out), "--outtype", "f32"], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
-    ids = prompt(PROMPT_LEN, 4, VOCAB)
+    ids = prompt(PROMPT_LEN, 4, vocab_size())
     _assert_matches(_run(LLM(str(out), **ENGINE), ids), hf, ids, f"{name} via convert_hf_to_gguf.py")
