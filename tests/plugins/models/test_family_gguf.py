@@ -264,3 +264,28 @@ def test_llama_cpp_converter_output_matches_transformers(tmp_path, name):
     assert done.returncode == 0, done.stderr[-3000:]
     ids = prompt(PROMPT_LEN, 4, vocab_size())
     _assert_matches(_run(LLM(str(out), **ENGINE), ids), hf, ids, f"{name} via convert_hf_to_gguf.py")
+
+
+def test_quantize_from_a_gemma_gguf_writes_the_checkpoint_convention(tiny, tmp_path, capsys):
+    """``lmplug quantize`` reads a GGUF through the same translation: the folder it writes holds
+    Gemma's norm weights as transformers does (``w``, not the file's ``1 + w``) and loads natively."""
+    import json
+
+    from safetensors.torch import load_file
+
+    from lmplug import LLM
+    from lmplug.cli import main
+
+    hf = tiny("gemma2")
+    out = tmp_path / "rtn"
+    capsys.readouterr()
+    path = _gguf(tmp_path, hf, Q.F32)
+    rc = main(["quantize", str(path), str(out), "--method", "rtn", "--group-size", "32", "-o", "dtype=float32"])
+    assert rc == 0, capsys.readouterr().err
+    assert json.loads((out / "config.json").read_text())["model_type"] == "gemma2"
+    written = load_file(str(out / "model.safetensors"))
+    norms = {k: v for k, v in hf.state_dict().items() if k.endswith("norm.weight")}
+    assert len(norms) == 1 + 4 * hf.config.num_hidden_layers
+    for name, weight in norms.items():
+        torch.testing.assert_close(written[name], weight, atol=1e-6, rtol=0, msg=name)
+    assert LLM(str(out), **ENGINE).engine.parts.plan.architecture.name == "gemma"
