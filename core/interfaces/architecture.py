@@ -20,9 +20,10 @@ weight loader and the runner call):
 
 GGUF files (``GGUF`` feature): the loader chooses the architecture declaring the file's
 ``general.architecture`` (``gguf_architectures``) before anything is translated, then asks it for
-the HF config (``gguf_config``), each tensor's HF name (``gguf_tensor_name``) and whether llama.cpp
-permuted the Q/K rows (``gguf_permuted``); ``lmplug.interfaces.gguf_header`` has the standard
-decoder's translation to call.
+the HF config (``gguf_config``), each tensor's HF name (``gguf_tensor_name``), whether llama.cpp
+permuted the Q/K rows (``gguf_permuted``) and what else its converter changed in a tensor's values
+(``gguf_values``: Gemma's norm weights stored as ``1 + w``); ``lmplug.interfaces.gguf_header`` has
+the standard decoder's translation to call.
 
 ``Architecture.fallback``: a backend that can serve checkpoints no native architecture declares (the
 ``transformers`` fallback); ``auto`` picks it only when no native one serves the checkpoint. The
@@ -126,10 +127,19 @@ class Architecture(ABC):
         raise ModelLoadError(f"{header.where}: architecture {cls.name!r} reads no GGUF files")
 
     @classmethod
-    def gguf_tensor_name(cls, gguf_name: str, where: str) -> str:
-        """A GGUF tensor's HF checkpoint name (default: the standard decoder's names); a name it
-        does not know: ``ModelLoadError`` naming the tensor."""
+    def gguf_tensor_name(cls, gguf_name: str, where: str) -> str | None:
+        """A GGUF tensor's HF checkpoint name (default: the standard decoder's names); None: a
+        tensor that holds settings ``gguf_config`` read from ``GGUFHeader.vectors``, not a weight
+        (Phi-3's LongRoPE factors); a name it does not know: ``ModelLoadError`` naming the tensor."""
         return decoder_tensor_name(gguf_name, where)
+
+    @classmethod
+    def gguf_values(cls, gguf_name: str, values: Any) -> Any:
+        """A dense tensor's values (float32, HF layout) as the HF checkpoint holds them: what
+        llama.cpp's converter changed beyond names, dims and the Q/K permutation, undone (Gemma:
+        norm weights stored as ``1 + w``). Called on every tensor read dense; 2-D weights a quant
+        method keeps packed pass as they are, so only 1-D tensors may change. Default: unchanged."""
+        return values
 
     @abstractmethod
     def parse_config(self, hf_config: Mapping[str, Any], where: str) -> ModelConfig:

@@ -12,7 +12,7 @@ architecture calls and amends.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from lmplug.errors import ModelLoadError
@@ -23,13 +23,16 @@ _MISSING = object()
 @dataclass(frozen=True)
 class GGUFHeader:
     """``arch``: ``general.architecture``; ``tensors``: name -> dims in GGUF order (ne0 first);
-    ``quantized``: some 2-D layer weight is block-quantized (not F32/F16/BF16)."""
+    ``quantized``: some 2-D layer weight is block-quantized (not F32/F16/BF16); ``vectors``: the
+    values of the 1-D float tensors outside the blocks other than ``output_norm`` (settings stored
+    as tensors: Phi-3's LongRoPE factors ``rope_factors_long`` / ``rope_factors_short``)."""
 
     where: str  # the file, named in every error
     arch: str
     metadata: Mapping[str, Any]
     tensors: Mapping[str, tuple[int, ...]]
     quantized: bool
+    vectors: Mapping[str, tuple[float, ...]] = field(default_factory=dict)
 
     def key(self, name: str, default: Any = _MISSING) -> Any:
         """``{arch}.{name}``; missing without a default: a ``ModelLoadError`` naming it."""
@@ -59,18 +62,21 @@ _LAYER_NAMES = {
 }
 
 
-def decoder_tensor_name(gguf_name: str, where: str = "<gguf>") -> str:
+def decoder_tensor_name(gguf_name: str, where: str = "<gguf>", layers: Mapping[str, str] | None = None) -> str:
     """``blk.3.attn_q.weight`` -> ``model.layers.3.self_attn.q_proj.weight`` (the standard decoder's
-    tensors); any other name is a ``ModelLoadError`` naming it."""
+    tensors); ``layers``: a family's own layer tensor names, or other meanings of standard ones
+    (Gemma's ``ffn_norm`` is ``pre_feedforward_layernorm``). Any other name is a ``ModelLoadError``
+    naming it."""
     stem, _, suffix = gguf_name.rpartition(".")
     if suffix not in ("weight", "bias"):
         stem, suffix = gguf_name, ""
     parts = stem.split(".")
+    names = {**_LAYER_NAMES, **layers} if layers else _LAYER_NAMES
     hf_stem = None
     if len(parts) == 1:
         hf_stem = _GLOBAL_NAMES.get(parts[0])
-    elif len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _LAYER_NAMES:
-        hf_stem = f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}"
+    elif len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in names:
+        hf_stem = f"model.layers.{parts[1]}.{names[parts[2]]}"
     if hf_stem is None:
         hint = " (llama3-style RoPE scaling is not supported yet)" if stem == "rope_freqs" else ""
         raise ModelLoadError(f"{where}: tensor {gguf_name!r} has no known HF equivalent{hint}")

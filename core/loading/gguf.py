@@ -5,9 +5,10 @@ key names, and its tensors use llama.cpp names, reversed dims and quantized
 blocks. The architecture that reads the file's ``general.architecture`` is chosen
 first (``choose``: the engine's choice, by default the highest-priority installed
 one declaring it); it translates the metadata and the names
-(``Architecture.gguf_config`` / ``gguf_tensor_name``) and says whether Q/K rows
-were permuted; this module undoes the dims, the permutation and the blocks, so
-nothing downstream knows the weights came from a GGUF.
+(``Architecture.gguf_config`` / ``gguf_tensor_name``), says whether Q/K rows
+were permuted and undoes what else the converter changed (``gguf_values``); this
+module undoes the dims, the permutation and the blocks, so nothing downstream
+knows the weights came from a GGUF.
 
 Two ways to read the tensors: ``iter_tensors`` dequantizes every one to float32 (gguf-py's
 numpy dequantize), ``iter_packed`` leaves 2-D weights in their blocks (``PackedTensor``, a
@@ -48,6 +49,7 @@ DEQUANTIZABLE = frozenset({
     Q.IQ2_XXS, Q.IQ2_XS, Q.IQ2_S, Q.IQ3_XXS, Q.IQ3_S, Q.IQ1_S, Q.IQ1_M, Q.IQ4_NL, Q.IQ4_XS, Q.MXFP4,
 })
 _FLOAT_TYPES = frozenset({Q.F32, Q.F16, Q.BF16})
+_MAX_VECTOR = 1 << 16  # GGUFHeader.vectors: settings, never a weight's worth of values
 # (GGUF architecture, file) -> the architecture that reads it (``Architecture.gguf_architectures``)
 ChooseReader = Callable[[str, str], type[Architecture]]
 
@@ -128,7 +130,8 @@ def load_gguf(path: str | Path, choose: ChooseReader | None = None) -> ModelSour
         raise ModelLoadError(f"{path}: GGUF metadata lacks 'general.architecture' (got {arch!r})")
     reads = (choose or gguf_reader)(arch, where)
     _check_tensor_types(path, reader)
-    hf_names = [reads.gguf_tensor_name(t.name, where) for t in reader.tensors]
+    # None: a tensor that holds settings the config translation reads (not a weight)
+    named = [(t, hf) for t in reader.tensors for hf in [reads.gguf_tensor_name(t.name, where)] if hf is not None]
     hf_config = reads.gguf_config(_header(where, arch, metadata, reader))
     head_counts = {
         "attn_q": hf_config["num_attention_heads"],
@@ -136,22 +139,22 @@ def load_gguf(path: str | Path, choose: ChooseReader | None = None) -> ModelSour
     } if arch in reads.gguf_permuted else {}
 
     def iter_tensors() -> Iterator[tuple[str, torch.Tensor]]:
-        for tensor, hf_name in zip(reader.tensors, hf_names):
-            yield hf_name, _load_tensor(tensor, head_counts)
+        for tensor, hf_name in named:
+            yield hf_name, reads.gguf_values(tensor.name, _load_tensor(tensor, head_counts))
 
     def iter_packed() -> Iterator[tuple[str, torch.Tensor | PackedTensor]]:
         file_bytes = _file_bytes(reader)
-        for tensor, hf_name in zip(reader.tensors, hf_names):
+        for tensor, hf_name in named:
             if len(tensor.shape) == 2:
                 yield hf_name, _packed_tensor(file_bytes, tensor, head_counts)
             else:
-                yield hf_name, _load_tensor(tensor, {})
+                yield hf_name, reads.gguf_values(tensor.name, _load_tensor(tensor, {}))
 
     return ModelSource(
         path=path,
         format="gguf",
         hf_config=hf_config,
-        tensor_names=hf_names,
+        tensor_names=[hf_name for _, hf_name in named],
         iter_tensors=iter_tensors,
         iter_packed=iter_packed,
         tokenizer=Tokenizer.from_gguf(metadata, name=path.name),
@@ -177,7 +180,11 @@ def _header(where: str, arch: str, metadata: dict[str, Any], reader: GGUFReader)
     quantized = any(t.name.startswith("blk.") and len(t.shape) == 2 and t.tensor_type not in _FLOAT_TYPES
                     for t in reader.tensors)
     tensors = {t.name: tuple(int(d) for d in t.shape.tolist()) for t in reader.tensors}
-    return GGUFHeader(where, arch, metadata, tensors, quantized)
+    # settings stored as small float tensors (LongRoPE factors), read for the config translation
+    vectors = {t.name: tuple(float(v) for v in _load_tensor(t, {}).tolist()) for t in reader.tensors
+               if len(t.shape) == 1 and not t.name.startswith(("blk.", "output_norm."))
+               and t.tensor_type in _FLOAT_TYPES and int(t.n_elements) <= _MAX_VECTOR}
+    return GGUFHeader(where, arch, metadata, tensors, quantized, vectors)
 
 
 def _open_reader(path: Path) -> GGUFReader:

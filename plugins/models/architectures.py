@@ -16,6 +16,7 @@ from typing import Any, ClassVar
 
 import torch
 from lmplug_models.deepseek_v2 import DeepseekV2ForCausalLM
+from lmplug_models import gguf_configs
 from lmplug_models.gemma import GemmaForCausalLM, gemma_layers, gemma_options
 from lmplug_models.diffusion_gemma import DiffusionGemmaForBlockDiffusion, diffusion_layers, diffusion_text_config
 from lmplug_models.gemma4 import Gemma4ForCausalLM, gemma4_layers, gemma4_options
@@ -59,6 +60,7 @@ from lmplug.api import (
     ModelConfig,
     check_depth,
     decoder_config,
+    decoder_tensor_name,
     deepseek_moe,
     hybrid_layer_types,
     mamba2_fields,
@@ -218,7 +220,18 @@ class GemmaArchitecture(_Native):
     name = "gemma"
     module = GemmaForCausalLM
     model_types = ("gemma2", "gemma3_text")
-    capabilities = _caps(TENSOR_PARALLEL)
+    gguf_architectures = ("gemma2", "gemma3")
+    capabilities = _caps(TENSOR_PARALLEL, GGUF, PACKED_WEIGHTS)
+    gguf_config = staticmethod(gguf_configs.gemma_config)
+
+    @classmethod
+    def gguf_tensor_name(cls, gguf_name: str, where: str) -> str:
+        return decoder_tensor_name(gguf_name, where, gguf_configs.GEMMA_NAMES)
+
+    @classmethod
+    def gguf_values(cls, gguf_name: str, values: Any) -> Any:
+        """llama.cpp's converter stores Gemma's norm weights as ``1 + w``; the checkpoint's are ``w``."""
+        return values - 1.0 if gguf_name.endswith("norm.weight") else values
 
     def parse_config(self, hf_config: Mapping[str, Any], where: str) -> ModelConfig:
         return _gemma_parsed(hf_config, where, gemma_options)
@@ -269,7 +282,10 @@ class SmolLM3Architecture(_Native):
     name = "smollm3"
     module = SmolLM3ForCausalLM
     model_types = ("smollm3",)
-    capabilities = _caps(TENSOR_PARALLEL)
+    gguf_architectures = ("smollm3",)
+    gguf_permuted = frozenset({"smollm3"})  # converted as Llama (rotate-half rows interleaved)
+    capabilities = _caps(TENSOR_PARALLEL, GGUF, PACKED_WEIGHTS)
+    gguf_config = staticmethod(gguf_configs.smollm3_config)
 
     def parse_config(self, hf_config: Mapping[str, Any], where: str) -> ModelConfig:
         config = _parsed(hf_config, where, tied=True, sliding_window=None)
@@ -287,7 +303,13 @@ class Olmo2Architecture(_Native):
     name = "olmo2"
     module = Olmo2ForCausalLM
     model_types = ("olmo2",)
-    capabilities = _caps()
+    gguf_architectures = ("olmo2",)
+    capabilities = _caps(GGUF, PACKED_WEIGHTS)
+    gguf_config = staticmethod(gguf_configs.olmo2_config)
+
+    @classmethod
+    def gguf_tensor_name(cls, gguf_name: str, where: str) -> str:
+        return decoder_tensor_name(gguf_name, where, gguf_configs.OLMO2_NAMES)
 
 
 class GraniteArchitecture(_Native):
@@ -296,7 +318,10 @@ class GraniteArchitecture(_Native):
     name = "granite"
     module = GraniteForCausalLM
     model_types = ("granite",)
-    capabilities = _caps(TENSOR_PARALLEL)
+    gguf_architectures = ("granite",)
+    gguf_permuted = frozenset({"granite"})  # converted as Llama
+    capabilities = _caps(TENSOR_PARALLEL, GGUF, PACKED_WEIGHTS)
+    gguf_config = staticmethod(gguf_configs.granite_config)
 
     def parse_config(self, hf_config: Mapping[str, Any], where: str) -> ModelConfig:
         config = _parsed(hf_config, where)
@@ -315,7 +340,17 @@ class Phi3Architecture(_Native):
     name = "phi3"
     module = Phi3ForCausalLM
     model_types = ("phi3",)
-    capabilities = _caps()
+    gguf_architectures = ("phi3",)
+    capabilities = _caps(GGUF, PACKED_WEIGHTS)
+    gguf_config = staticmethod(gguf_configs.phi3_config)
+
+    @classmethod
+    def gguf_tensor_name(cls, gguf_name: str, where: str) -> str | None:
+        """The fused ``attn_qkv`` / ``ffn_up`` are HF's ``qkv_proj`` / ``gate_up_proj``; the LongRoPE
+        factor tensors are settings (``gguf_config`` reads them)."""
+        if gguf_name in gguf_configs.PHI3_ROPE_FACTORS:
+            return None
+        return decoder_tensor_name(gguf_name, where, gguf_configs.PHI3_NAMES)
 
     def parse_config(self, hf_config: Mapping[str, Any], where: str) -> ModelConfig:
         config = _parsed(hf_config, where)

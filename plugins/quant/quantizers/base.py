@@ -2,7 +2,8 @@
 
 A method implements ``quantize_model(model, windows, progress) ->
 (tensors, quantization_config)``: ``model`` is the float decoder
-(``reference.FloatLlama``) whose tensors it may rewrite in place (folded
+(``reference.FloatLlama``; for methods without calibration the weights alone,
+``weights.DecoderWeights``) whose tensors it may rewrite in place (folded
 scales), ``windows`` the calibration token windows (None for methods that
 need none). ``tensors`` holds the checkpoint tensors of every quantized
 linear layer; the base adds the float tensors and writes the folder.
@@ -16,7 +17,8 @@ from typing import ClassVar, Literal
 
 import torch
 from lmplug_quant.quantizers.calibration import calibration_windows
-from lmplug_quant.quantizers.reference import LINEARS, FloatLlama
+from lmplug_quant.quantizers.reference import FloatLlama
+from lmplug_quant.quantizers.weights import DecoderWeights, float_model
 from lmplug_quant.quantizers.writer import float_tensors, tensor_bytes, write_checkpoint
 from pydantic import Field, field_validator
 
@@ -63,14 +65,14 @@ class BaseQuantizer(Quantizer):
     def quantize(self, model_source: ModelSource, out_dir: Path, calibration: CalibrationSpec,
                  progress: Progress) -> dict:
         started = time.perf_counter()
-        model = FloatLlama(model_source, max_len=calibration.seq_len)
+        model = float_model(model_source, self.needs_calibration, calibration.seq_len)
         self.check_model(model)
         windows = calibration_windows(model_source.tokenizer, calibration) if self.needs_calibration else None
         tensors, qconfig = self.quantize_model(model, windows, progress)
         seconds = time.perf_counter() - started
         chosen = {k: getattr(self.options, k) for k in ("bits", "group_size") if hasattr(self.options, k)}
         linear_weights = {f"model.layers.{i}.{name}.weight"
-                          for i in range(model.cfg.num_layers) for name in LINEARS}
+                          for i in range(model.cfg.num_layers) for name in model.linears}
         float_bytes = 2 * sum(model.tensors[k].numel() for k in linear_weights)
         out = {**float_tensors(model.tensors, linear_weights, self.options.dtype), **tensors}
         write_checkpoint(out_dir, model_source, out, qconfig, self.options.dtype)
@@ -79,7 +81,7 @@ class BaseQuantizer(Quantizer):
                 "bytes_vs_fp16": round(tensor_bytes(tensors) / float_bytes, 4),
                 "file_bytes": (out_dir / "model.safetensors").stat().st_size}
 
-    def check_model(self, model: FloatLlama) -> None:
+    def check_model(self, model: FloatLlama | DecoderWeights) -> None:
         """The group size divides every quantized layer's input width; when none was given, the
         largest of ``GROUP_CHOICES`` that does (set on ``self.options``)."""
         if "group_size" not in type(self.options).model_fields or self.options.group_size == -1:
@@ -104,7 +106,7 @@ class BaseQuantizer(Quantizer):
                     f"--group-size {group} does not divide the model's {what} ({n}), the input width "
                     f"of some linear layers; the published formats need whole groups{hint}")
 
-    def quantize_model(self, model: FloatLlama, windows: torch.Tensor | None,
+    def quantize_model(self, model: FloatLlama | DecoderWeights, windows: torch.Tensor | None,
                        progress: Progress) -> tuple[dict[str, torch.Tensor], dict]:
         raise NotImplementedError
 

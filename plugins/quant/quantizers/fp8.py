@@ -9,7 +9,6 @@ from __future__ import annotations
 import torch
 from lmplug_quant.quantizers.base import BaseQuantizer, QuantizerOptions, prefix
 from lmplug_quant.quantizers.formats import channel8_tensors, compressed_tensors_config
-from lmplug_quant.quantizers.reference import LINEARS
 
 FP8_MAX = 448.0
 
@@ -29,7 +28,7 @@ class FP8Quantizer(BaseQuantizer):
         tensors: dict[str, torch.Tensor] = {}
         n = model.cfg.num_layers
         for i in range(n):
-            for linear in LINEARS:
+            for linear in model.linears:
                 tensors.update(channel8_tensors(prefix(i, linear), *fp8_channel(model.weight(i, linear))))
             progress("fp8: layers", i + 1, n)
         return tensors, compressed_tensors_config("float")

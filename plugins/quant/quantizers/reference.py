@@ -39,11 +39,14 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 class FloatLlama:
     """``tensors``: HF name -> float32 tensor; quantizers replace entries in place."""
 
+    linears = LINEARS  # each layer's linear layers
+
     def __init__(self, source: ModelSource, max_len: int = 4096) -> None:
         model_type = source.hf_config.get("model_type")
         if model_type not in SUPPORTED:
-            raise ConfigError(f"{source.path}: offline quantization supports dense Llama-family "
-                              f"models ({', '.join(SUPPORTED)}); this one is {model_type!r}")
+            raise ConfigError(f"{source.path}: offline quantization with calibration supports dense "
+                              f"Llama-family models ({', '.join(SUPPORTED)}); this one is {model_type!r} "
+                              "(rtn and fp8 need no calibration and take more families)")
         self.cfg = ModelConfig.from_hf(source.hf_config, **SUPPORTED[model_type])
         self.tensors = {name: t.float() for name, t in source.iter_tensors()
                         if "rotary_emb" not in name}

@@ -8,7 +8,6 @@ import torch
 from lmplug_quant.quantizers.base import BaseQuantizer, GroupOptions, prefix
 from lmplug_quant.quantizers.formats import gptq_config, gptq_tensors
 from lmplug_quant.quantizers.grid import quantize_groups
-from lmplug_quant.quantizers.reference import LINEARS
 
 
 class RTNQuantizer(BaseQuantizer):
@@ -21,7 +20,7 @@ class RTNQuantizer(BaseQuantizer):
         tensors: dict[str, torch.Tensor] = {}
         n = model.cfg.num_layers
         for i in range(n):
-            for linear in LINEARS:
+            for linear in model.linears:
                 w = model.weight(i, linear)
                 q, scales, zeros = quantize_groups(w, o.bits, o.group_size, sym=True)
                 g = w.shape[1] if o.group_size == -1 else o.group_size
