@@ -93,7 +93,7 @@ class DenoisingStage:
             if seq.seq_id not in self._proposed or item.num_new_tokens == 0:
                 continue
             canvas, n, start = self._canvases[seq.seq_id], item.num_new_tokens, seq.num_tokens
-            seq.token_ids.extend(canvas.tokens[:n].tolist())
+            seq.extend_tokens(canvas.tokens[:n].tolist())
             item.positions = list(range(start, start + n))
             item.mask = torch.ones(n, n, dtype=torch.bool)
             item.num_logit_rows = n
@@ -133,7 +133,7 @@ class DenoisingStage:
             self.num_canvases += 1
             return []
         before, n = planned
-        del seq.token_ids[before:]
+        seq.truncate_tokens(before)
         if n < self.canvas_length:  # cut short by the token budget: nothing denoised
             return []
         canvas = self._canvases[seq.seq_id]
@@ -150,7 +150,7 @@ class DenoisingStage:
         for seq in seqs:
             planned = self._planned.pop(seq.seq_id, None)
             if planned is not None and seq.num_computed_tokens > planned[0]:
-                seq.num_computed_tokens = planned[0]
+                seq.rewind(planned[0])
                 self.kv.truncate(seq, planned[0])
             if seq.is_finished:
                 self.release(seq)
