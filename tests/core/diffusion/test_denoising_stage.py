@@ -134,3 +134,31 @@ def test_preemption_in_a_tiny_pool_keeps_the_tokens(tiny):
     assert small.engine.scheduler.num_preemptions > 0
     alone = llm_of(path)
     assert got == [alone.generate([p], params(i, 12))[0].token_ids for i, p in enumerate(prompts)]
+
+
+@pytest.mark.slow
+def test_a_stop_string_cuts_the_committed_text(tiny, tmp_path):
+    """With a tokenizer (the tiny vocabulary's: ids 3-95 are single characters), a stop string met
+    inside a committed canvas ends the request there: the text is transformers' continuation for the
+    seed cut before the string's first occurrence, finish_reason "stop", and the token ids stay a
+    prefix of that continuation."""
+    import shutil
+
+    from support.hf_models import write_tokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    path, hf = tiny
+    folder = tmp_path / "with-tokenizer"
+    shutil.copytree(path, folder)
+    write_tokenizer(folder)
+    tok = PreTrainedTokenizerFast(tokenizer_file=str(folder / "tokenizer.json"))
+    prompt = prompt_of(13, 5)
+    free = hf_generate(hf, prompt, 7, 12)
+    text = tok.decode(free, skip_special_tokens=True)  # as lmplug's output text
+    # a character of the second canvas (ids 0-2 are the special tokens)
+    stop = tok.decode([next(t for t in free[CANVAS:] if t >= 3)])
+    cut = text.index(stop)
+    out = llm_of(folder).generate([prompt], params(7, 12, stop=[stop]))[0]
+    assert 0 < cut < len(text) - 1  # something before it, and something cut
+    assert (out.text, out.finish_reason) == (text[:cut], "stop")
+    assert out.token_ids == free[:len(out.token_ids)]
