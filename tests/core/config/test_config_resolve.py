@@ -235,7 +235,7 @@ def test_optional_section_with_unknown_method():
     with pytest.raises(ConfigError) as exc:
         resolve(cfg(quant={"method": "hqq"}), device="cpu", dtype="float32")
     msg = str(exc.value)
-    assert "unknown quant backend 'hqq'" in msg and "available: awq, compressed-tensors, fp8, gguf, gptq, int8, rtn" in msg
+    assert "unknown quant backend 'hqq'" in msg and "available: awq, compressed-tensors, fp8, gguf, gptq, int8, mxfp4, rtn" in msg
 
 
 def test_resolving_for_the_model_chooses_by_feature_and_drops_moe(caplog):
