@@ -14,6 +14,7 @@ token type (0), as sentence-transformers and HF ``BertModel`` run them for a sin
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections.abc import Mapping
 from typing import Any
 
@@ -118,7 +119,7 @@ class BertEncoder(torch.nn.Module):
                 raise RuntimeError(f"encoder {self.config.model_type!r}: sequence {i} of the step has {new} of its "
                                    f"{total} tokens; an encoder needs each prompt in one step (the scheduler "
                                    "split it: use one that keeps Sequence.whole_prompt)")
-        return list(zip(ends[:-1], ends[1:]))
+        return list(itertools.pairwise(ends))
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         raise RuntimeError(f"encoder {self.config.model_type!r} has no LM head: it embeds, never generates")
