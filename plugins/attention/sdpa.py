@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from lmplug_attention.paged import native as paged_native
 from lmplug_attention.kv_ref import gather_context
+from lmplug_attention.prefill_ref import sink_softmax
 
 from lmplug.api import (
     ATTENTION_SINKS,
@@ -153,11 +154,7 @@ def explicit_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: 
         scores = torch.tanh(scores / softcap) * softcap
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
-    if sinks is None:
-        probs = torch.softmax(scores, -1)
-    else:
-        sink = sinks.float().view(*scores.shape[:2], 1, 1).expand(*scores.shape[:3], 1)
-        probs = torch.softmax(torch.cat([scores, sink], -1), -1)[..., :-1]
+    probs = sink_softmax(scores, None if sinks is None else sinks.view(*scores.shape[:2], 1, 1))
     out = torch.matmul(probs.to(v.dtype), v.unsqueeze(1))
     return out.squeeze(2) if one else out
 
