@@ -112,10 +112,13 @@ class KVCacheSpec:
     def bytes_per_token(self) -> int:
         """Every layer's K and V (or latent): tensors x the sum over layers of kv_heads x (head_dim
         x dtype bytes, plus a 4-byte scale when quantized)."""
+        return sum(map(self.layer_bytes_per_token, range(self.num_layers)))
+
+    def layer_bytes_per_token(self, layer: int) -> int:
+        """One cached layer's share of ``bytes_per_token`` (at its own shape, ``layer_shape``)."""
         item = torch.empty((), dtype=self.cache_dtype).element_size()
-        scale = 4 if self.quantized else 0
-        return self.num_kv_tensors * sum(heads * (dim * item + scale)
-                                         for heads, dim in map(self.layer_shape, range(self.num_layers)))
+        heads, dim = self.layer_shape(layer)
+        return self.num_kv_tensors * heads * (dim * item + (4 if self.quantized else 0))
 
 
 class KVCacheBackend(ABC):

@@ -32,13 +32,11 @@ class LayerGroup:
         return self.held_bytes - self.needed_bytes
 
 
-def layer_groups(windows: Sequence[int | None], block_size: int, layer_block_bytes: int | Sequence[int],
+def layer_groups(windows: Sequence[int | None], block_size: int, layer_block_bytes: Sequence[int],
                  held_blocks: Sequence[int]) -> list[LayerGroup]:
     """The groups of ``windows`` (each cached layer's window), in order of first layer;
-    ``layer_block_bytes``: one block of one layer (K and V, scales included), or one per layer
-    where their shapes differ (Gemma 4); ``held_blocks``: how many blocks each running sequence holds."""
-    per_layer = ([layer_block_bytes] * len(windows) if isinstance(layer_block_bytes, int)
-                 else list(layer_block_bytes))
+    ``layer_block_bytes``: one block of each layer (K and V, scales included; layers may differ in
+    shape, Gemma 4); ``held_blocks``: how many blocks each running sequence holds."""
     by_window: dict[int | None, list[int]] = {}
     for layer, window in enumerate(windows):
         by_window.setdefault(window, []).append(layer)
@@ -47,7 +45,7 @@ def layer_groups(windows: Sequence[int | None], block_size: int, layer_block_byt
         reach = None if window is None else -(-(window - 1) // block_size) + 1  # blocks one window touches
         held = sum(held_blocks)
         needed = held if reach is None else sum(min(n, reach) for n in held_blocks)
-        per_block = sum(per_layer[layer] for layer in layers)
+        per_block = sum(layer_block_bytes[layer] for layer in layers)
         groups.append(LayerGroup(window, tuple(layers), held * per_block, needed * per_block))
     return groups
 

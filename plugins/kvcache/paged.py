@@ -148,10 +148,7 @@ class PagedKVCache(KVCacheBackend, kv_extras.Forks, kv_extras.SwapSpace, kv_extr
         (``layer_groups.py``: one block table per sequence, so no group releases blocks alone)."""
         spec = self.spec
         windows = spec.layer_windows or (spec.sliding_window,) * spec.num_layers
-        item = torch.empty((), dtype=spec.cache_dtype).element_size()
-        scale = 4 if spec.quantized else 0
-        block_bytes = [spec.num_kv_tensors * heads * (dim * item + scale) * self.options.block_size
-                       for heads, dim in map(spec.layer_shape, range(spec.num_layers))]
+        block_bytes = [spec.layer_bytes_per_token(i) * self.options.block_size for i in range(spec.num_layers)]
         return layer_groups(windows, self.options.block_size, block_bytes, self.blocks.held_counts())
 
     def _view(self, layer: int) -> KVLayerView:

@@ -18,7 +18,7 @@ def test_accounting_of_two_groups(window, block_size):
     from lmplug_kvcache.layer_groups import layer_groups
 
     held = [10, 1, 3]
-    groups = layer_groups([window, None, window, None, None], block_size, 100, held)
+    groups = layer_groups([window, None, window, None, None], block_size, [100] * 5, held)
     windowed, full = groups
     assert (windowed.window, windowed.layers) == (window, (0, 2))
     assert (full.window, full.layers) == (None, (1, 3, 4))
