@@ -14,7 +14,6 @@ token type (0), as sentence-transformers and HF ``BertModel`` run them for a sin
 from __future__ import annotations
 
 import dataclasses
-import itertools
 from collections.abc import Mapping
 from typing import Any
 
@@ -68,14 +67,12 @@ class EncoderLayer(torch.nn.Module):
         self.out_norm = _layer_norm(h, eps, dtype)
         self.act = _ACTIVATIONS[cfg.hidden_act]
 
-    def forward(self, x: torch.Tensor, bounds: list[tuple[int, int]]) -> torch.Tensor:
-        q, k, v = self.qkv(x).view(-1, 3, self.num_heads, self.head_dim).unbind(1)  # [T, H, D] each
-        attn = torch.empty_like(q)
-        for start, end in bounds:  # each sequence attends over its own rows, both ways
-            rows = slice(start, end)
-            attn[rows] = F.scaled_dot_product_attention(
-                q[rows].transpose(0, 1), k[rows].transpose(0, 1), v[rows].transpose(0, 1)).transpose(0, 1)
-        x = self.attn_norm(x + self.attn_out(attn.reshape(x.shape)))
+    def forward(self, x: torch.Tensor, same_seq: torch.Tensor | None) -> torch.Tensor:
+        """``same_seq``: bool [T, T], rows of one sequence (None: the step is one sequence)."""
+        q, k, v = self.qkv(x).view(-1, 3, self.num_heads, self.head_dim).permute(1, 2, 0, 3).unbind(0)  # [H, T, D]
+        # each sequence attends over its own rows, both ways: one call for the step
+        attn = F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=same_seq)[0]
+        x = self.attn_norm(x + self.attn_out(attn.transpose(0, 1).reshape(x.shape)))
         return self.out_norm(x + self.output(self.act(self.intermediate(x))))
 
 
@@ -103,23 +100,26 @@ class BertEncoder(torch.nn.Module):
         """Nothing is cached: an encoder reads only the step's own rows."""
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: StepContext) -> torch.Tensor:
-        bounds = self._bounds(ctx)
+        same_seq = self._same_sequence(ctx, input_ids.device)
         x = (self.word_embeddings(input_ids) + self.position_embeddings(positions + self.position_offset)
              + self.token_type_embeddings.weight[0])
         x = self.embed_norm(x)
         for layer in self.layers:
-            x = layer(x, bounds)
+            x = layer(x, same_seq)
         return x
 
-    def _bounds(self, ctx: StepContext) -> list[tuple[int, int]]:
-        """Each sequence's rows; every one must be its whole prompt (the plan schedules them so)."""
-        ends = ctx.cu_query_lens.tolist()
+    def _same_sequence(self, ctx: StepContext, device: torch.device) -> torch.Tensor | None:
+        """bool [T, T]: which rows belong to one sequence (None: only one); every sequence's rows
+        must be its whole prompt (the plan schedules them so)."""
         for i, (new, total) in enumerate(zip(ctx.query_lens_cpu, ctx.seq_lens_cpu)):
             if new != total:
                 raise RuntimeError(f"encoder {self.config.model_type!r}: sequence {i} of the step has {new} of its "
                                    f"{total} tokens; an encoder needs each prompt in one step (the scheduler "
                                    "split it: use one that keeps Sequence.whole_prompt)")
-        return list(itertools.pairwise(ends))
+        if ctx.num_seqs == 1:
+            return None
+        seq = torch.repeat_interleave(torch.arange(ctx.num_seqs, device=device), ctx.query_lens.to(device).long())
+        return seq[:, None] == seq[None, :]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         raise RuntimeError(f"encoder {self.config.model_type!r} has no LM head: it embeds, never generates")
