@@ -23,7 +23,6 @@ from dataclasses import dataclass, field
 from pydantic import BaseModel
 
 from lmplug.serve import tools as tool_calls
-from lmplug.serve.async_engine import ChoiceDelta, RequestGroup, Update
 from lmplug.serve.convert import TokenText, ToolPlan, chat_logprobs, completion_logprobs
 from lmplug.serve.errors import APIError
 from lmplug.serve.protocol import (
@@ -43,6 +42,7 @@ from lmplug.serve.protocol import (
     SpeculativeUsage,
     Usage,
 )
+from lmplug.serve.request_group import ChoiceDelta, RequestGroup, Update
 
 
 @dataclass

@@ -27,22 +27,19 @@ on). The engine thread never does the I/O itself: ``get`` and ``contains`` hand 
 thread and wait at most ``io_timeout_s``; past that (a hung disk or mount) the tier is switched
 off with one WARNING and every block is computed. Writes and their evictions run on the writer
 thread.
+
+The file format is ``disk_format.py``; the file-access rules ``disk_files.py``; the LRU
+index ``disk_index.py``.
 """
 
 from __future__ import annotations
 
 import contextlib
-import hashlib
-import json
 import logging
 import os
 import queue
-import re
 import secrets
-import stat
-import struct
 import threading
-import time
 from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -51,74 +48,27 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
+from lmplug_kvconnector.disk_files import (
+    STALE_TMP_S,
+    WRITE_FLAGS,
+    block_name,
+    exists,
+    open_folder,
+    own_file,
+    read_regular,
+)
+from lmplug_kvconnector.disk_format import BadBlockFile, decode, encode
+from lmplug_kvconnector.disk_index import FolderIndex
 from pydantic import Field
 
 from lmplug.api import BackendOptions, Capabilities, KVBlockFormat, KVConnector
 from lmplug.errors import ConfigError
 
+__all__ = ["STALE_TMP_S", "DiskConnector", "DiskOptions"]  # STALE_TMP_S: the tests' import path
+
 logger = logging.getLogger(__name__)
 
-MAGIC = b"LMPKVB\r\n"  # the CR/LF pair catches a copy that rewrote line endings
-VERSION = 1
-_PREFIX = struct.Struct("<8sII16s")  # magic, version, header length, checksum
-SUFFIX = ".kvb"
-STALE_TMP_S = 3600  # a temporary file this old was left by a writer that died
-# The only names the tier writes (and so the only ones it ever reads, touches or deletes):
-# <32 hex digits>.kvb, and <that>.tmp.<pid>.<8 hex digits> while one is being written.
-BLOCK_NAME = re.compile(r"[0-9a-f]{32}\.kvb")
-TMP_NAME = re.compile(r"[0-9a-f]{32}\.kvb\.tmp\.[0-9]+\.[0-9a-f]{8}")
-# Never follow a link, never wait on a FIFO or device: a file that is not a plain one is not ours.
-_READ_FLAGS = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
-_WRITE_FLAGS = (os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0)
-                | getattr(os, "O_CLOEXEC", 0))
-
-
-_DIR_FLAGS = (os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_NOFOLLOW", 0)
-              | getattr(os, "O_CLOEXEC", 0))
 _T = TypeVar("_T")
-
-
-def _own_file(name: str, folder: int) -> os.stat_result | None:
-    """``lstat`` of ``name`` in the folder open as ``folder`` when it is a regular file (not a
-    link, FIFO or device) this user owns."""
-    try:
-        st = os.lstat(name, dir_fd=folder)
-    except OSError:
-        return None
-    return st if _regular_and_mine(st) else None
-
-
-def _regular_and_mine(st: os.stat_result) -> bool:
-    return stat.S_ISREG(st.st_mode) and (not hasattr(os, "getuid") or st.st_uid == os.getuid())
-
-
-def read_regular(name: str, folder: int, limit: int) -> bytes:
-    """The bytes of ``name`` in the folder open as ``folder``, refusing (``OSError``) anything but a
-    regular file of this user of at most ``limit`` bytes: ``O_NOFOLLOW`` refuses a link,
-    ``O_NONBLOCK`` keeps a FIFO from blocking in ``open``, and ``fstat`` of what was opened refuses
-    FIFOs, devices and another user's files."""
-    fd = os.open(name, _READ_FLAGS, dir_fd=folder)
-    try:
-        st = os.fstat(fd)
-        if not _regular_and_mine(st):
-            raise OSError(f"{name} is not a regular file of this user")
-        if st.st_size > limit:
-            raise OSError(f"{name} holds {st.st_size} bytes, more than the tier's max_gb")
-        os.set_blocking(fd, True)
-        with os.fdopen(fd, "rb", closefd=False) as fh:
-            return fh.read(limit + 1)
-    finally:
-        os.close(fd)
-
-
-def open_folder(path: Path | str, parent: int | None = None) -> int:
-    """A descriptor of the real folder ``path`` (``OSError`` for a link or anything else)."""
-    return os.open(path, _DIR_FLAGS, dir_fd=parent)
-
-
-DTYPES = {str(d).removeprefix("torch."): d for d in (
-    torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2,
-    torch.int8, torch.uint8, torch.int32, torch.int64)}
 
 
 class DiskOptions(BackendOptions):
@@ -130,77 +80,7 @@ class DiskOptions(BackendOptions):
                                 "off with a WARNING and blocks are computed")
 
 
-class BadBlockFile(Exception):
-    """A block file that is not what it must be (the message says why)."""
-
-
-def encode(fmt: KVBlockFormat, key: int, payload: dict[str, torch.Tensor]) -> bytes:
-    """One block file's bytes."""
-    tensors, chunks = [], []
-    for name, t in payload.items():
-        dtype = str(t.dtype).removeprefix("torch.")
-        if dtype not in DTYPES:
-            raise ValueError(f"tensor {name!r} has dtype {dtype}, not one of {sorted(DTYPES)}")
-        raw = t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
-        tensors.append({"name": name, "dtype": dtype, "shape": list(t.shape), "nbytes": len(raw)})
-        chunks.append(raw)
-    header = json.dumps({"model": fmt.model, "layout": fmt.layout, "key": f"{key:032x}",
-                         "tensors": tensors}).encode()
-    data = b"".join(chunks)
-    digest = hashlib.blake2b(header + data, digest_size=16).digest()
-    return _PREFIX.pack(MAGIC, VERSION, len(header), digest) + header + data
-
-
-def decode(blob: bytes, fmt: KVBlockFormat, key: int) -> dict[str, torch.Tensor]:
-    """The payload in a block file's bytes; ``BadBlockFile`` when anything does not match."""
-    if len(blob) < _PREFIX.size:
-        raise BadBlockFile(f"truncated: {len(blob)} bytes, shorter than the {_PREFIX.size}-byte prefix")
-    magic, version, header_len, digest = _PREFIX.unpack_from(blob)
-    if magic != MAGIC:
-        raise BadBlockFile(f"not a block file (magic {magic!r})")
-    if version != VERSION:
-        raise BadBlockFile(f"format version {version}, this reader knows {VERSION}")
-    body = blob[_PREFIX.size:]
-    if header_len > len(body):
-        raise BadBlockFile(f"truncated: a header of {header_len} bytes, {len(body)} bytes follow the prefix")
-    try:
-        header = json.loads(body[:header_len])
-        specs = [(t["name"], t["dtype"], [int(n) for n in t["shape"]], int(t["nbytes"]))
-                 for t in header["tensors"]]
-        model, layout, stored_key = str(header["model"]), str(header["layout"]), str(header["key"])
-    except (ValueError, KeyError, TypeError) as exc:
-        raise BadBlockFile(f"damaged header ({type(exc).__name__}: {exc})") from None
-    data = body[header_len:]
-    if sum(s[3] for s in specs) != len(data):
-        raise BadBlockFile(f"truncated or damaged: the header lists {sum(s[3] for s in specs)} bytes of "
-                           f"tensors, the file holds {len(data)}")
-    if hashlib.blake2b(body, digest_size=16).digest() != digest:
-        raise BadBlockFile("checksum mismatch (damaged)")
-    if model != fmt.model:
-        raise BadBlockFile(f"written for another model ({model!r}; this one is {fmt.model!r})")
-    if layout != fmt.layout:
-        raise BadBlockFile(f"written for another layout ({layout!r}; this one is {fmt.layout!r})")
-    if stored_key != f"{key:032x}":
-        raise BadBlockFile(f"holds block {stored_key}, not {key:032x}")
-    return _tensors(data, specs)
-
-
-def _tensors(data: bytes, specs: list[tuple[str, str, list[int], int]]) -> dict[str, torch.Tensor]:
-    out, offset = {}, 0
-    for name, dtype_name, shape, nbytes in specs:
-        dtype = DTYPES.get(dtype_name)
-        if dtype is None:
-            raise BadBlockFile(f"tensor {name!r} has unknown dtype {dtype_name!r}")
-        if nbytes != torch.Size(shape).numel() * dtype.itemsize:
-            raise BadBlockFile(f"tensor {name!r}: {nbytes} bytes do not make {dtype_name}{shape}")
-        raw = (torch.frombuffer(bytearray(data[offset:offset + nbytes]), dtype=torch.uint8) if nbytes
-               else torch.empty(0, dtype=torch.uint8))
-        out[name] = raw.view(dtype).reshape(shape)
-        offset += nbytes
-    return out
-
-
-class DiskConnector(KVConnector):
+class DiskConnector(FolderIndex, KVConnector):
     name = "disk"
     capabilities = Capabilities(devices=frozenset({"cpu", "cuda"}), features=frozenset({"persistent"}))
     Options = DiskOptions
@@ -235,7 +115,7 @@ class DiskConnector(KVConnector):
             self._dir = open_folder(self.folder)
             self._dirs[fmt.digest] = self._dir
             probe = f".probe.{os.getpid()}.{secrets.token_hex(4)}"
-            os.close(os.open(probe, _WRITE_FLAGS, 0o600, dir_fd=self._dir))
+            os.close(os.open(probe, WRITE_FLAGS, 0o600, dir_fd=self._dir))
             os.unlink(probe, dir_fd=self._dir)
         except OSError as exc:
             self._close_folders()
@@ -248,54 +128,8 @@ class DiskConnector(KVConnector):
         self._reader = threading.Thread(target=self._read_loop, name="lmplug-kv-disk-read", daemon=True)
         self._reader.start()
 
-    def _scan(self) -> None:
-        """Index every block file in the root's real format folders, oldest use first; drop
-        stale temporary files (at start-up, before the engine serves)."""
-        found, now = [], time.time()
-        for folder, fd in self._folders():
-            try:
-                entries = list(os.scandir(fd))
-            except OSError:
-                continue
-            for entry in entries:
-                try:
-                    st = entry.stat(follow_symlinks=False)
-                    if not _regular_and_mine(st):  # a link, FIFO, device or another user's file
-                        continue
-                    if TMP_NAME.fullmatch(entry.name) and now - st.st_mtime > STALE_TMP_S:
-                        os.unlink(entry.name, dir_fd=fd)
-                    elif BLOCK_NAME.fullmatch(entry.name):
-                        found.append((st.st_mtime, (folder, entry.name), st.st_size))
-                except OSError:  # gone meanwhile (another engine evicted it)
-                    continue
-        with self._lock:
-            for _, entry, size in sorted(found, key=lambda f: f[0]):
-                self._index[entry] = size
-                self._bytes += size
-            victims = self._evict()
-        self._unlink(victims)
-
-    def _folders(self) -> list[tuple[str, int]]:
-        """The root's real format folders, open (a link to elsewhere is skipped: what it points
-        at is not the tier's to index or evict)."""
-        try:
-            names = [e.name for e in os.scandir(self.root) if e.is_dir(follow_symlinks=False)]
-            root = os.open(self.root, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))  # the user's path: may be a link
-        except OSError:
-            return list(self._dirs.items())
-        try:
-            for name in names:
-                if name not in self._dirs:
-                    try:
-                        self._dirs[name] = open_folder(name, root)
-                    except OSError:
-                        continue
-        finally:
-            os.close(root)
-        return list(self._dirs.items())
-
     def file(self, key: int) -> Path:
-        return self.folder / _name(key)
+        return self.folder / block_name(key)
 
     # -- the contract -------------------------------------------------------------------------
     def put(self, key: int, payload: dict[str, torch.Tensor]) -> None:
@@ -320,9 +154,9 @@ class DiskConnector(KVConnector):
         if self._stalled:
             return False
         with self._lock:
-            if key in self._pending or (self.format.digest, _name(key)) in self._index:
+            if key in self._pending or (self.format.digest, block_name(key)) in self._index:
                 return True
-        return bool(self._bounded(_own_file, _name(key), self._dir))
+        return bool(self._bounded(own_file, block_name(key), self._dir))
 
     def flush(self) -> None:
         if self._worker is not None:
@@ -373,7 +207,7 @@ class DiskConnector(KVConnector):
                 done.set_exception(exc)
 
     def _load(self, key: int) -> dict[str, torch.Tensor] | None:
-        name, path = _name(key), self.file(key)
+        name, path = block_name(key), self.file(key)
         try:
             blob = read_regular(name, self._dir, self.limit)
         except FileNotFoundError:
@@ -405,14 +239,14 @@ class DiskConnector(KVConnector):
                 self._queue.task_done()
 
     def _write(self, key: int, payload: dict[str, torch.Tensor]) -> None:
-        name = _name(key)
+        name = block_name(key)
         tmp = f"{name}.tmp.{os.getpid()}.{secrets.token_hex(4)}"
         try:
-            if _exists(name, self._dir):  # stored already (or a non-file is in the way: left alone)
+            if exists(name, self._dir):  # stored already (or a non-file is in the way: left alone)
                 return
             blob = encode(self.format, key, payload)
             if len(blob) <= self.limit:
-                with os.fdopen(os.open(tmp, _WRITE_FLAGS, 0o600, dir_fd=self._dir), "wb") as fh:
+                with os.fdopen(os.open(tmp, WRITE_FLAGS, 0o600, dir_fd=self._dir), "wb") as fh:
                     fh.write(blob)
                     if self.options.fsync:
                         fh.flush()
@@ -433,66 +267,3 @@ class DiskConnector(KVConnector):
         finally:
             with self._lock:
                 self._pending.pop(key, None)
-
-    # -- the index (reader and writer threads) -------------------------------------------------
-    def _count(self, name: str) -> None:
-        with self._lock:
-            self._counts[name] += 1
-
-    def _touch(self, name: str, size: int) -> None:
-        """Mark ``name`` in this format's folder (of ``size`` bytes) as just used, then evict
-        over the limit."""
-        try:
-            os.utime(name, dir_fd=self._dir, follow_symlinks=False)  # a link's target is never touched
-        except (OSError, NotImplementedError):
-            pass  # evicted by another engine meanwhile: its next get is a miss
-        entry = (self.format.digest, name)
-        with self._lock:
-            self._bytes += size - self._index.pop(entry, 0)
-            self._index[entry] = size
-            victims = self._evict()
-        self._unlink(victims)
-
-    def _discard(self, name: str) -> None:
-        with self._lock:
-            self._bytes -= self._index.pop((self.format.digest, name), 0)
-        with contextlib.suppress(OSError):  # gone already, or not ours to delete: the next get warns again
-            os.unlink(name, dir_fd=self._dir)
-
-    def _evict(self) -> list[tuple[str, str]]:
-        """Drop least recently used files from the index until the total fits (the lock is
-        held); the files to delete."""
-        victims = []
-        while self._bytes > self.limit and self._index:
-            entry, size = self._index.popitem(last=False)
-            self._bytes -= size
-            self._counts["evictions"] += 1
-            victims.append(entry)
-        return victims
-
-    def _unlink(self, victims: list[tuple[str, str]]) -> None:
-        for folder, name in victims:
-            try:
-                os.unlink(name, dir_fd=self._dirs[folder])
-            except FileNotFoundError:
-                pass  # another engine sharing the folder evicted it first
-            except OSError as exc:
-                logger.debug("kvconnector disk: could not evict %s: %s", self.root / folder / name, exc)
-
-    def _close_folders(self) -> None:
-        for fd in self._dirs.values():
-            with contextlib.suppress(OSError):
-                os.close(fd)
-        self._dirs.clear()
-
-
-def _name(key: int) -> str:
-    return f"{key:032x}{SUFFIX}"
-
-
-def _exists(name: str, folder: int) -> bool:
-    try:
-        os.lstat(name, dir_fd=folder)
-    except FileNotFoundError:
-        return False
-    return True
