@@ -50,6 +50,7 @@ class ConsumerSide:
     _handshakes: threading.BoundedSemaphore
     _received: HostConnector
     _closing: bool
+    _peers: dict[threading.Thread, socket.socket]
     _lock: threading.Lock
     _counts: dict[str, int]
 
@@ -70,7 +71,22 @@ class ConsumerSide:
             if not self._handshakes.acquire(blocking=False):
                 self._refuse(sock, peer, f"more than {MAX_HANDSHAKES} connections proving the secret at once")
                 continue
-            threading.Thread(target=self._serve_peer, args=(sock, peer), name="lmplug-kv-peer", daemon=True).start()
+            thread = threading.Thread(target=self._serve_peer, args=(sock, peer), name="lmplug-kv-peer", daemon=True)
+            with self._lock:
+                self._peers = {t: s for t, s in self._peers.items() if t.is_alive()}
+                self._peers[thread] = sock
+            thread.start()
+
+    def _stop_peers(self, wait_s: float) -> None:
+        """Wake every peer thread (its socket shut) and wait for it: a thread still inside torch
+        while the interpreter exits is killed mid-call, which can abort the whole process."""
+        with self._lock:
+            peers = dict(self._peers)
+        for sock in peers.values():
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+        for thread in peers:
+            thread.join(wait_s)
 
     def _serve_peer(self, sock: socket.socket, peer: tuple) -> None:
         try:

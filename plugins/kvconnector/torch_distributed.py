@@ -60,6 +60,7 @@ from lmplug.errors import ConfigError
 from lmplug.kit.paths import cache_dir
 
 logger = logging.getLogger(__name__)
+CLOSE_WAIT_S = 5.0  # close(): the longest wait for each of the consumer's threads to end
 
 
 class TorchDistributedOptions(BackendOptions):
@@ -104,6 +105,7 @@ class TorchDistributedConnector(ConsumerSide, KVConnector):
         self._queue: queue.Queue[tuple[int, dict[str, torch.Tensor]] | None] = queue.Queue()
         self._thread: threading.Thread | None = None
         self._closing = False
+        self._peers: dict[threading.Thread, socket.socket] = {}  # the consumer's connections
         self._peer_gone = False
         self._lock = threading.Lock()
         self._counts = ({"puts": 0, "sent": 0, "dropped": 0, "bytes_sent": 0, "send_us": 0}
@@ -236,6 +238,10 @@ class TorchDistributedConnector(ConsumerSide, KVConnector):
                 self._listener.close()
         if self._channel is not None:
             self._channel.close()  # ends a receive in progress
+        if self.role == "consumer":
+            if self._thread is not None:
+                self._thread.join(CLOSE_WAIT_S)
+            self._stop_peers(CLOSE_WAIT_S)
 
     def stats(self) -> dict[str, int]:
         with self._lock:
