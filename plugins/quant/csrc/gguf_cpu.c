@@ -55,7 +55,9 @@
 #else
 #define HAVE_X86 0
 #endif
-#if defined(__aarch64__) && (defined(__GNUC__) || defined(__clang__))
+/* aarch64 with GCC: clang (14 tested) declares vdotq_s32 only when the whole build targets
+ * dotprod, so a clang build keeps the portable kernels */
+#if defined(__aarch64__) && defined(__GNUC__) && !defined(__clang__)
 #define HAVE_ARM 1
 #include <arm_neon.h>
 #if defined(__linux__)

@@ -179,6 +179,17 @@ def test_each_machine_compiles_only_its_own_kernels(arm_build):
         assert f"{name.lower()}_neon" in symbols and f"{name.lower()}_dotprod" in symbols
 
 
+def test_a_clang_build_keeps_the_portable_kernels(arm_build):
+    """clang (14 tested) cannot compile the dotprod set into a build without it: its aarch64
+    build (macOS's compiler) leaves gguf_neon.c out and still builds."""
+    clang = shutil.which("clang") or shutil.which("clang-14")
+    if clang is None:
+        pytest.skip("no clang here: its aarch64 build is untested")
+    assert "gguf_neon.c" not in included_files((clang, "--target=aarch64-linux-gnu"))
+    run_ok([clang, "--target=aarch64-linux-gnu", *gguf_native.FLAGS, "-Werror", "-o", str(arm_build[1]) + ".clang",
+            str(gguf_native.SOURCE)])
+
+
 @pytest.mark.skipif(platform.machine() != "x86_64", reason="checks the x86-64 build")
 def test_the_x86_build_does_not_compile_the_neon_file():
     x86 = included_files(gguf_native.native_build.compiler())
