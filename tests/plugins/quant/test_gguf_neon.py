@@ -29,10 +29,10 @@ CROSS_CC, QEMU = "aarch64-linux-gnu-gcc", "qemu-aarch64"
 DRIVER = Path(__file__).resolve().parents[2] / "support" / "gguf_isa_driver.c"
 TYPES = ["Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"]
 # (M, N, blocks): decode and every small-M count, partial and whole tiles, block counts that
-# are and are not multiples of 4; then larger products that run on 2 threads
+# are and are not multiples of 4
 SHAPES = [(1, 1, 1), (1, 37, 5), (2, 16, 3), (3, 5, 2), (4, 17, 4), (5, 3, 7), (7, 9, 1), (8, 33, 2),
           (9, 16, 6), (16, 5, 3), (17, 2, 8)]
-THREADED = [(1, 64, 16), (9, 48, 16)]
+THREADED = [(1, 64), (9, 48)]  # (M, N) at K = 4096: enough work for gguf_cpu_threads to give 2 threads
 
 
 # a block's fp16 scales (first byte, how many) and its quantized values (first byte, end)
@@ -56,7 +56,8 @@ def cases() -> list[tuple[str, int, int, np.ndarray, np.ndarray]]:
     out = []
     for name in TYPES:
         elems = BLOCKS[type_id(name)][0]
-        for shapes, threads in ((SHAPES, 1), (THREADED, 2)):
+        threaded = [(m, n, 4096 // elems) for m, n in THREADED]
+        for shapes, threads in ((SHAPES, 1), (threaded, 2)):
             for m, n, blocks in shapes:
                 x = (rng.standard_normal((m, blocks * elems)) * rng.uniform(0.1, 10)).astype(np.float32)
                 out.append((name, m, threads, random_blocks(name, n, blocks, rng).reshape(n, -1), x))
