@@ -16,14 +16,14 @@
 #ifndef NEON_SET
 #define INLINE __attribute__((always_inline))
 
-static inline float half(const uint8_t *p) { /* exact, as fp16_to_f32 */
+static inline float neon_half(const uint8_t *p) { /* exact, as fp16_to_f32 */
     __fp16 h;
     memcpy(&h, p, sizeof h);
     return (float)h;
 }
 
 /* 16 bytes of nibbles -> the low nibbles (elements 0-15) and the high ones (16-31), minus `off`. */
-static inline INLINE void nibbles(const uint8_t *p, int8_t off, int8x16_t q[2]) {
+static inline INLINE void neon_nibbles(const uint8_t *p, int8_t off, int8x16_t q[2]) {
     const uint8x16_t v = vld1q_u8(p);
     q[0] = vsubq_s8(vreinterpretq_s8_u8(vandq_u8(v, vdupq_n_u8(0x0F))), vdupq_n_s8(off));
     q[1] = vsubq_s8(vreinterpretq_s8_u8(vshrq_n_u8(v, 4)), vdupq_n_s8(off));
@@ -77,13 +77,13 @@ static inline INLINE NEON_TARGET void NEON_FN(small_body)(const uint8_t *w, cons
     float acc[MR] = {0};
     for (int64_t b = 0; b < a->nb; b++) {
         const uint8_t *blk = w + b * bytes;
-        const float dw = half(blk), mw = type == T_Q4_1 ? half(blk + 2) : 0.0f;
+        const float dw = neon_half(blk), mw = type == T_Q4_1 ? neon_half(blk + 2) : 0.0f;
         int8x16_t q[2];
         if (type == T_Q8_0) {
             q[0] = vld1q_s8((const int8_t *)blk + 2);
             q[1] = vld1q_s8((const int8_t *)blk + 18);
         } else {
-            nibbles(blk + (type == T_Q4_1 ? 4 : 2), type == T_Q4_0 ? 8 : 0, q);
+            neon_nibbles(blk + (type == T_Q4_1 ? 4 : 2), type == T_Q4_0 ? 8 : 0, q);
         }
         for (int r = 0; r < mc; r++) {
             const int64_t m = m0 + r;
@@ -105,7 +105,7 @@ static inline INLINE NEON_TARGET void NEON_FN(k45_body)(const uint8_t *w, const 
     float acc[MR] = {0};
     for (int64_t b = 0; b < a->nb; b++) {
         const uint8_t *blk = w + b * bytes, *qs = blk + (five ? 48 : 16);
-        const float d = half(blk), dmin = half(blk + 2);
+        const float d = neon_half(blk), dmin = neon_half(blk + 2);
         uint8_t sc[8], mn[8];
         k_scales(blk + 4, sc, mn);
         const int32x4_t mn0 = vreinterpretq_s32_u32(vmovl_u16(vget_low_u16(vmovl_u8(vld1_u8(mn)))));
@@ -150,7 +150,7 @@ static inline INLINE NEON_TARGET void NEON_FN(q6_k_body)(const uint8_t *w, const
     float acc[MR] = {0};
     for (int64_t b = 0; b < a->nb; b++) {
         const uint8_t *blk = w + b * 210, *ql = blk, *qh = blk + 128;
-        const float d = half(blk + 208);
+        const float d = neon_half(blk + 208);
         const int8_t *sc = (const int8_t *)(blk + 192);
         const int8x16_t sc8 = vld1q_s8(sc);
         const int16x8_t sc0 = vmovl_s8(vget_low_s8(sc8)), sc1 = vmovl_high_s8(sc8);

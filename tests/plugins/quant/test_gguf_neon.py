@@ -197,9 +197,10 @@ def test_the_x86_build_does_not_compile_the_neon_file():
     assert "gguf_avx512.c" in x86 and "gguf_neon.c" not in x86
 
 
-def test_kernel_set_names_follow_the_machine(monkeypatch):
+def test_kernel_set_names_follow_the_machine(kernel, monkeypatch):
     """On aarch64 the C's kernel sets 1 and 2 are NEON and NEON + dotprod; Linux's "Features"
-    line bounds them (a missing asimddp is named in the load's line)."""
+    line bounds them (a missing asimddp is named in the load's line); the dotprod set reads the
+    rows as they are (no AVX-512 panels)."""
     assert gguf_native.kernel_sets("aarch64") == ("generic", "neon", "dotprod")
     assert gguf_native.kernel_sets("x86_64") == ("generic", "avx2", "avx512")
     monkeypatch.setattr(gguf_native, "ISAS", gguf_native.kernel_sets("aarch64"))
@@ -210,3 +211,6 @@ def test_kernel_set_names_follow_the_machine(monkeypatch):
     monkeypatch.setattr(gguf_native.native_build, "cpu_id", lambda: a53.replace("cpuid", "cpuid asimddp"))
     assert gguf_native.cpuinfo_isa("dotprod") == "dotprod"
     assert gguf_native.describe_isa("dotprod") == "NEON + dotprod (SDOT)"
+    w = torch.from_numpy(random_blocks("Q4_0", 3, 2, np.random.default_rng(0)).reshape(3, -1))
+    data, flagged = kernel.operand(w, type_id("Q4_0"), 64, 2)
+    assert data is w and flagged == type_id("Q4_0")
