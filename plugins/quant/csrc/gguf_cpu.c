@@ -669,17 +669,15 @@ SPECIALIZE(q6_k)
 
 typedef struct {
     int type, elems, bytes, group; /* group: activation sum size (16 for k-quants, else 32) */
-    rows_fn fn[3]; /* by kernel set (isa) */
+    rows_fn fn[2];
     rows_fn packed; /* the AVX-512 kernel over 16-row panels, NULL: none (the AVX2 one runs) */
 } type_t;
 
 static const type_t TYPES[] = {
 #if HAVE_X86
-#define KERNELS(name) {name##_rows, name##_avx2, name##_avx2}, name##_avx512
-#elif HAVE_ARM
-#define KERNELS(name) {name##_rows, name##_neon, name##_dotprod}, NULL
+#define KERNELS(name) {name##_rows, name##_avx2}, name##_avx512
 #else
-#define KERNELS(name) {name##_rows, name##_rows, name##_rows}, NULL
+#define KERNELS(name) {name##_rows, name##_rows}, NULL
 #endif
     {T_Q4_0, 32, 18, 32, KERNELS(q4_0)}, {T_Q4_1, 32, 20, 32, KERNELS(q4_1)},
     {T_Q8_0, 32, 34, 32, KERNELS(q8_0)}, {T_Q4_K, 256, 144, 16, KERNELS(q4_k)},
@@ -904,7 +902,10 @@ static int mul_mat_into(const float *x, int64_t M, int64_t K, const uint8_t *w, 
     if (K <= 0 || K % t->elems) return -3;
     if (isa < 0 || isa > gguf_cpu_isa() || (packed && (isa != ISA_AVX512 || !t->packed))) return -4;
     if (M <= 0 || N <= 0) return 0;
-    rows_fn fn = t->fn[isa];
+    rows_fn fn = t->fn[isa > ISA_AVX2 ? ISA_AVX2 : isa];
+#if HAVE_ARM
+    if (isa > ISA_GENERIC && neon_kernel(t->type, isa)) fn = neon_kernel(t->type, isa);
+#endif
     uint8_t *panels = NULL; /* plain rows repacked for this call (the AVX-512 path of gguf_mul_mat) */
     if (isa == ISA_AVX512 && t->packed) {
         if (!packed) {

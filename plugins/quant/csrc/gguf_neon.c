@@ -58,6 +58,20 @@ static inline INLINE void neon_nibbles(const uint8_t *p, int8_t off, int8x16_t q
 #undef NEON_FN
 #undef NEON_TARGET
 
+/* Set 1's (NEON) or 2's (dotprod) kernel of a type; NULL for a type without one here (its
+ * portable kernel runs). */
+static rows_fn neon_kernel(int type, int set) {
+    switch (type) {
+    case T_Q4_0: return set == 2 ? q4_0_dotprod : q4_0_neon;
+    case T_Q4_1: return set == 2 ? q4_1_dotprod : q4_1_neon;
+    case T_Q8_0: return set == 2 ? q8_0_dotprod : q8_0_neon;
+    case T_Q4_K: return set == 2 ? q4_k_dotprod : q4_k_neon;
+    case T_Q5_K: return set == 2 ? q5_k_dotprod : q5_k_neon;
+    case T_Q6_K: return set == 2 ? q6_k_dotprod : q6_k_neon;
+    default: return NULL;
+    }
+}
+
 #else /* ---------------------------------------------------------------- one kernel set */
 
 /* acc's lanes + the 16 products w[i] * x[i] (exact in int32, spread over the lanes). */
