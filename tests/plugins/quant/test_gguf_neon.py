@@ -172,12 +172,25 @@ def included_files(cc: tuple[str, ...]) -> set[str]:
 
 def test_each_machine_compiles_only_its_own_kernels(arm_build):
     """The aarch64 build reads gguf_neon.c and none of the x86 kernels; an x86-64 build the
-    reverse (its NEON file is not even read)."""
+    reverse (its NEON file is not even read: the next test)."""
     arm = included_files((CROSS_CC,))
     assert "gguf_neon.c" in arm and "gguf_avx512.c" not in arm
-    symbols = run_ok(["aarch64-linux-gnu-nm", str(arm_build[1])]).split()
+
+
+def test_each_type_runs_its_neon_and_dotprod_kernels(arm_build, tmp_path):
+    """The products of every type reach that type's own NEON and dotprod kernels (not the
+    portable fallback of a type without them): qemu's log of the code it ran names them. The
+    driver and the source are linked statically here, so that qemu knows the kernels' names."""
+    static = tmp_path / "driver-static"
+    run_ok([CROSS_CC, *(f for f in gguf_native.FLAGS if f != "-shared"), "-static", "-o", str(static), str(DRIVER),
+            str(gguf_native.SOURCE)])
+    all_cases = [next(c for c in cases() if c[0] == name) for name in TYPES]
+    write_cases(tmp_path / "cases", all_cases)
+    run_ok([QEMU, "-cpu", "max", "-d", "in_asm", "-D", str(tmp_path / "log"), str(static), str(tmp_path / "cases"),
+            str(tmp_path / "out")])
+    ran = {line[4:].strip() for line in (tmp_path / "log").read_text().splitlines() if line.startswith("IN: ")}
     for name in TYPES:
-        assert f"{name.lower()}_neon" in symbols and f"{name.lower()}_dotprod" in symbols
+        assert {f"{name.lower()}_neon", f"{name.lower()}_dotprod"} <= ran, name
 
 
 def test_a_clang_build_keeps_the_portable_kernels(arm_build):
