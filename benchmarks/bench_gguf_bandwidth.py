@@ -64,7 +64,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", default="1b", choices=list(SHAPES))
     parser.add_argument("--types", nargs="+", default=["Q4_0", "Q4_K", "Q6_K", "Q8_0"], choices=list(names))
-    parser.add_argument("--isas", nargs="+", default=["avx2", "avx512"], choices=list(gguf_native.ISAS))
+    parser.add_argument("--isas", nargs="+", default=list(gguf_native.ISAS[1:]), choices=list(gguf_native.ISAS))
     parser.add_argument("--threads", nargs="+", type=int, default=[1, 2])
     parser.add_argument("--layers", type=int, default=4, help="distinct weights per product shape")
     parser.add_argument("--rounds", type=int, default=5)

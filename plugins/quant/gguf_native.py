@@ -8,9 +8,10 @@ be contiguous), returns float32 [M, N] = x @ dequantize(w)^T, computed with x qu
 block to 8 bits and integer dot products (the C file's header has the math). Types: ``SUPPORTED``.
 
 The library is built on first use by ``lmplug.kit.native_build`` (``$CC``, cached in
-``<cache_dir>/kernels/``) without ``-march``: the AVX2 kernels are compiled with target
-attributes and chosen at run time from what the CPU reports, so a cached build runs on any
-x86-64 (the cache key still holds the CPU's flags, as for every native kernel).
+``<cache_dir>/kernels/``) without ``-march``: the AVX2 kernels (on aarch64 the NEON + dotprod
+ones, ``csrc/gguf_neon.c``) are compiled with target attributes and chosen at run time from
+what the CPU reports, so a cached build runs on any x86-64 or aarch64 (the cache key still
+holds the CPU's flags, as for every native kernel).
 ``available()`` says whether it builds here, and why not (logged once); a caller then keeps
 its PyTorch path.
 
@@ -19,8 +20,9 @@ torch's thread count, also inside a step whose small ops the engine keeps on one
 ``LMPLUG_GGUF_ISA`` = ``auto`` (default) | ``generic`` (the portable C kernels) | ``avx2`` |
 ``avx512`` (AVX-512 F/BW/VL + VNNI over weights repacked at bind into 16-row panels, see
 ``csrc/gguf_repack.c``; rows that lie in the file's memory map are then dropped from the
-process's memory, ``release_file_pages``, so the panels are not a second resident copy). Results do not depend
-on the thread count; the AVX-512 kernels give the portable kernels' bits, the AVX2 ones differ
+process's memory, ``release_file_pages``, so the panels are not a second resident copy); on
+aarch64 ``generic`` | ``neon`` | ``dotprod`` (NEON with SDOT). Results do not depend on the
+thread count; the AVX-512 and NEON kernels give the portable kernels' bits, the AVX2 ones differ
 from them only in the order of float additions.
 """
 
@@ -31,6 +33,7 @@ import functools
 import logging
 import mmap
 import os
+import platform
 import sys
 import weakref
 from pathlib import Path
@@ -51,11 +54,19 @@ FLAGS = ("-O3", "-ffp-contract=off", "-shared", "-fPIC", "-pthread")  # no fused
 BLOCKS = {2: (32, 18), 3: (32, 20), 8: (32, 34), 12: (256, 144), 13: (256, 176), 14: (256, 210)}
 NAMES = {2: "Q4_0", 3: "Q4_1", 8: "Q8_0", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K"}
 SUPPORTED = frozenset(BLOCKS)
-ISAS = ("generic", "avx2", "avx512")  # index = the C file's isa number
+
+
+def kernel_sets(machine: str) -> tuple[str, ...]:
+    """The kernel sets of a build for ``machine`` (``platform.machine()``), by the C file's isa number."""
+    return ("generic", "neon", "dotprod") if machine.lower() in ("aarch64", "arm64") else ("generic", "avx2", "avx512")
+
+
+ISAS = kernel_sets(platform.machine())
 PANEL_TYPES = frozenset({2, 3, 8, 12, 13, 14})  # the types with an AVX-512 panel kernel
 PACKED_FLAG = 0x100  # csrc/gguf_cpu.c: a type | this = weights in 16-row panels
 # what each kernel set needs, as /proc/cpuinfo names it (the missing ones are logged)
-ISA_FLAGS = {"avx2": ("avx2", "fma", "f16c"), "avx512": ("avx512f", "avx512bw", "avx512vl", "avx512_vnni")}
+ISA_FLAGS = {"avx2": ("avx2", "fma", "f16c"), "avx512": ("avx512f", "avx512bw", "avx512vl", "avx512_vnni"),
+             "neon": ("asimd",), "dotprod": ("asimd", "asimddp")}  # aarch64: its "Features" line
 _ARGTYPES = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
              ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
 _ERRORS = {-1: "the kernel could not allocate its scratch memory", -2: "unknown ggml type",
@@ -76,7 +87,7 @@ def cpuinfo_isa(cpuid_best: str) -> str:
     """The best kernel set both the CPU (``cpuid_best``: what the C library's CPUID check says)
     and the operating system's /proc/cpuinfo flags report (a feature the kernel turned off is
     missing there); CPUID's answer alone where there is no flags line (not Linux)."""
-    if not any(line.startswith("flags") for line in native_build.cpu_id().splitlines()):
+    if not any(line.startswith(("flags", "Features")) for line in native_build.cpu_id().splitlines()):
         return cpuid_best
     missing, best = _missing_flags(), "generic"
     for name in ISAS[1:ISAS.index(cpuid_best) + 1]:  # each set needs the one below it
@@ -91,7 +102,8 @@ def describe_isa(best: str) -> str:
     this CPU lacks) and the types that take another path: the load's log line."""
     missing = _missing_flags()
     text = {"generic": "portable C (no SIMD kernel set runs here)", "avx2": "AVX2 (+FMA, F16C)",
-            "avx512": "AVX-512 F/BW/VL + VNNI over 16-row panels repacked at load"}[best]
+            "avx512": "AVX-512 F/BW/VL + VNNI over 16-row panels repacked at load", "neon": "NEON",
+            "dotprod": "NEON + dotprod (SDOT)"}[best]
     better = [name for name in ISAS[ISAS.index(best) + 1:]]
     if better:
         text += "; " + ", ".join(f"{name} needs {' '.join(missing[name])}" for name in better if missing[name])

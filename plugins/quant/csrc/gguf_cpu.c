@@ -35,7 +35,9 @@
  *
  * Kernels: a portable C one per type, and AVX2 (+FMA, F16C) ones compiled with target
  * attributes on x86-64 and chosen at run time when the CPU reports them
- * (__builtin_cpu_supports), so the library is built without -march and runs on any x86-64.
+ * (__builtin_cpu_supports), so the library is built without -march and runs on any x86-64;
+ * on aarch64 NEON ones and NEON + dotprod ones (gguf_neon.c; dotprod chosen when
+ * getauxval(AT_HWCAP) reports it), likewise built without -march.
  * Threads: a pool of pthreads kept between calls (see "thread pool" below; 1 thread: none); no
  * OpenMP, whose runtime would be a second one next to torch's. A call with little work uses
  * fewer threads (MIN_WORK each). The AVX2 set quantizes the activations with AVX2 too (the same
@@ -53,6 +55,17 @@
 #else
 #define HAVE_X86 0
 #endif
+/* aarch64 with GCC: clang (14 tested) declares vdotq_s32 only when the whole build targets
+ * dotprod, so a clang build keeps the portable kernels */
+#if defined(__aarch64__) && defined(__GNUC__) && !defined(__clang__)
+#define HAVE_ARM 1
+#include <arm_neon.h>
+#if defined(__linux__)
+#include <sys/auxv.h>
+#endif
+#else
+#define HAVE_ARM 0
+#endif
 
 #define MR 8            /* activation rows that share one unpacked weight block */
 #define NT 16           /* weight rows per cache tile */
@@ -61,6 +74,7 @@
 
 enum { T_Q4_0 = 2, T_Q4_1 = 3, T_Q8_0 = 8, T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14 };
 enum { ISA_GENERIC = 0, ISA_AVX2 = 1, ISA_AVX512 = 2 }; /* AVX512: F, BW, VL and VNNI */
+enum { ISA_NEON = 1, ISA_DOTPROD = 2 }; /* aarch64's sets, numbered as x86-64's (one library runs one) */
 #define PACKED_FLAG 0x100 /* a type | this: the weights are 16-row panels (gguf_repack.c) */
 
 /* The quantized activations: row m's int8 values at q + m * K, its nb block scales at
@@ -647,6 +661,10 @@ SPECIALIZE(q6_k)
 #include "gguf_avx512.c"
 #endif /* HAVE_X86 */
 
+#if HAVE_ARM
+#include "gguf_neon.c"
+#endif
+
 /* ---------------------------------------------------------------- dispatch */
 
 typedef struct {
@@ -711,6 +729,8 @@ static void run(const job_t *j, int64_t n0, int64_t n1) {
 
 #if HAVE_X86
 #define PAUSE() __builtin_ia32_pause()
+#elif HAVE_ARM
+#define PAUSE() __asm__ __volatile__("yield")
 #else
 #define PAUSE() ((void)0)
 #endif
@@ -838,7 +858,8 @@ static void run_job(job_t *j) {
 #include "gguf_repack.c"
 
 /* The best kernel set this CPU runs: 2 (AVX-512 F/BW/VL/VNNI, and AVX2), 1 (AVX2 + FMA +
- * F16C) or 0 (portable C). */
+ * F16C) or 0 (portable C); on aarch64 2 (NEON + dotprod, as Linux's AT_HWCAP reports it) or
+ * 1 (NEON). */
 EXPORT int gguf_cpu_isa(void) {
 #if HAVE_X86
     __builtin_cpu_init();
@@ -848,6 +869,11 @@ EXPORT int gguf_cpu_isa(void) {
         return ISA_AVX512;
     if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c"))
         return ISA_AVX2;
+#elif HAVE_ARM
+#if defined(__linux__) && defined(HWCAP_ASIMDDP)
+    if (getauxval(AT_HWCAP) & HWCAP_ASIMDDP) return ISA_DOTPROD;
+#endif
+    return ISA_NEON;
 #endif
     return ISA_GENERIC;
 }
@@ -877,6 +903,9 @@ static int mul_mat_into(const float *x, int64_t M, int64_t K, const uint8_t *w, 
     if (isa < 0 || isa > gguf_cpu_isa() || (packed && (isa != ISA_AVX512 || !t->packed))) return -4;
     if (M <= 0 || N <= 0) return 0;
     rows_fn fn = t->fn[isa > ISA_AVX2 ? ISA_AVX2 : isa];
+#if HAVE_ARM
+    if (isa > ISA_GENERIC && neon_kernel(t->type, isa)) fn = neon_kernel(t->type, isa);
+#endif
     uint8_t *panels = NULL; /* plain rows repacked for this call (the AVX-512 path of gguf_mul_mat) */
     if (isa == ISA_AVX512 && t->packed) {
         if (!packed) {
