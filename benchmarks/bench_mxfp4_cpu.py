@@ -11,12 +11,22 @@ median GB/s of packed bytes (blocks + scales) per wall second and per CPU second
 (``time.process_time``: every thread, the pool's idle spin included), then the ratios of each
 set to the portable one and of 2 threads to 1. The load average is printed first and last: on a
 shared machine only ratios from one sitting mean anything.
+
+    python benchmarks/bench_mxfp4_cpu.py --rss model.gguf
+
+instead loads a GGUF GPT-OSS with MXFP4 experts twice, each in a fresh process: packed (the
+experts repacked for the ``mxfp4`` method) and ``dequantize_at_load``, and prints the peak RSS
+each load added (``ru_maxrss`` after it minus the RSS before it).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import resource
 import statistics
+import subprocess
+import sys
 import time
 
 import torch
@@ -29,6 +39,33 @@ def loadavg() -> str:
         return f.read().strip()
 
 
+def rss_mb() -> float:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS")) / 1024
+
+
+def load_peak(path: str, dequantize: bool) -> dict:
+    """In this process: the peak RSS a load of ``path`` adds, and whether its experts stayed packed."""
+    from lmplug import LLM
+
+    before = rss_mb()
+    llm = LLM(path, dtype="float32", device="cpu", max_model_len=64,
+              quant={"method": "gguf", "dequantize_at_load": dequantize})
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    expert = llm.engine.runner.model.layers[0].mlp.gate_up_proj[0]
+    return {"peak_added_mb": round(peak - before, 1), "rss_after_mb": round(rss_mb() - before, 1),
+            "packed": "blocks" in dict(expert.named_buffers())}
+
+
+def rss(path: str) -> None:
+    print(f"loadavg {loadavg()}")
+    for dequantize in (False, True):
+        code = (f"import json, sys; sys.path.insert(0, {str(__file__.rsplit('/', 1)[0])!r}); "
+                f"import bench_mxfp4_cpu as b; print(json.dumps(b.load_peak({path!r}, {dequantize})))")
+        out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True).stdout
+        print(("dequantize_at_load" if dequantize else "packed"), json.loads(out.strip().splitlines()[-1]))
+
+
 def main() -> None:
     from lmplug_quant import mxfp4_native
 
@@ -37,7 +74,11 @@ def main() -> None:
     parser.add_argument("--threads", nargs="+", type=int, default=[1, 2])
     parser.add_argument("--experts", type=int, default=6, help="distinct experts per configuration")
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--rss", metavar="GGUF", help="peak RSS of loading this GGUF GPT-OSS packed and dequantized")
     args = parser.parse_args()
+    if args.rss:
+        rss(args.rss)
+        return
     kernel = mxfp4_native.load()
     isas = [isa for isa in args.isas if mxfp4_native.ISAS.index(isa) <= mxfp4_native.ISAS.index(kernel.best_isa)]
     print(f"loadavg {loadavg()}  best set: {kernel.best_isa}  sets: {', '.join(isas)}")
