@@ -16,16 +16,17 @@ reference does not read (Q2_K, Q3_K, Q5_0, IQ*, ...) are dequantized once at loa
 log line naming the tensor. ``dequantize_at_load: true``, CUDA, and tensor-parallel slices
 (which the loader hands over dense) keep dense float weights, as for a float checkpoint.
 
-MXFP4 layers (GPT-OSS's experts in llama.cpp's files) are repacked once at load into the ``mxfp4``
-method's layout (``mxfp4_ref.from_ggml``: bytes only, no float copy) and multiplied by that method
-(its native C kernel on the CPU), the path HF's MXFP4 checkpoints take.
+MXFP4 shards (GPT-OSS's experts in llama.cpp's files) are repacked as they load into the ``mxfp4``
+method's layout (``mxfp4_ref.from_ggml``: bytes only, no float copy); a layer of MXFP4 shards only is
+then multiplied by that method (its native C kernel on the CPU), the path HF's MXFP4 checkpoints
+take (beside shards of other types, they are dequantized at load).
 """
 
 from __future__ import annotations
 
 import functools
 import logging
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -35,7 +36,7 @@ from lmplug_quant.mxfp4 import MXFP4, MXFP4Options
 from pydantic import Field
 
 from lmplug.api import BackendOptions, Capabilities, PackedTensor, QuantMethod, Unquantized
-from lmplug.errors import ConfigError, ModelLoadError
+from lmplug.errors import ConfigError
 from lmplug.kit import extras, native_build
 
 logger = logging.getLogger(__name__)
@@ -64,6 +65,13 @@ def native_kernel() -> tuple[object | None, str]:
 
 
 native_build.declare("gguf_mul_mat", native_kernel)  # built at engine load, not in the first matmul
+
+
+class MXFP4Shard(NamedTuple):
+    """A ggml MXFP4 shard repacked at load (``mxfp4_ref.from_ggml``) into the ``mxfp4`` layout."""
+
+    blocks: torch.Tensor
+    scales: torch.Tensor
 
 
 class GGUFQuant(QuantMethod, extras.PackedWeights, extras.OwnThreads, extras.NativeProduct):
@@ -104,14 +112,16 @@ class GGUFQuant(QuantMethod, extras.PackedWeights, extras.OwnThreads, extras.Nat
         if tuple(tensor.shape) != expected:
             kind = f" of type {tensor.type_name}" if isinstance(tensor, PackedTensor) else ""
             raise ValueError(f"has shape {tuple(tensor.shape)}{kind}, the model expects {expected}")
-        if not isinstance(tensor, PackedTensor):
+        if isinstance(tensor, PackedTensor) and tensor.ggml_type == MXFP4_TYPE:
+            tensor = MXFP4Shard(*mxfp4_ref.from_ggml(tensor.data))  # ValueError: the loader names the tensor
+        elif not isinstance(tensor, PackedTensor):
             tensor = tensor.to(device=layer.weight.device, dtype=layer.dtype)
         layer.gguf_shards[shard_offset] = tensor
 
     def process_weights_after_loading(self, layer):
         shards = [piece for _, piece in sorted(layer.gguf_shards.items())]
-        if shards and all(isinstance(p, PackedTensor) and p.ggml_type == MXFP4_TYPE for p in shards):
-            self._repack_mxfp4(layer, shards)
+        if shards and all(isinstance(p, MXFP4Shard) for p in shards):
+            self._keep_mxfp4(layer, shards)
             return
         pieces = [self._usable(piece) for piece in shards]
         del layer.gguf_shards
@@ -129,18 +139,14 @@ class GGUFQuant(QuantMethod, extras.PackedWeights, extras.OwnThreads, extras.Nat
             layer.gguf_runs.append((run.ggml_type if packed else None, f"gguf_w{i}", run.shape[0]))
         layer.gguf_calls = self._bind(layer)
 
-    def _repack_mxfp4(self, layer, shards: list[PackedTensor]) -> None:
-        """ggml MXFP4 blocks (GPT-OSS's experts) -> the ``mxfp4`` method's ``blocks`` / ``scales``
-        (bytes repacked once: ``mxfp4_ref.from_ggml``), multiplied by that method from then on."""
-        try:
-            parts = [mxfp4_ref.from_ggml(piece.data) for piece in shards]
-        except ValueError as exc:
-            raise ModelLoadError(f"gguf: tensor {shards[0].name!r} {exc}") from None
+    def _keep_mxfp4(self, layer, shards: list[MXFP4Shard]) -> None:
+        """The repacked MXFP4 shards as the ``mxfp4`` method's ``blocks`` / ``scales``, multiplied
+        by that method from then on."""
         del layer.gguf_shards, layer.weight
-        layer.register_buffer("blocks", torch.cat([b for b, _ in parts]) if len(parts) > 1 else parts[0][0],
-                              persistent=False)
-        layer.register_buffer("scales", torch.cat([s for _, s in parts]) if len(parts) > 1 else parts[0][1],
-                              persistent=False)
+        layer.register_buffer("blocks", torch.cat([p.blocks for p in shards]) if len(shards) > 1
+                              else shards[0].blocks, persistent=False)
+        layer.register_buffer("scales", torch.cat([p.scales for p in shards]) if len(shards) > 1
+                              else shards[0].scales, persistent=False)
         mxfp4_ref.check(layer.blocks, layer.scales, layer.in_features)
         layer.gguf_mxfp4 = self._mxfp4
 
@@ -185,6 +191,8 @@ class GGUFQuant(QuantMethod, extras.PackedWeights, extras.OwnThreads, extras.Nat
     def _usable(piece):
         """A shard as this layer keeps it: packed where the reference reads its type, else
         dequantized (once, here)."""
+        if isinstance(piece, MXFP4Shard):  # beside shards of other types in one layer
+            return mxfp4_ref.dequantize(piece.blocks, piece.scales)
         if not isinstance(piece, PackedTensor):
             return piece
         if piece.ggml_type not in gguf_ref.SUPPORTED:

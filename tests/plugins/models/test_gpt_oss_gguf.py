@@ -175,3 +175,20 @@ def test_ggml_mxfp4_blocks_repack_bit_exactly():
     raw[7, 17] = 255
     with pytest.raises(ValueError, match="scale byte of 255"):
         mxfp4_ref.from_ggml(torch.from_numpy(raw))
+
+
+def test_a_gguf_mxfp4_scale_of_255_is_refused_naming_the_file_and_tensor(tmp_path):
+    """A scale byte ggml and the OCP format read differently (2^128 vs NaN): refused at load."""
+    from gguf import GGUFReader
+
+    from lmplug import LLM
+    from lmplug.errors import ModelLoadError
+
+    path, _ = write_gpt_oss_gguf(tmp_path)
+    offset = next(int(t.data_offset) for t in GGUFReader(str(path)).tensors if t.name == "blk.1.ffn_down_exps.weight")
+    with path.open("r+b") as f:
+        f.seek(offset + 17 * 3)  # the fourth block's E8M0 byte
+        f.write(bytes([255]))
+    with pytest.raises(ModelLoadError, match=r"model\.gguf: tensor 'model\.layers\.1\.mlp\.experts\.down_proj\.0"
+                                             r"\.weight' holds an MXFP4 scale byte of 255"):
+        LLM(str(path), **ENGINE)
