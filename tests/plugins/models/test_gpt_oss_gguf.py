@@ -11,7 +11,13 @@ import numpy as np
 import pytest
 import torch
 
-from lmplug.testing.architecture import build_tiny, hf_greedy, hf_prompt_logprobs, our_prompt_logprobs, prompt
+from lmplug.testing.architecture import (
+    build_tiny,
+    hf_greedy,
+    hf_prompt_logprobs,
+    our_prompt_logprobs,
+    prompt,
+)
 
 pytestmark = [pytest.mark.hf]
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
+from support.cli_eval import assert_eval_close, cli
 
 pytestmark = pytest.mark.hf
 
@@ -17,22 +17,14 @@ pytestmark = pytest.mark.hf
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     """A float GPT-OSS folder (random expert biases) with the tests' tokenizer."""
-    from tests.plugins.models.test_gpt_oss import BASE, build_gpt_oss
     from support.hf_models import VOCAB, write_tokenizer
+
+    from tests.plugins.models.test_gpt_oss import BASE, build_gpt_oss
 
     path = tmp_path_factory.mktemp("gpt_oss_quantize")
     build_gpt_oss({**BASE, "vocab_size": VOCAB}, path)
     write_tokenizer(path)
     return path
-
-
-def _cli(capsys, *args) -> tuple[int, str, str]:
-    from lmplug.cli import main
-
-    capsys.readouterr()
-    rc = main([str(a) for a in args])
-    out = capsys.readouterr()
-    return rc, out.out, out.err
 
 
 @pytest.mark.parametrize("method, quant_method, expert_tensor, holder", [
@@ -44,7 +36,7 @@ def test_quantize_and_eval(tiny, tmp_path, capsys, method, quant_method, expert_
 
     out = tmp_path / method
     extra = ("--group-size", "32") if method == "rtn" else ()
-    rc, _, err = _cli(capsys, "quantize", tiny, out, "--method", method, *extra)
+    rc, _, err = cli(capsys, "quantize", tiny, out, "--method", method, *extra)
     assert rc == 0, err
     config = json.loads((out / "config.json").read_text())
     assert config["model_type"] == "gpt_oss" and config["quantization_config"]["quant_method"] == quant_method
@@ -62,12 +54,7 @@ def test_quantize_and_eval(tiny, tmp_path, capsys, method, quant_method, expert_
     assert type(model).__name__ == "GptOssForCausalLM"
     assert {linear.quant.name for layer in model.layers
             for linear in (*layer.mlp.gate_up_proj, *layer.mlp.down_proj)} == {holder}
-    text = tmp_path / "held.txt"
-    text.write_text("Some held-out text about the data model and statements. " * 4)
-    rc, stdout, err = _cli(capsys, "eval", out, "--text", text, "--reference", tiny, "--window", "64")
-    assert rc == 0, err
-    result = json.loads(stdout)
-    assert 0 < result["kl"] < 1 and torch.isfinite(torch.tensor(result["perplexity"]))
+    assert_eval_close(capsys, out, tiny, tmp_path)
 
 
 def test_an_mxfp4_checkpoint_is_refused_by_name(tiny, tmp_path, capsys):
@@ -77,5 +64,5 @@ def test_an_mxfp4_checkpoint_is_refused_by_name(tiny, tmp_path, capsys):
         (source / f.name).write_bytes(f.read_bytes())
     config = json.loads((tiny / "config.json").read_text())
     (source / "config.json").write_text(json.dumps({**config, "quantization_config": {"quant_method": "mxfp4"}}))
-    rc, _, err = _cli(capsys, "quantize", source, tmp_path / "out", "--method", "rtn")
+    rc, _, err = cli(capsys, "quantize", source, tmp_path / "out", "--method", "rtn")
     assert rc != 0 and "gpt_oss" in err and "already 4-bit MXFP4" in err
