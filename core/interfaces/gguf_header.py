@@ -23,7 +23,8 @@ _MISSING = object()
 @dataclass(frozen=True)
 class GGUFHeader:
     """``arch``: ``general.architecture``; ``tensors``: name -> dims in GGUF order (ne0 first);
-    ``quantized``: some 2-D layer weight is block-quantized (not F32/F16/BF16); ``vectors``: the
+    ``quantized``: some 2-D layer weight is block-quantized (not F32/F16/BF16), or some expert tensor
+    is MXFP4; ``vectors``: the
     values of the 1-D float tensors outside the blocks other than ``output_norm`` (settings stored
     as tensors: Phi-3's LongRoPE factors ``rope_factors_long`` / ``rope_factors_short``)."""
 

@@ -11,8 +11,10 @@ module undoes the dims, the permutation and the blocks, so nothing downstream
 knows the weights came from a GGUF.
 
 Two ways to read the tensors: ``iter_tensors`` dequantizes every one to float32 (gguf-py's
-numpy dequantize), ``iter_packed`` leaves 2-D weights in their blocks (``PackedTensor``, a
-zero-copy view of the memory map; Q/K rows un-permuted as packed rows) for a quant method that
+numpy dequantize), ``iter_packed`` leaves 2-D weights and quantized 3-D experts in their blocks
+(``PackedTensor``, a zero-copy view of the memory map; Q/K rows un-permuted as packed rows; an
+``[E, rows, cols]`` tensor as ``E * rows`` rows, which only a model whose ``split_tensor`` takes
+packed tensors (``PACKED_SPLIT``) is handed) for a quant method that
 multiplies by them (the ``gguf`` method, which ``quantization_config`` names for a file whose
 linear weights are quantized).
 """
@@ -145,7 +147,7 @@ def load_gguf(path: str | Path, choose: ChooseReader | None = None) -> ModelSour
     def iter_packed() -> Iterator[tuple[str, torch.Tensor | PackedTensor]]:
         file_bytes = _file_bytes(reader)
         for tensor, hf_name in named:
-            if len(tensor.shape) == 2:
+            if len(tensor.shape) == 2 or (len(tensor.shape) == 3 and tensor.tensor_type not in _FLOAT_TYPES):
                 yield hf_name, _packed_tensor(file_bytes, tensor, head_counts)
             else:
                 yield hf_name, reads.gguf_values(tensor.name, _load_tensor(tensor, {}))
@@ -177,8 +179,9 @@ def gguf_reader(arch: str, where: str, registry: Registry | None = None) -> type
 
 
 def _header(where: str, arch: str, metadata: dict[str, Any], reader: GGUFReader) -> GGUFHeader:
-    quantized = any(t.name.startswith("blk.") and len(t.shape) == 2 and t.tensor_type not in _FLOAT_TYPES
-                    for t in reader.tensors)
+    # MXFP4 experts (GPT-OSS: 3-D) count too: the gguf method keeps them packed
+    quantized = any(t.name.startswith("blk.") and t.tensor_type not in _FLOAT_TYPES
+                    and (len(t.shape) == 2 or t.tensor_type == Q.MXFP4) for t in reader.tensors)
     tensors = {t.name: tuple(int(d) for d in t.shape.tolist()) for t in reader.tensors}
     # settings stored as small float tensors (LongRoPE factors), read for the config translation
     vectors = {t.name: tuple(float(v) for v in _load_tensor(t, {}).tolist()) for t in reader.tensors
@@ -238,8 +241,10 @@ def _file_bytes(reader: GGUFReader) -> torch.Tensor:
 
 
 def _packed_tensor(file_bytes: torch.Tensor, tensor: Any, head_counts: dict[str, int]) -> PackedTensor:
-    """A 2-D tensor's blocks as they lie in the file (GGUF dims are reversed: ne0 = columns)."""
-    cols, rows = (int(d) for d in tensor.shape.tolist())
+    """A 2-D tensor's blocks as they lie in the file (GGUF dims are reversed: ne0 = columns); a
+    3-D ``[E, rows, cols]`` one (MoE experts) as its ``E * rows`` rows, expert after expert."""
+    cols, *rest = (int(d) for d in tensor.shape.tolist())
+    rows = int(np.prod(rest))
     start, width = int(tensor.data_offset), row_bytes(int(tensor.tensor_type), cols)
     data = file_bytes[start:start + rows * width].view(rows, width)
     packed = PackedTensor(data, int(tensor.tensor_type), (rows, cols), tensor.name)

@@ -14,7 +14,8 @@ Tensor parallelism (``parallel``): each rank reads only its slice of every split
 (``lmplug.kit.sharding.rank_piece``; lazily from safetensors), then loads it as above.
 Packed weights (GGUF blocks, ``PackedTensor``): when a ``Linear``'s quant method takes them
 (``lmplug.kit.extras.PackedWeights``), the checkpoint is read through ``ModelSource.iter_packed`` and
-those layers get the blocks as they are; every other parameter gets them dequantized.
+those layers get the blocks as they are; every other parameter gets them dequantized. A model
+with a ``split_tensor`` is read packed only when it says its split takes them (``PACKED_SPLIT``).
 """
 
 from __future__ import annotations
@@ -126,8 +127,9 @@ def _acc(tensor: torch.Tensor) -> torch.dtype:
 
 
 def _takes_packed(model: torch.nn.Module) -> bool:
-    """Whether some ``Linear`` takes packed blocks (and no ``split_tensor`` needs dense ones)."""
-    if getattr(model, "split_tensor", None) is not None:
+    """Whether some ``Linear`` takes packed blocks (and no ``split_tensor`` needs dense ones: a
+    model whose ``split_tensor`` takes ``PackedTensor`` says so, ``PACKED_SPLIT``)."""
+    if getattr(model, "split_tensor", None) is not None and not getattr(model, "PACKED_SPLIT", False):
         return False
     return any(isinstance(m, Linear) and extras.takes_packed(m.quant, _device(m)) for m in model.modules())
 
@@ -139,21 +141,16 @@ def _device(module: torch.nn.Module) -> torch.device:
 
 def _tensors(model: torch.nn.Module, source: ModelSource, progress, lazy: bool = False,
              packed: bool = False):
-    """The checkpoint's tensors (``packed``: 2-D weights as ``PackedTensor``), each through the
+    """The checkpoint's tensors (``packed``: weights as ``PackedTensor``), each through the
     model's ``split_tensor(name, tensor) -> [(name, tensor)]`` if it has one (MoE:
     transformers-5 stacked experts -> one tensor per expert)."""
-    if packed:
-        for item in source.iter_packed():
-            if progress is not None:
-                progress.update(1)
-            yield item
-        return
     split = getattr(model, "split_tensor", None)
     # lazy: safetensors slices that read only what is indexed (tensor-parallel ranks); a model
     # whose ``split_tensor`` takes them says so (``LAZY_SPLIT``)
     lazy = (lazy and (split is None or getattr(model, "LAZY_SPLIT", False))
             and source.iter_slices is not None)
-    for name, tensor in (source.iter_slices() if lazy else source.iter_tensors()):
+    items = source.iter_packed() if packed else source.iter_slices() if lazy else source.iter_tensors()
+    for name, tensor in items:
         if progress is not None:
             progress.update(1)
         if split is None:

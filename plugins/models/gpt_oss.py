@@ -12,8 +12,10 @@ rank's slice of the intermediate size are contiguous. The checkpoint's stacked t
 (``experts.gate_up_proj [E, h, 2I]``, ``experts.down_proj [E, I, h]``, their ``_bias``, or the
 MXFP4 ``_blocks [E, rows, in/32, 16]`` and ``_scales [E, rows, in/32]``) are split per expert at
 load (``split_tensor``). llama.cpp's GGUF files (``gpt-oss``) keep gate and up apart
-(``ffn_gate_exps``, ``ffn_up_exps`` ``[E, I, h]``, MXFP4 or float, read dequantized): they are
-interleaved again once both of a layer have been read.
+(``ffn_gate_exps``, ``ffn_up_exps`` ``[E, I, h]``, MXFP4 or float): they are interleaved again
+once both of a layer have been read; quantized ones are read packed (``PACKED_SPLIT``) and stay
+packed, interleaved as rows of blocks (the ``gguf`` method multiplies MXFP4 ones with the
+``mxfp4`` method's kernels).
 """
 
 from __future__ import annotations
@@ -33,7 +35,15 @@ from lmplug_models.blocks import (
     layer_kinds,
 )
 
-from lmplug.api import ConfigReader, GGUFHeader, LayerAttention, ModelConfig, MoEBackend, decoder_tensor_name
+from lmplug.api import (
+    ConfigReader,
+    GGUFHeader,
+    LayerAttention,
+    ModelConfig,
+    MoEBackend,
+    PackedTensor,
+    decoder_tensor_name,
+)
 from lmplug.errors import ModelLoadError
 from lmplug.kit.parallel_layers import column_linear, row_linear
 from lmplug.kit.sharding import RangeShard, tensor_shape
@@ -96,6 +106,29 @@ def clamped_swiglu(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.T
     """[n, 2I] interleaved (gate at even columns, up at odd) -> [n, I]."""
     gate, up = gate_up[:, ::2].clamp(max=limit), gate_up[:, 1::2].clamp(-limit, limit)
     return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+
+
+@dataclass(frozen=True)
+class _PackedExperts:
+    """A GGUF's packed ``[E * out, in]`` expert weight, indexed by expert like a stacked tensor."""
+
+    packed: PackedTensor
+    experts: int
+
+    def __getitem__(self, e: int) -> PackedTensor:
+        rows = self.packed.shape[0] // self.experts
+        return self.packed.rows(slice(e * rows, (e + 1) * rows))
+
+
+def _interleave_packed(gate, up, e: int) -> PackedTensor:
+    """Expert ``e``'s gate and up rows interleaved (gate at even rows), as packed bytes; both
+    packed and of one type (a copy of the blocks, never a float one)."""
+    g, u = gate[e], up[e]
+    if not isinstance(g, PackedTensor) or not isinstance(u, PackedTensor) or g.ggml_type != u.ggml_type:
+        raise ValueError("has gate and up experts of different types; they are interleaved into one "
+                         "gate_up_proj, so both must be packed of one ggml type")
+    data = torch.stack([g.data, u.data], dim=1).flatten(0, 1)
+    return PackedTensor(data, g.ggml_type, (data.shape[0], g.shape[1]), g.name)
 
 
 class GptOssAttention(FlexAttention, RangeShard):
@@ -162,6 +195,8 @@ class GptOssForCausalLM(FlexDecoder):
         self._gguf_pending: dict[tuple[str, str, str], torch.Tensor] = {}  # a GGUF's gate or up, awaiting the other
         super().__init__(cfg, dtype, quant, attention, max_model_len, parallel=parallel)
 
+    PACKED_SPLIT = True  # split_tensor keeps a GGUF's packed experts packed (``_split_gguf``)
+
     def new_layer(self, index, dtype, quant, attention, kv_layer=None):
         cfg, opts = self.config, self._options
         attn = GptOssAttention(cfg, index if kv_layer is None else kv_layer, dtype, quant, attention, self.tp,
@@ -205,15 +240,25 @@ class GptOssForCausalLM(FlexDecoder):
         return [(f"{prefix}.{e}.{suffix}", tensor[e].t() if kind == "" else tensor[e])
                 for e in range(moe.num_experts)]
 
-    def _split_gguf(self, layer: str, proj: str, kind: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+    def _split_gguf(self, layer: str, proj: str, kind: str, tensor) -> list[tuple[str, torch.Tensor]]:
         """A GGUF's ``[E, out, in]`` expert weights or ``[E, out]`` biases -> per-expert tensors; gate
-        and up wait for each other, then go out interleaved (gate at even rows) as ``gate_up_proj``."""
+        and up wait for each other, then go out interleaved (gate at even rows) as ``gate_up_proj``.
+        Packed weights (``PackedTensor``, ``[E * out, in]``, read with ``PACKED_SPLIT``) stay packed:
+        rows of whole blocks, interleaved as bytes."""
         moe, hidden = self.config.moe, self.config.hidden_size
         rows, cols = (hidden, moe.intermediate_size) if proj == "down_proj" else (moe.intermediate_size, hidden)
+        packed = isinstance(tensor, PackedTensor)
+        if packed and kind != "weight":  # a float bias read as a 2-D packed tensor
+            tensor, packed = tensor.dequantize(), False
         want = (moe.num_experts, rows, cols) if kind == "weight" else (moe.num_experts, rows)
-        if tuple(tensor.shape) != want:
-            raise ValueError(f"has shape {tuple(tensor.shape)}, the model expects {want} "
-                             f"({'[experts, out, in]' if kind == 'weight' else '[experts, out]'})")
+        shape = (moe.num_experts * rows, cols) if packed else want
+        if tuple(tensor.shape) != shape:
+            what = "[experts * out, in] packed rows" if packed else "[experts, out, in]" if kind == "weight" \
+                else "[experts, out]"
+            raise ValueError(f"has shape {tuple(tensor.shape)}, the model expects {shape} ({what})")
+        if packed:
+            tensor.check()
+            tensor = _PackedExperts(tensor, moe.num_experts)
         prefix = f"model.layers.{layer}.mlp.experts"
         if proj == "down_proj":
             return [(f"{prefix}.down_proj.{e}.{kind}", tensor[e]) for e in range(moe.num_experts)]
@@ -223,6 +268,9 @@ class GptOssForCausalLM(FlexDecoder):
             self._gguf_pending[layer, proj, kind] = tensor
             return []
         gate, up = (tensor, partner) if proj == "gate_proj" else (partner, tensor)
+        if packed or isinstance(partner, _PackedExperts):
+            return [(f"{prefix}.gate_up_proj.{e}.{kind}", _interleave_packed(gate, up, e))
+                    for e in range(moe.num_experts)]
         both = torch.stack([gate, up], dim=2).flatten(1, 2)  # [E, 2I(, h)]: gate, up, gate, up, ...
         return [(f"{prefix}.gate_up_proj.{e}.{kind}", both[e]) for e in range(moe.num_experts)]
 

@@ -15,17 +15,24 @@ runs of equal type are multiplied together and their outputs concatenated. Types
 reference does not read (Q2_K, Q3_K, Q5_0, IQ*, ...) are dequantized once at load, with one
 log line naming the tensor. ``dequantize_at_load: true``, CUDA, and tensor-parallel slices
 (which the loader hands over dense) keep dense float weights, as for a float checkpoint.
+
+MXFP4 shards (GPT-OSS's experts in llama.cpp's files) are repacked as they load into the ``mxfp4``
+method's layout (``mxfp4_ref.from_ggml``: bytes only, no float copy); a layer of MXFP4 shards only is
+then multiplied by that method (its native C kernel on the CPU), the path HF's MXFP4 checkpoints
+take (beside shards of other types, they are dequantized at load).
 """
 
 from __future__ import annotations
 
 import functools
 import logging
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import torch
 import torch.nn.functional as F
-from lmplug_quant import gguf_ref
+from gguf import GGMLQuantizationType
+from lmplug_quant import gguf_ref, mxfp4_ref
+from lmplug_quant.mxfp4 import MXFP4, MXFP4Options
 from pydantic import Field
 
 from lmplug.api import BackendOptions, Capabilities, PackedTensor, QuantMethod, Unquantized
@@ -33,6 +40,7 @@ from lmplug.errors import ConfigError
 from lmplug.kit import extras, native_build
 
 logger = logging.getLogger(__name__)
+MXFP4_TYPE = int(GGMLQuantizationType.MXFP4)  # block_mxfp4: repacked for the ``mxfp4`` method
 
 
 class GGUFOptions(BackendOptions):
@@ -57,6 +65,13 @@ def native_kernel() -> tuple[object | None, str]:
 
 
 native_build.declare("gguf_mul_mat", native_kernel)  # built at engine load, not in the first matmul
+
+
+class MXFP4Shard(NamedTuple):
+    """A ggml MXFP4 shard repacked at load (``mxfp4_ref.from_ggml``) into the ``mxfp4`` layout."""
+
+    blocks: torch.Tensor
+    scales: torch.Tensor
 
 
 class GGUFQuant(QuantMethod, extras.PackedWeights, extras.OwnThreads, extras.NativeProduct):
@@ -87,6 +102,7 @@ class GGUFQuant(QuantMethod, extras.PackedWeights, extras.OwnThreads, extras.Nat
         layer.gguf_shards = {}  # output offset -> PackedTensor or dense tensor
         layer.gguf_runs = None  # after loading: [(ggml type or None for dense, buffer name, rows)]
         layer.gguf_calls = None  # after loading, where the native kernel reads every run: their products
+        layer.gguf_mxfp4 = None  # after loading MXFP4 shards: the mxfp4 method that multiplies them
 
     def load_shard(self, layer, param_name, tensor, shard_offset, shard_size):
         if param_name != "weight":
@@ -96,12 +112,18 @@ class GGUFQuant(QuantMethod, extras.PackedWeights, extras.OwnThreads, extras.Nat
         if tuple(tensor.shape) != expected:
             kind = f" of type {tensor.type_name}" if isinstance(tensor, PackedTensor) else ""
             raise ValueError(f"has shape {tuple(tensor.shape)}{kind}, the model expects {expected}")
-        if not isinstance(tensor, PackedTensor):
+        if isinstance(tensor, PackedTensor) and tensor.ggml_type == MXFP4_TYPE:
+            tensor = MXFP4Shard(*mxfp4_ref.from_ggml(tensor.data))  # ValueError: the loader names the tensor
+        elif not isinstance(tensor, PackedTensor):
             tensor = tensor.to(device=layer.weight.device, dtype=layer.dtype)
         layer.gguf_shards[shard_offset] = tensor
 
     def process_weights_after_loading(self, layer):
-        pieces = [self._usable(piece) for _, piece in sorted(layer.gguf_shards.items())]
+        shards = [piece for _, piece in sorted(layer.gguf_shards.items())]
+        if shards and all(isinstance(p, MXFP4Shard) for p in shards):
+            self._keep_mxfp4(layer, shards)
+            return
+        pieces = [self._usable(piece) for piece in shards]
         del layer.gguf_shards
         runs = _runs(pieces)
         if len(runs) == 1 and not isinstance(runs[0], PackedTensor):  # dense: as a float checkpoint
@@ -117,6 +139,22 @@ class GGUFQuant(QuantMethod, extras.PackedWeights, extras.OwnThreads, extras.Nat
             layer.gguf_runs.append((run.ggml_type if packed else None, f"gguf_w{i}", run.shape[0]))
         layer.gguf_calls = self._bind(layer)
 
+    def _keep_mxfp4(self, layer, shards: list[MXFP4Shard]) -> None:
+        """The repacked MXFP4 shards as the ``mxfp4`` method's ``blocks`` / ``scales``, multiplied
+        by that method from then on."""
+        del layer.gguf_shards, layer.weight
+        layer.register_buffer("blocks", torch.cat([p.blocks for p in shards]) if len(shards) > 1
+                              else shards[0].blocks, persistent=False)
+        layer.register_buffer("scales", torch.cat([p.scales for p in shards]) if len(shards) > 1
+                              else shards[0].scales, persistent=False)
+        mxfp4_ref.check(layer.blocks, layer.scales, layer.in_features)
+        layer.gguf_mxfp4 = self._mxfp4
+
+    @functools.cached_property
+    def _mxfp4(self) -> MXFP4:
+        """Built on the first MXFP4 layer (its native kernel compiles then)."""
+        return MXFP4(MXFP4Options(kernel=self.options.kernel))
+
     def _bind(self, layer) -> list | None:
         """The native products of the layer's runs, checked once (``gguf_native.BoundProduct``),
         when the kernel reads every run's type; None: ``apply`` takes the op path."""
@@ -131,7 +169,7 @@ class GGUFQuant(QuantMethod, extras.PackedWeights, extras.OwnThreads, extras.Nat
         """The layer's runs in one C call (``gguf_native.layer_product``), where every packed
         run is a type the native kernel reads and the dense ones and the bias are float32."""
         native = self._native
-        if native is None:
+        if native is None or layer.gguf_mxfp4 is not None:
             return None
         if layer.gguf_runs is None:  # a layer stored in float (F16 / F32): W^T as Unquantized keeps it
             weight, bias = layer.weight, layer.bias
@@ -153,6 +191,8 @@ class GGUFQuant(QuantMethod, extras.PackedWeights, extras.OwnThreads, extras.Nat
     def _usable(piece):
         """A shard as this layer keeps it: packed where the reference reads its type, else
         dequantized (once, here)."""
+        if isinstance(piece, MXFP4Shard):  # beside shards of other types in one layer
+            return mxfp4_ref.dequantize(piece.blocks, piece.scales)
         if not isinstance(piece, PackedTensor):
             return piece
         if piece.ggml_type not in gguf_ref.SUPPORTED:
@@ -162,6 +202,8 @@ class GGUFQuant(QuantMethod, extras.PackedWeights, extras.OwnThreads, extras.Nat
         return piece
 
     def apply(self, layer, x):
+        if layer.gguf_mxfp4 is not None:
+            return layer.gguf_mxfp4.apply(layer, x)
         if layer.gguf_runs is None:
             return F.linear(x, layer.weight, layer.bias)
         calls = layer.gguf_calls

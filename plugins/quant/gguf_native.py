@@ -77,20 +77,22 @@ _loaded: dict[tuple[str | None, ...], GGUFKernel] = {}
 _panels: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # GGUFKernel.panels, by weight
 
 
-def _missing_flags() -> dict[str, list[str]]:
+def _missing_flags(isa_flags: dict[str, tuple[str, ...]] = ISA_FLAGS) -> dict[str, list[str]]:
     """Per SIMD kernel set, the features it needs that /proc/cpuinfo's flags line lacks."""
     flags = set(native_build.cpu_id().replace("_", "").split())
-    return {name: [f for f in need if f.replace("_", "") not in flags] for name, need in ISA_FLAGS.items()}
+    return {name: [f for f in need if f.replace("_", "") not in flags] for name, need in isa_flags.items()}
 
 
-def cpuinfo_isa(cpuid_best: str) -> str:
+def cpuinfo_isa(cpuid_best: str, isas: tuple[str, ...] = ISAS,
+                isa_flags: dict[str, tuple[str, ...]] = ISA_FLAGS) -> str:
     """The best kernel set both the CPU (``cpuid_best``: what the C library's CPUID check says)
     and the operating system's /proc/cpuinfo flags report (a feature the kernel turned off is
-    missing there); CPUID's answer alone where there is no flags line (not Linux)."""
+    missing there); CPUID's answer alone where there is no flags line (not Linux). ``isas`` and
+    ``isa_flags``: another kernel's sets (the MXFP4 kernel's), lowest first."""
     if not any(line.startswith(("flags", "Features")) for line in native_build.cpu_id().splitlines()):
         return cpuid_best
-    missing, best = _missing_flags(), "generic"
-    for name in ISAS[1:ISAS.index(cpuid_best) + 1]:  # each set needs the one below it
+    missing, best = _missing_flags(isa_flags), isas[0]
+    for name in isas[1:isas.index(cpuid_best) + 1]:  # each set needs the one below it
         if missing[name]:
             break
         best = name
@@ -132,6 +134,8 @@ class GGUFKernel:
         self._fn = lib.gguf_mul_mat
         self._fn.argtypes, self._fn.restype = _ARGTYPES, ctypes.c_int
         self.best_isa = cpuinfo_isa(ISAS[lib.gguf_cpu_isa()])
+        # the thread pool's entry for another kernel's rows (``mxfp4_native``): its address
+        self.parallel_for = ctypes.cast(lib.gguf_cpu_parallel_for, ctypes.c_void_p).value
         self._threads = lib.gguf_cpu_threads
         self._threads.argtypes = [ctypes.c_int64] * 3 + [ctypes.c_int]
         self._threads.restype = ctypes.c_int

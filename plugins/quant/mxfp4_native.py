@@ -2,9 +2,15 @@
 packed) and ``dequantize``, checked against ``mxfp4_ref``.
 
 Built on first use by ``lmplug.kit.native_build`` (``$CC``, cached in ``<cache_dir>/kernels/``)
-without ``-march``: the AVX2 kernels carry a target attribute and are chosen at run time.
-``LMPLUG_MXFP4_ISA`` = ``auto`` (default) | ``generic`` | ``avx2`` picks the set; ``available()``
-says whether the library builds here and why not (a caller then keeps the PyTorch reference).
+without ``-march``: the AVX2 and AVX-512 kernels carry a target attribute and are chosen at run
+time, bounded by /proc/cpuinfo's flags as the GGUF kernels are (``gguf_native.cpuinfo_isa``).
+``LMPLUG_MXFP4_ISA`` = ``auto`` (default) | ``generic`` | ``avx2`` | ``avx512`` picks the set (the
+AVX-512 one gives the portable kernel's bits); ``available()`` says whether the library builds
+here and why not (a caller then keeps the PyTorch reference).
+
+Threads: the output rows are split over the GGUF kernels' thread pool (``gguf_native``: the
+same workers, never a second pool), as many as ``lmplug.kit.threads.compute_threads()`` (the
+GGUF kernels' rule: fewer for a small product); one where the GGUF library does not build.
 """
 
 from __future__ import annotations
@@ -16,17 +22,19 @@ import os
 from pathlib import Path
 
 import torch
-from lmplug_quant import mxfp4_ref
+from lmplug_quant import gguf_native, mxfp4_ref
 
 from lmplug.kit import native_build
 from lmplug.kit.native_build import NativeBuildError
 from lmplug.kit.paths import cache_dir
+from lmplug.kit.threads import compute_threads
 
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).resolve().parent / "csrc" / "mxfp4_cpu.c"
 FLAGS = ("-O3", "-ffp-contract=off", "-shared", "-fPIC")
-ISAS = ("generic", "avx2")  # index = the C file's isa number
+ISAS = ("generic", "avx2", "avx512")  # index = the C file's isa number
+ISA_FLAGS = {"avx2": ("avx2", "fma"), "avx512": ("avx512f",)}  # what each set needs, as /proc/cpuinfo names it
 _ERRORS = {-1: "the kernel could not allocate its scratch memory", -3: "k is not a multiple of 32",
            -4: "instruction set not available on this CPU"}
 _WHAT = "mxfp4 native linear"
@@ -37,13 +45,15 @@ class MXFP4Kernel:
         self.path = path
         self._linear = lib.mxfp4_linear
         self._linear.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
-                                 ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
+                                 ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int,
+                                 ctypes.c_void_p]
         self._linear.restype = ctypes.c_int
         self._dequantize = lib.mxfp4_dequantize
         self._dequantize.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
                                      ctypes.c_void_p, ctypes.c_int]
         self._dequantize.restype = ctypes.c_int
-        self.best_isa = ISAS[lib.mxfp4_cpu_isa()]
+        self.best_isa = gguf_native.cpuinfo_isa(ISAS[lib.mxfp4_cpu_isa()], ISAS, ISA_FLAGS)
+        self._pool = _pool()
 
     def isa(self, want: str | None = None) -> int:
         """The kernel set ``want`` (default ``LMPLUG_MXFP4_ISA``, ``auto``: the best this CPU runs)."""
@@ -55,9 +65,17 @@ class MXFP4Kernel:
                              f"{', '.join(ISAS[:ISAS.index(self.best_isa) + 1])} on this CPU")
         return ISAS.index(want)
 
+    def threads_used(self, m: int, k: int, n: int, threads: int | None = None) -> int:
+        """The threads a product of this shape runs on: ``threads`` (default ``compute_threads()``),
+        fewer for a small one (the GGUF pool's rule); 1 without the pool."""
+        if self._pool is None:
+            return 1
+        return self._pool.threads_used(m, k, n, threads or compute_threads())
+
     def linear(self, x: torch.Tensor, blocks: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None,
-               isa: str | None = None) -> torch.Tensor:
-        """x [M, K] (float, converted to contiguous float32) @ W[N, K]^T + bias -> float32 [M, N]."""
+               isa: str | None = None, threads: int | None = None) -> torch.Tensor:
+        """x [M, K] (float, converted to contiguous float32) @ W[N, K]^T + bias -> float32 [M, N],
+        the rows split over ``threads_used(threads)`` threads."""
         n, k = _check(blocks, scales)
         if x.dim() != 2 or x.shape[1] != k or not x.is_cpu:
             raise ValueError(f"{_WHAT}: x must be a CPU tensor [M, {k}], got {tuple(x.shape)} on {x.device}")
@@ -67,8 +85,10 @@ class MXFP4Kernel:
         out = torch.empty(x.shape[0], n, dtype=torch.float32)
         if out.numel() == 0:
             return out
+        used = self.threads_used(x.shape[0], k, n, threads)
         status = self._linear(x.data_ptr(), x.shape[0], k, blocks.data_ptr(), scales.data_ptr(), n,
-                              None if bias is None else bias.data_ptr(), out.data_ptr(), self.isa(isa))
+                              None if bias is None else bias.data_ptr(), out.data_ptr(), self.isa(isa), used,
+                              self._pool.parallel_for if used > 1 else None)
         if status != 0:
             raise RuntimeError(f"{_WHAT}: {_ERRORS.get(status, f'error {status}')}")
         return out
@@ -89,6 +109,16 @@ def _check(blocks: torch.Tensor, scales: torch.Tensor) -> tuple[int, int]:
         raise ValueError(f"{_WHAT}: blocks must be contiguous CPU [N, G, 16] with scales [N, G], got "
                          f"{tuple(blocks.shape)} on {blocks.device}")
     return blocks.shape[0], blocks.shape[1] * mxfp4_ref.BLOCK
+
+
+def _pool():
+    """The GGUF kernels' library, whose thread pool runs this kernel's rows; None where it does
+    not build (one thread then)."""
+    try:
+        return gguf_native.load()
+    except NativeBuildError as exc:
+        logger.info("quant mxfp4: the GGUF kernels' thread pool is not available, one thread: %s", exc)
+        return None
 
 
 @functools.cache

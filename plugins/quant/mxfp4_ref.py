@@ -6,6 +6,11 @@ values a byte, element ``2j`` in the low nibble and ``2j + 1`` in the high one, 
 uint8 ``[out, in / 32]``. Element value: ``fp4(nibble) * 2 ** (scale - 127)``; an E2M1 nibble is
 sign (bit 3), exponent (bits 2-1, bias 1) and mantissa (bit 0): 0, 0.5, 1, 1.5, 2, 3, 4, 6 and their
 negatives; scale 255 is NaN (the format's only special value).
+
+llama.cpp's GGUF files (ggml type ``MXFP4``, ``block_mxfp4`` in ggml-common.h) hold the same values
+in 17-byte blocks: the E8M0 byte ``e``, then 16 bytes ``qs`` with element ``j`` in the low nibble of
+``qs[j]`` and ``j + 16`` in its high one (ggml's table doubles the E2M1 values and halves the scale:
+the same product). ``from_ggml`` repacks them into the layout above, bytes only.
 """
 
 from __future__ import annotations
@@ -17,6 +22,8 @@ BLOCK = 32  # values per block
 BLOCK_BYTES = BLOCK // 2
 SCALE_BIAS = 127
 SCALE_NAN = 255
+GGML_BLOCK_BYTES = 1 + BLOCK_BYTES  # block_mxfp4: e, qs[16]
+_GGML_CHUNK_ROWS = 4096  # rows repacked at a time: bounds the temporaries
 FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 
 
@@ -48,3 +55,25 @@ def dequantize(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = 
 def linear(x: torch.Tensor, blocks: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x [M, in] @ dequantize(blocks, scales)^T (+ bias)`` in x's dtype (dequantized per call)."""
     return F.linear(x, dequantize(blocks, scales, x.dtype), bias)
+
+
+def from_ggml(data: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """ggml ``block_mxfp4`` rows (uint8 ``[rows, G * 17]``) -> ``blocks [rows, G, 16]``, ``scales
+    [rows, G]`` (new tensors; ``data`` may be a read-only file mapping). ValueError for a row that
+    is not whole blocks, or a scale byte of 255: ggml reads it as 2^128, OCP as NaN."""
+    if data.dtype != torch.uint8 or data.dim() != 2 or data.shape[1] % GGML_BLOCK_BYTES:
+        raise ValueError(f"ggml MXFP4 rows must be uint8 [rows, blocks * {GGML_BLOCK_BYTES}], got "
+                         f"{data.dtype} {tuple(data.shape)}")
+    rows, groups = data.shape[0], data.shape[1] // GGML_BLOCK_BYTES
+    blocks = torch.empty(rows, groups, BLOCK_BYTES, dtype=torch.uint8, device=data.device)
+    scales = torch.empty(rows, groups, dtype=torch.uint8, device=data.device)
+    for start in range(0, rows, _GGML_CHUNK_ROWS):
+        raw = data[start:start + _GGML_CHUNK_ROWS].reshape(-1, groups, GGML_BLOCK_BYTES)
+        scales[start:start + raw.shape[0]] = raw[..., 0]
+        qs = raw[..., 1:]
+        values = torch.cat([qs & 0x0F, qs >> 4], dim=-1)  # [n, G, 32]: element order
+        blocks[start:start + raw.shape[0]] = values[..., 0::2] | (values[..., 1::2] << 4)
+    if bool((scales == SCALE_NAN).any()):
+        raise ValueError(f"holds an MXFP4 scale byte of {SCALE_NAN}, which ggml reads as 2^128 and the OCP "
+                         "format as NaN; no quantizer writes it for finite weights")
+    return blocks, scales

@@ -699,9 +699,15 @@ typedef struct {
     float *out;
     int64_t ldo; /* out's row stride (N, or more where this product fills columns of a wider one) */
     int threads; /* the pool workers with index < threads take part (the caller is index 0) */
+    void (*range)(const void *ctx, int64_t n0, int64_t n1); /* set: rows [n0, n1) of another kernel's job */
+    const void *ctx;
 } job_t;
 
 static void run(const job_t *j, int64_t n0, int64_t n1) {
+    if (j->range) {
+        j->range(j->ctx, n0, n1);
+        return;
+    }
     for (int64_t t0 = n0; t0 < n1; t0 += NT) {
         const int64_t t1 = t0 + NT < n1 ? t0 + NT : n1;
         for (int64_t m0 = 0; m0 < j->M; m0 += MR) {
@@ -886,6 +892,19 @@ EXPORT int gguf_cpu_threads(int64_t M, int64_t K, int64_t N, int num_threads) {
     if (workers > MAX_THREADS) workers = MAX_THREADS;
     if (workers > work / MIN_WORK) workers = work / MIN_WORK > 1 ? work / MIN_WORK : 1;
     return (int)(workers > N ? N : workers);
+}
+
+/* Another kernel's rows on this pool (the MXFP4 kernel's, csrc/mxfp4_cpu.c, handed this function's
+ * address): range(ctx, n0, n1) over [0, N) in chunks, on the caller and up to threads - 1 workers. */
+EXPORT void gguf_cpu_parallel_for(void (*range)(const void *, int64_t, int64_t), const void *ctx, int64_t N,
+                                  int threads) {
+    job_t j = {NULL, NULL, 0, N, 0, N, 1, NULL, NULL, 0, threads < 1 ? 1 : threads, range, ctx};
+    if (j.threads > 1) { /* about 16 chunks a thread, as gguf_mul_mat */
+        j.chunk = (N + 16 * j.threads - 1) / (16 * j.threads);
+        if (j.chunk < (N >> CHUNK_BITS) + 1) j.chunk = (N >> CHUNK_BITS) + 1;
+        j.nchunks = (N + j.chunk - 1) / j.chunk;
+    }
+    run_job(&j);
 }
 
 /* The pool's started workers (besides the calling thread): 0 until a call uses 2 threads, and

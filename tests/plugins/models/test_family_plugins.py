@@ -8,10 +8,10 @@ family with a tokenizer."""
 from __future__ import annotations
 
 import json
-from typing import Any
 
 import pytest
 import torch
+from support.cli_eval import assert_eval_close, cli
 from support.gguf_families import FAMILIES, family_configs
 
 pytestmark = pytest.mark.hf
@@ -93,31 +93,17 @@ def test_int8_kv_cache_matches_the_transformers_fallback(tiny, name, attention):
     torch.testing.assert_close(runs["native"], runs["transformers"], atol=INT8_ATOL, rtol=0)
 
 
-def _cli(capsys, *args: Any) -> tuple[int, str, str]:
-    from lmplug.cli import main
-
-    capsys.readouterr()
-    rc = main([str(a) for a in args])
-    out = capsys.readouterr()
-    return rc, out.out, out.err
-
-
 @pytest.mark.parametrize("name", FAMILIES)
 def test_quantize_and_eval(tiny, tmp_path, capsys, name):
     from lmplug import LLM
 
     path, _ = tiny(name)
     out = tmp_path / "rtn"
-    rc, stdout, err = _cli(capsys, "quantize", path, out, "--method", "rtn", "--group-size", "32",
-                           "--calib-samples", "4", "--calib-len", "32")
+    rc, _, err = cli(capsys, "quantize", path, out, "--method", "rtn", "--group-size", "32",
+                     "--calib-samples", "4", "--calib-len", "32")
     assert rc == 0, err
     config = json.loads((out / "config.json").read_text())
     assert config["model_type"] == json.loads((path / "config.json").read_text())["model_type"]
     assert config["quantization_config"]["quant_method"] == "gptq"
     assert _native(LLM(str(out), **ENGINE)) == _native_name(name)
-    text = tmp_path / "held.txt"
-    text.write_text("Some held-out text about the data model and statements. " * 4)
-    rc, stdout, err = _cli(capsys, "eval", out, "--text", text, "--reference", path, "--window", "64")
-    assert rc == 0, err
-    result = json.loads(stdout)
-    assert 0 < result["kl"] < 1 and torch.isfinite(torch.tensor(result["perplexity"]))
+    assert_eval_close(capsys, out, path, tmp_path)

@@ -2,7 +2,8 @@
 architecture ``gpt-oss``, gate and up split out of ``gate_up_proj`` and stored ``[E, I, h]``, the
 experts in ggml's MXFP4 type, sinks as ``attn_sinks.weight``), with gguf's own writer and
 quantizer, from a tiny transformers model whose experts then take the values the MXFP4 blocks
-dequantize to (gguf-py's dequantizer): lmplug's logprobs and greedy tokens match transformers'."""
+dequantize to (gguf-py's dequantizer): the experts load packed (ggml's blocks repacked for the
+``mxfp4`` method), lmplug's logprobs and greedy tokens match transformers'."""
 
 from __future__ import annotations
 
@@ -10,7 +11,13 @@ import numpy as np
 import pytest
 import torch
 
-from lmplug.testing.architecture import build_tiny, hf_greedy, hf_prompt_logprobs, our_prompt_logprobs, prompt
+from lmplug.testing.architecture import (
+    build_tiny,
+    hf_greedy,
+    hf_prompt_logprobs,
+    our_prompt_logprobs,
+    prompt,
+)
 
 pytestmark = [pytest.mark.hf]
 
@@ -101,14 +108,93 @@ def write_gpt_oss_gguf(path, seed: int = 0, matrices: str = "F32"):
     return path / "model.gguf", hf
 
 
+# the products exact to the float math (each block dequantized, then a float matmul): transformers'
+# logprobs at 1e-4; the native kernels (the default) are checked against the dequantized load
+EXACT = {"method": "gguf", "kernel": "torch"}
+DENSE = {"method": "gguf", "dequantize_at_load": True}
+ENGINE = {"dtype": "float32", "device": "cpu", "max_model_len": 128, "attention": {"backend": "sdpa"}}
+
+
+def _experts(llm):
+    model = llm.engine.runner.model
+    return [linear for layer in model.layers for proj in (layer.mlp.gate_up_proj, layer.mlp.down_proj)
+            for linear in proj]
+
+
 @pytest.mark.parametrize("matrices", ["F32", "Q8_0"])
 def test_gpt_oss_gguf_with_mxfp4_experts_matches_transformers(tmp_path, matrices):
+    """The experts stay packed (the ``mxfp4`` method's blocks and scales, repacked from ggml's),
+    and the exact products give transformers' logprobs on the file's values and its greedy tokens."""
     from lmplug import LLM, SamplingParams
 
     path, hf = write_gpt_oss_gguf(tmp_path, matrices=matrices)
     ids = prompt(24, 1, hf.config.vocab_size)
-    llm = LLM(str(path), dtype="float32", device="cpu", max_model_len=128, attention={"backend": "sdpa"})
+    llm = LLM(str(path), quant=EXACT, **ENGINE)
     assert llm.engine.runner.model.__class__.__name__ == "GptOssForCausalLM"
+    for linear in _experts(llm):
+        assert linear.blocks.dtype == torch.uint8 and linear.scales.dtype == torch.uint8
+        assert linear.blocks.shape == (linear.out_features, linear.in_features // 32, 16)
+        assert "weight" not in linear._parameters and linear.gguf_mxfp4 is not None
     out = llm.generate([ids], SamplingParams(prompt_logprobs=0, temperature=0, max_tokens=16, ignore_eos=True))[0]
     torch.testing.assert_close(our_prompt_logprobs(out, ids), hf_prompt_logprobs(hf, ids), atol=1e-4, rtol=0)
     assert out.token_ids == hf_greedy(hf, ids, 16)
+
+
+@pytest.mark.parametrize("matrices, atol", [("F32", 1e-4), ("Q8_0", 2e-2)])
+def test_gpt_oss_gguf_native_kernels_match_the_dequantized_load(tmp_path, matrices, atol):
+    """The default kernels (the MXFP4 C kernel on the packed experts; Q8_0's quantizes the
+    activations to 8 bits, hence its tolerance) against every weight dequantized at load."""
+    from lmplug import LLM, SamplingParams
+
+    path, hf = write_gpt_oss_gguf(tmp_path, matrices=matrices)
+    ids = prompt(24, 1, hf.config.vocab_size)
+    params = SamplingParams(prompt_logprobs=0, temperature=0, max_tokens=16, ignore_eos=True)
+    packed = LLM(str(path), **ENGINE)
+    assert all(linear.gguf_mxfp4 is not None for linear in _experts(packed))
+    dense = LLM(str(path), quant=DENSE, **ENGINE)
+    assert all(linear.weight.dtype == torch.float32 for linear in _experts(dense))
+    out_packed, out_dense = packed.generate([ids], params)[0], dense.generate([ids], params)[0]
+    torch.testing.assert_close(our_prompt_logprobs(out_packed, ids), our_prompt_logprobs(out_dense, ids),
+                               atol=atol, rtol=0)
+    assert out_packed.token_ids == out_dense.token_ids
+
+
+def test_ggml_mxfp4_blocks_repack_bit_exactly():
+    """``from_ggml`` against gguf-py's dequantizer (llama.cpp's formula), every nibble and scale
+    byte ggml may hold but 255, which is refused (ggml reads it as 2^128, OCP as NaN)."""
+    from gguf import GGMLQuantizationType as Q
+    from gguf.quants import dequantize, quantize
+    from lmplug_quant import mxfp4_ref
+
+    rng = np.random.default_rng(0)
+    raw = rng.integers(0, 256, size=(300, 5 * 17), dtype=np.uint8)
+    raw.reshape(300, 5, 17)[..., 0] = rng.integers(0, 255, size=(300, 5), dtype=np.uint8)  # e: 0..254
+    raw[0, 0] = 0  # the smallest scales (subnormal in float32)
+    raw[1, 0] = 1
+    blocks, scales = mxfp4_ref.from_ggml(torch.from_numpy(raw))
+    want = torch.from_numpy(dequantize(raw, Q.MXFP4).astype(np.float32))
+    assert torch.equal(mxfp4_ref.dequantize(blocks, scales), want)
+    weights = rng.standard_normal((8, 64)).astype(np.float32)
+    blocks, scales = mxfp4_ref.from_ggml(torch.from_numpy(quantize(weights, Q.MXFP4)))
+    assert torch.equal(mxfp4_ref.dequantize(blocks, scales),
+                       torch.from_numpy(dequantize(quantize(weights, Q.MXFP4), Q.MXFP4)))
+    raw[7, 17] = 255
+    with pytest.raises(ValueError, match="scale byte of 255"):
+        mxfp4_ref.from_ggml(torch.from_numpy(raw))
+
+
+def test_a_gguf_mxfp4_scale_of_255_is_refused_naming_the_file_and_tensor(tmp_path):
+    """A scale byte ggml and the OCP format read differently (2^128 vs NaN): refused at load."""
+    from gguf import GGUFReader
+
+    from lmplug import LLM
+    from lmplug.errors import ModelLoadError
+
+    path, _ = write_gpt_oss_gguf(tmp_path)
+    offset = next(int(t.data_offset) for t in GGUFReader(str(path)).tensors if t.name == "blk.1.ffn_down_exps.weight")
+    with path.open("r+b") as f:
+        f.seek(offset + 17 * 3)  # the fourth block's E8M0 byte
+        f.write(bytes([255]))
+    with pytest.raises(ModelLoadError, match=r"model\.gguf: tensor 'model\.layers\.1\.mlp\.experts\.down_proj\.0"
+                                             r"\.weight' holds an MXFP4 scale byte of 255"):
+        LLM(str(path), **ENGINE)

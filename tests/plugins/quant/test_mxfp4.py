@@ -1,6 +1,7 @@
 """MXFP4 (OCP MX v1.0: blocks of 32 FP4 E2M1 values with one E8M0 scale): the PyTorch reference
 bit-exact against the format written out from its definition here and against transformers' own
-conversion (``integrations/mxfp4.py``); the native CPU kernel (portable and AVX2) and the Triton
+conversion (``integrations/mxfp4.py``); the native CPU kernel (portable, AVX2, AVX-512; 1 and 2
+threads) and the Triton
 kernel (under ``TRITON_INTERPRET=1`` without a GPU) against the reference; the quant method's
 refusals."""
 
@@ -93,6 +94,42 @@ def test_native_linear_matches_the_reference(m, n, groups):
     for isa in isas:
         got = kernel.linear(x, blocks, scales, bias, isa=isa)
         torch.testing.assert_close(got.double(), expected, atol=1e-4, rtol=1e-5, msg=lambda s, i=isa: f"{i}: {s}")
+
+
+@pytest.mark.parametrize("isa", ["avx2", "avx512"])
+def test_native_simd_linear_against_the_portable_kernel_on_1_and_2_threads(isa):
+    """Each SIMD set the CPU runs against the portable kernel: AVX-512 bit for bit (the same lane
+    sums and reduction), AVX2 within float rounding (FMA, its own order); every set gives the same
+    bits on 1 and 2 threads (the rows split over the GGUF kernels' pool)."""
+    from lmplug_quant import mxfp4_native
+
+    kernel, isas = native_isas()
+    if isa not in isas:
+        pytest.skip(f"this CPU (or /proc/cpuinfo) lacks {isa}: {', '.join(mxfp4_native.ISA_FLAGS[isa])}")
+    if kernel.threads_used(1, 2880, 700, 2) < 2:
+        pytest.skip("the GGUF kernels' thread pool is not available here: one thread only")
+    blocks, scales = random_mxfp4(700, 90, seed=3, low=0, high=136)  # subnormal scales to 2^8: sums stay finite
+    g = torch.Generator().manual_seed(4)
+    for m in (1, 5):
+        x, bias = torch.randn(m, 90 * 32, generator=g), torch.randn(700, generator=g)
+        portable = kernel.linear(x, blocks, scales, bias, isa="generic", threads=1)
+        assert torch.equal(kernel.linear(x, blocks, scales, bias, isa="generic", threads=2), portable)
+        one, two = (kernel.linear(x, blocks, scales, bias, isa=isa, threads=t) for t in (1, 2))
+        assert torch.equal(one, two), f"{isa}: 1 and 2 threads differ"
+        if isa == "avx512":
+            assert torch.equal(one, portable)
+        else:
+            torch.testing.assert_close(one, portable, rtol=1e-5, atol=1e-5 * float(portable.abs().max()))
+
+
+def test_native_isa_is_bounded_by_proc_cpuinfo(monkeypatch):
+    """A set /proc/cpuinfo's flags do not list is never chosen, whatever CPUID says."""
+    from lmplug_quant import gguf_native, mxfp4_native
+
+    monkeypatch.setattr(gguf_native.native_build, "cpu_id", lambda: "flags\t\t: fpu sse2 avx2 fma")
+    assert gguf_native.cpuinfo_isa("avx512", mxfp4_native.ISAS, mxfp4_native.ISA_FLAGS) == "avx2"
+    monkeypatch.setattr(gguf_native.native_build, "cpu_id", lambda: "flags\t\t: fpu sse2 avx512f")
+    assert gguf_native.cpuinfo_isa("avx512", mxfp4_native.ISAS, mxfp4_native.ISA_FLAGS) == "generic"
 
 
 @pytest.mark.parametrize("m, n, groups, dtype", [(1, 40, 3, torch.float32), (17, 33, 4, torch.float32),
