@@ -4,6 +4,12 @@
 stacked A and B slots (layout: ``lmplug.interfaces.adapter``) and the model's one ``LoRAStep``,
 which the runner sets once per step (each token's slot) and every layer reads. The slots are
 plain tensors, not parameters: the checkpoint loader and the memory report never see them.
+
+Under tensor parallelism each rank's slots hold its part of every adapter, sharded as the base
+weight: a column-parallel layer (q/k/v, gate/up) keeps A whole and the rows of B of its output
+features; a row-parallel layer (o, down) keeps the columns of A of its input features and B
+whole, so its partial update ``x_r A_r^T B^T`` is summed by the layer's own all-reduce with the
+base product's partials (no collective of its own).
 """
 
 from __future__ import annotations
@@ -31,7 +37,9 @@ class LoRAStep:
 
 class LinearLoRA:
     """One ``Linear``'s slots: ``prefixes[k]`` is shard k's checkpoint module name (what a PEFT
-    adapter's keys name), ``ranges[k]`` its output columns."""
+    adapter's keys name), ``ranges[k]`` its output columns; ``out_starts[k]`` the first of them in
+    the checkpoint's shard and ``in_start`` the first input feature (nonzero under tensor
+    parallelism); ``full_in`` / ``full_out[k]``: the checkpoint's sizes (what an adapter must fit)."""
 
     def __init__(self, linear: Linear, prefixes: list[str], step: LoRAStep, num_slots: int,
                  max_rank: int) -> None:
@@ -39,6 +47,10 @@ class LinearLoRA:
         self.prefixes = prefixes
         self.ranges = [linear.shard_range(shard) for shard in linear.shards]
         self.in_features, self.out_features = linear.in_features, linear.out_features
+        starts = getattr(linear, "tp_starts", None)  # a column-parallel layer's (``ColumnShard``)
+        self.out_starts = [starts[shard] if starts else 0 for shard in linear.shards]
+        self.in_start, self.full_in = linear.input_start, linear.full_in_features
+        self.full_out = [start + end - begin for start, (begin, end) in zip(self.out_starts, self.ranges)]
         self.max_rank = max_rank
         k = len(prefixes)
         device = next(iter(linear.buffers()), next(iter(linear.parameters()), torch.empty(0))).device
@@ -54,19 +66,21 @@ class LinearLoRA:
         return flat.view(y.shape)
 
     def fill(self, slot: int, shards: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """Slot ``slot`` holds these shards' (A [r, in], B [out_k, r], scaling folded into B);
-        the shards not given (and the rank's padding) hold zeros."""
+        """Slot ``slot`` holds these shards' (A [r, full_in], B [full_out_k, r], scaling folded
+        into B; this rank's part of them); the shards not given (and the rank's padding) hold zeros."""
         self.a[slot].zero_()
         self.b[slot].zero_()
         for k, (a, b) in shards.items():
-            r, (start, end) = a.shape[0], self.ranges[k]
-            self.a[slot, k * self.max_rank:k * self.max_rank + r].copy_(a)
-            self.b[slot, start:end, k * self.max_rank:k * self.max_rank + r].copy_(b)
+            r, (start, end), first = a.shape[0], self.ranges[k], self.out_starts[k]
+            self.a[slot, k * self.max_rank:k * self.max_rank + r].copy_(
+                a[:, self.in_start:self.in_start + self.in_features])
+            self.b[slot, start:end, k * self.max_rank:k * self.max_rank + r].copy_(b[first:first + end - start])
 
 
 def attach(model: torch.nn.Module, backend: AdapterBackend, num_slots: int, max_rank: int) -> dict[str, LinearLoRA]:
     """Slots on every ``Linear`` of the decoder layers (not the LM head); returns them by the
-    checkpoint module name of each shard (``model.layers.0.self_attn.q_proj``)."""
+    checkpoint module name of each shard (``model.layers.0.self_attn.q_proj``). Under tensor
+    parallelism every rank calls it (the ranks agree on each shard's full output size)."""
     step = LoRAStep(backend)
     describe = getattr(model, "checkpoint_name", None)
     by_prefix: dict[str, LinearLoRA] = {}
@@ -79,5 +93,17 @@ def attach(model: torch.nn.Module, backend: AdapterBackend, num_slots: int, max_
         module.lora = lora
         for prefix in prefixes:
             by_prefix[prefix] = lora
+    tp = getattr(model, "tp", None)
+    if tp is not None and tp.is_parallel:
+        _full_out_sizes(tp, by_prefix)
     model.lora_step = step
     return by_prefix
+
+
+def _full_out_sizes(tp, by_prefix: dict[str, LinearLoRA]) -> None:
+    """Each column shard's checkpoint output size: the largest end of a rank's rows (a KV head
+    replicated over ranks ends where another's does)."""
+    layers = list(dict.fromkeys(by_prefix.values()))
+    gathered = tp.all_gather_object([lin.full_out for lin in layers])
+    for i, lin in enumerate(layers):
+        lin.full_out = [max(rank[i][k] for rank in gathered) for k in range(len(lin.full_out))]
