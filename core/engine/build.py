@@ -223,8 +223,6 @@ def _adapters(backends, model: torch.nn.Module) -> Adapters | None:
     tensor-parallel rank: each holds its shard of the adapters)."""
     if "lora" not in backends:
         return None
-    if hasattr(model, "allow_native_step"):
-        model.allow_native_step(False)  # the one-C-call decode step has no LoRA: the Python layers do
     chosen = backends["lora"]
     return Adapters(chosen.cls(chosen.options), chosen.options, model)
 

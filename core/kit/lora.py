@@ -14,10 +14,22 @@ base product's partials (no collective of its own).
 
 from __future__ import annotations
 
+import ctypes
+
 import torch
 
 from lmplug.interfaces.adapter import AdapterBackend
+from lmplug.kit import extras
 from lmplug.kit.layers import Linear
+from lmplug.kit.native import NativeCall
+from lmplug.kit.packed_embedding import QuantEmbedding
+
+
+class NativeRows(ctypes.Structure):
+    """This step's row -> slot map as the native decode step's LoRA products read it (C:
+    ``struct { int64_t n; const int32_t *slots; }``; n = 0: no row has an adapter)."""
+
+    _fields_ = [("n", ctypes.c_int64), ("slots", ctypes.c_void_p)]
 
 
 class LoRAStep:
@@ -26,12 +38,18 @@ class LoRAStep:
     def __init__(self, backend: AdapterBackend) -> None:
         self.backend = backend
         self.meta: object | None = None
+        self.native_rows = NativeRows(0, None)
+        self._native_slots: torch.Tensor | None = None  # what ``native_rows`` points into
 
     def set(self, token_slots_cpu: list[int] | None, device: torch.device) -> None:
         if not token_slots_cpu or max(token_slots_cpu) < 0:
             self.meta = None
+            self.native_rows.n, self.native_rows.slots, self._native_slots = 0, None, None
             return
         slots = torch.tensor(token_slots_cpu, dtype=torch.int32, device=device)
+        if slots.is_cpu:
+            self._native_slots = slots
+            self.native_rows.n, self.native_rows.slots = slots.numel(), slots.data_ptr()
         self.meta = self.backend.prepare(slots, token_slots_cpu)
 
 
@@ -65,6 +83,11 @@ class LinearLoRA:
         self.step.backend.apply(flat, x.reshape(-1, x.shape[-1]), self.a, self.b, meta)
         return flat.view(y.shape)
 
+    def native_product(self, base: NativeCall) -> NativeCall | None:
+        """``base`` (the layer's native product) with this layer's LoRA update added, from the
+        adapter backend (``extras.NativeLoRA``), or None: the native decode step is off."""
+        return extras.native_lora(self.step.backend, base, self)
+
     def fill(self, slot: int, shards: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Slot ``slot`` holds these shards' (A [r, full_in], B [full_out_k, r], scaling folded
         into B; this rank's part of them); the shards not given (and the rank's padding) hold zeros."""
@@ -78,15 +101,15 @@ class LinearLoRA:
 
 
 def attach(model: torch.nn.Module, backend: AdapterBackend, num_slots: int, max_rank: int) -> dict[str, LinearLoRA]:
-    """Slots on every ``Linear`` of the decoder layers (not the LM head); returns them by the
+    """Slots on every ``Linear`` of the decoder layers (not the LM head nor a packed embedding); returns them by the
     checkpoint module name of each shard (``model.layers.0.self_attn.q_proj``). Under tensor
     parallelism every rank calls it (the ranks agree on each shard's full output size)."""
     step = LoRAStep(backend)
     describe = getattr(model, "checkpoint_name", None)
     by_prefix: dict[str, LinearLoRA] = {}
     for path, module in model.named_modules():
-        if not isinstance(module, Linear) or "lm_head" in module.shards:
-            continue
+        if not isinstance(module, Linear) or "lm_head" in module.shards or isinstance(module, QuantEmbedding):
+            continue  # the LM head and a packed embedding (a tied model's LM head too) keep no slots
         prefixes = [describe(f"{path}.weight", shard).rpartition(".")[0] if describe else path
                     for shard in module.shards]
         lora = LinearLoRA(module, prefixes, step, num_slots, max_rank)
