@@ -6,7 +6,7 @@
  * of the block-diagonal layout are never touched. The row -> slot map is the engine's, written
  * before every forward (n = 0: no row has an adapter, the base product alone).
  *
- * Kernels: a portable dot product and AVX2 (+FMA) / AVX-512F ones compiled with target
+ * Kernels: a portable dot product and AVX2 (+FMA) / AVX-512F (the shrink) ones compiled with target
  * attributes, chosen at run time (__builtin_cpu_supports), so the library is built without
  * -march and runs on any x86-64. They differ only in the order of the float additions.
  */
@@ -39,7 +39,7 @@ typedef struct {
 enum { ISA_GENERIC = 0, ISA_AVX2 = 1, ISA_AVX512 = 2 };
 enum { E_ROWS = -201, E_SLOT = -202, E_ISA = -203, E_ALLOC = -204 };
 
-static float dot_generic(const float *a, const float *b, int64_t n) {
+static inline __attribute__((always_inline)) float dot_generic(const float *a, const float *b, int64_t n) {
     float acc[8] = {0};
     int64_t i = 0;
     for (; i + 8 <= n; i += 8)
@@ -50,7 +50,7 @@ static float dot_generic(const float *a, const float *b, int64_t n) {
 }
 
 #if defined(__x86_64__)
-__attribute__((target("avx2,fma"))) static float dot_avx2(const float *a, const float *b, int64_t n) {
+__attribute__((target("avx2,fma"), always_inline)) static inline float dot_avx2(const float *a, const float *b, int64_t n) {
     __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps();
     int64_t i = 0;
     for (; i + 16 <= n; i += 16) {
@@ -70,7 +70,7 @@ __attribute__((target("avx2,fma"))) static float dot_avx2(const float *a, const 
     return r;
 }
 
-__attribute__((target("avx512f"))) static float dot_avx512(const float *a, const float *b, int64_t n) {
+__attribute__((target("avx512f"), always_inline)) static inline float dot_avx512(const float *a, const float *b, int64_t n) {
     __m512 s0 = _mm512_setzero_ps(), s1 = _mm512_setzero_ps();
     int64_t i = 0;
     for (; i + 32 <= n; i += 32) {
@@ -100,33 +100,39 @@ EXPORT int lora_cpu_isa(void) {
     return ISA_GENERIC;
 }
 
-typedef float (*dot_fn)(const float *, const float *, int64_t);
-
-static dot_fn dot_for(int isa) {
-#if defined(__x86_64__)
-    if (isa == ISA_AVX512) return dot_avx512;
-    if (isa == ISA_AVX2) return dot_avx2;
-#endif
-    return dot_generic;
-}
-
-/* out[t] += B_s (A_s x[t]) for each adapted row; mid: K R floats of scratch. */
-static int add_lora(const lora_ctx_t *c, const float *x, int64_t m, float *out, float *mid) {
-    const dot_fn dot = dot_for(c->isa);
-    const int64_t kr = c->shards * c->rank;
-    for (int64_t t = 0; t < m; t++) {
-        const int64_t s = c->rows->slots[t];
-        if (s < 0) continue;
-        if (s >= c->slots) return E_SLOT;
-        const float *a = c->a + s * kr * c->in, *b = c->b + s * c->out * kr, *xt = x + t * c->in;
-        for (int64_t r = 0; r < kr; r++) mid[r] = dot(a + r * c->in, xt, c->in);
-        float *y = out + t * c->out;
-        for (int64_t k = 0; k < c->shards; k++) {
-            const float *mk = mid + k * c->rank;
-            for (int64_t o = c->bounds[k]; o < c->bounds[k + 1]; o++) y[o] += dot(b + o * kr + k * c->rank, mk, c->rank);
-        }
+/* out[t] += B_s (A_s x[t]) for each adapted row, one copy per kernel set (its dot products inlined:
+ * the expand's are R long, one per output column, where AVX-512's masked tail costs more than AVX2's
+ * 8-wide loop, so the AVX-512 set's expand is AVX2's). mid: K R floats of scratch. */
+#define ADD_LORA(NAME, DOT, SHORT_DOT, TARGET)                                                                        \
+    TARGET static int NAME(const lora_ctx_t *c, const float *x, int64_t m, float *out, float *mid) {        \
+        const int64_t kr = c->shards * c->rank;                                                              \
+        for (int64_t t = 0; t < m; t++) {                                                                    \
+            const int64_t s = c->rows->slots[t];                                                             \
+            if (s < 0) continue;                                                                             \
+            if (s >= c->slots) return E_SLOT;                                                                \
+            const float *a = c->a + s * kr * c->in, *b = c->b + s * c->out * kr, *xt = x + t * c->in;        \
+            for (int64_t r = 0; r < kr; r++) mid[r] = DOT(a + r * c->in, xt, c->in);                        \
+            float *y = out + t * c->out;                                                                     \
+            for (int64_t k = 0; k < c->shards; k++) {                                                        \
+                const float *mk = mid + k * c->rank, *bk = b + k * c->rank;                                  \
+                for (int64_t o = c->bounds[k]; o < c->bounds[k + 1]; o++) y[o] += SHORT_DOT(bk + o * kr, mk, c->rank); \
+            }                                                                                                \
+        }                                                                                                    \
+        return 0;                                                                                            \
     }
-    return 0;
+
+ADD_LORA(add_lora_generic, dot_generic, dot_generic, )
+#if defined(__x86_64__)
+ADD_LORA(add_lora_avx2, dot_avx2, dot_avx2, __attribute__((target("avx2,fma"))))
+ADD_LORA(add_lora_avx512, dot_avx512, dot_avx2, __attribute__((target("avx512f,avx2,fma"))))
+#endif
+
+static int add_lora(const lora_ctx_t *c, const float *x, int64_t m, float *out, float *mid) {
+#if defined(__x86_64__)
+    if (c->isa == ISA_AVX512) return add_lora_avx512(c, x, m, out, mid);
+    if (c->isa == ISA_AVX2) return add_lora_avx2(c, x, m, out, mid);
+#endif
+    return add_lora_generic(c, x, m, out, mid);
 }
 
 /* PRODUCT_ABI: the base product, then the adapters' updates. Errors: E_ROWS (the map's rows are
