@@ -88,7 +88,35 @@ __attribute__((target("avx512f"), always_inline)) static inline float dot_avx512
     }
     return _mm512_reduce_add_ps(s0);
 }
+
+/* y[o] += b[o * ldb .. + n] . m for o in [o0, o1), n a multiple of 8: eight outputs at a time,
+ * their eight partial vectors summed across lanes together (three rounds of hadd). */
+__attribute__((target("avx2,fma"), always_inline)) static inline void expand_avx2(const float *b, int64_t ldb,
+                                                                                    const float *m, int64_t n,
+                                                                                    float *y, int64_t o0, int64_t o1) {
+    int64_t o = o0;
+    if (n % 8 == 0) {
+        for (; o + 8 <= o1; o += 8) {
+            __m256 v[8];
+            for (int i = 0; i < 8; i++) v[i] = _mm256_setzero_ps();
+            for (int64_t j = 0; j < n; j += 8) {
+                const __m256 mj = _mm256_loadu_ps(m + j);
+                for (int i = 0; i < 8; i++) v[i] = _mm256_fmadd_ps(_mm256_loadu_ps(b + (o + i) * ldb + j), mj, v[i]);
+            }
+            const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+            const __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
+            const __m256 sum = _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+            _mm256_storeu_ps(y + o, _mm256_add_ps(_mm256_loadu_ps(y + o), sum));
+        }
+    }
+    for (; o < o1; o++) y[o] += dot_avx2(b + o * ldb, m, n);
+}
 #endif
+
+static inline __attribute__((always_inline)) void expand_generic(const float *b, int64_t ldb, const float *m,
+                                                                 int64_t n, float *y, int64_t o0, int64_t o1) {
+    for (int64_t o = o0; o < o1; o++) y[o] += dot_generic(b + o * ldb, m, n);
+}
 
 EXPORT int lora_cpu_isa(void) {
 #if defined(__x86_64__)
@@ -101,9 +129,9 @@ EXPORT int lora_cpu_isa(void) {
 }
 
 /* out[t] += B_s (A_s x[t]) for each adapted row, one copy per kernel set (its dot products inlined:
- * the expand's are R long, one per output column, where AVX-512's masked tail costs more than AVX2's
- * 8-wide loop, so the AVX-512 set's expand is AVX2's). mid: K R floats of scratch. */
-#define ADD_LORA(NAME, DOT, SHORT_DOT, TARGET)                                                                        \
+ * the expand's are R long, one per output column, so AVX2 takes eight columns at once; the
+ * AVX-512 set's expand is AVX2's, R being too short for 16 lanes). mid: K R floats of scratch. */
+#define ADD_LORA(NAME, DOT, EXPAND, TARGET)                                                                        \
     TARGET static int NAME(const lora_ctx_t *c, const float *x, int64_t m, float *out, float *mid) {        \
         const int64_t kr = c->shards * c->rank;                                                              \
         for (int64_t t = 0; t < m; t++) {                                                                    \
@@ -115,16 +143,16 @@ EXPORT int lora_cpu_isa(void) {
             float *y = out + t * c->out;                                                                     \
             for (int64_t k = 0; k < c->shards; k++) {                                                        \
                 const float *mk = mid + k * c->rank, *bk = b + k * c->rank;                                  \
-                for (int64_t o = c->bounds[k]; o < c->bounds[k + 1]; o++) y[o] += SHORT_DOT(bk + o * kr, mk, c->rank); \
+                EXPAND(bk, kr, mk, c->rank, y, c->bounds[k], c->bounds[k + 1]);                              \
             }                                                                                                \
         }                                                                                                    \
         return 0;                                                                                            \
     }
 
-ADD_LORA(add_lora_generic, dot_generic, dot_generic, )
+ADD_LORA(add_lora_generic, dot_generic, expand_generic, )
 #if defined(__x86_64__)
-ADD_LORA(add_lora_avx2, dot_avx2, dot_avx2, __attribute__((target("avx2,fma"))))
-ADD_LORA(add_lora_avx512, dot_avx512, dot_avx2, __attribute__((target("avx512f,avx2,fma"))))
+ADD_LORA(add_lora_avx2, dot_avx2, expand_avx2, __attribute__((target("avx2,fma"))))
+ADD_LORA(add_lora_avx512, dot_avx512, expand_avx2, __attribute__((target("avx512f,avx2,fma"))))
 #endif
 
 static int add_lora(const lora_ctx_t *c, const float *x, int64_t m, float *out, float *mid) {

@@ -67,7 +67,7 @@ def _lora_add(lora: LinearLoRA, x: torch.Tensor, y: torch.Tensor) -> int:
 @pytest.mark.parametrize("isa", ["generic", "avx2", "avx512"])
 @pytest.mark.parametrize(("shards", "d_in", "rank"), [({"q": 24, "k": 8, "v": 8}, 37, 5),
                                                       ({"gate": 40, "up": 40}, 64, 16),
-                                                      ({"down": 19}, 130, 3)])
+                                                      ({"down": 19}, 130, 3), ({"q": 21, "k": 11}, 48, 8)])
 def test_update_equals_the_torch_reference(monkeypatch, isa, shards, d_in, rank):
     """Dimensions off the vector widths (tails), ranks below the slot width, rows without an
     adapter left bit-identical, one slot without a shard."""
