@@ -74,6 +74,9 @@ class LinearLoRA:
         device = next(iter(linear.buffers()), next(iter(linear.parameters()), torch.empty(0))).device
         self.a = torch.zeros(num_slots, k * max_rank, linear.in_features, dtype=linear.dtype, device=device)
         self.b = torch.zeros(num_slots, linear.out_features, k * max_rank, dtype=linear.dtype, device=device)
+        # each output row's own shard's R columns of b ([S, out, R]), kept only once a native product
+        # asks for it (``compact_b``): what the native step's expand reads, none of b's zeros
+        self.b_compact: torch.Tensor | None = None
 
     def add(self, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         meta = self.step.meta
@@ -82,6 +85,16 @@ class LinearLoRA:
         flat = y.reshape(-1, y.shape[-1])
         self.step.backend.apply(flat, x.reshape(-1, x.shape[-1]), self.a, self.b, meta)
         return flat.view(y.shape)
+
+    def compact_b(self) -> torch.Tensor:
+        """``b`` without the block-diagonal zeros: row o holds its shard's R columns ([S, out, R]),
+        kept in step with every later ``fill``."""
+        if self.b_compact is None:
+            self.b_compact = torch.empty(self.b.shape[0], self.out_features, self.max_rank, dtype=self.b.dtype,
+                                         device=self.b.device)
+            for k, (start, end) in enumerate(self.ranges):
+                self.b_compact[:, start:end] = self.b[:, start:end, k * self.max_rank:(k + 1) * self.max_rank]
+        return self.b_compact
 
     def native_product(self, base: NativeCall) -> NativeCall | None:
         """``base`` (the layer's native product) with this layer's LoRA update added, from the
@@ -98,6 +111,9 @@ class LinearLoRA:
             self.a[slot, k * self.max_rank:k * self.max_rank + r].copy_(
                 a[:, self.in_start:self.in_start + self.in_features])
             self.b[slot, start:end, k * self.max_rank:k * self.max_rank + r].copy_(b[first:first + end - start])
+        if self.b_compact is not None:
+            for k, (start, end) in enumerate(self.ranges):
+                self.b_compact[slot, start:end] = self.b[slot, start:end, k * self.max_rank:(k + 1) * self.max_rank]
 
 
 def attach(model: torch.nn.Module, backend: AdapterBackend, num_slots: int, max_rank: int) -> dict[str, LinearLoRA]:

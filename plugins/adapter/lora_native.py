@@ -3,8 +3,9 @@ layer's adapter updates added, so that the native decode step (``lmplug.kit.nati
 LoRA engines too instead of leaving them to the Python layers.
 
 ``wrap(base, lora)`` returns a ``NativeCall`` to ``lora_product``, whose context holds the base
-product, the layer's slots (``LinearLoRA.a`` / ``.b``, filled in place: their addresses never
-change), the shards' output bounds (the expand reads only each shard's own block of B) and the
+product, the layer's slots (``LinearLoRA.a`` and ``compact_b()``: each output row's own R columns
+of B, none of a fused layer's block-diagonal zeros; filled in place, their addresses never
+change), the shards' output bounds and the
 engine's row -> slot map (``LoRAStep.native_rows``, written before every forward). The library
 is built when the native step is first planned (the first forward) by ``lmplug.kit.native_build`` (portable C, AVX2 + FMA and AVX-512F dot
 products chosen at run time; ``LMPLUG_LORA_ISA`` = ``generic`` | ``avx2`` | ``avx512`` picks one
@@ -73,7 +74,7 @@ def isa(lib: ctypes.CDLL) -> int:
 def context(lora, base: NativeCall | None, lib: ctypes.CDLL) -> tuple[_Ctx, object] | None:
     """``lora``'s (a ``LinearLoRA``) C context around ``base`` (None: ``lora_add`` alone), and
     what must stay alive with it; None where its slots are not float32 on the CPU."""
-    a, b = lora.a, lora.b
+    a, b = lora.a, lora.compact_b()
     if any(t.dtype != torch.float32 or not t.is_cpu or not t.is_contiguous() for t in (a, b)):
         return None
     bounds = torch.tensor([start for start, _ in lora.ranges] + [lora.ranges[-1][1]], dtype=torch.int64)

@@ -1,9 +1,9 @@
 /* LoRA around a linear layer's native product (lmplug.kit.native's PRODUCT_ABI), for the native
  * decode step: call the base product, then add, for each row t whose slot s = rows->slots[t] is
- * >= 0, out[t] += B_s (A_s x[t]). A rows: [S, K R, in]; B: [S, out, K R], block-diagonal over
- * the layer's K shards (shard k's output columns [bounds[k], bounds[k + 1]) read only B's columns
- * [k R, k R + R)), so the expand reads and multiplies only each shard's own R columns: the zeros
- * of the block-diagonal layout are never touched. The row -> slot map is the engine's, written
+ * >= 0, out[t] += B_s (A_s x[t]). A: [S, K R, in] (the layer's K shards' A one after another);
+ * B: [S, out, R] compact: output column o of shard k (o in [bounds[k], bounds[k + 1])) holds the
+ * R values that multiply the shrink's columns [k R, k R + R), so the expand reads no zeros of the
+ * kit's block-diagonal layout (lmplug.kit.lora). The row -> slot map is the engine's, written
  * before every forward (n = 0: no row has an adapter, the base product alone).
  *
  * Kernels: a portable dot product and AVX2 (+FMA) / AVX-512F (the shrink) ones compiled with target
@@ -138,12 +138,11 @@ EXPORT int lora_cpu_isa(void) {
             const int64_t s = c->rows->slots[t];                                                             \
             if (s < 0) continue;                                                                             \
             if (s >= c->slots) return E_SLOT;                                                                \
-            const float *a = c->a + s * kr * c->in, *b = c->b + s * c->out * kr, *xt = x + t * c->in;        \
+            const float *a = c->a + s * kr * c->in, *b = c->b + s * c->out * c->rank, *xt = x + t * c->in;  \
             for (int64_t r = 0; r < kr; r++) mid[r] = DOT(a + r * c->in, xt, c->in);                        \
             float *y = out + t * c->out;                                                                     \
             for (int64_t k = 0; k < c->shards; k++) {                                                        \
-                const float *mk = mid + k * c->rank, *bk = b + k * c->rank;                                  \
-                EXPAND(bk, kr, mk, c->rank, y, c->bounds[k], c->bounds[k + 1]);                              \
+                EXPAND(b, c->rank, mid + k * c->rank, c->rank, y, c->bounds[k], c->bounds[k + 1]);          \
             }                                                                                                \
         }                                                                                                    \
         return 0;                                                                                            \
