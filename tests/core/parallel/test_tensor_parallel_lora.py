@@ -79,7 +79,7 @@ def test_tp2_load_and_unload_at_run_time(setup, tmp_path):
     reloaded = LoRARequest("a0", 20, str(tmp_path / "x1"))  # a0's name over x1's weights
     prompt = prompt_ids(9, seed=5)
     greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-    with LLM(str(path), **ENGINE, **{"lora": {"max_loras": 2, "max_lora_rank": 16}}, **tp(2)) as llm:
+    with LLM(str(path), **ENGINE, lora={"max_loras": 2, "max_lora_rank": 16}, **tp(2)) as llm:
         engine = llm.engine
         assert llm.generate([prompt], greedy, lora=a0)[0].outputs[0].token_ids == \
             hf_greedy(p0.get_base_model(), prompt, 8)

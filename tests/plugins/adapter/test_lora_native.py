@@ -9,12 +9,11 @@ on a tiny packed GGUF model, compared as the native step's own tests compare (``
 from __future__ import annotations
 
 import ctypes
-import json
 
 import pytest
 import torch
-from safetensors.torch import save_file
 from support.gguf_fixtures import write_tiny_gguf
+from support.lora_adapters import write_adapter
 from support.native_compare import assert_same
 
 from lmplug import LLM, LoRARequest, SamplingParams
@@ -60,7 +59,7 @@ def _layer(shards: dict[str, int], d_in: int, rank: int, slots: int = 3) -> Line
 def _lora_add(lora: LinearLoRA, x: torch.Tensor, y: torch.Tensor) -> int:
     lora_native = _native()
     lib = lora_native.load()
-    ctx, keep = lora_native.context(lora, None, lib)
+    ctx, _keep = lora_native.context(lora, None, lib)  # _keep: the tensors ctx points into, alive for the call
     return lib.lora_add(ctypes.addressof(ctx), x.data_ptr(), x.shape[0], y.data_ptr())
 
 
@@ -114,20 +113,6 @@ PROMPTS = [[5, 17, 42, 99, 123, 7, 250, 31], [9, 8], [3, 1, 4, 1, 5, 9, 2, 6, 5,
 GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=3)
 
 
-def _write_adapter(folder, targets: dict[str, tuple[int, int]], rank: int, seed: int) -> None:
-    """A random adapter in PEFT's saved format over every target module."""
-    folder.mkdir(parents=True)
-    g = torch.Generator().manual_seed(seed)
-    tensors = {}
-    for module, (d_in, d_out) in targets.items():
-        tensors[f"base_model.model.{module}.lora_A.weight"] = torch.randn(rank, d_in, generator=g) / d_in ** 0.5
-        tensors[f"base_model.model.{module}.lora_B.weight"] = torch.randn(d_out, rank, generator=g) * 0.3
-    save_file(tensors, str(folder / "adapter_model.safetensors"))
-    (folder / "adapter_config.json").write_text(json.dumps({
-        "peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "bias": "none",
-        "target_modules": sorted({m.rpartition(".")[2] for m in targets})}))
-
-
 @pytest.mark.skipif(fused_cpu.library() is None, reason="no C compiler: no native step")
 def test_native_step_serves_adapters(tmp_path, monkeypatch):
     """Three adapters (ranks 4, 8, 8) over two slots and the base in one batch (groups, slot
@@ -149,7 +134,7 @@ def test_native_step_serves_adapters(tmp_path, monkeypatch):
         with LLM(str(path), **ENGINE) as llm:
             if not outs:
                 for k, rank in enumerate((4, 8, 8)):
-                    _write_adapter(tmp_path / f"a{k}", llm.engine.adapters.targets, rank, seed=k)
+                    write_adapter(tmp_path / f"a{k}", llm.engine.adapters.targets, rank, seed=k, scale=0.3)
             loras = [LoRARequest(f"a{k}", k + 1, str(tmp_path / f"a{k}")) for k in range(3)]
             outs[native] = [o.outputs[0] for o in llm.generate(PROMPTS, GREEDY, lora=[*loras, None])]
             base = [o.outputs[0] for o in llm.generate(PROMPTS[:3], GREEDY)]
