@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 from support.hf_models import get_model, hf_greedy, one_torch_thread, prompt_ids  # noqa: F401
 from support.lora_adapters import ATTENTION, make_adapter
-from support.tensor_parallel import ENGINE, PROMPTS, assert_same, save_model, tp
+from support.tensor_parallel import ENGINE, assert_same, run, save_model, tp
 
 from lmplug import LLM, LoRARequest, SamplingParams
 
@@ -27,20 +27,6 @@ def _adapters(hf, root):
         peft = make_adapter(hf, path, rank=rank, seed=70 + k, targets=ATTENTION if k == 1 else None)
         out.append((LoRARequest(f"a{k}", k + 1, str(path)), peft))
     return out
-
-
-def _run(llm: LLM, loras, max_tokens: int = 8):
-    """Greedy tokens, their logprobs and the first prompt's prompt logprobs, per prompt."""
-    params = [SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, logprobs=1,
-                             prompt_logprobs=1 if i == 0 else None) for i in range(len(PROMPTS))]
-    result = []
-    for out in llm.generate(PROMPTS, params, lora=loras):
-        c = out.outputs[0]
-        lps = [entry[t].logprob for entry, t in zip(c.logprobs, c.token_ids)]
-        plp = None if out.prompt_logprobs is None else [
-            None if e is None else e[t].logprob for e, t in zip(out.prompt_logprobs, out.prompt_token_ids)]
-        result.append((c.token_ids, lps, plp))
-    return result
 
 
 @pytest.fixture(scope="module", params=["llama_gqa", pytest.param("llama_mqa", marks=pytest.mark.slow)])
@@ -64,9 +50,9 @@ def test_tp2_mixed_adapters_match_tp1(setup):
     a0, a1, a2 = (r for r, _ in adapters)
     loras = [a0, a1, None, a2, a0]  # three adapters and the base in every step
     with LLM(str(path), **ENGINE, **LORA) as single:
-        expected = _run(single, loras)
+        expected = run(single, 8, loras)
     with LLM(str(path), **ENGINE, **LORA, **tp(2)) as parallel:
-        assert_same(expected, _run(parallel, loras))
+        assert_same(expected, run(parallel, 8, loras))
 
 
 def test_tp2_load_and_unload_at_run_time(setup, tmp_path):
