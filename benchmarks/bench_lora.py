@@ -1,12 +1,15 @@
 """Many LoRA adapters at once: decode throughput at 16 concurrent requests spread over 1, 4 and 16
 adapters, against the base model alone and against one merged engine per adapter.
 
-    python benchmarks/bench_lora.py [--layers 30] [--rank 8] [--requests 16] [--tokens 32] [--threads 2]
+    python benchmarks/bench_lora.py [--model dense|demo] [--layers 30] [--rank 8] [--requests 16]
+                                    [--tokens 32] [--threads 2]
 
-The model is a random Llama in SmolLM2-135M's shape (hidden 576, 9 heads over 3 KV heads, MLP
-1536; ``--layers`` of them), float32 on the CPU, saved as an HF folder; each adapter a random PEFT
-adapter of rank ``--rank`` on every attention and MLP projection. Configurations, one process,
-one after another:
+``--model dense`` (default): a random Llama in SmolLM2-135M's shape (hidden 576, 9 heads over 3
+KV heads, MLP 1536; ``--layers`` of them), float32 on the CPU, saved as an HF folder (the Python
+layers). ``--model demo``: the demo model's packed GGUF (``lmplug models pull
+smollm2-135m-instruct``) in the default config (packed blocks, the native decode step: with LoRA,
+the adapter plugin's C product around each layer's). Each adapter a random PEFT adapter of rank
+``--rank`` on every attention and MLP projection. Configurations, one process, one after another:
 
 - base: the model without a ``lora:`` section, 16 requests;
 - lora/base rows: the same requests on the LoRA engine, none with an adapter (the cost of the
@@ -14,11 +17,15 @@ one after another:
 - lora xN: the 16 requests spread round-robin over N adapters (one batch, ``max_loras`` 16);
 - merged xN: each adapter merged into a copy of the weights (W + scale B A), one engine per
   adapter serving its share of the requests, engines one after another (load time not counted).
+  On the demo GGUF a merged engine would be the same packed types and shapes as the base (a
+  merged GGUF re-quantized), so the base engine serving each share in turn stands for it.
 
-The first four run in interleaved rounds (``--repeats``), best of each, as do each merged engine's.
+The first five run in interleaved rounds (``--repeats``), the median of each, as do each merged engine's.
 
 Decode tokens/s counts the tokens of steps in which no sequence is in its prompt, over those
-steps' time. The load average is printed before and after: the machine is shared.
+steps' time (``--clock cpu``: this process's CPU time, which on a loaded machine with
+``--threads 1`` measures the work where wall time mostly measures the other jobs). The load
+average is printed before and after: the machine is shared.
 """
 
 from __future__ import annotations
@@ -28,6 +35,7 @@ import json
 import math
 import os
 import shutil
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -35,6 +43,8 @@ from pathlib import Path
 import torch
 
 from lmplug import LLM, LoRARequest, SamplingParams
+
+DEMO = "smollm2-135m-instruct"
 
 SHAPE = {"vocab_size": 49152, "hidden_size": 576, "intermediate_size": 1536, "num_attention_heads": 9,
          "num_key_value_heads": 3, "max_position_embeddings": 2048, "rms_norm_eps": 1e-5,
@@ -52,25 +62,21 @@ def make_model(root: Path, layers: int) -> Path:
     return path
 
 
-def make_adapter(base: Path, folder: Path, rank: int, seed: int) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-    """A random adapter in PEFT's saved format; returns module -> (A, B * scale) for merging."""
-    from safetensors import safe_open
+def make_adapter(targets: dict[str, tuple[int, int]], folder: Path, rank: int,
+                 seed: int) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """A random adapter in PEFT's saved format over ``targets`` (module -> (in, out), the engine's
+    ``adapters.targets``); returns module -> (A, B * scale) for merging."""
     from safetensors.torch import save_file
 
     folder.mkdir(parents=True)
     g = torch.Generator().manual_seed(seed)
     tensors, deltas = {}, {}
-    with safe_open(str(base / "model.safetensors"), "pt") as f:
-        for name in f.keys():  # noqa: SIM118 (safe_open is not iterable)
-            module = name.removesuffix(".weight")
-            if module.rpartition(".")[2] not in TARGETS:
-                continue
-            d_out, d_in = f.get_slice(name).get_shape()
-            a = torch.randn(rank, d_in, generator=g) / math.sqrt(d_in)
-            b = torch.randn(d_out, rank, generator=g) * 0.02
-            tensors[f"base_model.model.{module}.lora_A.weight"] = a
-            tensors[f"base_model.model.{module}.lora_B.weight"] = b
-            deltas[module] = (a, b * 2.0)  # lora_alpha = 2 r
+    for module, (d_in, d_out) in sorted(targets.items()):
+        a = torch.randn(rank, d_in, generator=g) / math.sqrt(d_in)
+        b = torch.randn(d_out, rank, generator=g) * 0.02
+        tensors[f"base_model.model.{module}.lora_A.weight"] = a
+        tensors[f"base_model.model.{module}.lora_B.weight"] = b
+        deltas[module] = (a, b * 2.0)  # lora_alpha = 2 r
     save_file(tensors, str(folder / "adapter_model.safetensors"))
     (folder / "adapter_config.json").write_text(json.dumps(
         {"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": TARGETS, "bias": "none"}))
@@ -88,8 +94,13 @@ def merged_copy(base: Path, folder: Path, deltas) -> Path:
     return folder
 
 
+CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
+clock = CLOCKS["wall"]
+
+
 def decode_rate(llm: LLM, prompts: list[list[int]], loras: list, tokens: int) -> tuple[float, int]:
-    """(decode tokens/s, decode tokens) of one batch of requests run to completion."""
+    """(decode tokens/s, decode tokens) of one batch of requests run to completion (seconds of
+    ``clock``: wall, or this process's CPU time)."""
     engine = llm.engine
     params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
     for k, (prompt, lora) in enumerate(zip(prompts, loras)):
@@ -98,16 +109,17 @@ def decode_rate(llm: LLM, prompts: list[list[int]], loras: list, tokens: int) ->
     while engine.has_unfinished_requests():
         seqs = [s for s in engine.requests.sequences() if not s.is_finished]
         decoding = not any(s.is_prefill for s in seqs)
-        started = time.perf_counter()
+        started = clock()
         engine.step()
         if decoding:
-            spent += time.perf_counter() - started
+            spent += clock() - started
             produced += len(seqs)
     return produced / spent, produced
 
 
 def main() -> None:
     p = argparse.ArgumentParser()
+    p.add_argument("--model", choices=("dense", "demo"), default="dense")
     p.add_argument("--layers", type=int, default=30)
     p.add_argument("--rank", type=int, default=8)
     p.add_argument("--requests", type=int, default=16)
@@ -115,49 +127,70 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--backend", default="torch")
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--clock", choices=tuple(CLOCKS), default="wall",
+                   help="cpu: per CPU-second of this process (with --threads 1: the work done, what a "
+                        "loaded machine's waits do not change)")
     a = p.parse_args()
+    global clock
+    clock = CLOCKS[a.clock]
     torch.set_num_threads(a.threads)
     print(f"loadavg before: {Path('/proc/loadavg').read_text().strip()}  (a shared machine: other jobs run)")
     root = Path(tempfile.mkdtemp(prefix="bench-lora-"))
     try:
-        base = make_model(root, a.layers)
-        deltas = [make_adapter(base, root / f"a{k}", a.rank, k) for k in range(16)]
-        g = torch.Generator().manual_seed(1)
-        prompts = [torch.randint(3, SHAPE["vocab_size"], (16,), generator=g).tolist() for _ in range(a.requests)]
-        common = {"dtype": "float32", "device": "cpu", "max_model_len": 256,
-                  "scheduler": {"backend": "continuous", "max_num_seqs": a.requests}}
-        rows: dict[str, float] = {}
+        if a.model == "demo":
+            from lmplug.loading.cache import pull
+
+            base = Path(pull(DEMO))
+            common = {"device": "cpu", "max_model_len": 256}  # otherwise the default config
+        else:
+            base = make_model(root, a.layers)
+            common = {"dtype": "float32", "device": "cpu", "max_model_len": 256}
+        common["scheduler"] = {"backend": "continuous", "max_num_seqs": a.requests}
         lora_cfg = {"backend": a.backend, "max_loras": 16, "max_lora_rank": a.rank}
-        requests = [LoRARequest(f"a{k}", k + 1, str(root / f"a{k}")) for k in range(16)]
         plain, served = LLM(str(base), **common), LLM(str(base), lora=lora_cfg, **common)
+        deltas = [make_adapter(served.engine.adapters.targets, root / f"a{k}", a.rank, k) for k in range(16)]
+        g = torch.Generator().manual_seed(1)
+        vocab = served.engine.model_config.vocab_size
+        prompts = [torch.randint(3, vocab, (16,), generator=g).tolist() for _ in range(a.requests)]
+        requests = [LoRARequest(f"a{k}", k + 1, str(root / f"a{k}")) for k in range(16)]
         configs = {"base": (plain, [None] * a.requests), "lora/base rows": (served, [None] * a.requests)}
         for n in (1, 4, 16):
             configs[f"lora x{n}"] = (served, [requests[i % n] for i in range(a.requests)])
         for llm, loras in configs.values():  # warm-up (and every adapter read once)
             decode_rate(llm, prompts, loras, 2)
-        for _ in range(a.repeats):  # interleaved rounds, best of each: the machine is shared
+        runs: dict[str, list[float]] = {name: [] for name in configs}
+        for _ in range(a.repeats):  # interleaved rounds, medians: the machine is shared
             for name, (llm, loras) in configs.items():
-                rows[name] = max(rows.get(name, 0.0), decode_rate(llm, prompts, loras, a.tokens)[0])
-        plain.close()
+                runs[name].append(decode_rate(llm, prompts, loras, a.tokens)[0])
+        rows = {name: statistics.median(rates) for name, rates in runs.items()}
+        for name, llm in (("base", plain), ("lora", served)):
+            print(f"{name} engine: native decode step {'on' if llm.engine.parts.model._native_step else 'off'}")
         served.close()
         for name in configs:
-            print(f"{name:<22} {rows[name]:8.1f} decode tok/s  (best of {a.repeats})", flush=True)
+            print(f"{name:<22} {rows[name]:8.1f} decode tok/s  (median of {a.repeats}: "
+                  f"{', '.join(f'{r:.1f}' for r in runs[name])})", flush=True)
         for n in (1, 4, 16):
             spent, produced = 0.0, 0
             for k in range(n):
                 share = [p for i, p in enumerate(prompts) if i % n == k]
-                folder = merged_copy(base, root / f"merged{k}", deltas[k])
-                with LLM(str(folder), **common) as llm:
-                    decode_rate(llm, share, [None] * len(share), 2)
-                    rate = max(decode_rate(llm, share, [None] * len(share), a.tokens)[0] for _ in range(a.repeats))
-                shutil.rmtree(folder)
+                if a.model == "demo":  # a merged GGUF runs as the base does (module docstring)
+                    rate = statistics.median(decode_rate(plain, share, [None] * len(share), a.tokens)[0]
+                                             for _ in range(a.repeats))
+                else:
+                    folder = merged_copy(base, root / f"merged{k}", deltas[k])
+                    with LLM(str(folder), **common) as llm:
+                        decode_rate(llm, share, [None] * len(share), 2)
+                        rate = statistics.median(decode_rate(llm, share, [None] * len(share), a.tokens)[0]
+                                                 for _ in range(a.repeats))
+                    shutil.rmtree(folder)
                 got = len(share) * (a.tokens - 1)
                 spent, produced = spent + got / rate, produced + got
             rows[f"merged x{n}"] = produced / spent
             print(f"{'merged x' + str(n):<22} {produced / spent:8.1f} decode tok/s  (one engine per adapter "
-                  f"with its {a.requests // n} requests, one after another; best of {a.repeats} each)", flush=True)
+                  f"with its {a.requests // n} requests, one after another; median of {a.repeats} each)", flush=True)
+        plain.close()
         base_rate = rows["base"]
-        print("\nratio to base:")
+        print(f"\nratio to base ({a.model}, {a.clock} clock, {a.threads} threads):")
         for name, rate in rows.items():
             print(f"  {name:<20} {rate / base_rate:5.2f}x")
     finally:

@@ -6,6 +6,12 @@ them against the model (``lmplug.loading.peft``); their weights stay in host mem
 ``max_cpu_loras`` (least recently used dropped, read again from the folder when asked for). The
 ``max_loras`` device slots hold the adapters the latest steps used, least recently used evicted.
 A step whose rows ask for more adapters than there are slots runs in groups (``groups``).
+
+Under tensor parallelism rank 0 decides (which adapters are known, which slot holds which) and
+each step's message to the workers carries ``take_message()``: the slots rank 0 filled since the
+last step (slot, ``LoRARequest``) and the per-token slot map; a worker's ``replay`` fills the same
+slots with its shard of each adapter (read from the adapter's folder on that rank) and sets the
+map. So loading and unloading at run time reach the workers with the first step that uses them.
 """
 
 from __future__ import annotations
@@ -42,14 +48,19 @@ class Adapters:
             raise ConfigError("lora: this model's architecture has no linear layers LoRA can adapt "
                               "(the transformers fallback has none): remove the lora: section")
         self.step = model.lora_step
-        self.targets = {prefix: (lin.in_features, end - start)
+        # the checkpoint's sizes (under tensor parallelism too: adapters are read whole, then sharded)
+        self.targets = {prefix: (lin.full_in, lin.full_out[k])
                         for prefix, lin in self.layers.items()
-                        for p, (start, end) in zip(lin.prefixes, lin.ranges) if p == prefix}
+                        for k, p in enumerate(lin.prefixes) if p == prefix}
         # replaced, never changed in place: the server's event loop reads it while the engine
         # thread loads and unloads
         self.known: dict[str, LoRARequest] = {}
         self._host: OrderedDict[str, HostAdapter] = OrderedDict()
         self._slots: OrderedDict[str, int] = OrderedDict()  # resident adapter -> slot, LRU first
+        tp = getattr(model, "tp", None)
+        self._sends = tp is not None and tp.is_parallel and tp.rank == 0  # rank 0 of a TP group
+        self._filled: list[tuple[int, LoRARequest]] = []  # slots filled since ``take_message``
+        self._token_slots: list[int] | None = None  # this step's map (None: no step set)
 
     # -- which adapters --------------------------------------------------------------------------
     def add(self, request: LoRARequest) -> None:
@@ -104,10 +115,28 @@ class Adapters:
         wanted = {name for name, _ in rows if name is not None}
         for name, n in rows:
             slots.extend([-1 if name is None else self._slot(name, wanted)] * n)
+        self._token_slots = slots
         self.step.set(slots, device)
 
     def clear_step(self) -> None:
+        self._token_slots = None
         self.step.set(None, torch.device("cpu"))
+
+    # -- tensor parallelism ----------------------------------------------------------------------
+    def take_message(self) -> tuple[list[tuple[int, LoRARequest]], list[int] | None]:
+        """What the workers need for this step (module docstring); the fills are handed over once."""
+        filled, self._filled = self._filled, []
+        return filled, self._token_slots
+
+    def replay(self, message: tuple[list[tuple[int, LoRARequest]], list[int] | None], device: torch.device) -> None:
+        """A worker: rank 0's fills, then its token -> slot map (None: the base model)."""
+        filled, token_slots = message
+        for slot, request in filled:
+            if self.known.get(request.lora_name) != request:  # new, or unloaded and loaded again
+                self._host.pop(request.lora_name, None)
+                self.known = {**self.known, request.lora_name: request}
+            self._fill(slot, request.lora_name)
+        self.step.set(token_slots, device)
 
     def _slot(self, name: str, wanted: set[str]) -> int:
         slot = self._slots.get(name)
@@ -120,13 +149,18 @@ class Adapters:
         else:
             victim = next(n for n in self._slots if n not in wanted)
             slot = self._slots.pop(victim)
+        self._fill(slot, name)
+        self._slots[name] = slot
+        if self._sends:
+            self._filled.append((slot, self.known[name]))
+        return slot
+
+    def _fill(self, slot: int, name: str) -> None:
         adapter = self._host_copy(name)
         for prefix, lin in self.layers.items():
             if prefix != lin.prefixes[0]:
                 continue  # a fused layer: filled once, from all of its shards
             lin.fill(slot, {k: adapter.modules[p] for k, p in enumerate(lin.prefixes) if p in adapter.modules})
-        self._slots[name] = slot
-        return slot
 
     # -- host copies -----------------------------------------------------------------------------
     def _host_copy(self, name: str) -> HostAdapter:

@@ -174,7 +174,7 @@ def build_engine_parts(resolved: ResolvedConfig, parallel: ParallelState | None 
         if not plan.cpu.native_step and hasattr(model, "allow_native_step"):
             model.allow_native_step(False)
         build_cpu_kernels()
-    adapters = _adapters(backends, model, parallel)
+    adapters = _adapters(backends, model)
 
     sched_opts = backends["scheduler"].options
     # state layers (linear attention, SSM) keep a fixed-size state per sequence; the K/V cache
@@ -218,15 +218,11 @@ def build_engine_parts(resolved: ResolvedConfig, parallel: ParallelState | None 
                        pooling=pooling, adapters=adapters)
 
 
-def _adapters(backends, model: torch.nn.Module, parallel: ParallelState) -> Adapters | None:
-    """The LoRA slots in the model's linear layers, when the ``lora:`` section is set."""
+def _adapters(backends, model: torch.nn.Module) -> Adapters | None:
+    """The LoRA slots in the model's linear layers, when the ``lora:`` section is set (on every
+    tensor-parallel rank: each holds its shard of the adapters)."""
     if "lora" not in backends:
         return None
-    if parallel.is_parallel:
-        raise ConfigError("lora: LoRA adapters with tensor parallelism (parallel.tensor_parallel_size > 1) "
-                          "are not supported yet")
-    if hasattr(model, "allow_native_step"):
-        model.allow_native_step(False)  # the one-C-call decode step has no LoRA: the Python layers do
     chosen = backends["lora"]
     return Adapters(chosen.cls(chosen.options), chosen.options, model)
 

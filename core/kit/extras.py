@@ -3,7 +3,7 @@
 The core's fastest CPU paths need more of a backend than its family's interface: a quant
 method that keeps checkpoint blocks packed (GGUF), runs its products on threads of its own,
 or hands the native decode step a C function; an attention backend with a native decode or
-a leading run of short queries. Each is a mixin here: a backend lists it among its bases and
+a leading run of short queries; an adapter backend with a native LoRA product. Each is a mixin here: a backend lists it among its bases and
 implements its methods; the core asks through the functions below, which answer "no" for a
 backend without the mixin (the Python path, the reference, stays).
 """
@@ -77,6 +77,18 @@ class NativeDecode(ABC):
         not read. The function must give what ``forward`` gives, to float rounding."""
 
 
+class NativeLoRA(ABC):
+    """An adapter backend that wraps a linear layer's native product with the layer's LoRA update."""
+
+    @abstractmethod
+    def native_lora(self, base: NativeCall, lora: object) -> NativeCall | None:
+        """A ``PRODUCT_ABI`` function that calls ``base`` and then adds ``b[s] @ (a[s] @ x[t])``
+        for each row t whose slot s (``lora.step.native_rows``, the engine's row -> slot map:
+        ``lmplug.kit.lora``) is >= 0, over ``lora``'s slots (a ``LinearLoRA``), or None: the
+        step keeps the Python path. Asked once per adapted layer when the native decode step is
+        planned; the result must give what ``apply`` gives after ``base``, to float rounding."""
+
+
 class ShortQueries:
     """An attention backend that reads a step's leading run of short queries as decode rows."""
 
@@ -94,6 +106,10 @@ def own_threads(quant: object, device: torch.device) -> bool:
 
 def native_product(quant: object, layer: torch.nn.Module) -> NativeCall | None:
     return quant.native_product(layer) if isinstance(quant, NativeProduct) else None
+
+
+def native_lora(backend: object, base: NativeCall, lora: object) -> NativeCall | None:
+    return backend.native_lora(base, lora) if isinstance(backend, NativeLoRA) else None
 
 
 def native_decode(backend: object, ctx: StepContext, views: list[KVLayerView]) -> NativeCall | None:

@@ -105,6 +105,8 @@ class NativeDecodeStep:
             products = []
             for linear in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
                 call = extras.native_product(linear.quant, linear)
+                if call is not None and linear.lora is not None:  # LoRA slots: the adapter plugin's product
+                    call = linear.lora.native_product(call)
                 if call is None:
                     return None
                 products.append(call)

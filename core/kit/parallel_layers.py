@@ -47,7 +47,11 @@ class RowParallelLinear(Linear, RowShard):
         self.tp = tp
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.tp.all_reduce(self.quant.apply(self, x))
+        y = self.quant.apply(self, x)
+        lora = self.__dict__["lora"]
+        if lora is not None:  # this rank's partial LoRA update, summed by the same all-reduce
+            y = lora.add(y, x)
+        return self.tp.all_reduce(y)
 
 
 class VocabParallelEmbedding(torch.nn.Module, VocabShard):

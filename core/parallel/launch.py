@@ -187,10 +187,12 @@ class WorkerGroup:
 
     def run_step(self, runner, input_ids: torch.Tensor, ctx, groups: list):
         """Broadcast the step's inputs (and the KV copies rank 0's cache made since the last
-        step, which every rank repeats first), then run rank 0's shard of it (``ModelRunner.run``)."""
+        step, which every rank repeats first; with LoRA, the adapter slots filled and each token's
+        slot: ``Adapters.take_message``), then run rank 0's shard of it (``ModelRunner.run``)."""
         self.check()
         try:
-            self._send((input_ids.cpu(), ctx_to(ctx, "cpu"), groups, take_copies(runner.kv)))
+            lora = runner.adapters.take_message() if runner.adapters is not None else None
+            self._send((input_ids.cpu(), ctx_to(ctx, "cpu"), groups, take_copies(runner.kv), lora))
             return runner.run(input_ids, ctx, groups)
         except BaseException as exc:  # Ctrl-C mid-step too: the ranks are out of step
             error = self._step_error(exc)

@@ -3,7 +3,7 @@
 The worker re-resolves the engine config it was given and builds the same parts as rank 0
 (the payload's ``build``, which the engine hands ``setup.start``, with its ``ParallelState``:
 local heads, its slice of every weight, a KV cache with its KV heads only). Then, until the stop message: receive the step's inputs (input ids,
-``StepContext``, the rows that need logits) broadcast by rank 0 and run ``ModelRunner.run`` on
+``StepContext``, the rows that need logits, LoRA slots) broadcast by rank 0 and run ``ModelRunner.run`` on
 them; the row-parallel all-reduces and the logits gather meet rank 0's. A failure is sent to rank
 0 (through a pipe) before the process exits; a worker whose parent dies exits within a second.
 """
@@ -54,9 +54,11 @@ def serve(state, payload: dict, receive=None) -> None:
         msg = receive()  # EOFError when rank 0 is gone
         if msg is STOP:
             break
-        input_ids, ctx, groups, copies = msg
+        input_ids, ctx, groups, copies, lora = msg
         if copies is not None:  # rank 0's cache copied blocks or rows (beam forks): the same here
             parts.kv.apply_copies(copies)
+        if lora is not None:  # rank 0's adapter slots and this step's token -> slot map
+            runner.adapters.replay(lora, device)
         runner.run(input_ids.to(device), ctx_to(ctx, device), groups)
     leave_group()
 

@@ -2,7 +2,8 @@
 
 Decode batches over many adapters gather each token's A and B and run two batched products;
 other steps (prefill chunks, a few adapters) take one shrink and one expand per slot over its
-tokens. Any device torch runs on; rows without an adapter are never touched.
+tokens. Any device torch runs on; rows without an adapter are never touched. On the CPU it also
+hands the native decode step a C product per adapted layer (``lora_native``).
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from lmplug.api import AdapterBackend, Capabilities
+from lmplug.kit.extras import NativeLoRA
 
 # a step of at most GATHER_TOKENS tokens over more than GROUPED_SLOTS adapters gathers each token's
 # own A and B (one bmm each); otherwise one shrink and one expand per adapter over its tokens
@@ -17,9 +19,15 @@ GATHER_TOKENS = 16
 GROUPED_SLOTS = 4
 
 
-class TorchLoRA(AdapterBackend):
+class TorchLoRA(AdapterBackend, NativeLoRA):
     name = "torch"
     capabilities = Capabilities(devices=frozenset({"cpu", "cuda"}), priority=10)
+
+    def native_lora(self, base, lora):
+        """The native decode step's product of an adapted layer (``lora_native``: C, float32 CPU)."""
+        from lmplug_adapter import lora_native
+
+        return lora_native.wrap(base, lora)
 
     def prepare(self, token_slots: torch.Tensor, token_slots_cpu: list[int]) -> object:
         groups: dict[int, list[int]] = {}

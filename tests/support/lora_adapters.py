@@ -8,6 +8,7 @@ PEFT starts B at zero (the adapter would change nothing); both A and B are drawn
 from __future__ import annotations
 
 import copy
+import json
 from pathlib import Path
 
 import torch
@@ -39,3 +40,22 @@ def make_adapter(hf, path: Path, *, rank: int, seed: int, targets: list[str] | N
 def merged(peft_model):
     """The base model with the adapter merged into its weights (PEFT's ``merge_and_unload``)."""
     return copy.deepcopy(peft_model).merge_and_unload().eval()
+
+
+def write_adapter(folder: Path, targets: dict[str, tuple[int, int]], rank: int = 8, seed: int = 0,
+                  scale: float = 0.05) -> None:
+    """A random adapter in PEFT's saved format (keys ``base_model.model.<module>.lora_A.weight``)
+    over ``targets`` (module -> (in, out): an engine's ``adapters.targets``), without a PEFT model
+    (the GGUF checkpoints have none)."""
+    from safetensors.torch import save_file
+
+    folder.mkdir(parents=True, exist_ok=True)
+    g = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for module, (d_in, d_out) in targets.items():
+        tensors[f"base_model.model.{module}.lora_A.weight"] = torch.randn(rank, d_in, generator=g) / d_in ** 0.5
+        tensors[f"base_model.model.{module}.lora_B.weight"] = torch.randn(d_out, rank, generator=g) * scale
+    save_file(tensors, str(folder / "adapter_model.safetensors"))
+    (folder / "adapter_config.json").write_text(json.dumps({
+        "peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "bias": "none", "use_dora": False,
+        "target_modules": sorted({m.rpartition(".")[2] for m in targets})}))

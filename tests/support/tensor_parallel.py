@@ -21,11 +21,12 @@ def tp(n: int) -> dict:
     return {"parallel": {"tensor_parallel_size": n}}
 
 
-def run(llm: LLM, max_tokens: int = 10):
-    """Greedy outputs of every prompt: (token ids, logprob of each, prompt logprobs of the first)."""
+def run(llm: LLM, max_tokens: int = 10, lora=None):
+    """Greedy outputs of every prompt: (token ids, logprob of each, prompt logprobs of the first).
+    ``lora``: a ``LoRARequest`` per prompt (None: the base model)."""
     params = [SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, logprobs=2,
                              prompt_logprobs=1 if i == 0 else None) for i in range(len(PROMPTS))]
-    outs = llm.generate(PROMPTS, params)
+    outs = llm.generate(PROMPTS, params, lora=lora)
     result = []
     for out in outs:
         c = out.outputs[0]

@@ -6,31 +6,15 @@ packed base model is from the dequantized base."""
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
-from safetensors.torch import save_file
 from support.hf_models import one_torch_thread  # noqa: F401
+from support.lora_adapters import write_adapter
 
 from lmplug import LLM, LoRARequest, SamplingParams
 
 PROMPT = "The river had been rising for three days before anyone in the village thought to move the grain."
 LORA = {"max_loras": 2, "max_lora_rank": 8}
-
-
-def write_adapter(folder, targets: dict[str, tuple[int, int]], rank: int = 8, seed: int = 0) -> None:
-    """A random adapter in PEFT's saved format (keys ``base_model.model.<module>.lora_A.weight``)."""
-    folder.mkdir(parents=True, exist_ok=True)
-    g = torch.Generator().manual_seed(seed)
-    tensors = {}
-    for module, (d_in, d_out) in targets.items():
-        tensors[f"base_model.model.{module}.lora_A.weight"] = torch.randn(rank, d_in, generator=g) / d_in ** 0.5
-        tensors[f"base_model.model.{module}.lora_B.weight"] = torch.randn(d_out, rank, generator=g) * 0.05
-    save_file(tensors, str(folder / "adapter_model.safetensors"))
-    (folder / "adapter_config.json").write_text(json.dumps({
-        "peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "bias": "none", "use_dora": False,
-        "target_modules": sorted({m.rpartition(".")[2] for m in targets})}))
 
 
 def prompt_logprobs(llm, ids, lora) -> torch.Tensor:

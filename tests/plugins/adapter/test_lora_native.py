@@ -1,0 +1,146 @@
+"""The native CPU LoRA product (``lmplug_adapter.lora_native``, ``csrc/lora_cpu.c``).
+
+References: the torch backend's ``apply`` (the family's reference, itself PEFT-parity tested in
+``tests/core/adapters/test_lora_parity.py``) for the update alone, with every kernel set this CPU
+runs; and, for whole engines, the same LoRA engine with the Python layers (``LMPLUG_NATIVE_STEP=0``)
+on a tiny packed GGUF model, compared as the native step's own tests compare (``assert_same``).
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import pytest
+import torch
+from support.gguf_fixtures import write_tiny_gguf
+from support.lora_adapters import write_adapter
+from support.native_compare import assert_same
+
+from lmplug import LLM, LoRARequest, SamplingParams
+from lmplug.interfaces.adapter import AdapterOptions
+from lmplug.interfaces.quant import Unquantized
+from lmplug.kit import fused_cpu
+from lmplug.kit.layers import Linear
+from lmplug.kit.lora import LinearLoRA, LoRAStep
+from lmplug.kit.native_step import NativeDecodeStep
+
+
+def _native():
+    from lmplug_adapter import lora_native
+
+    return lora_native
+
+
+def _isas() -> list[str]:
+    lora_native = _native()
+    return list(lora_native.ISAS[:lora_native.load().lora_cpu_isa() + 1])
+
+
+def _layer(shards: dict[str, int], d_in: int, rank: int, slots: int = 3) -> LinearLoRA:
+    """A fused layer's LoRA slots, each slot a random adapter over some of its shards (ranks 1 to
+    ``rank``; one slot leaves a shard out)."""
+    from lmplug_adapter.torch_lora import TorchLoRA
+
+    linear = Linear(d_in, shards, bias=False, dtype=torch.float32, quant=Unquantized())
+    step = LoRAStep(TorchLoRA(AdapterOptions(max_loras=slots, max_lora_rank=rank)))
+    lora = LinearLoRA(linear, list(shards), step, slots, rank)
+    g = torch.Generator().manual_seed(0)
+    for s in range(slots):
+        given = {}
+        for k, size in enumerate(shards.values()):
+            if s == 1 and k == 1:
+                continue
+            r = 1 + (s + k) % rank
+            given[k] = (torch.randn(r, d_in, generator=g), torch.randn(size, r, generator=g))
+        lora.fill(s, given)
+    return lora
+
+
+def _lora_add(lora: LinearLoRA, x: torch.Tensor, y: torch.Tensor) -> int:
+    lora_native = _native()
+    lib = lora_native.load()
+    ctx, _keep = lora_native.context(lora, None, lib)  # _keep: the tensors ctx points into, alive for the call
+    return lib.lora_add(ctypes.addressof(ctx), x.data_ptr(), x.shape[0], y.data_ptr())
+
+
+@pytest.mark.parametrize("isa", ["generic", "avx2", "avx512"])
+@pytest.mark.parametrize(("shards", "d_in", "rank"), [({"q": 24, "k": 8, "v": 8}, 37, 5),
+                                                      ({"gate": 40, "up": 40}, 64, 16),
+                                                      ({"down": 19}, 130, 3), ({"q": 21, "k": 11}, 48, 8)])
+def test_update_equals_the_torch_reference(monkeypatch, isa, shards, d_in, rank):
+    """Dimensions off the vector widths (tails), ranks below the slot width, rows without an
+    adapter left bit-identical, one slot without a shard."""
+    if isa not in _isas():
+        pytest.skip(f"this CPU does not run {isa}")
+    monkeypatch.setenv("LMPLUG_LORA_ISA", isa)
+    lora = _layer(shards, d_in, rank)
+    token_slots = [-1, 0, 2, 1, 0, -1, 2, 1]
+    lora.step.set(token_slots, torch.device("cpu"))
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(len(token_slots), d_in, generator=g)
+    base = torch.randn(len(token_slots), lora.out_features, generator=g)
+    want = base.clone()
+    lora.step.backend.apply(want, x, lora.a, lora.b, lora.step.meta)
+    got = base.clone()
+    assert _lora_add(lora, x, got) == 0
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    keep = torch.tensor([s < 0 for s in token_slots])
+    assert torch.equal(got[keep], base[keep])
+    assert not torch.allclose(got[~keep], base[~keep])
+
+
+def test_errors_are_reported():
+    lora = _layer({"q": 8}, 16, 4)
+    x, y = torch.zeros(3, 16), torch.zeros(3, 8)
+    lora.step.set([0, -1], torch.device("cpu"))
+    assert _lora_add(lora, x, y) == -201  # the map has 2 rows, the product 3
+    lora.step.set([0, 7, -1], torch.device("cpu"))
+    assert _lora_add(lora, x, y) == -202  # slot 7 of 3
+    assert -201 in _native().ERRORS and -202 in _native().ERRORS
+
+
+def test_unknown_isa_is_refused(monkeypatch):
+    monkeypatch.setenv("LMPLUG_LORA_ISA", "sse9")
+    with pytest.raises(ValueError, match="LMPLUG_LORA_ISA"):
+        _native().isa(_native().load())
+
+
+# -- whole engines: the native decode step with LoRA ------------------------------------------------
+
+ENGINE = {"dtype": "float32", "device": "cpu", "max_model_len": 64, "quant": {"method": "gguf", "kernel": "native"},
+          "lora": {"max_loras": 2, "max_lora_rank": 8}}
+PROMPTS = [[5, 17, 42, 99, 123, 7, 250, 31], [9, 8], [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7], [11, 12, 13]]
+GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=3)
+
+
+@pytest.mark.skipif(fused_cpu.library() is None, reason="no C compiler: no native step")
+def test_native_step_serves_adapters(tmp_path, monkeypatch):
+    """Three adapters (ranks 4, 8, 8) over two slots and the base in one batch (groups, slot
+    evictions): every decode step native, the result the Python layers'; the adapters move it."""
+    path = tmp_path / "llama.gguf"
+    write_tiny_gguf(path, "llama")
+    native_steps = []
+    run = NativeDecodeStep.run
+
+    def counting(self, *args, **kwargs):
+        out = run(self, *args, **kwargs)
+        native_steps.append(out is not None)
+        return out
+
+    monkeypatch.setattr(NativeDecodeStep, "run", counting)
+    outs = {}
+    for native in (True, False):
+        monkeypatch.setenv("LMPLUG_NATIVE_STEP", "1" if native else "0")
+        with LLM(str(path), **ENGINE) as llm:
+            if not outs:
+                for k, rank in enumerate((4, 8, 8)):
+                    write_adapter(tmp_path / f"a{k}", llm.engine.adapters.targets, rank, seed=k, scale=0.3)
+            loras = [LoRARequest(f"a{k}", k + 1, str(tmp_path / f"a{k}")) for k in range(3)]
+            outs[native] = [o.outputs[0] for o in llm.generate(PROMPTS, GREEDY, lora=[*loras, None])]
+            base = [o.outputs[0] for o in llm.generate(PROMPTS[:3], GREEDY)]
+            assert bool(llm.engine.parts.model._native_step) == native
+        if native:
+            assert len(native_steps) >= 2 * (GREEDY.max_tokens - 1) and all(native_steps)
+    assert_same(outs[True], outs[False])
+    for with_lora, plain in zip(outs[False][:3], base):
+        assert with_lora.token_ids != plain.token_ids
