@@ -75,9 +75,10 @@ class LLMEngine:
         self.resolved = resolved
         self.config = resolved.config
         self.registry.hook.lmplug_configure(config=self.config)
-        # tensor parallelism: rank 0 (this process) starts the workers, then every rank builds its shard
+        # tensor / pipeline parallelism: rank 0 (this process) starts the workers, then every rank
+        # builds its shard or stage
         self.parallel = None
-        if self.config.parallel.tensor_parallel_size > 1:
+        if self.config.parallel.tensor_parallel_size > 1 or self.config.parallel.pipeline_parallel_size > 1:
             from lmplug.engine.build import peek_model_config
             from lmplug.parallel.setup import start
 

@@ -50,6 +50,8 @@ def load_weights(model: torch.nn.Module, source: ModelSource, progress=None, par
             continue
         path, shard, expert = (*target, None) if len(target) == 2 else target
         if path not in params:
+            if parallel is not None and parallel.stage.split:
+                continue  # another pipeline stage's layer, embedding or head: never read here
             logger.warning("%s: tensor %r is not used by this architecture", source.path, name)
             continue
         owner_path, _, param_name = path.rpartition(".")
