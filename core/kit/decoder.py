@@ -22,7 +22,7 @@ from lmplug.kit.native_step import NativeDecodeStep
 from lmplug.kit.packed_embedding import QuantEmbedding
 from lmplug.kit.parallel import ParallelState, single
 from lmplug.kit.parallel_layers import column_linear, embedding, row_linear
-from lmplug.kit.pipeline import stage_input, stage_layers, stage_output
+from lmplug.kit.pipeline import foreign_layer, stage_input, stage_layers, stage_output
 from lmplug.kit.rope import RotaryEmbedding
 
 
@@ -235,6 +235,10 @@ class DecoderForCausalLM(torch.nn.Module):
         if path in ("lm_head", "lm_head.weight"):
             return "lm_head.weight"
         return path
+
+    def skips_tensor(self, name: str) -> bool:
+        """A tensor of a layer another pipeline stage holds (the loader never reads it)."""
+        return foreign_layer(self.tp.stage, name, "model.layers.")
 
     def weight_target(self, name: str) -> tuple[str, str | None] | None:
         """Map a checkpoint (HF) tensor name to (parameter path, shard) or None to skip it.

@@ -81,6 +81,15 @@ def stage_layers(stage: PipelineStage, count: int, make) -> torch.nn.ModuleList:
     return torch.nn.ModuleList(make(i) if stage.owns(i) else MissingLayer() for i in range(count))
 
 
+def foreign_layer(stage: PipelineStage, name: str, prefix: str) -> bool:
+    """Whether checkpoint tensor ``name`` (``prefix`` + layer index + ...) belongs to a layer another
+    stage holds: the loader skips it before the model looks at it."""
+    if not stage.split or not name.startswith(prefix):
+        return False
+    index = name[len(prefix):].partition(".")[0]
+    return index.isdigit() and not stage.owns(int(index))
+
+
 def stage_input(parallel, embed, input_ids: torch.Tensor, hidden_size: int, dtype: torch.dtype) -> torch.Tensor:
     """The first stage's embedding of ``input_ids``; any other stage's: the hidden states the
     previous stage sends."""

@@ -46,7 +46,7 @@ from lmplug.errors import ModelLoadError
 from lmplug.kit.layers import Linear, RMSNorm
 from lmplug.kit.parallel import ParallelState, single
 from lmplug.kit.parallel_layers import embedding, row_linear
-from lmplug.kit.pipeline import stage_input, stage_layers, stage_output
+from lmplug.kit.pipeline import foreign_layer, stage_input, stage_layers, stage_output
 from lmplug.kit.sharding import Ranges, RangeShard
 from lmplug.kit.state_layers import StateRows, run_split, zero_fresh_states
 
@@ -259,6 +259,10 @@ class Mamba2ForCausalLM(torch.nn.Module):
     _PARAMS: ClassVar[dict[str, str]] = {"mixer.conv1d.weight": "mixer.conv_weight", "mixer.conv1d.bias": "mixer.conv_bias",
                                          "mixer.norm.weight": "mixer.norm_weight"}
     _LINEARS: ClassVar[dict[str, str]] = {"mixer.in_proj": "in_proj", "mixer.out_proj": "out_proj"}
+
+    def skips_tensor(self, name: str) -> bool:
+        """A tensor of a layer another pipeline stage holds (the loader never reads it)."""
+        return foreign_layer(self.tp.stage, name, "backbone.layers.")
 
     def weight_target(self, name: str) -> tuple[str, str | None] | None:
         if name.startswith("backbone.layers."):

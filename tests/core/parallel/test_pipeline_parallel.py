@@ -1,0 +1,106 @@
+"""Pipeline parallelism on gloo (CPU): PP=2 and PP=3 (and P x T) give what PP=1 gives.
+
+Each pipeline engine spawns a process per extra stage. The reference is the same model in one
+process (itself HF-parity tested in tests/plugins/models); runs use the paged KV cache and the
+continuous scheduler with a small token budget (chunked prefill, decodes beside prefills), and
+compare tokens, their logprobs and the first prompt's prompt logprobs. Failures and bad input:
+test_pipeline_parallel_failure.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+from support.hf_models import one_torch_thread  # noqa: F401
+from support.pipeline_models import LAYERS, save
+from support.tensor_parallel import ENGINE, assert_same, children, run
+
+from lmplug import LLM, SamplingParams
+
+pytestmark = pytest.mark.hf
+
+
+def pp(p: int, t: int = 1, **extra) -> dict:
+    return {"parallel": {"pipeline_parallel_size": p, "tensor_parallel_size": t, **extra}}
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    path = save(tmp_path_factory.getbasetemp(), "llama")
+    with LLM(str(path), **ENGINE) as single:
+        yield path, run(single)
+
+
+def test_pp2_matches_one_process(llama):
+    """The fast default-run check: 2 stages of 2 layers; each stage holds only its layers' weights
+    and K/V (the first the embedding, the last the norm and LM head)."""
+    path, expected = llama
+    with LLM(str(path), **ENGINE, **pp(2)) as parallel:
+        assert_same(expected, run(parallel))
+        mem, kv = parallel.engine.memory, parallel.engine.kv
+        assert mem["pipeline_parallel_size"] == 2 and len(mem["weight_bytes_per_rank"]) == 2
+        assert kv.spec.num_layers == LAYERS // 2  # rank 0's cache: its 2 layers
+        assert mem["kv_bytes_per_token_per_rank"] == [kv.bytes_per_token] * 2
+        model = parallel.engine.parts.model
+        owned = [i for i, layer in enumerate(model.layers) if any(True for _ in layer.parameters())]
+        assert owned == [0, 1] and model.norm is None and model.embed_tokens is not None
+    assert children() == []
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", [{"pipeline_parallel_size": 3},
+                                    {"pipeline_parallel_size": 2, "pipeline_layers": [1, 3]},
+                                    {"pipeline_parallel_size": 2, "tensor_parallel_size": 2}],
+                         ids=["pp3", "pp2_uneven", "pp2xtp2"])
+def test_layouts_match_one_process(llama, layout):
+    path, expected = llama
+    with LLM(str(path), **ENGINE, parallel=layout) as parallel:
+        assert_same(expected, run(parallel))
+        if "pipeline_layers" in layout:
+            assert parallel.engine.kv.spec.num_layers == 1
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["llama_tied", "qwen2_moe", "deepseek_v2", "mamba2", "gemma2"])
+@pytest.mark.parametrize("stages", [2, 3])
+def test_models_match_one_process(name, stages, tmp_path_factory):
+    """Tied embeddings (the last stage loads its own copy), MoE, MLA, Mamba2 (each layer's state
+    on its stage) and Gemma 2 (alternating windows read by global layer index)."""
+    path = save(tmp_path_factory.getbasetemp(), name)
+    with LLM(str(path), **ENGINE) as single:
+        expected = run(single, max_tokens=8)
+    with LLM(str(path), **ENGINE, **pp(stages)) as parallel:
+        assert_same(expected, run(parallel, max_tokens=8))
+        if name == "mamba2":
+            assert len(parallel.engine.kv.spec.states) == 2  # rank 0 holds 2 of the 4 layers' states
+
+
+@pytest.mark.slow
+def test_preemption_and_contiguous_kv(llama):
+    """A pool too small for every sequence (preemption, recompute) and the contiguous cache."""
+    path, expected = llama
+    small = {**ENGINE, "kvcache": {"backend": "paged", "num_blocks": 12, "block_size": 8}}
+    with LLM(str(path), **small, **pp(2)) as parallel:
+        assert_same(expected, run(parallel))
+    contiguous = {**ENGINE, "kvcache": "contiguous"}
+    with LLM(str(path), **contiguous) as single, LLM(str(path), **contiguous, **pp(2)) as parallel:
+        assert_same(run(single), run(parallel))
+
+
+@pytest.mark.slow
+def test_ngram_speculation_and_structured_output(llama):
+    """Drafts verified through the pipeline (ngram) and a regex-constrained request: PP=2 == PP=1."""
+    from lmplug.api import StructuredOutput
+
+    path, _ = llama
+    spec = {**ENGINE, "speculative": {"backend": "ngram", "num_speculative_tokens": 3}}
+    prompt = [5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7]
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    with LLM(str(path), **spec) as single:
+        want = single.generate([prompt], greedy)[0].outputs[0].token_ids
+    with LLM(str(path), **spec, **pp(2)) as parallel:
+        assert parallel.generate([prompt], greedy)[0].outputs[0].token_ids == want
+    regex = SamplingParams(temperature=0, max_tokens=6, structured_output=StructuredOutput(regex="[0-9]{3}"))
+    with LLM(str(path), **ENGINE) as single:
+        want = single.generate([prompt], regex)[0].outputs[0].token_ids
+    with LLM(str(path), **ENGINE, **pp(2)) as parallel:
+        assert parallel.generate([prompt], regex)[0].outputs[0].token_ids == want
