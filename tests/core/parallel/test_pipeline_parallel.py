@@ -87,20 +87,23 @@ def test_preemption_and_contiguous_kv(llama):
 
 
 @pytest.mark.slow
-def test_ngram_speculation_and_structured_output(llama):
+def test_ngram_speculation_and_structured_output(tmp_path_factory):
     """Drafts verified through the pipeline (ngram) and a regex-constrained request: PP=2 == PP=1."""
+    from support.hf_models import get_model
+
     from lmplug.api import StructuredOutput
 
-    path, _ = llama
-    spec = {**ENGINE, "speculative": {"backend": "ngram", "num_speculative_tokens": 3}}
+    path = get_model("llama", tmp_path_factory.getbasetemp(), tokenizer=True).path
     prompt = [5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7]
     greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-    with LLM(str(path), **spec) as single:
-        want = single.generate([prompt], greedy)[0].outputs[0].token_ids
-    with LLM(str(path), **spec, **pp(2)) as parallel:
-        assert parallel.generate([prompt], greedy)[0].outputs[0].token_ids == want
-    regex = SamplingParams(temperature=0, max_tokens=6, structured_output=StructuredOutput(regex="[0-9]{3}"))
-    with LLM(str(path), **ENGINE) as single:
-        want = single.generate([prompt], regex)[0].outputs[0].token_ids
-    with LLM(str(path), **ENGINE, **pp(2)) as parallel:
-        assert parallel.generate([prompt], regex)[0].outputs[0].token_ids == want
+    regex = SamplingParams(temperature=0, max_tokens=6, structured=StructuredOutput(regex="[0-9]{3}"))
+    spec = {**ENGINE, "speculative": {"method": "ngram", "num_tokens": 3}}
+    results = []
+    for layout in ({}, pp(2)):
+        with LLM(str(path), **spec, **layout) as llm:
+            results.append((llm.generate([prompt], greedy)[0].outputs[0].token_ids,
+                            llm.generate([prompt], regex)[0].outputs[0].text))
+            if layout:
+                assert llm.engine.speculator is not None
+    assert results[1] == results[0]
+    assert len(results[0][1]) == 3 and results[0][1].isdigit()
