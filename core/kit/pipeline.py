@@ -12,9 +12,37 @@ exchanges hidden states with the rank of the same tp_rank in the neighbouring st
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
+
+
+class StageClock:
+    """How long this process waited for its input (the previous stage's hidden states, rank 0's
+    logits, a worker's next step) since ``reset``: the pipeline's bubble, which the benchmark
+    reports per stage. One per process: a process is one rank."""
+
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        self.started, self.wait_s = time.perf_counter(), 0.0
+
+    def report(self) -> dict:
+        wall = time.perf_counter() - self.started
+        return {"wall_s": wall, "wait_s": self.wait_s, "bubble": self.wait_s / wall if wall > 0 else 0.0}
+
+
+CLOCK = StageClock()
+
+
+def _timed_recv(x: torch.Tensor, src: int) -> None:
+    import torch.distributed as dist
+
+    started = time.perf_counter()
+    dist.recv(x, src=src)
+    CLOCK.wait_s += time.perf_counter() - started
 
 
 @dataclass(frozen=True)
@@ -47,10 +75,8 @@ class PipelineStage:
     # -- transport between stages (torch.distributed point-to-point: gloo on CPU, NCCL on GPUs) ----
     def receive(self, tp_rank: int, shape: tuple[int, ...], dtype: torch.dtype, device) -> torch.Tensor:
         """The previous stage's hidden states of this step."""
-        import torch.distributed as dist
-
         x = torch.empty(shape, dtype=dtype, device=device)
-        dist.recv(x, src=self.peer(tp_rank, self.stage - 1))
+        _timed_recv(x, self.peer(tp_rank, self.stage - 1))
         return x
 
     def send(self, tp_rank: int, x: torch.Tensor) -> None:
@@ -134,8 +160,6 @@ def exchange_logits(parallel, model, hidden: torch.Tensor | None, groups: list, 
         return [None] * len(groups)
     if not (stage.first and parallel.rank == 0):
         return [None] * len(groups)
-    import torch.distributed as dist
-
     out = torch.empty(sum(rows), vocab, dtype=torch.float32, device=device)
-    dist.recv(out, src=stage.peer(0, stage.num_stages - 1))
+    _timed_recv(out, stage.peer(0, stage.num_stages - 1))
     return list(out.split(rows))

@@ -13,6 +13,7 @@ import torch
 from lmplug.kit.parallel import ParallelState
 
 STOP = None  # the message that ends a worker's loop
+CLOCK_RESET, CLOCK_REPORT = "clock-reset", "clock-report"  # the stage clocks (``lmplug.kit.pipeline``)
 
 
 def init_rank(rank: int, world_size: int, init_method: str | None, backend: str,

@@ -28,7 +28,8 @@ import torch
 
 from lmplug.kit.kv_extras import take_copies
 from lmplug.kit.parallel import ParallelState, TensorParallelError
-from lmplug.parallel.group import STOP, ctx_to, init_rank, leave_group, rank_layout
+from lmplug.kit.pipeline import CLOCK
+from lmplug.parallel.group import CLOCK_REPORT, CLOCK_RESET, STOP, ctx_to, init_rank, leave_group, rank_layout
 from lmplug.parallel.worker import worker_main
 
 logger = logging.getLogger(__name__)
@@ -215,6 +216,16 @@ class WorkerGroup:
             if error is exc:
                 raise
             raise error from exc
+
+    def stage_clocks(self, reset: bool = False) -> list[dict] | None:
+        """Every rank's wait for its input since the last reset (``lmplug.kit.pipeline.StageClock``:
+        wall_s, wait_s, bubble), by global rank; ``reset``: start the clocks again (returns None)."""
+        self.check()
+        self._send(CLOCK_RESET if reset else CLOCK_REPORT)
+        if reset:
+            CLOCK.reset()
+            return None
+        return self.state.all_gather_object(CLOCK.report())
 
     def _send(self, msg) -> None:
         if self._steps is None:

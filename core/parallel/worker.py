@@ -19,7 +19,8 @@ import signal
 import threading
 import time
 
-from lmplug.parallel.group import STOP, ctx_to, init_rank, leave_group, rank_layout
+from lmplug.kit.pipeline import CLOCK
+from lmplug.parallel.group import CLOCK_REPORT, CLOCK_RESET, STOP, ctx_to, init_rank, leave_group, rank_layout
 
 
 def worker_main(rank: int, world_size: int, init_method: str | None, backend: str, timeout_s: float,
@@ -53,9 +54,17 @@ def serve(state, payload: dict, receive=None) -> None:
     runner, device = parts.runner, parts.runner.device
     receive = receive or state.broadcast_object
     while True:
+        waited = time.perf_counter()
         msg = receive()  # EOFError when rank 0 is gone
+        CLOCK.wait_s += time.perf_counter() - waited
         if msg is STOP:
             break
+        if msg == CLOCK_RESET:
+            CLOCK.reset()
+            continue
+        if msg == CLOCK_REPORT:
+            state.all_gather_object(CLOCK.report())
+            continue
         input_ids, ctx, groups, copies = msg
         if copies is not None:  # rank 0's cache copied blocks or rows (beam forks): the same here
             parts.kv.apply_copies(copies)

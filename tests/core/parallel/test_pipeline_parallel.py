@@ -107,3 +107,45 @@ def test_ngram_speculation_and_structured_output(tmp_path_factory):
                 assert llm.engine.speculator is not None
     assert results[1] == results[0]
     assert len(results[0][1]) == 3 and results[0][1].isdigit()
+
+
+# -- the demo model --------------------------------------------------------------------------------------
+
+DEMO = {"dtype": "float32", "device": "cpu", "max_model_len": 256, "kvcache": "paged", "scheduler": "continuous"}
+DEMO_PROMPTS = ["The capital of France is", "def fibonacci(n):"]
+
+
+def _greedy(llm: LLM) -> list[list[int]]:
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    return [o.outputs[0].token_ids for o in llm.generate(DEMO_PROMPTS, params)]
+
+
+@pytest.mark.slow
+def test_demo_gguf_packed_stages_match_one_process(demo_gguf):
+    """SmolLM2-135M (30 layers) on the packed GGUF path: each stage keeps its own layers' blocks
+    packed (PP=2: 15 + 15, PP=3: 10 x 3) and gives one process's 16 greedy tokens."""
+    with LLM(str(demo_gguf), **DEMO) as single:
+        expected = _greedy(single)
+        whole = single.engine.memory["weight_bytes_per_rank"][0]
+    for stages in (2, 3):
+        with LLM(str(demo_gguf), **DEMO, **pp(stages)) as parallel:
+            assert parallel.engine.resolved.backends["quant"].name == "gguf"
+            assert _greedy(parallel) == expected
+            per_rank = parallel.engine.memory["weight_bytes_per_rank"]
+            # the tied embedding is on the first stage and again on the last; the layers split
+            assert max(per_rank) < whole and sum(per_rank) > whole
+
+
+@pytest.mark.slow
+def test_demo_pp2_x_tp3_matches_one_process(demo_gguf):
+    """6 processes: 2 stages of 3 tensor-parallel ranks (9 heads / 3 KV heads split by 3), gloo,
+    against one process; dense weights on both sides (tensor-parallel ranks slice float tensors)."""
+    dense = {**DEMO, "quant": {"method": "gguf", "dequantize_at_load": True}}
+    with LLM(str(demo_gguf), **dense) as single:
+        expected = _greedy(single)
+    with LLM(str(demo_gguf), **dense, **pp(2, 3)) as parallel:
+        assert _greedy(parallel) == expected
+        mem = parallel.engine.memory
+        assert (mem["pipeline_parallel_size"], mem["tensor_parallel_size"]) == (2, 3)
+        assert len(mem["weight_bytes_per_rank"]) == 6
+    assert children() == []
