@@ -1,4 +1,5 @@
-"""Starting a tensor-parallel group: rank 0 spawns N-1 workers, or every rank joins a torchrun launch.
+"""Starting a tensor- or pipeline-parallel group: rank 0 spawns the other ranks (N-1, or P x T - 1),
+or every rank joins a torchrun launch.
 
 Rank 0 is the engine's own process. ``WorkerGroup`` spawns the workers (``torch.multiprocessing``
 spawn context, daemonic), meets them at a free TCP port on loopback and keeps a watchdog thread
@@ -40,11 +41,9 @@ def torchrun_rank(tp: int, pp: int = 1) -> int | None:
         return None
     if int(os.environ["WORLD_SIZE"]) != tp * pp:
         from lmplug.errors import ConfigError
+        from lmplug.parallel.pipeline import check_sizes
 
-        if pp > 1:
-            from lmplug.parallel.pipeline import check_sizes
-
-            check_sizes(pp, tp, int(os.environ["WORLD_SIZE"]))
+        check_sizes(pp, tp, int(os.environ["WORLD_SIZE"]))  # names both sizes under pipeline parallelism
         raise ConfigError(f"parallel.tensor_parallel_size is {tp}, but torchrun started "
                           f"WORLD_SIZE={os.environ['WORLD_SIZE']} processes; make them equal")
     return int(os.environ["RANK"])
@@ -73,7 +72,7 @@ def _describe_group(payload: dict) -> str:
 
 
 class WorkerGroup:
-    """Rank 0's side of a tensor-parallel group (``state``: rank 0's ``ParallelState``)."""
+    """Rank 0's side of a tensor- or pipeline-parallel group (``state``: rank 0's ``ParallelState``)."""
 
     def __init__(self, payload: dict, world_size: int, backend: str, timeout_s: float) -> None:
         import torch.distributed as dist

@@ -44,7 +44,8 @@ def stage_of(rank: int, counts: list[int], tp_size: int) -> PipelineStage:
 
 
 def check_sizes(pp: int, tp: int, world_size: int | None) -> None:
-    """Under ``torchrun``, P x T must be the processes it started (``WORLD_SIZE``)."""
-    if world_size is not None and pp * tp != world_size:
+    """Under ``torchrun``, P x T must be the processes it started (``WORLD_SIZE``; P = 1: tensor
+    parallelism's own message)."""
+    if pp > 1 and world_size is not None and pp * tp != world_size:
         raise ConfigError(f"{OPTION}={pp} x parallel.tensor_parallel_size={tp} = {pp * tp} processes, but "
                           f"torchrun started WORLD_SIZE={world_size}; make P x T equal the processes launched")

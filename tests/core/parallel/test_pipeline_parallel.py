@@ -81,6 +81,7 @@ def test_preemption_and_contiguous_kv(llama):
     small = {**ENGINE, "kvcache": {"backend": "paged", "num_blocks": 12, "block_size": 8}}
     with LLM(str(path), **small, **pp(2)) as parallel:
         assert_same(expected, run(parallel))
+        assert parallel.engine.scheduler.num_preemptions > 0
     contiguous = {**ENGINE, "kvcache": "contiguous"}
     with LLM(str(path), **contiguous) as single, LLM(str(path), **contiguous, **pp(2)) as parallel:
         assert_same(run(single), run(parallel))

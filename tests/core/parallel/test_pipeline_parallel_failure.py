@@ -28,10 +28,26 @@ def test_even_split_gives_the_remainder_to_the_first_stages():
     assert layer_counts(4, 2, [3, 1], "m") == [3, 1]
 
 
+def test_cli_flags_and_config_keys():
+    """``--pp`` / ``--pp-size`` beside ``--tp`` fill the ``parallel`` section; the section refuses
+    sizes below 1 naming the key."""
+    from lmplug.cli import _overrides, _parser
+    from lmplug.config import EngineConfig
+
+    for flag in ("--pp", "--pp-size"):
+        args = _parser().parse_args(["generate", "m", flag, "2", "--tp", "3", "--set", "parallel.timeout_s=9"])
+        assert _overrides(args)["parallel"] == {"pipeline_parallel_size": 2, "tensor_parallel_size": 3,
+                                                "timeout_s": 9}
+    cfg = EngineConfig.from_dict({"model": "m", "parallel": {"pipeline_parallel_size": 2, "pipeline_layers": [3, 1]}})
+    assert cfg.parallel.pipeline_layers == [3, 1]
+    with pytest.raises(ConfigError, match="pipeline_parallel_size"):
+        EngineConfig.from_dict({"model": "m", "parallel": {"pipeline_parallel_size": 0}})
+
+
 def test_bad_layouts_are_refused_at_load(tmp_path):
     path = save(tmp_path, "llama")  # 4 layers
     with pytest.raises(ConfigError, match=r"pipeline_parallel_size=5 is more than the 4 layers"):
-        LLM(str(path), **ENGINE, parallel={"pipeline_parallel_size": 5})
+        LLM(str(path), **ENGINE, pipeline_parallel_size=5)  # vLLM's keyword
     with pytest.raises(ConfigError, match=r"pipeline_layers lists 3 stages \[1, 1, 2\], but "
                                           r"parallel.pipeline_parallel_size is 2"):
         LLM(str(path), **ENGINE, parallel={"pipeline_parallel_size": 2, "pipeline_layers": [1, 1, 2]})
