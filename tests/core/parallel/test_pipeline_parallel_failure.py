@@ -71,6 +71,7 @@ def test_sizes_must_match_torchrun(tmp_path, monkeypatch):
         LLM(str(path), **ENGINE, parallel={"pipeline_parallel_size": 2, "tensor_parallel_size": 2})
 
 
+@pytest.mark.slow
 def test_killed_stage_fails_every_request_and_health_says_so(tmp_path):
     """PP=2 behind the real server: SIGKILL of the second stage's process while 4 requests stream
     ends each with an error naming rank 1 within the timeout; /health answers 503 with the reason."""
