@@ -77,7 +77,7 @@ def main() -> None:
         ratio = row["tok/s"] / rows[0]["tok/s"]
         same = "" if row["outputs"] == rows[0]["outputs"] else "  (tokens differ from the first layout)"
         print(f"{row['layout']:<8}{row['tok/s']:>9.1f}{row['time']:>9.1f}{ratio:>8.2f}  "
-              f"{str(row['bubble']):<20} {row['weights_mb']}{same}", flush=True)
+              f"{row['bubble']!s:<20} {row['weights_mb']}{same}", flush=True)
     with open("/proc/loadavg") as f:
         print("loadavg:", f.read().strip())
 

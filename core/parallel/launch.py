@@ -30,7 +30,15 @@ import torch
 from lmplug.kit.kv_extras import take_copies
 from lmplug.kit.parallel import ParallelState, TensorParallelError
 from lmplug.kit.pipeline import CLOCK
-from lmplug.parallel.group import CLOCK_REPORT, CLOCK_RESET, STOP, ctx_to, init_rank, leave_group, rank_layout
+from lmplug.parallel.group import (
+    CLOCK_REPORT,
+    CLOCK_RESET,
+    STOP,
+    ctx_to,
+    init_rank,
+    leave_group,
+    rank_layout,
+)
 from lmplug.parallel.worker import worker_main
 
 logger = logging.getLogger(__name__)

@@ -20,7 +20,15 @@ import threading
 import time
 
 from lmplug.kit.pipeline import CLOCK
-from lmplug.parallel.group import CLOCK_REPORT, CLOCK_RESET, STOP, ctx_to, init_rank, leave_group, rank_layout
+from lmplug.parallel.group import (
+    CLOCK_REPORT,
+    CLOCK_RESET,
+    STOP,
+    ctx_to,
+    init_rank,
+    leave_group,
+    rank_layout,
+)
 
 
 def worker_main(rank: int, world_size: int, init_method: str | None, backend: str, timeout_s: float,

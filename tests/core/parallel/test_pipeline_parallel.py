@@ -43,6 +43,12 @@ def test_pp2_matches_one_process(llama):
         model = parallel.engine.parts.model
         owned = [i for i, layer in enumerate(model.layers) if any(True for _ in layer.parameters())]
         assert owned == [0, 1] and model.norm is None and model.embed_tokens is not None
+        # each rank's wait for its input over its wall time since the reset (the benchmark's bubble)
+        group = parallel.engine.parallel
+        group.stage_clocks(reset=True)
+        run(parallel, max_tokens=4)
+        clocks = group.stage_clocks()
+        assert len(clocks) == 2 and all(0 < c["wait_s"] <= c["wall_s"] for c in clocks)
     assert children() == []
 
 
