@@ -52,6 +52,19 @@ def rank_layout(payload: dict) -> dict:
     return {"expert_parallel": expert_parallel(payload), "pipeline": payload.get("pipeline")}
 
 
+def clock_message(msg, state: ParallelState) -> bool:
+    """A worker's answer to rank 0's stage-clock messages (True: ``msg`` was one)."""
+    from lmplug.kit.pipeline import CLOCK
+
+    if msg == CLOCK_RESET:
+        CLOCK.reset()
+    elif msg == CLOCK_REPORT:
+        state.all_gather_object(CLOCK.report())
+    else:
+        return False
+    return True
+
+
 def leave_group() -> None:
     import torch.distributed as dist
 

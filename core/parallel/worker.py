@@ -20,15 +20,7 @@ import threading
 import time
 
 from lmplug.kit.pipeline import CLOCK
-from lmplug.parallel.group import (
-    CLOCK_REPORT,
-    CLOCK_RESET,
-    STOP,
-    ctx_to,
-    init_rank,
-    leave_group,
-    rank_layout,
-)
+from lmplug.parallel.group import STOP, clock_message, ctx_to, init_rank, leave_group, rank_layout
 
 
 def worker_main(rank: int, world_size: int, init_method: str | None, backend: str, timeout_s: float,
@@ -67,11 +59,7 @@ def serve(state, payload: dict, receive=None) -> None:
         CLOCK.wait_s += time.perf_counter() - waited
         if msg is STOP:
             break
-        if msg == CLOCK_RESET:
-            CLOCK.reset()
-            continue
-        if msg == CLOCK_REPORT:
-            state.all_gather_object(CLOCK.report())
+        if clock_message(msg, state):
             continue
         input_ids, ctx, groups, copies = msg
         if copies is not None:  # rank 0's cache copied blocks or rows (beam forks): the same here

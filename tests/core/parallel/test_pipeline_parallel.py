@@ -84,7 +84,7 @@ def test_models_match_one_process(name, stages, tmp_path_factory):
 def test_preemption_and_contiguous_kv(llama):
     """A pool too small for every sequence (preemption, recompute) and the contiguous cache."""
     path, expected = llama
-    small = {**ENGINE, "kvcache": {"backend": "paged", "num_blocks": 12, "block_size": 8}}
+    small = {**ENGINE, "kvcache": {"backend": "paged", "num_blocks": 8, "block_size": 8}}
     with LLM(str(path), **small, **pp(2)) as parallel:
         assert_same(expected, run(parallel))
         assert parallel.engine.scheduler.num_preemptions > 0
