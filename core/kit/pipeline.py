@@ -37,6 +37,21 @@ class StageClock:
 CLOCK = StageClock()
 
 
+_SENDING: list = []  # this process's send in flight (its work and its tensor, kept alive until done)
+
+
+def _send(x: torch.Tensor, dst: int) -> None:
+    """Send without waiting for the receiver (the previous send is awaited first): a stage
+    that sends batch B's hidden states while the last stage still sends it batch A's logits
+    must not wait for B to be received (micro-batches in flight would deadlock)."""
+    import torch.distributed as dist
+
+    while _SENDING:
+        _SENDING.pop()[0].wait()
+    x = x.contiguous()
+    _SENDING.append((dist.isend(x, dst=dst), x))
+
+
 def _timed_recv(x: torch.Tensor, src: int) -> None:
     import torch.distributed as dist
 
@@ -81,9 +96,7 @@ class PipelineStage:
 
     def send(self, tp_rank: int, x: torch.Tensor) -> None:
         """This stage's hidden states, to the next stage."""
-        import torch.distributed as dist
-
-        dist.send(x.contiguous(), dst=self.peer(tp_rank, self.stage + 1))
+        _send(x, self.peer(tp_rank, self.stage + 1))
 
 
 _WHOLE = PipelineStage()
@@ -140,13 +153,14 @@ def group_rows(where, num_tokens: int) -> int:
 
 
 def exchange_logits(parallel, model, hidden: torch.Tensor | None, groups: list, num_tokens: int,
-                    vocab: int, device) -> list[torch.Tensor | None]:
+                    vocab: int, device, defer: bool = False):
     """Each group's logits on global rank 0 (None elsewhere): the last stage computes them (its
-    tensor-parallel ranks together) and its rank 0 sends them, float32, to the first stage's."""
+    tensor-parallel ranks together) and its rank 0 sends them, float32, to the first stage's.
+    ``defer``: rank 0 gets a callable that receives them later (a micro-batch in flight)."""
     stage = parallel.stage
     rows = [group_rows(where, num_tokens) for where in groups]
     if not sum(rows):
-        return [None] * len(groups)
+        return (lambda: [None] * len(groups)) if defer and stage.first else [None] * len(groups)
     if stage.last:
         logits = [model.compute_logits(hidden[where]) for where in groups]
         if parallel.rank == 0:
@@ -154,12 +168,14 @@ def exchange_logits(parallel, model, hidden: torch.Tensor | None, groups: list, 
             if out.shape[-1] != vocab:
                 raise RuntimeError(f"pipeline: the last stage's logits have {out.shape[-1]} columns, "
                                    f"the vocabulary {vocab}")
-            import torch.distributed as dist
-
-            dist.send(out.contiguous(), dst=stage.peer(0, 0))
+            _send(out, stage.peer(0, 0))
         return [None] * len(groups)
     if not (stage.first and parallel.rank == 0):
         return [None] * len(groups)
-    out = torch.empty(sum(rows), vocab, dtype=torch.float32, device=device)
-    _timed_recv(out, stage.peer(0, stage.num_stages - 1))
-    return list(out.split(rows))
+
+    def receive() -> list[torch.Tensor]:
+        out = torch.empty(sum(rows), vocab, dtype=torch.float32, device=device)
+        _timed_recv(out, stage.peer(0, stage.num_stages - 1))
+        return list(out.split(rows))
+
+    return receive if defer else receive()

@@ -224,6 +224,16 @@ class WorkerGroup:
                 raise
             raise error from exc
 
+    def finish_step(self, receive):
+        """``receive()``: the logits of a pipeline step submitted earlier; a failure is the step's."""
+        try:
+            return receive()
+        except BaseException as exc:
+            error = self._step_error(exc)
+            if error is exc:
+                raise
+            raise error from exc
+
     def stage_clocks(self, reset: bool = False) -> list[dict] | None:
         """Every rank's wait for its input since the last reset (``lmplug.kit.pipeline.StageClock``:
         wall_s, wait_s, bubble), by global rank; ``reset``: start the clocks again (returns None)."""

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 from support.hf_models import one_torch_thread  # noqa: F401
 from support.pipeline_models import LAYERS, save
-from support.tensor_parallel import ENGINE, assert_same, children, run
+from support.tensor_parallel import ENGINE, PROMPTS, assert_same, children, run
 
 from lmplug import LLM, SamplingParams
 
@@ -49,6 +49,37 @@ def test_pp2_matches_one_process(llama):
         run(parallel, max_tokens=4)
         clocks = group.stage_clocks()
         assert len(clocks) == 2 and all(0 < c["wait_s"] <= c["wall_s"] for c in clocks)
+
+
+def test_pp2_keeps_two_micro_batches_in_flight(llama):
+    """vLLM's virtual engines: two schedulers over disjoint sequences, so the first stage runs
+    batch B while the second runs batch A; the tokens stay one process's. A request aborted while
+    its batch is in flight ends; the others go on."""
+    path, expected = llama
+    with LLM(str(path), **ENGINE, **pp(2)) as parallel:
+        engine = parallel.engine
+        params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+        for i, prompt in enumerate(PROMPTS):
+            engine.add_request(str(i), prompt, params)
+        seen, outputs = 0, {}
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                outputs[out.request_id] = out
+            seen = max(seen, engine.batches_in_flight)
+        assert seen == 2
+        assert [outputs[str(i)].outputs[0].token_ids for i in range(len(PROMPTS))] == [e[0] for e in expected]
+        for i, prompt in enumerate(PROMPTS[:3]):
+            engine.add_request(f"a{i}", prompt, params)
+        while engine.batches_in_flight < 2:
+            engine.step()
+        engine.abort_request("a0")
+        done = {}
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                done[out.request_id] = out
+        assert "a0" not in done or done["a0"].outputs[0].finish_reason == "abort"
+        assert done["a1"].outputs[0].token_ids == expected[1][0]
+        assert engine.kv.usage == 0
     assert children() == []
 
 
@@ -87,7 +118,7 @@ def test_preemption_and_contiguous_kv(llama):
     small = {**ENGINE, "kvcache": {"backend": "paged", "num_blocks": 8, "block_size": 8}}
     with LLM(str(path), **small, **pp(2)) as parallel:
         assert_same(expected, run(parallel))
-        assert parallel.engine.scheduler.num_preemptions > 0
+        assert sum(s.num_preemptions for s in parallel.engine.virtual.members) > 0
     contiguous = {**ENGINE, "kvcache": "contiguous"}
     with LLM(str(path), **contiguous) as single, LLM(str(path), **contiguous, **pp(2)) as parallel:
         assert_same(run(single), run(parallel))
@@ -108,10 +139,11 @@ def test_ngram_speculation_and_structured_output(tmp_path_factory):
     results = []
     for layout in ({}, pp(2)):
         with LLM(str(path), **spec, **layout) as llm:
-            results.append((llm.generate([prompt], greedy)[0].outputs[0].token_ids,
-                            llm.generate([prompt], regex)[0].outputs[0].text))
+            greedy_ids = llm.generate([prompt], greedy)[0].outputs[0].token_ids
             if layout:
-                assert llm.engine.speculator is not None
+                assert llm.engine.speculator is not None and llm.engine.virtual is None
+        with LLM(str(path), **ENGINE, **layout) as llm:  # under PP: micro-batches in flight
+            results.append((greedy_ids, llm.generate([prompt, prompt[:5]], regex)[0].outputs[0].text))
     assert results[1] == results[0]
     assert len(results[0][1]) == 3 and results[0][1].isdigit()
     # a separate draft model (the target itself: every draft accepted) on rank 0, verified through the stages
