@@ -10,15 +10,15 @@ compare side by side. A layout ``PxT`` is ``pipeline_parallel_size: P, tensor_pa
 (the previous stage's hidden states; rank 0: the last stage's logits; a worker: its next step)
 over its wall time during the run (``lmplug.kit.pipeline.StageClock``).
 
-What a 2-core machine can and cannot show: PP splits the layers, not the work of a step, and
-without micro-batching (not built yet: one batch is in flight at a time) each stage waits while
-the others compute, so on any machine PP=P runs a step in about the sum of the stages' times plus
-the transfers, and each stage's bubble is about (P-1)/P. On 2 cores shared with other processes
-the stages also compete for the same cores (and gloo's loopback copies for the rest), so the
-throughput ratio PP=2 / PP=1 here shows the cost of the pipeline (p2p transfers, one process
-per stage, no C decode step across layers) and not the overlap a real multi-host PP would give.
-What PP buys on such a machine is memory per process (``weight_bytes_per_rank``), which is
-printed too. Quote ``cat /proc/loadavg`` with the figures.
+What a 2-core machine can and cannot show: PP splits the layers, not the work of a step. With
+one batch in flight each stage would wait while the others compute (a bubble of (P-1)/P); the
+engine keeps up to P micro-batches in flight (``lmplug.engine.virtual``), and the bubble column
+shows how much of that wait is left. On 2 cores shared with other processes the stages compete
+for the same cores that one process already keeps busy (and gloo's loopback copies take the
+rest), so the throughput ratio PP / 1x1 here shows the cost of the pipeline (p2p transfers, one
+process per stage, no C decode step across layers), not the speed-up a pipeline across GPUs or
+hosts gives, where each stage has its own device. What PP buys on such a machine is memory per
+process (``weight_bytes_per_rank``), printed too. Quote ``cat /proc/loadavg`` with the figures.
 """
 
 from __future__ import annotations
