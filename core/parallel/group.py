@@ -68,6 +68,10 @@ def clock_message(msg, state: ParallelState) -> bool:
 def leave_group() -> None:
     import torch.distributed as dist
 
+    from lmplug.kit.pipeline import forget_sends
+
+    forget_sends()
+
     if dist.is_initialized():
         with contextlib.suppress(RuntimeError, ValueError):  # a broken group: nothing more to release
             dist.destroy_process_group()

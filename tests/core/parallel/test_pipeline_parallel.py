@@ -115,7 +115,10 @@ def test_models_match_one_process(name, stages, tmp_path_factory):
 def test_preemption_and_contiguous_kv(llama):
     """A pool too small for every sequence (preemption, recompute) and the contiguous cache."""
     path, expected = llama
-    small = {**ENGINE, "kvcache": {"backend": "paged", "num_blocks": 8, "block_size": 8}}
+    # 26 blocks of 4: each of the two micro-batch schedulers may hold 13 (the longest request's 50
+    # tokens), and the second one's two requests (40 + 50 tokens) do not fit together
+    small = {**ENGINE, "kvcache": {"backend": "paged", "num_blocks": 26, "block_size": 4},
+             "scheduler": {**ENGINE["scheduler"], "max_num_seqs": 4}}
     with LLM(str(path), **small, **pp(2)) as parallel:
         assert_same(expected, run(parallel))
         assert sum(s.num_preemptions for s in parallel.engine.virtual.members) > 0
