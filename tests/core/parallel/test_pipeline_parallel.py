@@ -14,7 +14,7 @@ from support.hf_models import one_torch_thread  # noqa: F401
 from support.pipeline_models import LAYERS, save
 from support.tensor_parallel import ENGINE, PROMPTS, assert_same, children, run
 
-from lmplug import LLM, SamplingParams
+from lmplug import LLM, ConfigError, SamplingParams
 
 pytestmark = pytest.mark.hf
 
@@ -80,6 +80,8 @@ def test_pp2_keeps_two_micro_batches_in_flight(llama):
         assert "a0" not in done or done["a0"].outputs[0].finish_reason == "abort"
         assert done["a1"].outputs[0].token_ids == expected[1][0]
         assert engine.kv.usage == 0
+        with pytest.raises(ConfigError, match="beam_width: beam search is not supported with pipeline"):
+            engine.add_request("beam", PROMPTS[0], SamplingParams(beam_width=2, max_tokens=4))
     assert children() == []
 
 
