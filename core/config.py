@@ -77,7 +77,8 @@ def canonical_sections(data: Mapping[str, Any], source: str = "config") -> dict[
 
 
 class ParallelConfig(BaseModel):
-    """``parallel:``: tensor parallelism (checked against the model's heads and sizes at load)."""
+    """``parallel:``: tensor and pipeline parallelism (checked against the model's heads, sizes and
+    layers at load; ``docs/parallel.md``)."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -90,6 +91,13 @@ class ParallelConfig(BaseModel):
         "`[rank*E/N, (rank+1)*E/N)`; N must divide the expert count) and computes only their share of "
         "every token, instead of a 1/N slice of every expert's width; the router and a shared expert "
         "are split as without it. No effect on dense models")
+    pipeline_parallel_size: int = Field(
+        default=1, ge=1, description="pipeline stages the decoder layers are split into (contiguous layers "
+        "per stage, each stage on its own `tensor_parallel_size` ranks: pipeline_parallel_size x "
+        "tensor_parallel_size processes); must not exceed the model's layers")
+    pipeline_layers: list[int] | None = Field(
+        default=None, description="layers per pipeline stage, first stage first (one entry per stage, each "
+        ">= 1, summing to the model's layers); unset: an even split, the remainder to the first stages")
     timeout_s: float = Field(default=300.0, gt=0, description="longest wait in one collective before the "
                              "group gives up (a dead worker is detected at once)")
 
@@ -158,7 +166,7 @@ class EngineConfig(BaseModel):
         default=None, description="absent: no LoRA adapters; present: how many are served at once (see below)")
     compression: dict[str, Any] | None = Field(
         default=None, description="absent: no prompt compression; present: the default for every request")
-    parallel: ParallelConfig = Field(default_factory=ParallelConfig, description="tensor parallelism")
+    parallel: ParallelConfig = Field(default_factory=ParallelConfig, description="tensor and pipeline parallelism")
     pooler: PoolerConfig = Field(default_factory=PoolerConfig, description="embeddings' default pooling")
     cpu: CpuConfig = Field(default_factory=CpuConfig, description="the CPU fast paths (native step, fused ops)")
 

@@ -48,9 +48,9 @@ class LLM:
                  **overrides: Any) -> None:
         if model is not None:
             overrides["model"] = model
-        if "tensor_parallel_size" in overrides:  # vLLM's keyword
-            overrides["parallel"] = {**(overrides.get("parallel") or {}),
-                                     "tensor_parallel_size": overrides.pop("tensor_parallel_size")}
+        for key in ("tensor_parallel_size", "pipeline_parallel_size"):  # vLLM's keywords
+            if key in overrides:
+                overrides["parallel"] = {**(overrides.get("parallel") or {}), key: overrides.pop(key)}
         lora_keys = [k for k in ("max_loras", "max_lora_rank", "max_cpu_loras") if k in overrides]
         if overrides.pop("enable_lora", False) or lora_keys:  # vLLM's keywords for the lora: section
             overrides["lora"] = {**(overrides.get("lora") or {}), **{k: overrides.pop(k) for k in lora_keys}}

@@ -67,7 +67,9 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
         if value is not None:
             out[key] = value
     if getattr(args, "tp", None) is not None:
-        out["parallel"] = {"tensor_parallel_size": args.tp}
+        out.setdefault("parallel", {})["tensor_parallel_size"] = args.tp
+    if getattr(args, "pp", None) is not None:
+        out.setdefault("parallel", {})["pipeline_parallel_size"] = args.pp
     for item in args.set:
         key, sep, raw = item.partition("=")
         if not sep or not key:

@@ -24,6 +24,8 @@ def engine_args(p: argparse.ArgumentParser, model_positional: bool = False) -> N
     g.add_argument("--scheduler", help="scheduler backend name")
     g.add_argument("--tp", type=int, metavar="N", help="tensor parallel: split the model across N processes "
                    "(parallel.tensor_parallel_size; gloo on CPU, NCCL on GPUs)")
+    g.add_argument("--pp", "--pp-size", dest="pp", type=int, metavar="P", help="pipeline parallel: split the "
+                   "layers into P stages, each on its own processes (parallel.pipeline_parallel_size)")
     g.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="any config key, dotted for plugin options (e.g. scheduler.max_num_seqs=4); repeatable")
 

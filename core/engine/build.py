@@ -167,6 +167,10 @@ def build_engine_parts(resolved: ResolvedConfig, parallel: ParallelState | None 
             if not chosen[0].cls.fallback:
                 raise
             raise _fallback_failed(chosen[0], source, "build", exc) from None
+    if parallel.stage.split and not getattr(model, "pipeline_stages", False):
+        raise ConfigError(f"parallel.pipeline_parallel_size={parallel.stage.num_stages}: the {chosen[0].name!r} "
+                          f"architecture ({model_config.model_type}) builds no pipeline stages; use "
+                          "pipeline_parallel_size 1")
     _load_with_progress(model, source, parallel)
     model.eval()
     if device.type == "cpu":
@@ -174,7 +178,7 @@ def build_engine_parts(resolved: ResolvedConfig, parallel: ParallelState | None 
         if not plan.cpu.native_step and hasattr(model, "allow_native_step"):
             model.allow_native_step(False)
         build_cpu_kernels()
-    adapters = _adapters(backends, model)
+    adapters = _adapters(backends, model, parallel)
 
     sched_opts = backends["scheduler"].options
     # state layers (linear attention, SSM) keep a fixed-size state per sequence; the K/V cache
@@ -185,6 +189,7 @@ def build_engine_parts(resolved: ResolvedConfig, parallel: ParallelState | None 
                        sliding_window=model_config.sliding_window,
                        max_num_batched_tokens=sched_opts.max_num_batched_tokens, states=states,
                        layer_windows=_layer_windows(plan))
+    spec = stage_spec(spec, parallel.stage)
     kv = parallel_setup.build_kv(backends["kvcache"].cls, backends["kvcache"].options, spec, parallel)
     plan, kv = _fit_pool(plan, kv, backends["kvcache"], spec, parallel)
     if "kvconnector" in backends:  # a tier for prefix-cached blocks (host memory, disk), on the fitted pool
@@ -196,7 +201,7 @@ def build_engine_parts(resolved: ResolvedConfig, parallel: ParallelState | None 
     # group: rank 0's handle on the tensor-parallel workers (``lmplug.parallel.launch``), if any
     runner = ModelRunner(model, kv, device, parallel=group, short_query_tokens=extras.short_query_tokens(attention),
                          keep_hidden=drafter is not None and drafter.uses_hidden_states,
-                         small_step_tokens=small_step_tokens(quant, device, parallel))
+                         small_step_tokens=small_step_tokens(quant, device, parallel), stage=parallel.stage)
     runner.adapters = adapters
     if drafter is not None:
         drafter.setup(draft_target(model, model_config, kv, source.tokenizer, device, dtype,
@@ -218,11 +223,15 @@ def build_engine_parts(resolved: ResolvedConfig, parallel: ParallelState | None 
                        pooling=pooling, adapters=adapters)
 
 
-def _adapters(backends, model: torch.nn.Module) -> Adapters | None:
+def _adapters(backends, model: torch.nn.Module, parallel: ParallelState) -> Adapters | None:
     """The LoRA slots in the model's linear layers, when the ``lora:`` section is set (on every
     tensor-parallel rank: each holds its shard of the adapters)."""
     if "lora" not in backends:
         return None
+    if parallel.stage.split:
+        raise ConfigError(f"lora: LoRA adapters with pipeline parallelism (parallel.pipeline_parallel_size="
+                          f"{parallel.stage.num_stages}) are not supported yet; use pipeline_parallel_size 1 "
+                          "(tensor_parallel_size works with LoRA)")
     chosen = backends["lora"]
     return Adapters(chosen.cls(chosen.options), chosen.options, model)
 
@@ -234,6 +243,19 @@ def _layer_windows(plan: EnginePlan) -> tuple[int | None, ...]:
     cached = plan.attention_layers[:plan.model_config.num_kv_layers]
     windows = tuple(layer.sliding_window for layer in cached)
     return windows if len(set(windows)) > 1 else ()
+
+
+def stage_spec(spec: KVCacheSpec, stage) -> KVCacheSpec:
+    """A pipeline stage's cache: its own layers' K/V (their windows and shapes) and states only."""
+    if not stage.split:
+        return spec
+    end = stage.end if spec.num_layers else stage.start  # a model of state layers only caches no K/V
+    local = {"num_layers": end - stage.start}
+    if spec.layer_windows:
+        local["layer_windows"] = spec.layer_windows[stage.start:end]
+    if spec.layer_shapes:
+        local["layer_shapes"] = spec.layer_shapes[stage.start:end]
+    return dataclasses.replace(spec, **local)
 
 
 def build_cpu_kernels() -> float:
@@ -294,7 +316,7 @@ def _load_with_progress(model: torch.nn.Module, source, parallel: ParallelState 
 
     # tqdm waits `delay` seconds before drawing, so fast loads stay quiet; one bar (rank 0's), and
     # none where stderr is not a terminal (disable=None: tqdm's own check; logs get no \r floods)
-    quiet = True if parallel is not None and parallel.rank != 0 else None
+    quiet = True if parallel is not None and parallel.global_rank != 0 else None
     with tqdm(total=len(source.tensor_names), desc="loading weights", unit="tensor", delay=2.0,
               leave=False, disable=quiet) as bar:
         load_weights(model, source, progress=bar, parallel=parallel)

@@ -19,6 +19,7 @@ from lmplug.engine.build import EngineParts, build_engine_parts
 from lmplug.engine.forks import Forks
 from lmplug.engine.isolation import Observers, StepFailures
 from lmplug.engine.stages import build_select_stages
+from lmplug.engine.virtual import VirtualSchedulers
 from lmplug.errors import ConfigError
 from lmplug.interfaces.adapter import LoRARequest
 from lmplug.interfaces.engine_view import EngineView
@@ -75,9 +76,10 @@ class LLMEngine:
         self.resolved = resolved
         self.config = resolved.config
         self.registry.hook.lmplug_configure(config=self.config)
-        # tensor parallelism: rank 0 (this process) starts the workers, then every rank builds its shard
+        # tensor / pipeline parallelism: rank 0 (this process) starts the workers, then every rank
+        # builds its shard or stage
         self.parallel = None
-        if self.config.parallel.tensor_parallel_size > 1:
+        if self.config.parallel.tensor_parallel_size > 1 or self.config.parallel.pipeline_parallel_size > 1:
             from lmplug.engine.build import peek_model_config
             from lmplug.parallel.setup import start
 
@@ -95,6 +97,13 @@ class LLMEngine:
         self.tokenizer = parts.tokenizer
         self.kv = parts.kv
         self.scheduler = parts.scheduler
+        # pipeline parallel: up to P micro-batches in flight, one per scheduler (``virtual.py``);
+        # the plain sampler only (drafts are planned into a step before it runs)
+        self.virtual: VirtualSchedulers | None = None
+        self._in_flight: dict[int, tuple] = {}
+        stages = self.config.parallel.pipeline_parallel_size
+        if stages > 1 and parts.drafter is None and not parts.plan.encoder:
+            self.virtual = self.scheduler = VirtualSchedulers(parts.scheduler, stages)
         self.runner = parts.runner
         self.adapters = parts.adapters  # LoRA adapters (``lora:`` section), None: none
         self.max_model_len = parts.max_model_len
@@ -165,6 +174,9 @@ class LLMEngine:
                               "architectures: a base model, as embedding checkpoints are): it serves embeddings "
                               "(LLM.embed, /v1/embeddings), not generation")
         params = params or SamplingParams()
+        if self.virtual is not None and params.beam_width:
+            raise ConfigError("beam_width: beam search is not supported with pipeline parallelism "
+                              "(parallel.pipeline_parallel_size > 1) yet")
         check_token_ids(params, self.model_config.vocab_size)
         self.selector.admit(params)
         self.constraints.admit(params, request_id)
@@ -223,17 +235,46 @@ class LLMEngine:
         its tokens finishes that request with ``finish_reason="error"`` and the others go on
         (``_commit``). A forward pass that raises cannot be pinned to one request: it propagates.
         """
+        if self.virtual is not None:
+            return self._micro_batch_step()
         started = time.perf_counter()
         plan = self._schedule()
         if not plan.scheduled:
             return []
-        # decode tokens (drafts included): those of sequences already past their prompt
-        num_decode = sum(s.num_new_tokens for s in plan.scheduled if not s.seq.is_prefill)
+        num_decode = _decode_tokens(plan)
         with self.runner.threads_for([s.num_new_tokens for s in plan.scheduled],
                                      [s.seq.num_computed_tokens + s.num_new_tokens for s in plan.scheduled]):
             result = self.runner.execute(plan.scheduled)
             finished, failed = self._commit(plan.scheduled, result)
-        self.scheduler.update(finished)
+        return self._settle_step(self.scheduler, plan, started, num_decode, finished, failed)
+
+    @property
+    def batches_in_flight(self) -> int:
+        """Pipeline parallel: micro-batches submitted and not yet collected (at most P)."""
+        return len(self._in_flight)
+
+    def _micro_batch_step(self) -> list[RequestOutput]:
+        """Pipeline parallel: collect this turn's batch in flight (its outputs are the step's), then
+        schedule and submit the turn's next batch without waiting for it."""
+        turn = self.virtual.turn()
+        outputs = self._collect(*self._in_flight.pop(turn)) if turn in self._in_flight else []
+        scheduler = self.virtual.members[turn]
+        plan = scheduler.schedule()
+        if plan.scheduled:
+            self._in_flight[turn] = (scheduler, plan, time.perf_counter(), _decode_tokens(plan),
+                                     self.runner.submit(plan.scheduled))
+        return outputs
+
+    def _collect(self, scheduler, plan: SchedulerOutput, started: float, num_decode: int,
+                 finish) -> list[RequestOutput]:
+        self.selector.plan(plan.scheduled)  # the sampler's structured-output masks (no drafts here)
+        finished, failed = self._commit(plan.scheduled, finish())
+        return self._settle_step(scheduler, plan, started, num_decode, finished, failed)
+
+    def _settle_step(self, scheduler, plan: SchedulerOutput, started: float, num_decode: int,
+                     finished: list[Sequence], failed: list[Sequence]) -> list[RequestOutput]:
+        """The scheduler told what finished; the step's outputs, observers and statistics."""
+        scheduler.update(finished)
         self._end_failed(failed)
         outputs = self.requests.outputs([item.seq for item in plan.scheduled])
         self.selector.annotate(outputs)
@@ -322,3 +363,8 @@ class LLMEngine:
         self.last_stats.update(self.selector.stats())
         if self._observe_steps:
             self.observers.notify("lmplug_step_finished", engine=self.view, stats=self.last_stats)
+
+
+def _decode_tokens(plan: SchedulerOutput) -> int:
+    """Decode tokens (drafts included): those of sequences already past their prompt."""
+    return sum(s.num_new_tokens for s in plan.scheduled if not s.seq.is_prefill)

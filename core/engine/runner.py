@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import operator
+from collections.abc import Callable
 
 import torch
 
@@ -12,6 +13,7 @@ from lmplug.interfaces.runner import StepResult
 from lmplug.interfaces.scheduler import ScheduledSeq
 from lmplug.interfaces.step import StepContext
 from lmplug.kit.kv_layout import kv_slots
+from lmplug.kit.pipeline import PipelineStage, exchange_logits, whole
 from lmplug.kit.threads import small_ops_single_threaded
 
 # query tokens x positions each attends, summed over a step: at most this (a 512-token prompt's
@@ -23,8 +25,11 @@ SMALL_ATTENTION = 512 * 512
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, kv: KVCacheBackend, device: torch.device,
                  parallel=None, *, short_query_tokens: int = 0, keep_hidden: bool = False,
-                 small_step_tokens: int = 0) -> None:
+                 small_step_tokens: int = 0, stage: PipelineStage | None = None) -> None:
         self.model = model
+        # pipeline parallel: this process's stage (its layers' K/V and states only; logits travel
+        # from the last stage to rank 0)
+        self.stage = stage or whole()
         self.parallel = parallel  # rank 0 of a tensor-parallel group (``lmplug.parallel.launch``)
         self.kv = kv
         self.device = device
@@ -36,9 +41,12 @@ class ModelRunner:
         # (``lmplug.kit.threads``: the quant method's products keep their own threads); 0: never
         self.small_step_tokens = small_step_tokens
         self.adapters = None  # the LoRA adapters served (``engine.adapters.Adapters``), set by the build
-        model.bind_kv([kv.layer_view(i) for i in range(kv.spec.num_layers)])
+        self._defer = False  # this step's logits received later (``submit``: a pipeline micro-batch)
+        model.bind_kv(self._global([kv.layer_view(i) for i in range(kv.spec.num_layers)],
+                                   [self.stage.start + i for i in range(kv.spec.num_layers)]))
         if kv.spec.states:  # state layers read their pools through ``ctx.state_slots``
-            model.bind_states([kv.state_view(i) for i in range(len(kv.spec.states))])
+            model.bind_states(self._global([kv.state_view(i) for i in range(len(kv.spec.states))],
+                                           [spec.layer for spec in kv.spec.states]))
 
     def build_context(self, batch: list[ScheduledSeq]) -> tuple[torch.Tensor, StepContext]:
         """Flatten the batch (decodes first) into input ids and the per-step record.
@@ -104,6 +112,15 @@ class ModelRunner:
 
     @torch.inference_mode()
     def _execute(self, batch: list[ScheduledSeq]) -> StepResult:
+        return self._submit(batch)()
+
+    def submit(self, batch: list[ScheduledSeq]) -> Callable[[], StepResult]:
+        """Pipeline parallel: run the first stage's part of the step and return what finishes it
+        (receives the last stage's logits), so that the engine can submit another micro-batch first."""
+        return self._submit(batch, defer=True)
+
+    @torch.inference_mode()
+    def _submit(self, batch: list[ScheduledSeq], defer: bool = False) -> Callable[[], StepResult]:
         # decodes first (backends take a fast path over ``[:num_decodes]``), then short queries,
         # chains shortest first, then draft trees (a verify of a few drafts, a small chunk: backends
         # may read a leading run of short queries as decode rows), then the long ones
@@ -132,15 +149,32 @@ class ModelRunner:
         groups = [where for _, where in prompt_rows.values()] + ([rows] if rows else [])
         if self.adapters is not None:  # each token's adapter slot, read by every adapted layer
             self.adapters.set_step([(item.seq.adapter, item.num_new_tokens) for item in batch], self.device)
+        self._defer = defer
         try:
             if self.parallel is not None:  # tensor parallel: every rank runs the same step on its shard
                 logits, hidden = self.parallel.run_step(self, input_ids, ctx, groups)
             else:
                 logits, hidden = self.run(input_ids, ctx, groups)
         finally:
+            self._defer = False
             if self.adapters is not None:  # forwards outside a step (a drafter's) run on the base
                 self.adapters.clear_step()
+        if not callable(logits):
+            return lambda: self._result(logits, hidden, sample_rows, rows, num_rows, prompt_rows, pool_rows)
+        receive = logits  # pipeline: the last stage's logits, received when the engine collects the step
+
+        @torch.inference_mode()
+        def finish() -> StepResult:
+            got = self.parallel.finish_step(receive)
+            return self._result(got, hidden, sample_rows, rows, num_rows, prompt_rows, pool_rows)
+
+        return finish
+
+    def _result(self, logits, hidden, sample_rows, rows, num_rows, prompt_rows, pool_rows) -> StepResult:
         prompt_logits = {seq_id: (first, lg) for (seq_id, (first, _)), lg in zip(prompt_rows.items(), logits)}
+        if pool_rows and hidden is None:
+            raise RuntimeError("embeddings are not served under pipeline parallelism "
+                               "(parallel.pipeline_parallel_size > 1): the final hidden states stay on the last stage")
         pooled = {seq_id: (first, hidden[where]) for seq_id, (first, where) in pool_rows.items()}
         if not rows:
             return StepResult(sample_rows, None, prompt_logits, num_rows, pooled=pooled)
@@ -171,8 +205,20 @@ class ModelRunner:
 
     def _forward(self, input_ids: torch.Tensor, ctx: StepContext,
                  groups: list) -> tuple[list[torch.Tensor | None], torch.Tensor]:
-        hidden = self.model(input_ids, ctx.positions, ctx)  # [T, h]
+        hidden = self.model(input_ids, ctx.positions, ctx)  # [T, h] (pipeline: the last stage's only)
+        if self.stage.split:
+            return exchange_logits(self.model.tp, self.model, hidden, groups, input_ids.shape[0],
+                                   self.model.config.vocab_size, self.device, defer=self._defer), None
         return [self.model.compute_logits(hidden[where]) for where in groups], hidden
+
+    def _global(self, views: list, layers: list[int]) -> list:
+        """Views by model layer: one stage's own at their global indices, None for other stages'."""
+        if not self.stage.split or not views:
+            return views
+        out = [None] * self.model.config.num_layers
+        for view, layer in zip(views, layers, strict=True):
+            out[layer] = view
+        return out
 
 
 

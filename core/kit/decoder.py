@@ -22,6 +22,7 @@ from lmplug.kit.native_step import NativeDecodeStep
 from lmplug.kit.packed_embedding import QuantEmbedding
 from lmplug.kit.parallel import ParallelState, single
 from lmplug.kit.parallel_layers import column_linear, embedding, row_linear
+from lmplug.kit.pipeline import foreign_layer, stage_input, stage_layers, stage_output
 from lmplug.kit.rope import RotaryEmbedding
 
 
@@ -106,6 +107,9 @@ class DecoderForCausalLM(torch.nn.Module):
 
     # lmplug embeddings: forward returns the final-norm hidden states, which pooling reads
     final_hidden_states = True
+    # builds only its pipeline stage's layers (``parallel.stage``); an architecture whose layers
+    # share caches or states across the split says False and is refused under pipeline parallelism
+    pipeline_stages = True
 
     # checkpoint name (after "model.layers.N.") -> (module path in the layer, shard)
     STACKED = {
@@ -125,15 +129,22 @@ class DecoderForCausalLM(torch.nn.Module):
         self.config = cfg
         # tensor parallel: the vocabulary is split in rows (embedding and LM head)
         self.tp = parallel or single()
+        # pipeline parallel: the embedding on the first stage (and the last, for a tied LM head),
+        # this stage's layers, the final norm and LM head on the last stage
+        stage = self.tp.stage
+        check_stages(self, cfg)
+        self.hidden_dtype = dtype  # of the hidden states a stage receives
         # a quant method that takes packed tables (GGUF) holds the embedding and LM head too;
         # tensor parallelism slices dense ones
         packed = extras.takes_packed(quant, torch.get_default_device()) and not self.tp.is_parallel
-        self.embed_tokens = (QuantEmbedding(cfg.vocab_size, cfg.hidden_size, dtype, quant) if packed else
-                             embedding(cfg.vocab_size, cfg.hidden_size, dtype, self.tp))
+        self.embed_tokens = None
+        if stage.first or (stage.last and cfg.tie_word_embeddings):
+            self.embed_tokens = (QuantEmbedding(cfg.vocab_size, cfg.hidden_size, dtype, quant) if packed else
+                                 embedding(cfg.vocab_size, cfg.hidden_size, dtype, self.tp))
         vocab_rows = self.tp.vocab_range(cfg.vocab_size)[1]
-        self.layers = torch.nn.ModuleList(self.new_layer(i, dtype, quant, attention) for i in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        if cfg.tie_word_embeddings:
+        self.layers = stage_layers(stage, cfg.num_layers, lambda i: self.new_layer(i, dtype, quant, attention))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype) if stage.last else None
+        if cfg.tie_word_embeddings or not stage.last:
             self.lm_head = None
         elif packed:
             self.lm_head = Linear(cfg.hidden_size, {"lm_head": vocab_rows}, bias=False, dtype=dtype,
@@ -145,11 +156,11 @@ class DecoderForCausalLM(torch.nn.Module):
                                     cfg.rope_theta, cfg.rope_scaling, dtype)
         self.kv_views: list[KVLayerView] = []
         # planned on the first forward, after loading (``native_step``): None until then, False: none
-        self._native_step: NativeDecodeStep | bool | None = None
+        self._native_step: NativeDecodeStep | bool | None = False if stage.split else None
 
     def allow_native_step(self, allowed: bool) -> None:
         """The engine plan's ``cpu.native_step``: False keeps the Python layers for every step."""
-        self._native_step = None if allowed else False
+        self._native_step = None if allowed and not self.tp.stage.split else False
 
     def new_layer(self, index: int, dtype: torch.dtype, quant: QuantMethod, attention: AttentionBackend,
                   kv_layer: int | None = None) -> DecoderLayer:
@@ -174,8 +185,11 @@ class DecoderForCausalLM(torch.nn.Module):
     def bind_kv(self, views: list[KVLayerView]) -> None:
         self.kv_views = views
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: StepContext) -> torch.Tensor:
-        return self.norm(self.run_layers(self.embed_tokens(input_ids), positions, ctx))
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: StepContext) -> torch.Tensor | None:
+        """The final-norm hidden states; under pipeline parallelism, on the last stage only (the
+        others send theirs on and return None)."""
+        x = stage_input(self.tp, self.embed_tokens, input_ids, self.config.hidden_size, self.hidden_dtype)
+        return stage_output(self.tp, self.run_layers(x, positions, ctx), self.norm)
 
     def run_layers(self, x: torch.Tensor, positions: torch.Tensor, ctx: StepContext, views: list | None = None,
                    num_layers: int | None = None) -> torch.Tensor:
@@ -222,6 +236,10 @@ class DecoderForCausalLM(torch.nn.Module):
             return "lm_head.weight"
         return path
 
+    def skips_tensor(self, name: str) -> bool:
+        """A tensor of a layer another pipeline stage holds (the loader never reads it)."""
+        return foreign_layer(self.tp.stage, name, "model.layers.")
+
     def weight_target(self, name: str) -> tuple[str, str | None] | None:
         """Map a checkpoint (HF) tensor name to (parameter path, shard) or None to skip it.
         (The loader also takes (path, shard, expert) for stacked expert weights.)"""
@@ -248,3 +266,17 @@ class DecoderForCausalLM(torch.nn.Module):
                 return "lm_head.weight", "lm_head"
             return (None if self.lm_head is None else ("lm_head", None))
         return name, None
+
+
+def check_stages(model: torch.nn.Module, cfg: ModelConfig) -> None:
+    """Refuse a pipeline split the architecture cannot serve: its layers must each own their cache
+    layer (no shared or state caches beside them) unless it says otherwise."""
+    stage = model.tp.stage
+    if not stage.split:
+        return
+    from lmplug.errors import ConfigError
+
+    if not model.pipeline_stages or cfg.has_states or cfg.num_kv_layers != cfg.num_layers:
+        raise ConfigError(f"parallel.pipeline_parallel_size={stage.num_stages}: {type(model).__name__} "
+                          f"({cfg.model_type}) cannot be split into pipeline stages yet (its layers share "
+                          "caches or keep states across the split); use pipeline_parallel_size 1")

@@ -2,7 +2,9 @@
 
 ``ParallelState`` is passed explicitly: the engine build hands it to the model, whose layers read
 their local sizes (heads, slices, experts) from it, and to the loader. The default, ``single()``,
-is one process: every collective is a no-op.
+is one process: every collective is a no-op. Under pipeline parallelism ``stage`` says which
+layers this process holds (``lmplug.kit.pipeline``); ``rank`` and ``world_size`` stay those of the
+tensor-parallel group inside the stage (``group``; None: the default group).
 """
 
 from __future__ import annotations
@@ -13,10 +15,11 @@ from typing import Any
 import torch
 
 from lmplug.errors import LmplugError
+from lmplug.kit.pipeline import PipelineStage, whole
 
 
 class TensorParallelError(LmplugError):
-    """A tensor-parallel worker failed or died; the group is stopped."""
+    """A tensor- or pipeline-parallel worker failed or died; the group is stopped."""
 
 
 @dataclass(frozen=True)
@@ -27,10 +30,24 @@ class ParallelState:
     expert_parallel: bool = False
     # process group for pickled control messages (gloo; None: the default group)
     cpu_group: Any = field(default=None, compare=False)
+    # pipeline parallel: this process's stage (its layers); tensor-parallel collectives run in
+    # ``group``, the ranks of this stage (None: the default group, every rank)
+    stage: PipelineStage = field(default_factory=whole)
+    group: Any = field(default=None, compare=False)
 
     @property
     def is_parallel(self) -> bool:
         return self.world_size > 1
+
+    @property
+    def is_distributed(self) -> bool:
+        """More than one process: tensor- or pipeline-parallel."""
+        return self.world_size > 1 or self.stage.split
+
+    @property
+    def global_rank(self) -> int:
+        """This process's rank among every stage's ranks (stage * T + rank)."""
+        return self.stage.peer(self.rank, self.stage.stage)
 
     # -- how a size splits ------------------------------------------------------------------
     def split(self, total: int) -> tuple[int, int]:
@@ -64,23 +81,24 @@ class ParallelState:
         if self.world_size > 1:
             import torch.distributed as dist
 
-            dist.all_reduce(x)
+            dist.all_reduce(x, group=self.group)
         return x
 
     def gather_last_dim(self, x: torch.Tensor) -> torch.Tensor | None:
-        """Concatenate every rank's ``x`` along the last axis on rank 0; other ranks get None."""
+        """Concatenate every rank's ``x`` along the last axis on the stage's rank 0; other ranks get None."""
         if self.world_size == 1:
             return x
         import torch.distributed as dist
 
         x = x.contiguous()
         parts = [torch.empty_like(x) for _ in range(self.world_size)] if self.rank == 0 else None
-        dist.gather(x, parts, dst=0)
+        dist.gather(x, parts, dst=self.stage.peer(0, self.stage.stage), group=self.group)
         return torch.cat(parts, dim=-1) if self.rank == 0 else None
 
     def broadcast_object(self, obj: Any = None) -> Any:
-        """Rank 0's ``obj`` on every rank (pickled; for per-step inputs and control messages)."""
-        if self.world_size == 1:
+        """Global rank 0's ``obj`` on every rank of every stage (pickled; for per-step inputs and
+        control messages)."""
+        if not self.is_distributed:
             return obj
         import torch.distributed as dist
 
@@ -89,11 +107,12 @@ class ParallelState:
         return box[0]
 
     def all_gather_object(self, obj: Any) -> list[Any]:
-        if self.world_size == 1:
+        """Every rank's ``obj`` (of every stage), by global rank."""
+        if not self.is_distributed:
             return [obj]
         import torch.distributed as dist
 
-        out: list[Any] = [None] * self.world_size
+        out: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(out, obj, group=self.cpu_group)
         return out
 

@@ -43,14 +43,20 @@ def load_weights(model: torch.nn.Module, source: ModelSource, progress=None, par
     split = parallel is not None and parallel.is_parallel
     packed = not split and source.iter_packed is not None and _takes_packed(model)
     prefix = _base_prefix(model, source)
+    # pipeline parallel: another stage's layers are skipped before the model maps their names
+    foreign = getattr(model, "skips_tensor", None) if parallel is not None and parallel.stage.split else None
     for name, tensor in _tensors(model, source, progress, lazy=split, packed=packed):
         if prefix and not name.startswith(prefix):
             name = prefix + name
+        if foreign is not None and foreign(name):
+            continue
         target = model.weight_target(name)
         if target is None:
             continue
         path, shard, expert = (*target, None) if len(target) == 2 else target
         if path not in params:
+            if parallel is not None and parallel.stage.split:
+                continue  # another pipeline stage's layer, embedding or head: never read here
             logger.warning("%s: tensor %r is not used by this architecture", source.path, name)
             continue
         owner_path, _, param_name = path.rpartition(".")

@@ -9,6 +9,10 @@ or the engine: ``setup.start`` is handed the engine's build callables); which sl
 checkpoint tensor a rank reads is in ``lmplug.kit.sharding``, and ``lmplug.kit.parallel`` holds the
 rank, the world size and the collectives (both in the kit: architectures build on them); TP=1 is the no-op default, so single-process code paths
 are untouched.
+
+``parallel: {pipeline_parallel_size: P}`` splits the layers into P stages of T ranks each
+(``pipeline.py``: the stage plan and its checks); a stage's layers, its transport of hidden states
+and logits (point-to-point) and its clock are ``lmplug.kit.pipeline``.
 """
 
 from lmplug.kit.parallel import ParallelState, TensorParallelError, single

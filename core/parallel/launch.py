@@ -1,4 +1,5 @@
-"""Starting a tensor-parallel group: rank 0 spawns N-1 workers, or every rank joins a torchrun launch.
+"""Starting a tensor- or pipeline-parallel group: rank 0 spawns the other ranks (N-1, or P x T - 1),
+or every rank joins a torchrun launch.
 
 Rank 0 is the engine's own process. ``WorkerGroup`` spawns the workers (``torch.multiprocessing``
 spawn context, daemonic), meets them at a free TCP port on loopback and keeps a watchdog thread
@@ -28,19 +29,30 @@ import torch
 
 from lmplug.kit.kv_extras import take_copies
 from lmplug.kit.parallel import ParallelState, TensorParallelError
-from lmplug.parallel.group import STOP, ctx_to, expert_parallel, init_rank, leave_group
+from lmplug.kit.pipeline import CLOCK
+from lmplug.parallel.group import (
+    CLOCK_REPORT,
+    CLOCK_RESET,
+    STOP,
+    ctx_to,
+    init_rank,
+    leave_group,
+    rank_layout,
+)
 from lmplug.parallel.worker import worker_main
 
 logger = logging.getLogger(__name__)
 
-def torchrun_rank(world_size: int) -> int | None:
-    """This process's rank when it was started by ``torchrun`` for ``world_size`` processes."""
+def torchrun_rank(tp: int, pp: int = 1) -> int | None:
+    """This process's rank when it was started by ``torchrun`` for ``pp x tp`` processes."""
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
         return None
-    if int(os.environ["WORLD_SIZE"]) != world_size:
+    if int(os.environ["WORLD_SIZE"]) != tp * pp:
         from lmplug.errors import ConfigError
+        from lmplug.parallel.pipeline import check_sizes
 
-        raise ConfigError(f"parallel.tensor_parallel_size is {world_size}, but torchrun started "
+        check_sizes(pp, tp, int(os.environ["WORLD_SIZE"]))  # names both sizes under pipeline parallelism
+        raise ConfigError(f"parallel.tensor_parallel_size is {tp}, but torchrun started "
                           f"WORLD_SIZE={os.environ['WORLD_SIZE']} processes; make them equal")
     return int(os.environ["RANK"])
 
@@ -62,8 +74,13 @@ def _describe_exit(code: int | None) -> str:
     return f"exited with code {code}"
 
 
+def _describe_group(payload: dict) -> str:
+    stages = payload.get("pipeline")
+    return f"pipeline parallel (layers per stage {stages})" if stages else "tensor parallel"
+
+
 class WorkerGroup:
-    """Rank 0's side of a tensor-parallel group (``state``: rank 0's ``ParallelState``)."""
+    """Rank 0's side of a tensor- or pipeline-parallel group (``state``: rank 0's ``ParallelState``)."""
 
     def __init__(self, payload: dict, world_size: int, backend: str, timeout_s: float) -> None:
         import torch.distributed as dist
@@ -75,6 +92,7 @@ class WorkerGroup:
                                       "close it first (LLM.close() / LLMEngine.close())")
 
         self.world_size = world_size
+        self.pipeline = payload.get("pipeline")  # layers per stage (None: tensor parallel only)
         self.failure: str | None = None
         self._closed = False
         self._lock = threading.Lock()
@@ -89,7 +107,7 @@ class WorkerGroup:
         for rank in range(1, world_size):
             reader, writer = ctx.Pipe(duplex=False)
             step_reader, step_writer = ctx.Pipe(duplex=False)
-            proc = ctx.Process(target=worker_main, name=f"lmplug-tp-rank{rank}", daemon=True,
+            proc = ctx.Process(target=worker_main, name=f"lmplug-parallel-rank{rank}", daemon=True,
                                args=(rank, world_size, init_method, backend, timeout_s, payload, writer,
                                      step_reader))
             proc.start()
@@ -101,11 +119,11 @@ class WorkerGroup:
         self._watchdog = threading.Thread(target=self._watch, name="lmplug-tp-watchdog", daemon=True)
         self._watchdog.start()
         try:
-            self.state = self._join(init_method, backend, timeout_s, expert_parallel(payload))
+            self.state = self._join(init_method, backend, timeout_s, rank_layout(payload))
         except BaseException:
             self.close()
             raise
-        logger.info("tensor parallel: %d ranks over %s (workers %s)", world_size, backend,
+        logger.info("%s: %d ranks over %s (workers %s)", _describe_group(payload), world_size, backend,
                     ", ".join(f"{r}: pid {p.pid}" for r, p in self.procs.items()))
 
     @classmethod
@@ -114,20 +132,21 @@ class WorkerGroup:
         shows as a failed collective)."""
         group = cls.__new__(cls)
         group.world_size, group.state, group.failure, group._closed = state.world_size, state, None, False
+        group.pipeline = None  # a dead rank shows as a failed collective, not by its stage
         group._lock, group.procs, group._reasons, group._pipes = threading.Lock(), {}, {}, {}
         group._steps = None  # steps are broadcast over the group (torchrun ranks are not our children)
         atexit.register(group.close)
         return group
 
     # -- start-up ------------------------------------------------------------------------------
-    def _join(self, init_method: str, backend: str, timeout_s: float, experts_split: bool) -> ParallelState:
+    def _join(self, init_method: str, backend: str, timeout_s: float, layout: dict) -> ParallelState:
         """Rank 0 joins the group in a helper thread, so a worker that dies first is reported
         at once instead of after the rendezvous timeout."""
         box: dict = {}
 
         def join() -> None:
             try:
-                box["state"] = init_rank(0, self.world_size, init_method, backend, timeout_s, experts_split)
+                box["state"] = init_rank(0, self.world_size, init_method, backend, timeout_s, **layout)
             except BaseException as exc:  # noqa: BLE001 (re-raised by the waiting thread)
                 box["error"] = exc
 
@@ -162,13 +181,20 @@ class WorkerGroup:
             if self.failure is not None or self._closed:
                 return
         why = self._reasons.get(rank)
-        failure = (f"tensor-parallel worker rank {rank} (pid {proc.pid}) {_describe_exit(proc.exitcode)}"
+        failure = (f"{self._role(rank)} (pid {proc.pid}) {_describe_exit(proc.exitcode)}"
                    + (f": {why}" if why else "") + "; the other ranks were stopped")
         self._kill_all()  # before the failure is published: whoever raises it finds the others gone
         with self._lock:
             if self.failure is None:
                 self.failure = failure
         logger.error("%s", self.failure)
+
+    def _role(self, rank: int) -> str:
+        """How a worker is named in errors: with its pipeline stage, when there are stages."""
+        if not self.pipeline:
+            return f"tensor-parallel worker rank {rank}"
+        stage = rank // (self.world_size // len(self.pipeline))
+        return f"pipeline-parallel worker rank {rank} (stage {stage} of {len(self.pipeline)})"
 
     def _kill_all(self) -> None:
         for proc in self.procs.values():
@@ -199,6 +225,26 @@ class WorkerGroup:
             if error is exc:
                 raise
             raise error from exc
+
+    def finish_step(self, receive):
+        """``receive()``: the logits of a pipeline step submitted earlier; a failure is the step's."""
+        try:
+            return receive()
+        except BaseException as exc:
+            error = self._step_error(exc)
+            if error is exc:
+                raise
+            raise error from exc
+
+    def stage_clocks(self, reset: bool = False) -> list[dict] | None:
+        """Every rank's wait for its input since the last reset (``lmplug.kit.pipeline.StageClock``:
+        wall_s, wait_s, bubble), by global rank; ``reset``: start the clocks again (returns None)."""
+        self.check()
+        self._send(CLOCK_RESET if reset else CLOCK_REPORT)
+        if reset:
+            CLOCK.reset()
+            return None
+        return self.state.all_gather_object(CLOCK.report())
 
     def _send(self, msg) -> None:
         if self._steps is None:

@@ -1,12 +1,13 @@
-"""What the engine build asks of tensor parallelism: checks, start-up, KV agreement, memory.
+"""What the engine build asks of tensor and pipeline parallelism: checks, start-up, KV agreement, memory.
 
 - ``check_model``: N must divide the attention heads and the intermediate sizes; the KV heads
   are split when N divides them and replicated when N is a multiple of them (a clear
   ``ConfigError`` naming ``parallel.tensor_parallel_size`` and the model's numbers otherwise).
   Under ``parallel.expert_parallel`` N must divide the number of routed experts instead of
   their width (each rank holds whole experts).
-- ``start``: rank 0 spawns the workers (``WorkerGroup``) or joins a ``torchrun`` launch; the
-  engine hands it its ``peek`` and ``build`` callables (this package never imports the engine).
+- ``start``: rank 0 spawns the workers (``WorkerGroup``; P x T ranks under pipeline parallelism,
+  the stages' layers from ``pipeline.layer_counts``) or joins a ``torchrun`` launch; the engine hands
+  it its ``peek`` and ``build`` callables (this package never imports the engine).
 - ``build_kv``: every rank's KV cache gets rank 0's block count (rank 0's scheduler hands out
   block ids, so each worker's pool must hold as many blocks; it holds only its KV heads). Rank 0's
   cache records the copies it makes itself (copy-on-write blocks, forked rows: the "tp_copies"
@@ -66,16 +67,25 @@ def check_model(model_config, n: int, where: str, expert_parallel: bool = False)
                           "(intermediate_size)")
 
 
+# drafters that work through a pipeline: they read tokens, not the target's layers or hidden states
+PIPELINE_DRAFTERS = ("ngram", "draft_model")
+
+
 def check_config(resolved) -> None:
-    n = resolved.config.parallel.tensor_parallel_size
+    n, pp = resolved.config.parallel.tensor_parallel_size, resolved.config.parallel.pipeline_parallel_size
+    drafter = resolved.backends.get("speculative")
+    if pp > 1 and drafter is not None and drafter.name not in PIPELINE_DRAFTERS:
+        raise ConfigError(f"{resolved.source}: parallel.pipeline_parallel_size={pp} with speculative "
+                          f"{drafter.name!r}: it reads the target's hidden states or runs its layers, which "
+                          f"live on other stages; use one of {', '.join(PIPELINE_DRAFTERS)} or one stage")
+    if resolved.device == "cuda" and torch.cuda.device_count() < n * pp:
+        raise ConfigError(f"{resolved.source}: {OPTION}={n} x parallel.pipeline_parallel_size={pp} needs "
+                          f"{n * pp} GPUs, this machine has {torch.cuda.device_count()}")
     if n == 1:
         return
     if resolved.config.speculative is not None:
         raise ConfigError(f"{resolved.source}: {OPTION}={n} with speculative decoding is not supported "
                           "yet; remove the `speculative` section or use tensor_parallel_size 1")
-    if resolved.device == "cuda" and torch.cuda.device_count() < n:
-        raise ConfigError(f"{resolved.source}: {OPTION}={n} needs {n} GPUs, this machine has "
-                          f"{torch.cuda.device_count()}")
 
 
 def start(resolved, peek, build):
@@ -86,22 +96,25 @@ def start(resolved, peek, build):
     where)`` reads the model's config without its weights (checked here, before any worker
     starts); ``build(resolved, parallel=state) -> parts`` builds a rank's engine parts (a
     module-level function: it travels to the spawned workers by reference)."""
-    from lmplug.parallel.group import init_rank
+    from lmplug.parallel.group import init_rank, rank_layout
     from lmplug.parallel.launch import WorkerGroup, torchrun_rank
+    from lmplug.parallel.pipeline import layer_counts
     from lmplug.parallel.worker import serve
 
     cfg = resolved.config
-    n = cfg.parallel.tensor_parallel_size
+    n, pp = cfg.parallel.tensor_parallel_size, cfg.parallel.pipeline_parallel_size
+    rank = torchrun_rank(n, pp)  # sizes against WORLD_SIZE first: nothing else is read before
     check_config(resolved)
     model_config, where = peek(resolved)
     check_model(model_config, n, where, cfg.parallel.expert_parallel)
     backend = "nccl" if resolved.device == "cuda" else "gloo"
     payload = {"config": cfg.model_dump(), "device": resolved.device, "dtype": resolved.dtype,
-               "source": resolved.source, "build": build}
-    rank = torchrun_rank(n)
+               "source": resolved.source, "build": build,
+               "pipeline": layer_counts(model_config.num_layers, pp, cfg.parallel.pipeline_layers, where)
+               if pp > 1 else None}
     if rank is None:
-        return WorkerGroup(payload, n, backend, cfg.parallel.timeout_s)
-    state = init_rank(rank, n, None, backend, cfg.parallel.timeout_s, cfg.parallel.expert_parallel)
+        return WorkerGroup(payload, n * pp, backend, cfg.parallel.timeout_s)
+    state = init_rank(rank, n * pp, None, backend, cfg.parallel.timeout_s, **rank_layout(payload))
     if rank != 0:
         serve(state, payload)
         raise SystemExit(0)
@@ -119,9 +132,9 @@ def local_kv_shape(kv_shape: dict, parallel: ParallelState) -> dict:
 
 
 def build_kv(cls, options, spec, parallel: ParallelState):
-    if not parallel.is_parallel:
+    if not parallel.is_distributed:
         return cls(options, spec)
-    kv = cls(options, spec) if parallel.rank == 0 else None
+    kv = cls(options, spec) if parallel.global_rank == 0 else None
     blocks = parallel.broadcast_object(None if kv is None else kv_extras.pool_blocks(kv))
     if kv is None:
         if blocks is not None:
@@ -148,11 +161,12 @@ def memory_report(model: torch.nn.Module, kv, parallel: ParallelState) -> dict:
     mine = {"weight_bytes": weight_bytes(model), "expert_bytes": expert_bytes(model),
             "kv_bytes_per_token": int(kv.bytes_per_token)}
     ranks = parallel.all_gather_object(mine)
-    report = {"tensor_parallel_size": parallel.world_size, "expert_parallel": parallel.expert_parallel,
+    report = {"tensor_parallel_size": parallel.world_size, "pipeline_parallel_size": parallel.stage.num_stages,
+              "expert_parallel": parallel.expert_parallel,
               "weight_bytes_per_rank": [r["weight_bytes"] for r in ranks],
               "expert_bytes_per_rank": [r["expert_bytes"] for r in ranks],
               "kv_bytes_per_token_per_rank": [r["kv_bytes_per_token"] for r in ranks]}
-    if parallel.is_parallel and parallel.rank == 0:
+    if parallel.is_distributed and parallel.global_rank == 0:
         logger.info("tensor parallel%s: weights per rank %s bytes (MoE experts %s), KV per rank %s bytes/token",
                     " (expert parallel)" if parallel.expert_parallel else "", report["weight_bytes_per_rank"],
                     report["expert_bytes_per_rank"], report["kv_bytes_per_token_per_rank"])

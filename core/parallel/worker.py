@@ -1,4 +1,6 @@
-"""A tensor-parallel worker (ranks 1..N-1): build the model's shard, then run rank 0's steps.
+"""A tensor- or pipeline-parallel worker (ranks 1..N-1): build the model's shard or stage, then run
+rank 0's steps (a pipeline stage receives its input from the previous stage and sends its output
+on inside ``ModelRunner.run``; see ``lmplug.kit.pipeline``).
 
 The worker re-resolves the engine config it was given and builds the same parts as rank 0
 (the payload's ``build``, which the engine hands ``setup.start``, with its ``ParallelState``:
@@ -17,7 +19,8 @@ import signal
 import threading
 import time
 
-from lmplug.parallel.group import STOP, ctx_to, expert_parallel, init_rank, leave_group
+from lmplug.kit.pipeline import CLOCK
+from lmplug.parallel.group import STOP, clock_message, ctx_to, init_rank, leave_group, rank_layout
 
 
 def worker_main(rank: int, world_size: int, init_method: str | None, backend: str, timeout_s: float,
@@ -30,7 +33,7 @@ def worker_main(rank: int, world_size: int, init_method: str | None, backend: st
 
     tqdm.set_lock(threading.RLock())  # not tqdm's default multiprocessing lock, which os._exit would leak
     try:
-        state = init_rank(rank, world_size, init_method, backend, timeout_s, expert_parallel(payload))
+        state = init_rank(rank, world_size, init_method, backend, timeout_s, **rank_layout(payload))
         serve(state, payload, lambda: pickle.loads(steps.recv_bytes()))
     except BaseException as exc:  # noqa: BLE001 (tell rank 0 why, then go)
         try:
@@ -51,9 +54,13 @@ def serve(state, payload: dict, receive=None) -> None:
     runner, device = parts.runner, parts.runner.device
     receive = receive or state.broadcast_object
     while True:
+        waited = time.perf_counter()
         msg = receive()  # EOFError when rank 0 is gone
+        CLOCK.wait_s += time.perf_counter() - waited
         if msg is STOP:
             break
+        if clock_message(msg, state):
+            continue
         input_ids, ctx, groups, copies, lora = msg
         if copies is not None:  # rank 0's cache copied blocks or rows (beam forks): the same here
             parts.kv.apply_copies(copies)

@@ -147,6 +147,9 @@ def _add_plain_routes(app: FastAPI, engine: AsyncEngine, metrics: Metrics, setti
             return JSONResponse({"status": "shutting_down"}, status_code=503)
         if not engine.is_running:
             return JSONResponse({"status": "engine_stopped"}, status_code=503)
+        failure = getattr(engine.engine.parallel, "failure", None)  # a tensor/pipeline-parallel rank died
+        if failure is not None:
+            return JSONResponse({"status": "parallel_worker_failed", "detail": failure}, status_code=503)
         return JSONResponse({"status": "ok"})
 
     @app.get("/metrics", dependencies=guarded(settings.public_metrics))

@@ -21,6 +21,7 @@ from lmplug.kit.decoder import Attention, DecoderForCausalLM
 from lmplug.kit.layers import RMSNorm, apply_rope, silu_and_mul
 from lmplug.kit.parallel import ParallelState
 from lmplug.kit.parallel_layers import column_linear, row_linear
+from lmplug.kit.pipeline import stage_input, stage_output
 
 
 class OffsetRMSNorm(RMSNorm):
@@ -190,13 +191,17 @@ class FlexDecoder(DecoderForCausalLM):
             built.append(RotaryEmbedding(cfg.head_dim, max_position, cfg.rope_theta, cfg.rope_scaling, dtype))
         return built[0]
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: StepContext) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)  # [T, h]
-        if self.embedding_multiplier != 1.0:
-            x = x * torch.tensor(self.embedding_multiplier, dtype=x.dtype)
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: StepContext) -> torch.Tensor | None:
+        x = stage_input(self.tp, self.embed, input_ids, self.config.hidden_size, self.hidden_dtype)  # [T, h]
         for layer, kv in zip(self.layers, self.kv_views):
             x = layer(x, positions, self.rope, kv, ctx)
-        return self.norm(x)
+        return stage_output(self.tp, x, self.norm)  # None: a pipeline stage before the last
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        if self.embedding_multiplier != 1.0:
+            x = x * torch.tensor(self.embedding_multiplier, dtype=x.dtype)
+        return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = super().compute_logits(hidden)

@@ -81,7 +81,7 @@ class GemmaForCausalLM(FlexDecoder):
         self._gemma = opts
         self._ropes = {kind: rope_of(cfg.head_dim, max_position, params, dtype) for kind, params in opts.ropes.items()}
         super().__init__(cfg, dtype, quant, attention, max_model_len, parallel=parallel)
-        self.norm = OffsetRMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.norm = OffsetRMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype) if self.tp.stage.last else None
         self.embedding_multiplier = cfg.hidden_size ** 0.5
         self.final_softcap = opts.final_softcap
 

@@ -227,6 +227,7 @@ class Gemma4ForCausalLM(FlexDecoder):
     """Gemma 4 text (``model_type`` gemma4_text), dense or MoE."""
 
     layer_class: ClassVar[type[Gemma4Layer]] = Gemma4Layer
+    pipeline_stages = False  # layers may read another layer's cache (KV sharing)
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, quant, attention, max_model_len: int, *,
                  parallel=None) -> None:

@@ -40,6 +40,8 @@ class HybridForCausalLM(MoEForCausalLM):
     """The MoE decoder whose layers' mixers follow ``cfg.layer_types``. Subclasses build their
     state mixers (``make_state_mixer``); a state mixer module has ``state_tensors(dtype)``."""
 
+    pipeline_stages = False  # the cache and state indices of a split are not mapped yet
+
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, quant: QuantMethod,
                  attention: AttentionBackend, max_model_len: int, *, moe: MoEBackend,
                  parallel: ParallelState | None = None, mixer: MixerBackend | None = None) -> None:

@@ -46,6 +46,7 @@ from lmplug.errors import ModelLoadError
 from lmplug.kit.layers import Linear, RMSNorm
 from lmplug.kit.parallel import ParallelState, single
 from lmplug.kit.parallel_layers import embedding, row_linear
+from lmplug.kit.pipeline import foreign_layer, stage_input, stage_layers, stage_output
 from lmplug.kit.sharding import Ranges, RangeShard
 from lmplug.kit.state_layers import StateRows, run_split, zero_fresh_states
 
@@ -203,6 +204,7 @@ class Mamba2ForCausalLM(torch.nn.Module):
 
     # lmplug embeddings: forward returns the final-norm hidden states, which pooling reads
     final_hidden_states = True
+    pipeline_stages = True  # each stage holds its layers and their states (``parallel.stage``)
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, quant: QuantMethod, attention,
                  max_model_len: int, *, parallel: ParallelState | None = None,
@@ -214,17 +216,20 @@ class Mamba2ForCausalLM(torch.nn.Module):
         self.dtype = dtype
         self.tp = parallel or single()  # tensor parallel: heads split, the vocabulary split in rows
         ssm = Mamba2Facts(cfg, self.tp.world_size)
-        self.embed_tokens = embedding(cfg.vocab_size, cfg.hidden_size, dtype, self.tp)
-        self.layers = torch.nn.ModuleList(Mamba2Block(cfg, ssm, i, dtype, quant, mixer, self.tp)
-                                          for i in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        stage = self.tp.stage  # pipeline parallel: the embedding first, this stage's layers, the head last
+        self.embed_tokens = (embedding(cfg.vocab_size, cfg.hidden_size, dtype, self.tp)
+                             if stage.first or (stage.last and cfg.tie_word_embeddings) else None)
+        self.layers = stage_layers(stage, cfg.num_layers,
+                                   lambda i: Mamba2Block(cfg, ssm, i, dtype, quant, mixer, self.tp))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype) if stage.last else None
         vocab_rows = self.tp.vocab_range(cfg.vocab_size)[1]
-        self.lm_head = None if cfg.tie_word_embeddings else _param(vocab_rows, cfg.hidden_size, dtype=dtype)
+        self.lm_head = (None if cfg.tie_word_embeddings or not stage.last
+                        else _param(vocab_rows, cfg.hidden_size, dtype=dtype))
         self.state_pools: list[dict[str, torch.Tensor]] = []
 
     def state_specs(self) -> tuple[StateSpec, ...]:
         return tuple(StateSpec(i, MAMBA2, block.mixer.state_tensors(self.dtype))
-                     for i, block in enumerate(self.layers))
+                     for i, block in enumerate(self.layers) if self.tp.stage.owns(i))
 
     def bind_kv(self, views: list) -> None:
         if views:
@@ -233,14 +238,14 @@ class Mamba2ForCausalLM(torch.nn.Module):
     def bind_states(self, pools: list[dict[str, torch.Tensor]]) -> None:
         self.state_pools = pools
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: StepContext) -> torch.Tensor | None:
         rows = StateRows.of(ctx)
-        if self.tp.is_parallel:  # the slots rank 0's KV cache zeroed when it handed them out
-            zero_fresh_states(self.state_pools, ctx)
-        x = self.embed_tokens(input_ids)
+        if self.tp.is_distributed:  # the slots rank 0's KV cache zeroed when it handed them out
+            zero_fresh_states([p for p in self.state_pools if p is not None], ctx)
+        x = stage_input(self.tp, self.embed_tokens, input_ids, self.config.hidden_size, self.dtype)
         for layer, pools in zip(self.layers, self.state_pools, strict=True):
             x = layer(x, rows, pools)
-        return self.norm(x)
+        return stage_output(self.tp, x, self.norm)  # None: a pipeline stage before the last
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         head = self.embed_tokens.weight if self.lm_head is None else self.lm_head
@@ -254,6 +259,10 @@ class Mamba2ForCausalLM(torch.nn.Module):
     _PARAMS: ClassVar[dict[str, str]] = {"mixer.conv1d.weight": "mixer.conv_weight", "mixer.conv1d.bias": "mixer.conv_bias",
                                          "mixer.norm.weight": "mixer.norm_weight"}
     _LINEARS: ClassVar[dict[str, str]] = {"mixer.in_proj": "in_proj", "mixer.out_proj": "out_proj"}
+
+    def skips_tensor(self, name: str) -> bool:
+        """A tensor of a layer another pipeline stage holds (the loader never reads it)."""
+        return foreign_layer(self.tp.stage, name, "backbone.layers.")
 
     def weight_target(self, name: str) -> tuple[str, str | None] | None:
         if name.startswith("backbone.layers."):
