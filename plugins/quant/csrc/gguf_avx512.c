@@ -7,7 +7,8 @@
  * results bit-identical to the portable kernels. Signed weights are stored + 8 (Q4_0's
  * nibbles as they are) or + 128 (Q8_0), and the offset times the block's activation sum
  * (acts_t.s) is subtracted from the integer sum. The panel is read once, in memory order,
- * for up to MR activation rows; outputs past the panel's real rows are masked off. */
+ * for up to MR activation rows; outputs past the panel's real rows are masked off. The 5-bit
+ * types' values are stored unsigned (Q5_0's + 16, as in the file). */
 
 #define AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")))
 #define PF512 1024 /* bytes ahead of the panel block in use that are prefetched */
@@ -31,18 +32,23 @@ static inline INLINE AVX512 void store_rows(const __m512 *acc, int mc, int64_t n
     for (int r = 0; r < mc; r++) _mm512_mask_storeu_ps(out + r * ldo, keep, acc[r]);
 }
 
-/* Q4_0 (bytes 18, chunks 4, offset 8), Q4_1 (20, 4, none: + m * ds) and Q8_0 (34, 8, 128). */
+/* Q4_0 (block 288 bytes, offset 8), Q4_1 (320, none: + m * ds), Q5_0 (352, 16), Q5_1 (384, none)
+ * and Q8_0 (544, 128). The 5-bit types' high bits: byte i of a lane's word holds in bit c the
+ * 5th bit of element 4 c + i and in bit 4 + c that of element 16 + 4 c + i (gguf_repack.c), so
+ * chunk c's come to bit 4 by one shift (of 16-bit lanes: the mask keeps bits of the same byte). */
 static inline INLINE AVX512 void small_panel(const uint8_t *p, int64_t nr, const acts_t *a, int64_t m0, const int mc,
                                              float *out, int64_t ldo, const int type) {
-    const int pb = type == T_Q4_0 ? 288 : type == T_Q4_1 ? 320 : 544, head = type == T_Q4_1 ? 64 : 32;
-    const int offset = type == T_Q4_0 ? 8 : type == T_Q8_0 ? 128 : 0;
-    const __m512i low = _mm512_set1_epi8(0x0F);
+    const int pb = type == T_Q4_0 ? 288 : type == T_Q4_1 ? 320 : type == T_Q5_0 ? 352 : type == T_Q5_1 ? 384 : 544;
+    const int with_min = type == T_Q4_1 || type == T_Q5_1, five = type == T_Q5_0 || type == T_Q5_1;
+    const int high = with_min ? 64 : 32, head = high + (five ? 64 : 0); /* the 5th bits' words, the q chunks */
+    const int offset = type == T_Q4_0 ? 8 : type == T_Q5_0 ? 16 : type == T_Q8_0 ? 128 : 0;
+    const __m512i low = _mm512_set1_epi8(0x0F), bit4 = _mm512_set1_epi8(0x10);
     __m512 acc[MR];
     for (int r = 0; r < mc; r++) acc[r] = _mm512_setzero_ps();
     for (int64_t b = 0; b < a->nb; b++) {
         const uint8_t *blk = p + b * pb;
         prefetch512(blk, pb);
-        __m512i q[8]; /* 8 vectors of 4 elements a lane: elements 4 c .. (Q4: and 16 + 4 c ..) */
+        __m512i q[8]; /* 8 vectors of 4 elements a lane: elements 4 c .. (4/5-bit: and 16 + 4 c ..) */
         if (type == T_Q8_0) {
             for (int c = 0; c < 8; c++) q[c] = _mm512_loadu_si512(blk + head + 64 * c);
         } else {
@@ -51,9 +57,16 @@ static inline INLINE AVX512 void small_panel(const uint8_t *p, int64_t nr, const
                 q[c] = _mm512_and_si512(v, low);
                 q[c + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
             }
+            if (five) {
+                const __m512i h = _mm512_loadu_si512(blk + high);
+                for (int c = 0; c < 4; c++) {
+                    q[c] = _mm512_or_si512(q[c], _mm512_and_si512(_mm512_slli_epi16(h, 4 - c), bit4));
+                    q[c + 4] = _mm512_or_si512(q[c + 4], _mm512_and_si512(_mm512_srli_epi16(h, c), bit4));
+                }
+            }
         }
         const __m512 dw = f16x16(blk);
-        const __m512 mw = type == T_Q4_1 ? f16x16(blk + 32) : dw;
+        const __m512 mw = with_min ? f16x16(blk + 32) : dw;
         for (int r = 0; r < mc; r++) {
             const int64_t m = m0 + r;
             const int8_t *x = ROW(a, m) + b * 32;
@@ -66,7 +79,7 @@ static inline INLINE AVX512 void small_panel(const uint8_t *p, int64_t nr, const
             if (offset) isum = _mm512_sub_epi32(isum, _mm512_set1_epi32(offset * a->s[m * a->ns + b]));
             const __m512 dx = _mm512_set1_ps(a->d[m * a->ld + b]);
             __m512 t = _mm512_mul_ps(_mm512_mul_ps(dw, dx), _mm512_cvtepi32_ps(isum));
-            if (type == T_Q4_1) t = _mm512_add_ps(t, _mm512_mul_ps(mw, _mm512_set1_ps(a->ds[m * a->ld + b])));
+            if (with_min) t = _mm512_add_ps(t, _mm512_mul_ps(mw, _mm512_set1_ps(a->ds[m * a->ld + b])));
             acc[r] = _mm512_add_ps(acc[r], t);
         }
     }
@@ -189,9 +202,13 @@ static inline INLINE AVX512 void q6_k_panel(const uint8_t *p, int64_t nr, const 
     }
 #define Q4_0_PANEL(w, nr, a, m0, mc, out, ldo) small_panel(w, nr, a, m0, mc, out, ldo, T_Q4_0)
 #define Q4_1_PANEL(w, nr, a, m0, mc, out, ldo) small_panel(w, nr, a, m0, mc, out, ldo, T_Q4_1)
+#define Q5_0_PANEL(w, nr, a, m0, mc, out, ldo) small_panel(w, nr, a, m0, mc, out, ldo, T_Q5_0)
+#define Q5_1_PANEL(w, nr, a, m0, mc, out, ldo) small_panel(w, nr, a, m0, mc, out, ldo, T_Q5_1)
 #define Q8_0_PANEL(w, nr, a, m0, mc, out, ldo) small_panel(w, nr, a, m0, mc, out, ldo, T_Q8_0)
 PANEL_KERNEL(q4_0, Q4_0_PANEL)
 PANEL_KERNEL(q4_1, Q4_1_PANEL)
+PANEL_KERNEL(q5_0, Q5_0_PANEL)
+PANEL_KERNEL(q5_1, Q5_1_PANEL)
 PANEL_KERNEL(q8_0, Q8_0_PANEL)
 #define Q4_K_PANEL(w, nr, a, m0, mc, out, ldo) k45_panel(w, nr, a, m0, mc, out, ldo, 0)
 #define Q5_K_PANEL(w, nr, a, m0, mc, out, ldo) k45_panel(w, nr, a, m0, mc, out, ldo, 1)

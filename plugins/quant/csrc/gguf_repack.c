@@ -10,13 +10,16 @@
  * quants, rows side by side, 64 bytes):
  *   Q4_0  288 = 16 fp16 d | 4 q chunks of the 16 nibble bytes
  *   Q4_1  320 = 16 fp16 d | 16 fp16 m | 4 q chunks
+ *   Q5_0  352 = 16 fp16 d | 16 32-bit words of 5th bits | 4 q chunks
+ *   Q5_1  384 = 16 fp16 d | 16 fp16 m | 16 words of 5th bits | 4 q chunks
  *   Q8_0  544 = 16 fp16 d | 8 q chunks of the values + 128 (unsigned, for vpdpbusd)
  *   Q4_K 2368 = 16 fp16 d | 16 fp16 dmin | 8 x 16 scales | 8 x 16 mins (6-bit, unpacked) |
  *               32 q chunks of the 128 nibble bytes
  *   Q5_K 2880 = Q4_K's | 8 q chunks of qh
  *   Q6_K 3360 = 16 fp16 d | 16 x 16 int8 scales | 32 q chunks of ql | 16 of qh
  * (the same bytes as the rows, but the k45 types' unpacked scales: 148 bytes a row and block, not
- * 144, and 180, not 176).
+ * 144, and 180, not 176; the 5-bit types' qh bits reordered: bit c of byte i of a row's word is
+ * bit 4 c + i of qh, bit 4 + c is bit 16 + 4 c + i, for c, i < 4).
  */
 
 #define PANEL 16
@@ -26,6 +29,8 @@ static int packed_block_bytes(int type) {
     switch (type) {
     case T_Q4_0: return 18;
     case T_Q4_1: return 20;
+    case T_Q5_0: return 22;
+    case T_Q5_1: return 24;
     case T_Q8_0: return 34;
     case T_Q4_K: return 148;
     case T_Q5_K: return 180;
@@ -40,6 +45,18 @@ static void put_chunks(uint8_t *dst, const uint8_t *src, int r, int chunks, uint
         for (int i = 0; i < 4; i++) dst[64 * c + 4 * r + i] = src[4 * c + i] ^ flip;
 }
 
+/* A 5-bit block's qh (src) as the panel kernel reads it, into row r's word at dst + 4 r. */
+static void put_high_bits(uint8_t *dst, const uint8_t *src, int r) {
+    uint32_t qh;
+    memcpy(&qh, src, sizeof qh);
+    for (int i = 0; i < 4; i++) {
+        uint8_t byte = 0;
+        for (int c = 0; c < 4; c++)
+            byte |= (uint8_t)(((qh >> (4 * c + i)) & 1) << c | ((qh >> (16 + 4 * c + i)) & 1) << (4 + c));
+        dst[4 * r + i] = byte;
+    }
+}
+
 /* Row r's block `src` into panel block `dst`. */
 static void repack_block(int type, uint8_t *dst, const uint8_t *src, int r) {
     switch (type) {
@@ -48,6 +65,13 @@ static void repack_block(int type, uint8_t *dst, const uint8_t *src, int r) {
         memcpy(dst + 2 * r, src, 2);
         memcpy(dst + 32 + 2 * r, src + 2, 2);
         put_chunks(dst + 64, src + 4, r, 4, 0);
+        break;
+    case T_Q5_0: memcpy(dst + 2 * r, src, 2); put_high_bits(dst + 32, src + 2, r); put_chunks(dst + 96, src + 6, r, 4, 0); break;
+    case T_Q5_1:
+        memcpy(dst + 2 * r, src, 2);
+        memcpy(dst + 32 + 2 * r, src + 2, 2);
+        put_high_bits(dst + 64, src + 4, r);
+        put_chunks(dst + 128, src + 8, r, 4, 0);
         break;
     case T_Q8_0: memcpy(dst + 2 * r, src, 2); put_chunks(dst + 32, src + 2, r, 8, 0x80); break;
     case T_Q4_K:

@@ -1,7 +1,8 @@
 """GGUF weights kept packed (the ``gguf`` quant method) compute what dequantizing them at load does.
 
 Tiny llama GGUFs written with gguf-py's ``GGUFWriter``: the shared fixture (Q8_0/Q4_0/Q4_1 with
-F16/BF16, tied and untied), and a k-quant file written here whose fused layers mix types (Q4_K
+F16/BF16, tied and untied; and with the Q5_0 / Q5_1 that llama-quantize writes where a row is
+not a multiple of 256), and a k-quant file written here whose fused layers mix types (Q4_K
 q/k with Q6_K v, Q5_K gate with Q4_K up) and which holds a Q3_K weight no packed matmul reads.
 The reference is the same file through ``quant: {method: gguf, dequantize_at_load: true}``:
 every tensor dequantized by gguf-py's numpy ``dequantize`` and multiplied densely. The packed
@@ -38,6 +39,9 @@ DENSE = {"method": "gguf", "dequantize_at_load": True}
 # the reference matmul (float32, like the dense path); the native kernel quantizes activations
 REFERENCE = {"method": "gguf", "kernel": "torch"}
 PROMPT = [5, 17, 42, 99, 123, 7, 250, 31]
+# a Q4_K_M file's fallbacks at a hidden size that is not a multiple of 256 (q5_0 q/k/gate/up, q5_1 v/down)
+Q5_TYPES = {"attn_q": Q.Q5_0, "attn_k": Q.Q5_0, "attn_v": Q.Q5_1, "attn_output": Q.Q5_0, "ffn_gate": Q.Q5_0,
+            "ffn_up": Q.Q5_0, "ffn_down": Q.Q5_1, "token_embd": Q.Q5_0}
 
 
 def random_blocks(rng, qtype: Q, rows: int, cols: int) -> np.ndarray:
@@ -90,9 +94,10 @@ def write_k_quant_gguf(path: Path, types: dict[str, Q] = K_TYPES, seed: int = 0,
 @pytest.fixture(scope="module")
 def files(tmp_path_factory) -> dict[str, Path]:
     folder = tmp_path_factory.mktemp("gguf_packed")
-    paths = {name: folder / f"{name}.gguf" for name in ("untied", "tied", "kquant", "q3k")}
+    paths = {name: folder / f"{name}.gguf" for name in ("untied", "tied", "kquant", "q3k", "q5")}
     write_tiny_gguf(paths["untied"])
     write_tiny_gguf(paths["tied"], tied=True)
+    write_tiny_gguf(paths["q5"], tied=True, types=Q5_TYPES)
     write_k_quant_gguf(paths["kquant"])
     write_k_quant_gguf(paths["q3k"], {**K_TYPES, "ffn_down": Q.Q3_K}, seed=1)
     return paths
@@ -110,7 +115,7 @@ def prompt_logprobs(llm: LLM) -> torch.Tensor:
 
 # -- reading -------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("name", ["untied", "kquant"])
+@pytest.mark.parametrize("name", ["untied", "kquant", "q5"])
 def test_packed_reader_matches_dense_reader(files, name):
     """Every packed tensor dequantizes to exactly what ``iter_tensors`` yields (Q/K rows
     un-permuted as packed rows), and unpermuted weights are views of the file's mapping."""
@@ -143,7 +148,7 @@ def test_quant_method_from_the_file(files, tmp_path):
 
 # -- the packed model against the dequantize-at-load model ---------------------------------------
 
-@pytest.mark.parametrize("name", ["untied", "tied", "kquant"])
+@pytest.mark.parametrize("name", ["untied", "tied", "kquant", "q5"])
 def test_packed_logits_match_dequantized(files, name):
     packed = LLM(str(files[name]), **ENGINE, quant=REFERENCE)
     dense = LLM(str(files[name]), **ENGINE, quant=DENSE)
@@ -244,7 +249,7 @@ def test_shape_the_model_does_not_expect(tmp_path):
 def test_native_kernel_matches_reference(files):
     """Logits of the same hidden states through every packed LM head / layer type: the kernel's
     8-bit activations keep them within a few percent of the float reference."""
-    for name in ("untied", "kquant"):
+    for name in ("untied", "kquant", "q5"):
         native = model_of(LLM(str(files[name]), **ENGINE, quant={"method": "gguf", "kernel": "native"}))
         reference = model_of(LLM(str(files[name]), **ENGINE, quant=REFERENCE))
         hidden = torch.randn(5, native.config.hidden_size, generator=torch.Generator().manual_seed(1))

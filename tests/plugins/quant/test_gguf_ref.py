@@ -14,7 +14,7 @@ from lmplug_quant import gguf_ref
 
 from lmplug.interfaces.packed import PackedTensor
 
-QUANTIZABLE = [Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.F16, Q.BF16, Q.F32]
+QUANTIZABLE = [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.F16, Q.BF16, Q.F32]
 K_QUANTS = [Q.Q4_K, Q.Q5_K, Q.Q6_K]
 
 
