@@ -141,8 +141,8 @@ static inline INLINE AVX512 void k45_panel(const uint8_t *p, int64_t nr, const a
 
 /* Q6_K: element 128 h + 32 t + 4 c + i (c < 8) of a row comes from ql chunk 16 h + 8 (t & 1) + c
  * (nibble t >> 1) and qh chunk 8 h + c (bits 2 t); sub-block j = 8 h + 2 t + c / 4. The three
- * chunks of one (h, c) hold that position's values for all four t: they are loaded once and
- * give 4 vectors (each 6-bit value as (nibble & 0x0F) | (2 bits moved to bits 4-5 & 0x30), the
+ * chunks of one (h, c) hold that position's values for all four t (side by side in the panel,
+ * in the order read): they are loaded once and give 4 vectors (each 6-bit value as (nibble & 0x0F) | (2 bits moved to bits 4-5 & 0x30), the
  * shifts by 16-bit lanes moving no bit across a byte that the masks keep). */
 static inline INLINE AVX512 void q6_k_panel(const uint8_t *p, int64_t nr, const acts_t *a, int64_t m0, const int mc,
                                             float *out, int64_t ldo) {
@@ -150,7 +150,7 @@ static inline INLINE AVX512 void q6_k_panel(const uint8_t *p, int64_t nr, const 
     __m512 acc[MR];
     for (int r = 0; r < mc; r++) acc[r] = _mm512_setzero_ps();
     for (int64_t b = 0; b < a->nb; b++) {
-        const uint8_t *blk = p + b * 3360, *ql = blk + 288, *qh = blk + 288 + 2048;
+        const uint8_t *blk = p + b * 3360, *groups = blk + 288;
         prefetch512(blk, 3360);
         __m512i isum[MR];
         for (int r = 0; r < mc; r++) isum[r] = _mm512_setzero_si512();
@@ -158,10 +158,9 @@ static inline INLINE AVX512 void q6_k_panel(const uint8_t *p, int64_t nr, const 
             for (int half = 0; half < 2; half++) { /* chunks c = 4 half .. 4 half + 3: sub-blocks 8 h + 2 t + half */
                 __m512i q[4][4]; /* [c][t] */
                 for (int c = 0; c < 4; c++) {
-                    const int cc = 4 * half + c;
-                    const __m512i l0 = _mm512_loadu_si512(ql + 64 * (16 * h + cc));
-                    const __m512i l1 = _mm512_loadu_si512(ql + 64 * (16 * h + 8 + cc));
-                    const __m512i hb = _mm512_loadu_si512(qh + 64 * (8 * h + cc));
+                    const uint8_t *g = groups + 192 * (8 * h + 4 * half + c);
+                    const __m512i l0 = _mm512_loadu_si512(g), l1 = _mm512_loadu_si512(g + 64);
+                    const __m512i hb = _mm512_loadu_si512(g + 128);
                     q[c][0] = _mm512_or_si512(_mm512_and_si512(l0, low), _mm512_and_si512(_mm512_slli_epi16(hb, 4), top));
                     q[c][1] = _mm512_or_si512(_mm512_and_si512(l1, low), _mm512_and_si512(_mm512_slli_epi16(hb, 2), top));
                     q[c][2] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(l0, 4), low), _mm512_and_si512(hb, top));

@@ -16,7 +16,10 @@
  *   Q4_K 2368 = 16 fp16 d | 16 fp16 dmin | 8 x 16 scales | 8 x 16 mins (6-bit, unpacked) |
  *               32 q chunks of the 128 nibble bytes
  *   Q5_K 2880 = Q4_K's | 8 q chunks of qh
- *   Q6_K 3360 = 16 fp16 d | 16 x 16 int8 scales | 32 q chunks of ql | 16 of qh
+ *   Q6_K 3360 = 16 fp16 d | 16 x 16 int8 scales | 16 groups of 3 q chunks, in the order the kernel
+ *               reads them (so the hardware prefetcher sees one stream): group 4 (2 h + half) + c
+ *               holds ql chunks 16 h + 4 half + c and 16 h + 8 + 4 half + c, then qh chunk
+ *               8 h + 4 half + c (h, half < 2, c < 4)
  * (the same bytes as the rows, but the k45 types' unpacked scales: 148 bytes a row and block, not
  * 144, and 180, not 176; the 5-bit types' qh bits reordered: bit c of byte i of a row's word is
  * bit 4 c + i of qh, bit 4 + c is bit 16 + 4 c + i, for c, i < 4).
@@ -95,8 +98,12 @@ static void repack_block(int type, uint8_t *dst, const uint8_t *src, int r) {
     case T_Q6_K:
         memcpy(dst + 2 * r, src + 208, 2);
         for (int j = 0; j < 16; j++) dst[32 + 16 * j + r] = src[192 + j];
-        put_chunks(dst + 288, src, r, 32, 0);
-        put_chunks(dst + 288 + 2048, src + 128, r, 16, 0);
+        for (int g = 0; g < 16; g++) {
+            const int h = g / 8, half = g / 4 % 2, c = g % 4, q = 16 * h + 4 * half + c;
+            put_chunks(dst + 288 + 192 * g, src + 4 * q, r, 1, 0);
+            put_chunks(dst + 288 + 192 * g + 64, src + 4 * (q + 8), r, 1, 0);
+            put_chunks(dst + 288 + 192 * g + 128, src + 128 + 4 * (8 * h + 4 * half + c), r, 1, 0);
+        }
         break;
     }
 }
