@@ -306,6 +306,36 @@ def test_bound_products_match_the_registered_op(files):
     assert torch.equal(qkv(x.bfloat16()), qkv(x.bfloat16().float()).bfloat16())
 
 
+@pytest.mark.skipif(native_kernel()[0] is None, reason="native GGUF kernel not built here")
+def test_panels_are_the_only_copy_of_permuted_rows(files, monkeypatch):
+    """With the AVX-512 panels, llama's q/k rows (permuted at load: a copy, joined here) live in
+    their panels only, and every path gives the bits of the portable kernels over the rows kept
+    whole: the bound products, the native step's layer product, and the op path, which rebuilds
+    the rows byte for byte."""
+    from lmplug.kit.native import call_product
+
+    gguf_native = native_kernel()[0]
+    if gguf_native.load().best_isa != "avx512":
+        pytest.skip(f"no AVX-512 panels here: {gguf_native.describe_isa(gguf_native.load().best_isa)}")
+    native = {"method": "gguf", "kernel": "native"}
+    monkeypatch.setenv("LMPLUG_GGUF_ISA", "generic")
+    whole = model_of(LLM(str(files["kquant"]), **ENGINE, quant=native)).layers[0].self_attn.qkv_proj
+    monkeypatch.setenv("LMPLUG_GGUF_ISA", "avx512")
+    model = model_of(LLM(str(files["kquant"]), **ENGINE, quant=native))
+    qkv = model.layers[0].self_attn.qkv_proj
+    assert qkv.gguf_w0.numel() == 0 and whole.gguf_w0.numel() > 0  # q and k: in the panels only
+    assert qkv.gguf_w1.numel() > 0  # v: a view of the file (its pages released), kept
+    x = torch.randn(5, qkv.in_features, generator=torch.Generator().manual_seed(4))
+    want = whole(x)
+    assert torch.equal(qkv(x), want)
+    step = qkv.quant.native_product(qkv)
+    assert torch.equal(call_product(step, x, want.shape[1], 2), want)
+    assert torch.equal(qkv(x.bfloat16()), whole(x.bfloat16()))  # another dtype: the bound products too
+    qkv.gguf_calls = None  # the op path: the rows rebuilt from the panels
+    assert torch.equal(qkv(x), want)
+    assert torch.equal(qkv.gguf_w0, whole.gguf_w0)
+
+
 def test_kernel_native_unavailable_is_a_clear_error(monkeypatch):
     from lmplug.errors import ConfigError
 
