@@ -12,7 +12,7 @@ the step's rows only.
 
 Shards of one fused layer may have different types (k-quant files: Q4_K q/k with Q6_K v):
 runs of equal type are multiplied together and their outputs concatenated. Types the
-reference does not read (Q2_K, Q3_K, IQ*, ...) are dequantized once at load, with one
+reference does not read (Q2_K, IQ*, ...) are dequantized once at load, with one
 log line naming the tensor. ``dequantize_at_load: true``, CUDA, and tensor-parallel slices
 (which the loader hands over dense) keep dense float weights, as for a float checkpoint.
 """

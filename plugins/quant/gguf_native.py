@@ -48,12 +48,13 @@ logger = logging.getLogger(__name__)
 SOURCE = Path(__file__).resolve().parent / "csrc" / "gguf_cpu.c"
 FLAGS = ("-O3", "-ffp-contract=off", "-shared", "-fPIC", "-pthread")  # no fused a*b+c the C does not write
 # ggml type -> (elements, bytes) of one block
-BLOCKS = {2: (32, 18), 3: (32, 20), 6: (32, 22), 7: (32, 24), 8: (32, 34), 12: (256, 144), 13: (256, 176),
-          14: (256, 210)}
-NAMES = {2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K"}
+BLOCKS = {2: (32, 18), 3: (32, 20), 6: (32, 22), 7: (32, 24), 8: (32, 34), 11: (256, 110), 12: (256, 144),
+          13: (256, 176), 14: (256, 210)}
+NAMES = {2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0", 11: "Q3_K", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K"}
 SUPPORTED = frozenset(BLOCKS)
 ISAS = ("generic", "avx2", "avx512")  # index = the C file's isa number
-PANEL_TYPES = frozenset({2, 3, 6, 7, 8, 12, 13, 14})  # the types with an AVX-512 panel kernel
+PANEL_TYPES = frozenset({2, 3, 6, 7, 8, 11, 12, 13, 14})  # the types with an AVX-512 panel kernel
+NO_AVX2 = frozenset({11})  # the types whose avx2 set runs the portable kernel
 PACKED_FLAG = 0x100  # csrc/gguf_cpu.c: a type | this = weights in 16-row panels
 # what each kernel set needs, as /proc/cpuinfo names it (the missing ones are logged)
 ISA_FLAGS = {"avx2": ("avx2", "fma", "f16c"), "avx512": ("avx512f", "avx512bw", "avx512vl", "avx512_vnni")}
@@ -99,6 +100,8 @@ def describe_isa(best: str) -> str:
     others = sorted(set(SUPPORTED) - PANEL_TYPES) if best == "avx512" else []
     if others:
         text += "; " + ", ".join(NAMES[t] for t in others) + " take the AVX2 kernel"
+    if best == "avx2":
+        text += "; " + ", ".join(NAMES[t] for t in sorted(NO_AVX2)) + " take the portable kernel"
     return text
 
 

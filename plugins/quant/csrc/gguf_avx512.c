@@ -189,6 +189,54 @@ static inline INLINE AVX512 void q6_k_panel(const uint8_t *p, int64_t nr, const 
     store_rows(acc, mc, nr, out, ldo);
 }
 
+/* Q3_K: element 128 n + 32 j + 4 c + i (c < 8) of a row comes from qs chunk 8 n + c (bits 2 j)
+ * and hmask chunk c (bit 4 n + j, moved to bit 2); sub-block 8 n + 2 j + c / 4. As Q6_K's, the
+ * two chunks of one (n, c) give that position's values for all four j. */
+static inline INLINE AVX512 void q3_k_panel(const uint8_t *p, int64_t nr, const acts_t *a, int64_t m0, const int mc,
+                                            float *out, int64_t ldo) {
+    const __m512i three = _mm512_set1_epi8(3), four = _mm512_set1_epi8(4);
+    __m512 acc[MR];
+    for (int r = 0; r < mc; r++) acc[r] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < a->nb; b++) {
+        const uint8_t *blk = p + b * 1824, *hm = blk + 288, *qs = blk + 800;
+        prefetch512(blk, 1824);
+        __m512i isum[MR];
+        for (int r = 0; r < mc; r++) isum[r] = _mm512_setzero_si512();
+        for (int n = 0; n < 2; n++)
+            for (int half = 0; half < 2; half++) { /* chunks c = 4 half .. 4 half + 3: sub-blocks 8 n + 2 j + half */
+                __m512i q[4][4]; /* [c][j] */
+                for (int c = 0; c < 4; c++) {
+                    const int cc = 4 * half + c;
+                    const __m512i lo = _mm512_loadu_si512(qs + 64 * (8 * n + cc)), hb = _mm512_loadu_si512(hm + 64 * cc);
+                    for (int j = 0; j < 4; j++) {
+                        const int bit = 4 * n + j; /* to bit 2 (16-bit shifts: the masks keep bits of one byte) */
+                        const __m512i h = bit >= 2 ? _mm512_srli_epi16(hb, bit - 2) : _mm512_slli_epi16(hb, 2 - bit);
+                        q[c][j] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(lo, 2 * j), three),
+                                                  _mm512_and_si512(h, four));
+                    }
+                }
+                for (int j = 0; j < 4; j++) {
+                    const int sb = 8 * n + 2 * j + half;
+                    const __m512i sc = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(blk + 32 + 16 * sb)));
+                    for (int r = 0; r < mc; r++) {
+                        const int64_t m = m0 + r;
+                        const int8_t *x = ROW(a, m) + b * 256 + 128 * n + 32 * j + 16 * half;
+                        __m512i dot = _mm512_setzero_si512();
+                        for (int c = 0; c < 4; c++) dot = _mm512_dpbusd_epi32(dot, q[c][j], bcast4(x + 4 * c));
+                        dot = _mm512_sub_epi32(dot, _mm512_set1_epi32(4 * a->s[m * a->ns + b * 16 + sb]));
+                        isum[r] = _mm512_add_epi32(isum[r], _mm512_mullo_epi32(sc, dot));
+                    }
+                }
+            }
+        const __m512 d = f16x16(blk);
+        for (int r = 0; r < mc; r++) {
+            const __m512 dx = _mm512_set1_ps(a->d[(m0 + r) * a->ld + b]);
+            acc[r] = _mm512_add_ps(acc[r], _mm512_mul_ps(_mm512_mul_ps(d, dx), _mm512_cvtepi32_ps(isum[r])));
+        }
+    }
+    store_rows(acc, mc, nr, out, ldo);
+}
+
 /* rows_fn over one panel (w: its start, nr <= 16 its real rows; ws unused), mc a constant for
  * 1 row (decode) and MR rows so the loops over rows unroll. */
 #define PANEL_KERNEL(name, call)                                                                      \
@@ -214,3 +262,4 @@ PANEL_KERNEL(q8_0, Q8_0_PANEL)
 PANEL_KERNEL(q4_k, Q4_K_PANEL)
 PANEL_KERNEL(q5_k, Q5_K_PANEL)
 PANEL_KERNEL(q6_k, q6_k_panel)
+PANEL_KERNEL(q3_k, q3_k_panel)

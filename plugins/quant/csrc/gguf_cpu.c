@@ -13,6 +13,9 @@
  *             64 j + 32 + l high); w = d * sc[s] * q - dmin * mn[s]
  *   Q5_K (13) 256 elements, 176 bytes: as Q4_K plus 32 bytes qh before the nibbles: bit s of
  *             qh[l] is bit 4 of element 32 s + l
+ *   Q3_K (11) 256 elements, 110 bytes: hmask[32], qs[64], 12 bytes of 6-bit scales (one per 16
+ *             elements), fp16 d; element 128 n + 32 j + l (l < 32) has low bits
+ *             (qs[32 n + l] >> 2 j) & 3 and bit 2 from bit 4 n + j of hmask[l]; w = d * (sc - 32) * (q - 4)
  *   Q6_K (14) 256 elements, 210 bytes: ql[128], qh[64], int8 scales[16] (one per 16 elements),
  *             fp16 d; element 128 h + 32 t + l (t < 4, l < 32) has low bits from
  *             ql[64 h + 32 (t & 1) + l] >> 4 (t >> 1), high bits (qh[32 h + l] >> 2 t) & 3;
@@ -36,7 +39,7 @@
  * which the hardware prefetcher follows; interleaving 4 rows to share the activation loads
  * measured slower here, 4 streams at once being prefetched worse) and prefetches PF_BYTES ahead.
  *
- * Kernels: a portable C one per type, and AVX2 (+FMA, F16C) ones compiled with target
+ * Kernels: a portable C one per type, and AVX2 (+FMA, F16C) ones (Q3_K: none yet) compiled with target
  * attributes on x86-64 and chosen at run time when the CPU reports them
  * (__builtin_cpu_supports), so the library is built without -march and runs on any x86-64.
  * Threads: a pool of pthreads kept between calls (see "thread pool" below; 1 thread: none); no
@@ -62,7 +65,7 @@
 #define MIN_WORK (64 * 1024) /* weight elements x row groups a thread is worth waking for */
 #define MAX_THREADS 256
 
-enum { T_Q4_0 = 2, T_Q4_1 = 3, T_Q5_0 = 6, T_Q5_1 = 7, T_Q8_0 = 8, T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14 };
+enum { T_Q4_0 = 2, T_Q4_1 = 3, T_Q5_0 = 6, T_Q5_1 = 7, T_Q8_0 = 8, T_Q3_K = 11, T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14 };
 enum { ISA_GENERIC = 0, ISA_AVX2 = 1, ISA_AVX512 = 2 }; /* AVX512: F, BW, VL and VNNI */
 #define PACKED_FLAG 0x100 /* a type | this: the weights are 16-row panels (gguf_repack.c) */
 
@@ -143,6 +146,14 @@ static inline void k_scales(const uint8_t *p, uint8_t sc[8], uint8_t mn[8]) {
         mn[j] = p[j + 4] & 63;
         sc[j + 4] = (p[j + 8] & 0x0F) | ((p[j] >> 6) << 4);
         mn[j + 4] = (p[j + 8] >> 4) | ((p[j + 4] >> 6) << 4);
+    }
+}
+
+/* Q3_K's 16 scales (the 12 bytes at p), each minus 32. */
+static inline void q3_scales(const uint8_t *p, int8_t sc[16]) {
+    for (int j = 0; j < 16; j++) {
+        const int low = j < 8 ? p[j] & 0x0F : p[j - 8] >> 4, high = (p[8 + j % 4] >> (2 * (j / 4))) & 3;
+        sc[j] = (int8_t)((low | high << 4) - 32);
     }
 }
 
@@ -286,6 +297,34 @@ static void q6_k_generic(const uint8_t *w, const acts_t *a, int64_t m0, int mc, 
     for (int r = 0; r < mc; r++) out[r * ldo] = acc[r];
 }
 
+static void q3_k_generic(const uint8_t *w, const acts_t *a, int64_t m0, int mc, float *out, int64_t ldo) {
+    float acc[MR] = {0};
+    for (int64_t b = 0; b < a->nb; b++) {
+        const uint8_t *blk = w + b * 110, *hm = blk, *qs = blk + 32;
+        const float d = fp16_to_f32(load_u16(blk + 108));
+        int8_t sc[16];
+        q3_scales(blk + 96, sc);
+        uint8_t qw[256]; /* unsigned 0..7; the value is q - 4 */
+        for (int n = 0; n < 2; n++)
+            for (int j = 0; j < 4; j++)
+                for (int l = 0; l < 32; l++)
+                    qw[128 * n + 32 * j + l] = (uint8_t)(((qs[32 * n + l] >> (2 * j)) & 3) | ((hm[l] >> (4 * n + j)) & 1) << 2);
+        for (int r = 0; r < mc; r++) {
+            const int64_t m = m0 + r;
+            const int8_t *qx = ROW(a, m) + b * 256;
+            const int16_t *bs = a->s + m * a->ns + b * 16;
+            int32_t isum = 0;
+            for (int j = 0; j < 16; j++) {
+                int32_t dot = 0;
+                for (int l = 0; l < 16; l++) dot += qw[16 * j + l] * qx[16 * j + l];
+                isum += sc[j] * (dot - 4 * bs[j]);
+            }
+            acc[r] += d * a->d[m * a->ld + b] * (float)isum;
+        }
+    }
+    for (int r = 0; r < mc; r++) out[r * ldo] = acc[r];
+}
+
 /* The portable kernels over nr weight rows. */
 #define ROWS(name)                                                                                   \
     static void name##_rows(const uint8_t *w, int64_t ws, int64_t nr, const acts_t *a, int64_t m0, int mc,    \
@@ -297,6 +336,7 @@ ROWS(q4_1)
 ROWS(q5_0)
 ROWS(q5_1)
 ROWS(q8_0)
+ROWS(q3_k)
 ROWS(q4_k)
 ROWS(q5_k)
 ROWS(q6_k)
@@ -708,12 +748,14 @@ typedef struct {
 static const type_t TYPES[] = {
 #if HAVE_X86
 #define KERNELS(name) {name##_rows, name##_avx2}, name##_avx512
+#define NO_AVX2(name) {name##_rows, name##_rows}, name##_avx512 /* no AVX2 kernel yet: the portable one */
 #else
 #define KERNELS(name) {name##_rows, name##_rows}, NULL
+#define NO_AVX2(name) KERNELS(name)
 #endif
     {T_Q4_0, 32, 18, 32, KERNELS(q4_0)}, {T_Q4_1, 32, 20, 32, KERNELS(q4_1)},
     {T_Q5_0, 32, 22, 32, KERNELS(q5_0)}, {T_Q5_1, 32, 24, 32, KERNELS(q5_1)},
-    {T_Q8_0, 32, 34, 32, KERNELS(q8_0)}, {T_Q4_K, 256, 144, 16, KERNELS(q4_k)},
+    {T_Q8_0, 32, 34, 32, KERNELS(q8_0)}, {T_Q3_K, 256, 110, 16, NO_AVX2(q3_k)}, {T_Q4_K, 256, 144, 16, KERNELS(q4_k)},
     {T_Q5_K, 256, 176, 16, KERNELS(q5_k)}, {T_Q6_K, 256, 210, 16, KERNELS(q6_k)},
 };
 

@@ -13,6 +13,8 @@
  *   Q5_0  352 = 16 fp16 d | 16 32-bit words of 5th bits | 4 q chunks
  *   Q5_1  384 = 16 fp16 d | 16 fp16 m | 16 words of 5th bits | 4 q chunks
  *   Q8_0  544 = 16 fp16 d | 8 q chunks of the values + 128 (unsigned, for vpdpbusd)
+ *   Q3_K 1824 = 16 fp16 d | 16 x 16 int8 scales (minus 32, unpacked) | 8 q chunks of hmask |
+ *               16 q chunks of qs
  *   Q4_K 2368 = 16 fp16 d | 16 fp16 dmin | 8 x 16 scales | 8 x 16 mins (6-bit, unpacked) |
  *               32 q chunks of the 128 nibble bytes
  *   Q5_K 2880 = Q4_K's | 8 q chunks of qh
@@ -20,8 +22,8 @@
  *               reads them (so the hardware prefetcher sees one stream): group 4 (2 h + half) + c
  *               holds ql chunks 16 h + 4 half + c and 16 h + 8 + 4 half + c, then qh chunk
  *               8 h + 4 half + c (h, half < 2, c < 4)
- * (the same bytes as the rows, but the k45 types' unpacked scales: 148 bytes a row and block, not
- * 144, and 180, not 176; the 5-bit types' qh bits reordered: bit c of byte i of a row's word is
+ * (the same bytes as the rows, but the unpacked scales of Q3_K and the k45 types: 114 bytes a row
+ * and block, not 110, 148, not 144, and 180, not 176; the 5-bit types' qh bits reordered: bit c of byte i of a row's word is
  * bit 4 c + i of qh, bit 4 + c is bit 16 + 4 c + i, for c, i < 4).
  */
 
@@ -35,6 +37,7 @@ static int packed_block_bytes(int type) {
     case T_Q5_0: return 22;
     case T_Q5_1: return 24;
     case T_Q8_0: return 34;
+    case T_Q3_K: return 114;
     case T_Q4_K: return 148;
     case T_Q5_K: return 180;
     case T_Q6_K: return 210;
@@ -95,6 +98,23 @@ static void k_scale_bytes(uint8_t *p, uint8_t *q, int r, int back) {
         }
 }
 
+/* Q3_K: the 12 bytes of 6-bit scales (q) <-> the 16 scales minus 32 at p + 16 j + r; back packs
+ * them as q3_scales unpacks them. */
+static void q3_scale_bytes(uint8_t *p, uint8_t *q, int r, int back) {
+    int8_t sc[16];
+    if (!back) {
+        q3_scales(q, sc);
+        for (int j = 0; j < 16; j++) p[16 * j + r] = (uint8_t)sc[j];
+        return;
+    }
+    memset(q, 0, 12);
+    for (int j = 0; j < 16; j++) {
+        const int v = (int8_t)p[16 * j + r] + 32;
+        q[j % 8] |= (uint8_t)((v & 0x0F) << (j < 8 ? 0 : 4));
+        q[8 + j % 4] |= (uint8_t)((v >> 4) << (2 * (j / 4)));
+    }
+}
+
 /* Row r's block q <-> panel block p. */
 static void move_block(int type, uint8_t *p, uint8_t *q, int r, int back) {
     switch (type) {
@@ -112,6 +132,12 @@ static void move_block(int type, uint8_t *p, uint8_t *q, int r, int back) {
         chunks(p + 128, q + 8, r, 4, 0, back);
         break;
     case T_Q8_0: move(p + 2 * r, q, 2, back); chunks(p + 32, q + 2, r, 8, 0x80, back); break;
+    case T_Q3_K:
+        move(p + 2 * r, q + 108, 2, back);
+        q3_scale_bytes(p + 32, q + 96, r, back);
+        chunks(p + 288, q, r, 8, 0, back);
+        chunks(p + 800, q + 32, r, 16, 0, back);
+        break;
     case T_Q4_K:
     case T_Q5_K:
         move(p + 2 * r, q, 2, back);

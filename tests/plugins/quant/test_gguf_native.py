@@ -23,7 +23,7 @@ from lmplug.kit.native_build import NativeBuildError
 
 gguf_native = pytest.importorskip("lmplug_quant.gguf_native")
 
-TYPES = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"]
+TYPES = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q3_K", "Q4_K", "Q5_K", "Q6_K"]
 MS = [1, 3, 8, 33]
 N, K = 37, 512  # N odd (not a multiple of the 16-row tiles), K a multiple of 256
 
@@ -90,6 +90,16 @@ def integer_weights(name: str, w: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
         per = lambda v: v[..., None].expand(*v.shape, 32)
         return ((per(sc) * q).reshape(*b.shape[:2], 256), per(mn).reshape(*b.shape[:2], 256),
                 f16(b[..., 0:2]), -f16(b[..., 2:4]))
+    if name == "Q3_K":  # 16 6-bit scales - 32; value e: 2 bits of qs, bit 2 from hmask, minus 4
+        p = b[..., 96:108].long()
+        low = torch.cat([p[..., :8] & 15, p[..., :8] >> 4], -1)
+        high = torch.stack([(p[..., 8:12] >> (2 * g)) & 3 for g in range(4)], -2).reshape(*b.shape[:2], 16)
+        sc = (low | high << 4) - 32
+        hm, qs = b[..., :32].long(), b[..., 32:96].long()
+        q = torch.stack([((qs[..., 32 * n:32 * n + 32] >> (2 * j)) & 3) | (((hm >> (4 * n + j)) & 1) << 2)
+                         for n in range(2) for j in range(4)], 2).reshape(*b.shape[:2], 256) - 4
+        scale = sc[..., None].expand(*sc.shape, 16).reshape(*b.shape[:2], 256)
+        return scale * q, None, f16(b[..., 108:110]), None
     # Q6_K
     ql, qh = b[..., :128].long(), b[..., 128:192].long()
     sc = b[..., 192:208].contiguous().view(torch.int8).long()

@@ -3,7 +3,8 @@
 Tiny llama GGUFs written with gguf-py's ``GGUFWriter``: the shared fixture (Q8_0/Q4_0/Q4_1 with
 F16/BF16, tied and untied; and with the Q5_0 / Q5_1 that llama-quantize writes where a row is
 not a multiple of 256), and a k-quant file written here whose fused layers mix types (Q4_K
-q/k with Q6_K v, Q5_K gate with Q4_K up) and which holds a Q3_K weight no packed matmul reads.
+q/k with Q6_K v, Q5_K gate with Q4_K up), one with Q3_K q/k/down (Q3_K_M's bulk), and one holding
+a Q2_K weight no packed matmul reads.
 The reference is the same file through ``quant: {method: gguf, dequantize_at_load: true}``:
 every tensor dequantized by gguf-py's numpy ``dequantize`` and multiplied densely. The packed
 side runs the PyTorch reference matmul (``kernel: torch``), which must agree to float rounding;
@@ -49,7 +50,7 @@ def random_blocks(rng, qtype: Q, rows: int, cols: int) -> np.ndarray:
     block, size = GGML_QUANT_SIZES[qtype]
     raw = rng.integers(0, 256, (rows * cols // block, size), dtype=np.uint8)
     scales = rng.uniform(1e-4, 2e-3, (raw.shape[0], 2)).astype(np.float16).view(np.uint8)
-    offset = {Q.Q6_K: 208, Q.Q3_K: 108}.get(qtype, 0)  # where d (then dmin, if any) lies
+    offset = {Q.Q6_K: 208, Q.Q3_K: 108, Q.Q2_K: 80}.get(qtype, 0)  # where d (then dmin, if any) lies
     width = 2 if qtype in (Q.Q6_K, Q.Q3_K) else 4
     raw[:, offset:offset + width] = scales[:, :width]
     return raw.reshape(rows, -1)
@@ -94,12 +95,13 @@ def write_k_quant_gguf(path: Path, types: dict[str, Q] = K_TYPES, seed: int = 0,
 @pytest.fixture(scope="module")
 def files(tmp_path_factory) -> dict[str, Path]:
     folder = tmp_path_factory.mktemp("gguf_packed")
-    paths = {name: folder / f"{name}.gguf" for name in ("untied", "tied", "kquant", "q3k", "q5")}
+    paths = {name: folder / f"{name}.gguf" for name in ("untied", "tied", "kquant", "q3k", "q2k", "q5")}
     write_tiny_gguf(paths["untied"])
     write_tiny_gguf(paths["tied"], tied=True)
     write_tiny_gguf(paths["q5"], tied=True, types=Q5_TYPES)
     write_k_quant_gguf(paths["kquant"])
-    write_k_quant_gguf(paths["q3k"], {**K_TYPES, "ffn_down": Q.Q3_K}, seed=1)
+    write_k_quant_gguf(paths["q3k"], {**K_TYPES, "attn_q": Q.Q3_K, "attn_k": Q.Q3_K, "ffn_down": Q.Q3_K}, seed=1)
+    write_k_quant_gguf(paths["q2k"], {**K_TYPES, "ffn_down": Q.Q2_K}, seed=1)
     return paths
 
 
@@ -148,7 +150,7 @@ def test_quant_method_from_the_file(files, tmp_path):
 
 # -- the packed model against the dequantize-at-load model ---------------------------------------
 
-@pytest.mark.parametrize("name", ["untied", "tied", "kquant", "q5"])
+@pytest.mark.parametrize("name", ["untied", "tied", "kquant", "q3k", "q5"])
 def test_packed_logits_match_dequantized(files, name):
     packed = LLM(str(files[name]), **ENGINE, quant=REFERENCE)
     dense = LLM(str(files[name]), **ENGINE, quant=DENSE)
@@ -177,12 +179,12 @@ def test_fused_shards_of_different_types_run_by_type(files):
 
 def test_unsupported_type_is_dequantized_with_a_log_line(files, caplog):
     with caplog.at_level(logging.INFO, logger="lmplug_quant.gguf"):
-        packed = LLM(str(files["q3k"]), **ENGINE, quant=REFERENCE)
-    lines = [r.getMessage() for r in caplog.records if "Q3_K" in r.getMessage()]
-    assert len(lines) == K_LAYERS and "'blk.0.ffn_down.weight' has type Q3_K" in lines[0]
+        packed = LLM(str(files["q2k"]), **ENGINE, quant=REFERENCE)
+    lines = [r.getMessage() for r in caplog.records if "Q2_K" in r.getMessage()]
+    assert len(lines) == K_LAYERS and "'blk.0.ffn_down.weight' has type Q2_K" in lines[0]
     down = model_of(packed).layers[0].mlp.down_proj
     assert down.gguf_runs is None and down.weight.dtype == torch.float32
-    dense = LLM(str(files["q3k"]), **ENGINE, quant=DENSE)
+    dense = LLM(str(files["q2k"]), **ENGINE, quant=DENSE)
     torch.testing.assert_close(prompt_logprobs(packed), prompt_logprobs(dense), atol=1e-4, rtol=0)
 
 
@@ -249,7 +251,7 @@ def test_shape_the_model_does_not_expect(tmp_path):
 def test_native_kernel_matches_reference(files):
     """Logits of the same hidden states through every packed LM head / layer type: the kernel's
     8-bit activations keep them within a few percent of the float reference."""
-    for name in ("untied", "kquant", "q5"):
+    for name in ("untied", "kquant", "q3k", "q5"):
         native = model_of(LLM(str(files[name]), **ENGINE, quant={"method": "gguf", "kernel": "native"}))
         reference = model_of(LLM(str(files[name]), **ENGINE, quant=REFERENCE))
         hidden = torch.randn(5, native.config.hidden_size, generator=torch.Generator().manual_seed(1))
