@@ -54,7 +54,6 @@ NAMES = {2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0", 11: "Q3_K", 12: 
 SUPPORTED = frozenset(BLOCKS)
 ISAS = ("generic", "avx2", "avx512")  # index = the C file's isa number
 PANEL_TYPES = frozenset({2, 3, 6, 7, 8, 11, 12, 13, 14})  # the types with an AVX-512 panel kernel
-NO_AVX2 = frozenset({11})  # the types whose avx2 set runs the portable kernel
 PACKED_FLAG = 0x100  # csrc/gguf_cpu.c: a type | this = weights in 16-row panels
 # what each kernel set needs, as /proc/cpuinfo names it (the missing ones are logged)
 ISA_FLAGS = {"avx2": ("avx2", "fma", "f16c"), "avx512": ("avx512f", "avx512bw", "avx512vl", "avx512_vnni")}
@@ -100,8 +99,6 @@ def describe_isa(best: str) -> str:
     others = sorted(set(SUPPORTED) - PANEL_TYPES) if best == "avx512" else []
     if others:
         text += "; " + ", ".join(NAMES[t] for t in others) + " take the AVX2 kernel"
-    if best == "avx2":
-        text += "; " + ", ".join(NAMES[t] for t in sorted(NO_AVX2)) + " take the portable kernel"
     return text
 
 

@@ -39,7 +39,7 @@
  * which the hardware prefetcher follows; interleaving 4 rows to share the activation loads
  * measured slower here, 4 streams at once being prefetched worse) and prefetches PF_BYTES ahead.
  *
- * Kernels: a portable C one per type, and AVX2 (+FMA, F16C) ones (Q3_K: none yet) compiled with target
+ * Kernels: a portable C one per type, and AVX2 (+FMA, F16C) ones compiled with target
  * attributes on x86-64 and chosen at run time when the CPU reports them
  * (__builtin_cpu_supports), so the library is built without -march and runs on any x86-64.
  * Threads: a pool of pthreads kept between calls (see "thread pool" below; 1 thread: none); no
@@ -683,16 +683,47 @@ static inline INLINE AVX2 void q5_k_body(const uint8_t *w, const acts_t *a, int6
 }
 SPECIALIZE(q5_k)
 
+/* One 256-block of 8 groups of 32 unsigned values (q[g]: elements 32 g ..) with 16 int8 scales
+ * (one per 16), times every activation row: d * d_x * sum_j sc_j (dot_j - (1 << shift) bs_j),
+ * the offset of the stored values being 1 << shift (Q6_K 32, Q3_K 4). */
+static inline INLINE AVX2 void k16_dot(const __m256i *q, const int8_t *scales, float d, const int shift,
+                                       const acts_t *a, int64_t m0, const int mc, int64_t b, __m256 *acc) {
+    __m256i sc[8];
+    const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)scales));
+    const __m256i sc_lo = _mm256_permute2x128_si256(sc16, sc16, 0x00); /* scales 0-7 in both lanes */
+    const __m256i sc_hi = _mm256_permute2x128_si256(sc16, sc16, 0x11); /* 8-15 */
+    for (int g = 0; g < 8; g++) { /* the scales of elements 32 g .. +16 and +16 .. +32, by halves */
+        const int j = (2 * g) & 7;
+        const __m256i pick = _mm256_set_m128i(_mm_set1_epi16((short)((2 * j + 3) << 8 | (2 * j + 2))),
+                                              _mm_set1_epi16((short)((2 * j + 1) << 8 | 2 * j)));
+        sc[g] = _mm256_shuffle_epi8(g < 4 ? sc_lo : sc_hi, pick);
+    }
+    const __m256 vd = _mm256_set1_ps(d);
+    for (int r = 0; r < mc; r++) {
+        const int64_t m = m0 + r;
+        const int8_t *qx = ROW(a, m) + b * 256;
+        __m256i part[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()}; /* two chains (exact integers) */
+        for (int g = 0; g < 8; g++) {
+            const __m256i y = _mm256_loadu_si256((const __m256i *)(qx + 32 * g));
+            part[g & 1] = _mm256_add_epi32(part[g & 1], _mm256_madd_epi16(_mm256_maddubs_epi16(q[g], y), sc[g]));
+        }
+        const __m256i bs = _mm256_loadu_si256((const __m256i *)(a->s + m * a->ns + b * 16));
+        const __m256i offset = _mm256_slli_epi32(_mm256_madd_epi16(bs, sc16), shift);
+        const __m256i sumi = _mm256_sub_epi32(_mm256_add_epi32(part[0], part[1]), offset);
+        const __m256 dx = _mm256_broadcast_ss(a->d + m * a->ld + b);
+        acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(vd, dx), _mm256_cvtepi32_ps(sumi), acc[r]);
+    }
+}
+
 static inline INLINE AVX2 void q6_k_body(const uint8_t *w, const acts_t *a, int64_t m0, const int mc, float *out,
                                            int64_t ldo) {
     __m256 acc[MR];
     for (int r = 0; r < mc; r++) acc[r] = _mm256_setzero_ps();
     const __m256i low = _mm256_set1_epi8(0x0F), three = _mm256_set1_epi8(3);
-    __m256i q[8], sc[8];
+    __m256i q[8];
     for (int64_t b = 0; b < a->nb; b++) {
         const uint8_t *blk = w + b * 210;
         prefetch_ahead(blk, 210);
-        const int8_t *scales = (const int8_t *)(blk + 192);
         for (int h = 0; h < 2; h++) {
             const __m256i l0 = _mm256_loadu_si256((const __m256i *)(blk + 64 * h));
             const __m256i l1 = _mm256_loadu_si256((const __m256i *)(blk + 64 * h + 32));
@@ -705,34 +736,38 @@ static inline INLINE AVX2 void q6_k_body(const uint8_t *w, const acts_t *a, int6
                 q[4 * h + t] = _mm256_or_si256(lo[t], _mm256_slli_epi16(hi, 4));
             }
         }
-        const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)scales));
-        const __m256i sc_lo = _mm256_permute2x128_si256(sc16, sc16, 0x00); /* scales 0-7 in both lanes */
-        const __m256i sc_hi = _mm256_permute2x128_si256(sc16, sc16, 0x11); /* 8-15 */
-        for (int g = 0; g < 8; g++) { /* the scales of elements 32 g .. +16 and +16 .. +32, by halves */
-            const int j = (2 * g) & 7;
-            const __m256i pick = _mm256_set_m128i(_mm_set1_epi16((short)((2 * j + 3) << 8 | (2 * j + 2))),
-                                                  _mm_set1_epi16((short)((2 * j + 1) << 8 | 2 * j)));
-            sc[g] = _mm256_shuffle_epi8(g < 4 ? sc_lo : sc_hi, pick);
-        }
-        const __m256 vd = _mm256_set1_ps(f16(blk + 208));
-        for (int r = 0; r < mc; r++) {
-            const int64_t m = m0 + r;
-            const int8_t *qx = ROW(a, m) + b * 256;
-            __m256i part[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()}; /* two chains (exact integers) */
-            for (int g = 0; g < 8; g++) {
-                const __m256i y = _mm256_loadu_si256((const __m256i *)(qx + 32 * g));
-                part[g & 1] = _mm256_add_epi32(part[g & 1], _mm256_madd_epi16(_mm256_maddubs_epi16(q[g], y), sc[g]));
-            }
-            const __m256i bs = _mm256_loadu_si256((const __m256i *)(a->s + m * a->ns + b * 16));
-            const __m256i offset = _mm256_slli_epi32(_mm256_madd_epi16(bs, sc16), 5); /* the -32 */
-            const __m256i sumi = _mm256_sub_epi32(_mm256_add_epi32(part[0], part[1]), offset);
-            const __m256 dx = _mm256_broadcast_ss(a->d + m * a->ld + b);
-            acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(vd, dx), _mm256_cvtepi32_ps(sumi), acc[r]);
-        }
+        k16_dot(q, (const int8_t *)(blk + 192), f16(blk + 208), 5, a, m0, mc, b, acc); /* the -32 */
     }
     for (int r = 0; r < mc; r++) out[r * ldo] = hsum(acc[r]);
 }
 SPECIALIZE(q6_k)
+
+/* Q3_K: group g = 4 n + j holds (qs[32 n + l] >> 2 j) & 3 with bit 2 from bit g of hmask[l]. */
+static inline INLINE AVX2 void q3_k_body(const uint8_t *w, const acts_t *a, int64_t m0, const int mc, float *out,
+                                           int64_t ldo) {
+    __m256 acc[MR];
+    for (int r = 0; r < mc; r++) acc[r] = _mm256_setzero_ps();
+    const __m256i three = _mm256_set1_epi8(3), one = _mm256_set1_epi8(1);
+    __m256i q[8];
+    int8_t sc[16];
+    for (int64_t b = 0; b < a->nb; b++) {
+        const uint8_t *blk = w + b * 110;
+        prefetch_ahead(blk, 110);
+        const __m256i hm = _mm256_loadu_si256((const __m256i *)blk);
+        for (int n = 0; n < 2; n++) {
+            const __m256i qs = _mm256_loadu_si256((const __m256i *)(blk + 32 + 32 * n));
+            for (int j = 0; j < 4; j++) {
+                const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(hm, 4 * n + j), one);
+                q[4 * n + j] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(qs, 2 * j), three),
+                                               _mm256_slli_epi16(hi, 2));
+            }
+        }
+        q3_scales(blk + 96, sc);
+        k16_dot(q, sc, f16(blk + 108), 2, a, m0, mc, b, acc); /* the -4 */
+    }
+    for (int r = 0; r < mc; r++) out[r * ldo] = hsum(acc[r]);
+}
+SPECIALIZE(q3_k)
 
 #include "gguf_avx512.c"
 #endif /* HAVE_X86 */
@@ -748,14 +783,12 @@ typedef struct {
 static const type_t TYPES[] = {
 #if HAVE_X86
 #define KERNELS(name) {name##_rows, name##_avx2}, name##_avx512
-#define NO_AVX2(name) {name##_rows, name##_rows}, name##_avx512 /* no AVX2 kernel yet: the portable one */
 #else
 #define KERNELS(name) {name##_rows, name##_rows}, NULL
-#define NO_AVX2(name) KERNELS(name)
 #endif
     {T_Q4_0, 32, 18, 32, KERNELS(q4_0)}, {T_Q4_1, 32, 20, 32, KERNELS(q4_1)},
     {T_Q5_0, 32, 22, 32, KERNELS(q5_0)}, {T_Q5_1, 32, 24, 32, KERNELS(q5_1)},
-    {T_Q8_0, 32, 34, 32, KERNELS(q8_0)}, {T_Q3_K, 256, 110, 16, NO_AVX2(q3_k)}, {T_Q4_K, 256, 144, 16, KERNELS(q4_k)},
+    {T_Q8_0, 32, 34, 32, KERNELS(q8_0)}, {T_Q3_K, 256, 110, 16, KERNELS(q3_k)}, {T_Q4_K, 256, 144, 16, KERNELS(q4_k)},
     {T_Q5_K, 256, 176, 16, KERNELS(q5_k)}, {T_Q6_K, 256, 210, 16, KERNELS(q6_k)},
 };
 
