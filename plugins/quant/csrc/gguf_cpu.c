@@ -149,12 +149,19 @@ static inline void k_scales(const uint8_t *p, uint8_t sc[8], uint8_t mn[8]) {
     }
 }
 
-/* Q3_K's 16 scales (the 12 bytes at p), each minus 32. */
+/* Q3_K's 16 scales (the 12 bytes at p), each minus 32: scale j has its low 4 bits in byte j % 8
+ * (j < 8: low nibble, else high) and its top 2 in bits 2 (j / 4) of byte 8 + j % 4; with 32-bit
+ * operations, as ggml's kmask1/kmask2 code. */
 static inline void q3_scales(const uint8_t *p, int8_t sc[16]) {
-    for (int j = 0; j < 16; j++) {
-        const int low = j < 8 ? p[j] & 0x0F : p[j - 8] >> 4, high = (p[8 + j % 4] >> (2 * (j / 4))) & 3;
-        sc[j] = (int8_t)((low | high << 4) - 32);
-    }
+    uint32_t u[4];
+    memcpy(u, p, 12);
+    const uint32_t top = u[2], low4 = 0x0f0f0f0f, two = 0x03030303;
+    u[2] = ((u[0] >> 4) & low4) | (((top >> 4) & two) << 4);
+    u[3] = ((u[1] >> 4) & low4) | (((top >> 6) & two) << 4);
+    u[0] = (u[0] & low4) | ((top & two) << 4);
+    u[1] = (u[1] & low4) | (((top >> 2) & two) << 4);
+    memcpy(sc, u, 16);
+    for (int j = 0; j < 16; j++) sc[j] = (int8_t)(sc[j] - 32);
 }
 
 /* ---------------------------------------------------------------- portable kernels */
