@@ -139,6 +139,36 @@ static inline INLINE AVX512 void k45_panel(const uint8_t *p, int64_t nr, const a
     store_rows(acc, mc, nr, out, ldo);
 }
 
+/* Q6_K and Q3_K: the four sub-blocks sb0 + 2 t (t < 4) of one (h, half) step of a panel block,
+ * q[c][t] the panel's values (stored + offset) of elements base + 32 t + 16 half + 4 c ..: each
+ * row's exact sum of sc * (dot - offset * the activations' sum) into isum. */
+static inline INLINE AVX512 void k16_panel_dots(__m512i q[4][4], const uint8_t *scales, const int base, const int sb0,
+                                                const int half, const int offset, const acts_t *a, int64_t m0,
+                                                const int mc, int64_t b, __m512i *isum) {
+    for (int t = 0; t < 4; t++) {
+        const int j = sb0 + 2 * t;
+        const __m512i sc = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(scales + 16 * j)));
+        for (int r = 0; r < mc; r++) {
+            const int64_t m = m0 + r;
+            const int8_t *x = ROW(a, m) + b * 256 + base + 32 * t + 16 * half;
+            __m512i dot = _mm512_setzero_si512();
+            for (int c = 0; c < 4; c++) dot = _mm512_dpbusd_epi32(dot, q[c][t], bcast4(x + 4 * c));
+            dot = _mm512_sub_epi32(dot, _mm512_set1_epi32(offset * a->s[m * a->ns + b * 16 + j]));
+            isum[r] = _mm512_add_epi32(isum[r], _mm512_mullo_epi32(sc, dot));
+        }
+    }
+}
+
+/* acc += d * d_x * isum, d the panel block's 16 fp16 scales at blk (the portable kernel's order). */
+static inline INLINE AVX512 void k16_panel_finish(const uint8_t *blk, const __m512i *isum, const acts_t *a, int64_t m0,
+                                                  const int mc, int64_t b, __m512 *acc) {
+    const __m512 d = f16x16(blk);
+    for (int r = 0; r < mc; r++) {
+        const __m512 dx = _mm512_set1_ps(a->d[(m0 + r) * a->ld + b]);
+        acc[r] = _mm512_add_ps(acc[r], _mm512_mul_ps(_mm512_mul_ps(d, dx), _mm512_cvtepi32_ps(isum[r])));
+    }
+}
+
 /* Q6_K: element 128 h + 32 t + 4 c + i (c < 8) of a row comes from ql chunk 16 h + 8 (t & 1) + c
  * (nibble t >> 1) and qh chunk 8 h + c (bits 2 t); sub-block j = 8 h + 2 t + c / 4. The three
  * chunks of one (h, c) hold that position's values for all four t (side by side in the panel,
@@ -167,24 +197,9 @@ static inline INLINE AVX512 void q6_k_panel(const uint8_t *p, int64_t nr, const 
                     q[c][3] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(l1, 4), low),
                                               _mm512_and_si512(_mm512_srli_epi16(hb, 2), top));
                 }
-                for (int t = 0; t < 4; t++) {
-                    const int j = 8 * h + 2 * t + half;
-                    const __m512i sc = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(blk + 32 + 16 * j)));
-                    for (int r = 0; r < mc; r++) {
-                        const int64_t m = m0 + r;
-                        const int8_t *x = ROW(a, m) + b * 256 + 128 * h + 32 * t + 16 * half;
-                        __m512i dot = _mm512_setzero_si512();
-                        for (int c = 0; c < 4; c++) dot = _mm512_dpbusd_epi32(dot, q[c][t], bcast4(x + 4 * c));
-                        dot = _mm512_sub_epi32(dot, _mm512_set1_epi32(32 * a->s[m * a->ns + b * 16 + j]));
-                        isum[r] = _mm512_add_epi32(isum[r], _mm512_mullo_epi32(sc, dot));
-                    }
-                }
+                k16_panel_dots(q, blk + 32, 128 * h, 8 * h + half, half, 32, a, m0, mc, b, isum);
             }
-        const __m512 d = f16x16(blk);
-        for (int r = 0; r < mc; r++) {
-            const __m512 dx = _mm512_set1_ps(a->d[(m0 + r) * a->ld + b]);
-            acc[r] = _mm512_add_ps(acc[r], _mm512_mul_ps(_mm512_mul_ps(d, dx), _mm512_cvtepi32_ps(isum[r])));
-        }
+        k16_panel_finish(blk, isum, a, m0, mc, b, acc);
     }
     store_rows(acc, mc, nr, out, ldo);
 }
@@ -215,24 +230,9 @@ static inline INLINE AVX512 void q3_k_panel(const uint8_t *p, int64_t nr, const 
                                                   _mm512_and_si512(h, four));
                     }
                 }
-                for (int j = 0; j < 4; j++) {
-                    const int sb = 8 * n + 2 * j + half;
-                    const __m512i sc = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(blk + 32 + 16 * sb)));
-                    for (int r = 0; r < mc; r++) {
-                        const int64_t m = m0 + r;
-                        const int8_t *x = ROW(a, m) + b * 256 + 128 * n + 32 * j + 16 * half;
-                        __m512i dot = _mm512_setzero_si512();
-                        for (int c = 0; c < 4; c++) dot = _mm512_dpbusd_epi32(dot, q[c][j], bcast4(x + 4 * c));
-                        dot = _mm512_sub_epi32(dot, _mm512_set1_epi32(4 * a->s[m * a->ns + b * 16 + sb]));
-                        isum[r] = _mm512_add_epi32(isum[r], _mm512_mullo_epi32(sc, dot));
-                    }
-                }
+                k16_panel_dots(q, blk + 32, 128 * n, 8 * n + half, half, 4, a, m0, mc, b, isum);
             }
-        const __m512 d = f16x16(blk);
-        for (int r = 0; r < mc; r++) {
-            const __m512 dx = _mm512_set1_ps(a->d[(m0 + r) * a->ld + b]);
-            acc[r] = _mm512_add_ps(acc[r], _mm512_mul_ps(_mm512_mul_ps(d, dx), _mm512_cvtepi32_ps(isum[r])));
-        }
+        k16_panel_finish(blk, isum, a, m0, mc, b, acc);
     }
     store_rows(acc, mc, nr, out, ldo);
 }

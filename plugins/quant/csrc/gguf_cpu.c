@@ -276,6 +276,24 @@ static void q5_k_generic(const uint8_t *w, const acts_t *a, int64_t m0, int mc, 
     k45_generic(w, a, m0, mc, out, ldo, 1);
 }
 
+/* Q6_K and Q3_K: one block's 256 values (qw: stored + offset) with 16 int8 scales (one per 16)
+ * times each activation row: acc[r] += d * d_x * sum_j sc_j (dot_j - offset * bs_j). */
+static void k16_generic(const uint8_t *qw, const int8_t *sc, const int offset, const float d, const acts_t *a,
+                        int64_t m0, int mc, int64_t b, float *acc) {
+    for (int r = 0; r < mc; r++) {
+        const int64_t m = m0 + r;
+        const int8_t *qx = ROW(a, m) + b * 256;
+        const int16_t *bs = a->s + m * a->ns + b * 16;
+        int32_t isum = 0;
+        for (int j = 0; j < 16; j++) {
+            int32_t dot = 0;
+            for (int l = 0; l < 16; l++) dot += qw[16 * j + l] * qx[16 * j + l];
+            isum += sc[j] * (dot - offset * bs[j]);
+        }
+        acc[r] += d * a->d[m * a->ld + b] * (float)isum;
+    }
+}
+
 static void q6_k_generic(const uint8_t *w, const acts_t *a, int64_t m0, int mc, float *out, int64_t ldo) {
     float acc[MR] = {0};
     for (int64_t b = 0; b < a->nb; b++) {
@@ -288,18 +306,7 @@ static void q6_k_generic(const uint8_t *w, const acts_t *a, int64_t m0, int mc, 
                 for (int l = 0; l < 32; l++)
                     qw[128 * h + 32 * t + l] = (uint8_t)(((ql[64 * h + 32 * (t & 1) + l] >> (4 * (t >> 1))) & 0x0F) |
                                                          (((qh[32 * h + l] >> (2 * t)) & 3) << 4));
-        for (int r = 0; r < mc; r++) {
-            const int64_t m = m0 + r;
-            const int8_t *qx = ROW(a, m) + b * 256;
-            const int16_t *bs = a->s + m * a->ns + b * 16;
-            int32_t isum = 0;
-            for (int j = 0; j < 16; j++) {
-                int32_t dot = 0;
-                for (int l = 0; l < 16; l++) dot += qw[16 * j + l] * qx[16 * j + l];
-                isum += sc[j] * (dot - 32 * bs[j]);
-            }
-            acc[r] += d * a->d[m * a->ld + b] * (float)isum;
-        }
+        k16_generic(qw, sc, 32, d, a, m0, mc, b, acc);
     }
     for (int r = 0; r < mc; r++) out[r * ldo] = acc[r];
 }
@@ -316,18 +323,7 @@ static void q3_k_generic(const uint8_t *w, const acts_t *a, int64_t m0, int mc, 
             for (int j = 0; j < 4; j++)
                 for (int l = 0; l < 32; l++)
                     qw[128 * n + 32 * j + l] = (uint8_t)(((qs[32 * n + l] >> (2 * j)) & 3) | ((hm[l] >> (4 * n + j)) & 1) << 2);
-        for (int r = 0; r < mc; r++) {
-            const int64_t m = m0 + r;
-            const int8_t *qx = ROW(a, m) + b * 256;
-            const int16_t *bs = a->s + m * a->ns + b * 16;
-            int32_t isum = 0;
-            for (int j = 0; j < 16; j++) {
-                int32_t dot = 0;
-                for (int l = 0; l < 16; l++) dot += qw[16 * j + l] * qx[16 * j + l];
-                isum += sc[j] * (dot - 4 * bs[j]);
-            }
-            acc[r] += d * a->d[m * a->ld + b] * (float)isum;
-        }
+        k16_generic(qw, sc, 4, d, a, m0, mc, b, acc);
     }
     for (int r = 0; r < mc; r++) out[r * ldo] = acc[r];
 }
