@@ -42,7 +42,7 @@ def random_weight(ggml_type: int, n: int, k: int, gen: torch.Generator) -> torch
     elems, size = BLOCKS[ggml_type]
     w = torch.randint(0, 256, (n, k // elems, size), dtype=torch.uint8, generator=gen)
     scale = (torch.rand((n, k // elems, 2), generator=gen) * 0.01 + 1e-3).half().view(torch.uint8)
-    at = {2: [0], 3: [0, 2], 8: [0], 12: [0, 2], 13: [0, 2], 14: [208]}[ggml_type]
+    at = {2: [0], 3: [0, 2], 6: [0], 7: [0, 2], 8: [0], 11: [108], 12: [0, 2], 13: [0, 2], 14: [208]}[ggml_type]
     for offset in at:
         w[..., offset:offset + 2] = scale[..., 0:2] if offset == at[0] else scale[..., 0:2].flip(-1)
     return w.reshape(n, -1)

@@ -113,18 +113,29 @@ def lmplug_set_args(sets: list[str]) -> list[str]:
 # -- processes ---------------------------------------------------------------------------------
 
 
+# A process's ru_maxrss counts the memory of what it was before exec: a child started straight from
+# this script (vfork) reports this script's peak (the read-bandwidth buffer: over 1 GiB) when that
+# is larger than its own. So the command runs in a grandchild forked by a small Python process,
+# which reports the grandchild's wall seconds and ru_maxrss (KiB) on its stderr's last line.
+MEASURE = ("import os, sys, time\n"
+           "start = time.perf_counter()\n"
+           "pid = os.fork()\n"
+           "if pid == 0:\n"
+           "    os.execvp(sys.argv[1], sys.argv[1:])\n"
+           "_, status, usage = os.wait4(pid, 0)\n"
+           "print(f'\\nmeasured {time.perf_counter() - start} {usage.ru_maxrss}', file=sys.stderr)\n"
+           "sys.exit(os.waitstatus_to_exitcode(status))\n")
+
+
 def run_timed(cmd: list[str], env: dict | None = None) -> tuple[float, float]:
-    """Wall seconds and peak RSS (MiB) of one whole process (os.wait4's rusage of that child)."""
-    started = time.perf_counter()
-    proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE)
-    _, status, usage = os.wait4(proc.pid, 0)
-    wall = time.perf_counter() - started
-    err = proc.stderr.read().decode(errors="replace")
-    proc.stderr.close()
-    if status != 0:
-        raise SystemExit(f"bench_vs_llamacpp: {' '.join(cmd)} failed ({status}):\n{err[-2000:]}")
-    return wall, usage.ru_maxrss / 1024
+    """Wall seconds and peak RSS (MiB) of one whole process (its own rusage: ``MEASURE``)."""
+    proc = subprocess.run([sys.executable, "-c", MEASURE, *cmd], env=env, stdin=subprocess.DEVNULL,
+                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    err = proc.stderr.decode(errors="replace")
+    if proc.returncode != 0:
+        raise SystemExit(f"bench_vs_llamacpp: {' '.join(cmd)} failed ({proc.returncode}):\n{err[-2000:]}")
+    _, wall, maxrss = err.rstrip().rsplit("\n", 1)[-1].split()
+    return float(wall), int(maxrss) / 1024
 
 
 def threads_env(threads: int) -> dict:
@@ -290,13 +301,16 @@ class Server:
         return tokens / (time.perf_counter() - started), tokens
 
     def stop(self) -> float:
-        """Stop it (SIGTERM); its peak RSS in MiB."""
+        """Stop it (SIGTERM); its peak RSS in MiB (VmHWM, its own since exec: not the rusage, which
+        would count this script's memory, see ``MEASURE``)."""
+        with open(f"/proc/{self.proc.pid}/status") as status:
+            peak = next(int(line.split()[1]) for line in status if line.startswith("VmHWM:"))
         self.proc.send_signal(signal.SIGTERM)
         try:
-            _, _, usage = os.wait4(self.proc.pid, 0)
+            os.wait4(self.proc.pid, 0)
         finally:
             self.proc.stderr.close()
-        return usage.ru_maxrss / 1024
+        return peak / 1024
 
 
 def serve_prompts(count: int) -> list[str]:

@@ -12,7 +12,7 @@ the step's rows only.
 
 Shards of one fused layer may have different types (k-quant files: Q4_K q/k with Q6_K v):
 runs of equal type are multiplied together and their outputs concatenated. Types the
-reference does not read (Q2_K, Q3_K, Q5_0, IQ*, ...) are dequantized once at load, with one
+reference does not read (Q2_K, IQ*, ...) are dequantized once at load, with one
 log line naming the tensor. ``dequantize_at_load: true``, CUDA, and tensor-parallel slices
 (which the loader hands over dense) keep dense float weights, as for a float checkpoint.
 
@@ -157,13 +157,30 @@ class GGUFQuant(QuantMethod, extras.PackedWeights, extras.OwnThreads, extras.Nat
 
     def _bind(self, layer) -> list | None:
         """The native products of the layer's runs, checked once (``gguf_native.BoundProduct``),
-        when the kernel reads every run's type; None: ``apply`` takes the op path."""
+        when the kernel reads every run's type; None: ``apply`` takes the op path. A run bound to
+        panels whose rows are a copy made at load (llama's permuted q/k) keeps the panels only:
+        its buffer is emptied and ``_rows`` rebuilds the rows if the op path ever needs them."""
         native = self._native
         if native is None or any(kind not in native.SUPPORTED for kind, _, _ in layer.gguf_runs):
             return None
         kernel = native.load()
-        return [native.BoundProduct(kernel, getattr(layer, buf), kind, layer.in_features)
-                for kind, buf, _ in layer.gguf_runs]
+        calls = [native.BoundProduct(kernel, getattr(layer, buf), kind, layer.in_features)
+                 for kind, buf, _ in layer.gguf_runs]
+        layer.gguf_panels_only = {}  # buffer name -> the bound product holding the only copy
+        for (kind, buf, _), call in zip(layer.gguf_runs, calls):
+            if kernel.panels_only(getattr(layer, buf), kind, layer.in_features):
+                setattr(layer, buf, torch.empty(0, dtype=torch.uint8))
+                layer.gguf_panels_only[buf] = call
+        return calls
+
+    def _rows(self, layer, i: int) -> torch.Tensor:
+        """Run ``i``'s packed rows (or dense float32 rows): the buffer, or, where ``_bind`` kept
+        only the panels, the rows rebuilt from them (kept from then on)."""
+        kind, buf, rows = layer.gguf_runs[i]
+        call = getattr(layer, "gguf_panels_only", {}).pop(buf, None)
+        if call is not None:
+            setattr(layer, buf, self._native.load().rows(call.w, kind, rows, layer.in_features))
+        return getattr(layer, buf)
 
     def native_product(self, layer):
         """The layer's runs in one C call (``gguf_native.layer_product``), where every packed
@@ -182,7 +199,8 @@ class GGUFQuant(QuantMethod, extras.PackedWeights, extras.OwnThreads, extras.Nat
             return None
         if layer.bias is not None and layer.bias.dtype != torch.float32:
             return None
-        runs = [(kind, getattr(layer, buf)) for kind, buf, _ in layer.gguf_runs]
+        calls = layer.gguf_calls  # bound: the weights as the products read them (panels, maybe alone)
+        runs = [(kind, calls[i] if calls else getattr(layer, buf)) for i, (kind, buf, _) in enumerate(layer.gguf_runs)]
         if len(runs) > native.MAX_RUNS:
             return None
         return native.layer_product(native.load(), runs, layer.in_features, layer.bias)
@@ -214,8 +232,11 @@ class GGUFQuant(QuantMethod, extras.PackedWeights, extras.OwnThreads, extras.Nat
             y = calls[0](x) if len(calls) == 1 else torch.cat([call(x) for call in calls], dim=-1)
             return y if layer.bias is None else y.add_(layer.bias)
         xf = x.reshape(-1, x.shape[-1]).float().contiguous()
-        outs = [self._matmul(getattr(layer, buf), kind, xf, layer.in_features)
-                for kind, buf, _ in layer.gguf_runs]
+        if calls is not None and x.is_cpu and not torch.compiler.is_compiling():  # e.g. bfloat16 rows
+            outs = [call(xf) for call in calls]
+        else:
+            outs = [self._matmul(self._rows(layer, i), kind, xf, layer.in_features)
+                    for i, (kind, _, _) in enumerate(layer.gguf_runs)]
         y = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
         if layer.bias is not None:
             y = y + layer.bias
@@ -236,10 +257,10 @@ class GGUFQuant(QuantMethod, extras.PackedWeights, extras.OwnThreads, extras.Nat
         flat = ids.reshape(-1)
         out = torch.empty(flat.shape[0], layer.in_features, dtype=layer.dtype, device=flat.device)
         start = 0
-        for kind, buf, rows in layer.gguf_runs:
+        for i, (kind, _, rows) in enumerate(layer.gguf_runs):
             mine = (flat >= start) & (flat < start + rows)
             local = flat[mine] - start
-            data = getattr(layer, buf)
+            data = self._rows(layer, i)
             out[mine] = (data[local] if kind is None else
                          gguf_ref.dequantize(data[local], kind, layer.in_features)).to(layer.dtype)
             start += rows

@@ -51,8 +51,9 @@ logger = logging.getLogger(__name__)
 SOURCE = Path(__file__).resolve().parent / "csrc" / "gguf_cpu.c"
 FLAGS = ("-O3", "-ffp-contract=off", "-shared", "-fPIC", "-pthread")  # no fused a*b+c the C does not write
 # ggml type -> (elements, bytes) of one block
-BLOCKS = {2: (32, 18), 3: (32, 20), 8: (32, 34), 12: (256, 144), 13: (256, 176), 14: (256, 210)}
-NAMES = {2: "Q4_0", 3: "Q4_1", 8: "Q8_0", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K"}
+BLOCKS = {2: (32, 18), 3: (32, 20), 6: (32, 22), 7: (32, 24), 8: (32, 34), 11: (256, 110), 12: (256, 144),
+          13: (256, 176), 14: (256, 210)}
+NAMES = {2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0", 11: "Q3_K", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K"}
 SUPPORTED = frozenset(BLOCKS)
 
 
@@ -62,7 +63,7 @@ def kernel_sets(machine: str) -> tuple[str, ...]:
 
 
 ISAS = kernel_sets(platform.machine())
-PANEL_TYPES = frozenset({2, 3, 8, 12, 13, 14})  # the types with an AVX-512 panel kernel
+PANEL_TYPES = frozenset({2, 3, 6, 7, 8, 11, 12, 13, 14})  # the types with an AVX-512 panel kernel
 PACKED_FLAG = 0x100  # csrc/gguf_cpu.c: a type | this = weights in 16-row panels
 # what each kernel set needs, as /proc/cpuinfo names it (the missing ones are logged)
 ISA_FLAGS = {"avx2": ("avx2", "fma", "f16c"), "avx512": ("avx512f", "avx512bw", "avx512vl", "avx512_vnni"),
@@ -151,6 +152,10 @@ class GGUFKernel:
         self._repack.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
                                  ctypes.c_void_p]
         self._repack.restype = ctypes.c_int
+        self._unrepack = lib.gguf_unrepack
+        self._unrepack.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
+                                   ctypes.c_int64]
+        self._unrepack.restype = ctypes.c_int
         logger.info("quant gguf: native CPU kernels: %s", describe_isa(self.best_isa))
 
     def panels(self, w: torch.Tensor, ggml_type: int, k: int) -> torch.Tensor:
@@ -167,7 +172,32 @@ class GGUFKernel:
             raise RuntimeError(f"{_WHAT}: repacking: {_ERRORS.get(status, f'error {status}')}")
         out.lmplug_source = w  # the rows stay alive while their panels are cached: no address reuse
         _panels[key] = out
-        release_file_pages(w)
+        out.lmplug_rows_in_file = release_file_pages(w)
+        return out
+
+    def panels_only(self, w: torch.Tensor, ggml_type: int, k: int) -> bool:
+        """Where ``w``'s panels exist and ``w`` is memory of this process's own (a copy made at
+        load: llama's permuted q/k joined with v) rather than the file's mapping: the panels and
+        their cache forget ``w``, so it is freed once its holder drops it, and the panels are the
+        one copy of those weights (``rows`` rebuilds them). True when so; False leaves ``w`` as it is
+        (rows in the file's mapping: their pages were released when the panels were made)."""
+        stride = _check_weight(w, ggml_type, k, row_bytes(ggml_type, k))[0]
+        key = (w.data_ptr(), stride, w.shape[0], ggml_type, k)
+        found = _panels.get(key)
+        if found is None or found.lmplug_rows_in_file:
+            return False
+        del _panels[key], found.lmplug_source
+        return True
+
+    def rows(self, panels: torch.Tensor, ggml_type: int, n: int, k: int) -> torch.Tensor:
+        """The ``n`` rows [n, row_bytes] of ``panels``: the file's bytes again (the inverse of the repack)."""
+        size = row_bytes(ggml_type, k)
+        if panels.numel() != self._packed_bytes(ggml_type, n, k):
+            raise ValueError(f"{_WHAT}: {panels.numel()} bytes are not the panels of {n} {NAMES[ggml_type]} rows of {k}")
+        out = torch.empty(n, size, dtype=torch.uint8)
+        status = self._unrepack(ggml_type, panels.data_ptr(), n, k, out.data_ptr(), size)
+        if status != 0:
+            raise RuntimeError(f"{_WHAT}: unpacking panels: {_ERRORS.get(status, f'error {status}')}")
         return out
 
     def operand(self, w: torch.Tensor, ggml_type: int, k: int, isa: int) -> tuple[torch.Tensor, int]:
@@ -275,7 +305,7 @@ def layer_product(kernel: GGUFKernel, runs: list[tuple[int | str | None, torch.T
     """A linear layer's whole product (its runs side by side, then the bias) as a
     ``lmplug.kit.native`` product: ``gguf_layer_product`` with a context describing
     ``runs`` (ggml type, packed rows, ``SUPPORTED`` or ``FLOAT_TYPES``; None, float32 rows [n, k]; or ``"t"``, float32 W^T [k, n]
-    with dense rows). The weights are checked
+    with dense rows; or a ggml type and its ``BoundProduct``: the weights as bound, panels where it has them). The weights are checked
     here, once; ``LMPLUG_GGUF_ISA`` and ``LMPLUG_GGUF_THREADS`` are read now (as ``BoundProduct``
     reads them)."""
     if not 1 <= len(runs) <= MAX_RUNS:
@@ -284,6 +314,14 @@ def layer_product(kernel: GGUFKernel, runs: list[tuple[int | str | None, torch.T
                   threads=_threads() if os.environ.get("LMPLUG_GGUF_THREADS") else 0)
     total, keep = 0, []  # keep: the panels the C reads
     for i, (kind, w) in enumerate(runs):
+        if isinstance(w, BoundProduct):
+            if w.k != k or w.isa != desc.isa:
+                raise ValueError(f"{_WHAT}: a bound run of k={w.k}, kernel set {ISAS[w.isa]}; the layer has k={k}, "
+                                 f"kernel set {ISAS[desc.isa]}")
+            keep.append(w.w)
+            desc.runs[i] = _Run(w.w.data_ptr(), w.stride, w.n, w.ggml_type)
+            total += w.n
+            continue
         if kind == "t":
             if w.dtype != torch.float32 or w.dim() != 2 or w.shape[0] != k or w.stride(1) != 1 or not w.is_cpu:
                 raise ValueError(f"{_WHAT}: a transposed dense run must be float32 CPU rows [{k}, n], got "

@@ -7,8 +7,9 @@ a weight outlives the call. It is the fallback where the native kernel does not 
 ground truth the kernel is tested against.
 
 Block layouts (ggml-common.h), bytes per block of 32 (``_0``/``_1``/``Q8_0``) or 256 (k-quants):
-Q4_0 ``d:f16, qs[16]``; Q4_1 ``d:f16, m:f16, qs[16]``; Q8_0 ``d:f16, qs:int8[32]``;
-Q4_K ``d:f16, dmin:f16, scales[12], qs[128]``; Q5_K ``d, dmin, scales[12], qh[32], qs[128]``;
+Q4_0 ``d:f16, qs[16]``; Q4_1 ``d:f16, m:f16, qs[16]``; Q5_0 ``d:f16, qh:u32, qs[16]``;
+Q5_1 ``d:f16, m:f16, qh:u32, qs[16]``; Q8_0 ``d:f16, qs:int8[32]``;
+Q3_K ``hmask[32], qs[64], scales[12], d:f16``; Q4_K ``d:f16, dmin:f16, scales[12], qs[128]``; Q5_K ``d, dmin, scales[12], qh[32], qs[128]``;
 Q6_K ``ql[128], qh[64], scales:int8[16], d:f16``.
 """
 
@@ -40,6 +41,24 @@ def _q4_0(b: torch.Tensor) -> torch.Tensor:
 def _q4_1(b: torch.Tensor) -> torch.Tensor:
     q = _nibbles(b[:, 4:], 16).reshape(b.shape[0], 32).float()
     return _f16(b, 0) * q + _f16(b, 2)
+
+
+def _five_bits(b: torch.Tensor, at: int) -> torch.Tensor:
+    """Q5_0 / Q5_1: the 32 values of a block, 0..31 (bit e of the 32-bit ``qh`` at ``at`` is bit
+    4 of value e; the nibbles follow it)."""
+    low = _nibbles(b[:, at + 4:], 16).reshape(b.shape[0], 32)
+    qh = b[:, at:at + 4].long()
+    bits = torch.arange(32, device=b.device)
+    high = (qh[:, bits // 8] >> (bits % 8)) & 1
+    return low | (high << 4).to(torch.uint8)
+
+
+def _q5_0(b: torch.Tensor) -> torch.Tensor:
+    return _f16(b, 0) * (_five_bits(b, 2).to(torch.int8) - 16).float()
+
+
+def _q5_1(b: torch.Tensor) -> torch.Tensor:
+    return _f16(b, 0) * _five_bits(b, 4).float() + _f16(b, 2)
 
 
 def _q8_0(b: torch.Tensor) -> torch.Tensor:
@@ -74,6 +93,21 @@ def _q5_k(b: torch.Tensor) -> torch.Tensor:
     return (d * q - dm).reshape(b.shape[0], 256)
 
 
+def _q3_k(b: torch.Tensor) -> torch.Tensor:
+    n = b.shape[0]
+    sc = b[:, 96:108]
+    low = torch.stack([sc[:, :8] & 0x0F, sc[:, :8] >> 4], 1).reshape(n, 16)
+    shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8, device=b.device).reshape(1, 4, 1)
+    high = ((sc[:, 8:12].reshape(n, 1, 4) >> shifts) & 0x03).reshape(n, 16)
+    scales = ((low | (high << 4)).to(torch.int8) - 32).float()
+    dl = (_f16(b, 108) * scales).reshape(n, 16, 1)
+    ql = (b[:, 32:96].reshape(n, 2, 1, 32) >> shifts.reshape(1, 1, 4, 1)) & 0x03  # [n, 2, 4, 32]
+    bits = torch.arange(8, dtype=torch.uint8, device=b.device).reshape(1, 8, 1)
+    qh = ((b[:, :32].reshape(n, 1, 32) >> bits) & 0x01) ^ 0x01  # 1: the value is 4 lower
+    q = (ql.reshape(n, 8, 32).to(torch.int8) - (qh << 2).to(torch.int8)).float()
+    return (dl * q.reshape(n, 16, 16)).reshape(n, 256)
+
+
 def _q6_k(b: torch.Tensor) -> torch.Tensor:
     n = b.shape[0]
     d = (_f16(b, 208) * b[:, 192:208].contiguous().view(torch.int8).float()).unsqueeze(2)  # [n, 16, 1]
@@ -84,7 +118,8 @@ def _q6_k(b: torch.Tensor) -> torch.Tensor:
     return (d * q).reshape(n, 256)
 
 
-_BLOCKS = {Q.Q4_0: _q4_0, Q.Q4_1: _q4_1, Q.Q8_0: _q8_0, Q.Q4_K: _q4_k, Q.Q5_K: _q5_k, Q.Q6_K: _q6_k}
+_BLOCKS = {Q.Q4_0: _q4_0, Q.Q4_1: _q4_1, Q.Q5_0: _q5_0, Q.Q5_1: _q5_1, Q.Q8_0: _q8_0, Q.Q3_K: _q3_k, Q.Q4_K: _q4_k,
+           Q.Q5_K: _q5_k, Q.Q6_K: _q6_k}
 FLOAT_TYPES = frozenset({int(Q.F32), int(Q.F16), int(Q.BF16)})
 # what ``dequantize`` reads; any other type the gguf method dequantizes once at load
 SUPPORTED = frozenset(int(t) for t in _BLOCKS) | FLOAT_TYPES

@@ -1,4 +1,4 @@
-"""Packed GGUF weight rows for the native kernels' tests: Q4_0 / Q4_1 / Q8_0 quantized by
+"""Packed GGUF weight rows for the native kernels' tests: Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 quantized by
 gguf-py from random floats; the k-quants random bytes with sane fp16 scales (every bit pattern
 of their quants and 6-bit scales is valid)."""
 
@@ -9,7 +9,8 @@ import numpy as np
 from gguf import GGMLQuantizationType
 
 # ggml type -> (elements, bytes) of one block (ggml's layouts)
-BLOCKS = {2: (32, 18), 3: (32, 20), 8: (32, 34), 12: (256, 144), 13: (256, 176), 14: (256, 210)}
+BLOCKS = {2: (32, 18), 3: (32, 20), 6: (32, 22), 7: (32, 24), 8: (32, 34), 11: (256, 110), 12: (256, 144),
+          13: (256, 176), 14: (256, 210)}
 
 
 def type_id(name: str) -> int:
@@ -20,14 +21,14 @@ def make_weight(name: str, n: int, k: int, seed: int = 0) -> np.ndarray:
     """uint8 [n, row_bytes]: the packed rows."""
     rng = np.random.default_rng(seed)
     t = type_id(name)
-    if name in ("Q4_0", "Q4_1", "Q8_0"):
+    if name in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"):
         return gguf.quants.quantize(rng.standard_normal((n, k)).astype(np.float32), GGMLQuantizationType(t))
     elems, size = BLOCKS[t]
     w = rng.integers(0, 256, (n, k // elems, size), dtype=np.uint8)
     scales = (rng.uniform(1e-3, 1e-2, (n, k // elems, 2)) * rng.choice([-1, 1], (n, k // elems, 2)))
     scales = scales.astype(np.float16).view(np.uint8)
-    if name == "Q6_K":
-        w[..., 208:210] = scales[..., :2]
+    if name in ("Q6_K", "Q3_K"):  # d last
+        w[..., size - 2:] = scales[..., :2]
     else:  # d, dmin
         w[..., 0:4] = scales
     return w.reshape(n, -1)

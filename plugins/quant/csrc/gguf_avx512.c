@@ -7,7 +7,8 @@
  * results bit-identical to the portable kernels. Signed weights are stored + 8 (Q4_0's
  * nibbles as they are) or + 128 (Q8_0), and the offset times the block's activation sum
  * (acts_t.s) is subtracted from the integer sum. The panel is read once, in memory order,
- * for up to MR activation rows; outputs past the panel's real rows are masked off. */
+ * for up to MR activation rows; outputs past the panel's real rows are masked off. The 5-bit
+ * types' values are stored unsigned (Q5_0's + 16, as in the file). */
 
 #define AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")))
 #define PF512 1024 /* bytes ahead of the panel block in use that are prefetched */
@@ -31,18 +32,23 @@ static inline INLINE AVX512 void store_rows(const __m512 *acc, int mc, int64_t n
     for (int r = 0; r < mc; r++) _mm512_mask_storeu_ps(out + r * ldo, keep, acc[r]);
 }
 
-/* Q4_0 (bytes 18, chunks 4, offset 8), Q4_1 (20, 4, none: + m * ds) and Q8_0 (34, 8, 128). */
+/* Q4_0 (block 288 bytes, offset 8), Q4_1 (320, none: + m * ds), Q5_0 (352, 16), Q5_1 (384, none)
+ * and Q8_0 (544, 128). The 5-bit types' high bits: byte i of a lane's word holds in bit c the
+ * 5th bit of element 4 c + i and in bit 4 + c that of element 16 + 4 c + i (gguf_repack.c), so
+ * chunk c's come to bit 4 by one shift (of 16-bit lanes: the mask keeps bits of the same byte). */
 static inline INLINE AVX512 void small_panel(const uint8_t *p, int64_t nr, const acts_t *a, int64_t m0, const int mc,
                                              float *out, int64_t ldo, const int type) {
-    const int pb = type == T_Q4_0 ? 288 : type == T_Q4_1 ? 320 : 544, head = type == T_Q4_1 ? 64 : 32;
-    const int offset = type == T_Q4_0 ? 8 : type == T_Q8_0 ? 128 : 0;
-    const __m512i low = _mm512_set1_epi8(0x0F);
+    const int pb = type == T_Q4_0 ? 288 : type == T_Q4_1 ? 320 : type == T_Q5_0 ? 352 : type == T_Q5_1 ? 384 : 544;
+    const int with_min = type == T_Q4_1 || type == T_Q5_1, five = type == T_Q5_0 || type == T_Q5_1;
+    const int high = with_min ? 64 : 32, head = high + (five ? 64 : 0); /* the 5th bits' words, the q chunks */
+    const int offset = type == T_Q4_0 ? 8 : type == T_Q5_0 ? 16 : type == T_Q8_0 ? 128 : 0;
+    const __m512i low = _mm512_set1_epi8(0x0F), bit4 = _mm512_set1_epi8(0x10);
     __m512 acc[MR];
     for (int r = 0; r < mc; r++) acc[r] = _mm512_setzero_ps();
     for (int64_t b = 0; b < a->nb; b++) {
         const uint8_t *blk = p + b * pb;
         prefetch512(blk, pb);
-        __m512i q[8]; /* 8 vectors of 4 elements a lane: elements 4 c .. (Q4: and 16 + 4 c ..) */
+        __m512i q[8]; /* 8 vectors of 4 elements a lane: elements 4 c .. (4/5-bit: and 16 + 4 c ..) */
         if (type == T_Q8_0) {
             for (int c = 0; c < 8; c++) q[c] = _mm512_loadu_si512(blk + head + 64 * c);
         } else {
@@ -51,9 +57,16 @@ static inline INLINE AVX512 void small_panel(const uint8_t *p, int64_t nr, const
                 q[c] = _mm512_and_si512(v, low);
                 q[c + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
             }
+            if (five) {
+                const __m512i h = _mm512_loadu_si512(blk + high);
+                for (int c = 0; c < 4; c++) {
+                    q[c] = _mm512_or_si512(q[c], _mm512_and_si512(_mm512_slli_epi16(h, 4 - c), bit4));
+                    q[c + 4] = _mm512_or_si512(q[c + 4], _mm512_and_si512(_mm512_srli_epi16(h, c), bit4));
+                }
+            }
         }
         const __m512 dw = f16x16(blk);
-        const __m512 mw = type == T_Q4_1 ? f16x16(blk + 32) : dw;
+        const __m512 mw = with_min ? f16x16(blk + 32) : dw;
         for (int r = 0; r < mc; r++) {
             const int64_t m = m0 + r;
             const int8_t *x = ROW(a, m) + b * 32;
@@ -66,7 +79,7 @@ static inline INLINE AVX512 void small_panel(const uint8_t *p, int64_t nr, const
             if (offset) isum = _mm512_sub_epi32(isum, _mm512_set1_epi32(offset * a->s[m * a->ns + b]));
             const __m512 dx = _mm512_set1_ps(a->d[m * a->ld + b]);
             __m512 t = _mm512_mul_ps(_mm512_mul_ps(dw, dx), _mm512_cvtepi32_ps(isum));
-            if (type == T_Q4_1) t = _mm512_add_ps(t, _mm512_mul_ps(mw, _mm512_set1_ps(a->ds[m * a->ld + b])));
+            if (with_min) t = _mm512_add_ps(t, _mm512_mul_ps(mw, _mm512_set1_ps(a->ds[m * a->ld + b])));
             acc[r] = _mm512_add_ps(acc[r], t);
         }
     }
@@ -126,10 +139,40 @@ static inline INLINE AVX512 void k45_panel(const uint8_t *p, int64_t nr, const a
     store_rows(acc, mc, nr, out, ldo);
 }
 
+/* Q6_K and Q3_K: the four sub-blocks sb0 + 2 t (t < 4) of one (h, half) step of a panel block,
+ * q[c][t] the panel's values (stored + offset) of elements base + 32 t + 16 half + 4 c ..: each
+ * row's exact sum of sc * (dot - offset * the activations' sum) into isum. */
+static inline INLINE AVX512 void k16_panel_dots(__m512i q[4][4], const uint8_t *scales, const int base, const int sb0,
+                                                const int half, const int offset, const acts_t *a, int64_t m0,
+                                                const int mc, int64_t b, __m512i *isum) {
+    for (int t = 0; t < 4; t++) {
+        const int j = sb0 + 2 * t;
+        const __m512i sc = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(scales + 16 * j)));
+        for (int r = 0; r < mc; r++) {
+            const int64_t m = m0 + r;
+            const int8_t *x = ROW(a, m) + b * 256 + base + 32 * t + 16 * half;
+            __m512i dot = _mm512_setzero_si512();
+            for (int c = 0; c < 4; c++) dot = _mm512_dpbusd_epi32(dot, q[c][t], bcast4(x + 4 * c));
+            dot = _mm512_sub_epi32(dot, _mm512_set1_epi32(offset * a->s[m * a->ns + b * 16 + j]));
+            isum[r] = _mm512_add_epi32(isum[r], _mm512_mullo_epi32(sc, dot));
+        }
+    }
+}
+
+/* acc += d * d_x * isum, d the panel block's 16 fp16 scales at blk (the portable kernel's order). */
+static inline INLINE AVX512 void k16_panel_finish(const uint8_t *blk, const __m512i *isum, const acts_t *a, int64_t m0,
+                                                  const int mc, int64_t b, __m512 *acc) {
+    const __m512 d = f16x16(blk);
+    for (int r = 0; r < mc; r++) {
+        const __m512 dx = _mm512_set1_ps(a->d[(m0 + r) * a->ld + b]);
+        acc[r] = _mm512_add_ps(acc[r], _mm512_mul_ps(_mm512_mul_ps(d, dx), _mm512_cvtepi32_ps(isum[r])));
+    }
+}
+
 /* Q6_K: element 128 h + 32 t + 4 c + i (c < 8) of a row comes from ql chunk 16 h + 8 (t & 1) + c
  * (nibble t >> 1) and qh chunk 8 h + c (bits 2 t); sub-block j = 8 h + 2 t + c / 4. The three
- * chunks of one (h, c) hold that position's values for all four t: they are loaded once and
- * give 4 vectors (each 6-bit value as (nibble & 0x0F) | (2 bits moved to bits 4-5 & 0x30), the
+ * chunks of one (h, c) hold that position's values for all four t (side by side in the panel,
+ * in the order read): they are loaded once and give 4 vectors (each 6-bit value as (nibble & 0x0F) | (2 bits moved to bits 4-5 & 0x30), the
  * shifts by 16-bit lanes moving no bit across a byte that the masks keep). */
 static inline INLINE AVX512 void q6_k_panel(const uint8_t *p, int64_t nr, const acts_t *a, int64_t m0, const int mc,
                                             float *out, int64_t ldo) {
@@ -137,7 +180,7 @@ static inline INLINE AVX512 void q6_k_panel(const uint8_t *p, int64_t nr, const 
     __m512 acc[MR];
     for (int r = 0; r < mc; r++) acc[r] = _mm512_setzero_ps();
     for (int64_t b = 0; b < a->nb; b++) {
-        const uint8_t *blk = p + b * 3360, *ql = blk + 288, *qh = blk + 288 + 2048;
+        const uint8_t *blk = p + b * 3360, *groups = blk + 288;
         prefetch512(blk, 3360);
         __m512i isum[MR];
         for (int r = 0; r < mc; r++) isum[r] = _mm512_setzero_si512();
@@ -145,34 +188,51 @@ static inline INLINE AVX512 void q6_k_panel(const uint8_t *p, int64_t nr, const 
             for (int half = 0; half < 2; half++) { /* chunks c = 4 half .. 4 half + 3: sub-blocks 8 h + 2 t + half */
                 __m512i q[4][4]; /* [c][t] */
                 for (int c = 0; c < 4; c++) {
-                    const int cc = 4 * half + c;
-                    const __m512i l0 = _mm512_loadu_si512(ql + 64 * (16 * h + cc));
-                    const __m512i l1 = _mm512_loadu_si512(ql + 64 * (16 * h + 8 + cc));
-                    const __m512i hb = _mm512_loadu_si512(qh + 64 * (8 * h + cc));
+                    const uint8_t *g = groups + 192 * (8 * h + 4 * half + c);
+                    const __m512i l0 = _mm512_loadu_si512(g), l1 = _mm512_loadu_si512(g + 64);
+                    const __m512i hb = _mm512_loadu_si512(g + 128);
                     q[c][0] = _mm512_or_si512(_mm512_and_si512(l0, low), _mm512_and_si512(_mm512_slli_epi16(hb, 4), top));
                     q[c][1] = _mm512_or_si512(_mm512_and_si512(l1, low), _mm512_and_si512(_mm512_slli_epi16(hb, 2), top));
                     q[c][2] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(l0, 4), low), _mm512_and_si512(hb, top));
                     q[c][3] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(l1, 4), low),
                                               _mm512_and_si512(_mm512_srli_epi16(hb, 2), top));
                 }
-                for (int t = 0; t < 4; t++) {
-                    const int j = 8 * h + 2 * t + half;
-                    const __m512i sc = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(blk + 32 + 16 * j)));
-                    for (int r = 0; r < mc; r++) {
-                        const int64_t m = m0 + r;
-                        const int8_t *x = ROW(a, m) + b * 256 + 128 * h + 32 * t + 16 * half;
-                        __m512i dot = _mm512_setzero_si512();
-                        for (int c = 0; c < 4; c++) dot = _mm512_dpbusd_epi32(dot, q[c][t], bcast4(x + 4 * c));
-                        dot = _mm512_sub_epi32(dot, _mm512_set1_epi32(32 * a->s[m * a->ns + b * 16 + j]));
-                        isum[r] = _mm512_add_epi32(isum[r], _mm512_mullo_epi32(sc, dot));
+                k16_panel_dots(q, blk + 32, 128 * h, 8 * h + half, half, 32, a, m0, mc, b, isum);
+            }
+        k16_panel_finish(blk, isum, a, m0, mc, b, acc);
+    }
+    store_rows(acc, mc, nr, out, ldo);
+}
+
+/* Q3_K: element 128 n + 32 j + 4 c + i (c < 8) of a row comes from qs chunk 8 n + c (bits 2 j)
+ * and hmask chunk c (bit 4 n + j, moved to bit 2); sub-block 8 n + 2 j + c / 4. As Q6_K's, the
+ * two chunks of one (n, c) give that position's values for all four j. */
+static inline INLINE AVX512 void q3_k_panel(const uint8_t *p, int64_t nr, const acts_t *a, int64_t m0, const int mc,
+                                            float *out, int64_t ldo) {
+    const __m512i three = _mm512_set1_epi8(3), four = _mm512_set1_epi8(4);
+    __m512 acc[MR];
+    for (int r = 0; r < mc; r++) acc[r] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < a->nb; b++) {
+        const uint8_t *blk = p + b * 1824, *hm = blk + 288, *qs = blk + 800;
+        prefetch512(blk, 1824);
+        __m512i isum[MR];
+        for (int r = 0; r < mc; r++) isum[r] = _mm512_setzero_si512();
+        for (int n = 0; n < 2; n++)
+            for (int half = 0; half < 2; half++) { /* chunks c = 4 half .. 4 half + 3: sub-blocks 8 n + 2 j + half */
+                __m512i q[4][4]; /* [c][j] */
+                for (int c = 0; c < 4; c++) {
+                    const int cc = 4 * half + c;
+                    const __m512i lo = _mm512_loadu_si512(qs + 64 * (8 * n + cc)), hb = _mm512_loadu_si512(hm + 64 * cc);
+                    for (int j = 0; j < 4; j++) {
+                        const int bit = 4 * n + j; /* to bit 2 (16-bit shifts: the masks keep bits of one byte) */
+                        const __m512i h = bit >= 2 ? _mm512_srli_epi16(hb, bit - 2) : _mm512_slli_epi16(hb, 2 - bit);
+                        q[c][j] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(lo, 2 * j), three),
+                                                  _mm512_and_si512(h, four));
                     }
                 }
+                k16_panel_dots(q, blk + 32, 128 * n, 8 * n + half, half, 4, a, m0, mc, b, isum);
             }
-        const __m512 d = f16x16(blk);
-        for (int r = 0; r < mc; r++) {
-            const __m512 dx = _mm512_set1_ps(a->d[(m0 + r) * a->ld + b]);
-            acc[r] = _mm512_add_ps(acc[r], _mm512_mul_ps(_mm512_mul_ps(d, dx), _mm512_cvtepi32_ps(isum[r])));
-        }
+        k16_panel_finish(blk, isum, a, m0, mc, b, acc);
     }
     store_rows(acc, mc, nr, out, ldo);
 }
@@ -189,12 +249,17 @@ static inline INLINE AVX512 void q6_k_panel(const uint8_t *p, int64_t nr, const 
     }
 #define Q4_0_PANEL(w, nr, a, m0, mc, out, ldo) small_panel(w, nr, a, m0, mc, out, ldo, T_Q4_0)
 #define Q4_1_PANEL(w, nr, a, m0, mc, out, ldo) small_panel(w, nr, a, m0, mc, out, ldo, T_Q4_1)
+#define Q5_0_PANEL(w, nr, a, m0, mc, out, ldo) small_panel(w, nr, a, m0, mc, out, ldo, T_Q5_0)
+#define Q5_1_PANEL(w, nr, a, m0, mc, out, ldo) small_panel(w, nr, a, m0, mc, out, ldo, T_Q5_1)
 #define Q8_0_PANEL(w, nr, a, m0, mc, out, ldo) small_panel(w, nr, a, m0, mc, out, ldo, T_Q8_0)
 PANEL_KERNEL(q4_0, Q4_0_PANEL)
 PANEL_KERNEL(q4_1, Q4_1_PANEL)
+PANEL_KERNEL(q5_0, Q5_0_PANEL)
+PANEL_KERNEL(q5_1, Q5_1_PANEL)
 PANEL_KERNEL(q8_0, Q8_0_PANEL)
 #define Q4_K_PANEL(w, nr, a, m0, mc, out, ldo) k45_panel(w, nr, a, m0, mc, out, ldo, 0)
 #define Q5_K_PANEL(w, nr, a, m0, mc, out, ldo) k45_panel(w, nr, a, m0, mc, out, ldo, 1)
 PANEL_KERNEL(q4_k, Q4_K_PANEL)
 PANEL_KERNEL(q5_k, Q5_K_PANEL)
 PANEL_KERNEL(q6_k, q6_k_panel)
+PANEL_KERNEL(q3_k, q3_k_panel)

@@ -3,13 +3,19 @@
  * Weight types (ggml's block layouts, one row of W = K / block elements of blocks, row-major):
  *   Q4_0  (2) 32 elements, 18 bytes: fp16 d, 16 bytes of nibbles; w = d * (q - 8)
  *   Q4_1  (3) 32 elements, 20 bytes: fp16 d, fp16 m, 16 bytes of nibbles; w = d * q + m
+ *   Q5_0  (6) 32 elements, 22 bytes: fp16 d, 4 bytes qh, 16 bytes of nibbles; w = d * (q - 16)
+ *   Q5_1  (7) 32 elements, 24 bytes: fp16 d, fp16 m, 4 bytes qh, 16 bytes of nibbles; w = d * q + m
  *   Q8_0  (8) 32 elements, 34 bytes: fp16 d, 32 int8; w = d * q
- *   (in the 4-bit types byte i holds element i in its low nibble and element i + 16 in its high)
+ *   (in the 4- and 5-bit types byte i holds element i in its low nibble and element i + 16 in its
+ *   high; in the 5-bit ones bit e of the little-endian 32-bit qh is bit 4 of element e)
  *   Q4_K (12) 256 elements, 144 bytes: fp16 d, fp16 dmin, 12 bytes of 6-bit scales and mins for
  *             8 sub-blocks of 32, 128 bytes of nibbles (byte 32 j + l: element 64 j + l low,
  *             64 j + 32 + l high); w = d * sc[s] * q - dmin * mn[s]
  *   Q5_K (13) 256 elements, 176 bytes: as Q4_K plus 32 bytes qh before the nibbles: bit s of
  *             qh[l] is bit 4 of element 32 s + l
+ *   Q3_K (11) 256 elements, 110 bytes: hmask[32], qs[64], 12 bytes of 6-bit scales (one per 16
+ *             elements), fp16 d; element 128 n + 32 j + l (l < 32) has low bits
+ *             (qs[32 n + l] >> 2 j) & 3 and bit 2 from bit 4 n + j of hmask[l]; w = d * (sc - 32) * (q - 4)
  *   Q6_K (14) 256 elements, 210 bytes: ql[128], qh[64], int8 scales[16] (one per 16 elements),
  *             fp16 d; element 128 h + 32 t + l (t < 4, l < 32) has low bits from
  *             ql[64 h + 32 (t & 1) + l] >> 4 (t >> 1), high bits (qh[32 h + l] >> 2 t) & 3;
@@ -18,7 +24,7 @@
  * The activations are quantized first, per row and block, to int8 with one float32 scale:
  * d = amax / 127, q = round-to-nearest-even(x / d) (x * (1 / d), as written below) in
  * [-127, 127], plus the integer sum of every 16 (k-quants, blocks of 256) or 32 (the others,
- * blocks of 32) values, and for Q4_1 d times that sum (its offset term). Each output is then a sum over blocks of exact integer dot products
+ * blocks of 32) values, and for Q4_1 / Q5_1 d times that sum (its offset term). Each output is then a sum over blocks of exact integer dot products
  * times float scales (see each type's generic kernel: it is the definition; the SIMD kernels
  * compute the same integers and differ only in the order of the float additions).
  *
@@ -72,13 +78,13 @@
 #define MIN_WORK (64 * 1024) /* weight elements x row groups a thread is worth waking for */
 #define MAX_THREADS 256
 
-enum { T_Q4_0 = 2, T_Q4_1 = 3, T_Q8_0 = 8, T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14 };
+enum { T_Q4_0 = 2, T_Q4_1 = 3, T_Q5_0 = 6, T_Q5_1 = 7, T_Q8_0 = 8, T_Q3_K = 11, T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14 };
 enum { ISA_GENERIC = 0, ISA_AVX2 = 1, ISA_AVX512 = 2 }; /* AVX512: F, BW, VL and VNNI */
 enum { ISA_NEON = 1, ISA_DOTPROD = 2 }; /* aarch64's sets, numbered as x86-64's (one library runs one) */
 #define PACKED_FLAG 0x100 /* a type | this: the weights are 16-row panels (gguf_repack.c) */
 
 /* The quantized activations: row m's int8 values at q + m * K, its nb block scales at
- * d + m * ld, its sums of 16 or 32 values at s + m * ns, and (Q4_1) each block's scale
+ * d + m * ld, its sums of 16 or 32 values at s + m * ns, and (Q4_1, Q5_1) each block's scale
  * times its sum at ds + m * ld. ld is nb rounded up to 4, the pad zeros, so the AVX2 kernels
  * load 4 blocks' values at once. */
 typedef struct {
@@ -157,50 +163,71 @@ static inline void k_scales(const uint8_t *p, uint8_t sc[8], uint8_t mn[8]) {
     }
 }
 
+/* Q3_K's 16 scales (the 12 bytes at p), each minus 32: scale j has its low 4 bits in byte j % 8
+ * (j < 8: low nibble, else high) and its top 2 in bits 2 (j / 4) of byte 8 + j % 4; with 32-bit
+ * operations, as ggml's kmask1/kmask2 code. */
+static inline void q3_scales(const uint8_t *p, int8_t sc[16]) {
+    uint32_t u[4];
+    memcpy(u, p, 12);
+    const uint32_t top = u[2], low4 = 0x0f0f0f0f, two = 0x03030303;
+    u[2] = ((u[0] >> 4) & low4) | (((top >> 4) & two) << 4);
+    u[3] = ((u[1] >> 4) & low4) | (((top >> 6) & two) << 4);
+    u[0] = (u[0] & low4) | ((top & two) << 4);
+    u[1] = (u[1] & low4) | (((top >> 2) & two) << 4);
+    memcpy(sc, u, 16);
+    for (int j = 0; j < 16; j++) sc[j] = (int8_t)(sc[j] - 32);
+}
+
 /* ---------------------------------------------------------------- portable kernels */
 
 #define ROW(a, m) ((a)->q + (m) * (a)->K)
 
-static void q4_0_generic(const uint8_t *w, const acts_t *a, int64_t m0, int mc, float *out, int64_t ldo) {
+/* The 32 values of a Q4_0 / Q4_1 / Q5_0 / Q5_1 block, unsigned (before the _0 types' offset). */
+static void unpack32(const uint8_t *blk, int type, uint8_t qw[32]) {
+    const int five = type == T_Q5_0 || type == T_Q5_1, head = type == T_Q4_1 || type == T_Q5_1 ? 4 : 2;
+    const uint8_t *qs = blk + head + (five ? 4 : 0);
+    uint32_t qh = 0;
+    if (five) memcpy(&qh, blk + head, sizeof qh);
+    for (int i = 0; i < 16; i++) {
+        qw[i] = (uint8_t)((qs[i] & 0x0F) | ((qh >> i) & 1) << 4);
+        qw[i + 16] = (uint8_t)((qs[i] >> 4) | ((qh >> (i + 16)) & 1) << 4);
+    }
+}
+
+/* Q4_0, Q4_1, Q5_0 and Q5_1: d * (q - offset), plus m * (d_x * the block's activation sum) for
+ * the _1 types. */
+static void small_generic(const uint8_t *w, const acts_t *a, int64_t m0, int mc, float *out, int64_t ldo,
+                          int type) {
+    const int bytes = type == T_Q4_0 ? 18 : type == T_Q4_1 ? 20 : type == T_Q5_0 ? 22 : 24;
+    const int offset = type == T_Q4_0 ? 8 : type == T_Q5_0 ? 16 : 0, with_min = type == T_Q4_1 || type == T_Q5_1;
     float acc[MR] = {0};
     for (int64_t b = 0; b < a->nb; b++) {
-        const uint8_t *blk = w + b * 18;
-        const float dw = fp16_to_f32(load_u16(blk));
-        int8_t qw[32];
-        for (int i = 0; i < 16; i++) {
-            qw[i] = (int8_t)((blk[2 + i] & 0x0F) - 8);
-            qw[i + 16] = (int8_t)((blk[2 + i] >> 4) - 8);
-        }
+        const uint8_t *blk = w + b * bytes;
+        const float dw = fp16_to_f32(load_u16(blk)), mw = with_min ? fp16_to_f32(load_u16(blk + 2)) : 0.0f;
+        uint8_t qw[32];
+        unpack32(blk, type, qw);
         for (int r = 0; r < mc; r++) {
-            const int8_t *qx = ROW(a, m0 + r) + b * 32;
+            const int64_t m = m0 + r;
+            const int8_t *qx = ROW(a, m) + b * 32;
             int32_t isum = 0;
-            for (int i = 0; i < 32; i++) isum += qw[i] * qx[i];
-            acc[r] += dw * a->d[(m0 + r) * a->ld + b] * (float)isum;
+            for (int i = 0; i < 32; i++) isum += (qw[i] - offset) * qx[i];
+            if (with_min)
+                acc[r] += dw * a->d[m * a->ld + b] * (float)isum + mw * a->ds[m * a->ld + b];
+            else
+                acc[r] += dw * a->d[m * a->ld + b] * (float)isum;
         }
     }
     for (int r = 0; r < mc; r++) out[r * ldo] = acc[r];
 }
 
-static void q4_1_generic(const uint8_t *w, const acts_t *a, int64_t m0, int mc, float *out, int64_t ldo) {
-    float acc[MR] = {0};
-    for (int64_t b = 0; b < a->nb; b++) {
-        const uint8_t *blk = w + b * 20;
-        const float dw = fp16_to_f32(load_u16(blk)), mw = fp16_to_f32(load_u16(blk + 2));
-        uint8_t qw[32];
-        for (int i = 0; i < 16; i++) {
-            qw[i] = blk[4 + i] & 0x0F;
-            qw[i + 16] = blk[4 + i] >> 4;
-        }
-        for (int r = 0; r < mc; r++) {
-            const int64_t m = m0 + r;
-            const int8_t *qx = ROW(a, m) + b * 32;
-            int32_t isum = 0;
-            for (int i = 0; i < 32; i++) isum += qw[i] * qx[i];
-            acc[r] += dw * a->d[m * a->ld + b] * (float)isum + mw * a->ds[m * a->ld + b];
-        }
+#define SMALL_GENERIC(name, type)                                                                         \
+    static void name##_generic(const uint8_t *w, const acts_t *a, int64_t m0, int mc, float *out, int64_t ldo) { \
+        small_generic(w, a, m0, mc, out, ldo, type);                                                       \
     }
-    for (int r = 0; r < mc; r++) out[r * ldo] = acc[r];
-}
+SMALL_GENERIC(q4_0, T_Q4_0)
+SMALL_GENERIC(q4_1, T_Q4_1)
+SMALL_GENERIC(q5_0, T_Q5_0)
+SMALL_GENERIC(q5_1, T_Q5_1)
 
 static void q8_0_generic(const uint8_t *w, const acts_t *a, int64_t m0, int mc, float *out, int64_t ldo) {
     float acc[MR] = {0};
@@ -263,6 +290,24 @@ static void q5_k_generic(const uint8_t *w, const acts_t *a, int64_t m0, int mc, 
     k45_generic(w, a, m0, mc, out, ldo, 1);
 }
 
+/* Q6_K and Q3_K: one block's 256 values (qw: stored + offset) with 16 int8 scales (one per 16)
+ * times each activation row: acc[r] += d * d_x * sum_j sc_j (dot_j - offset * bs_j). */
+static void k16_generic(const uint8_t *qw, const int8_t *sc, const int offset, const float d, const acts_t *a,
+                        int64_t m0, int mc, int64_t b, float *acc) {
+    for (int r = 0; r < mc; r++) {
+        const int64_t m = m0 + r;
+        const int8_t *qx = ROW(a, m) + b * 256;
+        const int16_t *bs = a->s + m * a->ns + b * 16;
+        int32_t isum = 0;
+        for (int j = 0; j < 16; j++) {
+            int32_t dot = 0;
+            for (int l = 0; l < 16; l++) dot += qw[16 * j + l] * qx[16 * j + l];
+            isum += sc[j] * (dot - offset * bs[j]);
+        }
+        acc[r] += d * a->d[m * a->ld + b] * (float)isum;
+    }
+}
+
 static void q6_k_generic(const uint8_t *w, const acts_t *a, int64_t m0, int mc, float *out, int64_t ldo) {
     float acc[MR] = {0};
     for (int64_t b = 0; b < a->nb; b++) {
@@ -275,18 +320,24 @@ static void q6_k_generic(const uint8_t *w, const acts_t *a, int64_t m0, int mc, 
                 for (int l = 0; l < 32; l++)
                     qw[128 * h + 32 * t + l] = (uint8_t)(((ql[64 * h + 32 * (t & 1) + l] >> (4 * (t >> 1))) & 0x0F) |
                                                          (((qh[32 * h + l] >> (2 * t)) & 3) << 4));
-        for (int r = 0; r < mc; r++) {
-            const int64_t m = m0 + r;
-            const int8_t *qx = ROW(a, m) + b * 256;
-            const int16_t *bs = a->s + m * a->ns + b * 16;
-            int32_t isum = 0;
-            for (int j = 0; j < 16; j++) {
-                int32_t dot = 0;
-                for (int l = 0; l < 16; l++) dot += qw[16 * j + l] * qx[16 * j + l];
-                isum += sc[j] * (dot - 32 * bs[j]);
-            }
-            acc[r] += d * a->d[m * a->ld + b] * (float)isum;
-        }
+        k16_generic(qw, sc, 32, d, a, m0, mc, b, acc);
+    }
+    for (int r = 0; r < mc; r++) out[r * ldo] = acc[r];
+}
+
+static void q3_k_generic(const uint8_t *w, const acts_t *a, int64_t m0, int mc, float *out, int64_t ldo) {
+    float acc[MR] = {0};
+    for (int64_t b = 0; b < a->nb; b++) {
+        const uint8_t *blk = w + b * 110, *hm = blk, *qs = blk + 32;
+        const float d = fp16_to_f32(load_u16(blk + 108));
+        int8_t sc[16];
+        q3_scales(blk + 96, sc);
+        uint8_t qw[256]; /* unsigned 0..7; the value is q - 4 */
+        for (int n = 0; n < 2; n++)
+            for (int j = 0; j < 4; j++)
+                for (int l = 0; l < 32; l++)
+                    qw[128 * n + 32 * j + l] = (uint8_t)(((qs[32 * n + l] >> (2 * j)) & 3) | ((hm[l] >> (4 * n + j)) & 1) << 2);
+        k16_generic(qw, sc, 4, d, a, m0, mc, b, acc);
     }
     for (int r = 0; r < mc; r++) out[r * ldo] = acc[r];
 }
@@ -299,7 +350,10 @@ static void q6_k_generic(const uint8_t *w, const acts_t *a, int64_t m0, int mc, 
     }
 ROWS(q4_0)
 ROWS(q4_1)
+ROWS(q5_0)
+ROWS(q5_1)
 ROWS(q8_0)
+ROWS(q3_k)
 ROWS(q4_k)
 ROWS(q5_k)
 ROWS(q6_k)
@@ -344,8 +398,8 @@ static inline AVX2 __m256i nibbles32(const uint8_t *p) {
 
 /* The 32-block types go 4 blocks at a time. Each block's products with an activation row
  * (maddubs: 16 int16 sums of 2) fold into one vector of 8 int32 sums of 16, lane l: block
- * l % 4, half l / 4 (integers, exact). For 4-bit weights (|w| <= 15) two int16 horizontal adds
- * and one madd do it: a sum of 8 products is at most 8 * 15 * 127 < 2^15. Q8_0's sums of 2 may
+ * l % 4, half l / 4 (integers, exact). For 4- and 5-bit weights (|w| <= 31) two int16 horizontal
+ * adds and one madd do it: a sum of 8 products is at most 8 * 31 * 127 < 2^15. Q8_0's sums of 2 may
  * already reach 2 * 127 * 127, so each block goes to int32 first and two int32 horizontal adds
  * fold them. One FMA then adds the vector, times the 4 scales d_w * d_x, to the row's 8 float
  * accumulators. The last group of a row is padded with zero blocks (adding 0 * 0). */
@@ -381,7 +435,18 @@ static inline INLINE AVX2 void prefetch_ahead(const uint8_t *blk, int bytes) {
     for (int o = 0; o < bytes; o += 64) _mm_prefetch((const char *)blk + PF_BYTES + o, _MM_HINT_T0);
 }
 
-/* Q4_0 and Q8_0: signed weights (|w| and its sign for maddubs); n blocks from blk. */
+/* The 32 bits at p -> 32 bytes: 0xFF where bit e (byte e) is set, else 0 (ggml's bytes_from_bits_32). */
+static inline AVX2 __m256i bits32(const uint8_t *p) {
+    uint32_t v;
+    memcpy(&v, p, sizeof v);
+    const __m256i pick = _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0);
+    const __m256i bytes = _mm256_or_si256(_mm256_shuffle_epi8(_mm256_set1_epi32((int)v), pick),
+                                          _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe));
+    return _mm256_cmpeq_epi8(bytes, _mm256_set1_epi64x(-1));
+}
+
+/* Q4_0, Q5_0 and Q8_0: signed weights (|w| and its sign for maddubs); n blocks from blk. A
+ * Q5_0 value is its nibble, minus 16 where its 5th bit is clear (0xF0 set in the byte). */
 static inline INLINE AVX2 void signed_group(const uint8_t *blk, const int bytes, const int n, const acts_t *a,
                                               const int8_t *x, const float *dx, const int mc, __m256 *acc) {
     prefetch_ahead(blk, 4 * bytes);
@@ -391,6 +456,9 @@ static inline INLINE AVX2 void signed_group(const uint8_t *blk, const int bytes,
             qw[i] = _mm256_setzero_si256();
         else if (bytes == 18)
             qw[i] = _mm256_sub_epi8(nibbles32(blk + i * 18 + 2), _mm256_set1_epi8(8));
+        else if (bytes == 22)
+            qw[i] = _mm256_or_si256(nibbles32(blk + i * 22 + 6),
+                                    _mm256_andnot_si256(bits32(blk + i * 22 + 2), _mm256_set1_epi8((char)0xF0)));
         else
             qw[i] = _mm256_loadu_si256((const __m256i *)(blk + i * bytes + 2));
     }
@@ -405,7 +473,7 @@ static inline INLINE AVX2 void signed_group(const uint8_t *blk, const int bytes,
             p[i] = i < n ? _mm256_maddubs_epi16(aw[i],
                                                 _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)(y + 32 * i)), qw[i]))
                          : _mm256_setzero_si256();
-        const __m256i sums = bytes == 18 ? fold4_16(p[0], p[1], p[2], p[3]) : fold4_32(p[0], p[1], p[2], p[3]);
+        const __m256i sums = bytes == 34 ? fold4_32(p[0], p[1], p[2], p[3]) : fold4_16(p[0], p[1], p[2], p[3]);
         acc[r] = _mm256_fmadd_ps(scales8(dw, dx + r * a->ld), _mm256_cvtepi32_ps(sums), acc[r]);
     }
 }
@@ -433,6 +501,12 @@ static inline INLINE AVX2 void q4_0_body(const uint8_t *w, const acts_t *a, int6
 }
 SPECIALIZE(q4_0)
 
+static inline INLINE AVX2 void q5_0_body(const uint8_t *w, const acts_t *a, int64_t m0, const int mc, float *out,
+                                           int64_t ldo) {
+    signed_body(w, 22, a, m0, mc, out, ldo);
+}
+SPECIALIZE(q5_0)
+
 /* Q8_0 takes the activation rows 4 at a time: its 4 blocks and their absolute values stay in
  * registers beside the 4 rows' accumulators (a weight row is read again from L1 per 4 rows). */
 static inline INLINE AVX2 void q8_0_body(const uint8_t *w, const acts_t *a, int64_t m0, const int mc, float *out,
@@ -445,20 +519,28 @@ static inline INLINE AVX2 void q8_0_body(const uint8_t *w, const acts_t *a, int6
 }
 SPECIALIZE(q8_0)
 
-/* Q4_1: unsigned weights; the min term m_w * (d_x * the block's activation sum) goes to the
- * low lanes of the same accumulator (the high lanes get m_w's zeros). */
-static inline INLINE AVX2 void q4_1_group(const uint8_t *blk, const int n, const acts_t *a, const int8_t *x,
-                                            const float *dx, const float *ds, const int mc, __m256 *acc) {
-    prefetch_ahead(blk, 4 * 20);
+/* Q4_1 and Q5_1 (bytes 20, 24): unsigned weights; the min term m_w * (d_x * the block's
+ * activation sum) goes to the low lanes of the same accumulator (the high lanes get m_w's zeros). */
+static inline INLINE AVX2 void min_group(const uint8_t *blk, const int bytes, const int n, const acts_t *a,
+                                         const int8_t *x, const float *dx, const float *ds, const int mc, __m256 *acc) {
+    prefetch_ahead(blk, 4 * bytes);
     __m256i qw[4];
-    for (int i = 0; i < 4; i++) qw[i] = i < n ? nibbles32(blk + i * 20 + 4) : _mm256_setzero_si256();
-    const __m128 dw4 = f16x4(blk, 20, n);
-    const __m256 dw = _mm256_set_m128(dw4, dw4), mw = _mm256_castps128_ps256(f16x4(blk + 2, 20, n));
+    for (int i = 0; i < 4; i++) {
+        if (i >= n)
+            qw[i] = _mm256_setzero_si256();
+        else if (bytes == 20)
+            qw[i] = nibbles32(blk + i * 20 + 4);
+        else
+            qw[i] = _mm256_or_si256(nibbles32(blk + i * 24 + 8),
+                                    _mm256_and_si256(bits32(blk + i * 24 + 4), _mm256_set1_epi8(0x10)));
+    }
+    const __m128 dw4 = f16x4(blk, bytes, n);
+    const __m256 dw = _mm256_set_m128(dw4, dw4), mw = _mm256_castps128_ps256(f16x4(blk + 2, bytes, n));
     const __m256 mw0 = _mm256_insertf128_ps(mw, _mm_setzero_ps(), 1);
     for (int r = 0; r < mc; r++) {
         const int8_t *y = x + r * a->K;
         __m256i p[4];
-        for (int i = 0; i < 4; i++)
+        for (int i = 0; i < 4; i++) /* Q5_1: sums of 8 products at most 8 * 31 * 127 < 2^15 */
             p[i] = i < n ? _mm256_maddubs_epi16(qw[i], _mm256_loadu_si256((const __m256i *)(y + 32 * i)))
                          : _mm256_setzero_si256();
         const __m256 sums = _mm256_cvtepi32_ps(fold4_16(p[0], p[1], p[2], p[3]));
@@ -467,23 +549,34 @@ static inline INLINE AVX2 void q4_1_group(const uint8_t *blk, const int n, const
     }
 }
 
-static inline INLINE AVX2 void q4_1_body(const uint8_t *w, const acts_t *a, int64_t m0, const int mc, float *out,
-                                           int64_t ldo) {
+static inline INLINE AVX2 void min_body(const uint8_t *w, const int bytes, const acts_t *a, int64_t m0,
+                                        const int mc, float *out, int64_t ldo) {
     __m256 acc[MR];
     for (int r = 0; r < mc; r++) acc[r] = _mm256_setzero_ps();
     const int64_t nb = a->nb;
     const int8_t *x = ROW(a, m0);
     const float *dx = a->d + m0 * a->ld, *ds = a->ds + m0 * a->ld;
     int64_t b = 0;
-    for (; b + 4 <= nb; b += 4) q4_1_group(w + b * 20, 4, a, x + b * 32, dx + b, ds + b, mc, acc);
+    for (; b + 4 <= nb; b += 4) min_group(w + b * bytes, bytes, 4, a, x + b * 32, dx + b, ds + b, mc, acc);
     switch (nb - b) {
-    case 1: q4_1_group(w + b * 20, 1, a, x + b * 32, dx + b, ds + b, mc, acc); break;
-    case 2: q4_1_group(w + b * 20, 2, a, x + b * 32, dx + b, ds + b, mc, acc); break;
-    case 3: q4_1_group(w + b * 20, 3, a, x + b * 32, dx + b, ds + b, mc, acc); break;
+    case 1: min_group(w + b * bytes, bytes, 1, a, x + b * 32, dx + b, ds + b, mc, acc); break;
+    case 2: min_group(w + b * bytes, bytes, 2, a, x + b * 32, dx + b, ds + b, mc, acc); break;
+    case 3: min_group(w + b * bytes, bytes, 3, a, x + b * 32, dx + b, ds + b, mc, acc); break;
     }
     for (int r = 0; r < mc; r++) out[r * ldo] = hsum(acc[r]);
 }
+
+static inline INLINE AVX2 void q4_1_body(const uint8_t *w, const acts_t *a, int64_t m0, const int mc, float *out,
+                                           int64_t ldo) {
+    min_body(w, 20, a, m0, mc, out, ldo);
+}
 SPECIALIZE(q4_1)
+
+static inline INLINE AVX2 void q5_1_body(const uint8_t *w, const acts_t *a, int64_t m0, const int mc, float *out,
+                                           int64_t ldo) {
+    min_body(w, 24, a, m0, mc, out, ldo);
+}
+SPECIALIZE(q5_1)
 
 /* quantize_block with AVX2 (n a multiple of 32, group 16 or 32): the same float operations
  * element by element (max is exact in any order), so the same q, d and sums. */
@@ -607,16 +700,47 @@ static inline INLINE AVX2 void q5_k_body(const uint8_t *w, const acts_t *a, int6
 }
 SPECIALIZE(q5_k)
 
+/* One 256-block of 8 groups of 32 unsigned values (q[g]: elements 32 g ..) with 16 int8 scales
+ * (one per 16), times every activation row: d * d_x * sum_j sc_j (dot_j - (1 << shift) bs_j),
+ * the offset of the stored values being 1 << shift (Q6_K 32, Q3_K 4). */
+static inline INLINE AVX2 void k16_dot(const __m256i *q, const int8_t *scales, float d, const int shift,
+                                       const acts_t *a, int64_t m0, const int mc, int64_t b, __m256 *acc) {
+    __m256i sc[8];
+    const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)scales));
+    const __m256i sc_lo = _mm256_permute2x128_si256(sc16, sc16, 0x00); /* scales 0-7 in both lanes */
+    const __m256i sc_hi = _mm256_permute2x128_si256(sc16, sc16, 0x11); /* 8-15 */
+    for (int g = 0; g < 8; g++) { /* the scales of elements 32 g .. +16 and +16 .. +32, by halves */
+        const int j = (2 * g) & 7;
+        const __m256i pick = _mm256_set_m128i(_mm_set1_epi16((short)((2 * j + 3) << 8 | (2 * j + 2))),
+                                              _mm_set1_epi16((short)((2 * j + 1) << 8 | 2 * j)));
+        sc[g] = _mm256_shuffle_epi8(g < 4 ? sc_lo : sc_hi, pick);
+    }
+    const __m256 vd = _mm256_set1_ps(d);
+    for (int r = 0; r < mc; r++) {
+        const int64_t m = m0 + r;
+        const int8_t *qx = ROW(a, m) + b * 256;
+        __m256i part[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()}; /* two chains (exact integers) */
+        for (int g = 0; g < 8; g++) {
+            const __m256i y = _mm256_loadu_si256((const __m256i *)(qx + 32 * g));
+            part[g & 1] = _mm256_add_epi32(part[g & 1], _mm256_madd_epi16(_mm256_maddubs_epi16(q[g], y), sc[g]));
+        }
+        const __m256i bs = _mm256_loadu_si256((const __m256i *)(a->s + m * a->ns + b * 16));
+        const __m256i offset = _mm256_slli_epi32(_mm256_madd_epi16(bs, sc16), shift);
+        const __m256i sumi = _mm256_sub_epi32(_mm256_add_epi32(part[0], part[1]), offset);
+        const __m256 dx = _mm256_broadcast_ss(a->d + m * a->ld + b);
+        acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(vd, dx), _mm256_cvtepi32_ps(sumi), acc[r]);
+    }
+}
+
 static inline INLINE AVX2 void q6_k_body(const uint8_t *w, const acts_t *a, int64_t m0, const int mc, float *out,
                                            int64_t ldo) {
     __m256 acc[MR];
     for (int r = 0; r < mc; r++) acc[r] = _mm256_setzero_ps();
     const __m256i low = _mm256_set1_epi8(0x0F), three = _mm256_set1_epi8(3);
-    __m256i q[8], sc[8];
+    __m256i q[8];
     for (int64_t b = 0; b < a->nb; b++) {
         const uint8_t *blk = w + b * 210;
         prefetch_ahead(blk, 210);
-        const int8_t *scales = (const int8_t *)(blk + 192);
         for (int h = 0; h < 2; h++) {
             const __m256i l0 = _mm256_loadu_si256((const __m256i *)(blk + 64 * h));
             const __m256i l1 = _mm256_loadu_si256((const __m256i *)(blk + 64 * h + 32));
@@ -629,34 +753,38 @@ static inline INLINE AVX2 void q6_k_body(const uint8_t *w, const acts_t *a, int6
                 q[4 * h + t] = _mm256_or_si256(lo[t], _mm256_slli_epi16(hi, 4));
             }
         }
-        const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)scales));
-        const __m256i sc_lo = _mm256_permute2x128_si256(sc16, sc16, 0x00); /* scales 0-7 in both lanes */
-        const __m256i sc_hi = _mm256_permute2x128_si256(sc16, sc16, 0x11); /* 8-15 */
-        for (int g = 0; g < 8; g++) { /* the scales of elements 32 g .. +16 and +16 .. +32, by halves */
-            const int j = (2 * g) & 7;
-            const __m256i pick = _mm256_set_m128i(_mm_set1_epi16((short)((2 * j + 3) << 8 | (2 * j + 2))),
-                                                  _mm_set1_epi16((short)((2 * j + 1) << 8 | 2 * j)));
-            sc[g] = _mm256_shuffle_epi8(g < 4 ? sc_lo : sc_hi, pick);
-        }
-        const __m256 vd = _mm256_set1_ps(f16(blk + 208));
-        for (int r = 0; r < mc; r++) {
-            const int64_t m = m0 + r;
-            const int8_t *qx = ROW(a, m) + b * 256;
-            __m256i part[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()}; /* two chains (exact integers) */
-            for (int g = 0; g < 8; g++) {
-                const __m256i y = _mm256_loadu_si256((const __m256i *)(qx + 32 * g));
-                part[g & 1] = _mm256_add_epi32(part[g & 1], _mm256_madd_epi16(_mm256_maddubs_epi16(q[g], y), sc[g]));
-            }
-            const __m256i bs = _mm256_loadu_si256((const __m256i *)(a->s + m * a->ns + b * 16));
-            const __m256i offset = _mm256_slli_epi32(_mm256_madd_epi16(bs, sc16), 5); /* the -32 */
-            const __m256i sumi = _mm256_sub_epi32(_mm256_add_epi32(part[0], part[1]), offset);
-            const __m256 dx = _mm256_broadcast_ss(a->d + m * a->ld + b);
-            acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(vd, dx), _mm256_cvtepi32_ps(sumi), acc[r]);
-        }
+        k16_dot(q, (const int8_t *)(blk + 192), f16(blk + 208), 5, a, m0, mc, b, acc); /* the -32 */
     }
     for (int r = 0; r < mc; r++) out[r * ldo] = hsum(acc[r]);
 }
 SPECIALIZE(q6_k)
+
+/* Q3_K: group g = 4 n + j holds (qs[32 n + l] >> 2 j) & 3 with bit 2 from bit g of hmask[l]. */
+static inline INLINE AVX2 void q3_k_body(const uint8_t *w, const acts_t *a, int64_t m0, const int mc, float *out,
+                                           int64_t ldo) {
+    __m256 acc[MR];
+    for (int r = 0; r < mc; r++) acc[r] = _mm256_setzero_ps();
+    const __m256i three = _mm256_set1_epi8(3), one = _mm256_set1_epi8(1);
+    __m256i q[8];
+    int8_t sc[16];
+    for (int64_t b = 0; b < a->nb; b++) {
+        const uint8_t *blk = w + b * 110;
+        prefetch_ahead(blk, 110);
+        const __m256i hm = _mm256_loadu_si256((const __m256i *)blk);
+        for (int n = 0; n < 2; n++) {
+            const __m256i qs = _mm256_loadu_si256((const __m256i *)(blk + 32 + 32 * n));
+            for (int j = 0; j < 4; j++) {
+                const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(hm, 4 * n + j), one);
+                q[4 * n + j] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(qs, 2 * j), three),
+                                               _mm256_slli_epi16(hi, 2));
+            }
+        }
+        q3_scales(blk + 96, sc);
+        k16_dot(q, sc, f16(blk + 108), 2, a, m0, mc, b, acc); /* the -4 */
+    }
+    for (int r = 0; r < mc; r++) out[r * ldo] = hsum(acc[r]);
+}
+SPECIALIZE(q3_k)
 
 #include "gguf_avx512.c"
 #endif /* HAVE_X86 */
@@ -680,7 +808,8 @@ static const type_t TYPES[] = {
 #define KERNELS(name) {name##_rows, name##_rows}, NULL
 #endif
     {T_Q4_0, 32, 18, 32, KERNELS(q4_0)}, {T_Q4_1, 32, 20, 32, KERNELS(q4_1)},
-    {T_Q8_0, 32, 34, 32, KERNELS(q8_0)}, {T_Q4_K, 256, 144, 16, KERNELS(q4_k)},
+    {T_Q5_0, 32, 22, 32, KERNELS(q5_0)}, {T_Q5_1, 32, 24, 32, KERNELS(q5_1)},
+    {T_Q8_0, 32, 34, 32, KERNELS(q8_0)}, {T_Q3_K, 256, 110, 16, KERNELS(q3_k)}, {T_Q4_K, 256, 144, 16, KERNELS(q4_k)},
     {T_Q5_K, 256, 176, 16, KERNELS(q5_k)}, {T_Q6_K, 256, 210, 16, KERNELS(q6_k)},
 };
 
@@ -953,7 +1082,7 @@ static int mul_mat_into(const float *x, int64_t M, int64_t K, const uint8_t *w, 
             const float db = quantize(x + m * K + b * t->elems, t->elems, t->group, q + m * K + b * t->elems,
                                       s + m * ns + b * (t->elems / t->group));
             d[m * ld + b] = db;
-            if (t->type == T_Q4_1) ds[m * ld + b] = db * (float)s[m * ns + b];
+            if (t->type == T_Q4_1 || t->type == T_Q5_1) ds[m * ld + b] = db * (float)s[m * ns + b];
         }
     const acts_t a = {q, d, ds, s, K, nb, ns, ld};
 

@@ -2,7 +2,7 @@
 simulation of their math, against gguf-py's dequantize + a float matmul, across thread counts
 and kernel sets, and without a compiler.
 
-Weights: Q4_0 / Q4_1 / Q8_0 quantized by gguf-py from random floats; the k-quants random
+Weights: Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 quantized by gguf-py from random floats; the k-quants random
 bytes with sane fp16 scales (every bit pattern of their quants and 6-bit scales is valid).
 """
 
@@ -23,7 +23,7 @@ from lmplug.kit.native_build import NativeBuildError
 
 gguf_native = pytest.importorskip("lmplug_quant.gguf_native")
 
-TYPES = ["Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"]
+TYPES = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q3_K", "Q4_K", "Q5_K", "Q6_K"]
 MS = [1, 3, 8, 33]
 N, K = 37, 512  # N odd (not a multiple of the 16-row tiles), K a multiple of 256
 
@@ -67,11 +67,16 @@ def integer_weights(name: str, w: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
     t = type_id(name)
     size = gguf_native.BLOCKS[t][1]
     b = w.reshape(w.shape[0], -1, size)
-    if name in ("Q4_0", "Q4_1"):
-        qs = b[..., 4 if name == "Q4_1" else 2:].long()
+    if name in ("Q4_0", "Q4_1", "Q5_0", "Q5_1"):
+        at = 4 if name.endswith("_1") else 2  # the nibbles (Q4) or qh then the nibbles (Q5)
+        qs = b[..., at + 4 * name.startswith("Q5"):].long()
         q = torch.cat([qs & 15, qs >> 4], -1)
-        if name == "Q4_0":
-            return q - 8, None, f16(b[..., 0:2]), None
+        if name.startswith("Q5"):  # bit e of the little-endian 32-bit qh: bit 4 of value e
+            qh = b[..., at:at + 4].long()
+            qh = qh[..., 0] | qh[..., 1] << 8 | qh[..., 2] << 16 | qh[..., 3] << 24
+            q = q | ((qh[..., None] >> torch.arange(32)) & 1) << 4
+        if name.endswith("_0"):
+            return q - (16 if name == "Q5_0" else 8), None, f16(b[..., 0:2]), None
         return q, torch.ones_like(q), f16(b[..., 0:2]), f16(b[..., 2:4])
     if name == "Q8_0":
         return b[..., 2:].contiguous().view(torch.int8).long(), None, f16(b[..., 0:2]), None
@@ -85,6 +90,16 @@ def integer_weights(name: str, w: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
         per = lambda v: v[..., None].expand(*v.shape, 32)
         return ((per(sc) * q).reshape(*b.shape[:2], 256), per(mn).reshape(*b.shape[:2], 256),
                 f16(b[..., 0:2]), -f16(b[..., 2:4]))
+    if name == "Q3_K":  # 16 6-bit scales - 32; value e: 2 bits of qs, bit 2 from hmask, minus 4
+        p = b[..., 96:108].long()
+        low = torch.cat([p[..., :8] & 15, p[..., :8] >> 4], -1)
+        high = torch.stack([(p[..., 8:12] >> (2 * g)) & 3 for g in range(4)], -2).reshape(*b.shape[:2], 16)
+        sc = (low | high << 4) - 32
+        hm, qs = b[..., :32].long(), b[..., 32:96].long()
+        q = torch.stack([((qs[..., 32 * n:32 * n + 32] >> (2 * j)) & 3) | (((hm >> (4 * n + j)) & 1) << 2)
+                         for n in range(2) for j in range(4)], 2).reshape(*b.shape[:2], 256) - 4
+        scale = sc[..., None].expand(*sc.shape, 16).reshape(*b.shape[:2], 256)
+        return scale * q, None, f16(b[..., 108:110]), None
     # Q6_K
     ql, qh = b[..., :128].long(), b[..., 128:192].long()
     sc = b[..., 192:208].contiguous().view(torch.int8).long()
@@ -158,7 +173,7 @@ def test_threads_give_identical_bits(kernel, name):
 
 
 @pytest.mark.parametrize("blocks", [1, 2, 3, 5, 6, 7, 18])
-@pytest.mark.parametrize("name", ["Q4_0", "Q4_1", "Q8_0"])
+@pytest.mark.parametrize("name", ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"])
 def test_block_counts_not_a_multiple_of_four(kernel, monkeypatch, name, blocks):
     """The SIMD kernels take the 32-blocks 4 at a time: rows of 1-3 blocks past a multiple of 4
     (576 = 18 blocks is the demo model's width) match the simulation, in both kernel sets, and a
@@ -176,22 +191,23 @@ def test_block_counts_not_a_multiple_of_four(kernel, monkeypatch, name, blocks):
     assert ((portable.double() - want).abs() <= 3e-7 * scale + 1e-30).all()
 
 
-@pytest.mark.parametrize("name", ["Q4_0", "Q4_1", "Q8_0"])
+@pytest.mark.parametrize("name", ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"])
 def test_largest_products_do_not_overflow(kernel, name):
-    """The SIMD kernels add 4-bit weights' products in int16 before int32 (sums of 8: at most
-    8 * 15 * 127). Blocks of the largest weights (Q4_0 all -8, Q4_1 all 15, Q8_0 -128 and 127)
-    times activations of the largest magnitude, signs matched so no product cancels, must still
-    match the exact simulation, for 1, 8 and 9 rows (the 8-row groups and a lone row)."""
+    """The SIMD kernels add 4- and 5-bit weights' products in int16 before int32 (sums of 8: at
+    most 8 * 31 * 127). Blocks of the largest weights (Q4_0 all -8, Q4_1 all 15, Q5_0 all -16,
+    Q5_1 all 31, Q8_0 -128 and 127) times activations of the largest magnitude, signs matched so
+    no product cancels, must still match the exact simulation, for 1, 8 and 9 rows (the 8-row
+    groups and a lone row)."""
     k, n, t = 32 * 7, 19, type_id(name)
     elems, size = gguf_native.BLOCKS[t]
     blocks = np.zeros((n, k // elems, size), dtype=np.uint8)
     blocks[..., 0:2] = np.array([0.01], dtype=np.float16).view(np.uint8)
-    if name == "Q4_1":
+    if name in ("Q4_1", "Q5_1"):
         blocks[..., 2:4] = np.array([0.5], dtype=np.float16).view(np.uint8)
-        blocks[..., 4:] = 0xFF  # every nibble 15
+        blocks[..., 4:] = 0xFF  # every nibble 15 (and every 5th bit set: 31)
         sign = torch.ones(k)
-    elif name == "Q4_0":
-        blocks[..., 2:] = 0x00  # every nibble 0: the value -8
+    elif name in ("Q4_0", "Q5_0"):
+        blocks[..., 2:] = 0x00  # every nibble 0 (and 5th bit clear): the value -8 (-16)
         sign = -torch.ones(k)
     else:  # Q8_0: -128 in the first half of each block, 127 in the second
         blocks[..., 2:18], blocks[..., 18:] = 0x80, 0x7F

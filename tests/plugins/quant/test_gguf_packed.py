@@ -1,8 +1,10 @@
 """GGUF weights kept packed (the ``gguf`` quant method) compute what dequantizing them at load does.
 
 Tiny llama GGUFs written with gguf-py's ``GGUFWriter``: the shared fixture (Q8_0/Q4_0/Q4_1 with
-F16/BF16, tied and untied), and a k-quant file written here whose fused layers mix types (Q4_K
-q/k with Q6_K v, Q5_K gate with Q4_K up) and which holds a Q3_K weight no packed matmul reads.
+F16/BF16, tied and untied; and with the Q5_0 / Q5_1 that llama-quantize writes where a row is
+not a multiple of 256), and a k-quant file written here whose fused layers mix types (Q4_K
+q/k with Q6_K v, Q5_K gate with Q4_K up), one with Q3_K q/k/down (Q3_K_M's bulk), and one holding
+a Q2_K weight no packed matmul reads.
 The reference is the same file through ``quant: {method: gguf, dequantize_at_load: true}``:
 every tensor dequantized by gguf-py's numpy ``dequantize`` and multiplied densely. The packed
 side runs the PyTorch reference matmul (``kernel: torch``), which must agree to float rounding;
@@ -38,6 +40,9 @@ DENSE = {"method": "gguf", "dequantize_at_load": True}
 # the reference matmul (float32, like the dense path); the native kernel quantizes activations
 REFERENCE = {"method": "gguf", "kernel": "torch"}
 PROMPT = [5, 17, 42, 99, 123, 7, 250, 31]
+# a Q4_K_M file's fallbacks at a hidden size that is not a multiple of 256 (q5_0 q/k/gate/up, q5_1 v/down)
+Q5_TYPES = {"attn_q": Q.Q5_0, "attn_k": Q.Q5_0, "attn_v": Q.Q5_1, "attn_output": Q.Q5_0, "ffn_gate": Q.Q5_0,
+            "ffn_up": Q.Q5_0, "ffn_down": Q.Q5_1, "token_embd": Q.Q5_0}
 
 
 def random_blocks(rng, qtype: Q, rows: int, cols: int) -> np.ndarray:
@@ -45,7 +50,7 @@ def random_blocks(rng, qtype: Q, rows: int, cols: int) -> np.ndarray:
     block, size = GGML_QUANT_SIZES[qtype]
     raw = rng.integers(0, 256, (rows * cols // block, size), dtype=np.uint8)
     scales = rng.uniform(1e-4, 2e-3, (raw.shape[0], 2)).astype(np.float16).view(np.uint8)
-    offset = {Q.Q6_K: 208, Q.Q3_K: 108}.get(qtype, 0)  # where d (then dmin, if any) lies
+    offset = {Q.Q6_K: 208, Q.Q3_K: 108, Q.Q2_K: 80}.get(qtype, 0)  # where d (then dmin, if any) lies
     width = 2 if qtype in (Q.Q6_K, Q.Q3_K) else 4
     raw[:, offset:offset + width] = scales[:, :width]
     return raw.reshape(rows, -1)
@@ -90,11 +95,13 @@ def write_k_quant_gguf(path: Path, types: dict[str, Q] = K_TYPES, seed: int = 0,
 @pytest.fixture(scope="module")
 def files(tmp_path_factory) -> dict[str, Path]:
     folder = tmp_path_factory.mktemp("gguf_packed")
-    paths = {name: folder / f"{name}.gguf" for name in ("untied", "tied", "kquant", "q3k")}
+    paths = {name: folder / f"{name}.gguf" for name in ("untied", "tied", "kquant", "q3k", "q2k", "q5")}
     write_tiny_gguf(paths["untied"])
     write_tiny_gguf(paths["tied"], tied=True)
+    write_tiny_gguf(paths["q5"], tied=True, types=Q5_TYPES)
     write_k_quant_gguf(paths["kquant"])
-    write_k_quant_gguf(paths["q3k"], {**K_TYPES, "ffn_down": Q.Q3_K}, seed=1)
+    write_k_quant_gguf(paths["q3k"], {**K_TYPES, "attn_q": Q.Q3_K, "attn_k": Q.Q3_K, "ffn_down": Q.Q3_K}, seed=1)
+    write_k_quant_gguf(paths["q2k"], {**K_TYPES, "ffn_down": Q.Q2_K}, seed=1)
     return paths
 
 
@@ -110,7 +117,7 @@ def prompt_logprobs(llm: LLM) -> torch.Tensor:
 
 # -- reading -------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("name", ["untied", "kquant"])
+@pytest.mark.parametrize("name", ["untied", "kquant", "q5"])
 def test_packed_reader_matches_dense_reader(files, name):
     """Every packed tensor dequantizes to exactly what ``iter_tensors`` yields (Q/K rows
     un-permuted as packed rows), and unpermuted weights are views of the file's mapping."""
@@ -143,7 +150,7 @@ def test_quant_method_from_the_file(files, tmp_path):
 
 # -- the packed model against the dequantize-at-load model ---------------------------------------
 
-@pytest.mark.parametrize("name", ["untied", "tied", "kquant"])
+@pytest.mark.parametrize("name", ["untied", "tied", "kquant", "q3k", "q5"])
 def test_packed_logits_match_dequantized(files, name):
     packed = LLM(str(files[name]), **ENGINE, quant=REFERENCE)
     dense = LLM(str(files[name]), **ENGINE, quant=DENSE)
@@ -172,12 +179,12 @@ def test_fused_shards_of_different_types_run_by_type(files):
 
 def test_unsupported_type_is_dequantized_with_a_log_line(files, caplog):
     with caplog.at_level(logging.INFO, logger="lmplug_quant.gguf"):
-        packed = LLM(str(files["q3k"]), **ENGINE, quant=REFERENCE)
-    lines = [r.getMessage() for r in caplog.records if "Q3_K" in r.getMessage()]
-    assert len(lines) == K_LAYERS and "'blk.0.ffn_down.weight' has type Q3_K" in lines[0]
+        packed = LLM(str(files["q2k"]), **ENGINE, quant=REFERENCE)
+    lines = [r.getMessage() for r in caplog.records if "Q2_K" in r.getMessage()]
+    assert len(lines) == K_LAYERS and "'blk.0.ffn_down.weight' has type Q2_K" in lines[0]
     down = model_of(packed).layers[0].mlp.down_proj
     assert down.gguf_runs is None and down.weight.dtype == torch.float32
-    dense = LLM(str(files["q3k"]), **ENGINE, quant=DENSE)
+    dense = LLM(str(files["q2k"]), **ENGINE, quant=DENSE)
     torch.testing.assert_close(prompt_logprobs(packed), prompt_logprobs(dense), atol=1e-4, rtol=0)
 
 
@@ -244,7 +251,7 @@ def test_shape_the_model_does_not_expect(tmp_path):
 def test_native_kernel_matches_reference(files):
     """Logits of the same hidden states through every packed LM head / layer type: the kernel's
     8-bit activations keep them within a few percent of the float reference."""
-    for name in ("untied", "kquant"):
+    for name in ("untied", "kquant", "q3k", "q5"):
         native = model_of(LLM(str(files[name]), **ENGINE, quant={"method": "gguf", "kernel": "native"}))
         reference = model_of(LLM(str(files[name]), **ENGINE, quant=REFERENCE))
         hidden = torch.randn(5, native.config.hidden_size, generator=torch.Generator().manual_seed(1))
@@ -299,6 +306,36 @@ def test_bound_products_match_the_registered_op(files):
         qkv.gguf_calls = calls
     assert torch.equal(qkv(x[None])[0], fast)
     assert torch.equal(qkv(x.bfloat16()), qkv(x.bfloat16().float()).bfloat16())
+
+
+@pytest.mark.skipif(native_kernel()[0] is None, reason="native GGUF kernel not built here")
+def test_panels_are_the_only_copy_of_permuted_rows(files, monkeypatch):
+    """With the AVX-512 panels, llama's q/k rows (permuted at load: a copy, joined here) live in
+    their panels only, and every path gives the bits of the portable kernels over the rows kept
+    whole: the bound products, the native step's layer product, and the op path, which rebuilds
+    the rows byte for byte."""
+    from lmplug.kit.native import call_product
+
+    gguf_native = native_kernel()[0]
+    if gguf_native.load().best_isa != "avx512":
+        pytest.skip(f"no AVX-512 panels here: {gguf_native.describe_isa(gguf_native.load().best_isa)}")
+    native = {"method": "gguf", "kernel": "native"}
+    monkeypatch.setenv("LMPLUG_GGUF_ISA", "generic")
+    whole = model_of(LLM(str(files["kquant"]), **ENGINE, quant=native)).layers[0].self_attn.qkv_proj
+    monkeypatch.setenv("LMPLUG_GGUF_ISA", "avx512")
+    model = model_of(LLM(str(files["kquant"]), **ENGINE, quant=native))
+    qkv = model.layers[0].self_attn.qkv_proj
+    assert qkv.gguf_w0.numel() == 0 and whole.gguf_w0.numel() > 0  # q and k: in the panels only
+    assert qkv.gguf_w1.numel() > 0  # v: a view of the file (its pages released), kept
+    x = torch.randn(5, qkv.in_features, generator=torch.Generator().manual_seed(4))
+    want = whole(x)
+    assert torch.equal(qkv(x), want)
+    step = qkv.quant.native_product(qkv)
+    assert torch.equal(call_product(step, x, want.shape[1], 2), want)
+    assert torch.equal(qkv(x.bfloat16()), whole(x.bfloat16()))  # another dtype: the bound products too
+    qkv.gguf_calls = None  # the op path: the rows rebuilt from the panels
+    assert torch.equal(qkv(x), want)
+    assert torch.equal(qkv.gguf_w0, whole.gguf_w0)
 
 
 def test_kernel_native_unavailable_is_a_clear_error(monkeypatch):

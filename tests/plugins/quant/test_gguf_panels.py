@@ -16,7 +16,7 @@ from support.gguf_weights import make_weight, type_id
 
 gguf_native = pytest.importorskip("lmplug_quant.gguf_native")
 
-PANEL_TYPES = ["Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"]
+PANEL_TYPES = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q3_K", "Q4_K", "Q5_K", "Q6_K"]
 
 
 @pytest.fixture
@@ -76,11 +76,11 @@ def test_repack_puts_each_row_in_its_lane(kernel, name):
     k, n = 256, 18
     w = torch.from_numpy(make_weight(name, n, k, seed=4))
     panels = kernel.panels(w, type_id(name), k)
-    block_bytes = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34, "Q4_K": 148, "Q5_K": 180, "Q6_K": 210}[name]
+    block_bytes = {"Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q5_1": 24, "Q8_0": 34, "Q3_K": 114, "Q4_K": 148, "Q5_K": 180, "Q6_K": 210}[name]
     elems = gguf_native.BLOCKS[type_id(name)][0]
     nb, pblock = k // elems, 16 * block_bytes
     assert panels.numel() == 32 * nb * block_bytes  # 2 panels of 16 rows
-    scale_at = 208 if name == "Q6_K" else 0
+    scale_at = {"Q6_K": 208, "Q3_K": 108}.get(name, 0)
     for r in (0, 7, 15, 16, 17):
         for b in (0, nb - 1):
             blk = panels[(r // 16 * nb + b) * pblock:][:pblock]
@@ -142,6 +142,7 @@ def test_panels_release_the_rows_of_a_file_mapping(kernel, tmp_path):
     assert _resident_kib(lo, hi) <= 8  # at most the two partial pages at the ends
     assert torch.equal(mapped, torch.from_numpy(w))
     assert torch.equal(panels, kernel.panels(torch.from_numpy(w.copy()), type_id("Q4_0"), k))
+    assert not kernel.panels_only(mapped, type_id("Q4_0"), k)  # the file's rows stay as they are
     plain = torch.from_numpy(w.copy())
     assert not gguf_native.release_file_pages(plain)
     assert torch.equal(plain, torch.from_numpy(w))
@@ -168,3 +169,33 @@ def test_proc_cpuinfo_flags_bound_the_kernel_set(kernel, monkeypatch, caplog):
     monkeypatch.setenv("LMPLUG_GGUF_ISA", "avx512")
     with pytest.raises(ValueError, match="runs at most"):
         loaded.isa()
+
+
+@pytest.mark.parametrize("name", PANEL_TYPES)
+def test_rows_come_back_from_the_panels_byte_for_byte(kernel, name):
+    """The repack's inverse gives the file's bytes again (k-quants: random bytes, so every bit of
+    their packed 6-bit scales and mins goes through the unpacked form and back)."""
+    k, n = 512, 37
+    w = torch.from_numpy(make_weight(name, n, k, seed=9))
+    panels = kernel.panels(w, type_id(name), k)
+    assert torch.equal(kernel.rows(panels, type_id(name), n, k), w)
+    with pytest.raises(ValueError, match="are not the panels of 36"):
+        kernel.rows(panels[:-1], type_id(name), 36, k)
+
+
+def test_panels_only_forgets_a_private_copy(kernel):
+    """Rows in this process's own memory (a copy made at load) are forgotten by their panels and
+    the cache once the panels are the one copy; rows of a file mapping are not (``panels_only``)."""
+    import gc
+    import weakref
+
+    k, n = 256, 40
+    w = torch.from_numpy(make_weight("Q4_K", n, k, seed=3).copy())
+    panels = kernel.panels(w, type_id("Q4_K"), k)
+    assert kernel.panels_only(w, type_id("Q4_K"), k)
+    assert not kernel.panels_only(w, type_id("Q4_K"), k)  # already forgotten
+    gone = weakref.ref(w)
+    del w
+    gc.collect()
+    assert gone() is None  # nothing but the caller held the rows
+    assert kernel.rows(panels, type_id("Q4_K"), n, k).shape == (n, 144 * k // 256)

@@ -14,8 +14,8 @@ from lmplug_quant import gguf_ref
 
 from lmplug.interfaces.packed import PackedTensor
 
-QUANTIZABLE = [Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.F16, Q.BF16, Q.F32]
-K_QUANTS = [Q.Q4_K, Q.Q5_K, Q.Q6_K]
+QUANTIZABLE = [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.F16, Q.BF16, Q.F32]
+K_QUANTS = [Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K]
 
 
 def as_rows(data: np.ndarray, rows: int) -> torch.Tensor:
@@ -28,8 +28,8 @@ def random_k_blocks(qtype: Q, rows: int, cols: int, seed: int) -> np.ndarray:
     block, size = GGML_QUANT_SIZES[qtype]
     raw = rng.integers(0, 256, (rows * cols // block, size), dtype=np.uint8)
     scales = rng.uniform(-0.05, 0.05, (raw.shape[0], 2)).astype(np.float16).view(np.uint8)
-    if qtype == Q.Q6_K:
-        raw[:, 208:210] = scales[:, :2]
+    if qtype in (Q.Q6_K, Q.Q3_K):  # d last
+        raw[:, size - 2:] = scales[:, :2]
     else:
         raw[:, 0:4] = scales
     return raw.reshape(rows, -1)
