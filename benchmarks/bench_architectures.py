@@ -32,6 +32,7 @@ FAMILIES = {
     "granite": {"embedding_multiplier": 12.0, "residual_multiplier": 0.22, "attention_multiplier": 0.015625,
                 "logits_scaling": 2.0},
     "phi3": {},
+    "llama": {},  # the control: the kit's own decoder
     # 8 experts of 384 (top 2), their biases, sinks and YaRN at transformers' defaults
     "gpt_oss": {"head_dim": 64, "sliding_window": 64, "num_local_experts": 8, "num_experts_per_tok": 2,
                 "intermediate_size": 384},

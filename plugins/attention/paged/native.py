@@ -348,7 +348,8 @@ def step_attention(ctx, views: list, num_heads: int, num_kv_heads: int, head_dim
                           tables.stride(0), lens.data_ptr(), slots.data_ptr(), rows, num_heads, hkv, d, block_size,
                           num_blocks * block_size, sliding_window or 0, scale, q.data_ptr(), 0,
                           None if masks is None else mask_starts.data_ptr(),
-                          None if masks is None else masks.data_ptr(), *(per_layer or (None, None, None)))
+                          None if masks is None else masks.data_ptr(),
+                          *(ctypes.addressof(a) for a in per_layer or ()))
     return NativeCall(kernel, ctypes.addressof(desc), (desc, layers, per_layer, tables, lens, slots, q, mask_starts, masks),
                       name, STEP_ERRORS)
 
