@@ -14,7 +14,8 @@ parallelism), float32, with the fused CPU ops built, and every layer describes i
 ``LayerForm`` (its ``native_form``: the kit's dense ``DecoderLayer``, the Gemma 2/3, Phi-3,
 SmolLM3, OLMo 2 and Granite layers of ``lmplug_models.blocks``) of one geometry, each with its
 RoPE (plain rotate-half tables, any width, or none) and linear layers that all have a native
-product. Each
+product (the quant method's, or for the core's plain float32 weights on one thread the kit's own:
+``native_dense``). Each
 step then asks ``fits`` (every sequence's query short: a decode, or a speculative verify's
 ``k + 1`` rows or draft tree; no state layers) and the attention backend's ``native_decode``
 (None: this step takes the Python path). A verify's rows go through the same products (the
@@ -32,7 +33,7 @@ from dataclasses import dataclass
 import torch
 
 from lmplug.interfaces.step import StepContext
-from lmplug.kit import extras, fused_cpu
+from lmplug.kit import extras, fused_cpu, native_dense
 from lmplug.kit.native import NativeCall
 from lmplug.kit.rope import RotaryEmbedding
 from lmplug.kit.threads import compute_threads
@@ -153,7 +154,7 @@ class NativeDecodeStep:
                     return None
             products = []
             for linear in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
-                call = extras.native_product(linear.quant, linear)
+                call = extras.native_product(linear.quant, linear) or native_dense.product(linear)
                 if call is None:
                     return None
                 products.append(call)

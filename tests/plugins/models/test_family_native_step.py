@@ -84,3 +84,60 @@ def test_native_step_gives_the_python_layers_result(tmp_path, monkeypatch, count
             assert la.keys() == lb.keys()
             for tok in la:
                 assert abs(la[tok].logprob - lb[tok].logprob) < 1e-4, (name, tok, la[tok], lb[tok])
+
+
+@pytest.fixture
+def one_thread():
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("name", ["gemma2", "olmo2", "phi4mini-partial"])
+def test_float32_checkpoint_on_one_thread_runs_natively(tmp_path, monkeypatch, counted, one_thread, name):
+    """A float32 HF folder (the core's plain weights) on one compute thread: the kit's own C product
+    (``native_dense``); it sums in another order than torch's BLAS, so logprobs agree to float32
+    rounding (1e-3 after 32 steps of a random model) and greedy tokens are equal."""
+    from lmplug import LLM, SamplingParams
+    from lmplug.kit.native_step import NativeDecodeStep
+    from lmplug.testing.architecture import build_tiny, prompt
+
+    hf = build_tiny(_variants()[name], tmp_path / "hf")
+    prompts = [prompt(20, 1, hf.config.vocab_size), prompt(9, 2, hf.config.vocab_size)]
+    engine = {k: v for k, v in ENGINE.items() if k != "quant"}
+    outs = {}
+    for native in (True, False):
+        monkeypatch.setenv("LMPLUG_NATIVE_STEP", "1" if native else "0")
+        llm = LLM(str(tmp_path / "hf"), **engine)
+        got = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=5))
+        step = llm.engine.parts.model._native_step
+        assert isinstance(step, NativeDecodeStep) if native else step is False, step
+        outs[native] = [o.outputs[0] for o in got]
+    assert counted["native"] >= NEW_TOKENS - 1 and counted["declined"] == 0, counted
+    for a, b in zip(outs[True], outs[False]):
+        assert a.token_ids == b.token_ids, name
+        for la, lb in zip(a.logprobs, b.logprobs):
+            for tok in la.keys() & lb.keys():
+                assert abs(la[tok].logprob - lb[tok].logprob) < 1e-3, (name, tok, la[tok], lb[tok])
+
+
+def test_more_threads_keep_the_python_layers(tmp_path, monkeypatch):
+    """The core's C product is single-threaded: with two compute threads torch's BLAS stays."""
+    import torch
+
+    from lmplug import LLM, SamplingParams
+    from lmplug.testing.architecture import build_tiny
+
+    build_tiny(_variants()["olmo2"], tmp_path / "hf")
+    monkeypatch.setenv("LMPLUG_NATIVE_STEP", "1")
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        llm = LLM(str(tmp_path / "hf"), **{k: v for k, v in ENGINE.items() if k != "quant"})
+        llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=2))
+    finally:
+        torch.set_num_threads(before)
+    assert llm.engine.parts.model._native_step is False
