@@ -126,10 +126,11 @@ int rope_f32(float *x, int64_t token_stride, int64_t head_stride, int64_t heads,
  *
  * The native decode step's product for the core's plain float32 weights (lmplug.kit.native_dense):
  * out[m, N] = x[m, K] @ W^T (+ bias), W^T stored [K, N] row-major (the layout the core's
- * Unquantized method keeps on the CPU). Tiles of DENSE_ROWS rows x DENSE_COLS columns keep their
- * sums in registers while k runs over K, so each weight is read once per DENSE_ROWS rows; each sum
- * adds its K products in order (portable loops, written for the auto-vectorizer). One thread: the
- * step uses it only where the engine runs products on one thread. */
+ * Unquantized method keeps on the CPU). A decode's product reads every weight once and is bound by
+ * memory: the loops stream W^T's rows in order, four at a time, into output rows that stay in
+ * cache (DENSE_COLS columns of DENSE_ROWS rows), each output adding its K products in order (one
+ * load and store of it per four products). Portable loops, written for the auto-vectorizer. One
+ * thread: the step uses it only where the engine runs products on one thread. */
 
 typedef struct {
     const float *wt;   /* [K, N] */
@@ -138,38 +139,32 @@ typedef struct {
 } dense_t;
 
 #define DENSE_ROWS 4
-#define DENSE_COLS 32
+#define DENSE_COLS 4096
 
-static void dense_tile(const dense_t *d, const float *x, int64_t rows, int64_t n0, int64_t cols, float *out) {
+static void dense_block(const dense_t *d, const float *x, int64_t rows, int64_t n0, int64_t cols, float *out) {
     const int64_t K = d->in, N = d->out;
-    float acc[DENSE_ROWS][DENSE_COLS] = {{0}};
-    if (cols == DENSE_COLS && rows == DENSE_ROWS) {
-        for (int64_t k = 0; k < K; k++) {
-            const float *w = d->wt + k * N + n0;
-            for (int r = 0; r < DENSE_ROWS; r++) {
-                const float xv = x[r * K + k];
-                for (int j = 0; j < DENSE_COLS; j++) acc[r][j] += xv * w[j];
-            }
-        }
-    } else if (cols == DENSE_COLS) {
-        for (int64_t k = 0; k < K; k++) {
-            const float *w = d->wt + k * N + n0;
-            for (int64_t r = 0; r < rows; r++) {
-                const float xv = x[r * K + k];
-                for (int j = 0; j < DENSE_COLS; j++) acc[r][j] += xv * w[j];
-            }
-        }
-    } else {
-        for (int64_t k = 0; k < K; k++) {
-            const float *w = d->wt + k * N + n0;
-            for (int64_t r = 0; r < rows; r++) {
-                const float xv = x[r * K + k];
-                for (int64_t j = 0; j < cols; j++) acc[r][j] += xv * w[j];
-            }
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t j = 0; j < cols; j++) out[r * N + n0 + j] = 0.0f;
+    int64_t k = 0;
+    for (; k + 4 <= K; k += 4) {
+        const float *w0 = d->wt + k * N + n0, *w1 = w0 + N, *w2 = w1 + N, *w3 = w2 + N;
+        for (int64_t r = 0; r < rows; r++) {
+            const float x0 = x[r * K + k], x1 = x[r * K + k + 1], x2 = x[r * K + k + 2], x3 = x[r * K + k + 3];
+            float *o = out + r * N + n0;
+            for (int64_t j = 0; j < cols; j++) o[j] = o[j] + x0 * w0[j] + x1 * w1[j] + x2 * w2[j] + x3 * w3[j];
         }
     }
-    for (int64_t r = 0; r < rows; r++)
-        for (int64_t j = 0; j < cols; j++) out[r * N + n0 + j] = d->bias ? acc[r][j] + d->bias[n0 + j] : acc[r][j];
+    for (; k < K; k++) {
+        const float *w = d->wt + k * N + n0;
+        for (int64_t r = 0; r < rows; r++) {
+            const float xv = x[r * K + k];
+            float *o = out + r * N + n0;
+            for (int64_t j = 0; j < cols; j++) o[j] = o[j] + xv * w[j];
+        }
+    }
+    if (d->bias)
+        for (int64_t r = 0; r < rows; r++)
+            for (int64_t j = 0; j < cols; j++) out[r * N + n0 + j] = out[r * N + n0 + j] + d->bias[n0 + j];
 }
 
 int dense_product_f32(void *ctx, const float *x, int64_t m, float *out, int threads) {
@@ -178,8 +173,8 @@ int dense_product_f32(void *ctx, const float *x, int64_t m, float *out, int thre
     for (int64_t r0 = 0; r0 < m; r0 += DENSE_ROWS) {
         const int64_t rows = m - r0 < DENSE_ROWS ? m - r0 : DENSE_ROWS;
         for (int64_t n0 = 0; n0 < d->out; n0 += DENSE_COLS)
-            dense_tile(d, x + r0 * d->in, rows, n0, d->out - n0 < DENSE_COLS ? d->out - n0 : DENSE_COLS,
-                       out + r0 * d->out);
+            dense_block(d, x + r0 * d->in, rows, n0, d->out - n0 < DENSE_COLS ? d->out - n0 : DENSE_COLS,
+                        out + r0 * d->out);
     }
     return 0;
 }
