@@ -58,10 +58,7 @@ class RMSNorm(torch.nn.Module):
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """``silu(gate) * up`` of a fused gate/up output ``x`` [T, 2n] (gate first) -> [T, n]."""
-    lib = fused_cpu.active(x)
-    if lib is not None and x.dim() == 2 and x.stride(1) == 1:
-        return fused_cpu.silu_mul(lib, x)
-    return silu_and_mul_reference(x)
+    return _gated(x, fused_cpu.silu_mul, silu_and_mul_reference)
 
 
 def silu_and_mul_reference(x: torch.Tensor) -> torch.Tensor:
@@ -71,10 +68,15 @@ def silu_and_mul_reference(x: torch.Tensor) -> torch.Tensor:
 
 def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
     """GeGLU: ``gelu_tanh(gate) * up`` of a fused gate/up output ``x`` [T, 2n] (gate first) -> [T, n]."""
+    return _gated(x, fused_cpu.gelu_tanh_mul, gelu_tanh_and_mul_reference)
+
+
+def _gated(x: torch.Tensor, fused, reference) -> torch.Tensor:
+    """The fused op where ``x`` takes the fused path (float32 CPU rows, dense), else the reference."""
     lib = fused_cpu.active(x)
     if lib is not None and x.dim() == 2 and x.stride(1) == 1:
-        return fused_cpu.gelu_tanh_mul(lib, x)
-    return gelu_tanh_and_mul_reference(x)
+        return fused(lib, x)
+    return reference(x)
 
 
 def gelu_tanh_and_mul_reference(x: torch.Tensor) -> torch.Tensor:

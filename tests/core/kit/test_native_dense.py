@@ -15,14 +15,6 @@ from lmplug.kit.native import call_product
 pytestmark = pytest.mark.skipif(fused_cpu.library() is None, reason="no C compiler: no native product")
 
 
-@pytest.fixture
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def _linear(k: int, n: int, bias: bool) -> Linear:
     g = torch.Generator().manual_seed(k * n)
     quant = Unquantized()
@@ -36,7 +28,8 @@ def _linear(k: int, n: int, bias: bool) -> Linear:
 
 @pytest.mark.parametrize(("m", "k", "n"), [(1, 576, 960), (3, 64, 32), (5, 33, 70), (16, 96, 3), (4, 2, 64)])
 @pytest.mark.parametrize("bias", [False, True])
-def test_product_matches_the_float64_matmul(one_thread, m, k, n, bias):
+def test_product_matches_the_float64_matmul(torch_threads, m, k, n, bias):
+    torch_threads(1)
     layer = _linear(k, n, bias)
     call = native_dense.product(layer)
     assert call is not None
@@ -47,12 +40,13 @@ def test_product_matches_the_float64_matmul(one_thread, m, k, n, bias):
     torch.testing.assert_close(got, layer.quant.apply(layer, x), rtol=1e-5, atol=1e-5 * k ** 0.5)
 
 
-def test_no_product_where_it_does_not_apply(one_thread):
+def test_no_product_where_it_does_not_apply(torch_threads):
+    torch_threads(1)
     layer = _linear(8, 8, False)
     row_major = _linear(8, 8, False)
     row_major.weight.data = row_major.weight.data.contiguous()
     half = _linear(8, 8, False)
     half.weight.data = half.weight.data.bfloat16()
     assert native_dense.product(row_major) is None and native_dense.product(half) is None
-    torch.set_num_threads(2)
+    torch_threads(2)
     assert native_dense.product(layer) is None  # one-threaded: more threads keep torch's BLAS

@@ -86,18 +86,8 @@ def test_native_step_gives_the_python_layers_result(tmp_path, monkeypatch, count
                 assert abs(la[tok].logprob - lb[tok].logprob) < 1e-4, (name, tok, la[tok], lb[tok])
 
 
-@pytest.fixture
-def one_thread():
-    import torch
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.mark.parametrize("name", ["gemma2", "olmo2", "phi4mini-partial"])
-def test_float32_checkpoint_on_one_thread_runs_natively(tmp_path, monkeypatch, counted, one_thread, name):
+def test_float32_checkpoint_on_one_thread_runs_natively(tmp_path, monkeypatch, counted, torch_threads, name):
     """A float32 HF folder (the core's plain weights) on one compute thread: the kit's own C product
     (``native_dense``); it sums in another order than torch's BLAS, so logprobs agree to float32
     rounding (1e-3 after 32 steps of a random model) and greedy tokens are equal."""
@@ -105,6 +95,7 @@ def test_float32_checkpoint_on_one_thread_runs_natively(tmp_path, monkeypatch, c
     from lmplug.kit.native_step import NativeDecodeStep
     from lmplug.testing.architecture import build_tiny, prompt
 
+    torch_threads(1)
     hf = build_tiny(_variants()[name], tmp_path / "hf")
     prompts = [prompt(20, 1, hf.config.vocab_size), prompt(9, 2, hf.config.vocab_size)]
     engine = {k: v for k, v in ENGINE.items() if k != "quant"}
@@ -124,20 +115,14 @@ def test_float32_checkpoint_on_one_thread_runs_natively(tmp_path, monkeypatch, c
                 assert abs(la[tok].logprob - lb[tok].logprob) < 1e-3, (name, tok, la[tok], lb[tok])
 
 
-def test_more_threads_keep_the_python_layers(tmp_path, monkeypatch):
+def test_more_threads_keep_the_python_layers(tmp_path, monkeypatch, torch_threads):
     """The core's C product is single-threaded: with two compute threads torch's BLAS stays."""
-    import torch
-
     from lmplug import LLM, SamplingParams
     from lmplug.testing.architecture import build_tiny
 
     build_tiny(_variants()["olmo2"], tmp_path / "hf")
     monkeypatch.setenv("LMPLUG_NATIVE_STEP", "1")
-    before = torch.get_num_threads()
-    torch.set_num_threads(2)
-    try:
-        llm = LLM(str(tmp_path / "hf"), **{k: v for k, v in ENGINE.items() if k != "quant"})
-        llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=2))
-    finally:
-        torch.set_num_threads(before)
+    torch_threads(2)
+    llm = LLM(str(tmp_path / "hf"), **{k: v for k, v in ENGINE.items() if k != "quant"})
+    llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=2))
     assert llm.engine.parts.model._native_step is False
