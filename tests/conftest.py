@@ -58,3 +58,13 @@ def kernel_device(request) -> str:
     """The device a Triton kernel test runs on: ``cpu`` under the interpreter, ``cuda`` compiled
     (``support.devices.kernel_devices``); the test's id names it."""
     return request.param
+
+
+@pytest.fixture
+def torch_threads():
+    """``torch_threads(n)``: torch's intra-op threads for the rest of the test, restored after."""
+    import torch
+
+    before = torch.get_num_threads()
+    yield torch.set_num_threads
+    torch.set_num_threads(before)

@@ -13,7 +13,7 @@ Modules (each imported on its own, so a plugin pays only for what it uses):
   decoder an architecture subclasses (``make_attention``, ``make_mlp``, ``new_layer``, checkpoint
   names, the native CPU decode step).
 - ``layers``: ``Linear`` (through the chosen quant method; stacked shards such as ``qkv_proj``),
-  ``RMSNorm``, ``apply_rope``, ``silu_and_mul``, ``bind_quant_methods``.
+  ``RMSNorm``, ``apply_rope``, ``silu_and_mul``, ``gelu_tanh_and_mul``, ``bind_quant_methods``.
 - ``parallel_layers``: ``column_linear``, ``row_linear``, ``embedding`` — the tensor-parallel
   layout of a layer; ``parallel``: ``ParallelState`` (rank, world, collectives), ``single``;
   ``sharding``: which slice of a checkpoint tensor a rank reads.
@@ -21,7 +21,9 @@ Modules (each imported on its own, so a plugin pays only for what it uses):
 - ``state_layers``: the rows of a state layer (Mamba, linear attention) inside a step.
 - ``packed_embedding``: an embedding over a quant method's packed table (GGUF).
 - ``mtp``: multi-token-prediction modules built as the target's layer after its last one.
-- ``native_step``, ``fused_cpu``: the native CPU decode step and fused CPU ops.
+- ``native_step``, ``fused_cpu``: the native CPU decode step (a layer's ``native_form`` describes
+  it as a ``LayerForm``) and fused CPU ops; ``native_dense``: the step's C product for the core's
+  float32 weights.
 
 Helpers backends of every family share:
 

@@ -18,7 +18,7 @@ from lmplug.interfaces.quant import QuantMethod
 from lmplug.interfaces.step import StepContext
 from lmplug.kit import extras
 from lmplug.kit.layers import Linear, RMSNorm, apply_rope, silu_and_mul
-from lmplug.kit.native_step import NativeDecodeStep
+from lmplug.kit.native_step import LayerForm, NativeDecodeStep
 from lmplug.kit.packed_embedding import QuantEmbedding
 from lmplug.kit.parallel import ParallelState, single
 from lmplug.kit.parallel_layers import column_linear, embedding, row_linear
@@ -100,6 +100,15 @@ class DecoderLayer(torch.nn.Module):
         h, normed = self.post_attention_layernorm.add_forward(
             self.self_attn(self.input_layernorm(x), positions, rope, kv, ctx), x)
         return h.add_(self.mlp(normed))  # h is this layer's own tensor
+
+    def native_form(self, rope: RotaryEmbedding) -> LayerForm | None:
+        """This layer as the native decode step runs it (the model's ``rope``); None: a subclass,
+        or blocks other than the kit's ``Attention`` and dense ``MLP``."""
+        attn = self.self_attn
+        if type(self) is not DecoderLayer or type(attn) is not Attention or type(self.mlp) is not MLP:
+            return None
+        return LayerForm("pre", (self.input_layernorm, self.post_attention_layernorm, None, None), attn, self.mlp,
+                         qk_norm=None if attn.q_norm is None else "head", rope=rope)
 
 
 class DecoderForCausalLM(torch.nn.Module):

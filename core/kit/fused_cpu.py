@@ -1,5 +1,5 @@
 """Fused float32 CPU ops for the decoder (``csrc/fused_cpu_ops.c``): RMSNorm, add + RMSNorm,
-SiLU * mul and in-place RoPE, one C call each.
+SiLU * mul, tanh-GELU * mul and in-place RoPE, one C call each.
 
 Why: at batch 1 the elementwise work between the GEMVs is a few hundred floats, and what a
 token pays for is the number of ops, not their arithmetic. torch's RMSNorm is ~24 ATen
@@ -38,6 +38,7 @@ _SIGNATURES = {
     "rms_norm_f32": [_P, _I64, _I64, _I64, _I64, _P, _P, _I64, _F32],
     "add_rms_norm_f32": [_P, _P, _P, _P, _P, _I64, _I64, _F32],
     "silu_mul_f32": [_P, _I64, _P, _I64, _I64],
+    "gelu_tanh_mul_f32": [_P, _I64, _P, _I64, _I64],
     "rope_f32": [_P, _I64, _I64, _I64, _P, _I64, _P, _P, _I64, _I64],
     "decode_step_f32": [_P, _I64, _P, _P, _P],  # native_step.py
 }
@@ -131,12 +132,21 @@ def add_rms_norm(lib: ctypes.CDLL, x: torch.Tensor, residual: torch.Tensor, weig
 
 def silu_mul(lib: ctypes.CDLL, gate_up: torch.Tensor) -> torch.Tensor:
     """``silu(gate) * up`` of ``gate_up`` [T, 2n] (gate first) -> [T, n]."""
+    return _gated(lib.silu_mul_f32, gate_up, "silu_mul")
+
+
+def gelu_tanh_mul(lib: ctypes.CDLL, gate_up: torch.Tensor) -> torch.Tensor:
+    """``gelu_tanh(gate) * up`` (GeGLU) of ``gate_up`` [T, 2n] (gate first) -> [T, n]."""
+    return _gated(lib.gelu_tanh_mul_f32, gate_up, "gelu_tanh_mul")
+
+
+def _gated(fn, gate_up: torch.Tensor, what: str) -> torch.Tensor:
     if gate_up.dim() != 2 or gate_up.shape[1] % 2 or gate_up.stride(1) != 1:
-        raise ValueError(f"silu_mul: expected [T, 2n] with dense rows, got {tuple(gate_up.shape)} "
+        raise ValueError(f"{what}: expected [T, 2n] with dense rows, got {tuple(gate_up.shape)} "
                          f"strides {gate_up.stride()}")
     rows, n = gate_up.shape[0], gate_up.shape[1] // 2
     out = torch.empty(rows, n, dtype=torch.float32)  # the fused path's only dtype
-    lib.silu_mul_f32(gate_up.data_ptr(), gate_up.stride(0), out.data_ptr(), rows, n)
+    fn(gate_up.data_ptr(), gate_up.stride(0), out.data_ptr(), rows, n)
     return out
 
 

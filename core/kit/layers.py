@@ -4,7 +4,7 @@ Linear layers delegate their math to a ``QuantMethod`` (``Unquantized`` by
 default). Projections that read the same input are fused into one matmul
 (q/k/v, gate/up); the loader fills each fused weight shard by shard.
 
-RMSNorm (with the residual add), SiLU * mul and RoPE take one C call each for float32
+RMSNorm (with the residual add), SiLU * mul, tanh-GELU * mul and RoPE take one C call each for float32
 CPU tensors (``fused_cpu``): at batch 1 their cost is the op count, not the arithmetic.
 Their PyTorch forms here are the reference and serve every other device and dtype.
 """
@@ -58,15 +58,30 @@ class RMSNorm(torch.nn.Module):
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """``silu(gate) * up`` of a fused gate/up output ``x`` [T, 2n] (gate first) -> [T, n]."""
-    lib = fused_cpu.active(x)
-    if lib is not None and x.dim() == 2 and x.stride(1) == 1:
-        return fused_cpu.silu_mul(lib, x)
-    return silu_and_mul_reference(x)
+    return _gated(x, fused_cpu.silu_mul, silu_and_mul_reference)
 
 
 def silu_and_mul_reference(x: torch.Tensor) -> torch.Tensor:
     gate, up = x.split(x.shape[-1] // 2, dim=-1)
     return F.silu(gate) * up
+
+
+def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """GeGLU: ``gelu_tanh(gate) * up`` of a fused gate/up output ``x`` [T, 2n] (gate first) -> [T, n]."""
+    return _gated(x, fused_cpu.gelu_tanh_mul, gelu_tanh_and_mul_reference)
+
+
+def _gated(x: torch.Tensor, fused, reference) -> torch.Tensor:
+    """The fused op where ``x`` takes the fused path (float32 CPU rows, dense), else the reference."""
+    lib = fused_cpu.active(x)
+    if lib is not None and x.dim() == 2 and x.stride(1) == 1:
+        return fused(lib, x)
+    return reference(x)
+
+
+def gelu_tanh_and_mul_reference(x: torch.Tensor) -> torch.Tensor:
+    gate, up = x.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up
 
 
 def apply_rope(rope: RotaryEmbedding, positions: torch.Tensor, q: torch.Tensor,

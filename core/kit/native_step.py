@@ -1,17 +1,21 @@
-"""The native decode step: every decoder layer of a Llama-family decode step in one C call.
+"""The native decode step: every decoder layer of a decode step in one C call.
 
 At batch 1 on a CPU a small model's token is ~30 layers of ~12 ops each, and the Python and
 dispatch between the ops cost about as much as the matrix products. Where every plugin on a
 layer's path hands the core a C function (``lmplug.kit.native``: the quant method a
 product per linear layer, the attention backend a decode attention per step), the core runs
 all the layers in ``decode_step_f32`` (``csrc/fused_cpu_ops.c``): the norms, residual adds,
-RoPE and SiLU * mul are the fused CPU ops' own functions, so those give the Python path's
-bits, and the products and attention are the plugins'.
+RoPE and SiLU / tanh-GELU * mul are the fused CPU ops' own functions, so those give the Python
+path's bits, and the products and attention are the plugins'.
 
 It is planned once per model, on its first forward (after loading): ``NativeDecodeStep.build``
 returns None, and the model keeps the Python path, unless the model is one process (no tensor
-parallelism), float32, with the fused CPU ops built, the plain RoPE, and every layer the dense
-``DecoderLayer`` (``Attention`` + ``MLP``) whose linear layers all have a native product. Each
+parallelism), float32, with the fused CPU ops built, and every layer describes itself as a
+``LayerForm`` (its ``native_form``: the kit's dense ``DecoderLayer``, the Gemma 2/3, Phi-3,
+SmolLM3, OLMo 2 and Granite layers of ``lmplug_models.blocks``) of one geometry, each with its
+RoPE (plain rotate-half tables, any width, or none) and linear layers that all have a native
+product (the quant method's, or for the core's plain float32 weights on one thread the kit's own:
+``native_dense``). Each
 step then asks ``fits`` (every sequence's query short: a decode, or a speculative verify's
 ``k + 1`` rows or draft tree; no state layers) and the attention backend's ``native_decode``
 (None: this step takes the Python path). A verify's rows go through the same products (the
@@ -24,11 +28,12 @@ The engine plan decides whether it runs (``cpu.native_step``, overridden by ``LM
 from __future__ import annotations
 
 import ctypes
+from dataclasses import dataclass
 
 import torch
 
 from lmplug.interfaces.step import StepContext
-from lmplug.kit import extras, fused_cpu
+from lmplug.kit import extras, fused_cpu, native_dense
 from lmplug.kit.native import NativeCall
 from lmplug.kit.rope import RotaryEmbedding
 from lmplug.kit.threads import compute_threads
@@ -48,72 +53,122 @@ class _Product(ctypes.Structure):
 
 class _Layer(ctypes.Structure):
     _fields_ = [("input_norm", _P), ("post_norm", _P), ("q_norm", _P), ("k_norm", _P), ("qkv", _Product),
-                ("o", _Product), ("gate_up", _Product), ("down", _Product), ("kv_layer", _I64)]
+                ("o", _Product), ("gate_up", _Product), ("down", _Product), ("kv_layer", _I64),
+                ("pre_ff_norm", _P), ("post_ff_norm", _P), ("cos", _P), ("sin", _P), ("max_position", _I64),
+                ("rotary_dim", _I64), ("style", ctypes.c_int32), ("act", ctypes.c_int32),
+                ("qk_norm", ctypes.c_int32), ("multiplier", ctypes.c_float)]
 
 
 class _Step(ctypes.Structure):
     _fields_ = [("rows", _I64), ("hidden", _I64), ("heads", _I64), ("kv_heads", _I64), ("head_dim", _I64),
-                ("intermediate", _I64), ("max_position", _I64), ("eps", ctypes.c_float), ("positions", _P),
-                ("cos", _P), ("sin", _P), ("attention", _P), ("attention_ctx", _P), ("threads", ctypes.c_int),
-                ("scratch", _P)]
+                ("intermediate", _I64), ("eps", ctypes.c_float), ("positions", _P), ("attention", _P),
+                ("attention_ctx", _P), ("threads", ctypes.c_int), ("scratch", _P)]
+
+
+# decode_step_f32's codes for a layer's norm placement, activation and q/k norms
+STYLES, ACTS, QK_NORMS = ("pre", "sandwich", "post"), ("silu", "gelu_tanh"), (None, "head", "full")
+
+
+@dataclass(frozen=True)
+class LayerForm:
+    """A decoder layer as ``decode_step_f32`` runs it, which the layer describes itself
+    (``native_form(rope)``, None where it has no native form): where its norms sit (``style``:
+    "pre", "sandwich" or "post", ``decode_step_f32``'s comment has the formulas), its four
+    norms (input, post-attention, pre-feed-forward, post-feed-forward; None where absent), its
+    attention block (``qkv_proj``, ``o_proj``, ``q_norm``, ``k_norm``, ``backend``, ``layer``: the
+    kit's ``Attention``'s attributes), its gated MLP (``gate_up_proj``, ``down_proj``,
+    ``intermediate``), the gate's activation, the q/k norms (per "head" or over all heads: "full"),
+    its RoPE (None: none) and rotated width (None: the whole head), and the residual multiplier."""
+
+    style: str
+    norms: tuple
+    attn: torch.nn.Module
+    mlp: torch.nn.Module
+    act: str = "silu"
+    qk_norm: str | None = None
+    rope: RotaryEmbedding | None = None
+    rotary_dim: int | None = None
+    multiplier: float = 1.0
 
 
 def _f32(t: torch.Tensor | None) -> bool:
     return t is not None and t.dtype == torch.float32 and t.is_cpu and t.is_contiguous()
 
 
+def _ptr(norm: torch.nn.Module | None) -> int | None:
+    return None if norm is None else norm._parameters["weight"].data_ptr()
+
+
 class NativeDecodeStep:
     """One model's plan: its layers as ``decode_step_f32`` reads them, and the plugins' calls."""
 
     def __init__(self, model: torch.nn.Module, lib: ctypes.CDLL, layers: ctypes.Array, calls: list[list],
-                 eps: float) -> None:
+                 eps: float, first: LayerForm) -> None:
         self.model = model
         self.lib = lib
         self.layers = layers
         self.calls = calls  # per layer: the four products (NativeCall), kept alive and named on errors
         self.eps = eps
-        first = model.layers[0]
-        attn, mlp = first.self_attn, first.mlp
+        attn = first.attn
         self.backend = attn.backend
-        self.shape = (model.config.hidden_size, attn.num_heads, attn.num_kv_heads, attn.head_dim, mlp.intermediate)
+        self.shape = (model.config.hidden_size, attn.num_heads, attn.num_kv_heads, attn.head_dim,
+                      first.mlp.intermediate)
         self._scratch = torch.empty(0, dtype=torch.float32)
 
     @classmethod
     def build(cls, model: torch.nn.Module) -> NativeDecodeStep | None:
         """The plan, or None where some part of the model has no native form (module docstring)."""
-        from lmplug.kit.decoder import MLP, Attention, DecoderLayer
-
         if model.tp.is_parallel or not len(model.layers):
             return None
         lib = fused_cpu.library()
-        rope = model.rope
-        cos, sin = rope._buffers.get("cos"), rope._buffers.get("sin")
-        if lib is None or type(rope).forward is not RotaryEmbedding.forward or not (_f32(cos) and _f32(sin)):
+        if lib is None:
             return None
-        backend, eps = model.layers[0].self_attn.backend, model.layers[0].input_layernorm.eps
-        table, calls = (_Layer * len(model.layers))(), []
-        for i, layer in enumerate(model.layers):
-            attn, mlp = layer.self_attn, layer.mlp
-            if type(layer) is not DecoderLayer or type(attn) is not Attention or type(mlp) is not MLP:
+        forms = []
+        for layer in model.layers:
+            describe = getattr(layer, "native_form", None)
+            form = describe(model.rope) if describe is not None else None
+            if form is None:
                 return None
-            if attn.backend is not backend:
+            forms.append(form)
+        first = forms[0]
+        eps = next(n for n in first.norms if n is not None).eps
+        geometry = (first.attn.backend, first.attn.num_heads, first.attn.num_kv_heads, first.attn.head_dim,
+                    first.mlp.intermediate)
+        table, calls = (_Layer * len(forms))(), []
+        for i, form in enumerate(forms):
+            attn, mlp = form.attn, form.mlp
+            if (attn.backend, attn.num_heads, attn.num_kv_heads, attn.head_dim, mlp.intermediate) != geometry:
                 return None
-            norms = [layer.input_layernorm, layer.post_attention_layernorm]
-            norms += [attn.q_norm, attn.k_norm] if attn.q_norm is not None else []
+            norms = [n for n in (*form.norms, attn.q_norm, attn.k_norm) if n is not None]
             if any(n.eps != eps or not _f32(n._parameters["weight"]) for n in norms):
                 return None
+            if (form.qk_norm is None) != (attn.q_norm is None) or form.style not in STYLES or form.act not in ACTS \
+                    or form.qk_norm not in QK_NORMS:
+                return None
+            rope, rotary_dim = form.rope, form.rotary_dim or attn.head_dim
+            cos = sin = None
+            if rope is not None:
+                cos, sin = rope._buffers.get("cos"), rope._buffers.get("sin")
+                if type(rope).forward is not RotaryEmbedding.forward or not (_f32(cos) and _f32(sin)) \
+                        or cos.shape[1] != rotary_dim or rotary_dim > attn.head_dim or rotary_dim % 2:
+                    return None
             products = []
             for linear in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
-                call = extras.native_product(linear.quant, linear)
+                call = extras.native_product(linear.quant, linear) or native_dense.product(linear)
                 if call is not None and linear.lora is not None:  # LoRA slots: the adapter plugin's product
                     call = linear.lora.native_product(call)
                 if call is None:
                     return None
                 products.append(call)
-            weights = [n._parameters["weight"].data_ptr() for n in norms] + [None, None]
-            table[i] = _Layer(*weights[:4], *(_Product(c.fn, c.ctx) for c in products), attn.layer)
+            n1, n2, n3, n4 = form.norms
+            table[i] = _Layer(_ptr(n1), _ptr(n2), _ptr(attn.q_norm), _ptr(attn.k_norm),
+                              *(_Product(c.fn, c.ctx) for c in products), attn.layer, _ptr(n3), _ptr(n4),
+                              None if cos is None else cos.data_ptr(), None if sin is None else sin.data_ptr(),
+                              0 if cos is None else cos.shape[0], rotary_dim, STYLES.index(form.style),
+                              ACTS.index(form.act), QK_NORMS.index(form.qk_norm),
+                              form.multiplier if form.style == "pre" else 1.0)
             calls.append(products)
-        return cls(model, lib, table, calls, eps)
+        return cls(model, lib, table, calls, eps, first)
 
     @staticmethod
     def fits(x: torch.Tensor, ctx: StepContext) -> bool:
@@ -147,11 +202,8 @@ class NativeDecodeStep:
             self._scratch = torch.empty(need, dtype=torch.float32)
         x = x.contiguous()
         positions = positions.to(torch.int64).contiguous()
-        rope = self.model.rope
-        cos, sin = rope._buffers["cos"], rope._buffers["sin"]
-        step = _Step(rows, hidden, heads, kv_heads, head_dim, inter, cos.shape[0], self.eps, positions.data_ptr(),
-                     cos.data_ptr(), sin.data_ptr(), attention.fn, attention.ctx, compute_threads(),
-                     self._scratch.data_ptr())
+        step = _Step(rows, hidden, heads, kv_heads, head_dim, inter, self.eps, positions.data_ptr(),
+                     attention.fn, attention.ctx, compute_threads(), self._scratch.data_ptr())
         failed = ctypes.c_int64(0)
         status = self.lib.decode_step_f32(self.layers, count, ctypes.byref(step), x.data_ptr(),
                                           ctypes.byref(failed))
@@ -164,7 +216,7 @@ class NativeDecodeStep:
         name = STAGES.get(stage, f"stage {stage}")
         if name == "rope":
             raise IndexError(f"native decode step: layer {layer}: a position of {positions.tolist()} is outside "
-                             f"the RoPE table [0, {self.model.rope._buffers['cos'].shape[0]})")
+                             f"the RoPE table [0, {self.layers[layer].max_position})")
         call = attention if name == "attention" else \
             self.calls[layer][("qkv_proj", "o_proj", "gate_up_proj", "down_proj").index(name)]
         raise RuntimeError(f"native decode step: layer {layer} {name}: {call.describe(status)}")

@@ -107,11 +107,10 @@ class SdpaAttention(AttentionBackend, extras.NativeDecode):
     def native_decode(self, ctx: StepContext, views: list[KVLayerView]) -> NativeCall | None:
         """A native decode step's attention: the family's C decode kernel (``paged_native``),
         which reads this backend's contiguous and paged layouts alike; float32 caches only, and
-        layers that all attend alike (one scale and window, no soft-cap, no sinks)."""
-        if not self.uniform_layers:
-            return None
+        layers without sinks (scales, windows and soft-caps may differ by layer)."""
         return paged_native.step_attention(ctx, views, self.num_heads, self.num_kv_heads, self.head_dim,
-                                           self.scale, self.sliding_window, "attention sdpa")
+                                           self.scale, self.sliding_window, "attention sdpa",
+                                           () if self.uniform_layers else self.layers)
 
     def _decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                 softcap: float | None, sinks: torch.Tensor | None = None) -> torch.Tensor:

@@ -13,12 +13,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from lmplug.api import AttentionBackend, KVLayerView, ModelConfig, QuantMethod, StepContext
 from lmplug.kit.rope import RotaryEmbedding
 from lmplug.kit.decoder import Attention, DecoderForCausalLM
-from lmplug.kit.layers import RMSNorm, apply_rope, silu_and_mul
+from lmplug.kit.native_step import LayerForm
+from lmplug.kit.layers import RMSNorm, apply_rope, gelu_tanh_and_mul, silu_and_mul
 from lmplug.kit.parallel import ParallelState
 from lmplug.kit.parallel_layers import column_linear, row_linear
 from lmplug.kit.pipeline import stage_input, stage_output
@@ -32,16 +32,11 @@ class OffsetRMSNorm(RMSNorm):
         self._parameters["weight"].data.add_(1.0)
 
 
-def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
-    """GeGLU: ``gelu_tanh(gate) * up`` of a fused gate/up output [T, 2n] (gate first) -> [T, n]."""
-    gate, up = x.chunk(2, dim=-1)
-    return F.gelu(gate, approximate="tanh") * up
-
-
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "silu": silu_and_mul, "swish": silu_and_mul,
     "gelu_pytorch_tanh": gelu_tanh_and_mul, "gelu_tanh": gelu_tanh_and_mul,
 }
+NATIVE_ACTIVATIONS = {silu_and_mul: "silu", gelu_tanh_and_mul: "gelu_tanh"}  # the native decode step's names
 
 
 @dataclass(frozen=True)
@@ -166,6 +161,18 @@ class FlexLayer(torch.nn.Module):
         h = x + self.post_attention_layernorm(self.self_attn(x, positions, rope, kv, ctx))
         return h.add_(self.post_feedforward_layernorm(self.mlp(h)))
 
+    def native_form(self, rope: RotaryEmbedding) -> LayerForm | None:
+        """This layer as the kit's native decode step runs it; None for a subclass, another
+        attention or MLP block (GPT-OSS: sinks, experts), or an activation it has no C form of."""
+        attn, mlp = self.self_attn, self.mlp
+        act = NATIVE_ACTIVATIONS.get(mlp.act) if type(mlp) is GatedMLP else None
+        if type(self) is not FlexLayer or type(attn) is not FlexAttention or attn.sinks is not None or act is None:
+            return None
+        norms = tuple(getattr(self, name, None) for name in ("input_layernorm", "post_attention_layernorm",
+                                                             "pre_feedforward_layernorm", "post_feedforward_layernorm"))
+        return LayerForm(self.style, norms, attn, mlp, act, attn.shape.qk_norm, attn.rope, attn.shape.rotary_dim,
+                         self.multiplier)
+
 
 class FlexDecoder(DecoderForCausalLM):
     """The kit's causal LM with ``embedding_multiplier`` (x it after the embedding; Gemma: sqrt
@@ -193,9 +200,8 @@ class FlexDecoder(DecoderForCausalLM):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: StepContext) -> torch.Tensor | None:
         x = stage_input(self.tp, self.embed, input_ids, self.config.hidden_size, self.hidden_dtype)  # [T, h]
-        for layer, kv in zip(self.layers, self.kv_views):
-            x = layer(x, positions, self.rope, kv, ctx)
-        return stage_output(self.tp, x, self.norm)  # None: a pipeline stage before the last
+        # the layers in one C call where they can; None: a pipeline stage before the last
+        return stage_output(self.tp, self.run_layers(x, positions, ctx), self.norm)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         x = self.embed_tokens(input_ids)

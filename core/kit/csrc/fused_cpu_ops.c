@@ -83,6 +83,20 @@ int silu_mul_f32(const float *x, int64_t x_stride, float *out, int64_t rows, int
     return 0;
 }
 
+/* out[r, i] = gelu_tanh(x[r, i]) * x[r, n + i] (GeGLU: Gemma): gelu_tanh(g) = g / 2 * (1 + tanh(u)),
+ * u = sqrt(2 / pi) * (g + 0.044715 g^3), computed as g * sigmoid(2u) = g / (1 + e^(-2u)) */
+int gelu_tanh_mul_f32(const float *x, int64_t x_stride, float *out, int64_t rows, int64_t n) {
+    for (int64_t r = 0; r < rows; r++) {
+        const float *g = x + r * x_stride, *u = g + n;
+        float *o = out + r * n;
+        for (int64_t i = 0; i < n; i++) {
+            const float v = g[i], inner = 0.7978845608028654f * (v + 0.044715f * v * v * v);
+            o[i] = v / (1.0f + exp_f32(-2.0f * inner)) * u[i];
+        }
+    }
+    return 0;
+}
+
 /* Rotate-half RoPE in place: token t's heads [0, heads) of dim d start at x + t * token_stride
  * and lie head_stride apart; cos / sin are [max_position, d] tables (cat(freqs, freqs) layout).
  * Returns 1 + t for the first token whose position lies outside [0, max_position). */
@@ -108,14 +122,77 @@ int rope_f32(float *x, int64_t token_stride, int64_t head_stride, int64_t heads,
     return 0;
 }
 
+/* ---------------------------------------------------------------- the dense product
+ *
+ * The native decode step's product for the core's plain float32 weights (lmplug.kit.native_dense):
+ * out[m, N] = x[m, K] @ W^T (+ bias), W^T stored [K, N] row-major (the layout the core's
+ * Unquantized method keeps on the CPU). A decode's product reads every weight once and is bound by
+ * memory: the loops stream W^T's rows in order, four at a time, into output rows that stay in
+ * cache (DENSE_COLS columns of DENSE_ROWS rows), each output adding its K products in order (one
+ * load and store of it per four products). Portable loops, written for the auto-vectorizer. One
+ * thread: the step uses it only where the engine runs products on one thread. */
+
+typedef struct {
+    const float *wt;   /* [K, N] */
+    const float *bias; /* [N] or NULL */
+    int64_t in, out;   /* K, N */
+} dense_t;
+
+#define DENSE_ROWS 4
+#define DENSE_COLS 4096
+
+static void dense_block(const dense_t *d, const float *x, int64_t rows, int64_t n0, int64_t cols, float *out) {
+    const int64_t K = d->in, N = d->out;
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t j = 0; j < cols; j++) out[r * N + n0 + j] = 0.0f;
+    int64_t k = 0;
+    for (; k + 4 <= K; k += 4) {
+        const float *w0 = d->wt + k * N + n0, *w1 = w0 + N, *w2 = w1 + N, *w3 = w2 + N;
+        for (int64_t r = 0; r < rows; r++) {
+            const float x0 = x[r * K + k], x1 = x[r * K + k + 1], x2 = x[r * K + k + 2], x3 = x[r * K + k + 3];
+            float *o = out + r * N + n0;
+            for (int64_t j = 0; j < cols; j++) o[j] = o[j] + x0 * w0[j] + x1 * w1[j] + x2 * w2[j] + x3 * w3[j];
+        }
+    }
+    for (; k < K; k++) {
+        const float *w = d->wt + k * N + n0;
+        for (int64_t r = 0; r < rows; r++) {
+            const float xv = x[r * K + k];
+            float *o = out + r * N + n0;
+            for (int64_t j = 0; j < cols; j++) o[j] = o[j] + xv * w[j];
+        }
+    }
+    if (d->bias)
+        for (int64_t r = 0; r < rows; r++)
+            for (int64_t j = 0; j < cols; j++) out[r * N + n0 + j] = out[r * N + n0 + j] + d->bias[n0 + j];
+}
+
+int dense_product_f32(void *ctx, const float *x, int64_t m, float *out, int threads) {
+    const dense_t *d = ctx;
+    (void)threads;
+    for (int64_t r0 = 0; r0 < m; r0 += DENSE_ROWS) {
+        const int64_t rows = m - r0 < DENSE_ROWS ? m - r0 : DENSE_ROWS;
+        for (int64_t n0 = 0; n0 < d->out; n0 += DENSE_COLS)
+            dense_block(d, x + r0 * d->in, rows, n0, d->out - n0 < DENSE_COLS ? d->out - n0 : DENSE_COLS,
+                        out + r0 * d->out);
+    }
+    return 0;
+}
+
 /* ---------------------------------------------------------------- the native decode step
  *
- * Every decoder layer of a Llama-family decode step in one call (lmplug.kit.native_step):
- * the products and the attention are the plugins' C functions (lmplug.kit.native's
- * ABI), the rest is this file's functions above, in the order the Python layer runs them:
- *   normed = rms_norm(x); qkv = qkv(normed); [q, k heads: rms_norm each (Qwen3)]; rope(q, k);
- *   att = attention(qkv); x = o(att) + x; normed = rms_norm(x); x = x + down(silu_mul(gate_up(normed)))
- * so every step but the plugins' gives the Python path's bits. */
+ * Every decoder layer of a decode step in one call (lmplug.kit.native_step): the products and
+ * the attention are the plugins' C functions (lmplug.kit.native's ABI), the rest is this
+ * file's functions above, in the order the Python layers run them (lmplug.kit.decoder's
+ * DecoderLayer, lmplug_models.blocks' FlexLayer), so every step but the plugins' gives the
+ * Python path's bits. Per layer, with n1..n4 its four norms, m its residual multiplier and
+ * act SiLU or tanh-GELU:
+ *   attn(y) = o(attention(rope(qk_norm(qkv(y)))))     (q/k norms per head or over all heads;
+ *                                                      RoPE of its own table and width, or none)
+ *   mlp(y)  = down(act(gate) * up)  of gate_up(y)
+ *   pre:      h = x + m * attn(n1(x)),     x = h + m * mlp(n2(h))        (Llama, Granite)
+ *   sandwich: h = x + n2(attn(n1(x))),     x = h + n4(mlp(n3(h)))        (Gemma 2/3)
+ *   post:     h = x + n2(attn(x)),         x = h + n4(mlp(h))            (OLMo 2) */
 
 typedef int (*product_fn)(void *ctx, const float *x, int64_t m, float *out, int threads);
 typedef int (*attention_fn)(void *ctx, int64_t layer, const float *qkv, int64_t qkv_stride, float *out,
@@ -126,17 +203,25 @@ typedef struct {
     void *ctx;
 } product_t;
 
+enum { STYLE_PRE = 0, STYLE_SANDWICH, STYLE_POST };
+enum { ACT_SILU = 0, ACT_GELU_TANH };
+enum { QK_NORM_NONE = 0, QK_NORM_HEAD, QK_NORM_FULL };
+
 typedef struct {
-    const float *input_norm, *post_norm, *q_norm, *k_norm; /* q_norm, k_norm: NULL where absent */
+    const float *input_norm, *post_norm, *q_norm, *k_norm; /* input_norm: NULL for post; q/k: NULL where absent */
     product_t qkv, o, gate_up, down;
     int64_t kv_layer; /* the cache layer its attention reads */
+    const float *pre_ff_norm, *post_ff_norm; /* sandwich: both; post: post_ff_norm; pre: NULL */
+    const float *cos, *sin;                  /* its RoPE's [max_position, rotary_dim] tables; NULL: none (NoPE) */
+    int64_t max_position, rotary_dim;        /* rotary_dim <= head_dim: the first dims of each head rotate */
+    int32_t style, act, qk_norm;
+    float multiplier; /* the residual multiplier (pre style; 1: none) */
 } step_layer_t;
 
 typedef struct {
-    int64_t rows, hidden, heads, kv_heads, head_dim, intermediate, max_position;
+    int64_t rows, hidden, heads, kv_heads, head_dim, intermediate;
     float eps;
     const int64_t *positions; /* [rows] */
-    const float *cos, *sin;   /* [max_position, head_dim] */
     attention_fn attention;
     void *attention_ctx;
     int threads;
@@ -151,6 +236,25 @@ int64_t decode_step_scratch(int64_t rows, int64_t hidden, int64_t heads, int64_t
     return rows * (3 * hidden + (heads + 2 * kv_heads) * head_dim + heads * head_dim + 3 * intermediate);
 }
 
+static void scale_f32(float *x, int64_t n, float m) {
+    for (int64_t i = 0; i < n; i++) x[i] = x[i] * m;
+}
+
+/* q/k norms of every row of qkv in place (norm_row reads a value before writing it) */
+static void qk_norms(const step_layer_t *L, const step_t *s, float *qkv, int64_t qkv_width) {
+    const int64_t T = s->rows, D = s->head_dim;
+    for (int64_t t = 0; t < T; t++) {
+        float *row = qkv + t * qkv_width;
+        if (L->qk_norm == QK_NORM_FULL) {
+            norm_row(row, L->q_norm, row, s->heads * D, s->eps);
+            norm_row(row + s->heads * D, L->k_norm, row + s->heads * D, s->kv_heads * D, s->eps);
+            continue;
+        }
+        for (int64_t i = 0; i < s->heads + s->kv_heads; i++)
+            norm_row(row + i * D, i < s->heads ? L->q_norm : L->k_norm, row + i * D, D, s->eps);
+    }
+}
+
 /* x [rows, hidden] in place, through layers [0, n_layers). Returns 0, or the failing stage's
  * code with *failed = layer * 8 + stage. */
 int decode_step_f32(const step_layer_t *layers, int64_t n_layers, const step_t *s, float *x, int64_t *failed) {
@@ -160,29 +264,41 @@ int decode_step_f32(const step_layer_t *layers, int64_t n_layers, const step_t *
     float *gu = o + T * h, *act = gu + T * 2 * I, *down = act + T * I;
     for (int64_t l = 0; l < n_layers; l++) {
         const step_layer_t *L = &layers[l];
+        const int post = L->style == STYLE_POST, sandwich = L->style == STYLE_SANDWICH;
         int status;
 #define STAGE(code, call)                      \
         if ((status = (call)) != 0) {          \
             *failed = l * 8 + (code);          \
             return status;                     \
         }
-        rms_norm_f32(x, T, h, 1, 0, L->input_norm, normed, h, s->eps);
-        STAGE(STAGE_QKV, L->qkv.fn(L->qkv.ctx, normed, T, qkv, s->threads));
-        if (L->q_norm) {
-            for (int64_t t = 0; t < T; t++) /* in place: norm_row reads a value before writing it */
-                for (int64_t i = 0; i < s->heads + s->kv_heads; i++) {
-                    float *head = qkv + t * qkv_width + i * D;
-                    norm_row(head, i < s->heads ? L->q_norm : L->k_norm, head, D, s->eps);
-                }
-        }
-        STAGE(STAGE_ROPE, rope_f32(qkv, qkv_width, D, s->heads + s->kv_heads, s->positions, T, s->cos, s->sin,
-                                   s->max_position, D));
+        if (!post) rms_norm_f32(x, T, h, 1, 0, L->input_norm, normed, h, s->eps);
+        STAGE(STAGE_QKV, L->qkv.fn(L->qkv.ctx, post ? x : normed, T, qkv, s->threads));
+        if (L->qk_norm != QK_NORM_NONE) qk_norms(L, s, qkv, qkv_width);
+        if (L->cos)
+            STAGE(STAGE_ROPE, rope_f32(qkv, qkv_width, D, s->heads + s->kv_heads, s->positions, T, L->cos, L->sin,
+                                       L->max_position, L->rotary_dim));
         STAGE(STAGE_ATTENTION, s->attention(s->attention_ctx, L->kv_layer, qkv, qkv_width, att, s->threads));
         STAGE(STAGE_O, L->o.fn(L->o.ctx, att, T, o, s->threads));
-        add_rms_norm_f32(o, x, x, L->post_norm, normed, T, h, s->eps);
-        STAGE(STAGE_GATE_UP, L->gate_up.fn(L->gate_up.ctx, normed, T, gu, s->threads));
-        silu_mul_f32(gu, 2 * I, act, T, I);
+        const float *mlp_in = normed;
+        if (post) { /* h = x + n2(a): the MLP reads h itself */
+            rms_norm_f32(o, T, h, 1, 0, L->post_norm, o, h, s->eps);
+            for (int64_t i = 0; i < T * h; i++) x[i] = x[i] + o[i];
+            mlp_in = x;
+        } else if (sandwich) { /* h = x + n2(a), normed = n3(h) */
+            rms_norm_f32(o, T, h, 1, 0, L->post_norm, o, h, s->eps);
+            add_rms_norm_f32(o, x, x, L->pre_ff_norm, normed, T, h, s->eps);
+        } else {
+            if (L->multiplier != 1.0f) scale_f32(o, T * h, L->multiplier);
+            add_rms_norm_f32(o, x, x, L->post_norm, normed, T, h, s->eps);
+        }
+        STAGE(STAGE_GATE_UP, L->gate_up.fn(L->gate_up.ctx, mlp_in, T, gu, s->threads));
+        if (L->act == ACT_GELU_TANH)
+            gelu_tanh_mul_f32(gu, 2 * I, act, T, I);
+        else
+            silu_mul_f32(gu, 2 * I, act, T, I);
         STAGE(STAGE_DOWN, L->down.fn(L->down.ctx, act, T, down, s->threads));
+        if (L->post_ff_norm) rms_norm_f32(down, T, h, 1, 0, L->post_ff_norm, down, h, s->eps);
+        else if (L->multiplier != 1.0f) scale_f32(down, T * h, L->multiplier);
         for (int64_t i = 0; i < T * h; i++) x[i] = x[i] + down[i];
 #undef STAGE
     }

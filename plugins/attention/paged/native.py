@@ -267,7 +267,9 @@ class _StepAttention(ctypes.Structure):
                 ("slots", ctypes.c_void_p), ("rows", ctypes.c_int64), ("H", ctypes.c_int64), ("Hkv", ctypes.c_int64),
                 ("D", ctypes.c_int64), ("block_size", ctypes.c_int64), ("num_slots", ctypes.c_int64),
                 ("window", ctypes.c_int64), ("scale", ctypes.c_float), ("q", ctypes.c_void_p),
-                ("checked", ctypes.c_int64), ("mask_starts", ctypes.c_void_p), ("masks", ctypes.c_void_p)]
+                ("checked", ctypes.c_int64), ("mask_starts", ctypes.c_void_p), ("masks", ctypes.c_void_p),
+                ("layer_scales", ctypes.c_void_p), ("layer_softcaps", ctypes.c_void_p),
+                ("layer_windows", ctypes.c_void_p)]
 
 # decode_step_attention's error codes
 STEP_ERRORS = {-1: "could not allocate its scratch memory", -2: "slot_mapping names a slot outside the cache",
@@ -297,15 +299,20 @@ def _layer_pointers(views: list, num_kv_heads: int, head_dim: int) -> tuple | No
     return value
 
 def step_attention(ctx, views: list, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
-                   sliding_window: int | None, name: str) -> NativeCall | None:
+                   sliding_window: int | None, name: str, specs: tuple = ()) -> NativeCall | None:
     """A step's attention as a ``lmplug.kit.native`` attention function
     (``decode_step_attention``: the KV write, then this kernel), or None where the step does not
     fit it: a query longer than ``paged_rows`` reads as rows (a prefill), caches that are not
     float32 on the CPU (quantized KV), the kernel not built here. Decodes are one row each; a
     speculative verify's short queries (chains and draft trees) one row per query token
     (``paged_rows.query_rows``), so each token gets the bits it would get decoded alone. The
-    C function checks the step's tables and slots against the cache (``STEP_ERRORS``)."""
+    C function checks the step's tables and slots against the cache (``STEP_ERRORS``). ``specs``:
+    the backend's ``LayerAttention`` per cache layer where they differ (scale, window, soft-cap;
+    sinks have no native step: None)."""
     if not views:
+        return None
+    per_layer = _per_layer(specs, len(views)) if specs else None
+    if specs and per_layer is None:
         return None
     decodes = ctx.num_decodes == ctx.num_seqs and not ctx.query_masks
     if not decodes and leading_short_queries(ctx, trees=True) < ctx.num_seqs:
@@ -341,6 +348,18 @@ def step_attention(ctx, views: list, num_heads: int, num_kv_heads: int, head_dim
                           tables.stride(0), lens.data_ptr(), slots.data_ptr(), rows, num_heads, hkv, d, block_size,
                           num_blocks * block_size, sliding_window or 0, scale, q.data_ptr(), 0,
                           None if masks is None else mask_starts.data_ptr(),
-                          None if masks is None else masks.data_ptr())
-    return NativeCall(kernel, ctypes.addressof(desc), (desc, layers, tables, lens, slots, q, mask_starts, masks),
+                          None if masks is None else masks.data_ptr(),
+                          *(ctypes.addressof(a) for a in per_layer or ()))
+    return NativeCall(kernel, ctypes.addressof(desc), (desc, layers, per_layer, tables, lens, slots, q, mask_starts, masks),
                       name, STEP_ERRORS)
+
+
+@functools.lru_cache(maxsize=16)
+def _per_layer(specs: tuple, count: int) -> tuple | None:
+    """(scales, soft-caps, windows) of ``specs`` as ``decode_step_attention`` reads them, or None
+    where some layer has sinks or the layers do not cover the ``count`` cache layers."""
+    if len(specs) < count or any(spec.sinks for spec in specs[:count]):
+        return None
+    return ((ctypes.c_float * count)(*[spec.scale for spec in specs[:count]]),
+            (ctypes.c_float * count)(*[spec.softcap or 0.0 for spec in specs[:count]]),
+            (ctypes.c_int64 * count)(*[spec.sliding_window or 0 for spec in specs[:count]]))

@@ -8,7 +8,14 @@ import torch
 import torch.nn.functional as F
 
 from lmplug.kit import fused_cpu
-from lmplug.kit.layers import RMSNorm, apply_rope, silu_and_mul, silu_and_mul_reference
+from lmplug.kit.layers import (
+    RMSNorm,
+    apply_rope,
+    gelu_tanh_and_mul,
+    gelu_tanh_and_mul_reference,
+    silu_and_mul,
+    silu_and_mul_reference,
+)
 from lmplug.kit.rope import RotaryEmbedding
 
 pytestmark = pytest.mark.skipif(fused_cpu.library() is None, reason="no C compiler: the fused ops cannot build")
@@ -65,6 +72,24 @@ def test_silu_mul_matches_torch(lib, rows, n):
     x = torch.randn(rows, 2 * n, generator=gen()) * 6  # exp's range: large and small gates
     x[0, :3] = torch.tensor([-120.0, 95.0, 0.0])  # past the clamp of the C exp, and zero
     torch.testing.assert_close(fused_cpu.silu_mul(lib, x), silu_and_mul_reference(x), rtol=2e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize(("rows", "n"), [(1, 1536), (3, 17), (2, 1)])
+def test_gelu_tanh_mul_matches_torch(lib, rows, n):
+    """GeGLU's tanh GELU (Gemma) against torch's ``gelu(approximate="tanh")``, over the range where
+    its tanh saturates both ways."""
+    x = torch.randn(rows, 2 * n, generator=gen()) * 4
+    torch.testing.assert_close(fused_cpu.gelu_tanh_mul(lib, x), gelu_tanh_and_mul_reference(x), rtol=4e-6,
+                               atol=2e-6)
+
+
+def test_gelu_tanh_and_mul_takes_the_fused_path_on_float32_cpu(lib, monkeypatch):
+    calls = []
+    monkeypatch.setattr(fused_cpu, "gelu_tanh_mul", lambda lib, x: calls.append(x) or gelu_tanh_and_mul_reference(x))
+    x = torch.randn(2, 8, generator=gen())
+    gelu_tanh_and_mul(x)
+    gelu_tanh_and_mul(x.double())
+    assert len(calls) == 1
 
 
 def test_silu_mul_of_a_strided_row_view(lib):

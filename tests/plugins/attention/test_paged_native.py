@@ -264,6 +264,33 @@ def test_step_attention_writes_the_rows_then_gives_the_kernels_bits(native):
             call_attention(call, 2, qkv, 9, 64)  # a layer the step does not have
 
 
+def test_step_attention_takes_each_layers_scale_window_and_softcap(native):
+    """Per cache layer (Gemma 2/3): layer 0 plain, layer 1 a window of 8, another scale and a soft-cap;
+    each layer's output is the kernel's with that layer's parameters, bit for bit. Sinks: declined."""
+    from lmplug.interfaces.attention import KVLayerView, LayerAttention
+    from lmplug.kit.native import call_attention
+
+    specs = (LayerAttention(0.125), LayerAttention(0.3, 8, 20.0))
+    q, kc, vc, tables, lens = paged_batch(LENS, 9, 3, 64, 16, torch.float32, seed=11)
+    slots = torch.tensor([int(tables[i, (n - 1) // 16]) * 16 + (n - 1) % 16 for i, n in enumerate(LENS)])
+    g = torch.Generator().manual_seed(12)
+    k, v = torch.randn(len(LENS), 3, 64, generator=g), torch.randn(len(LENS), 3, 64, generator=g)
+    views = [KVLayerView(kc.clone(), vc.clone(), "paged"), KVLayerView(kc.clone(), vc.clone(), "paged")]
+    call = native.step_attention(step_context(tables, lens, slots), views, 9, 3, 64, 0.125, None, "attention t",
+                                 specs)
+    qkv = torch.cat([q.flatten(1), k.flatten(1), v.flatten(1)], dim=1)
+    for layer, spec in enumerate(specs):
+        got = call_attention(call, layer, qkv, 9, 64)
+        view = views[layer]
+        want = native.paged_decode_attention(q, view.k_cache, view.v_cache, tables, lens, spec.scale,
+                                             sliding_window=spec.sliding_window, softcap=spec.softcap, num_threads=1)
+        assert torch.equal(got, want), layer
+    assert not torch.equal(call_attention(call, 0, qkv, 9, 64), call_attention(call, 1, qkv, 9, 64))
+    sinks = (specs[0], LayerAttention(0.125, sinks=True))
+    assert native.step_attention(step_context(tables, lens, slots), views, 9, 3, 64, 0.125, None, "attention t",
+                                 sinks) is None
+
+
 @pytest.mark.parametrize("tree", [False, True], ids=["chain", "tree"])
 def test_step_attention_reads_a_verifys_short_queries_as_rows(native, tree):
     """A decode (20 positions) and a verify of 4 new tokens after 29 cached (a chain, or a tree:

@@ -656,6 +656,10 @@ typedef struct {
     int64_t checked; /* the tables were checked (by the step's first call) */
     const int32_t *mask_starts; /* [rows] or NULL: as paged_decode_f32's */
     const uint64_t *masks;      /* [rows] or NULL */
+    /* per cache layer (Gemma 2/3: windows, scales, soft-caps that differ by layer), or NULL:
+     * every layer attends with scale and window, no soft-cap */
+    const float *layer_scales, *layer_softcaps; /* [num_layers]; softcap 0: none */
+    const int64_t *layer_windows;                /* [num_layers]; 0: none */
 } step_attention_t;
 
 static int check_tables(const step_attention_t *s) {
@@ -692,7 +696,10 @@ EXPORT int decode_step_attention(void *ctx, int64_t layer, const float *qkv, int
         memcpy(kc + s->slots[t] * kd, row + qd, (size_t)kd * sizeof(float));
         memcpy(vc + s->slots[t] * kd, row + qd + kd, (size_t)kd * sizeof(float));
     }
+    const float scale = s->layer_scales ? s->layer_scales[layer] : s->scale;
+    const float softcap = s->layer_softcaps ? s->layer_softcaps[layer] : 0.0f;
+    const int64_t window = s->layer_windows ? s->layer_windows[layer] : s->window;
     return launch(run_f32, s->q, kc, vc, s->block_tables, s->bt_stride, s->seq_lens, s->mask_starts, s->masks,
-                  out, (int)s->rows, (int)s->H, (int)s->Hkv, (int)s->D, (int)s->block_size, s->scale, (int)s->window,
-                  0.0f, NULL, s->rows < STEP_THREADS_MIN_ROWS ? 1 : threads);
+                  out, (int)s->rows, (int)s->H, (int)s->Hkv, (int)s->D, (int)s->block_size, scale, (int)window,
+                  softcap, NULL, s->rows < STEP_THREADS_MIN_ROWS ? 1 : threads);
 }

@@ -1,0 +1,45 @@
+"""The native decode step's product for the core's own plain float32 weights (``Unquantized``).
+
+The native decode step needs every linear layer's product as a C function (``lmplug.kit.native``);
+quant methods hand theirs in (GGUF's kernels), but the core's default method for a float32
+checkpoint is not a plugin and has none: its ``apply`` is torch's BLAS. This is its C form,
+``dense_product_f32`` in ``csrc/fused_cpu_ops.c``, over the ``W^T`` layout ``Unquantized`` keeps
+on the CPU. It runs on one thread, so the step takes it only where the engine's products run on one
+thread (``compute_threads() == 1``, e.g. ``OMP_NUM_THREADS=1``); with more, torch's threaded BLAS
+and the Python layers stay.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from lmplug.interfaces.quant import Unquantized
+from lmplug.kit import fused_cpu
+from lmplug.kit.native import NativeCall
+from lmplug.kit.threads import compute_threads
+
+
+class _Dense(ctypes.Structure):
+    _fields_ = [("wt", ctypes.c_void_p), ("bias", ctypes.c_void_p), ("in_features", ctypes.c_int64),
+                ("out_features", ctypes.c_int64)]
+
+
+def product(linear: torch.nn.Module) -> NativeCall | None:
+    """``linear``'s product as a ``PRODUCT_ABI`` call, or None: another quant method, weights that
+    are not float32 ``W^T`` on the CPU, more than one compute thread, no fused library."""
+    if type(linear.quant) is not Unquantized or compute_threads() != 1:
+        return None
+    weight, bias = linear._parameters.get("weight"), linear._parameters.get("bias")
+    if (weight is None or weight.dim() != 2 or weight.dtype != torch.float32 or not weight.is_cpu
+            or weight.stride() != (1, weight.shape[0])):
+        return None
+    if bias is not None and (bias.dtype != torch.float32 or not bias.is_cpu or not bias.is_contiguous()):
+        return None
+    lib = fused_cpu.library()
+    if lib is None:
+        return None
+    desc = _Dense(weight.data_ptr(), None if bias is None else bias.data_ptr(), weight.shape[1], weight.shape[0])
+    fn = ctypes.cast(lib.dense_product_f32, ctypes.c_void_p).value
+    return NativeCall(fn, ctypes.addressof(desc), (desc, weight, bias, lib), "quant none (the core's C product)")

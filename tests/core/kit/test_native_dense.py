@@ -1,0 +1,52 @@
+"""The kit's C product for the core's plain float32 weights (``lmplug.kit.native_dense``) against
+float64 matmuls: tiles and their tails (rows not a multiple of 4, columns not of 32), bias or none,
+through ``lmplug.kit.native.call_product`` as the native decode step calls it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lmplug.interfaces.quant import Unquantized
+from lmplug.kit import fused_cpu, native_dense
+from lmplug.kit.layers import Linear
+from lmplug.kit.native import call_product
+
+pytestmark = pytest.mark.skipif(fused_cpu.library() is None, reason="no C compiler: no native product")
+
+
+def _linear(k: int, n: int, bias: bool) -> Linear:
+    g = torch.Generator().manual_seed(k * n)
+    quant = Unquantized()
+    layer = Linear(k, {"proj": n}, bias=bias, dtype=torch.float32, quant=quant)
+    layer.weight.data.copy_(torch.randn(n, k, generator=g))
+    if bias:
+        layer.bias.data.copy_(torch.randn(n, generator=g))
+    quant.process_weights_after_loading(layer)  # W^T on the CPU
+    return layer
+
+
+@pytest.mark.parametrize(("m", "k", "n"), [(1, 576, 960), (3, 64, 32), (5, 33, 70), (16, 96, 3), (4, 2, 64)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_product_matches_the_float64_matmul(torch_threads, m, k, n, bias):
+    torch_threads(1)
+    layer = _linear(k, n, bias)
+    call = native_dense.product(layer)
+    assert call is not None
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
+    want = torch.nn.functional.linear(x.double(), layer.weight.double(), None if not bias else layer.bias.double())
+    got = call_product(call, x, n)
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5 * k ** 0.5)
+    torch.testing.assert_close(got, layer.quant.apply(layer, x), rtol=1e-5, atol=1e-5 * k ** 0.5)
+
+
+def test_no_product_where_it_does_not_apply(torch_threads):
+    torch_threads(1)
+    layer = _linear(8, 8, False)
+    row_major = _linear(8, 8, False)
+    row_major.weight.data = row_major.weight.data.contiguous()
+    half = _linear(8, 8, False)
+    half.weight.data = half.weight.data.bfloat16()
+    assert native_dense.product(row_major) is None and native_dense.product(half) is None
+    torch_threads(2)
+    assert native_dense.product(layer) is None  # one-threaded: more threads keep torch's BLAS
