@@ -2,7 +2,9 @@
 
 ``attach(model, backend, ...)`` gives every attention and MLP ``Linear`` a ``LinearLoRA``: its
 stacked A and B slots (layout: ``lmplug.interfaces.adapter``) and the model's one ``LoRAStep``,
-which the runner sets once per step (each token's slot) and every layer reads. The slots are
+which the runner sets once per step (each token's slot) and every layer reads; a float32 CPU
+layer also keeps ``NativeSlots`` (what the native decode step's C product reads: 16-bit adapters
+in their own dtype). The slots are
 plain tensors, not parameters: the checkpoint loader and the memory report never see them.
 
 Under tensor parallelism each rank's slots hold its part of every adapter, sharded as the base
@@ -145,6 +147,7 @@ class LinearLoRA:
             self.b[slot, start:end, k * self.max_rank:k * self.max_rank + r].copy_(b.float() * cut[k][2])
         if self.native is not None:
             self.native.fill(slot, cut, self)
+
 
 def attach(model: torch.nn.Module, backend: AdapterBackend, num_slots: int, max_rank: int) -> dict[str, LinearLoRA]:
     """Slots on every ``Linear`` of the decoder layers (not the LM head nor a packed embedding); returns them by the
