@@ -2,14 +2,15 @@
 adapters, against the base model alone and against one merged engine per adapter.
 
     python benchmarks/bench_lora.py [--model dense|demo] [--layers 30] [--rank 8] [--requests 16]
-                                    [--tokens 32] [--threads 2]
+                                    [--tokens 32] [--threads 2] [--adapter-dtype float32|float16|bfloat16]
 
 ``--model dense`` (default): a random Llama in SmolLM2-135M's shape (hidden 576, 9 heads over 3
 KV heads, MLP 1536; ``--layers`` of them), float32 on the CPU, saved as an HF folder (the Python
 layers). ``--model demo``: the demo model's packed GGUF (``lmplug models pull
 smollm2-135m-instruct``) in the default config (packed blocks, the native decode step: with LoRA,
 the adapter plugin's C product around each layer's). Each adapter a random PEFT adapter of rank
-``--rank`` on every attention and MLP projection. Configurations, one process, one after another:
+``--rank`` on every attention and MLP projection, its file's weights in ``--adapter-dtype``
+(float32 default; the native step's slots keep a 16-bit file's dtype). Configurations, one process, one after another:
 
 - base: the model without a ``lora:`` section, 16 requests;
 - lora/base rows: the same requests on the LoRA engine, none with an adapter (the cost of the
@@ -62,21 +63,21 @@ def make_model(root: Path, layers: int) -> Path:
     return path
 
 
-def make_adapter(targets: dict[str, tuple[int, int]], folder: Path, rank: int,
-                 seed: int) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+def make_adapter(targets: dict[str, tuple[int, int]], folder: Path, rank: int, seed: int,
+                 dtype: torch.dtype = torch.float32) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """A random adapter in PEFT's saved format over ``targets`` (module -> (in, out), the engine's
-    ``adapters.targets``); returns module -> (A, B * scale) for merging."""
+    ``adapters.targets``), stored in ``dtype``; returns module -> (A, B * scale) for merging."""
     from safetensors.torch import save_file
 
     folder.mkdir(parents=True)
     g = torch.Generator().manual_seed(seed)
     tensors, deltas = {}, {}
     for module, (d_in, d_out) in sorted(targets.items()):
-        a = torch.randn(rank, d_in, generator=g) / math.sqrt(d_in)
-        b = torch.randn(d_out, rank, generator=g) * 0.02
+        a = (torch.randn(rank, d_in, generator=g) / math.sqrt(d_in)).to(dtype)
+        b = (torch.randn(d_out, rank, generator=g) * 0.02).to(dtype)
         tensors[f"base_model.model.{module}.lora_A.weight"] = a
         tensors[f"base_model.model.{module}.lora_B.weight"] = b
-        deltas[module] = (a, b * 2.0)  # lora_alpha = 2 r
+        deltas[module] = (a.float(), b.float() * 2.0)  # lora_alpha = 2 r
     save_file(tensors, str(folder / "adapter_model.safetensors"))
     (folder / "adapter_config.json").write_text(json.dumps(
         {"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": TARGETS, "bias": "none"}))
@@ -126,6 +127,8 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=32)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--backend", default="torch")
+    p.add_argument("--adapter-dtype", choices=("float32", "float16", "bfloat16"), default="float32",
+                   help="the dtype the adapter files store their weights in")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--clock", choices=tuple(CLOCKS), default="wall",
                    help="cpu: per CPU-second of this process (with --threads 1: the work done, what a "
@@ -148,7 +151,8 @@ def main() -> None:
         common["scheduler"] = {"backend": "continuous", "max_num_seqs": a.requests}
         lora_cfg = {"backend": a.backend, "max_loras": 16, "max_lora_rank": a.rank}
         plain, served = LLM(str(base), **common), LLM(str(base), lora=lora_cfg, **common)
-        deltas = [make_adapter(served.engine.adapters.targets, root / f"a{k}", a.rank, k) for k in range(16)]
+        dtype = getattr(torch, a.adapter_dtype)
+        deltas = [make_adapter(served.engine.adapters.targets, root / f"a{k}", a.rank, k, dtype) for k in range(16)]
         g = torch.Generator().manual_seed(1)
         vocab = served.engine.model_config.vocab_size
         prompts = [torch.randint(3, vocab, (16,), generator=g).tolist() for _ in range(a.requests)]
@@ -190,7 +194,7 @@ def main() -> None:
                   f"with its {a.requests // n} requests, one after another; median of {a.repeats} each)", flush=True)
         plain.close()
         base_rate = rows["base"]
-        print(f"\nratio to base ({a.model}, {a.clock} clock, {a.threads} threads):")
+        print(f"\nratio to base ({a.model}, {a.clock} clock, {a.threads} threads, {a.adapter_dtype} adapters):")
         for name, rate in rows.items():
             print(f"  {name:<20} {rate / base_rate:5.2f}x")
     finally:

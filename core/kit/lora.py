@@ -2,7 +2,9 @@
 
 ``attach(model, backend, ...)`` gives every attention and MLP ``Linear`` a ``LinearLoRA``: its
 stacked A and B slots (layout: ``lmplug.interfaces.adapter``) and the model's one ``LoRAStep``,
-which the runner sets once per step (each token's slot) and every layer reads. The slots are
+which the runner sets once per step (each token's slot) and every layer reads; a float32 CPU
+layer also keeps ``NativeSlots`` (what the native decode step's C product reads: 16-bit adapters
+in their own dtype). The slots are
 plain tensors, not parameters: the checkpoint loader and the memory report never see them.
 
 Under tensor parallelism each rank's slots hold its part of every adapter, sharded as the base
@@ -53,6 +55,44 @@ class LoRAStep:
         self.meta = self.backend.prepare(slots, token_slots_cpu)
 
 
+class NativeSlots:
+    """A float32 CPU layer's slots as the native product reads them (``lmplug_adapter.lora_native``):
+    per slot its dtype (``DTYPES``' index) and its shards' scalings; a 16-bit slot's A in ``a16``
+    and its unscaled B (in the file's dtype, so nothing is rounded) in the first half of its
+    ``b`` slot; a float32 slot's A is the layer's ``a`` and its ``b`` the scaled float32 B. ``b``
+    is compact ([S, out, R]: each output row's own shard's R columns, none of the block-diagonal
+    zeros). Every slot has room for float32, so adapters of any dtype share the slots and the
+    addresses never change."""
+
+    DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+    def __init__(self, num_slots: int, shards: int, rank: int, d_in: int, d_out: int) -> None:
+        self.rank = rank
+        self.dtype = torch.zeros(num_slots, dtype=torch.int32)
+        self.scale = torch.ones(num_slots, shards, dtype=torch.float32)
+        self.a16 = torch.zeros(num_slots, shards * rank, d_in, dtype=torch.int16)
+        self.b = torch.zeros(num_slots, d_out, rank, dtype=torch.float32)
+
+    def fill(self, slot: int, shards: dict[int, tuple[torch.Tensor, torch.Tensor, float]], lora: LinearLoRA) -> None:
+        dtypes = {t.dtype for a, b, _ in shards.values() for t in (a, b)}
+        dtype = dtypes.pop() if len(dtypes) == 1 and dtypes <= set(self.DTYPES[1:]) else torch.float32
+        self.dtype[slot] = self.DTYPES.index(dtype)
+        self.scale[slot] = 1.0
+        self.b[slot].zero_()
+        if dtype == torch.float32:
+            for k, (start, end) in enumerate(lora.ranges):
+                self.b[slot, start:end] = lora.b[slot, start:end, k * self.rank:(k + 1) * self.rank]
+            return
+        self.a16[slot].zero_()
+        a16, b16 = self.a16[slot].view(dtype), self.b[slot].view(-1).view(dtype)[:self.b[slot].numel()]
+        b16 = b16.view(self.b.shape[1], self.rank)
+        for k, (a, b, scale) in shards.items():
+            (start, end), r = lora.ranges[k], a.shape[0]
+            a16[k * self.rank:k * self.rank + r].copy_(a)
+            b16[start:end, :r].copy_(b)
+            self.scale[slot, k] = scale
+
+
 class LinearLoRA:
     """One ``Linear``'s slots: ``prefixes[k]`` is shard k's checkpoint module name (what a PEFT
     adapter's keys name), ``ranges[k]`` its output columns; ``out_starts[k]`` the first of them in
@@ -74,9 +114,9 @@ class LinearLoRA:
         device = next(iter(linear.buffers()), next(iter(linear.parameters()), torch.empty(0))).device
         self.a = torch.zeros(num_slots, k * max_rank, linear.in_features, dtype=linear.dtype, device=device)
         self.b = torch.zeros(num_slots, linear.out_features, k * max_rank, dtype=linear.dtype, device=device)
-        # each output row's own shard's R columns of b ([S, out, R]), kept only once a native product
-        # asks for it (``compact_b``): what the native step's expand reads, none of b's zeros
-        self.b_compact: torch.Tensor | None = None
+        # what the native decode step reads (float32 CPU layers only: NativeSlots)
+        self.native = NativeSlots(num_slots, k, max_rank, self.in_features, self.out_features) \
+            if device.type == "cpu" and linear.dtype == torch.float32 else None
 
     def add(self, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         meta = self.step.meta
@@ -86,34 +126,27 @@ class LinearLoRA:
         self.step.backend.apply(flat, x.reshape(-1, x.shape[-1]), self.a, self.b, meta)
         return flat.view(y.shape)
 
-    def compact_b(self) -> torch.Tensor:
-        """``b`` without the block-diagonal zeros: row o holds its shard's R columns ([S, out, R]),
-        kept in step with every later ``fill``."""
-        if self.b_compact is None:
-            self.b_compact = torch.empty(self.b.shape[0], self.out_features, self.max_rank, dtype=self.b.dtype,
-                                         device=self.b.device)
-            for k, (start, end) in enumerate(self.ranges):
-                self.b_compact[:, start:end] = self.b[:, start:end, k * self.max_rank:(k + 1) * self.max_rank]
-        return self.b_compact
-
     def native_product(self, base: NativeCall) -> NativeCall | None:
         """``base`` (the layer's native product) with this layer's LoRA update added, from the
         adapter backend (``extras.NativeLoRA``), or None: the native decode step is off."""
         return extras.native_lora(self.step.backend, base, self)
 
-    def fill(self, slot: int, shards: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """Slot ``slot`` holds these shards' (A [r, full_in], B [full_out_k, r], scaling folded
-        into B; this rank's part of them); the shards not given (and the rank's padding) hold zeros."""
+    def fill(self, slot: int, shards: dict[int, tuple]) -> None:
+        """Slot ``slot`` holds these shards' (A [r, full_in], B [full_out_k, r], and the scaling:
+        1 when not given; this rank's part of them); the shards not given (and the rank's padding)
+        hold zeros. ``a`` / ``b`` get float32 (or the layer's dtype) with the scaling folded into B;
+        the native slots keep the given dtype where all of A and B are one 16-bit dtype."""
         self.a[slot].zero_()
         self.b[slot].zero_()
-        for k, (a, b) in shards.items():
+        cut = {}
+        for k, (a, b, *scale) in shards.items():
             r, (start, end), first = a.shape[0], self.ranges[k], self.out_starts[k]
-            self.a[slot, k * self.max_rank:k * self.max_rank + r].copy_(
-                a[:, self.in_start:self.in_start + self.in_features])
-            self.b[slot, start:end, k * self.max_rank:k * self.max_rank + r].copy_(b[first:first + end - start])
-        if self.b_compact is not None:
-            for k, (start, end) in enumerate(self.ranges):
-                self.b_compact[slot, start:end] = self.b[slot, start:end, k * self.max_rank:(k + 1) * self.max_rank]
+            a, b = a[:, self.in_start:self.in_start + self.in_features], b[first:first + end - start]
+            cut[k] = (a, b, scale[0] if scale else 1.0)
+            self.a[slot, k * self.max_rank:k * self.max_rank + r].copy_(a)
+            self.b[slot, start:end, k * self.max_rank:k * self.max_rank + r].copy_(b.float() * cut[k][2])
+        if self.native is not None:
+            self.native.fill(slot, cut, self)
 
 
 def attach(model: torch.nn.Module, backend: AdapterBackend, num_slots: int, max_rank: int) -> dict[str, LinearLoRA]:

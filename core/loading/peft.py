@@ -2,7 +2,8 @@
 
 What is read: each adapted module's ``lora_A`` [r, in] and ``lora_B`` [out, r] (rank per module,
 so ``rank_pattern`` works), ``lora_alpha`` and ``use_rslora`` (scaling ``alpha / r``, or
-``alpha / sqrt(r)``), folded into B. What is refused, by name: DoRA (``use_dora``), trained
+``alpha / sqrt(r)``), kept beside the weights (the slots fold it into float32 B; the native
+slots keep a 16-bit file's values as they are, ``lmplug.kit.lora``). What is refused, by name: DoRA (``use_dora``), trained
 biases (``bias``), ``modules_to_save``, ``alpha_pattern``, adapters on the embedding or the LM
 head, modules this model has no linear layer for, shapes that are not the base model's, a rank
 above ``max_lora_rank``, and a file that is not a readable safetensors file. Every error names
@@ -29,15 +30,15 @@ PREFIX = "base_model.model."
 
 @dataclass
 class HostAdapter:
-    """An adapter's weights in host memory: checkpoint module name -> (A [r, in], B [out, r] with
-    the scaling folded in)."""
+    """An adapter's weights in host memory: checkpoint module name -> (A [r, in], B [out, r], the
+    scaling), A and B in the file's dtype (float16 / bfloat16 files stay 16-bit)."""
 
     name: str
-    modules: dict[str, tuple[torch.Tensor, torch.Tensor]]
+    modules: dict[str, tuple[torch.Tensor, torch.Tensor, float]]
 
     @property
     def max_rank(self) -> int:
-        return max(a.shape[0] for a, _ in self.modules.values())
+        return max(a.shape[0] for a, *_ in self.modules.values())
 
 
 def read_adapter(name: str, path: str | Path, targets: Mapping[str, tuple[int, int]],
@@ -55,7 +56,7 @@ def read_adapter(name: str, path: str | Path, targets: Mapping[str, tuple[int, i
     for key, tensor in weights.items():
         module, kind = _split_key(key, where)
         pairs.setdefault(module, {})[kind] = tensor
-    modules: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+    modules: dict[str, tuple[torch.Tensor, torch.Tensor, float]] = {}
     for module, found in sorted(pairs.items()):
         if module not in targets:
             raise ModelLoadError(f"{where}: target module {module!r}: the base model has no such linear "
@@ -76,7 +77,7 @@ def read_adapter(name: str, path: str | Path, targets: Mapping[str, tuple[int, i
                                  "(raise max_lora_rank in the lora: section)")
         if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
             raise ModelLoadError(f"{where}: {module}: the weights hold NaN or infinite values")
-        modules[module] = (a.float(), b.float() * scale_of(rank))
+        modules[module] = (a, b, scale_of(rank))
     if not modules:
         raise ModelLoadError(f"{where}: {WEIGHTS} holds no lora_A / lora_B weights")
     return HostAdapter(name, modules)

@@ -3,12 +3,13 @@ layer's adapter updates added, so that the native decode step (``lmplug.kit.nati
 LoRA engines too instead of leaving them to the Python layers.
 
 ``wrap(base, lora)`` returns a ``NativeCall`` to ``lora_product``, whose context holds the base
-product, the layer's slots (``LinearLoRA.a`` and ``compact_b()``: each output row's own R columns
-of B, none of a fused layer's block-diagonal zeros; filled in place, their addresses never
-change), the shards' output bounds and the
+product, the layer's slots (``LinearLoRA.a`` and its ``NativeSlots``: each slot's dtype, float32
+or the 16-bit dtype its adapter file stores, converted to float32 as the kernels load it; the
+scalings; the compact B, each output row's own R columns of B, none of a fused layer's
+block-diagonal zeros; filled in place, their addresses never change), the shards' output bounds and the
 engine's row -> slot map (``LoRAStep.native_rows``, written before every forward). The library
 is built when the native step is first planned (the first forward) by ``lmplug.kit.native_build`` (portable C, AVX2 + FMA and AVX-512F dot
-products chosen at run time; ``LMPLUG_LORA_ISA`` = ``generic`` | ``avx2`` | ``avx512`` picks one
+products, F16C / AVX-512F half conversions, chosen at run time; ``LMPLUG_LORA_ISA`` = ``generic`` | ``avx2`` | ``avx512`` picks one
 below the CPU's best, for tests and benchmarks).
 """
 
@@ -34,13 +35,14 @@ FLAGS = ("-O3", "-ffp-contract=off", "-shared", "-fPIC")
 ISAS = ("generic", "avx2", "avx512")  # index = the C file's isa number
 ERRORS = {-201: "the step's row -> slot map has a different number of rows than the product",
           -202: "a row's adapter slot is past the layer's slots", -203: "instruction set not available on this CPU",
-          -204: "could not allocate scratch memory"}
+          -204: "could not allocate scratch memory", -205: "a slot's dtype is not float32, float16 or bfloat16"}
 _P, _I64 = ctypes.c_void_p, ctypes.c_int64
 
 
 class _Ctx(ctypes.Structure):
-    _fields_ = [("base", _P), ("base_ctx", _P), ("a", _P), ("b", _P), ("slots", _I64), ("rank", _I64),
-                ("shards", _I64), ("in_", _I64), ("out", _I64), ("bounds", _P), ("rows", _P), ("isa", ctypes.c_int)]
+    _fields_ = [("base", _P), ("base_ctx", _P), ("a", _P), ("a16", _P), ("b", _P), ("dtype", _P), ("scale", _P),
+                ("slots", _I64), ("rank", _I64), ("shards", _I64), ("in_", _I64), ("out", _I64), ("bounds", _P),
+                ("rows", _P), ("isa", ctypes.c_int)]
 
 
 @functools.cache
@@ -74,15 +76,16 @@ def isa(lib: ctypes.CDLL) -> int:
 def context(lora, base: NativeCall | None, lib: ctypes.CDLL) -> tuple[_Ctx, object] | None:
     """``lora``'s (a ``LinearLoRA``) C context around ``base`` (None: ``lora_add`` alone), and
     what must stay alive with it; None where its slots are not float32 on the CPU."""
-    a, b = lora.a, lora.compact_b()
-    if any(t.dtype != torch.float32 or not t.is_cpu or not t.is_contiguous() for t in (a, b)):
+    native, a = lora.native, lora.a
+    if native is None or a.dtype != torch.float32 or not a.is_cpu or not a.is_contiguous():
         return None
     bounds = torch.tensor([start for start, _ in lora.ranges] + [lora.ranges[-1][1]], dtype=torch.int64)
     rows = lora.step.native_rows
-    ctx = _Ctx(base.fn if base else None, base.ctx if base else None, a.data_ptr(), b.data_ptr(), a.shape[0],
-               lora.max_rank, len(lora.ranges), lora.in_features, lora.out_features, bounds.data_ptr(),
-               ctypes.addressof(rows), isa(lib))
-    return ctx, (a, b, bounds, rows, base, lib)
+    ctx = _Ctx(base.fn if base else None, base.ctx if base else None, a.data_ptr(), native.a16.data_ptr(),
+               native.b.data_ptr(), native.dtype.data_ptr(), native.scale.data_ptr(), a.shape[0], lora.max_rank,
+               len(lora.ranges), lora.in_features, lora.out_features, bounds.data_ptr(), ctypes.addressof(rows),
+               isa(lib))
+    return ctx, (a, native, bounds, rows, base, lib)
 
 
 def wrap(base: NativeCall, lora) -> NativeCall | None:

@@ -43,10 +43,10 @@ def merged(peft_model):
 
 
 def write_adapter(folder: Path, targets: dict[str, tuple[int, int]], rank: int = 8, seed: int = 0,
-                  scale: float = 0.05) -> None:
+                  scale: float = 0.05, dtype: torch.dtype = torch.float32) -> None:
     """A random adapter in PEFT's saved format (keys ``base_model.model.<module>.lora_A.weight``)
     over ``targets`` (module -> (in, out): an engine's ``adapters.targets``), without a PEFT model
-    (the GGUF checkpoints have none)."""
+    (the GGUF checkpoints have none), its weights stored in ``dtype``."""
     from safetensors.torch import save_file
 
     folder.mkdir(parents=True, exist_ok=True)
@@ -55,7 +55,7 @@ def write_adapter(folder: Path, targets: dict[str, tuple[int, int]], rank: int =
     for module, (d_in, d_out) in targets.items():
         tensors[f"base_model.model.{module}.lora_A.weight"] = torch.randn(rank, d_in, generator=g) / d_in ** 0.5
         tensors[f"base_model.model.{module}.lora_B.weight"] = torch.randn(d_out, rank, generator=g) * scale
-    save_file(tensors, str(folder / "adapter_model.safetensors"))
+    save_file({k: t.to(dtype) for k, t in tensors.items()}, str(folder / "adapter_model.safetensors"))
     (folder / "adapter_config.json").write_text(json.dumps({
         "peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "bias": "none", "use_dora": False,
         "target_modules": sorted({m.rpartition(".")[2] for m in targets})}))

@@ -36,9 +36,11 @@ def _isas() -> list[str]:
     return list(lora_native.ISAS[:lora_native.load().lora_cpu_isa() + 1])
 
 
-def _layer(shards: dict[str, int], d_in: int, rank: int, slots: int = 3) -> LinearLoRA:
+def _layer(shards: dict[str, int], d_in: int, rank: int, slots: int = 3, dtype: torch.dtype = torch.float32,
+           scale: float | None = None) -> LinearLoRA:
     """A fused layer's LoRA slots, each slot a random adapter over some of its shards (ranks 1 to
-    ``rank``; one slot leaves a shard out)."""
+    ``rank``; one slot leaves a shard out), its A and B in ``dtype`` (and given ``scale``: the
+    scaling apart, as the PEFT loader hands it)."""
     from lmplug_adapter.torch_lora import TorchLoRA
 
     linear = Linear(d_in, shards, bias=False, dtype=torch.float32, quant=Unquantized())
@@ -51,7 +53,8 @@ def _layer(shards: dict[str, int], d_in: int, rank: int, slots: int = 3) -> Line
             if s == 1 and k == 1:
                 continue
             r = 1 + (s + k) % rank
-            given[k] = (torch.randn(r, d_in, generator=g), torch.randn(size, r, generator=g))
+            a, b = torch.randn(r, d_in, generator=g).to(dtype), torch.randn(size, r, generator=g).to(dtype)
+            given[k] = (a, b) if scale is None else (a, b, scale * (k + 1))
         lora.fill(s, given)
     return lora
 
@@ -63,17 +66,9 @@ def _lora_add(lora: LinearLoRA, x: torch.Tensor, y: torch.Tensor) -> int:
     return lib.lora_add(ctypes.addressof(ctx), x.data_ptr(), x.shape[0], y.data_ptr())
 
 
-@pytest.mark.parametrize("isa", ["generic", "avx2", "avx512"])
-@pytest.mark.parametrize(("shards", "d_in", "rank"), [({"q": 24, "k": 8, "v": 8}, 37, 5),
-                                                      ({"gate": 40, "up": 40}, 64, 16),
-                                                      ({"down": 19}, 130, 3), ({"q": 21, "k": 11}, 48, 8)])
-def test_update_equals_the_torch_reference(monkeypatch, isa, shards, d_in, rank):
-    """Dimensions off the vector widths (tails), ranks below the slot width, rows without an
-    adapter left bit-identical, one slot without a shard."""
-    if isa not in _isas():
-        pytest.skip(f"this CPU does not run {isa}")
-    monkeypatch.setenv("LMPLUG_LORA_ISA", isa)
-    lora = _layer(shards, d_in, rank)
+def _assert_update_is_the_reference(lora: LinearLoRA, d_in: int) -> None:
+    """The C update of a batch's rows (some without an adapter) equals the torch backend's over
+    the layer's float32 slots; rows without an adapter keep the base's bits."""
     token_slots = [-1, 0, 2, 1, 0, -1, 2, 1]
     lora.step.set(token_slots, torch.device("cpu"))
     g = torch.Generator().manual_seed(1)
@@ -87,6 +82,57 @@ def test_update_equals_the_torch_reference(monkeypatch, isa, shards, d_in, rank)
     keep = torch.tensor([s < 0 for s in token_slots])
     assert torch.equal(got[keep], base[keep])
     assert not torch.allclose(got[~keep], base[~keep])
+
+
+@pytest.mark.parametrize("isa", ["generic", "avx2", "avx512"])
+@pytest.mark.parametrize(("shards", "d_in", "rank"), [({"q": 24, "k": 8, "v": 8}, 37, 5),
+                                                      ({"gate": 40, "up": 40}, 64, 16),
+                                                      ({"down": 19}, 130, 3), ({"q": 21, "k": 11}, 48, 8)])
+def test_update_equals_the_torch_reference(monkeypatch, isa, shards, d_in, rank):
+    """Dimensions off the vector widths (tails), ranks below the slot width, rows without an
+    adapter left bit-identical, one slot without a shard."""
+    if isa not in _isas():
+        pytest.skip(f"this CPU does not run {isa}")
+    monkeypatch.setenv("LMPLUG_LORA_ISA", isa)
+    lora = _layer(shards, d_in, rank)
+    _assert_update_is_the_reference(lora, d_in)
+
+
+@pytest.mark.parametrize("isa", ["generic", "avx2", "avx512"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize(("shards", "d_in", "rank"), [({"q": 24, "k": 8, "v": 8}, 37, 5),
+                                                      ({"gate": 40, "up": 40}, 64, 16), ({"down": 19}, 130, 3)])
+def test_16_bit_slots_equal_the_torch_reference(monkeypatch, isa, dtype, shards, d_in, rank):
+    """A 16-bit adapter's slots stay 16-bit (the file's bits) and give the torch product over its
+    weights upcast to float32 (the layer's float32 slots, the scaling folded into B)."""
+    if isa not in _isas():
+        pytest.skip(f"this CPU does not run {isa}")
+    monkeypatch.setenv("LMPLUG_LORA_ISA", isa)
+    lora = _layer(shards, d_in, rank, dtype=dtype, scale=0.37)
+    native = lora.native
+    assert native.dtype.tolist() == [native.DTYPES.index(dtype)] * 3
+    assert torch.equal(native.a16[0].view(dtype).float(), lora.a[0])
+    _assert_update_is_the_reference(lora, d_in)
+
+
+@pytest.mark.parametrize("isa", ["generic", "avx2", "avx512"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_16_bit_conversion_is_exact(monkeypatch, isa, dtype):
+    """Row t's x is the unit vector e_t and B is 1, so the update is A's t-th value converted:
+    every one equals torch's conversion, subnormals and extremes included."""
+    if isa not in _isas():
+        pytest.skip(f"this CPU does not run {isa}")
+    monkeypatch.setenv("LMPLUG_LORA_ISA", isa)
+    info = torch.finfo(dtype)
+    special = [info.tiny, -info.tiny / 2, info.tiny * info.eps, 3 * info.tiny * info.eps, info.max, -info.max, 0.0]
+    values = torch.tensor(special + torch.randn(57, generator=torch.Generator().manual_seed(2)).tolist()).to(dtype)
+    n = values.numel()
+    lora = _layer({"o": 1}, n, 1, slots=1)
+    lora.fill(0, {0: (values[None], torch.ones(1, 1, dtype=dtype), 1.0)})
+    lora.step.set([0] * n, torch.device("cpu"))
+    got = torch.zeros(n, 1)
+    assert _lora_add(lora, torch.eye(n), got) == 0
+    assert torch.equal(got[:, 0], values.float())
 
 
 def test_errors_are_reported():
@@ -117,14 +163,31 @@ GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=
 def test_native_step_serves_adapters(tmp_path, monkeypatch):
     """Three adapters (ranks 4, 8, 8) over two slots and the base in one batch (groups, slot
     evictions): every decode step native, the result the Python layers'; the adapters move it."""
+    _native_equals_python(tmp_path, monkeypatch, [torch.float32] * 3)
+
+
+@pytest.mark.skipif(fused_cpu.library() is None, reason="no C compiler: no native step")
+def test_native_step_serves_16_bit_adapters(tmp_path, monkeypatch):
+    """float16, float32 and bfloat16 adapter files sharing two slots (a slot changes dtype when
+    evicted): the native slots keep each file's dtype, and the result is the Python layers' (their
+    float32 slots: the file's weights upcast)."""
+    dtypes = _native_equals_python(tmp_path, monkeypatch, [torch.float16, torch.float32, torch.bfloat16])
+    assert {1, 2} <= dtypes  # float16 and bfloat16 slots were served natively
+
+
+def _native_equals_python(tmp_path, monkeypatch, dtypes: list[torch.dtype]) -> set[int]:
+    """The engine test above with adapter files of ``dtypes``; returns the native slots' dtype
+    codes seen after the native run."""
     path = tmp_path / "llama.gguf"
     write_tiny_gguf(path, "llama")
     native_steps = []
     run = NativeDecodeStep.run
+    seen: set[int] = set()
 
     def counting(self, *args, **kwargs):
         out = run(self, *args, **kwargs)
         native_steps.append(out is not None)
+        seen.update(self.model.layers[0].self_attn.qkv_proj.lora.native.dtype.tolist())
         return out
 
     monkeypatch.setattr(NativeDecodeStep, "run", counting)
@@ -133,8 +196,9 @@ def test_native_step_serves_adapters(tmp_path, monkeypatch):
         monkeypatch.setenv("LMPLUG_NATIVE_STEP", "1" if native else "0")
         with LLM(str(path), **ENGINE) as llm:
             if not outs:
-                for k, rank in enumerate((4, 8, 8)):
-                    write_adapter(tmp_path / f"a{k}", llm.engine.adapters.targets, rank, seed=k, scale=0.3)
+                for k, (rank, dtype) in enumerate(zip((4, 8, 8), dtypes)):
+                    write_adapter(tmp_path / f"a{k}", llm.engine.adapters.targets, rank, seed=k, scale=0.3,
+                                  dtype=dtype)
             loras = [LoRARequest(f"a{k}", k + 1, str(tmp_path / f"a{k}")) for k in range(3)]
             outs[native] = [o.outputs[0] for o in llm.generate(PROMPTS, GREEDY, lora=[*loras, None])]
             base = [o.outputs[0] for o in llm.generate(PROMPTS[:3], GREEDY)]
@@ -144,3 +208,4 @@ def test_native_step_serves_adapters(tmp_path, monkeypatch):
     assert_same(outs[True], outs[False])
     for with_lora, plain in zip(outs[False][:3], base):
         assert with_lora.token_ids != plain.token_ids
+    return seen
