@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from lmplug.engine.runner import ModelRunner
+from lmplug.kit.pipeline import whole
 from lmplug.kit.threads import compute_threads, small_ops_single_threaded
 
 
@@ -81,7 +82,7 @@ class _Recorder(torch.nn.Module):
                                                           (0, 1, (2, 2))])
 def test_runner_runs_small_steps_single_threaded(two_threads, small_step_tokens, tokens, want):
     runner = ModelRunner.__new__(ModelRunner)  # only run() is exercised: no cache to bind
-    runner.model, runner.small_step_tokens = _Recorder(), small_step_tokens
+    runner.model, runner.small_step_tokens, runner.stage = _Recorder(), small_step_tokens, whole()
     ctx = type("Ctx", (), {"positions": torch.arange(tokens), "query_lens_cpu": [tokens],
                            "seq_lens_cpu": [100_000]})()  # attention past SMALL_ATTENTION: only the token rule
     logits, hidden = runner.run(torch.zeros(tokens, dtype=torch.int64), ctx, [[tokens - 1]])
