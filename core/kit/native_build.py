@@ -79,6 +79,28 @@ def cpu_id() -> str:
     return f"{platform.machine()} {platform.processor()}"
 
 
+def missing_flags(isa_flags: dict[str, tuple[str, ...]]) -> dict[str, list[str]]:
+    """Per SIMD kernel set, the features it needs (as /proc/cpuinfo names them) that its flags
+    line lacks."""
+    flags = set(cpu_id().replace("_", "").split())
+    return {name: [f for f in need if f.replace("_", "") not in flags] for name, need in isa_flags.items()}
+
+
+def bounded_isa(cpuid_best: str, isas: tuple[str, ...], isa_flags: dict[str, tuple[str, ...]]) -> str:
+    """The best of a kernel's ``isas`` (lowest first, each needing the one below it) that both
+    the CPU (``cpuid_best``: the C library's own CPUID check) and the operating system's
+    /proc/cpuinfo flags report: a feature the kernel turned off is missing there. CPUID's answer
+    alone where there is no flags line (not Linux)."""
+    if not any(line.startswith(("flags", "Features")) for line in cpu_id().splitlines()):
+        return cpuid_best
+    missing, best = missing_flags(isa_flags), isas[0]
+    for name in isas[1:isas.index(cpuid_best) + 1]:
+        if missing[name]:
+            break
+        best = name
+    return best
+
+
 @functools.cache
 def compiler_version(cc: tuple[str, ...]) -> str:
     """``cc --version``'s output; NativeBuildError when it cannot run."""

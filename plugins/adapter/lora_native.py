@@ -33,6 +33,7 @@ logger = logging.getLogger(__name__)
 SOURCE = Path(__file__).resolve().parent / "csrc" / "lora_cpu.c"
 FLAGS = ("-O3", "-ffp-contract=off", "-shared", "-fPIC")
 ISAS = ("generic", "avx2", "avx512")  # index = the C file's isa number
+ISA_FLAGS = {"avx2": ("avx2", "fma", "f16c"), "avx512": ("avx512f",)}  # what each set needs, as /proc/cpuinfo names it
 ERRORS = {-201: "the step's row -> slot map has a different number of rows than the product",
           -202: "a row's adapter slot is past the layer's slots", -203: "instruction set not available on this CPU",
           -204: "could not allocate scratch memory", -205: "a slot's dtype is not float32, float16 or bfloat16"}
@@ -61,9 +62,9 @@ def load() -> ctypes.CDLL:
 
 
 def isa(lib: ctypes.CDLL) -> int:
-    """The kernel set to use: the CPU's best, or ``LMPLUG_LORA_ISA`` (ValueError when unknown or
-    above what the CPU runs)."""
-    best = lib.lora_cpu_isa()
+    """The kernel set to use: the best both CPUID and /proc/cpuinfo's flags allow, or
+    ``LMPLUG_LORA_ISA`` (ValueError when unknown or above that)."""
+    best = ISAS.index(native_build.bounded_isa(ISAS[lib.lora_cpu_isa()], ISAS, ISA_FLAGS))
     wanted = os.environ.get("LMPLUG_LORA_ISA", "").strip().lower()
     if not wanted or wanted == "auto":
         return best

@@ -78,34 +78,18 @@ _loaded: dict[tuple[str | None, ...], GGUFKernel] = {}
 _panels: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # GGUFKernel.panels, by weight
 
 
-def _missing_flags(isa_flags: dict[str, tuple[str, ...]] | None = None) -> dict[str, list[str]]:
-    """Per SIMD kernel set, the features it needs that /proc/cpuinfo's flags line lacks."""
-    isa_flags = ISA_FLAGS if isa_flags is None else isa_flags
-    flags = set(native_build.cpu_id().replace("_", "").split())
-    return {name: [f for f in need if f.replace("_", "") not in flags] for name, need in isa_flags.items()}
-
-
 def cpuinfo_isa(cpuid_best: str, isas: tuple[str, ...] | None = None,
                 isa_flags: dict[str, tuple[str, ...]] | None = None) -> str:
-    """The best kernel set both the CPU (``cpuid_best``: what the C library's CPUID check says)
-    and the operating system's /proc/cpuinfo flags report (a feature the kernel turned off is
-    missing there); CPUID's answer alone where there is no flags line (not Linux). ``isas`` and
-    ``isa_flags``: another kernel's sets (the MXFP4 kernel's), lowest first."""
-    if not any(line.startswith(("flags", "Features")) for line in native_build.cpu_id().splitlines()):
-        return cpuid_best
-    isas = ISAS if isas is None else isas  # read at call time: ISAS is the machine's (tests patch it)
-    missing, best = _missing_flags(isa_flags), isas[0]
-    for name in isas[1:isas.index(cpuid_best) + 1]:  # each set needs the one below it
-        if missing[name]:
-            break
-        best = name
-    return best
+    """``native_build.bounded_isa`` over this kernel's sets (read at call time: ``ISAS`` is the
+    machine's, and tests patch it), or another kernel's (the MXFP4 kernel's)."""
+    return native_build.bounded_isa(cpuid_best, ISAS if isas is None else isas,
+                                    ISA_FLAGS if isa_flags is None else isa_flags)
 
 
 def describe_isa(best: str) -> str:
     """The kernel set ``auto`` picks, what it leaves out (the features a faster set needs that
     this CPU lacks) and the types that take another path: the load's log line."""
-    missing = _missing_flags()
+    missing = native_build.missing_flags(ISA_FLAGS)
     text = {"generic": "portable C (no SIMD kernel set runs here)", "avx2": "AVX2 (+FMA, F16C)",
             "avx512": "AVX-512 F/BW/VL + VNNI over 16-row panels repacked at load", "neon": "NEON",
             "dotprod": "NEON + dotprod (SDOT)"}[best]

@@ -3,7 +3,7 @@ packed) and ``dequantize``, checked against ``mxfp4_ref``.
 
 Built on first use by ``lmplug.kit.native_build`` (``$CC``, cached in ``<cache_dir>/kernels/``)
 without ``-march``: the AVX2 and AVX-512 kernels carry a target attribute and are chosen at run
-time, bounded by /proc/cpuinfo's flags as the GGUF kernels are (``gguf_native.cpuinfo_isa``).
+time, bounded by /proc/cpuinfo's flags as the GGUF kernels are (``native_build.bounded_isa``).
 ``LMPLUG_MXFP4_ISA`` = ``auto`` (default) | ``generic`` | ``avx2`` | ``avx512`` picks the set (the
 AVX-512 one gives the portable kernel's bits); ``available()`` says whether the library builds
 here and why not (a caller then keeps the PyTorch reference).
@@ -52,7 +52,7 @@ class MXFP4Kernel:
         self._dequantize.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
                                      ctypes.c_void_p, ctypes.c_int]
         self._dequantize.restype = ctypes.c_int
-        self.best_isa = gguf_native.cpuinfo_isa(ISAS[lib.mxfp4_cpu_isa()], ISAS, ISA_FLAGS)
+        self.best_isa = native_build.bounded_isa(ISAS[lib.mxfp4_cpu_isa()], ISAS, ISA_FLAGS)
         self._pool = _pool()
 
     def isa(self, want: str | None = None) -> int:

@@ -145,6 +145,19 @@ def test_errors_are_reported():
     assert -201 in _native().ERRORS and -202 in _native().ERRORS
 
 
+def test_isa_is_bounded_by_proc_cpuinfo(monkeypatch):
+    """A set /proc/cpuinfo's flags do not list is never chosen, whatever CPUID says (a feature
+    the operating system turned off)."""
+    from lmplug.kit import native_build
+
+    native, lib = _native(), _native().load()
+    monkeypatch.delenv("LMPLUG_LORA_ISA", raising=False)
+    monkeypatch.setattr(native_build, "cpu_id", lambda: "flags\t\t: fpu sse2")
+    assert native.isa(lib) == 0
+    monkeypatch.setattr(native_build, "cpu_id", lambda: "flags\t\t: fpu sse2 avx2 fma f16c avx512f")
+    assert native.isa(lib) == lib.lora_cpu_isa()
+
+
 def test_unknown_isa_is_refused(monkeypatch):
     monkeypatch.setenv("LMPLUG_LORA_ISA", "sse9")
     with pytest.raises(ValueError, match="LMPLUG_LORA_ISA"):

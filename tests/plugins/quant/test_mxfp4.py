@@ -124,12 +124,14 @@ def test_native_simd_linear_against_the_portable_kernel_on_1_and_2_threads(isa):
 
 def test_native_isa_is_bounded_by_proc_cpuinfo(monkeypatch):
     """A set /proc/cpuinfo's flags do not list is never chosen, whatever CPUID says."""
-    from lmplug_quant import gguf_native, mxfp4_native
+    from lmplug_quant import mxfp4_native
 
-    monkeypatch.setattr(gguf_native.native_build, "cpu_id", lambda: "flags\t\t: fpu sse2 avx2 fma")
-    assert gguf_native.cpuinfo_isa("avx512", mxfp4_native.ISAS, mxfp4_native.ISA_FLAGS) == "avx2"
-    monkeypatch.setattr(gguf_native.native_build, "cpu_id", lambda: "flags\t\t: fpu sse2 avx512f")
-    assert gguf_native.cpuinfo_isa("avx512", mxfp4_native.ISAS, mxfp4_native.ISA_FLAGS) == "generic"
+    from lmplug.kit import native_build
+
+    monkeypatch.setattr(native_build, "cpu_id", lambda: "flags\t\t: fpu sse2 avx2 fma")
+    assert native_build.bounded_isa("avx512", mxfp4_native.ISAS, mxfp4_native.ISA_FLAGS) == "avx2"
+    monkeypatch.setattr(native_build, "cpu_id", lambda: "flags\t\t: fpu sse2 avx512f")
+    assert native_build.bounded_isa("avx512", mxfp4_native.ISAS, mxfp4_native.ISA_FLAGS) == "generic"
 
 
 @pytest.mark.parametrize("m, n, groups, dtype", [(1, 40, 3, torch.float32), (17, 33, 4, torch.float32),
