@@ -19,7 +19,7 @@ Environment: ``LMPLUG_GGUF_THREADS`` (default ``lmplug.kit.threads.compute_threa
 torch's thread count, also inside a step whose small ops the engine keeps on one thread) and
 ``LMPLUG_GGUF_ISA`` = ``auto`` (default) | ``generic`` (the portable C kernels) | ``avx2`` |
 ``avx512`` (AVX-512 F/BW/VL + VNNI over weights repacked at bind into 16-row panels, see
-``csrc/gguf_repack.c``; rows that lie in the file's memory map are then dropped from the
+``csrc/gguf_repack.c``, in huge pages by ``lmplug.kit.hugemem``; rows that lie in the file's memory map are then dropped from the
 process's memory, ``release_file_pages``, so the panels are not a second resident copy); on
 aarch64 ``generic`` | ``neon`` | ``dotprod`` (NEON with SDOT). Results do not depend on the
 thread count; the AVX-512 and NEON kernels give the portable kernels' bits, the AVX2 ones differ
@@ -40,7 +40,7 @@ from pathlib import Path
 
 import torch
 
-from lmplug.kit import native_build
+from lmplug.kit import hugemem, native_build
 from lmplug.kit.native import NativeCall
 from lmplug.kit.native_build import NativeBuildError
 from lmplug.kit.paths import cache_dir
@@ -150,7 +150,7 @@ class GGUFKernel:
         found = _panels.get(key)
         if found is not None:
             return found
-        out = torch.empty(self._packed_bytes(ggml_type, w.shape[0], k), dtype=torch.uint8)
+        out = hugemem.empty(self._packed_bytes(ggml_type, w.shape[0], k))
         status = self._repack(ggml_type, w.data_ptr(), stride, w.shape[0], k, out.data_ptr())
         if status != 0:
             raise RuntimeError(f"{_WHAT}: repacking: {_ERRORS.get(status, f'error {status}')}")
