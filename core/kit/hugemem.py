@@ -9,8 +9,9 @@ file's pages (a mapped GGUF file) stay 4 KiB, which is why kernels read repacked
 
 ``empty(nbytes)`` cuts a uint8 tensor out of an arena: a private anonymous mapping of ``ARENA_BYTES``
 that starts on a 2 MiB boundary, cut in 64-byte-aligned pieces, so that many small weights (a
-135M model's) share huge pages instead of each wasting the rest of its own; a piece larger than
-an arena gets an arena of its size, whose rest the next pieces fill. What an arena never hands out
+135M model's) share huge pages instead of each wasting the rest of its own; a piece of an arena's
+size or more gets a mapping of its own (at most the rest of its last huge page unused), freed
+with it rather than kept as the arena the next pieces are cut from. What an arena never hands out
 is never touched, so it costs address space, not memory. Each piece holds its arena, which is
 unmapped once every piece of it is gone. Off Linux, or with ``LMPLUG_HUGE_PAGES=0`` (to measure what they give), it is
 ``torch.empty``.
@@ -54,10 +55,12 @@ def empty(nbytes: int) -> torch.Tensor:
     ``enabled()`` (else ``torch.empty``)."""
     if not enabled() or nbytes <= 0:
         return torch.empty(nbytes, dtype=torch.uint8)
+    if nbytes >= ARENA_BYTES:
+        return _map(nbytes)[:nbytes]
     with _lock:
         arena, used = _arena
         if arena is None or used + nbytes > arena.numel():
-            arena, used = _map(max(ARENA_BYTES, nbytes)), 0
+            arena, used = _map(ARENA_BYTES), 0
         _arena[:] = [arena, -(-(used + nbytes) // ALIGN) * ALIGN]
         return arena[used:used + nbytes]
 

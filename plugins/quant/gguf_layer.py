@@ -32,8 +32,9 @@ class BoundProduct:
     def __init__(self, kernel: GGUFKernel, w: torch.Tensor, ggml_type: int, k: int) -> None:
         wst = check_weight(w, ggml_type, k, row_bytes(ggml_type, k))
         self.isa = kernel.isa()
-        self.k, self.n, self.stride = k, w.shape[0], wst[0]
+        self.k, self.n = k, w.shape[0]
         self.w, self.ggml_type = kernel.operand(w, ggml_type, k, self.isa)
+        self.stride = self.w.stride(0) if self.w.dim() == 2 else wst[0]  # rows (maybe a copy), or panels
         self.threads = env_threads() if os.environ.get("LMPLUG_GGUF_THREADS") else None
         self._fn = kernel._fn
 
@@ -114,6 +115,7 @@ def layer_product(kernel: GGUFKernel, runs: list[tuple[int | str | None, torch.T
         else:
             stride = check_weight(w, kind, k, row_bytes(kind, k))[0]
             data, flagged = kernel.operand(w, kind, k, desc.isa)
+            stride = data.stride(0) if data.dim() == 2 else stride  # rows (maybe a copy), or panels
             keep.append(data)
             desc.runs[i] = _Run(data.data_ptr(), stride, w.shape[0], flagged)
         total += w.shape[0]

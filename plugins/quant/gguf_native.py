@@ -33,10 +33,10 @@ import functools
 import logging
 import os
 import platform
-import weakref
 from pathlib import Path
 
 import torch
+from lmplug_quant import gguf_weights
 from lmplug_quant.gguf_blocks import BLOCKS, NAMES, SUPPORTED, row_bytes
 from lmplug_quant.gguf_blocks import ERRORS as _ERRORS
 from lmplug_quant.gguf_blocks import WHAT as _WHAT
@@ -73,7 +73,6 @@ _ARGTYPES = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, c
              ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
 _warned: set[str] = set()
 _loaded: dict[tuple[str | None, ...], GGUFKernel] = {}
-_panels: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # GGUFKernel.panels, by weight
 
 
 def cpuinfo_isa(cpuid_best: str, isas: tuple[str, ...] | None = None,
@@ -130,35 +129,27 @@ class GGUFKernel:
         logger.info("quant gguf: native CPU kernels: %s", describe_isa(self.best_isa))
 
     def panels(self, w: torch.Tensor, ggml_type: int, k: int) -> torch.Tensor:
-        """``w``'s rows repacked into the AVX-512 kernels' 16-row panels (uint8, 1-D), made
-        once per weight (a layer's bound product and its native-step product share them)."""
+        """``w``'s rows repacked into the AVX-512 kernels' 16-row panels (uint8, 1-D, in huge
+        pages), made once per weight (a layer's bound product and its native-step product share
+        them: ``gguf_weights.cached_copy``)."""
         stride = _check_weight(w, ggml_type, k, row_bytes(ggml_type, k))[0]
-        key = (w.data_ptr(), stride, w.shape[0], ggml_type, k)
-        found = _panels.get(key)
-        if found is not None:
-            return found
-        out = hugemem.empty(self._packed_bytes(ggml_type, w.shape[0], k))
-        status = self._repack(ggml_type, w.data_ptr(), stride, w.shape[0], k, out.data_ptr())
-        if status != 0:
-            raise RuntimeError(f"{_WHAT}: repacking: {_ERRORS.get(status, f'error {status}')}")
-        out.lmplug_source = w  # the rows stay alive while their panels are cached: no address reuse
-        _panels[key] = out
-        out.lmplug_rows_in_file = release_file_pages(w)
-        return out
+
+        def make() -> torch.Tensor:
+            out = hugemem.empty(self._packed_bytes(ggml_type, w.shape[0], k))
+            status = self._repack(ggml_type, w.data_ptr(), stride, w.shape[0], k, out.data_ptr())
+            if status != 0:
+                raise RuntimeError(f"{_WHAT}: repacking: {_ERRORS.get(status, f'error {status}')}")
+            return out
+        return gguf_weights.cached_copy("panels", w, ggml_type, k, make)
 
     def panels_only(self, w: torch.Tensor, ggml_type: int, k: int) -> bool:
-        """Where ``w``'s panels exist and ``w`` is memory of this process's own (a copy made at
-        load: llama's permuted q/k joined with v) rather than the file's mapping: the panels and
-        their cache forget ``w``, so it is freed once its holder drops it, and the panels are the
-        one copy of those weights (``rows`` rebuilds them). True when so; False leaves ``w`` as it is
-        (rows in the file's mapping: their pages were released when the panels were made)."""
-        stride = _check_weight(w, ggml_type, k, row_bytes(ggml_type, k))[0]
-        key = (w.data_ptr(), stride, w.shape[0], ggml_type, k)
-        found = _panels.get(key)
-        if found is None or found.lmplug_rows_in_file:
-            return False
-        del _panels[key], found.lmplug_source
-        return True
+        """Where ``w``'s copy the kernels read exists (panels, or rows in huge pages) and ``w`` is
+        memory of this process's own (a copy made at load: llama's permuted q/k joined with v)
+        rather than the file's mapping: the copy and its cache forget ``w``, so it is freed once
+        its holder drops it, and the copy is the one copy of those weights (``rows`` rebuilds
+        rows from panels). True when so; False leaves ``w`` as it is (``gguf_weights.forget_source``)."""
+        _check_weight(w, ggml_type, k, row_bytes(ggml_type, k))
+        return gguf_weights.forget_source(w, ggml_type, k)
 
     def rows(self, panels: torch.Tensor, ggml_type: int, n: int, k: int) -> torch.Tensor:
         """The ``n`` rows [n, row_bytes] of ``panels``: the file's bytes again (the inverse of the repack)."""
@@ -173,10 +164,15 @@ class GGUFKernel:
 
     def operand(self, w: torch.Tensor, ggml_type: int, k: int, isa: int) -> tuple[torch.Tensor, int]:
         """(weights, type) as a bound product hands them to the C: the panels and the type
-        flagged packed where the AVX-512 set runs this type, else ``w`` as it is."""
+        flagged packed where the AVX-512 set runs this type; for the other SIMD sets the rows
+        copied into huge pages (``gguf_weights.hot_rows``: ``w`` itself where huge pages are off;
+        their row stride is the copy's); for the portable set ``w`` as it is (bound by arithmetic,
+        not by the memory: huge pages gave it nothing measurable)."""
         if ISAS[isa] == "avx512" and ggml_type in PANEL_TYPES:
             return self.panels(w, ggml_type, k), ggml_type | PACKED_FLAG
-        return w, ggml_type
+        if ISAS[isa] == "generic":
+            return w, ggml_type
+        return gguf_weights.hot_rows(w, ggml_type, k), ggml_type
 
     def threads_used(self, m: int, k: int, n: int, num_threads: int) -> int:
         """The threads a product of this shape runs on (fewer than asked when the work is small)."""
