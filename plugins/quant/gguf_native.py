@@ -19,9 +19,10 @@ Environment: ``LMPLUG_GGUF_THREADS`` (default ``lmplug.kit.threads.compute_threa
 torch's thread count, also inside a step whose small ops the engine keeps on one thread) and
 ``LMPLUG_GGUF_ISA`` = ``auto`` (default) | ``generic`` (the portable C kernels) | ``avx2`` |
 ``avx512`` (AVX-512 F/BW/VL + VNNI over weights repacked at bind into 16-row panels, see
-``csrc/gguf_repack.c``, in huge pages by ``lmplug.kit.hugemem``; rows that lie in the file's memory map are then dropped from the
-process's memory, ``release_file_pages``, so the panels are not a second resident copy); on
-aarch64 ``generic`` | ``neon`` | ``dotprod`` (NEON with SDOT). Results do not depend on the
+``csrc/gguf_repack.c``); on aarch64 ``generic`` | ``neon`` | ``dotprod`` (NEON with SDOT). The
+SIMD sets read their weights in huge pages (``gguf_weights``: the panels, or the rows copied at
+bind; rows that lie in the file's memory map are then dropped from the process's memory,
+``release_file_pages``, so the copy is not a second resident one). Results do not depend on the
 thread count; the AVX-512 and NEON kernels give the portable kernels' bits, the AVX2 ones differ
 from them only in the order of float additions.
 """
