@@ -55,14 +55,12 @@ def huge_pages_granted() -> str:
     """Whether the "huge" buffer is in huge pages here: "" when so, else why not (for the reports)."""
     from lmplug.kit import hugemem
 
-    if not hugemem.enabled():
-        return "huge pages off (LMPLUG_HUGE_PAGES=0 or not Linux): the huge figure is 4 KiB pages too"
-    try:
-        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
-            mode = f.read()
-    except OSError:
-        return "no transparent huge pages on this kernel: the huge figure is 4 KiB pages too"
-    return "transparent huge pages are [never] here: the huge figure is 4 KiB pages too" if "[never]" in mode else ""
+    if hugemem.enabled():
+        return ""
+    mode = hugemem.thp_mode()
+    if mode not in ("always", "madvise"):
+        return f"transparent huge pages are {mode or 'absent'} here: the huge figure is 4 KiB pages too"
+    return "huge pages off (LMPLUG_HUGE_PAGES=0 or not Linux): the huge figure is 4 KiB pages too"
 
 
 def describe(measured: dict[tuple[int, str], list[float]]) -> str:

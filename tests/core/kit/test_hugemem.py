@@ -22,7 +22,8 @@ def fresh(monkeypatch):
     """Huge pages on, and the next piece starts a new arena (no pieces left by other tests)."""
     monkeypatch.delenv("LMPLUG_HUGE_PAGES", raising=False)
     if not hugemem.enabled():
-        pytest.skip("hugemem is torch.empty here (not Linux, or no MADV_HUGEPAGE)")
+        pytest.skip(f"hugemem is torch.empty here (not Linux, no MADV_HUGEPAGE, or transparent huge pages "
+                    f"{hugemem.thp_mode()!r})")
     monkeypatch.setattr(hugemem, "_arena", [None, 0])
 
 
@@ -137,16 +138,27 @@ def test_huge_pages_off_gives_torch_empty(monkeypatch):
 
 
 @linux
+def test_no_huge_pages_where_linux_gives_none(monkeypatch):
+    """Transparent huge pages ``never`` (or absent): ``empty`` is ``torch.empty``, nothing to gain."""
+    monkeypatch.delenv("LMPLUG_HUGE_PAGES", raising=False)
+    monkeypatch.setattr(hugemem, "_arena", [None, 0])
+    for mode in ("never", None):
+        monkeypatch.setattr(hugemem, "thp_mode", lambda mode=mode: mode)
+        assert not hugemem.enabled()
+        assert hugemem.empty(1 << 20).untyped_storage().nbytes() == 1 << 20
+    monkeypatch.setattr(hugemem, "thp_mode", lambda: "madvise")
+    assert hugemem.enabled() == hasattr(__import__("mmap"), "MADV_HUGEPAGE")
+
+
+@linux
 def test_huge_pages_are_granted(fresh):
     """Where transparent huge pages are not ``never``, a touched 4 MiB piece at an arena's start
     lies in huge pages (AnonHugePages of its mapping and of the process)."""
-    try:
-        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
-            mode = f.read().strip()
-    except OSError:
+    mode = hugemem.thp_mode()
+    if mode is None:
         pytest.skip("no /sys/kernel/mm/transparent_hugepage: this kernel has no transparent huge pages")
-    if "[never]" in mode:
-        pytest.skip(f"transparent huge pages are off on this machine ({mode})")
+    if mode == "never":
+        pytest.skip("transparent huge pages are [never] on this machine")
     before = hugemem.huge_bytes()
     piece = hugemem.empty(4 << 20)
     piece.fill_(1)
