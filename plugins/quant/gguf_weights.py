@@ -64,13 +64,14 @@ def hot_rows(w: torch.Tensor, ggml_type: int, k: int) -> torch.Tensor:
         return hugemem.empty(w.shape[0] * w.shape[1]).view(w.shape[0], w.shape[1]).copy_(w)
     return cached_copy("rows", w, ggml_type, k, make)
 
+
 MADV_DONTNEED = 4  # <sys/mman.h> on Linux
 
 
 def release_file_pages(w: torch.Tensor) -> bool:
     """Drop this process's pages of ``w``'s rows when they lie in a read-only file mapping (the
-    GGUF's memory map), once its panels are made: the resident memory then holds the panels,
-    not a second copy of the weights. The rows stay valid: a later read (an embedding lookup of
+    GGUF's memory map), once its copy is made (panels, rows in huge pages): the resident memory
+    then holds the copy, not a second one of the weights. The rows stay valid: a later read (an embedding lookup of
     the tied head, the op path) faults its pages back in from the file. Memory of any other kind
     (a copy made at load: permuted q/k rows, joined shards) is left alone. True when released."""
     if not sys.platform.startswith("linux") or w.numel() == 0:
