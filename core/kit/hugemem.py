@@ -29,7 +29,7 @@ import torch
 
 HUGE_PAGE = 2 << 20
 # each arena ends in a huge page its pieces fill only in part (on average 1 MiB resident, unused):
-# with 32 MiB arenas a 1B model's weights (about 19 arenas) peaked 39 MiB above 4 KiB pages,
+# with 32 MiB arenas a 1B model's weights (about 19 arenas) peaked 39 MiB above 4 KiB pages (AVX2 rows),
 # with 256 MiB 30 MiB below (bench_vs_llamacpp.py --sizes --sections cold); the untouched rest of
 # an arena costs address space only
 ARENA_BYTES = 256 << 20
