@@ -30,7 +30,9 @@ random-weight GGUFs of the 135M, 1B and 3B shapes with the demo tokenizer (``siz
 else the 1B and 3B shapes' approximation), written into the cache once, and adds per file the
 weights read per token (every tensor but an untied embedding), the GB/s of weights each
 engine's batch-1 decode reaches, and that as a share of the machine's read bandwidth
-(``read_bandwidth.py``, measured at each thread count at the start and at the end of the run).
+(``read_bandwidth.py``, measured at each thread count at the start and at the end of the run, in
+4 KiB pages and in huge pages; the share is of both: llama.cpp reads the file's mapping in 4 KiB
+pages, lmplug's kernels their copies in huge pages).
 With ``--quick``: one round, 32 decode tokens.
 
 lmplug runs with its default config, plus ``--lmplug-set KEY=VALUE`` (as ``lmplug --set``).
@@ -505,9 +507,11 @@ def sized_files(args: argparse.Namespace) -> list[Path]:
     return files
 
 
-def bandwidth_rows(model: Path, raw: dict, args: argparse.Namespace, bandwidth: dict[int, float]) -> list[dict]:
+def bandwidth_rows(model: Path, raw: dict, args: argparse.Namespace,
+                   bandwidth: dict[tuple[int, str], float]) -> list[dict]:
     """Per thread count: the GB/s of weights each engine's batch-1 decode reads, and that
-    over the measured read bandwidth (the ratio column: lmplug / llama.cpp, as the others)."""
+    over the read bandwidth measured in each page size (the ratio column: lmplug / llama.cpp,
+    as the others)."""
     size = weight_bytes(model)
     rows = []
     for threads in args.threads:
@@ -517,28 +521,29 @@ def bandwidth_rows(model: Path, raw: dict, args: argparse.Namespace, bandwidth: 
         a, b = (statistics.median(v) * size / 1e9 for v in (llama, ours))
         rows.append({"metric": f"weights GB/s (decode, {size / 1e6:.0f} MB a token)", "threads": threads,
                      "llama.cpp": a, "lmplug": b, "ratio": b / a, "better": "higher", "runs": len(ours)})
-        bw = bandwidth[threads]
-        rows.append({"metric": f"% of read bandwidth ({bw:.1f} GB/s)", "threads": threads,
-                     "llama.cpp": 100 * a / bw, "lmplug": 100 * b / bw, "ratio": b / a, "better": "higher",
-                     "runs": len(ours)})
+        for pages in ("4k", "huge"):
+            bw = bandwidth[(threads, pages)]
+            rows.append({"metric": f"% of read bandwidth, {pages} pages ({bw:.1f} GB/s)", "threads": threads,
+                         "llama.cpp": 100 * a / bw, "lmplug": 100 * b / bw, "ratio": b / a, "better": "higher",
+                         "runs": len(ours)})
     return rows
 
 
 def sizes_main(args: argparse.Namespace) -> int:
     """--sizes: the side-by-side on each sized file, one table per file."""
-    from read_bandwidth import read_bandwidth
+    from read_bandwidth import PAGES, describe, read_bandwidth
 
     load_before = os.getloadavg()
     started = time.perf_counter()
     files = sized_files(args)
-    measured = {t: [read_bandwidth(t)] for t in args.threads}
+    measured = {(t, p): [read_bandwidth(t, pages=p)] for t in args.threads for p in PAGES}
     results = []
     for model in files:
         args.model = str(model)
         raw = run(args)
         results.append((model, raw))
-    for t in args.threads:
-        measured[t].append(read_bandwidth(t))
+    for (t, p), values in measured.items():
+        values.append(read_bandwidth(t, pages=p))
     bandwidth = {t: statistics.mean(v) for t, v in measured.items()}
     report = []
     for model, raw in results:
@@ -548,9 +553,8 @@ def sizes_main(args: argparse.Namespace) -> int:
         report.append({"model": str(model), "rows": rows, "raw": raw})
     print(f"\nllama.cpp {llama_version(llama_bin_dir(args.llama_bin_dir))} | lmplug sets: "
           f"{' '.join(args.lmplug_set) or 'none (default config)'} | {args.rounds} round(s), medians | read "
-          f"bandwidth (start, end): " + ", ".join(f"{t} thread(s) {'/'.join(f'{x:.1f}' for x in v)} GB/s"
-                                                  for t, v in measured.items()))
-    finish(args, load_before, started, {"files": report, "bandwidth": measured})
+          f"bandwidth (start/end): {describe(measured)}")
+    finish(args, load_before, started, {"files": report, "bandwidth": {f"{t}|{p}": v for (t, p), v in measured.items()}})
     return 0
 
 

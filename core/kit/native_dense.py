@@ -6,7 +6,9 @@ checkpoint is not a plugin and has none: its ``apply`` is torch's BLAS. This is 
 ``dense_product_f32`` in ``csrc/fused_cpu_ops.c``, over the ``W^T`` layout ``Unquantized`` keeps
 on the CPU. It runs on one thread, so the step takes it only where the engine's products run on one
 thread (``compute_threads() == 1``, e.g. ``OMP_NUM_THREADS=1``); with more, torch's threaded BLAS
-and the Python layers stay.
+and the Python layers stay. The weight it reads is moved into huge pages (``lmplug.kit.hugemem``,
+same values and strides; torch's BLAS reads the same copy): a float32 decode step streams 4 bytes a
+weight, bound by the memory (``benchmarks/bench_hugemem.py --cases dense``).
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import ctypes
 import torch
 
 from lmplug.interfaces.quant import Unquantized
-from lmplug.kit import fused_cpu
+from lmplug.kit import fused_cpu, hugemem
 from lmplug.kit.native import NativeCall
 from lmplug.kit.threads import compute_threads
 
@@ -40,6 +42,19 @@ def product(linear: torch.nn.Module) -> NativeCall | None:
     lib = fused_cpu.library()
     if lib is None:
         return None
+    _to_huge_pages(weight)
     desc = _Dense(weight.data_ptr(), None if bias is None else bias.data_ptr(), weight.shape[1], weight.shape[0])
     fn = ctypes.cast(lib.dense_product_f32, ctypes.c_void_p).value
     return NativeCall(fn, ctypes.addressof(desc), (desc, weight, bias, lib), "quant none (the core's C product)")
+
+
+def _to_huge_pages(weight: torch.nn.Parameter) -> None:
+    """``weight``'s values moved into huge-page memory (once; the old storage is freed with it)."""
+    if getattr(weight, "lmplug_huge_pages", False) or not hugemem.enabled():
+        return
+    data = weight.data
+    moved = hugemem.empty(data.numel() * data.element_size()).view(data.dtype)
+    moved = moved.as_strided(data.shape, data.stride())
+    moved.copy_(data)
+    weight.data = moved
+    weight.lmplug_huge_pages = True

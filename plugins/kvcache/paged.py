@@ -12,12 +12,15 @@ and KV head, ``lmplug.interfaces.kvcache.quantize_kv``); copy-on-write copies
 both, so prefix caching, forks and truncation work unchanged. The accounting
 (free list, refcounts, prefix hashes, LRU of cached blocks) lives in
 ``block_manager.py``; this file owns the tensors, the pool sizing and the
-copies that copy-on-write asks for.
+copies that copy-on-write asks for. On the CPU the pool is in transparent huge pages
+(``lmplug.kit.hugemem``): a long context's decode reads all its K/V, in blocks scattered over the
+pool, every step (``benchmarks/bench_hugemem.py --cases kv``).
 """
 
 from __future__ import annotations
 
 import logging
+import math
 from typing import Literal
 
 import torch
@@ -38,7 +41,7 @@ from lmplug.api import (
     StatePool,
 )
 from lmplug.errors import ConfigError
-from lmplug.kit import kv_extras
+from lmplug.kit import hugemem, kv_extras
 
 logger = logging.getLogger(__name__)
 
@@ -115,10 +118,10 @@ class PagedKVCache(KVCacheBackend, kv_extras.Forks, kv_extras.SwapSpace, kv_extr
         for (heads, dim), layers in (spec.shape_groups or {(spec.num_kv_heads, spec.head_dim): []}).items():
             shape = (len(layers), spec.num_kv_tensors, self.num_blocks, options.block_size, heads, dim)
             # zeros, not empty: attention masks unused slots, but 0 x NaN garbage would still be NaN
-            self._pools.append(torch.zeros(shape, dtype=spec.cache_dtype, device=spec.device))
+            self._pools.append(_zeros(shape, spec.cache_dtype, spec.device))
             # quantized: a float32 scale per (slot, KV head) in the pool's layout without D
             if spec.quantized:
-                self._group_scales.append(torch.zeros(shape[:-1], dtype=torch.float32, device=spec.device))
+                self._group_scales.append(_zeros(shape[:-1], torch.float32, spec.device))
             self._where.update({layer: (len(self._pools) - 1, i) for i, layer in enumerate(layers)})
         # the first group's: with one group (every layer alike) the whole pool, which swap and a
         # connector's tier move; with several they decline (``swap_out``, ``attach_connector``)
@@ -379,3 +382,10 @@ def _mem_available() -> int:
         pass
     raise ConfigError("kvcache: paged: cannot read MemAvailable from /proc/meminfo; "
                       "set memory_gb or num_blocks")
+
+
+def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zeroed pool tensor; on the CPU in huge-page memory (``torch.zeros`` elsewhere)."""
+    if torch.device(device).type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    return hugemem.empty(math.prod(shape) * dtype.itemsize).view(dtype).view(shape).zero_()

@@ -158,8 +158,9 @@ class GGUFQuant(QuantMethod, extras.PackedWeights, extras.OwnThreads, extras.Nat
     def _bind(self, layer) -> list | None:
         """The native products of the layer's runs, checked once (``gguf_native.BoundProduct``),
         when the kernel reads every run's type; None: ``apply`` takes the op path. A run bound to
-        panels whose rows are a copy made at load (llama's permuted q/k) keeps the panels only:
-        its buffer is emptied and ``_rows`` rebuilds the rows if the op path ever needs them."""
+        a copy (panels, or rows in huge pages) whose rows are a copy made at load (llama's permuted
+        q/k) keeps that copy only: its buffer is emptied and ``_rows`` gives the rows from it if
+        the op path ever needs them."""
         native = self._native
         if native is None or any(kind not in native.SUPPORTED for kind, _, _ in layer.gguf_runs):
             return None
@@ -178,8 +179,9 @@ class GGUFQuant(QuantMethod, extras.PackedWeights, extras.OwnThreads, extras.Nat
         only the panels, the rows rebuilt from them (kept from then on)."""
         kind, buf, rows = layer.gguf_runs[i]
         call = getattr(layer, "gguf_panels_only", {}).pop(buf, None)
-        if call is not None:
-            setattr(layer, buf, self._native.load().rows(call.w, kind, rows, layer.in_features))
+        if call is not None:  # the panels, or the rows themselves (copied into huge pages)
+            setattr(layer, buf, call.w if call.w.dim() == 2 else
+                    self._native.load().rows(call.w, kind, rows, layer.in_features))
         return getattr(layer, buf)
 
     def native_product(self, layer):

@@ -19,9 +19,10 @@ Environment: ``LMPLUG_GGUF_THREADS`` (default ``lmplug.kit.threads.compute_threa
 torch's thread count, also inside a step whose small ops the engine keeps on one thread) and
 ``LMPLUG_GGUF_ISA`` = ``auto`` (default) | ``generic`` (the portable C kernels) | ``avx2`` |
 ``avx512`` (AVX-512 F/BW/VL + VNNI over weights repacked at bind into 16-row panels, see
-``csrc/gguf_repack.c``, in huge pages by ``lmplug.kit.hugemem``; rows that lie in the file's memory map are then dropped from the
-process's memory, ``release_file_pages``, so the panels are not a second resident copy); on
-aarch64 ``generic`` | ``neon`` | ``dotprod`` (NEON with SDOT). Results do not depend on the
+``csrc/gguf_repack.c``); on aarch64 ``generic`` | ``neon`` | ``dotprod`` (NEON with SDOT). The
+SIMD sets read their weights in huge pages (``gguf_weights``: the panels, or the rows copied at
+bind; rows that lie in the file's memory map are then dropped from the process's memory,
+``release_file_pages``, so the copy is not a second resident one). Results do not depend on the
 thread count; the AVX-512 and NEON kernels give the portable kernels' bits, the AVX2 ones differ
 from them only in the order of float additions.
 """
@@ -31,30 +32,31 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
-import mmap
 import os
 import platform
-import sys
-import weakref
 from pathlib import Path
 
 import torch
+from lmplug_quant import gguf_weights
+from lmplug_quant.gguf_blocks import BLOCKS, NAMES, SUPPORTED, row_bytes
+from lmplug_quant.gguf_blocks import ERRORS as _ERRORS
+from lmplug_quant.gguf_blocks import WHAT as _WHAT
+from lmplug_quant.gguf_blocks import check_weight as _check_weight
+from lmplug_quant.gguf_blocks import env_threads as _threads
+from lmplug_quant.gguf_layer import FLOAT_TYPES, MAX_RUNS, BoundProduct, _Layer, layer_product
+from lmplug_quant.gguf_weights import release_file_pages
 
 from lmplug.kit import hugemem, native_build
-from lmplug.kit.native import NativeCall
 from lmplug.kit.native_build import NativeBuildError
 from lmplug.kit.paths import cache_dir
-from lmplug.kit.threads import compute_threads
 
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).resolve().parent / "csrc" / "gguf_cpu.c"
 FLAGS = ("-O3", "-ffp-contract=off", "-shared", "-fPIC", "-pthread")  # no fused a*b+c the C does not write
-# ggml type -> (elements, bytes) of one block
-BLOCKS = {2: (32, 18), 3: (32, 20), 6: (32, 22), 7: (32, 24), 8: (32, 34), 11: (256, 110), 12: (256, 144),
-          13: (256, 176), 14: (256, 210)}
-NAMES = {2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0", 11: "Q3_K", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K"}
-SUPPORTED = frozenset(BLOCKS)
+# what callers and tests import from here, defined beside it (gguf_blocks, gguf_layer, gguf_weights)
+__all__ = ["BLOCKS", "FLOAT_TYPES", "MAX_RUNS", "NAMES", "SUPPORTED", "BoundProduct", "_Layer", "layer_product",
+           "release_file_pages", "row_bytes"]
 
 
 def kernel_sets(machine: str) -> tuple[str, ...]:
@@ -70,12 +72,8 @@ ISA_FLAGS = {"avx2": ("avx2", "fma", "f16c"), "avx512": ("avx512f", "avx512bw", 
              "neon": ("asimd",), "dotprod": ("asimd", "asimddp")}  # aarch64: its "Features" line
 _ARGTYPES = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
              ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
-_ERRORS = {-1: "the kernel could not allocate its scratch memory", -2: "unknown ggml type",
-           -3: "k is not a multiple of the block size", -4: "instruction set not available on this CPU"}
-_WHAT = "gguf native mul_mat"
 _warned: set[str] = set()
 _loaded: dict[tuple[str | None, ...], GGUFKernel] = {}
-_panels: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # GGUFKernel.panels, by weight
 
 
 def cpuinfo_isa(cpuid_best: str, isas: tuple[str, ...] | None = None,
@@ -100,17 +98,6 @@ def describe_isa(best: str) -> str:
     if others:
         text += "; " + ", ".join(NAMES[t] for t in others) + " take the AVX2 kernel"
     return text
-
-
-def row_bytes(ggml_type: int, k: int) -> int:
-    """Bytes of one weight row of ``k`` elements; ValueError for an unsupported type or k."""
-    if ggml_type not in BLOCKS:
-        raise ValueError(f"{_WHAT}: ggml_type {ggml_type} is not supported; supported: "
-                         f"{', '.join(f'{t} ({NAMES[t]})' for t in sorted(BLOCKS))}")
-    elems, size = BLOCKS[ggml_type]
-    if k <= 0 or k % elems:
-        raise ValueError(f"{_WHAT}: k={k} must be a positive multiple of {NAMES[ggml_type]}'s block of {elems}")
-    return k // elems * size
 
 
 class GGUFKernel:
@@ -143,35 +130,27 @@ class GGUFKernel:
         logger.info("quant gguf: native CPU kernels: %s", describe_isa(self.best_isa))
 
     def panels(self, w: torch.Tensor, ggml_type: int, k: int) -> torch.Tensor:
-        """``w``'s rows repacked into the AVX-512 kernels' 16-row panels (uint8, 1-D), made
-        once per weight (a layer's bound product and its native-step product share them)."""
+        """``w``'s rows repacked into the AVX-512 kernels' 16-row panels (uint8, 1-D, in huge
+        pages), made once per weight (a layer's bound product and its native-step product share
+        them: ``gguf_weights.cached_copy``)."""
         stride = _check_weight(w, ggml_type, k, row_bytes(ggml_type, k))[0]
-        key = (w.data_ptr(), stride, w.shape[0], ggml_type, k)
-        found = _panels.get(key)
-        if found is not None:
-            return found
-        out = hugemem.empty(self._packed_bytes(ggml_type, w.shape[0], k))
-        status = self._repack(ggml_type, w.data_ptr(), stride, w.shape[0], k, out.data_ptr())
-        if status != 0:
-            raise RuntimeError(f"{_WHAT}: repacking: {_ERRORS.get(status, f'error {status}')}")
-        out.lmplug_source = w  # the rows stay alive while their panels are cached: no address reuse
-        _panels[key] = out
-        out.lmplug_rows_in_file = release_file_pages(w)
-        return out
+
+        def make() -> torch.Tensor:
+            out = hugemem.empty(self._packed_bytes(ggml_type, w.shape[0], k))
+            status = self._repack(ggml_type, w.data_ptr(), stride, w.shape[0], k, out.data_ptr())
+            if status != 0:
+                raise RuntimeError(f"{_WHAT}: repacking: {_ERRORS.get(status, f'error {status}')}")
+            return out
+        return gguf_weights.cached_copy("panels", w, ggml_type, k, make)
 
     def panels_only(self, w: torch.Tensor, ggml_type: int, k: int) -> bool:
-        """Where ``w``'s panels exist and ``w`` is memory of this process's own (a copy made at
-        load: llama's permuted q/k joined with v) rather than the file's mapping: the panels and
-        their cache forget ``w``, so it is freed once its holder drops it, and the panels are the
-        one copy of those weights (``rows`` rebuilds them). True when so; False leaves ``w`` as it is
-        (rows in the file's mapping: their pages were released when the panels were made)."""
-        stride = _check_weight(w, ggml_type, k, row_bytes(ggml_type, k))[0]
-        key = (w.data_ptr(), stride, w.shape[0], ggml_type, k)
-        found = _panels.get(key)
-        if found is None or found.lmplug_rows_in_file:
-            return False
-        del _panels[key], found.lmplug_source
-        return True
+        """Where ``w``'s copy the kernels read exists (panels, or rows in huge pages) and ``w`` is
+        memory of this process's own (a copy made at load: llama's permuted q/k joined with v)
+        rather than the file's mapping: the copy and its cache forget ``w``, so it is freed once
+        its holder drops it, and the copy is the one copy of those weights (``rows`` rebuilds
+        rows from panels). True when so; False leaves ``w`` as it is (``gguf_weights.forget_source``)."""
+        _check_weight(w, ggml_type, k, row_bytes(ggml_type, k))
+        return gguf_weights.forget_source(w, ggml_type, k)
 
     def rows(self, panels: torch.Tensor, ggml_type: int, n: int, k: int) -> torch.Tensor:
         """The ``n`` rows [n, row_bytes] of ``panels``: the file's bytes again (the inverse of the repack)."""
@@ -186,10 +165,15 @@ class GGUFKernel:
 
     def operand(self, w: torch.Tensor, ggml_type: int, k: int, isa: int) -> tuple[torch.Tensor, int]:
         """(weights, type) as a bound product hands them to the C: the panels and the type
-        flagged packed where the AVX-512 set runs this type, else ``w`` as it is."""
+        flagged packed where the AVX-512 set runs this type; for the other SIMD sets the rows
+        copied into huge pages (``gguf_weights.hot_rows``: ``w`` itself where huge pages are off;
+        their row stride is the copy's); for the portable set ``w`` as it is (bound by arithmetic,
+        not by the memory: huge pages gave it nothing measurable)."""
         if ISAS[isa] == "avx512" and ggml_type in PANEL_TYPES:
             return self.panels(w, ggml_type, k), ggml_type | PACKED_FLAG
-        return w, ggml_type
+        if ISAS[isa] == "generic":
+            return w, ggml_type
+        return gguf_weights.hot_rows(w, ggml_type, k), ggml_type
 
     def threads_used(self, m: int, k: int, n: int, num_threads: int) -> int:
         """The threads a product of this shape runs on (fewer than asked when the work is small)."""
@@ -231,172 +215,6 @@ class GGUFKernel:
         if status != 0:
             raise RuntimeError(f"{_WHAT}: {_ERRORS.get(status, f'error {status}')}")
         return out
-
-
-class BoundProduct:
-    """``x @ dequantize(w)^T`` for one weight, checked once: the decode hot path of a linear
-    layer (``GGUFQuant.apply`` calls it for every linear layer of every step, 121 times a token
-    on the demo model, where the per-call checks, the op dispatch and the environment look-ups
-    of ``mul_mat`` cost more than a small layer's product). ``LMPLUG_GGUF_ISA`` and
-    ``LMPLUG_GGUF_THREADS`` are read when it is bound (the model's load); the thread count
-    otherwise follows ``lmplug.kit.threads.compute_threads()`` at each call (torch's
-    thread count, also while the engine keeps torch's small ops on one thread)."""
-
-    __slots__ = ("_fn", "ggml_type", "isa", "k", "n", "stride", "threads", "w")
-
-    def __init__(self, kernel: GGUFKernel, w: torch.Tensor, ggml_type: int, k: int) -> None:
-        wst = _check_weight(w, ggml_type, k, row_bytes(ggml_type, k))
-        self.isa = kernel.isa()
-        self.k, self.n, self.stride = k, w.shape[0], wst[0]
-        self.w, self.ggml_type = kernel.operand(w, ggml_type, k, self.isa)
-        self.threads = _threads() if os.environ.get("LMPLUG_GGUF_THREADS") else None
-        self._fn = kernel._fn
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        """x: a contiguous float32 CPU tensor [M, k] (the caller's check) -> float32 [M, N]."""
-        m = x.shape[0]
-        if x.shape[1] != self.k:
-            raise ValueError(f"{_WHAT}: x must be [M, k={self.k}], got {tuple(x.shape)}")
-        out = torch.empty(m, self.n, dtype=torch.float32)
-        if m == 0 or self.n == 0:
-            return out
-        threads = self.threads or compute_threads()
-        status = self._fn(x.data_ptr(), m, self.k, self.w.data_ptr(), self.stride, self.n, self.ggml_type,
-                          out.data_ptr(), threads, self.isa)
-        if status != 0:
-            raise RuntimeError(f"{_WHAT}: {_ERRORS.get(status, f'error {status}')}")
-        return out
-
-
-class _Run(ctypes.Structure):
-    _fields_ = [("w", ctypes.c_void_p), ("w_stride", ctypes.c_int64), ("n", ctypes.c_int64),
-                ("type", ctypes.c_int64)]
-
-
-MAX_RUNS = 8  # csrc/gguf_cpu.c
-DENSE = -1  # a run of float32 rows [n, k] (a float shard of a mixed layer)
-FLOAT_TYPES = {0: 4, 1: 2, 30: 2}  # F32, F16, BF16 rows a layer product reads: bytes a value
-DENSE_T = -2  # a run of float32 W^T [k, n] rows (a dense layer as Unquantized keeps it on the CPU)
-
-
-class _Layer(ctypes.Structure):
-    _fields_ = [("k", ctypes.c_int64), ("n", ctypes.c_int64), ("isa", ctypes.c_int64), ("n_runs", ctypes.c_int64),
-                ("threads", ctypes.c_int64), ("bias", ctypes.c_void_p), ("runs", _Run * MAX_RUNS)]
-
-
-def layer_product(kernel: GGUFKernel, runs: list[tuple[int | str | None, torch.Tensor]], k: int,
-                  bias: torch.Tensor | None, name: str = "quant gguf") -> NativeCall:
-    """A linear layer's whole product (its runs side by side, then the bias) as a
-    ``lmplug.kit.native`` product: ``gguf_layer_product`` with a context describing
-    ``runs`` (ggml type, packed rows, ``SUPPORTED`` or ``FLOAT_TYPES``; None, float32 rows [n, k]; or ``"t"``, float32 W^T [k, n]
-    with dense rows; or a ggml type and its ``BoundProduct``: the weights as bound, panels where it has them). The weights are checked
-    here, once; ``LMPLUG_GGUF_ISA`` and ``LMPLUG_GGUF_THREADS`` are read now (as ``BoundProduct``
-    reads them)."""
-    if not 1 <= len(runs) <= MAX_RUNS:
-        raise ValueError(f"{_WHAT}: a layer of {len(runs)} runs; at most {MAX_RUNS}")
-    desc = _Layer(k=k, isa=kernel.isa(), n_runs=len(runs),
-                  threads=_threads() if os.environ.get("LMPLUG_GGUF_THREADS") else 0)
-    total, keep = 0, []  # keep: the panels the C reads
-    for i, (kind, w) in enumerate(runs):
-        if isinstance(w, BoundProduct):
-            if w.k != k or w.isa != desc.isa:
-                raise ValueError(f"{_WHAT}: a bound run of k={w.k}, kernel set {ISAS[w.isa]}; the layer has k={k}, "
-                                 f"kernel set {ISAS[desc.isa]}")
-            keep.append(w.w)
-            desc.runs[i] = _Run(w.w.data_ptr(), w.stride, w.n, w.ggml_type)
-            total += w.n
-            continue
-        if kind == "t":
-            if w.dtype != torch.float32 or w.dim() != 2 or w.shape[0] != k or w.stride(1) != 1 or not w.is_cpu:
-                raise ValueError(f"{_WHAT}: a transposed dense run must be float32 CPU rows [{k}, n], got "
-                                 f"{w.dtype} {tuple(w.shape)} strides {w.stride()}")
-            desc.runs[i] = _Run(w.data_ptr(), w.stride(0) * 4, w.shape[1], DENSE_T)
-            total += w.shape[1]
-            continue
-        if kind in FLOAT_TYPES:  # packed rows of unquantized values
-            size = k * FLOAT_TYPES[kind]
-            if w.dtype != torch.uint8 or w.dim() != 2 or w.shape[1] != size or w.stride(1) != 1 or not w.is_cpu:
-                raise ValueError(f"{_WHAT}: a type-{kind} run must be uint8 CPU rows [n, {size}], got {w.dtype} "
-                                 f"{tuple(w.shape)} strides {w.stride()}")
-            desc.runs[i] = _Run(w.data_ptr(), w.stride(0), w.shape[0], kind)
-        elif kind is None:
-            if w.dtype != torch.float32 or w.dim() != 2 or w.shape[1] != k or w.stride(1) != 1 or not w.is_cpu:
-                raise ValueError(f"{_WHAT}: a dense run must be float32 CPU rows [n, {k}], got {w.dtype} "
-                                 f"{tuple(w.shape)} strides {w.stride()}")
-            desc.runs[i] = _Run(w.data_ptr(), w.stride(0) * 4, w.shape[0], DENSE)
-        else:
-            stride = _check_weight(w, kind, k, row_bytes(kind, k))[0]
-            data, flagged = kernel.operand(w, kind, k, desc.isa)
-            keep.append(data)
-            desc.runs[i] = _Run(data.data_ptr(), stride, w.shape[0], flagged)
-        total += w.shape[0]
-    desc.n = total
-    if bias is not None:
-        if bias.dtype != torch.float32 or bias.shape != (total,) or not bias.is_contiguous() or not bias.is_cpu:
-            raise ValueError(f"{_WHAT}: the bias must be a contiguous float32 CPU tensor ({total},), got "
-                             f"{bias.dtype} {tuple(bias.shape)}")
-        desc.bias = bias.data_ptr()
-    fn = ctypes.cast(kernel.layer_fn, ctypes.c_void_p).value
-    return NativeCall(fn, ctypes.addressof(desc), (desc, kernel, [w for _, w in runs], keep, bias), name,
-                      {**_ERRORS, -5: "the layer's description is out of range"})
-
-
-MADV_DONTNEED = 4  # <sys/mman.h> on Linux
-
-
-def release_file_pages(w: torch.Tensor) -> bool:
-    """Drop this process's pages of ``w``'s rows when they lie in a read-only file mapping (the
-    GGUF's memory map), once its panels are made: the resident memory then holds the panels,
-    not a second copy of the weights. The rows stay valid: a later read (an embedding lookup of
-    the tied head, the op path) faults its pages back in from the file. Memory of any other kind
-    (a copy made at load: permuted q/k rows, joined shards) is left alone. True when released."""
-    if not sys.platform.startswith("linux") or w.numel() == 0:
-        return False
-    page = mmap.PAGESIZE
-    start = w.data_ptr()
-    end = start + (w.shape[0] - 1) * w.stride(0) + w.shape[1]
-    lo, hi = -(-start // page) * page, end // page * page  # the whole pages inside the rows
-    if hi <= lo:
-        return False
-    try:
-        with open("/proc/self/maps") as maps:
-            for line in maps:
-                fields = line.split()
-                first, last = (int(a, 16) for a in fields[0].split("-"))
-                if first <= lo < last:
-                    if hi > last or fields[1][1] != "-" or fields[4] == "0" or len(fields) < 6:
-                        return False  # writable, anonymous, or not one mapping: keep it
-                    return _libc().madvise(ctypes.c_void_p(lo), ctypes.c_size_t(hi - lo), MADV_DONTNEED) == 0
-    except OSError:
-        return False
-    return False
-
-
-@functools.cache
-def _libc() -> ctypes.CDLL:
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.madvise.argtypes, libc.madvise.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int
-    return libc
-
-
-def _check_weight(w: torch.Tensor, ggml_type: int, k: int, size: int) -> tuple[int, ...]:
-    """``w``'s strides, once it is checked to be packed rows of ``size`` bytes; ValueError otherwise."""
-    ws, wst = w.shape, w.stride()
-    if (len(ws) != 2 or w.dtype != torch.uint8 or not w.is_cpu or ws[1] != size
-            or (ws[0] > 1 and wst[0] < size) or (size > 1 and wst[1] != 1)):
-        raise ValueError(f"{_WHAT}: w must be a uint8 CPU tensor [N, {size}] ({k} {NAMES[ggml_type]} "
-                         f"values a row) with contiguous rows, got {w.dtype} {tuple(ws)} strides "
-                         f"{wst} on {w.device}")
-    return wst
-
-
-def _threads() -> int:
-    value = os.environ.get("LMPLUG_GGUF_THREADS")
-    if not value:
-        return compute_threads()
-    if not value.isdigit() or int(value) < 1:
-        raise ValueError(f"{_WHAT}: LMPLUG_GGUF_THREADS={value!r} must be a positive integer")
-    return int(value)
 
 
 def load() -> GGUFKernel:

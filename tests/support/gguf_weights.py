@@ -32,3 +32,31 @@ def make_weight(name: str, n: int, k: int, seed: int = 0) -> np.ndarray:
     else:  # d, dmin
         w[..., 0:4] = scales
     return w.reshape(n, -1)
+
+
+def file_rows(path, w: np.ndarray):
+    """``w``'s rows as a uint8 tensor viewing a read-only memory map of a file written at ``path``
+    (as the GGUF reader leaves a weight), 100 bytes in: the rows do not start on a page."""
+    import warnings
+
+    import torch
+
+    path.write_bytes(b"\0" * 100 + w.tobytes())
+    with warnings.catch_warnings():  # torch: the mapping is read-only (nothing writes it)
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.from_numpy(np.memmap(path, mode="r")[100:].view(np.ndarray)).view(w.shape[0], -1)
+
+
+def resident_kib(lo: int, hi: int) -> int:
+    """This process's resident KiB of the mapping holding addresses [lo, hi) (/proc/self/smaps)."""
+    found = False
+    with open("/proc/self/smaps") as smaps:
+        lines = smaps.readlines()
+    for line in lines:
+        head = line.split()
+        if "-" in head[0] and ":" not in head[0]:
+            first, last = (int(a, 16) for a in head[0].split("-"))
+            found = first <= lo < last and hi <= last
+        elif found and head[0] == "Rss:":
+            return int(head[1])
+    raise AssertionError("no mapping holds the rows")

@@ -50,3 +50,32 @@ def test_no_product_where_it_does_not_apply(torch_threads):
     assert native_dense.product(row_major) is None and native_dense.product(half) is None
     torch_threads(2)
     assert native_dense.product(layer) is None  # one-threaded: more threads keep torch's BLAS
+
+
+def test_weights_move_into_huge_pages_with_the_same_bits(torch_threads, monkeypatch):
+    """The product's weight is moved into huge-page memory once (same values, same W^T strides);
+    the product and torch's path give the bits they give with ``LMPLUG_HUGE_PAGES=0``."""
+    from lmplug.kit import hugemem
+
+    torch_threads(1)
+    monkeypatch.delenv("LMPLUG_HUGE_PAGES", raising=False)
+    if not hugemem.enabled():
+        pytest.skip("no huge-page memory here (not Linux)")
+    x = torch.randn(3, 96, generator=torch.Generator().manual_seed(7))
+    monkeypatch.setenv("LMPLUG_HUGE_PAGES", "0")
+    plain = _linear(96, 70, True)
+    before = plain.weight.data_ptr()
+    want = call_product(native_dense.product(plain), x, 70)
+    assert plain.weight.data_ptr() == before  # off: left where it is
+    monkeypatch.delenv("LMPLUG_HUGE_PAGES")
+    layer = _linear(96, 70, True)
+    values = layer.weight.detach().clone()
+    old = layer.weight.data_ptr()
+    call = native_dense.product(layer)
+    moved = layer.weight.data_ptr()
+    assert moved != old and moved % hugemem.ALIGN == 0 and layer.weight.stride() == (1, 70)
+    assert torch.equal(layer.weight, values)
+    assert torch.equal(call_product(call, x, 70), want)
+    assert torch.equal(layer.quant.apply(layer, x), plain.quant.apply(plain, x))
+    native_dense.product(layer)
+    assert layer.weight.data_ptr() == moved  # once

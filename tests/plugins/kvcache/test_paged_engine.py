@@ -178,3 +178,24 @@ def test_hf_parity_models_equal_contiguous(arch, tmp_path_factory):
         paged = tiny.llm(kvcache={"backend": "paged", "num_blocks": 64, **kv})
         assert tokens(paged.generate(batch, params)) == expected
         assert tokens(paged.generate(batch, params)) == expected  # again: prefix hits when caching
+
+
+def test_cpu_pool_in_huge_pages_gives_the_same_tokens(tiny_llama, monkeypatch):
+    """On the CPU the pool is cut from huge-page memory (``lmplug.kit.hugemem``), zeroed, and
+    decoding over it gives the tokens it gives in torch's memory (``LMPLUG_HUGE_PAGES=0``)."""
+    from lmplug.kit import hugemem
+
+    monkeypatch.delenv("LMPLUG_HUGE_PAGES", raising=False)
+    if not hugemem.enabled():
+        pytest.skip("no huge-page memory here (not Linux)")
+    batch = prompts(5, 40, 17)
+    huge = llm(tiny_llama, block_size=16)
+    pool = huge.engine.kv._pool
+    assert pool.data_ptr() % hugemem.ALIGN == 0 and not bool(pool.any())
+    assert pool.untyped_storage().nbytes() > pool.numel() * pool.element_size()  # a piece of an arena
+    got = tokens(huge.generate(batch, GREEDY))
+    monkeypatch.setenv("LMPLUG_HUGE_PAGES", "0")
+    plain = llm(tiny_llama, block_size=16)
+    assert plain.engine.kv._pool.untyped_storage().nbytes() == plain.engine.kv._pool.numel() * 4
+    assert not bool(plain.engine.kv._pool.any())  # zeroed
+    assert got == tokens(plain.generate(batch, GREEDY))

@@ -309,23 +309,32 @@ def test_bound_products_match_the_registered_op(files):
 
 
 @pytest.mark.skipif(native_kernel()[0] is None, reason="native GGUF kernel not built here")
-def test_panels_are_the_only_copy_of_permuted_rows(files, monkeypatch):
-    """With the AVX-512 panels, llama's q/k rows (permuted at load: a copy, joined here) live in
-    their panels only, and every path gives the bits of the portable kernels over the rows kept
-    whole: the bound products, the native step's layer product, and the op path, which rebuilds
-    the rows byte for byte."""
+@pytest.mark.parametrize("isa", [2, 1])  # the AVX-512 panels; the rows in huge pages (AVX2, NEON)
+def test_panels_are_the_only_copy_of_permuted_rows(files, monkeypatch, isa):
+    """With the AVX-512 panels (or the other SIMD sets' rows copied into huge pages), llama's q/k
+    rows (permuted at load: a copy, joined here) live in that copy only, and every path gives the
+    bits of the same kernels over the rows kept whole: the bound products, the native step's
+    layer product, and the op path, which gets the rows back byte for byte."""
+    from lmplug.kit import hugemem
     from lmplug.kit.native import call_product
 
     gguf_native = native_kernel()[0]
-    if gguf_native.load().best_isa != "avx512":
-        pytest.skip(f"no AVX-512 panels here: {gguf_native.describe_isa(gguf_native.load().best_isa)}")
+    best = gguf_native.load().best_isa
+    if gguf_native.ISAS.index(best) < isa:
+        pytest.skip(f"the {gguf_native.ISAS[isa]} set does not run here: {gguf_native.describe_isa(best)}")
+    monkeypatch.delenv("LMPLUG_HUGE_PAGES", raising=False)
+    if isa == 1 and not hugemem.enabled():
+        pytest.skip("no huge-page memory here: the rows are read where they lie")
     native = {"method": "gguf", "kernel": "native"}
-    monkeypatch.setenv("LMPLUG_GGUF_ISA", "generic")
+    monkeypatch.setenv("LMPLUG_GGUF_ISA", "generic" if isa == 2 else gguf_native.ISAS[isa])
+    monkeypatch.setenv("LMPLUG_HUGE_PAGES", "0")  # the rows where they are
     whole = model_of(LLM(str(files["kquant"]), **ENGINE, quant=native)).layers[0].self_attn.qkv_proj
-    monkeypatch.setenv("LMPLUG_GGUF_ISA", "avx512")
+    monkeypatch.delenv("LMPLUG_HUGE_PAGES")
+    monkeypatch.setenv("LMPLUG_GGUF_ISA", gguf_native.ISAS[isa])
     model = model_of(LLM(str(files["kquant"]), **ENGINE, quant=native))
     qkv = model.layers[0].self_attn.qkv_proj
-    assert qkv.gguf_w0.numel() == 0 and whole.gguf_w0.numel() > 0  # q and k: in the panels only
+    assert qkv.gguf_w0.numel() == 0 and whole.gguf_w0.numel() > 0  # q and k: in the copy only
+    assert qkv.gguf_calls[0].w.data_ptr() != whole.gguf_calls[0].w.data_ptr()
     assert qkv.gguf_w1.numel() > 0  # v: a view of the file (its pages released), kept
     x = torch.randn(5, qkv.in_features, generator=torch.Generator().manual_seed(4))
     want = whole(x)
@@ -333,7 +342,7 @@ def test_panels_are_the_only_copy_of_permuted_rows(files, monkeypatch):
     step = qkv.quant.native_product(qkv)
     assert torch.equal(call_product(step, x, want.shape[1], 2), want)
     assert torch.equal(qkv(x.bfloat16()), whole(x.bfloat16()))  # another dtype: the bound products too
-    qkv.gguf_calls = None  # the op path: the rows rebuilt from the panels
+    qkv.gguf_calls = None  # the op path: the rows rebuilt from the panels (or the copy itself)
     assert torch.equal(qkv(x), want)
     assert torch.equal(qkv.gguf_w0, whole.gguf_w0)
 

@@ -8,11 +8,10 @@ kernel set's log line are checked everywhere."""
 from __future__ import annotations
 
 import logging
-import warnings
 
 import pytest
 import torch
-from support.gguf_weights import make_weight, type_id
+from support.gguf_weights import file_rows, make_weight, resident_kib, type_id
 
 gguf_native = pytest.importorskip("lmplug_quant.gguf_native")
 
@@ -105,41 +104,20 @@ def _reload(kernel):
     return ctypes.CDLL(kernel.path), kernel.path
 
 
-def _resident_kib(lo: int, hi: int) -> int:
-    """This process's resident KiB of the mapping holding address ``lo`` (/proc/self/smaps)."""
-    found = False
-    with open("/proc/self/smaps") as smaps:
-        lines = smaps.readlines()
-    for line in lines:
-        head = line.split()
-        if "-" in head[0] and ":" not in head[0]:
-            first, last = (int(a, 16) for a in head[0].split("-"))
-            found = first <= lo < last and hi <= last
-        elif found and head[0] == "Rss:":
-            return int(head[1])
-    raise AssertionError("no mapping holds the rows")
-
-
 @pytest.mark.skipif(not __import__("sys").platform.startswith("linux"), reason="madvise and /proc are Linux's")
 def test_panels_release_the_rows_of_a_file_mapping(kernel, tmp_path):
     """Rows that are a view of a read-only memory map (as the GGUF reader leaves them) leave the
     process's resident memory once repacked, and still read the same bytes afterwards (faulted
     back in from the file); rows in ordinary memory are left alone."""
-    import numpy as np
-
     k, n = 256, 4096  # 576 KiB of Q4_0 rows
     w = make_weight("Q4_0", n, k, seed=2)
-    path = tmp_path / "rows.bin"
-    path.write_bytes(b"\0" * 100 + w.tobytes())  # an offset: the rows do not start on a page
-    with warnings.catch_warnings():  # torch: the mapping is read-only (nothing writes it)
-        warnings.simplefilter("ignore", UserWarning)
-        mapped = torch.from_numpy(np.memmap(path, mode="r")[100:].view(np.ndarray)).view(n, -1)
+    mapped = file_rows(tmp_path / "rows.bin", w)
     assert torch.equal(mapped, torch.from_numpy(w))  # every page now resident
     lo, hi = mapped.data_ptr(), mapped.data_ptr() + mapped.numel()
-    before = _resident_kib(lo, hi)
+    before = resident_kib(lo, hi)
     assert before >= 500
     panels = kernel.panels(mapped, type_id("Q4_0"), k)
-    assert _resident_kib(lo, hi) <= 8  # at most the two partial pages at the ends
+    assert resident_kib(lo, hi) <= 8  # at most the two partial pages at the ends
     assert torch.equal(mapped, torch.from_numpy(w))
     assert torch.equal(panels, kernel.panels(torch.from_numpy(w.copy()), type_id("Q4_0"), k))
     assert not kernel.panels_only(mapped, type_id("Q4_0"), k)  # the file's rows stay as they are
