@@ -23,7 +23,7 @@ from lmplug.interfaces.acceptance import AcceptanceRule
 from lmplug.interfaces.constraint import ConstraintBackend, ConstraintTokenizer
 from lmplug.interfaces.model_config import ModelConfig
 from lmplug.interfaces.quant import QuantMethod, Unquantized
-from lmplug.kit import extras, fused_cpu, kv_extras, native_build
+from lmplug.kit import extras, fused_cpu, hugemem, kv_extras, native_build
 from lmplug.loading.identity import model_identity
 from lmplug.loading.memory import check_fits
 from lmplug.loading.pooling_config import ModelPooling, read_pooling
@@ -207,6 +207,8 @@ def build_engine_parts(resolved: ResolvedConfig, parallel: ParallelState | None 
         drafter.setup(draft_target(model, model_config, kv, source.tokenizer, device, dtype,
                                    max_model_len, sched_opts.max_num_seqs, attention,
                                    checkpoint=str(source.path), quant=quant))
+    if device.type == "cpu":
+        hugemem.trim_heap()  # the load's freed heap back to the system, not resident beside the weights
     load_time = time.perf_counter() - started
     logger.info("loaded %s (%s, %d layers) in %.2f s; KV: %s (%s), %d bytes/token", source.path,
                 model_config.model_type, model_config.num_layers, load_time, kv.name,

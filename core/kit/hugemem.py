@@ -19,6 +19,7 @@ with ``LMPLUG_HUGE_PAGES=0`` (to measure what they give), it is ``torch.empty``.
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import mmap
 import os
@@ -94,3 +95,15 @@ def huge_bytes() -> int:
     except OSError:
         pass
     return 0
+
+
+def trim_heap() -> None:
+    """Give the C heap's free memory back to the system (glibc's ``malloc_trim``): a model's load
+    frees much heap (file reads, copies made before repacking) that glibc would otherwise keep
+    resident beside the weights (on a 1B GGUF file about 66 MiB of peak RSS). Elsewhere a no-op."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc (musl has no malloc_trim)
+        pass
