@@ -10,6 +10,9 @@
         [--dflash-heads DIR]   # a DFlash head (muse_glimmer_assistant), e.g. from
                                # lmplug train-drafter --method dflash MODEL DIR
         [--dtype bfloat16] [--kv paged] [--repeats 1]
+    # a random-weight GGUF (no n-gram ever matches): every verify still k + 1 rows
+    python benchmarks/bench_speculative.py --model FILE.gguf --configs plain,layer_skip \
+        --layer-skip-k 4 --layer-skip-layers 8 --sets copy
 
 Two prompt sets: (a) *copy*: rewrite / fix / extract tasks whose answer copies from the
 prompt, where n-gram lookup shines; (b) *free*: open-ended generation. Every config decodes
@@ -19,7 +22,8 @@ come from a multi-token forward whose rounding differs, so a near-tie can flip; 
 with ``--kv paged`` are read as decode rows and keep plain decoding's output. Per config and set: decode tokens/s (after the first token), target forwards per
 request, tokens per target forward, acceptance rate, mean accepted drafts per verification,
 and the decode speedup over plain; then the median time of a target forward by its rows (a verify
-of k drafts: k + 1 rows) in plain decode steps. The configs run interleaved (each prompt through every
+of k drafts: k + 1 rows) in plain decode steps, by wall time and (at one thread) by the thread's
+CPU time, which a shared machine's other jobs disturb less. The configs run interleaved (each prompt through every
 config in turn, ``--repeats`` times), so a shared machine's load drifts affect all alike.
 """
 
@@ -118,19 +122,25 @@ def build(spec: dict | None, args) -> LLM:
     return llm
 
 
-FORWARDS: dict[int, dict[int, list[float]]] = {}  # id(llm) -> rows of a target forward -> seconds
+# id(llm) -> clock -> rows of a target forward -> seconds
+FORWARDS: dict[int, dict[str, dict[int, list[float]]]] = {}
 
 
 def time_forwards(llm: LLM) -> None:
     """Time the engine's target forwards (``runner.execute``) by their row count: a verify of
-    k drafts is k + 1 rows, a plain decode 1 (prefills are left out by ``forward_costs``)."""
-    runner, seen = llm.engine.runner, FORWARDS.setdefault(id(llm), {})
+    k drafts is k + 1 rows, a plain decode 1 (prefills are left out by ``forward_costs``). Two
+    clocks: wall time, and the calling thread's CPU time, which leaves out the time other
+    processes of a shared machine hold the core (at one thread the forward runs on that thread)."""
+    runner = llm.engine.runner
+    seen = FORWARDS.setdefault(id(llm), {"wall": {}, "cpu": {}})
     execute = runner.execute
 
     def timed(batch):
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.thread_time()
         result = execute(batch)
-        seen.setdefault(sum(s.num_new_tokens for s in batch), []).append(time.perf_counter() - start)
+        rows = sum(s.num_new_tokens for s in batch)
+        seen["cpu"].setdefault(rows, []).append(time.thread_time() - cpu)
+        seen["wall"].setdefault(rows, []).append(time.perf_counter() - start)
         return result
 
     runner.execute = timed
@@ -142,7 +152,8 @@ def bench_all(configs: dict[str, dict | None], args, prompts: dict[str, list[lis
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
     results: dict = {name: {s: [] for s in prompts} for name in configs}
     for llm in llms.values():
-        FORWARDS[id(llm)].clear()  # the warm-up's
+        for by_rows in FORWARDS[id(llm)].values():
+            by_rows.clear()  # the warm-up's
     for _ in range(args.repeats):
         for set_name, ids_list in prompts.items():
             for ids in ids_list:
@@ -152,15 +163,17 @@ def bench_all(configs: dict[str, dict | None], args, prompts: dict[str, list[lis
     return results
 
 
-def forward_costs(forwards: dict[str, dict[int, list[float]]]) -> None:
+def forward_costs(forwards: dict[str, dict[str, dict[int, list[float]]]], threads: int) -> None:
     """Median ms of a target forward by rows (2-17: verifies; 1: decodes), and each in plain
-    decode steps (the plain config's 1-row median)."""
-    base = statistics.median(forwards["plain"].get(1, [float("nan")]))
-    print(f"target forward medians (ms; in plain decode steps of {base * 1e3:.2f} ms):")
-    for name, by_rows in forwards.items():
-        cells = [f"{rows} rows {statistics.median(t) * 1e3:.2f} ({statistics.median(t) / base:.2f}, n={len(t)})"
-                 for rows, t in sorted(by_rows.items()) if rows <= 17 and len(t) >= 3]
-        print(f"  {name:15} " + "; ".join(cells))
+    decode steps (the plain config's 1-row median): by wall time, and at one thread by the
+    thread's CPU time too."""
+    for clock in ("wall", "cpu") if threads == 1 else ("wall",):
+        base = statistics.median(forwards["plain"][clock].get(1, [float("nan")]))
+        print(f"target forward medians, {clock} time (ms; in plain decode steps of {base * 1e3:.2f} ms):")
+        for name, by_clock in forwards.items():
+            cells = [f"{rows} rows {statistics.median(t) * 1e3:.2f} ({statistics.median(t) / base:.2f}, n={len(t)})"
+                     for rows, t in sorted(by_clock[clock].items()) if rows <= 17 and len(t) >= 3]
+            print(f"  {name:15} " + "; ".join(cells))
 
 
 def summarize(runs: list[dict]) -> dict:
@@ -235,7 +248,7 @@ def main() -> None:
     print(f"model {args.model}, batch 1, greedy, max_tokens {args.max_tokens}, device {args.device}, "
           f"{args.threads} CPU thread(s)")
     results = bench_all({name: configs[name] for name in chosen}, args, prompts)
-    report(results, configs)
+    report(results, configs, args.threads)
 
 
 def _prompt_ids(llm: LLM, text: str) -> list[int]:
@@ -256,7 +269,7 @@ def _first_difference(runs: list[dict], plain: list[dict]) -> int | None:
     return min(firsts) if firsts else None
 
 
-def report(results: dict, configs: dict) -> None:
+def report(results: dict, configs: dict, threads: int) -> None:
     forwards = results.pop("_forwards")
     header = f"{'set':5} {'config':15} {'decode tok/s':>12} {'speedup':>8} {'fwd/req':>8} {'tok/fwd':>8} " \
              f"{'accept':>7} {'acc/step':>8}  same output"
@@ -273,7 +286,7 @@ def report(results: dict, configs: dict) -> None:
     for name, spec in configs.items():
         if name in results and spec:
             print(f"  {name}: {spec}")
-    forward_costs(forwards)
+    forward_costs(forwards, threads)
 
 
 if __name__ == "__main__":

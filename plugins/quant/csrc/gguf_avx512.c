@@ -232,14 +232,22 @@ static inline INLINE AVX512 void q3_k_panel(const uint8_t *p, int64_t nr, const 
 }
 
 /* rows_fn over one panel (w: its start, nr <= 16 its real rows; ws unused), mc a constant for
- * 1 row (decode) and MR rows so the loops over rows unroll. */
+ * each count 1 .. MR (run's groups never exceed MR) so the loops over rows unroll and the
+ * accumulators stay in registers: a verify's k + 1 rows too. */
 #define PANEL_KERNEL(name, call)                                                                      \
     static AVX512 void name##_avx512(const uint8_t *w, int64_t ws, int64_t nr, const acts_t *a, int64_t m0, \
                                      int mc, float *out, int64_t ldo) {                               \
         (void)ws;                                                                                     \
-        if (mc == 1) call(w, nr, a, m0, 1, out, ldo);                                                 \
-        else if (mc == MR) call(w, nr, a, m0, MR, out, ldo);                                          \
-        else call(w, nr, a, m0, mc, out, ldo);                                                        \
+        switch (mc) {                                                                                 \
+        case 1: call(w, nr, a, m0, 1, out, ldo); break;                                               \
+        case 2: call(w, nr, a, m0, 2, out, ldo); break;                                               \
+        case 3: call(w, nr, a, m0, 3, out, ldo); break;                                               \
+        case 4: call(w, nr, a, m0, 4, out, ldo); break;                                               \
+        case 5: call(w, nr, a, m0, 5, out, ldo); break;                                               \
+        case 6: call(w, nr, a, m0, 6, out, ldo); break;                                               \
+        case 7: call(w, nr, a, m0, 7, out, ldo); break;                                               \
+        default: call(w, nr, a, m0, MR, out, ldo);                                                    \
+        }                                                                                             \
     }
 #define Q4_0_PANEL(w, nr, a, m0, mc, out, ldo) small_panel(w, nr, a, m0, mc, out, ldo, T_Q4_0)
 #define Q4_1_PANEL(w, nr, a, m0, mc, out, ldo) small_panel(w, nr, a, m0, mc, out, ldo, T_Q4_1)

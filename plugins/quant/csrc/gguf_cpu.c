@@ -366,18 +366,23 @@ ROWS(q6_k)
 #define INLINE __attribute__((always_inline))
 #define PF_BYTES 2048 /* how far ahead of the blocks in use the weights are prefetched */
 
-/* The kernel over nr weight rows with mc a constant for 1 row (decode) and MR rows (full
- * groups): the loops over activation rows unroll, the accumulators stay in registers and the
- * constants are set up once a call; other counts loop (same operations). */
+/* The kernel over nr weight rows with mc a constant for each row count 1 .. MR (mc <= MR: run
+ * hands out groups of at most MR): the loops over activation rows unroll, the accumulators stay
+ * in registers and the constants are set up once a call. A verify's k + 1 rows (2-8) are as fast
+ * per weight byte as a full group; with mc a variable the accumulators went to memory. */
 #define SPECIALIZE(name)                                                                             \
     static AVX2 void name##_avx2(const uint8_t *w, int64_t ws, int64_t nr, const acts_t *a, int64_t m0, int mc, \
                                  float *out, int64_t ldo) {                                          \
-        if (mc == 1)                                                                                 \
-            for (int64_t i = 0; i < nr; i++) name##_body(w + i * ws, a, m0, 1, out + i, ldo);        \
-        else if (mc == MR)                                                                           \
-            for (int64_t i = 0; i < nr; i++) name##_body(w + i * ws, a, m0, MR, out + i, ldo);       \
-        else                                                                                         \
-            for (int64_t i = 0; i < nr; i++) name##_body(w + i * ws, a, m0, mc, out + i, ldo);       \
+        switch (mc) {                                                                                \
+        case 1: for (int64_t i = 0; i < nr; i++) name##_body(w + i * ws, a, m0, 1, out + i, ldo); break; \
+        case 2: for (int64_t i = 0; i < nr; i++) name##_body(w + i * ws, a, m0, 2, out + i, ldo); break; \
+        case 3: for (int64_t i = 0; i < nr; i++) name##_body(w + i * ws, a, m0, 3, out + i, ldo); break; \
+        case 4: for (int64_t i = 0; i < nr; i++) name##_body(w + i * ws, a, m0, 4, out + i, ldo); break; \
+        case 5: for (int64_t i = 0; i < nr; i++) name##_body(w + i * ws, a, m0, 5, out + i, ldo); break; \
+        case 6: for (int64_t i = 0; i < nr; i++) name##_body(w + i * ws, a, m0, 6, out + i, ldo); break; \
+        case 7: for (int64_t i = 0; i < nr; i++) name##_body(w + i * ws, a, m0, 7, out + i, ldo); break; \
+        default: for (int64_t i = 0; i < nr; i++) name##_body(w + i * ws, a, m0, MR, out + i, ldo);     \
+        }                                                                                            \
     }
 
 /* The 8 lanes of one accumulator added in a fixed order. */
@@ -512,8 +517,9 @@ SPECIALIZE(q5_0)
  * registers beside the 4 rows' accumulators (a weight row is read again from L1 per 4 rows). */
 static inline INLINE AVX2 void q8_0_body(const uint8_t *w, const acts_t *a, int64_t m0, const int mc, float *out,
                                            int64_t ldo) {
-    if (mc == MR) {
-        for (int r = 0; r < MR; r += 4) signed_body(w, 34, a, m0 + r, 4, out + r * ldo, ldo);
+    if (mc > 4) { /* 5 .. MR rows: 4, then the rest (each row's operations are the same) */
+        signed_body(w, 34, a, m0, 4, out, ldo);
+        signed_body(w, 34, a, m0 + 4, mc - 4, out + 4 * ldo, ldo);
         return;
     }
     signed_body(w, 34, a, m0, mc, out, ldo);

@@ -309,6 +309,24 @@ def test_portable_kernels_match_simd(kernel, name, monkeypatch, isa):
     assert ((simd.double() - portable.double()).abs() <= 6e-7 * scale + 1e-30).all()
 
 
+@pytest.mark.parametrize("isa", ["generic", "avx2", "avx512"])
+@pytest.mark.parametrize("name", TYPES)
+def test_each_row_count_gives_the_rows_bits(kernel, name, monkeypatch, isa):
+    """Every row count up to two 8-row groups (a verify's k + 1 rows: each count has a kernel of
+    its own) gives each row the bits that row gets in a 33-row product: a row's operations do not
+    depend on the rows beside it."""
+    if gguf_native.ISAS.index(kernel.best_isa) < gguf_native.ISAS.index(isa):
+        pytest.skip(f"this CPU cannot run the {isa} kernels: {gguf_native.describe_isa(kernel.best_isa)}")
+    w = torch.from_numpy(make_weight(name, N, K, seed=5))
+    x = torch.randn(33, K, generator=torch.Generator().manual_seed(5)) * 2
+    monkeypatch.setenv("LMPLUG_GGUF_ISA", isa)
+    whole = kernel.mul_mat(x, w, type_id(name), K, num_threads=1)
+    for m in range(1, 17):
+        for start in (0, 33 - m):
+            got = kernel.mul_mat(x[start:start + m], w, type_id(name), K, num_threads=1)
+            assert torch.equal(got, whole[start:start + m]), (m, start)
+
+
 def test_weight_views_and_other_activation_dtypes(kernel):
     """Rows of a larger buffer (as from an mmap: row stride > row bytes) and bfloat16 x."""
     w = torch.from_numpy(make_weight("Q8_0", 12, 256, seed=4))
