@@ -72,7 +72,7 @@ def main() -> None:
         for name, products in sets.items():
             started = time.process_time()
             for ctx, _keep, x, y in products:
-                if lib.lora_add(ctypes.addressof(ctx), x.data_ptr(), a.rows, y.data_ptr()):
+                if lib.lora_add(ctypes.addressof(ctx), x.data_ptr(), a.rows, y.data_ptr(), 1):
                     raise RuntimeError("lora_add failed")
             runs[name].append(time.process_time() - started)
     f32 = statistics.median(runs["float32"])

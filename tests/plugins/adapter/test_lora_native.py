@@ -59,16 +59,38 @@ def _layer(shards: dict[str, int], d_in: int, rank: int, slots: int = 3, dtype: 
     return lora
 
 
-def _lora_add(lora: LinearLoRA, x: torch.Tensor, y: torch.Tensor) -> int:
+def _lora_add(lora: LinearLoRA, x: torch.Tensor, y: torch.Tensor, threads: int = 1,
+              parallel_for: int | None = None) -> int:
     lora_native = _native()
     lib = lora_native.load()
-    ctx, _keep = lora_native.context(lora, None, lib)  # _keep: the tensors ctx points into, alive for the call
-    return lib.lora_add(ctypes.addressof(ctx), x.data_ptr(), x.shape[0], y.data_ptr())
+    ctx, _keep = lora_native.context(lora, None, lib, parallel_for)  # _keep: what ctx points into
+    return lib.lora_add(ctypes.addressof(ctx), x.data_ptr(), x.shape[0], y.data_ptr(), threads)
+
+
+def _gguf_pool() -> object:
+    """The GGUF kernels' library: the thread pool the engine's LoRA products share (``parallel_for``)."""
+    from lmplug_quant import gguf_native
+
+    return gguf_native.load()
+
+
+_RANGE = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64)
+
+
+@ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int)
+def _backwards(range_fn, ctx, n, threads):
+    """A ``parallel_for`` that runs [0, n) one unit at a time from the last: any order must give the same bits."""
+    for u in reversed(range(n)):
+        _RANGE(range_fn)(ctx, u, u + 1)
+
+
+BACKWARDS = ctypes.cast(_backwards, ctypes.c_void_p).value
 
 
 def _assert_update_is_the_reference(lora: LinearLoRA, d_in: int) -> None:
     """The C update of a batch's rows (some without an adapter) equals the torch backend's over
-    the layer's float32 slots; rows without an adapter keep the base's bits."""
+    the layer's float32 slots; rows without an adapter keep the base's bits. Split over 2 and 3
+    threads of the GGUF pool, and run unit by unit backwards, it gives the one-thread bits."""
     token_slots = [-1, 0, 2, 1, 0, -1, 2, 1]
     lora.step.set(token_slots, torch.device("cpu"))
     g = torch.Generator().manual_seed(1)
@@ -82,6 +104,12 @@ def _assert_update_is_the_reference(lora: LinearLoRA, d_in: int) -> None:
     keep = torch.tensor([s < 0 for s in token_slots])
     assert torch.equal(got[keep], base[keep])
     assert not torch.allclose(got[~keep], base[~keep])
+    pool = _gguf_pool()
+    for threads, parallel_for in ((2, pool.parallel_for), (3, pool.parallel_for), (2, BACKWARDS)):
+        split = base.clone()
+        assert _lora_add(lora, x, split, threads, parallel_for) == 0
+        assert torch.equal(split, got), (threads, parallel_for)
+    assert pool.pool_workers() >= 2  # the 3-thread call ran on the pool's workers
 
 
 @pytest.mark.parametrize("isa", ["generic", "avx2", "avx512"])
@@ -222,3 +250,25 @@ def _native_equals_python(tmp_path, monkeypatch, dtypes: list[torch.dtype]) -> s
     for with_lora, plain in zip(outs[False][:3], base):
         assert with_lora.token_ids != plain.token_ids
     return seen
+
+
+@pytest.mark.skipif(fused_cpu.library() is None, reason="no C compiler: no native step")
+def test_native_step_threads_give_the_same_bits(tmp_path, monkeypatch, torch_threads):
+    """The LoRA update on the GGUF products' threads (``NativeCall.parallel_for``): at 1, 2 and 3
+    threads the native step gives the same tokens and logprobs, bit for bit."""
+    path = tmp_path / "llama.gguf"
+    write_tiny_gguf(path, "llama")
+    monkeypatch.setenv("LMPLUG_NATIVE_STEP", "1")
+    outs = []
+    with LLM(str(path), **ENGINE) as llm:
+        write_adapter(tmp_path / "a0", llm.engine.adapters.targets, 8, seed=0, scale=0.3, dtype=torch.float16)
+        write_adapter(tmp_path / "a1", llm.engine.adapters.targets, 4, seed=1, scale=0.3)
+        loras = [LoRARequest("a0", 1, str(tmp_path / "a0")), LoRARequest("a1", 2, str(tmp_path / "a1"))]
+        qkv = llm.engine.parts.model.layers[0].self_attn.qkv_proj
+        for threads in (1, 2, 3):
+            torch_threads(threads)
+            outs.append([(o.outputs[0].token_ids, o.outputs[0].logprobs)
+                         for o in llm.generate(PROMPTS, GREEDY, lora=[*loras, loras[0], None])])
+            assert llm.engine.parts.model._native_step
+        assert qkv.lora.native_product(qkv.quant.native_product(qkv)).keep[0].parallel_for
+    assert outs[1] == outs[0] and outs[2] == outs[0]
