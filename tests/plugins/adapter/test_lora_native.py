@@ -9,6 +9,7 @@ on a tiny packed GGUF model, compared as the native step's own tests compare (``
 from __future__ import annotations
 
 import ctypes
+from pathlib import Path
 
 import pytest
 import torch
@@ -19,7 +20,7 @@ from support.native_compare import assert_same
 from lmplug import LLM, LoRARequest, SamplingParams
 from lmplug.interfaces.adapter import AdapterOptions
 from lmplug.interfaces.quant import Unquantized
-from lmplug.kit import fused_cpu
+from lmplug.kit import fused_cpu, hugemem
 from lmplug.kit.layers import Linear
 from lmplug.kit.lora import LinearLoRA, LoRAStep
 from lmplug.kit.native_step import NativeDecodeStep
@@ -190,6 +191,37 @@ def test_unknown_isa_is_refused(monkeypatch):
     monkeypatch.setenv("LMPLUG_LORA_ISA", "sse9")
     with pytest.raises(ValueError, match="LMPLUG_LORA_ISA"):
         _native().isa(_native().load())
+
+
+def _vm_flags(address: int) -> list[str]:
+    """The kernel's VmFlags of the mapping holding ``address`` (``/proc/self/smaps``)."""
+    inside = False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and ":" not in head:
+                start, end = (int(v, 16) for v in head.split("-"))
+                inside = start <= address < end
+            elif inside and head == "VmFlags:":
+                return line.split()[1:]
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+@pytest.mark.skipif(not hugemem.enabled() or not Path("/proc/self/smaps").exists(),
+                    reason="huge pages are Linux's (madvise)")
+@pytest.mark.parametrize("huge", [True, False])
+def test_slots_are_in_huge_page_memory(monkeypatch, huge):
+    """The slots the native product streams (A float32 and 16-bit, compact B) lie in mappings the
+    kernel was asked to back with huge pages (VmFlags ``hg``: madvise(MADV_HUGEPAGE)), unless
+    ``LMPLUG_HUGE_PAGES=0``; and they start zeroed."""
+    monkeypatch.setenv("LMPLUG_HUGE_PAGES", "1" if huge else "0")
+    lora = _layer({"q": 24, "k": 8}, 64, 4, slots=2)
+    fresh = LinearLoRA(Linear(64, {"q": 24, "k": 8}, bias=False, dtype=torch.float32, quant=Unquantized()),
+                       ["q", "k"], lora.step, 2, 4)
+    for t in (fresh.a, fresh.native.a16, fresh.native.b):
+        assert not t.any()
+    for t in (lora.a, lora.native.a16, lora.native.b):
+        assert ("hg" in _vm_flags(t.data_ptr())) == huge
 
 
 # -- whole engines: the native decode step with LoRA ------------------------------------------------
