@@ -116,10 +116,11 @@ def _assert_update_is_the_reference(lora: LinearLoRA, d_in: int) -> None:
 @pytest.mark.parametrize("isa", ["generic", "avx2", "avx512"])
 @pytest.mark.parametrize(("shards", "d_in", "rank"), [({"q": 24, "k": 8, "v": 8}, 37, 5),
                                                       ({"gate": 40, "up": 40}, 64, 16),
-                                                      ({"down": 19}, 130, 3), ({"q": 21, "k": 11}, 48, 8)])
+                                                      ({"down": 19}, 130, 3), ({"q": 21, "k": 11}, 48, 8),
+                                                      ({"gate": 150, "up": 77}, 40, 8)])
 def test_update_equals_the_torch_reference(monkeypatch, isa, shards, d_in, rank):
-    """Dimensions off the vector widths (tails), ranks below the slot width, rows without an
-    adapter left bit-identical, one slot without a shard."""
+    """Dimensions off the vector widths (tails; shards of many expand blocks), ranks below the
+    slot width, rows without an adapter left bit-identical, one slot without a shard."""
     if isa not in _isas():
         pytest.skip(f"this CPU does not run {isa}")
     monkeypatch.setenv("LMPLUG_LORA_ISA", isa)
@@ -130,7 +131,8 @@ def test_update_equals_the_torch_reference(monkeypatch, isa, shards, d_in, rank)
 @pytest.mark.parametrize("isa", ["generic", "avx2", "avx512"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize(("shards", "d_in", "rank"), [({"q": 24, "k": 8, "v": 8}, 37, 5),
-                                                      ({"gate": 40, "up": 40}, 64, 16), ({"down": 19}, 130, 3)])
+                                                      ({"gate": 40, "up": 40}, 64, 16), ({"down": 19}, 130, 3),
+                                                      ({"gate": 150, "up": 77}, 40, 8)])
 def test_16_bit_slots_equal_the_torch_reference(monkeypatch, isa, dtype, shards, d_in, rank):
     """A 16-bit adapter's slots stay 16-bit (the file's bits) and give the torch product over its
     weights upcast to float32 (the layer's float32 slots, the scaling folded into B)."""
