@@ -3,6 +3,7 @@ adapters, against the base model alone and against one merged engine per adapter
 
     python benchmarks/bench_lora.py [--model dense|demo] [--layers 30] [--rank 8] [--requests 16]
                                     [--tokens 32] [--threads 2] [--adapter-dtype float32|float16|bfloat16]
+                                    [--clock wall|cpu] [--rate batch|step] [--repeats 3]
 
 ``--model dense`` (default): a random Llama in SmolLM2-135M's shape (hidden 576, 9 heads over 3
 KV heads, MLP 1536; ``--layers`` of them), float32 on the CPU, saved as an HF folder (the Python
@@ -25,8 +26,10 @@ The first five run in interleaved rounds (``--repeats``), the median of each, as
 
 Decode tokens/s counts the tokens of steps in which no sequence is in its prompt, over those
 steps' time (``--clock cpu``: this process's CPU time, which on a loaded machine with
-``--threads 1`` measures the work where wall time mostly measures the other jobs). The load
-average is printed before and after: the machine is shared.
+``--threads 1`` measures the work where wall time mostly measures the other jobs); ``--rate step``:
+the median of the decode steps' own rates (rows / step time) instead, so that the steps another
+job interrupted, outliers, do not count (for wall-clock ratios at 2 threads on a loaded machine).
+The load average is printed before and after: the machine is shared.
 """
 
 from __future__ import annotations
@@ -97,25 +100,29 @@ def merged_copy(base: Path, folder: Path, deltas) -> Path:
 
 CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
 clock = CLOCKS["wall"]
+per_step = False  # --rate step
 
 
 def decode_rate(llm: LLM, prompts: list[list[int]], loras: list, tokens: int) -> tuple[float, int]:
     """(decode tokens/s, decode tokens) of one batch of requests run to completion (seconds of
-    ``clock``: wall, or this process's CPU time)."""
+    ``clock``: wall, or this process's CPU time): over the decode steps' summed time, or with
+    ``per_step`` the median of the steps' own rates."""
     engine = llm.engine
     params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
     for k, (prompt, lora) in enumerate(zip(prompts, loras)):
         engine.add_request(f"r{time.perf_counter_ns()}-{k}", prompt, params, lora=lora)
-    spent, produced = 0.0, 0
+    spent, produced, rates = 0.0, 0, []
     while engine.has_unfinished_requests():
         seqs = [s for s in engine.requests.sequences() if not s.is_finished]
         decoding = not any(s.is_prefill for s in seqs)
         started = clock()
         engine.step()
         if decoding:
-            spent += clock() - started
+            took = clock() - started
+            spent += took
             produced += len(seqs)
-    return produced / spent, produced
+            rates.append(len(seqs) / took)
+    return (statistics.median(rates) if per_step else produced / spent), produced
 
 
 def main() -> None:
@@ -133,9 +140,12 @@ def main() -> None:
     p.add_argument("--clock", choices=tuple(CLOCKS), default="wall",
                    help="cpu: per CPU-second of this process (with --threads 1: the work done, what a "
                         "loaded machine's waits do not change)")
+    p.add_argument("--rate", choices=("batch", "step"), default="batch",
+                   help="step: each round's median of its decode steps' own rates (a step another job "
+                        "interrupted is an outlier it ignores: wall-clock ratios at 2 threads on a loaded machine)")
     a = p.parse_args()
-    global clock
-    clock = CLOCKS[a.clock]
+    global clock, per_step
+    clock, per_step = CLOCKS[a.clock], a.rate == "step"
     torch.set_num_threads(a.threads)
     print(f"loadavg before: {Path('/proc/loadavg').read_text().strip()}  (a shared machine: other jobs run)")
     root = Path(tempfile.mkdtemp(prefix="bench-lora-"))
@@ -194,7 +204,8 @@ def main() -> None:
                   f"with its {a.requests // n} requests, one after another; median of {a.repeats} each)", flush=True)
         plain.close()
         base_rate = rows["base"]
-        print(f"\nratio to base ({a.model}, {a.clock} clock, {a.threads} threads, {a.adapter_dtype} adapters):")
+        print(f"\nratio to base ({a.model}, {a.clock} clock, {a.rate} rate, {a.threads} threads, "
+              f"{a.adapter_dtype} adapters):")
         for name, rate in rows.items():
             print(f"  {name:<20} {rate / base_rate:5.2f}x")
     finally:

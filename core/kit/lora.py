@@ -17,14 +17,21 @@ base product's partials (no collective of its own).
 from __future__ import annotations
 
 import ctypes
+import math
 
 import torch
 
 from lmplug.interfaces.adapter import AdapterBackend
-from lmplug.kit import extras
+from lmplug.kit import extras, hugemem
 from lmplug.kit.layers import Linear
 from lmplug.kit.native import NativeCall
 from lmplug.kit.packed_embedding import QuantEmbedding
+
+
+def _streamed_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """Zeros in huge-page memory (``lmplug.kit.hugemem``): the native product streams the slots of
+    every adapted row each step, as the GGUF kernels stream their weights."""
+    return hugemem.empty(math.prod(shape) * dtype.itemsize).view(dtype).view(shape).zero_()
 
 
 class NativeRows(ctypes.Structure):
@@ -62,7 +69,7 @@ class NativeSlots:
     ``b`` slot; a float32 slot's A is the layer's ``a`` and its ``b`` the scaled float32 B. ``b``
     is compact ([S, out, R]: each output row's own shard's R columns, none of the block-diagonal
     zeros). Every slot has room for float32, so adapters of any dtype share the slots and the
-    addresses never change."""
+    addresses never change. A and B are in huge pages (``_streamed_zeros``)."""
 
     DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -70,8 +77,8 @@ class NativeSlots:
         self.rank = rank
         self.dtype = torch.zeros(num_slots, dtype=torch.int32)
         self.scale = torch.ones(num_slots, shards, dtype=torch.float32)
-        self.a16 = torch.zeros(num_slots, shards * rank, d_in, dtype=torch.int16)
-        self.b = torch.zeros(num_slots, d_out, rank, dtype=torch.float32)
+        self.a16 = _streamed_zeros((num_slots, shards * rank, d_in), torch.int16)
+        self.b = _streamed_zeros((num_slots, d_out, rank), torch.float32)
 
     def fill(self, slot: int, shards: dict[int, tuple[torch.Tensor, torch.Tensor, float]], lora: LinearLoRA) -> None:
         dtypes = {t.dtype for a, b, _ in shards.values() for t in (a, b)}
@@ -112,11 +119,13 @@ class LinearLoRA:
         self.max_rank = max_rank
         k = len(prefixes)
         device = next(iter(linear.buffers()), next(iter(linear.parameters()), torch.empty(0))).device
-        self.a = torch.zeros(num_slots, k * max_rank, linear.in_features, dtype=linear.dtype, device=device)
+        native = device.type == "cpu" and linear.dtype == torch.float32
+        a_shape = (num_slots, k * max_rank, linear.in_features)  # the native product reads a float32 slot's A here
+        self.a = _streamed_zeros(a_shape, linear.dtype) if native else torch.zeros(a_shape, dtype=linear.dtype,
+                                                                                   device=device)
         self.b = torch.zeros(num_slots, linear.out_features, k * max_rank, dtype=linear.dtype, device=device)
         # what the native decode step reads (float32 CPU layers only: NativeSlots)
-        self.native = NativeSlots(num_slots, k, max_rank, self.in_features, self.out_features) \
-            if device.type == "cpu" and linear.dtype == torch.float32 else None
+        self.native = NativeSlots(num_slots, k, max_rank, self.in_features, self.out_features) if native else None
 
     def add(self, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         meta = self.step.meta

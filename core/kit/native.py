@@ -24,6 +24,16 @@ function returns 0, or a nonzero code the core reports with the plugin's name):
 ``out[m, out_features] = x[m, in_features] @ W^T (+ bias)`` for the layer ``ctx`` describes;
 ``threads``: the threads it may split the product across (``threads.compute_threads()``).
 
+A product that splits its work over a pool of threads of its own may hand that pool's entry in
+``NativeCall.parallel_for`` (the GGUF kernels do), so that a plugin wrapping the product (the
+adapter family's LoRA update) runs its own work on the same threads instead of a second pool::
+
+    void parallel_for(void (*range)(const void *ctx, int64_t n0, int64_t n1), const void *ctx,
+                      int64_t n, int threads);
+
+calls ``range`` over pieces covering [0, n) on up to ``threads`` threads (the caller among them)
+and returns when all are done.
+
 ``ATTENTION_ABI``::
 
     int attention(void *ctx, int64_t layer, const float *qkv, int64_t qkv_stride,
@@ -63,6 +73,7 @@ class NativeCall:
     keep: object = None
     name: str = ""  # who provides it, for error messages (e.g. "quant gguf")
     errors: dict[int, str] | None = None  # what its nonzero codes mean, for error messages
+    parallel_for: int | None = None  # the address of the product's pool's ``parallel_for`` (module docstring)
 
     def describe(self, status: int) -> str:
         """``"<name>'s native function returned error <status> (<meaning>)"``."""

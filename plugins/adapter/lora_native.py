@@ -43,14 +43,14 @@ _P, _I64 = ctypes.c_void_p, ctypes.c_int64
 class _Ctx(ctypes.Structure):
     _fields_ = [("base", _P), ("base_ctx", _P), ("a", _P), ("a16", _P), ("b", _P), ("dtype", _P), ("scale", _P),
                 ("slots", _I64), ("rank", _I64), ("shards", _I64), ("in_", _I64), ("out", _I64), ("bounds", _P),
-                ("rows", _P), ("isa", ctypes.c_int)]
+                ("rows", _P), ("isa", ctypes.c_int), ("parallel_for", _P)]
 
 
 @functools.cache
 def _library(cc: tuple[str, ...], root: str) -> ctypes.CDLL:
     lib, _ = native_build.shared_library(SOURCE, FLAGS, cc, Path(root))
     lib.lora_cpu_isa.restype = ctypes.c_int
-    lib.lora_add.argtypes = [_P, _P, _I64, _P]
+    lib.lora_add.argtypes = [_P, _P, _I64, _P, ctypes.c_int]
     lib.lora_add.restype = ctypes.c_int
     return lib
 
@@ -74,9 +74,11 @@ def isa(lib: ctypes.CDLL) -> int:
     return ISAS.index(wanted)
 
 
-def context(lora, base: NativeCall | None, lib: ctypes.CDLL) -> tuple[_Ctx, object] | None:
+def context(lora, base: NativeCall | None, lib: ctypes.CDLL, parallel_for: int | None = None) -> tuple[_Ctx, object] | None:
     """``lora``'s (a ``LinearLoRA``) C context around ``base`` (None: ``lora_add`` alone), and
-    what must stay alive with it; None where its slots are not float32 on the CPU."""
+    what must stay alive with it; None where its slots are not float32 on the CPU. The update runs
+    on ``base``'s thread pool (``NativeCall.parallel_for``; without ``base``, ``parallel_for``'s),
+    or on the calling thread where it has none."""
     native, a = lora.native, lora.a
     if native is None or a.dtype != torch.float32 or not a.is_cpu or not a.is_contiguous():
         return None
@@ -85,7 +87,7 @@ def context(lora, base: NativeCall | None, lib: ctypes.CDLL) -> tuple[_Ctx, obje
     ctx = _Ctx(base.fn if base else None, base.ctx if base else None, a.data_ptr(), native.a16.data_ptr(),
                native.b.data_ptr(), native.dtype.data_ptr(), native.scale.data_ptr(), a.shape[0], lora.max_rank,
                len(lora.ranges), lora.in_features, lora.out_features, bounds.data_ptr(), ctypes.addressof(rows),
-               isa(lib))
+               isa(lib), base.parallel_for if base else parallel_for)
     return ctx, (a, native, bounds, rows, base, lib)
 
 

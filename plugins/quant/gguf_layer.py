@@ -127,4 +127,4 @@ def layer_product(kernel: GGUFKernel, runs: list[tuple[int | str | None, torch.T
         desc.bias = bias.data_ptr()
     fn = ctypes.cast(kernel.layer_fn, ctypes.c_void_p).value
     return NativeCall(fn, ctypes.addressof(desc), (desc, kernel, [w for _, w in runs], keep, bias), name,
-                      {**ERRORS, -5: "the layer's description is out of range"})
+                      {**ERRORS, -5: "the layer's description is out of range"}, kernel.parallel_for)

@@ -12,6 +12,11 @@
  * Kernels: a portable dot product and AVX2 (+FMA, F16C) / AVX-512F (the shrink) ones compiled with
  * target attributes, chosen at run time (__builtin_cpu_supports), so the library is built without
  * -march and runs on any x86-64. They differ only in the order of the float additions.
+ *
+ * Threads: the update's units (a row's shard: its shrink, then its expand into the shard's own
+ * columns) are split over the base product's thread pool (the GGUF kernels', handed over as
+ * NativeCall.parallel_for), so no second pool of threads exists; which thread runs a unit does not
+ * change its sums, so every thread count gives the same bits.
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -24,6 +29,9 @@
 #define EXPORT __attribute__((visibility("default")))
 
 typedef int (*product_fn)(void *ctx, const float *x, int64_t m, float *out, int threads);
+typedef void (*range_fn)(const void *ctx, int64_t n0, int64_t n1);
+/* runs range(ctx, n0, n1) over [0, n) on up to `threads` threads (lmplug.kit.native: NativeCall.parallel_for) */
+typedef void (*parallel_for_fn)(range_fn range, const void *ctx, int64_t n, int threads);
 
 typedef struct { /* the engine's row -> slot map (lmplug.kit.lora.LoRAStep) */
     int64_t n;
@@ -42,6 +50,7 @@ typedef struct {
     const int64_t *bounds;                /* shards + 1 output column bounds */
     const lora_rows_t *rows;
     int isa;
+    parallel_for_fn parallel_for; /* the base product's thread pool, or NULL: the calling thread */
 } lora_ctx_t;
 
 enum { ISA_GENERIC = 0, ISA_AVX2 = 1, ISA_AVX512 = 2 };
@@ -223,85 +232,109 @@ EXPORT int lora_cpu_isa(void) {
     return ISA_GENERIC;
 }
 
-/* One adapted row in one storage type: mid = A_s x[t] (a 16-bit slot's shard k then scaled by its
- * scaling), y += B_s mid shard by shard. */
-#define ROW(DOT, EXPAND, A, B, SCALED)                                                                \
+/* One unit of the update: row t's shard k in one storage type. mid = A_s's rows [k R, k R + R) x[t]
+ * (a 16-bit slot's then scaled by the shard's scaling), then y's columns of shard k += B_s mid. */
+#define SHARD(DOT, EXPAND, A, B, SCALED)                                                              \
     do {                                                                                              \
-        for (int64_t r = 0; r < kr; r++) mid[r] = DOT((A) + r * c->in, xt, c->in);                   \
+        for (int64_t r = 0; r < c->rank; r++) mid[r] = DOT((A) + (k * c->rank + r) * c->in, xt, c->in); \
         if (SCALED)                                                                                   \
-            for (int64_t r = 0; r < kr; r++) mid[r] *= c->scale[s * c->shards + r / c->rank];        \
-        for (int64_t k = 0; k < c->shards; k++)                                                       \
-            EXPAND((B), c->rank, mid + k * c->rank, c->rank, y, c->bounds[k], c->bounds[k + 1]);      \
+            for (int64_t r = 0; r < c->rank; r++) mid[r] *= c->scale[s * c->shards + k];             \
+        EXPAND((B), c->rank, mid, c->rank, y, c->bounds[k], c->bounds[k + 1]);                        \
     } while (0)
 
-/* out[t] += B_s (A_s x[t]) for each adapted row, one copy per kernel set (its dot products inlined:
+/* One update as the threads share it: unit u = t * shards + k is row t's shard k. */
+typedef struct {
+    const lora_ctx_t *c;
+    const float *x;
+    float *out;
+    int failed; /* a range could not allocate its scratch */
+} job_t;
+
+#define MID_STACK 1024 /* max_lora_rank's bound: mid on the stack */
+
+/* out[t] += B_s (A_s x[t]) over units [u0, u1), one copy per kernel set (its dot products inlined:
  * the expand's are R long, one per output column, so AVX2 takes eight columns at once; the
  * AVX-512 set's expand is AVX2's, R being too short for 16 lanes), each slot read in its own
- * dtype. mid: K R floats of scratch. */
-#define ADD_LORA(NAME, TARGET, DOT, EXPAND, DOT16, EXPAND16, DOTBF, EXPANDBF)                         \
-    TARGET static int NAME(const lora_ctx_t *c, const float *x, int64_t m, float *out, float *mid) {   \
+ * dtype. A unit's columns are its shard's own and its sums are the same whichever thread runs it,
+ * so any split gives the one-thread bits. The slots were checked (check_rows). */
+#define UNITS(NAME, TARGET, DOT, EXPAND, DOT16, EXPAND16, DOTBF, EXPANDBF)                            \
+    TARGET static void NAME(const void *arg, int64_t u0, int64_t u1) {                                 \
+        job_t *j = (job_t *)arg;                                                                       \
+        const lora_ctx_t *c = j->c;                                                                    \
+        float stack[MID_STACK];                                                                        \
+        float *mid = c->rank <= MID_STACK ? stack : (float *)malloc((size_t)c->rank * sizeof(float)); \
+        if (!mid) {                                                                                    \
+            __atomic_store_n(&j->failed, 1, __ATOMIC_RELAXED);                                         \
+            return;                                                                                    \
+        }                                                                                              \
         const int64_t kr = c->shards * c->rank;                                                        \
-        for (int64_t t = 0; t < m; t++) {                                                              \
-            const int64_t s = c->rows->slots[t];                                                       \
+        for (int64_t u = u0; u < u1; u++) {                                                            \
+            const int64_t t = u / c->shards, k = u % c->shards, s = c->rows->slots[t];                \
             if (s < 0) continue;                                                                       \
-            if (s >= c->slots) return E_SLOT;                                                          \
-            const float *xt = x + t * c->in, *b = c->b + s * c->out * c->rank;                        \
-            float *y = out + t * c->out;                                                               \
+            const float *xt = j->x + t * c->in, *b = c->b + s * c->out * c->rank;                     \
+            float *y = j->out + t * c->out;                                                            \
             const uint16_t *a16 = c->a16 + s * kr * c->in, *b16 = (const uint16_t *)b;               \
             switch (c->dtype[s]) {                                                                     \
-            case DT_F32: ROW(DOT, EXPAND, c->a + s * kr * c->in, b, 0); break;                        \
-            case DT_F16: ROW(DOT16, EXPAND16, a16, b16, 1); break;                                     \
-            case DT_BF16: ROW(DOTBF, EXPANDBF, a16, b16, 1); break;                                    \
-            default: return E_DTYPE;                                                                   \
+            case DT_F32: SHARD(DOT, EXPAND, c->a + s * kr * c->in, b, 0); break;                      \
+            case DT_F16: SHARD(DOT16, EXPAND16, a16, b16, 1); break;                                   \
+            default: SHARD(DOTBF, EXPANDBF, a16, b16, 1); break;                                       \
             }                                                                                          \
         }                                                                                              \
-        return 0;                                                                                      \
+        if (mid != stack) free(mid);                                                                   \
     }
 
-ADD_LORA(add_lora_generic, , dot_generic, expand_generic, dot_generic_f16, expand_generic_f16, dot_generic_bf16,
-         expand_generic_bf16)
+UNITS(units_generic, , dot_generic, expand_generic, dot_generic_f16, expand_generic_f16, dot_generic_bf16,
+      expand_generic_bf16)
 #if defined(__x86_64__)
-ADD_LORA(add_lora_avx2, __attribute__((AVX2)), dot_avx2, expand_avx2, dot_avx2_f16, expand_avx2_f16, dot_avx2_bf16,
-         expand_avx2_bf16)
-ADD_LORA(add_lora_avx512, __attribute__((AVX512)), dot_avx512, expand_avx2, dot_avx512_f16, expand_avx2_f16,
-         dot_avx512_bf16, expand_avx2_bf16)
+UNITS(units_avx2, __attribute__((AVX2)), dot_avx2, expand_avx2, dot_avx2_f16, expand_avx2_f16, dot_avx2_bf16,
+      expand_avx2_bf16)
+UNITS(units_avx512, __attribute__((AVX512)), dot_avx512, expand_avx2, dot_avx512_f16, expand_avx2_f16,
+      dot_avx512_bf16, expand_avx2_bf16)
 #endif
 
-static int add_lora(const lora_ctx_t *c, const float *x, int64_t m, float *out, float *mid) {
-#if defined(__x86_64__)
-    if (c->isa == ISA_AVX512) return add_lora_avx512(c, x, m, out, mid);
-    if (c->isa == ISA_AVX2) return add_lora_avx2(c, x, m, out, mid);
-#endif
-    return add_lora_generic(c, x, m, out, mid);
+/* Every row's slot within the layer's and of a known dtype: 0, E_SLOT or E_DTYPE. */
+static int check_rows(const lora_ctx_t *c, int64_t m) {
+    for (int64_t t = 0; t < m; t++) {
+        const int64_t s = c->rows->slots[t];
+        if (s >= c->slots) return E_SLOT;
+        if (s >= 0 && (c->dtype[s] < DT_F32 || c->dtype[s] > DT_BF16)) return E_DTYPE;
+    }
+    return 0;
 }
 
-/* PRODUCT_ABI: the base product, then the adapters' updates. Errors: E_ROWS (the map's rows are
- * not the product's), E_SLOT (a slot past the layer's), E_ISA, E_ALLOC, E_DTYPE (a slot's dtype
- * unknown). */
+/* The update of m rows, its units split over `threads` threads by the base product's pool
+ * (c->parallel_for; NULL or 1 thread: the calling thread alone). */
+static int add_lora(const lora_ctx_t *c, const float *x, int64_t m, float *out, int threads) {
+    if (c->rows->n != m) return E_ROWS;
+    if (c->isa > lora_cpu_isa()) return E_ISA;
+    const int rc = check_rows(c, m);
+    if (rc) return rc;
+    range_fn units = units_generic;
+#if defined(__x86_64__)
+    if (c->isa == ISA_AVX512) units = units_avx512;
+    if (c->isa == ISA_AVX2) units = units_avx2;
+#endif
+    job_t j = {c, x, out, 0};
+    const int64_t n = m * c->shards;
+    if (c->parallel_for && threads > 1 && n > 1)
+        c->parallel_for(units, &j, n, threads);
+    else
+        units(&j, 0, n);
+    return j.failed ? E_ALLOC : 0;
+}
+
+/* PRODUCT_ABI: the base product, then the adapters' updates on the same threads. Errors: E_ROWS
+ * (the map's rows are not the product's), E_SLOT (a slot past the layer's), E_ISA, E_ALLOC,
+ * E_DTYPE (a slot's dtype unknown). */
 EXPORT int lora_product(void *ctx, const float *x, int64_t m, float *out, int threads) {
     const lora_ctx_t *c = (const lora_ctx_t *)ctx;
     const int status = c->base(c->base_ctx, x, m, out, threads);
     if (status || c->rows->n == 0) return status;
-    if (c->rows->n != m) return E_ROWS;
-    if (c->isa > lora_cpu_isa()) return E_ISA;
-    const int64_t kr = c->shards * c->rank;
-    float stack[4096];
-    float *mid = kr <= 4096 ? stack : (float *)malloc((size_t)kr * sizeof(float));
-    if (!mid) return E_ALLOC;
-    const int rc = add_lora(c, x, m, out, mid);
-    if (mid != stack) free(mid);
-    return rc;
+    return add_lora(c, x, m, out, threads);
 }
 
-/* The same update alone (tests: compared with the torch reference without a base product). */
-EXPORT int lora_add(void *ctx, const float *x, int64_t m, float *out) {
-    const lora_ctx_t *c = (const lora_ctx_t *)ctx;
-    if (c->rows->n != m) return E_ROWS;
-    if (c->isa > lora_cpu_isa()) return E_ISA;
-    const int64_t kr = c->shards * c->rank;
-    float *mid = (float *)malloc((size_t)(kr ? kr : 1) * sizeof(float));
-    if (!mid) return E_ALLOC;
-    const int rc = add_lora(c, x, m, out, mid);
-    free(mid);
-    return rc;
+/* The same update alone (tests and benchmarks: compared with the torch reference without a base
+ * product), on `threads` threads where the context has a pool. */
+EXPORT int lora_add(void *ctx, const float *x, int64_t m, float *out, int threads) {
+    return add_lora((const lora_ctx_t *)ctx, x, m, out, threads);
 }

@@ -9,6 +9,7 @@ on a tiny packed GGUF model, compared as the native step's own tests compare (``
 from __future__ import annotations
 
 import ctypes
+from pathlib import Path
 
 import pytest
 import torch
@@ -19,7 +20,7 @@ from support.native_compare import assert_same
 from lmplug import LLM, LoRARequest, SamplingParams
 from lmplug.interfaces.adapter import AdapterOptions
 from lmplug.interfaces.quant import Unquantized
-from lmplug.kit import fused_cpu
+from lmplug.kit import fused_cpu, hugemem
 from lmplug.kit.layers import Linear
 from lmplug.kit.lora import LinearLoRA, LoRAStep
 from lmplug.kit.native_step import NativeDecodeStep
@@ -59,16 +60,38 @@ def _layer(shards: dict[str, int], d_in: int, rank: int, slots: int = 3, dtype: 
     return lora
 
 
-def _lora_add(lora: LinearLoRA, x: torch.Tensor, y: torch.Tensor) -> int:
+def _lora_add(lora: LinearLoRA, x: torch.Tensor, y: torch.Tensor, threads: int = 1,
+              parallel_for: int | None = None) -> int:
     lora_native = _native()
     lib = lora_native.load()
-    ctx, _keep = lora_native.context(lora, None, lib)  # _keep: the tensors ctx points into, alive for the call
-    return lib.lora_add(ctypes.addressof(ctx), x.data_ptr(), x.shape[0], y.data_ptr())
+    ctx, _keep = lora_native.context(lora, None, lib, parallel_for)  # _keep: what ctx points into
+    return lib.lora_add(ctypes.addressof(ctx), x.data_ptr(), x.shape[0], y.data_ptr(), threads)
+
+
+def _gguf_pool() -> object:
+    """The GGUF kernels' library: the thread pool the engine's LoRA products share (``parallel_for``)."""
+    from lmplug_quant import gguf_native
+
+    return gguf_native.load()
+
+
+_RANGE = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64)
+
+
+@ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int)
+def _backwards(range_fn, ctx, n, threads):
+    """A ``parallel_for`` that runs [0, n) one unit at a time from the last: any order must give the same bits."""
+    for u in reversed(range(n)):
+        _RANGE(range_fn)(ctx, u, u + 1)
+
+
+BACKWARDS = ctypes.cast(_backwards, ctypes.c_void_p).value
 
 
 def _assert_update_is_the_reference(lora: LinearLoRA, d_in: int) -> None:
     """The C update of a batch's rows (some without an adapter) equals the torch backend's over
-    the layer's float32 slots; rows without an adapter keep the base's bits."""
+    the layer's float32 slots; rows without an adapter keep the base's bits. Split over 2 and 3
+    threads of the GGUF pool, and run unit by unit backwards, it gives the one-thread bits."""
     token_slots = [-1, 0, 2, 1, 0, -1, 2, 1]
     lora.step.set(token_slots, torch.device("cpu"))
     g = torch.Generator().manual_seed(1)
@@ -82,15 +105,22 @@ def _assert_update_is_the_reference(lora: LinearLoRA, d_in: int) -> None:
     keep = torch.tensor([s < 0 for s in token_slots])
     assert torch.equal(got[keep], base[keep])
     assert not torch.allclose(got[~keep], base[~keep])
+    pool = _gguf_pool()
+    for threads, parallel_for in ((2, pool.parallel_for), (3, pool.parallel_for), (2, BACKWARDS)):
+        split = base.clone()
+        assert _lora_add(lora, x, split, threads, parallel_for) == 0
+        assert torch.equal(split, got), (threads, parallel_for)
+    assert pool.pool_workers() >= 2  # the 3-thread call ran on the pool's workers
 
 
 @pytest.mark.parametrize("isa", ["generic", "avx2", "avx512"])
 @pytest.mark.parametrize(("shards", "d_in", "rank"), [({"q": 24, "k": 8, "v": 8}, 37, 5),
                                                       ({"gate": 40, "up": 40}, 64, 16),
-                                                      ({"down": 19}, 130, 3), ({"q": 21, "k": 11}, 48, 8)])
+                                                      ({"down": 19}, 130, 3), ({"q": 21, "k": 11}, 48, 8),
+                                                      ({"gate": 150, "up": 77}, 40, 8)])
 def test_update_equals_the_torch_reference(monkeypatch, isa, shards, d_in, rank):
-    """Dimensions off the vector widths (tails), ranks below the slot width, rows without an
-    adapter left bit-identical, one slot without a shard."""
+    """Dimensions off the vector widths (tails; shards of many expand blocks), ranks below the
+    slot width, rows without an adapter left bit-identical, one slot without a shard."""
     if isa not in _isas():
         pytest.skip(f"this CPU does not run {isa}")
     monkeypatch.setenv("LMPLUG_LORA_ISA", isa)
@@ -101,7 +131,8 @@ def test_update_equals_the_torch_reference(monkeypatch, isa, shards, d_in, rank)
 @pytest.mark.parametrize("isa", ["generic", "avx2", "avx512"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize(("shards", "d_in", "rank"), [({"q": 24, "k": 8, "v": 8}, 37, 5),
-                                                      ({"gate": 40, "up": 40}, 64, 16), ({"down": 19}, 130, 3)])
+                                                      ({"gate": 40, "up": 40}, 64, 16), ({"down": 19}, 130, 3),
+                                                      ({"gate": 150, "up": 77}, 40, 8)])
 def test_16_bit_slots_equal_the_torch_reference(monkeypatch, isa, dtype, shards, d_in, rank):
     """A 16-bit adapter's slots stay 16-bit (the file's bits) and give the torch product over its
     weights upcast to float32 (the layer's float32 slots, the scaling folded into B)."""
@@ -164,6 +195,37 @@ def test_unknown_isa_is_refused(monkeypatch):
         _native().isa(_native().load())
 
 
+def _vm_flags(address: int) -> list[str]:
+    """The kernel's VmFlags of the mapping holding ``address`` (``/proc/self/smaps``)."""
+    inside = False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and ":" not in head:
+                start, end = (int(v, 16) for v in head.split("-"))
+                inside = start <= address < end
+            elif inside and head == "VmFlags:":
+                return line.split()[1:]
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+@pytest.mark.skipif(not hugemem.enabled() or not Path("/proc/self/smaps").exists(),
+                    reason="huge pages are Linux's (madvise)")
+@pytest.mark.parametrize("huge", [True, False])
+def test_slots_are_in_huge_page_memory(monkeypatch, huge):
+    """The slots the native product streams (A float32 and 16-bit, compact B) lie in mappings the
+    kernel was asked to back with huge pages (VmFlags ``hg``: madvise(MADV_HUGEPAGE)), unless
+    ``LMPLUG_HUGE_PAGES=0``; and they start zeroed."""
+    monkeypatch.setenv("LMPLUG_HUGE_PAGES", "1" if huge else "0")
+    lora = _layer({"q": 24, "k": 8}, 64, 4, slots=2)
+    fresh = LinearLoRA(Linear(64, {"q": 24, "k": 8}, bias=False, dtype=torch.float32, quant=Unquantized()),
+                       ["q", "k"], lora.step, 2, 4)
+    for t in (fresh.a, fresh.native.a16, fresh.native.b):
+        assert not t.any()
+    for t in (lora.a, lora.native.a16, lora.native.b):
+        assert ("hg" in _vm_flags(t.data_ptr())) == huge
+
+
 # -- whole engines: the native decode step with LoRA ------------------------------------------------
 
 ENGINE = {"dtype": "float32", "device": "cpu", "max_model_len": 64, "quant": {"method": "gguf", "kernel": "native"},
@@ -222,3 +284,25 @@ def _native_equals_python(tmp_path, monkeypatch, dtypes: list[torch.dtype]) -> s
     for with_lora, plain in zip(outs[False][:3], base):
         assert with_lora.token_ids != plain.token_ids
     return seen
+
+
+@pytest.mark.skipif(fused_cpu.library() is None, reason="no C compiler: no native step")
+def test_native_step_threads_give_the_same_bits(tmp_path, monkeypatch, torch_threads):
+    """The LoRA update on the GGUF products' threads (``NativeCall.parallel_for``): at 1, 2 and 3
+    threads the native step gives the same tokens and logprobs, bit for bit."""
+    path = tmp_path / "llama.gguf"
+    write_tiny_gguf(path, "llama")
+    monkeypatch.setenv("LMPLUG_NATIVE_STEP", "1")
+    outs = []
+    with LLM(str(path), **ENGINE) as llm:
+        write_adapter(tmp_path / "a0", llm.engine.adapters.targets, 8, seed=0, scale=0.3, dtype=torch.float16)
+        write_adapter(tmp_path / "a1", llm.engine.adapters.targets, 4, seed=1, scale=0.3)
+        loras = [LoRARequest("a0", 1, str(tmp_path / "a0")), LoRARequest("a1", 2, str(tmp_path / "a1"))]
+        qkv = llm.engine.parts.model.layers[0].self_attn.qkv_proj
+        for threads in (1, 2, 3):
+            torch_threads(threads)
+            outs.append([(o.outputs[0].token_ids, o.outputs[0].logprobs)
+                         for o in llm.generate(PROMPTS, GREEDY, lora=[*loras, loras[0], None])])
+            assert llm.engine.parts.model._native_step
+        assert qkv.lora.native_product(qkv.quant.native_product(qkv)).keep[0].parallel_for
+    assert outs[1] == outs[0] and outs[2] == outs[0]
