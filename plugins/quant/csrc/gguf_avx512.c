@@ -7,10 +7,11 @@
  * results bit-identical to the portable kernels. Signed weights are stored + 8 (Q4_0's
  * nibbles as they are) or + 128 (Q8_0), and the offset times the block's activation sum
  * (acts_t.s) is subtracted from the integer sum. The panel is read once, in memory order,
- * for up to MR activation rows; outputs past the panel's real rows are masked off. No software
- * prefetch: the hardware prefetcher alone streams the panels faster (a 1B model's weights in huge
- * pages, one thread: Q4_0 26 -> 30 GB/s, Q4_K 20 -> 25, Q6_K 20 -> 23 without the prefetches that
- * ran 1 KiB ahead, which kept the miss queue full at each block's start). The 5-bit
+ * for up to MR activation rows; outputs past the panel's real rows are masked off. Software
+ * prefetch (1 KiB ahead) only for PF_MIN_ROWS rows or more: with fewer the kernel streams the panels
+ * (memory-bound) and the hardware prefetcher alone does better (a 1B model's weights in huge pages,
+ * one thread, one row: Q4_0 26 -> 30 GB/s, Q4_K 20 -> 25, Q6_K 20 -> 23 without; 2 and 3 rows
+ * 1.15x); with 8 or 16 rows (compute-bound) the prefetches pay (Q4_1 1.2x), at 5 rows it is even. The 5-bit
  * types' values are stored unsigned (Q5_0's + 16, as in the file). */
 
 #define AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")))
@@ -23,6 +24,13 @@ static inline INLINE AVX512 __m512i bcast4(const int8_t *p) {
 
 static inline INLINE AVX512 __m512 f16x16(const uint8_t *p) {
     return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
+}
+
+#define PF512 1024      /* bytes ahead of the panel block in use that are prefetched */
+
+static inline INLINE AVX512 void prefetch512(const uint8_t *p, int bytes, const int mc) {
+    if (mc >= PF_MIN_ROWS) /* mc is a constant in each unrolled copy: no test at run time */
+        for (int o = 0; o < bytes; o += 64) _mm_prefetch((const char *)p + PF512 + o, _MM_HINT_T0);
 }
 
 static inline INLINE AVX512 void store_rows(const __m512 *acc, int mc, int64_t nr, float *out, int64_t ldo) {
@@ -45,6 +53,7 @@ static inline INLINE AVX512 void small_panel(const uint8_t *p, int64_t nr, const
     for (int r = 0; r < mc; r++) acc[r] = _mm512_setzero_ps();
     for (int64_t b = 0; b < a->nb; b++) {
         const uint8_t *blk = p + b * pb;
+        prefetch512(blk, pb, mc);
         __m512i q[8]; /* 8 vectors of 4 elements a lane: elements 4 c .. (4/5-bit: and 16 + 4 c ..) */
         if (type == T_Q8_0) {
             for (int c = 0; c < 8; c++) q[c] = _mm512_loadu_si512(blk + head + 64 * c);
@@ -93,6 +102,7 @@ static inline INLINE AVX512 void k45_panel(const uint8_t *p, int64_t nr, const a
     for (int r = 0; r < mc; r++) acc[r] = _mm512_setzero_ps();
     for (int64_t b = 0; b < a->nb; b++) {
         const uint8_t *blk = p + b * pb;
+        prefetch512(blk, pb, mc);
         __m512i isum[MR], lo[MR], hi[MR];
         for (int r = 0; r < mc; r++) isum[r] = _mm512_setzero_si512();
         for (int j = 0; j < 4; j++) { /* sub-blocks 2 j (low nibbles) and 2 j + 1 (high) */
@@ -177,6 +187,7 @@ static inline INLINE AVX512 void q6_k_panel(const uint8_t *p, int64_t nr, const 
     for (int r = 0; r < mc; r++) acc[r] = _mm512_setzero_ps();
     for (int64_t b = 0; b < a->nb; b++) {
         const uint8_t *blk = p + b * 3360, *groups = blk + 288;
+        prefetch512(blk, 3360, mc);
         __m512i isum[MR];
         for (int r = 0; r < mc; r++) isum[r] = _mm512_setzero_si512();
         for (int h = 0; h < 2; h++)
@@ -209,6 +220,7 @@ static inline INLINE AVX512 void q3_k_panel(const uint8_t *p, int64_t nr, const 
     for (int r = 0; r < mc; r++) acc[r] = _mm512_setzero_ps();
     for (int64_t b = 0; b < a->nb; b++) {
         const uint8_t *blk = p + b * 1824, *hm = blk + 288, *qs = blk + 800;
+        prefetch512(blk, 1824, mc);
         __m512i isum[MR];
         for (int r = 0; r < mc; r++) isum[r] = _mm512_setzero_si512();
         for (int n = 0; n < 2; n++)
