@@ -86,7 +86,7 @@ def empty(nbytes: int) -> torch.Tensor:
 
 def huge_bytes() -> int:
     """This process's anonymous memory in huge pages now (``AnonHugePages`` of
-    ``/proc/self/smaps_rollup``; 0 where Linux does not say): what the benchmarks report."""
+    ``/proc/self/smaps_rollup``; 0 where Linux does not say): whether the pages were granted."""
     try:
         with open("/proc/self/smaps_rollup") as f:
             for line in f:
