@@ -10,7 +10,7 @@
  * for up to MR activation rows; outputs past the panel's real rows are masked off. Software
  * prefetch (1 KiB ahead) only for PF_MIN_ROWS rows or more: with fewer the kernel streams the panels
  * (memory-bound) and the hardware prefetcher alone does better (a 1B model's weights in huge pages,
- * one thread, one row: Q4_0 26 -> 30 GB/s, Q4_K 20 -> 25, Q6_K 20 -> 23 without; 2 and 3 rows
+ * one thread, one row: Q4_0 26 -> 30 GB/s, Q4_K 20 -> 25, Q6_K 20 -> 23 without, bench_gguf_builds.py; 2 and 3 rows
  * 1.15x); with 8 or 16 rows (compute-bound) the prefetches pay (Q4_1 1.2x), at 5 rows it is even. The 5-bit
  * types' values are stored unsigned (Q5_0's + 16, as in the file). */
 
