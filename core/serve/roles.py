@@ -82,8 +82,8 @@ def kv_connector(llm: LLM) -> KVConnector:
 
 class FlushBeforeAnswer:
     """ASGI middleware: before the last body message of a ``/v1/`` answer, wait (off the event
-    loop) until the connector has sent every block so far, so a client that has the answer
-    knows the peer has the prompt's blocks."""
+    loop) until the peer has stored every block sent so far (the connector's acknowledged
+    ``flush``), so a client that has the answer knows the peer has the prompt's blocks."""
 
     def __init__(self, app: Any, flush: Callable[[], None]) -> None:
         self.app, self.flush = app, flush

@@ -23,7 +23,7 @@ from pathlib import Path
 
 logger = logging.getLogger("lmplug_kvconnector.torch_distributed")  # the name its records had before the split
 
-MAGIC = b"LMPKVP1\n"
+MAGIC = b"LMPKVP2\n"  # 2: the SYNC/ACK of flush
 NONCE = 32
 _TAG = 16
 _LENGTH = struct.Struct("<Q")

@@ -2,8 +2,9 @@
 
 The decode instance's half of the connector, run on its own threads: it accepts connections on
 ``address`` (at most ``MAX_HANDSHAKES`` proving the secret at once), refuses and logs any that does
-not prove the shared secret within ``timeout_s``, checks the producer's ``KVBlockFormat``, and
-stores every block received into the bounded host store the engine reads. A mixin of
+not prove the shared secret within ``timeout_s``, checks the producer's ``KVBlockFormat``,
+stores every block received into the bounded host store the engine reads, and answers each
+``SYNC`` with an ``ACK`` once the blocks sent before it are stored. A mixin of
 ``TorchDistributedConnector`` (which sets these attributes), apart from its start-up and producer.
 """
 
@@ -22,7 +23,17 @@ from typing import TYPE_CHECKING
 import torch
 from lmplug_kvconnector.host import HostConnector
 from lmplug_kvconnector.peer_channel import MAGIC, NONCE, Channel, mac, recv_exact
-from lmplug_kvconnector.peer_wire import BYE, HEADER_LEN, describe, nbytes, parse_header, typed
+from lmplug_kvconnector.peer_wire import (
+    ACK,
+    BYE,
+    HEADER_LEN,
+    SYNC,
+    describe,
+    header_sync,
+    nbytes,
+    parse_header,
+    typed,
+)
 
 from lmplug.api import KVBlockFormat
 from lmplug.errors import ConfigError
@@ -159,6 +170,9 @@ class ConsumerSide:
                 if int(header[0]) == BYE:
                     logger.info("kvconnector torch_distributed: the producer closed the stream")
                     return
+                if int(header[0]) == SYNC:  # every block before it is stored: say so
+                    channel.send(header_sync(ACK, int(header[1])).numpy().tobytes())
+                    continue
                 key, specs = parse_header(header)
                 sizes = [nbytes(dtype, shape) for _, dtype, shape in specs]
                 body = len(frame) - HEADER_LEN * 8

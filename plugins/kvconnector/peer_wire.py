@@ -1,8 +1,9 @@
 """``torch_distributed``'s wire format for one KV block: a fixed int64 header, then raw bytes.
 
-The header (``HEADER_LEN`` int64: ``BLOCK`` or ``BYE``, the 128-bit key as two halves, the tensor
+The header (``HEADER_LEN`` int64: ``BLOCK``, ``BYE``, ``SYNC`` or ``ACK``, the 128-bit key as two halves, the tensor
 count, then per tensor its name as 8 ASCII bytes, a dtype code, the number of dimensions and up
-to ``MAX_DIMS`` sizes) and the bit-exact conversion of tensors to bytes and back. Pure functions
+to ``MAX_DIMS`` sizes; ``SYNC`` and ``ACK`` carry a sequence number in place of the key: the
+producer's flush asks, the consumer answers once every block before it is stored) and the bit-exact conversion of tensors to bytes and back. Pure functions
 of tensors and bytes, with no socket or secret in them, so the format reads on its own.
 """
 
@@ -12,7 +13,7 @@ import torch
 
 from lmplug.api import KVBlockFormat
 
-BYE, BLOCK = 0, 1  # header[0]
+BYE, BLOCK, SYNC, ACK = 0, 1, 2, 3  # header[0]
 MAX_TENSORS, MAX_DIMS = 4, 8
 _PER_TENSOR = 3 + MAX_DIMS  # name, dtype code, ndim, sizes
 HEADER_LEN = 4 + MAX_TENSORS * _PER_TENSOR
@@ -39,6 +40,13 @@ def _name_code(name: str) -> int:
 def header_bye() -> torch.Tensor:
     header = torch.zeros(HEADER_LEN, dtype=torch.int64)
     header[0] = BYE
+    return header
+
+
+def header_sync(kind: int, seq: int) -> torch.Tensor:
+    """A ``SYNC`` (producer to consumer) or its ``ACK`` (back), numbered ``seq``."""
+    header = torch.zeros(HEADER_LEN, dtype=torch.int64)
+    header[0], header[1] = kind, seq
     return header
 
 

@@ -26,7 +26,10 @@ Wire format, one block: a header of ``HEADER_LEN`` int64 (``BLOCK``, the 128-bit
 int64 halves, the tensor count, then per tensor its name as 8 ASCII bytes, a dtype code, the
 number of dimensions and up to ``MAX_DIMS`` sizes), then every tensor's bytes in that order
 (bit-exact for every dtype), in one frame. ``BYE`` ends the stream. A put only enqueues; a
-sender thread sends (each send waits at most ``timeout_s``) and ``flush`` waits for the queue.
+sender thread sends (each send waits at most ``timeout_s``). ``flush`` waits until the consumer
+has stored every block put so far: after the queue's blocks the sender sends a numbered
+``SYNC``, which the consumer answers with an ``ACK`` once the blocks before it are in its store
+(a block in the socket's buffers is not yet at the decode side).
 A dead peer is logged once, and every later block is dropped; the consumer's receiver ends
 quietly when the producer goes away.
 
@@ -52,7 +55,16 @@ import torch
 from lmplug_kvconnector.host import HostConnector, HostOptions
 from lmplug_kvconnector.peer_channel import MAGIC, NONCE, Channel, mac, make_key_file, recv_exact
 from lmplug_kvconnector.peer_consumer import MAX_HANDSHAKES, ConsumerSide
-from lmplug_kvconnector.peer_wire import as_bytes, describe, header_block, header_bye
+from lmplug_kvconnector.peer_wire import (
+    ACK,
+    HEADER_LEN,
+    SYNC,
+    as_bytes,
+    describe,
+    header_block,
+    header_bye,
+    header_sync,
+)
 from pydantic import Field, SecretStr, field_validator
 
 from lmplug.api import BackendOptions, Capabilities, KVBlockFormat, KVConnector
@@ -102,13 +114,14 @@ class TorchDistributedConnector(ConsumerSide, KVConnector):
         self._ready: queue.Queue[str | None] = queue.Queue()  # the consumer's first peer: None or an error
         self._handshakes = threading.BoundedSemaphore(MAX_HANDSHAKES)
         self._received = HostConnector(HostOptions(memory_gb=options.memory_gb))  # the consumer's blocks
-        self._queue: queue.Queue[tuple[int, dict[str, torch.Tensor]] | None] = queue.Queue()
+        self._queue: queue.Queue[tuple[int, dict[str, torch.Tensor]] | int | None] = queue.Queue()
+        self._syncs = 0  # SYNCs the producer has asked for (their numbers)
         self._thread: threading.Thread | None = None
         self._closing = False
         self._peers: dict[threading.Thread, socket.socket] = {}  # the consumer's connections
         self._peer_gone = False
         self._lock = threading.Lock()
-        self._counts = ({"puts": 0, "sent": 0, "dropped": 0, "bytes_sent": 0, "send_us": 0}
+        self._counts = ({"puts": 0, "sent": 0, "dropped": 0, "bytes_sent": 0, "send_us": 0, "syncs": 0}
                         if self.role == "producer" else {"received": 0, "bytes_received": 0, "refused": 0})
 
     # -- start-up ---------------------------------------------------------------------------------
@@ -220,8 +233,14 @@ class TorchDistributedConnector(ConsumerSide, KVConnector):
         return self.role == "consumer" and self._received.contains(key)
 
     def flush(self) -> None:
-        if self.role == "producer" and self._thread is not None:
-            self._queue.join()
+        """The producer: wait until the consumer has stored (or this side dropped) every block
+        put so far: the blocks, then a SYNC the consumer answers once they are in its store."""
+        if self.role != "producer" or self._thread is None or self._closing:
+            return
+        with self._lock:
+            self._syncs += 1
+            self._queue.put(self._syncs)
+        self._queue.join()
 
     def close(self) -> None:
         if self._closing:
@@ -256,23 +275,39 @@ class TorchDistributedConnector(ConsumerSide, KVConnector):
         while True:
             item = self._queue.get()
             try:
-                if item is None:
+                if item is None:  # the end, whether or not the consumer still listens
                     if not self._peer_gone:
-                        self._channel.send(header_bye().numpy().tobytes())
+                        with contextlib.suppress(OSError):
+                            self._channel.send(header_bye().numpy().tobytes())
                     self._channel.close()
                     return
                 if self._peer_gone:
-                    self._count(dropped=1)
+                    self._count(dropped=0 if isinstance(item, int) else 1)
                     continue
-                self._send_block(*item)
-            except OSError as exc:  # connection closed by the peer, timeout
+                if isinstance(item, int):
+                    self._sync(item)
+                else:
+                    self._send_block(*item)
+            except (OSError, ValueError) as exc:  # connection closed by the peer, timeout, a bad answer
                 self._peer_gone = True
-                self._count(dropped=0 if item is None else 1)
+                self._count(dropped=0 if item is None or isinstance(item, int) else 1)
                 logger.warning("kvconnector torch_distributed: the consumer at %s is gone (%s: %s); "
                                "dropping this and every later block (the decode instance computes them)",
                                self.options.address, type(exc).__name__, exc)
             finally:
                 self._queue.task_done()
+
+    def _sync(self, seq: int) -> None:
+        """Send SYNC ``seq``; return when its ACK is back (the blocks before it are stored)."""
+        if self._channel.closed_by_peer():
+            raise ConnectionError("the consumer closed the connection")
+        self._channel.send(header_sync(SYNC, seq).numpy().tobytes())
+        answer = self._channel.recv(HEADER_LEN * 8)  # waits at most timeout_s (the socket's timeout)
+        values = torch.frombuffer(answer, dtype=torch.int64, count=HEADER_LEN).tolist() \
+            if len(answer) == HEADER_LEN * 8 else []
+        if values[:2] != [ACK, seq]:
+            raise ValueError(f"expected the consumer's ACK {seq}, got {values[:2] or len(answer)}")
+        self._count(syncs=1)
 
     def _send_block(self, key: int, payload: dict[str, torch.Tensor]) -> None:
         try:
@@ -281,7 +316,7 @@ class TorchDistributedConnector(ConsumerSide, KVConnector):
             logger.warning("kvconnector torch_distributed: block %032x not sent: %s", key, exc)
             self._count(dropped=1)
             return
-        if self._channel.closed_by_peer():  # the consumer sends nothing after the formats: this is its end
+        if self._channel.closed_by_peer():  # the consumer sends only ACKs (read at once): readable = its end
             raise ConnectionError("the consumer closed the connection")
         started = time.perf_counter()
         data = torch.cat([as_bytes(t) for t in payload.values()]) if payload else torch.empty(0, dtype=torch.uint8)

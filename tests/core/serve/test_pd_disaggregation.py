@@ -78,8 +78,9 @@ def raw(t: torch.Tensor) -> tuple[str, tuple[int, ...], bytes]:
     return str(t.dtype), tuple(t.shape), t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
 
 
-def _consumer_process(address: str, layout: str, expected: list[int], out) -> None:
-    """The decode side in its own process: open, wait for ``expected`` keys, report them, exit."""
+def _consumer_process(address: str, layout: str, expected: list[int], out, flushed=None) -> None:
+    """The decode side in its own process: open, wait for ``expected`` keys, report them, exit.
+    With ``flushed`` (an event the producer sets after its ``flush``) it looks once, after it."""
     torch.set_num_threads(1)
     connector = TorchDistributedConnector(TorchDistributedOptions(role="consumer", address=address,
                                                                   timeout_s=TIMEOUT_S))
@@ -89,7 +90,9 @@ def _consumer_process(address: str, layout: str, expected: list[int], out) -> No
         out.put(("config_error", str(exc)))
         return
     deadline = time.monotonic() + TIMEOUT_S
-    while not all(connector.contains(k) for k in expected) and time.monotonic() < deadline:
+    if flushed is not None:
+        flushed.wait(TIMEOUT_S)
+    while flushed is None and not all(connector.contains(k) for k in expected) and time.monotonic() < deadline:
         time.sleep(0.05)
     got = {key: connector.get(key) for key in expected}
     out.put(("received", {key: None if p is None else {name: raw(t) for name, t in p.items()}
@@ -98,13 +101,13 @@ def _consumer_process(address: str, layout: str, expected: list[int], out) -> No
 
 
 @contextlib.contextmanager
-def consumer_process(layout: str, expected: list[int]) -> Iterator[tuple[str, object, object]]:
+def consumer_process(layout: str, expected: list[int], flushed=None) -> Iterator[tuple[str, object, object]]:
     """(address, result queue, process) of a consumer started with ``spawn``; the producer is
     this process."""
     ctx = multiprocessing.get_context("spawn")
     out = ctx.Queue()
     address = f"127.0.0.1:{free_port()}"
-    process = ctx.Process(target=_consumer_process, args=(address, layout, expected, out))
+    process = ctx.Process(target=_consumer_process, args=(address, layout, expected, out, flushed))
     process.start()
     try:
         yield address, out, process
@@ -148,6 +151,24 @@ def test_blocks_arrive_bit_exact_and_a_dead_peer_never_raises():
     connector.flush()
     connector.close()
     assert connector.stats()["dropped"] == len(make_blocks(1))
+
+
+def test_after_flush_the_consumer_holds_every_block():
+    """``flush`` returns once the consumer has stored the blocks, not when they are in the
+    socket's buffers: the prefill instance answers after it, and the router sends the request to
+    the decode instance at once (a block still on the wire was a prefix-cache miss there)."""
+    sent = {key: {"kv": torch.randn(64, 1024)} for key in range(1, 41)}  # 256 KiB a block
+    flushed = multiprocessing.get_context("spawn").Event()
+    with consumer_process("paged bs=4 float32", list(sent), flushed) as (address, out, _):
+        connector = producer(address, "paged bs=4 float32")
+        for key, payload in sent.items():
+            connector.put(key, payload)
+        connector.flush()
+        flushed.set()
+        what, got, consumer_stats = out.get(timeout=TIMEOUT_S + 30)
+        connector.close()
+    assert what == "received" and [key for key, p in got.items() if p is None] == []
+    assert consumer_stats["received"] == len(sent) and connector.stats()["syncs"] == 1
 
 
 def test_format_mismatch_is_a_config_error_on_both_sides():

@@ -79,7 +79,7 @@ def test_tool_round_trip(client) -> None:
 
 
 def test_stream_events_in_order(client) -> None:
-    kwargs = dict(model="demo", input="Count to three.", max_output_tokens=12, temperature=0)
+    kwargs = {"model": "demo", "input": "Count to three.", "max_output_tokens": 12, "temperature": 0}
     events = list(client.responses.create(stream=True, **kwargs))
     kinds = [e.type for e in events]
     assert kinds[:4] == ["response.created", "response.in_progress", "response.output_item.added",
