@@ -17,7 +17,8 @@ torch's SDPA kernels), plus the native decode step (``lmplug.kit.native_step``: 
 layer in one C call, products, attention and the fused ops inside, timed through a
 ``record_function`` too; ``LMPLUG_NATIVE_STEP=0`` measures the per-layer path). "Outside the
 kernels" is one minus kernel time over the *unprofiled* ms per token (the profiler slows the
-Python and dispatch between ops, not the kernels).
+Python and dispatch between ops, not the kernels). "host": the unprofiled wall time less the
+time inside those C calls (``perf_counter`` around each): a step's Python and torch ops, per token.
 
 ``--compare-fused`` repeats every measurement with the fused CPU ops off
 (as ``LMPLUG_FUSED_CPU=0`` does; ``lmplug.kit.fused_cpu.set_enabled``), in the same process, so that
@@ -28,6 +29,7 @@ timings on a shared machine move with it; compare within one run.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 import time
@@ -54,6 +56,18 @@ def build_llm(args: argparse.Namespace):
     return LLM(config=args.config, **overrides)
 
 
+C_SECONDS = [0.0]  # wall seconds inside the C calls wrapped below (the native step, products, attention)
+
+
+@contextlib.contextmanager
+def in_c():
+    start = time.perf_counter()
+    try:
+        yield
+    finally:
+        C_SECONDS[0] += time.perf_counter() - start
+
+
 def time_native_calls() -> None:
     """Wrap the C kernels the profiler cannot see (ctypes calls) in a ``record_function`` each,
     so their time counts as kernel time: the paged backend's decode kernel, and the GGUF
@@ -72,7 +86,7 @@ def time_native_calls() -> None:
         original = getattr(owner, method)
 
         def timed(self, *a, _original=original, _label=label, **kw):
-            with torch.profiler.record_function(_label):
+            with torch.profiler.record_function(_label), in_c():
                 return _original(self, *a, **kw)
 
         setattr(owner, method, timed)
@@ -91,7 +105,7 @@ def time_native_calls() -> None:
             return getattr(self._lib, name)
 
         def decode_step_f32(self, *args):
-            with torch.profiler.record_function("native::decode_step"):
+            with torch.profiler.record_function("native::decode_step"), in_c():
                 return self._lib.decode_step_f32(*args)
 
     def timed_library():
@@ -125,15 +139,17 @@ class Decoder:
             self.engine.step()
         self.used += n
 
-    def timed(self, repeats: int = 3) -> tuple[float, float]:
-        """Medians over ``repeats`` runs of ``steps`` steps: wall and process CPU ms per token."""
-        walls, cpus = [], []
+    def timed(self, repeats: int = 3) -> tuple[float, float, float]:
+        """Medians over ``repeats`` runs of ``steps`` steps: wall and process CPU ms per token, and
+        the host's ms per token (wall less the time inside the wrapped C calls: Python, torch ops)."""
+        walls, cpus, hosts = [], [], []
         for _ in range(repeats):
-            start, cpu = time.perf_counter(), time.process_time()
+            start, cpu, in_kernels = time.perf_counter(), time.process_time(), C_SECONDS[0]
             self.step(self.steps)
             walls.append((time.perf_counter() - start) * 1e3 / self.steps)
             cpus.append((time.process_time() - cpu) * 1e3 / self.steps)
-        return statistics.median(walls), statistics.median(cpus)
+            hosts.append(walls[-1] - (C_SECONDS[0] - in_kernels) * 1e3 / self.steps)
+        return statistics.median(walls), statistics.median(cpus), statistics.median(hosts)
 
     def profiled(self):
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
@@ -143,7 +159,7 @@ class Decoder:
         return prof, wall
 
 
-def analyse(prof, steps: int, wall_ms: float, cpu_ms: float, profiled_ms: float, top: int) -> dict:
+def analyse(prof, steps: int, wall_ms: float, cpu_ms: float, host_ms: float, profiled_ms: float, top: int) -> dict:
     events = prof.events()
     aten = [e for e in events if e.name.startswith("aten::")]
     top_level = [e for e in aten if e.cpu_parent is None or not e.cpu_parent.name.startswith("aten::")]
@@ -158,23 +174,25 @@ def analyse(prof, steps: int, wall_ms: float, cpu_ms: float, profiled_ms: float,
     ops = sorted(((us / 1e3 / steps, calls[n] / steps, n) for n, us in self_us.items()
                   if not n.startswith("ProfilerStep")), reverse=True)[:top]
     return {"aten": len(aten) / steps, "top_level": len(top_level) / steps, "matmul": matmul,
-            "attention": attention, "step": step, "wall": wall_ms, "cpu": cpu_ms, "profiled": profiled_ms,
+            "attention": attention, "step": step, "wall": wall_ms, "cpu": cpu_ms, "host": host_ms,
+            "profiled": profiled_ms,
             "outside": 1 - (matmul + attention + step) / wall_ms, "ops": ops}
 
 
 def measure(decoder: Decoder, threads: int, top: int) -> dict:
     torch.set_num_threads(threads)
     decoder.step(4)  # settle after a change of threads / path
-    wall, cpu = decoder.timed()
+    wall, cpu, host = decoder.timed()
     prof, profiled = decoder.profiled()
-    return analyse(prof, decoder.steps, wall, cpu, profiled, top)
+    return analyse(prof, decoder.steps, wall, cpu, host, profiled, top)
 
 
 def report(label: str, r: dict, show_ops: bool) -> None:
     print(f"  {label}: {1e3 / r['wall']:6.1f} tok/s  {r['wall']:6.2f} ms/token (CPU {r['cpu']:6.2f} ms)  "
           f"ATen calls/token {r['aten']:7.0f} (top-level {r['top_level']:5.0f})  "
           f"matmul {r['matmul']:5.2f} ms  attention {r['attention']:5.2f} ms  native step {r['step']:5.2f} ms  "
-          f"outside kernels {100 * r['outside']:4.1f}%  (profiled {r['profiled']:.2f} ms/token)")
+          f"outside kernels {100 * r['outside']:4.1f}%  (profiled {r['profiled']:.2f} ms/token)\n"
+          f"    host (unprofiled wall less the C calls: Python and torch ops) {r['host']:5.2f} ms/token")
     if show_ops:
         print(f"    {'self ms/token':>13s} {'calls/token':>11s}  op")
         for ms, n, name in r["ops"]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import itertools
 import operator
 from collections.abc import Callable
 
@@ -12,7 +13,7 @@ from lmplug.interfaces.kvcache import KVCacheBackend
 from lmplug.interfaces.runner import StepResult
 from lmplug.interfaces.scheduler import ScheduledSeq
 from lmplug.interfaces.step import StepContext
-from lmplug.kit.kv_layout import kv_slots
+from lmplug.kit.kv_layout import kv_slots_list
 from lmplug.kit.pipeline import PipelineStage, exchange_logits, whole
 from lmplug.kit.threads import small_ops_single_threaded
 
@@ -56,7 +57,7 @@ class ModelRunner:
         bs = self.kv.block_size
         ids: list[int] = []
         positions: list[int] = []
-        slot_positions: list[int] = []  # where each token's K/V goes (differs from positions in a tree)
+        slots: list[int] = []  # where each token's K/V goes: start + j through the table (a tree's too)
         query_lens, seq_lens, tables = [], [], []
         query_masks: dict[int, torch.Tensor] = {}
         row_inputs = {b: item.inputs for b, item in enumerate(batch) if item.inputs is not None}
@@ -65,7 +66,7 @@ class ModelRunner:
             start = seq.num_computed_tokens
             table = self.kv.block_table(seq)
             ids.extend(seq.token_ids[start:start + n])
-            slot_positions.extend(range(start, start + n))
+            slots.extend(kv_slots_list(table, range(start, start + n), bs))
             rows, mask = item.positions, item.mask
             if mask is not None:
                 if len(rows) != n or tuple(mask.shape) != (n, n):
@@ -80,12 +81,7 @@ class ModelRunner:
         block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
         ql = torch.tensor(query_lens, dtype=torch.int32)
         pos = torch.tensor(positions, dtype=torch.int64)
-        at = torch.tensor(slot_positions, dtype=torch.int64) if query_masks else pos
-        # slot of each new token: its block (through its sequence's table) and offset
-        owner = torch.repeat_interleave(torch.arange(len(batch)), ql.long())  # [T]
-        slots = kv_slots(block_tables[owner], at, bs)
-        cu = torch.zeros(len(batch) + 1, dtype=torch.int32)
-        torch.cumsum(ql, 0, out=cu[1:])
+        cu = torch.tensor([0, *itertools.accumulate(query_lens)], dtype=torch.int32)
         num_decodes = 0
         while (num_decodes < len(batch) and query_lens[num_decodes] == 1
                and seq_lens[num_decodes] > 1):
@@ -94,7 +90,7 @@ class ModelRunner:
         ctx = StepContext(
             positions=pos.to(dev),
             query_lens=ql.to(dev), seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-            cu_query_lens=cu.to(dev), slot_mapping=slots.to(dev),
+            cu_query_lens=cu.to(dev), slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
             block_tables=block_tables.to(dev), query_lens_cpu=query_lens, seq_lens_cpu=seq_lens,
             num_decodes=num_decodes, query_masks=query_masks, row_inputs=row_inputs,
             state_slots=(torch.tensor([self.kv.state_slot(item.seq) for item in batch], dtype=torch.int32,

@@ -74,6 +74,11 @@ def empty(nbytes: int) -> torch.Tensor:
     ``enabled()`` (else ``torch.empty``)."""
     if not enabled() or nbytes <= 0:
         return torch.empty(nbytes, dtype=torch.uint8)
+    with torch.inference_mode(False):  # a normal tensor even when the first caller is inside a forward
+        return _carve(nbytes)
+
+
+def _carve(nbytes: int) -> torch.Tensor:
     if nbytes >= ARENA_BYTES:
         return _map(nbytes)[:nbytes]
     with _lock:

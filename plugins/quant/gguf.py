@@ -257,6 +257,11 @@ class GGUFQuant(QuantMethod, extras.PackedWeights, extras.OwnThreads, extras.Nat
         if layer.gguf_runs is None:
             return F.embedding(ids, layer.weight)
         flat = ids.reshape(-1)
+        if len(layer.gguf_runs) == 1:  # one table (a decode step's lookup: no masks to build)
+            kind = layer.gguf_runs[0][0]
+            data = self._rows(layer, 0)[flat]
+            rows = data if kind is None else gguf_ref.dequantize(data, kind, layer.in_features)
+            return rows.to(layer.dtype).reshape(*ids.shape, layer.in_features)
         out = torch.empty(flat.shape[0], layer.in_features, dtype=layer.dtype, device=flat.device)
         start = 0
         for i, (kind, _, rows) in enumerate(layer.gguf_runs):

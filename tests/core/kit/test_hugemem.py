@@ -80,6 +80,20 @@ def test_pieces_are_aligned_inside_their_arena_and_apart(fresh):
 
 
 @linux
+def test_an_arena_first_cut_inside_a_forward_serves_writes_outside_it(fresh):
+    """Weights are often bound lazily, in the first forward (under ``torch.inference_mode``):
+    the arena made then must not be an inference tensor, or a later copy outside one fails."""
+    with torch.inference_mode():
+        inside = hugemem.empty(1000)
+    outside = hugemem.empty(1000)  # cut from the same arena
+    assert _arena(inside) == _arena(outside)
+    assert not inside.is_inference() and not outside.is_inference()
+    outside.copy_(torch.full((1000,), 3, dtype=torch.uint8))
+    inside.fill_(4)
+    assert int(outside.sum()) == 3000 and int(inside.sum()) == 4000
+
+
+@linux
 def test_a_full_arena_gives_way_to_a_new_one(fresh, monkeypatch):
     monkeypatch.setattr(hugemem, "ARENA_BYTES", 4 << 20)
     first = hugemem.empty(3 << 20)
