@@ -15,10 +15,14 @@ from functools import partial
 from typing import Any, ClassVar
 
 import torch
-from lmplug_models.deepseek_v2 import DeepseekV2ForCausalLM
 from lmplug_models import gguf_configs
+from lmplug_models.deepseek_v2 import DeepseekV2ForCausalLM
+from lmplug_models.diffusion_gemma import (
+    DiffusionGemmaForBlockDiffusion,
+    diffusion_layers,
+    diffusion_text_config,
+)
 from lmplug_models.gemma import GemmaForCausalLM, gemma_layers, gemma_options
-from lmplug_models.diffusion_gemma import DiffusionGemmaForBlockDiffusion, diffusion_layers, diffusion_text_config
 from lmplug_models.gemma4 import Gemma4ForCausalLM, gemma4_layers, gemma4_options
 from lmplug_models.gpt_oss import (
     GptOssForCausalLM,
@@ -43,7 +47,10 @@ from lmplug_models.small_families import (
 )
 
 from lmplug.api import (
+    GATED_DELTA,
     GGUF,
+    LIGHTNING,
+    MAMBA2,
     MLA,
     MTP,
     PACKED_WEIGHTS,
@@ -53,10 +60,7 @@ from lmplug.api import (
     CacheLayout,
     Capabilities,
     ConfigReader,
-    GATED_DELTA,
     GGUFHeader,
-    LIGHTNING,
-    MAMBA2,
     ModelConfig,
     check_depth,
     decoder_config,

@@ -125,7 +125,7 @@ def test_equals_unconstrained_where_the_constraint_allows_the_beams_picks(tmp_pa
                                                    structured={"regex": r"[\s\S]*"}))
     no_angles = run(engine, prompts, SamplingParams(beam_width=4, n=4, max_tokens=12,
                                                     structured={"regex": r"[^<>]*"}))
-    tokens = lambda outs: [[c.token_ids for c in o.outputs] for o in outs]  # noqa: E731
+    tokens = lambda outs: [[c.token_ids for c in o.outputs] for o in outs]
     assert tokens(anything) == tokens(free)
     assert [[c.score for c in o.outputs] for o in anything] == [[c.score for c in o.outputs] for o in free]
     assert any("<" in c.text for o in free for c in o.outputs)

@@ -291,6 +291,6 @@ def test_backend_layers_mixed_in_one_model(name, options, layout):
                                        la.softcap, sink))
             start += qlen
         torch.testing.assert_close(got.double(), torch.cat(want), atol=3e-5, rtol=3e-5,
-                                   msg=lambda m, layer=layer: f"layer {layer} ({layers[layer]}): {m}")
+                                   msg=lambda m, layer=layer, la=la: f"layer {layer} ({la}): {m}")
         checked += 1
     assert checked == (3 if name == "sdpa" and not has_sinks else len(layers))
