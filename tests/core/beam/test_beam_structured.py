@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import re
+from typing import ClassVar
 
 import jsonschema
 import pytest
@@ -72,7 +73,7 @@ class NoCopy(Matcher):
     """A matcher the engine cannot copy (``fork`` is the base class's: None); ``can_undo``: how
     many tokens its rollback can undo (past that it raises, as a bounded history would)."""
 
-    log: list[int] = []  # every rollback asked for; refused ones negative
+    log: ClassVar[list[int]] = []  # every rollback asked for; refused ones negative
 
     def __init__(self, inner: Matcher, can_undo: int) -> None:
         self.inner, self.can_undo = inner, can_undo
