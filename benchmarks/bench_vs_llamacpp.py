@@ -132,7 +132,7 @@ MEASURE = ("import os, sys, time\n"
 def run_timed(cmd: list[str], env: dict | None = None) -> tuple[float, float]:
     """Wall seconds and peak RSS (MiB) of one whole process (its own rusage: ``MEASURE``)."""
     proc = subprocess.run([sys.executable, "-c", MEASURE, *cmd], env=env, stdin=subprocess.DEVNULL,
-                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, check=False)
     err = proc.stderr.decode(errors="replace")
     if proc.returncode != 0:
         raise SystemExit(f"bench_vs_llamacpp: {' '.join(cmd)} failed ({proc.returncode}):\n{err[-2000:]}")

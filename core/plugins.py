@@ -125,7 +125,7 @@ class Registry:
             plugin = _as_module(plugin, name)
         try:
             self.pm.register(plugin, name=name)
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - a broken plugin fails alone (pluggy reads it)
             self._fail(name, distribution, f"could not be registered: {exc}")
             return False
         # pluggy accepts any `lmplug_*` method; a misspelt hook would silently never run

@@ -9,6 +9,8 @@ quant method for matmuls; it does not know which ones it got.
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import torch
 import torch.nn.functional as F
 
@@ -121,7 +123,7 @@ class DecoderForCausalLM(torch.nn.Module):
     pipeline_stages = True
 
     # checkpoint name (after "model.layers.N.") -> (module path in the layer, shard)
-    STACKED = {
+    STACKED: ClassVar[dict[str, tuple[str, str]]] = {
         "self_attn.q_proj": ("self_attn.qkv_proj", "q_proj"),
         "self_attn.k_proj": ("self_attn.qkv_proj", "k_proj"),
         "self_attn.v_proj": ("self_attn.qkv_proj", "v_proj"),

@@ -30,9 +30,9 @@ def load_hf_dir(path: Path) -> ModelSource:
         for f in files:
             try:
                 with safe_open(str(f), framework="pt") as handle:
-                    for name in handle.keys():
+                    for name in handle.keys():  # noqa: SIM118 (a safetensors handle)
                         yield name, handle.get_tensor(name)
-            except Exception as exc:  # safetensors raises its own error types
+            except Exception as exc:  # noqa: BLE001 (safetensors raises its own error types)
                 raise ModelLoadError(f"{f}: cannot read tensors ({exc})") from None
 
     def iter_slices() -> Iterator[tuple[str, object]]:

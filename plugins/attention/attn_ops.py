@@ -47,6 +47,7 @@ import triton.language as tl
 from lmplug_attention.kv_ops import dequant_kv_tile, kv_tile_slots, load_kv_tile
 
 from lmplug.errors import ConfigError
+from lmplug.kit.devices import describe
 from lmplug.kit.triton_launch import (  # noqa: F401 (shared with the kernels)
     DTYPES,
     arch_entry,
@@ -55,7 +56,6 @@ from lmplug.kit.triton_launch import (  # noqa: F401 (shared with the kernels)
     dot_precision,
     head_dim_pad,
 )
-from lmplug.kit.devices import describe
 
 LOG2E = 1.4426950408889634
 LOG2E_JIT = tl.constexpr(LOG2E)  # the same inside kernels (a plain global is refused there)

@@ -26,8 +26,8 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
-from lmplug_attention.paged import native as paged_native
 from lmplug_attention.kv_ref import gather_context
+from lmplug_attention.paged import native as paged_native
 from lmplug_attention.prefill_ref import sink_softmax
 
 from lmplug.api import (

@@ -45,10 +45,10 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from lmplug.kit.triton_launch import arch_entry, dot_precision, head_dim_pad
 from lmplug_mixer.lightning_ref import check_decode, check_prefill
 
 from lmplug.kit.devices import capability
+from lmplug.kit.triton_launch import arch_entry, dot_precision, head_dim_pad
 
 # (BLOCK_T, BLOCK_K, BLOCK_V, num_warps, num_stages) per architecture (``attn_ops.arch_entry``) and
 # input width (16-bit / fp32); None: the interpreter, whose BLOCK_K of 16 walks the key lanes in tiles

@@ -25,10 +25,7 @@ class TorchMixer(MixerBackend):
 
     def __init__(self, options) -> None:
         super().__init__(options)
-        from lmplug_mixer import conv1d_ref
-        from lmplug_mixer import delta_ref
-        from lmplug_mixer import lightning_ref
-        from lmplug_mixer import ssd_ref
+        from lmplug_mixer import conv1d_ref, delta_ref, lightning_ref, ssd_ref
 
         self._conv, self._ssd, self._delta, self._lightning = conv1d_ref, ssd_ref, delta_ref, lightning_ref
 
@@ -85,10 +82,7 @@ class TritonMixer(TorchMixer):
 
     def __init__(self, options) -> None:
         MixerBackend.__init__(self, options)
-        from lmplug_mixer import conv1d_kernels
-        from lmplug_mixer import delta_kernels
-        from lmplug_mixer import lightning_kernels
-        from lmplug_mixer import ssd_kernels
+        from lmplug_mixer import conv1d_kernels, delta_kernels, lightning_kernels, ssd_kernels
 
         self._conv, self._ssd, self._delta, self._lightning = (conv1d_kernels, ssd_kernels, delta_kernels,
                                                                lightning_kernels)

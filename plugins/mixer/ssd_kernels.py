@@ -63,10 +63,10 @@ import math
 import torch
 import triton
 import triton.language as tl
-from lmplug.kit.triton_launch import arch_entry, dot_precision
 from lmplug_mixer.conv1d_ref import check_state_indices
 
 from lmplug.kit.devices import capability
+from lmplug.kit.triton_launch import arch_entry, dot_precision
 
 MIN_CHUNK = 16
 # the scan's launch sizes per architecture (``attn_ops.arch_entry``) and input width (16-bit / fp32):

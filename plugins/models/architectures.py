@@ -15,10 +15,14 @@ from functools import partial
 from typing import Any, ClassVar
 
 import torch
-from lmplug_models.deepseek_v2 import DeepseekV2ForCausalLM
 from lmplug_models import gguf_configs
+from lmplug_models.deepseek_v2 import DeepseekV2ForCausalLM
+from lmplug_models.diffusion_gemma import (
+    DiffusionGemmaForBlockDiffusion,
+    diffusion_layers,
+    diffusion_text_config,
+)
 from lmplug_models.gemma import GemmaForCausalLM, gemma_layers, gemma_options
-from lmplug_models.diffusion_gemma import DiffusionGemmaForBlockDiffusion, diffusion_layers, diffusion_text_config
 from lmplug_models.gemma4 import Gemma4ForCausalLM, gemma4_layers, gemma4_options
 from lmplug_models.gpt_oss import (
     GptOssForCausalLM,
@@ -43,7 +47,10 @@ from lmplug_models.small_families import (
 )
 
 from lmplug.api import (
+    GATED_DELTA,
     GGUF,
+    LIGHTNING,
+    MAMBA2,
     MLA,
     MTP,
     PACKED_WEIGHTS,
@@ -53,10 +60,7 @@ from lmplug.api import (
     CacheLayout,
     Capabilities,
     ConfigReader,
-    GATED_DELTA,
     GGUFHeader,
-    LIGHTNING,
-    MAMBA2,
     ModelConfig,
     check_depth,
     decoder_config,
@@ -77,6 +81,7 @@ def _caps(*features: str) -> Capabilities:
 
 
 # what a model type implies beyond the standard decoder keys (``ModelConfig.from_hf``'s facts)
+_Facts = Mapping[str, Mapping[str, Any]]  # model_type -> its facts
 _QWEN2 = {"qkv_bias": True, "window_flag": True}  # q/k/v biases; a window only with use_sliding_window
 _QWEN3 = {"qk_norm": True, "window_flag": True}  # RMSNorm over each head of q and k
 
@@ -86,7 +91,7 @@ class _Native(Architecture):
 
     module: ClassVar[type[torch.nn.Module]]
     # model_type -> its facts (``ModelConfig.from_hf`` keywords); a type not listed: none
-    facts: ClassVar[Mapping[str, Mapping[str, Any]]] = {}
+    facts: ClassVar[_Facts] = {}
 
     def parse_config(self, hf_config: Mapping[str, Any], where: str) -> ModelConfig:
         return ModelConfig.from_hf(dict(hf_config), where, **self.facts.get(hf_config.get("model_type"), {}))
@@ -103,7 +108,7 @@ class LlamaArchitecture(_Native):
     name = "llama"
     module = LlamaForCausalLM
     model_types = ("llama", "mistral", "qwen2", "qwen3")
-    facts = {"qwen2": _QWEN2, "qwen3": _QWEN3}
+    facts: ClassVar[_Facts] = {"qwen2": _QWEN2, "qwen3": _QWEN3}
     gguf_architectures = ("llama", "qwen2", "qwen3")
     # llama.cpp permutes Q/K rows for models whose HF code uses rotate-half RoPE but whose GGUF
     # graph uses interleaved RoPE (llama); Qwen runs NEOX-style RoPE natively
@@ -129,9 +134,9 @@ class MoEArchitecture(_Native):
     name = "moe"
     module = MoEForCausalLM
     model_types = ("mixtral", "qwen2_moe", "qwen3_moe")
-    facts = {"mixtral": {"moe": mixtral_moe},
-             "qwen2_moe": {**_QWEN2, "moe": partial(qwen_moe, gated_shared=True)},
-             "qwen3_moe": {**_QWEN3, "moe": qwen_moe}}
+    facts: ClassVar[_Facts] = {"mixtral": {"moe": mixtral_moe},
+                               "qwen2_moe": {**_QWEN2, "moe": partial(qwen_moe, gated_shared=True)},
+                               "qwen3_moe": {**_QWEN3, "moe": qwen_moe}}
     capabilities = _caps(TENSOR_PARALLEL, MTP)
 
 
@@ -142,8 +147,9 @@ class DeepseekV2Architecture(_Native):
     module = DeepseekV2ForCausalLM
     model_types = ("deepseek_v2", "deepseek_v3")
     # MLA has no KV heads to group
-    facts = {"deepseek_v2": {"grouped_kv": False, "mla": True, "moe": deepseek_moe},
-             "deepseek_v3": {"grouped_kv": False, "mla": True, "moe": partial(deepseek_moe, v3=True)}}
+    facts: ClassVar[_Facts] = {
+        "deepseek_v2": {"grouped_kv": False, "mla": True, "moe": deepseek_moe},
+        "deepseek_v3": {"grouped_kv": False, "mla": True, "moe": partial(deepseek_moe, v3=True)}}
     capabilities = _caps(TENSOR_PARALLEL, MLA, MTP)
 
 
@@ -174,8 +180,9 @@ class MiniMaxArchitecture(_Native):
     module = MiniMaxForCausalLM
     model_types = ("minimax",)
     # Mixtral's block_sparse_moe in every layer; "linear_attention" layers are lightning attention
-    facts = {"minimax": {"moe": mixtral_moe,
-                         "layer_types": partial(hybrid_layer_types, linear=LIGHTNING, attn_type_list=True)}}
+    facts: ClassVar[_Facts] = {
+        "minimax": {"moe": mixtral_moe,
+                    "layer_types": partial(hybrid_layer_types, linear=LIGHTNING, attn_type_list=True)}}
     capabilities = _caps(TENSOR_PARALLEL, STATE_LAYERS)
 
 
@@ -186,8 +193,9 @@ class Qwen3NextArchitecture(_Native):
     module = Qwen3NextForCausalLM
     model_types = ("qwen3_next",)
     # gated DeltaNet layers, every full_attention_interval-th (default 4) one softmax attention
-    facts = {"qwen3_next": {"moe": partial(qwen_moe, gated_shared=True),
-                            "layer_types": partial(hybrid_layer_types, linear=GATED_DELTA, interval=4)}}
+    facts: ClassVar[_Facts] = {
+        "qwen3_next": {"moe": partial(qwen_moe, gated_shared=True),
+                       "layer_types": partial(hybrid_layer_types, linear=GATED_DELTA, interval=4)}}
     capabilities = _caps(TENSOR_PARALLEL, STATE_LAYERS, MTP)
 
 

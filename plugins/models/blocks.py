@@ -15,13 +15,13 @@ from dataclasses import dataclass
 import torch
 
 from lmplug.api import AttentionBackend, KVLayerView, ModelConfig, QuantMethod, StepContext
-from lmplug.kit.rope import RotaryEmbedding
 from lmplug.kit.decoder import Attention, DecoderForCausalLM
-from lmplug.kit.native_step import LayerForm
 from lmplug.kit.layers import RMSNorm, apply_rope, gelu_tanh_and_mul, silu_and_mul
+from lmplug.kit.native_step import LayerForm
 from lmplug.kit.parallel import ParallelState
 from lmplug.kit.parallel_layers import column_linear, row_linear
 from lmplug.kit.pipeline import stage_input, stage_output
+from lmplug.kit.rope import RotaryEmbedding
 
 
 class OffsetRMSNorm(RMSNorm):

@@ -196,7 +196,7 @@ class Gemma4Layer(torch.nn.Module):
     def __init__(self, cfg: ModelConfig, attn: Gemma4Attention, mlp: GatedMLP, experts: tuple | None,
                  dtype: torch.dtype) -> None:
         super().__init__()
-        norm = lambda: RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)  # noqa: E731
+        norm = lambda: RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.self_attn, self.mlp = attn, mlp
         self.input_layernorm, self.post_attention_layernorm = norm(), norm()
         self.pre_feedforward_layernorm, self.post_feedforward_layernorm = norm(), norm()

@@ -17,11 +17,11 @@ from typing import ClassVar
 import torch
 from lmplug_models.blocks import AttentionShape, FlexAttention, FlexDecoder, FlexLayer, GatedMLP
 
-from lmplug.errors import ModelLoadError
 from lmplug.api import ConfigReader, ModelConfig
-from lmplug.kit.rope import RotaryEmbedding
+from lmplug.errors import ModelLoadError
 from lmplug.kit.decoder import MLP, Attention, DecoderForCausalLM, DecoderLayer
 from lmplug.kit.parallel_layers import column_linear
+from lmplug.kit.rope import RotaryEmbedding
 
 
 def rotary_dim(cfg: ModelConfig, where: str = "config.json") -> int:

@@ -12,7 +12,7 @@ LMPLUG = [sys.executable, "-m", "lmplug.cli"]
 
 def run(*args, stdin: str | None = None, env: dict | None = None) -> subprocess.CompletedProcess:
     return subprocess.run([*LMPLUG, *args], input=stdin, capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
+                          env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}, check=False)
 
 
 @pytest.fixture(scope="module")

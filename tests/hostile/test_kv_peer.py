@@ -23,8 +23,8 @@ from lmplug_kvconnector.torch_distributed import (
 from support.hf_models import get_model, one_torch_thread, prompt_ids  # noqa: F401 - fixture
 
 from lmplug import LLM, SamplingParams
-from lmplug.errors import ConfigError
 from lmplug.api import KVBlockFormat
+from lmplug.errors import ConfigError
 from lmplug.testing.kvconnector import block_payload, same_bits
 
 TIMEOUT_S = 5.0

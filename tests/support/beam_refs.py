@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+
 from support.hf_models import hf_generate
 
 

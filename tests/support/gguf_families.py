@@ -24,6 +24,7 @@ import torch
 from gguf import MODEL_ARCH, GGUFWriter, get_tensor_name_map
 from gguf import GGMLQuantizationType as Q
 from gguf.quants import dequantize, quantize
+
 from support.gguf_fixtures import add_byte_level_vocab, train_byte_level
 
 GGUF_ARCH = {"gemma2": "gemma2", "gemma3_text": "gemma3", "smollm3": "smollm3", "olmo2": "olmo2",

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import re
+from typing import ClassVar
 
 import jsonschema
 import pytest
@@ -72,7 +73,7 @@ class NoCopy(Matcher):
     """A matcher the engine cannot copy (``fork`` is the base class's: None); ``can_undo``: how
     many tokens its rollback can undo (past that it raises, as a bounded history would)."""
 
-    log: list[int] = []  # every rollback asked for; refused ones negative
+    log: ClassVar[list[int]] = []  # every rollback asked for; refused ones negative
 
     def __init__(self, inner: Matcher, can_undo: int) -> None:
         self.inner, self.can_undo = inner, can_undo
@@ -125,7 +126,7 @@ def test_equals_unconstrained_where_the_constraint_allows_the_beams_picks(tmp_pa
                                                    structured={"regex": r"[\s\S]*"}))
     no_angles = run(engine, prompts, SamplingParams(beam_width=4, n=4, max_tokens=12,
                                                     structured={"regex": r"[^<>]*"}))
-    tokens = lambda outs: [[c.token_ids for c in o.outputs] for o in outs]  # noqa: E731
+    tokens = lambda outs: [[c.token_ids for c in o.outputs] for o in outs]
     assert tokens(anything) == tokens(free)
     assert [[c.score for c in o.outputs] for o in anything] == [[c.score for c in o.outputs] for o in free]
     assert any("<" in c.text for o in free for c in o.outputs)

@@ -12,7 +12,8 @@ def _run_pytest(tmp_path, body: str, **env: str) -> subprocess.CompletedProcess:
     (tmp_path / "test_foreign.py").write_text(textwrap.dedent(body))
     clean = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "LMPLUG_TRITON_INTERPRET")}
     return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(tmp_path)],
-                          cwd=tmp_path, env={**clean, **env}, capture_output=True, text=True, timeout=300)
+                          cwd=tmp_path, env={**clean, **env}, capture_output=True, text=True, timeout=300,
+                          check=False)
 
 
 def test_a_foreign_project_keeps_its_environment(tmp_path):

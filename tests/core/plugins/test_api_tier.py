@@ -8,7 +8,7 @@ import ast
 import re
 from pathlib import Path
 
-import lmplug.api as api
+from lmplug import api
 
 ROOT = Path(__file__).resolve().parents[3]
 API_SOURCE = ROOT / "core" / "api.py"
@@ -51,9 +51,9 @@ def test_a_name_added_to_the_api_module_without_all_is_caught():
 
 def _documented() -> set[str]:
     text = (ROOT / "docs" / "plugins.md").read_text()
-    table = re.search(r"<!-- api:begin -->(.*?)<!-- api:end -->", text, re.S)
+    table = re.search(r"<!-- api:begin -->(.*?)<!-- api:end -->", text, re.DOTALL)
     assert table, "docs/plugins.md lost its table of the API's names (<!-- api:begin --> ... end)"
-    return {name for cell in re.findall(r"^\|[^|]*\|([^|]*)\|", table.group(1), re.M)
+    return {name for cell in re.findall(r"^\|[^|]*\|([^|]*)\|", table.group(1), re.MULTILINE)
             for name in re.findall(r"`(\w+)`", cell)}
 
 

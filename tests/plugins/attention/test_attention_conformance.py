@@ -8,6 +8,8 @@ they run a representative subset of the batch specs, and the full table on a GPU
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import torch
 
 from lmplug.testing import AttentionConformance
@@ -40,12 +42,12 @@ class TestSdpaAttention(AttentionConformance):
 
 class TestPagedAttentionTorch(AttentionConformance):
     backend = "paged"
-    options = {"kernels": "torch"}
+    options: ClassVar[dict] = {"kernels": "torch"}
 
 
 class TestPagedAttentionTriton(AttentionConformance):
     backend = "paged"
-    options = {"kernels": "triton"}
+    options: ClassVar[dict] = {"kernels": "triton"}
     # what the Triton kernels give (``PagedAttention.features_for``): no tree masks
     features = ("sliding_window", "layer_windows", "layer_scales", "logit_softcap", "attention_sinks")
     specs = TRITON_SPECS

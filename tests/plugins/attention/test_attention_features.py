@@ -24,7 +24,7 @@ FEATURE_IDS = ["plain", "softcap", "sinks", "softcap+sinks"]
 def math_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: list[int], scale: float,
                    window: int | None, softcap: float | None, sinks: torch.Tensor | None) -> torch.Tensor:
     """q [L, H, D] at positions ``q_pos`` over one sequence's k, v [S, Hkv, D]: float64, a loop of dots."""
-    num_heads, head_dim = q.shape[1:]
+    num_heads, _ = q.shape[1:]
     group = num_heads // k.shape[1]
     out = torch.zeros(q.shape, dtype=torch.float64)
     for i, p in enumerate(q_pos):
@@ -102,8 +102,8 @@ PREFILL = [(9, 9), (40, 17), (3, 1)]  # (seq_len, query_len): a fresh prompt, a 
 
 def _prefill_case(dtype, block_size=16, heads=(8, 2), head_dim=32, seed=1):
     lens = [s for s, _ in PREFILL]
-    q_all, kc, vc, tables, seq_lens = paged_batch(lens, *heads, head_dim, block_size, dtype, seed=seed,
-                                                  poison=True)
+    _, kc, vc, tables, seq_lens = paged_batch(lens, *heads, head_dim, block_size, dtype, seed=seed,
+                                              poison=True)
     g = torch.Generator().manual_seed(seed + 10)
     q = torch.randn(sum(n for _, n in PREFILL), heads[0], head_dim, generator=g).to(dtype)
     cu = torch.tensor([0, *torch.tensor([n for _, n in PREFILL]).cumsum(0).tolist()], dtype=torch.int32)
@@ -291,6 +291,6 @@ def test_backend_layers_mixed_in_one_model(name, options, layout):
                                        la.softcap, sink))
             start += qlen
         torch.testing.assert_close(got.double(), torch.cat(want), atol=3e-5, rtol=3e-5,
-                                   msg=lambda m, layer=layer: f"layer {layer} ({layers[layer]}): {m}")
+                                   msg=lambda m, layer=layer, la=la: f"layer {layer} ({la}): {m}")
         checked += 1
     assert checked == (3 if name == "sdpa" and not has_sinks else len(layers))

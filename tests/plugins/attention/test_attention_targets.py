@@ -22,20 +22,20 @@ import torch
 import triton
 import triton.language as tl
 from lmplug_attention import decode_ops, kv_ops
+from lmplug_attention.attn_ops import arch_entry, bucket
 from lmplug_attention.flash import decode_kernels as flash_decode_kernels
 from lmplug_attention.flash import prefill_kernels as flash_prefill_kernels
-from lmplug_attention.mla import kernels as mla_kernels
-from lmplug_attention.paged import prefill_kernels as paged_prefill_kernels
-from lmplug_attention.attn_ops import arch_entry, bucket
 from lmplug_attention.flash.backend import FlashAttention, FlashAttentionOptions
+from lmplug_attention.mla import kernels as mla_kernels
 from lmplug_attention.mla.backend import MLAAttention, MLAOptions
+from lmplug_attention.paged import prefill_kernels as paged_prefill_kernels
 from lmplug_attention.paged.backend import PagedAttention, PagedAttentionOptions
 from lmplug_attention.sdpa import SdpaAttention
 
 from lmplug.api import BackendOptions
 from lmplug.config import EngineConfig, resolve
-from lmplug.engine.plan import make_plan
 from lmplug.engine.architecture import model_config_of
+from lmplug.engine.plan import make_plan
 from lmplug.errors import ConfigError
 from lmplug.kit.devices import target_capability
 from lmplug.parallel import single as single_parallel

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from lmplug_attention.decode_ops import MAX_SPLITS, plan_decode
 from lmplug_attention.mla import kernels as mla_kernels
 from lmplug_attention.mla import ref as mla_ref
-from lmplug_attention.decode_ops import MAX_SPLITS, plan_decode
 from lmplug_attention.mla.backend import MLAAttention, MLAOptions
 
 from lmplug.kit.devices import target_capability

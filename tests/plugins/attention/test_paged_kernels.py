@@ -18,10 +18,10 @@ from dataclasses import dataclass
 import pytest
 import torch
 from lmplug_attention import kv_ops, kv_ref
-from lmplug_attention.paged import torch_path as paged_torch
+from lmplug_attention.decode_ref import decode_attention
 from lmplug_attention.paged import kernels as tk
 from lmplug_attention.paged import prefill_kernels as tpk
-from lmplug_attention.decode_ref import decode_attention
+from lmplug_attention.paged import torch_path as paged_torch
 from lmplug_attention.prefill_ref import prefill_attention
 from support.devices import bf16_param
 

@@ -9,9 +9,9 @@ import logging
 
 import pytest
 import torch
+from lmplug_attention.decode_ref import decode_attention
 from lmplug_attention.paged import backend as paged_backend
 from lmplug_attention.paged import native as paged_native
-from lmplug_attention.decode_ref import decode_attention
 from support.paged_cases import float64_attention, paged_batch
 
 from lmplug import LLM, SamplingParams
@@ -298,8 +298,8 @@ def test_step_attention_reads_a_verifys_short_queries_as_rows(native, tree):
     its sequence's table over its first positions, tree rows masked to their ancestors; the
     result is the kernel's on those rows, bit for bit, after every row's K/V is written."""
     from lmplug.interfaces.attention import KVLayerView
-    from lmplug.kit.native import call_attention
     from lmplug.interfaces.step import StepContext
+    from lmplug.kit.native import call_attention
 
     q, kc, vc, tables, _ = paged_batch([20, 33], 4, 2, 64, 16, torch.float32, seed=3)
     q = torch.randn(5, 4, 64, generator=torch.Generator().manual_seed(4))

@@ -20,8 +20,8 @@ import math
 import pytest
 import torch
 from lmplug_attention import decode_ref, kv_ref
-from lmplug_attention.paged import torch_path as paged_torch
 from lmplug_attention.flash.backend import FlashAttention, FlashAttentionOptions
+from lmplug_attention.paged import torch_path as paged_torch
 from lmplug_attention.paged.backend import PagedAttention, PagedAttentionOptions
 from lmplug_attention.paged.rows import leading_short_queries, query_rows
 from lmplug_attention.sdpa import SdpaAttention

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 from lmplug.testing import KVCacheConformance, StateCacheConformance
 
 # -- KV storage -------------------------------------------------------------------------------------
@@ -13,13 +15,13 @@ class TestContiguousKVCache(KVCacheConformance):
 
 class TestPagedKVCache(KVCacheConformance):
     backend = "paged"
-    options = {"num_blocks": 48, "block_size": 4}
-    features = {"fork"}  # prefix caching is an option, off by default
+    options: ClassVar[dict] = {"num_blocks": 48, "block_size": 4}
+    features = frozenset({"fork"})  # prefix caching is an option, off by default
 
 
 class TestPagedKVCachePrefixCaching(KVCacheConformance):
     backend = "paged"
-    options = {"num_blocks": 48, "block_size": 4, "prefix_caching": True}
+    options: ClassVar[dict] = {"num_blocks": 48, "block_size": 4, "prefix_caching": True}
 
 
 # -- per-sequence state slots (linear-attention / SSM layers) -----------------------------------------
@@ -31,4 +33,4 @@ class TestContiguousStateCache(StateCacheConformance):
 
 class TestPagedStateCache(StateCacheConformance):
     backend = "paged"
-    options = {"num_blocks": 48, "block_size": 4}
+    options: ClassVar[dict] = {"num_blocks": 48, "block_size": 4}

@@ -16,8 +16,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from lmplug_mixer import conv1d_kernels
-from lmplug_mixer import conv1d_ref
+from lmplug_mixer import conv1d_kernels, conv1d_ref
 from support.state_pools import others, pool_with
 from transformers.models.mamba2 import modeling_mamba2 as hf
 

@@ -22,8 +22,7 @@ import itertools
 import pytest
 import torch
 import torch.nn.functional as F
-from lmplug_mixer import delta_kernels
-from lmplug_mixer import delta_ref
+from lmplug_mixer import delta_kernels, delta_ref
 from transformers import Qwen3NextConfig
 from transformers.models.qwen3_next import modeling_qwen3_next as hf
 

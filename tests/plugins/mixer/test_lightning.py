@@ -21,8 +21,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from lmplug_mixer import lightning_kernels
-from lmplug_mixer import lightning_ref
+from lmplug_mixer import lightning_kernels, lightning_ref
 from support.devices import NO_KERNEL_DEVICE, bf16_param, kernel_device
 from support.state_pools import others, pool_with
 from transformers import MiniMaxConfig

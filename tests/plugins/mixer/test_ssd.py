@@ -21,10 +21,7 @@ import math
 
 import pytest
 import torch
-from lmplug_mixer import conv1d_kernels
-from lmplug_mixer import conv1d_ref
-from lmplug_mixer import ssd_kernels
-from lmplug_mixer import ssd_ref
+from lmplug_mixer import conv1d_kernels, conv1d_ref, ssd_kernels, ssd_ref
 from support.state_pools import others, pool_with
 from transformers import DynamicCache, Mamba2Config
 from transformers.models.mamba2 import modeling_mamba2 as hf

@@ -71,8 +71,9 @@ def test_decoder_logits_match_transformers(tiny, kvcache, attention):
         for sc in (None, 3 * torch.randn(CANVAS, 96, generator=g)):
             want = hf_decoder_logits(hf, prompt, canvas, sc)
             got = our_decoder_logits(llm, prompt, canvas, sc)
-            torch.testing.assert_close(got, want, atol=1e-4, rtol=0,
-                                       msg=lambda m: f"prefix {length}, sc {sc is not None}: {m}")
+            torch.testing.assert_close(
+                got, want, atol=1e-4, rtol=0,
+                msg=lambda m, length=length, sc=sc: f"prefix {length}, sc {sc is not None}: {m}")
 
 
 def test_bad_canvas_length_in_config_is_refused_naming_it():

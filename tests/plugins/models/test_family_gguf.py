@@ -260,7 +260,8 @@ def test_llama_cpp_converter_output_matches_transformers(tmp_path, name):
                          "PreTrainedTokenizerFast")
     out = tmp_path / "model.gguf"
     done = subprocess.run([sys.executable, "-c", _RUN_CONVERTER, str(converter.parent), str(tmp_path / "hf"),
-                           "--outfile", str(out), "--outtype", "f32"], capture_output=True, text=True, timeout=300)
+                           "--outfile", str(out), "--outtype", "f32"], capture_output=True, text=True, timeout=300,
+                          check=False)
     assert done.returncode == 0, done.stderr[-3000:]
     ids = prompt(PROMPT_LEN, 4, vocab_size())
     _assert_matches(_run(LLM(str(out), **ENGINE), ids), hf, ids, f"{name} via convert_hf_to_gguf.py")
