@@ -1,6 +1,6 @@
 """Packed GGUF weight rows for the native kernels' tests: Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 quantized by
-gguf-py from random floats; the k-quants random bytes with sane fp16 scales (every bit pattern
-of their quants and 6-bit scales is valid)."""
+gguf-py from random floats; the k-quants and IQ4_NL / IQ4_XS random bytes with sane fp16 scales
+(every bit pattern of their quants and 6-bit scales is valid)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from gguf import GGMLQuantizationType
 
 # ggml type -> (elements, bytes) of one block (ggml's layouts)
 BLOCKS = {2: (32, 18), 3: (32, 20), 6: (32, 22), 7: (32, 24), 8: (32, 34), 11: (256, 110), 12: (256, 144),
-          13: (256, 176), 14: (256, 210)}
+          13: (256, 176), 14: (256, 210), 20: (32, 18), 23: (256, 136)}
 
 
 def type_id(name: str) -> int:
@@ -29,6 +29,8 @@ def make_weight(name: str, n: int, k: int, seed: int = 0) -> np.ndarray:
     scales = scales.astype(np.float16).view(np.uint8)
     if name in ("Q6_K", "Q3_K"):  # d last
         w[..., size - 2:] = scales[..., :2]
+    elif name in ("IQ4_NL", "IQ4_XS"):  # d only (IQ4_XS's next 2 bytes: its scales' high bits)
+        w[..., 0:2] = scales[..., :2]
     else:  # d, dmin
         w[..., 0:4] = scales
     return w.reshape(n, -1)
