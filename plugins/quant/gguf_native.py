@@ -24,7 +24,8 @@ SIMD sets read their weights in huge pages (``gguf_weights``: the panels, or the
 bind; rows that lie in the file's memory map are then dropped from the process's memory,
 ``release_file_pages``, so the copy is not a second resident one). Results do not depend on the
 thread count; the AVX-512 and NEON kernels give the portable kernels' bits, the AVX2 ones differ
-from them only in the order of float additions.
+from them only in the order of float additions (IQ4_NL / IQ4_XS: their AVX2 kernels, which the
+AVX-512 set runs too, give the portable bits; aarch64 runs their portable kernels).
 """
 
 from __future__ import annotations
