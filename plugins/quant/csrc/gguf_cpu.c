@@ -870,7 +870,7 @@ SPECIALIZE(q3_k)
 /* IQ4_NL / IQ4_XS: the index -> value table by one byte shuffle; the signed values' products
  * by maddubs(|w|, x with w's sign): sums of 2 at most 2 * 127 * 127 < 2^15, then int32 (exact).
  * The float work is the portable kernels', operation for operation (scalar, in block order),
- * so the bits are theirs; the AVX-512 set runs these too (no panels for the IQ types). */
+ * so the bits are theirs. */
 static inline AVX2 __m256i iq4_values32(const uint8_t *qs) {
     const __m256i table = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)KVALUES_IQ4NL));
     return _mm256_shuffle_epi8(table, nibbles32(qs));
@@ -976,16 +976,14 @@ typedef struct {
 static const type_t TYPES[] = {
 #if HAVE_X86
 #define KERNELS(name) {name##_rows, name##_avx2}, name##_avx512
-#define ROW_KERNELS(name) {name##_rows, name##_avx2}, NULL /* no panels: the AVX-512 set runs the AVX2 kernel */
 #else
 #define KERNELS(name) {name##_rows, name##_rows}, NULL
-#define ROW_KERNELS(name) {name##_rows, name##_rows}, NULL
 #endif
     {T_Q4_0, 32, 18, 32, KERNELS(q4_0)}, {T_Q4_1, 32, 20, 32, KERNELS(q4_1)},
     {T_Q5_0, 32, 22, 32, KERNELS(q5_0)}, {T_Q5_1, 32, 24, 32, KERNELS(q5_1)},
     {T_Q8_0, 32, 34, 32, KERNELS(q8_0)}, {T_Q3_K, 256, 110, 16, KERNELS(q3_k)}, {T_Q4_K, 256, 144, 16, KERNELS(q4_k)},
     {T_Q5_K, 256, 176, 16, KERNELS(q5_k)}, {T_Q6_K, 256, 210, 16, KERNELS(q6_k)},
-    {T_IQ4_NL, 32, 18, 32, ROW_KERNELS(iq4_nl)}, {T_IQ4_XS, 256, 136, 16, ROW_KERNELS(iq4_xs)},
+    {T_IQ4_NL, 32, 18, 32, KERNELS(iq4_nl)}, {T_IQ4_XS, 256, 136, 16, KERNELS(iq4_xs)},
 };
 
 static const type_t *find_type(int type) {

@@ -1,6 +1,7 @@
 """The native kernels of IQ4_NL and IQ4_XS (csrc/gguf_cpu.c): the portable kernel bit-equal to a
 float32 simulation of its math written from ggml's block layouts, every SIMD set this CPU runs
-bit-equal to the portable kernel (row counts, weight rows not a multiple of 16, threads), the
+bit-equal to the portable kernel (row counts, weight rows not a multiple of 16, threads; the
+AVX-512 panels also in test_gguf_panels.py), the
 largest products exact, and the product close to gguf_ref's dequantize + matmul.
 
 Weights: random bytes with sane fp16 scales (every bit pattern of an IQ4 block's indices and
@@ -118,6 +119,12 @@ def test_close_to_the_reference_product(kernel, name, m):
     assert (got.double() - want).norm() / want.norm() < 0.02
 
 
-def test_avx512_names_the_types_on_the_avx2_kernel():
-    assert "IQ4_NL, IQ4_XS take the AVX2 kernel" in gguf_native.describe_isa("avx512")
-    assert {20, 23} <= gguf_native.SUPPORTED and not {20, 23} & gguf_native.PANEL_TYPES
+@pytest.mark.parametrize("name", TYPES)
+def test_panels_hold_the_rows_bytes(kernel, name):
+    """The AVX-512 panels (test_gguf_panels.py runs their kernels) give back the file's bytes,
+    every bit of IQ4_XS's packed 6-bit scales included."""
+    n, k = 37, 512
+    w = torch.from_numpy(make_weight(name, n, k, seed=9))
+    panels = kernel.panels(w, type_id(name), k)
+    assert panels.numel() == 48 * (k // gguf_native.BLOCKS[type_id(name)][0]) * {"IQ4_NL": 18, "IQ4_XS": 138}[name]
+    assert torch.equal(kernel.rows(panels, type_id(name), n, k), w)
