@@ -927,20 +927,6 @@ static inline INLINE AVX2 void iq4_nl_body(const uint8_t *w, const acts_t *a, in
 }
 SPECIALIZE(iq4_nl)
 
-/* IQ4_XS: the 8 sub-blocks' scales - 32 (iq4_xs_scale) as int16, in both 128-bit lanes: the low
- * nibbles of scales_l interleaved with the high ones, and bits 2 s of scales_h moved to the top by
- * a multiply (lane s: times 2^(14 - 2 s)) and back down. */
-static inline INLINE AVX2 __m256i iq4_xs_scales16(const uint8_t *blk) {
-    uint32_t l;
-    memcpy(&l, blk + 4, sizeof l);
-    const __m128i v = _mm_cvtsi32_si128((int)l), nib = _mm_set1_epi8(0x0F);
-    const __m128i low = _mm_unpacklo_epi8(_mm_and_si128(v, nib), _mm_and_si128(_mm_srli_epi16(v, 4), nib));
-    const __m128i top = _mm_mullo_epi16(_mm_set1_epi16((short)load_u16(blk + 2)),
-                                        _mm_setr_epi16(1 << 14, 1 << 12, 1 << 10, 1 << 8, 1 << 6, 1 << 4, 1 << 2, 1));
-    const __m128i sc = _mm_or_si128(_mm_cvtepu8_epi16(low), _mm_slli_epi16(_mm_srli_epi16(top, 14), 4));
-    return _mm256_broadcastsi128_si256(_mm_sub_epi16(sc, _mm_set1_epi16(32)));
-}
-
 /* IQ4_XS: each sub-block's int16 pair sums times its scale (madd: int32, exact), summed over
  * the block, then the portable kernel's acc[r] += d * d_x * isum. */
 static inline INLINE AVX2 void iq4_xs_body(const uint8_t *w, const acts_t *a, int64_t m0, const int mc, float *out,
@@ -951,11 +937,10 @@ static inline INLINE AVX2 void iq4_xs_body(const uint8_t *w, const acts_t *a, in
     for (int64_t b = 0; b < a->nb; b++) {
         const uint8_t *blk = w + b * 136;
         prefetch_ahead(blk, 136);
-        const __m256i sc16 = iq4_xs_scales16(blk);
         for (int s = 0; s < 8; s++) {
             q[s] = iq4_values32(blk + 8 + 16 * s);
             aq[s] = _mm256_sign_epi8(q[s], q[s]);
-            sc[s] = _mm256_shuffle_epi8(sc16, _mm256_set1_epi16((short)((2 * s + 1) << 8 | 2 * s))); /* int16 s */
+            sc[s] = _mm256_set1_epi16((short)iq4_xs_scale(blk, s));
         }
         const float d = f16(blk);
         for (int r = 0; r < mc; r++) {
