@@ -45,7 +45,8 @@ def random_weight(ggml_type: int, n: int, k: int, gen: torch.Generator) -> torch
     elems, size = BLOCKS[ggml_type]
     w = torch.randint(0, 256, (n, k // elems, size), dtype=torch.uint8, generator=gen)
     scale = torch.full((n, k // elems, 1), 0.002, dtype=torch.float16).view(torch.uint8)
-    at = {2: [0], 3: [0, 2], 6: [0], 7: [0, 2], 8: [0], 11: [108], 12: [0, 2], 13: [0, 2], 14: [208]}[ggml_type]
+    at = {2: [0], 3: [0, 2], 6: [0], 7: [0, 2], 8: [0], 11: [108], 12: [0, 2], 13: [0, 2], 14: [208], 20: [0],
+          23: [0]}[ggml_type]
     for offset in at:
         w[..., offset:offset + 2] = scale
     return w.reshape(n, -1)

@@ -11,9 +11,10 @@ it too (``takes_packed``), so the tied ``token_embd`` table stays packed: a look
 the step's rows only.
 
 Shards of one fused layer may have different types (k-quant files: Q4_K q/k with Q6_K v):
-runs of equal type are multiplied together and their outputs concatenated. Types the
-reference does not read (Q2_K, IQ*, ...) are dequantized once at load, with one
-log line naming the tensor. ``dequantize_at_load: true``, CUDA, and tensor-parallel slices
+runs of equal type are multiplied together and their outputs concatenated. The packed types:
+Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL and IQ4_XS (``gguf_ref.SUPPORTED``).
+Types the reference does not read (Q2_K, the 1-3-bit IQ types, ...) are dequantized once at
+load, with one log line naming the tensor. ``dequantize_at_load: true``, CUDA, and tensor-parallel slices
 (which the loader hands over dense) keep dense float weights, as for a float checkpoint.
 
 MXFP4 shards (GPT-OSS's experts in llama.cpp's files) are repacked as they load into the ``mxfp4``

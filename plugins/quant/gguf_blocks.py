@@ -11,8 +11,9 @@ from lmplug.kit.threads import compute_threads
 
 # ggml type -> (elements, bytes) of one block
 BLOCKS = {2: (32, 18), 3: (32, 20), 6: (32, 22), 7: (32, 24), 8: (32, 34), 11: (256, 110), 12: (256, 144),
-          13: (256, 176), 14: (256, 210)}
-NAMES = {2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0", 11: "Q3_K", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K"}
+          13: (256, 176), 14: (256, 210), 20: (32, 18), 23: (256, 136)}
+NAMES = {2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0", 11: "Q3_K", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K",
+         20: "IQ4_NL", 23: "IQ4_XS"}
 SUPPORTED = frozenset(BLOCKS)
 ERRORS = {-1: "the kernel could not allocate its scratch memory", -2: "unknown ggml type",
           -3: "k is not a multiple of the block size", -4: "instruction set not available on this CPU"}

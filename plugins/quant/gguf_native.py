@@ -24,7 +24,8 @@ SIMD sets read their weights in huge pages (``gguf_weights``: the panels, or the
 bind; rows that lie in the file's memory map are then dropped from the process's memory,
 ``release_file_pages``, so the copy is not a second resident one). Results do not depend on the
 thread count; the AVX-512 and NEON kernels give the portable kernels' bits, the AVX2 ones differ
-from them only in the order of float additions.
+from them only in the order of float additions (IQ4_NL / IQ4_XS: their AVX2 kernels give the
+portable bits too; aarch64 runs their portable kernels).
 """
 
 from __future__ import annotations
@@ -65,7 +66,7 @@ def kernel_sets(machine: str) -> tuple[str, ...]:
 
 
 ISAS = kernel_sets(platform.machine())
-PANEL_TYPES = frozenset({2, 3, 6, 7, 8, 11, 12, 13, 14})  # the types with an AVX-512 panel kernel
+PANEL_TYPES = frozenset({2, 3, 6, 7, 8, 11, 12, 13, 14, 20, 23})  # the types with an AVX-512 panel kernel
 PACKED_FLAG = 0x100  # csrc/gguf_cpu.c: a type | this = weights in 16-row panels
 # what each kernel set needs, as /proc/cpuinfo names it (the missing ones are logged)
 ISA_FLAGS = {"avx2": ("avx2", "fma", "f16c"), "avx512": ("avx512f", "avx512bw", "avx512vl", "avx512_vnni"),

@@ -10,7 +10,9 @@ Block layouts (ggml-common.h), bytes per block of 32 (``_0``/``_1``/``Q8_0``) or
 Q4_0 ``d:f16, qs[16]``; Q4_1 ``d:f16, m:f16, qs[16]``; Q5_0 ``d:f16, qh:u32, qs[16]``;
 Q5_1 ``d:f16, m:f16, qh:u32, qs[16]``; Q8_0 ``d:f16, qs:int8[32]``;
 Q3_K ``hmask[32], qs[64], scales[12], d:f16``; Q4_K ``d:f16, dmin:f16, scales[12], qs[128]``; Q5_K ``d, dmin, scales[12], qh[32], qs[128]``;
-Q6_K ``ql[128], qh[64], scales:int8[16], d:f16``.
+Q6_K ``ql[128], qh[64], scales:int8[16], d:f16``;
+IQ4_NL ``d:f16, qs[16]`` (each nibble an index into ``KVALUES_IQ4NL``); IQ4_XS (256)
+``d:f16, scales_h:u16, scales_l[4], qs[128]`` (8 sub-blocks of 32 as IQ4_NL, 6-bit scales minus 32).
 """
 
 from __future__ import annotations
@@ -31,6 +33,30 @@ def _nibbles(qs: torch.Tensor, chunk: int) -> torch.Tensor:
     """Bytes in chunks of ``chunk``: each chunk's low nibbles, then its high nibbles."""
     q = qs.reshape(qs.shape[0], -1, 1, chunk)
     return torch.cat([q & 0x0F, q >> 4], dim=2).reshape(qs.shape[0], -1, chunk)
+
+
+# ggml's kvalues_iq4nl: the 16 values a 4-bit IQ4_NL / IQ4_XS index stands for
+KVALUES_IQ4NL = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
+
+
+def _iq4_values(qs: torch.Tensor, chunk: int) -> torch.Tensor:
+    """IQ4 nibbles (chunks of 16 bytes: low nibbles, then high) -> their table values, float32."""
+    table = torch.tensor(KVALUES_IQ4NL, dtype=torch.float32, device=qs.device)
+    return table[_nibbles(qs, chunk).long()]
+
+
+def _iq4_nl(b: torch.Tensor) -> torch.Tensor:
+    return _f16(b, 0) * _iq4_values(b[:, 2:], 16).reshape(b.shape[0], 32)
+
+
+def _iq4_xs(b: torch.Tensor) -> torch.Tensor:
+    n = b.shape[0]
+    sub = torch.arange(8, device=b.device)
+    low = (b[:, 4 + sub // 2] >> (4 * (sub % 2)).to(torch.uint8)) & 0x0F
+    high = (b[:, 2:4].contiguous().view(torch.int16).long() >> (2 * sub)) & 3  # scales_h: 2 bits a sub-block
+    ls = (low.long() | (high << 4)) - 32
+    dl = (_f16(b, 0) * ls.float()).unsqueeze(2)  # [n, 8, 1]
+    return (dl * _iq4_values(b[:, 8:], 16).reshape(n, 8, 32)).reshape(n, 256)
 
 
 def _q4_0(b: torch.Tensor) -> torch.Tensor:
@@ -119,7 +145,7 @@ def _q6_k(b: torch.Tensor) -> torch.Tensor:
 
 
 _BLOCKS = {Q.Q4_0: _q4_0, Q.Q4_1: _q4_1, Q.Q5_0: _q5_0, Q.Q5_1: _q5_1, Q.Q8_0: _q8_0, Q.Q3_K: _q3_k, Q.Q4_K: _q4_k,
-           Q.Q5_K: _q5_k, Q.Q6_K: _q6_k}
+           Q.Q5_K: _q5_k, Q.Q6_K: _q6_k, Q.IQ4_NL: _iq4_nl, Q.IQ4_XS: _iq4_xs}
 FLOAT_TYPES = frozenset({int(Q.F32), int(Q.F16), int(Q.BF16)})
 # what ``dequantize`` reads; any other type the gguf method dequantizes once at load
 SUPPORTED = frozenset(int(t) for t in _BLOCKS) | FLOAT_TYPES

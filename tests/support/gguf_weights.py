@@ -1,16 +1,21 @@
 """Packed GGUF weight rows for the native kernels' tests: Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 quantized by
-gguf-py from random floats; the k-quants random bytes with sane fp16 scales (every bit pattern
-of their quants and 6-bit scales is valid)."""
+gguf-py from random floats; the k-quants and IQ4_NL / IQ4_XS random bytes with sane fp16 scales
+(every bit pattern of their quants and 6-bit scales is valid)."""
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 import gguf
 import numpy as np
 from gguf import GGMLQuantizationType
 
+if TYPE_CHECKING:
+    import torch
+
 # ggml type -> (elements, bytes) of one block (ggml's layouts)
 BLOCKS = {2: (32, 18), 3: (32, 20), 6: (32, 22), 7: (32, 24), 8: (32, 34), 11: (256, 110), 12: (256, 144),
-          13: (256, 176), 14: (256, 210)}
+          13: (256, 176), 14: (256, 210), 20: (32, 18), 23: (256, 136)}
 
 
 def type_id(name: str) -> int:
@@ -29,9 +34,31 @@ def make_weight(name: str, n: int, k: int, seed: int = 0) -> np.ndarray:
     scales = scales.astype(np.float16).view(np.uint8)
     if name in ("Q6_K", "Q3_K"):  # d last
         w[..., size - 2:] = scales[..., :2]
+    elif name in ("IQ4_NL", "IQ4_XS"):  # d only (IQ4_XS's next 2 bytes: its scales' high bits)
+        w[..., 0:2] = scales[..., :2]
     else:  # d, dmin
         w[..., 0:4] = scales
     return w.reshape(n, -1)
+
+
+def quantize_acts(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernel's activation quantization: per block d = amax / 127, q = round-to-nearest-even
+    (x * (1 / d)); float32 throughout, as the C does. Returns q [M, nb, block] (float64, exact
+    integers) and d [M, nb] (float32)."""
+    import torch
+
+    xb = x.reshape(x.shape[0], -1, block)
+    d = xb.abs().amax(-1) / 127
+    inv = torch.where(d == 0, torch.zeros_like(d), 1.0 / d)
+    q = torch.round(xb * inv[..., None]).clamp(-127, 127)
+    return q.double(), d
+
+
+def f16(raw: torch.Tensor) -> torch.Tensor:
+    """Two bytes (last dim) as float16 -> float32."""
+    import torch
+
+    return raw.contiguous().view(torch.float16).squeeze(-1).float()
 
 
 def file_rows(path, w: np.ndarray):

@@ -12,7 +12,8 @@
  * (memory-bound) and the hardware prefetcher alone does better (a 1B model's weights in huge pages,
  * one thread, one row: Q4_0 26 -> 30 GB/s, Q4_K 20 -> 25, Q6_K 20 -> 23 without, bench_gguf_builds.py; 2 and 3 rows
  * 1.15x); with 8 or 16 rows (compute-bound) the prefetches pay (Q4_1 1.2x), at 5 rows it is even. The 5-bit
- * types' values are stored unsigned (Q5_0's + 16, as in the file). */
+ * types' values are stored unsigned (Q5_0's + 16, as in the file); the IQ4 types' are looked up
+ * + 128 (their offset subtracted as Q8_0's). */
 
 #define AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")))
 
@@ -243,6 +244,88 @@ static inline INLINE AVX512 void q3_k_panel(const uint8_t *p, int64_t nr, const 
     store_rows(acc, mc, nr, out, ldo);
 }
 
+/* IQ4_NL (panel block 288, Q4_0's layout) and IQ4_XS (2208): each nibble looked up (vpshufb in
+ * every 128-bit lane) as its value + 128, unsigned for vpdpbusd, and 128 times the activations'
+ * sum subtracted: each block's (IQ4_XS: sub-block's) exact integer dot product, then the portable
+ * kernel's float work. */
+static const uint8_t KVALUES_IQ4NL_U[16] = {1, 24, 45, 63, 79, 93, 106, 118, 129, 141, 153, 166, 181, 197, 217, 241};
+
+static inline INLINE AVX512 __m512i iq4_table512(void) {
+    return _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)KVALUES_IQ4NL_U));
+}
+
+static inline INLINE AVX512 void iq4_nl_panel(const uint8_t *p, int64_t nr, const acts_t *a, int64_t m0, const int mc,
+                                              float *out, int64_t ldo) {
+    const __m512i low = _mm512_set1_epi8(0x0F), table = iq4_table512();
+    __m512 acc[MR];
+    for (int r = 0; r < mc; r++) acc[r] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < a->nb; b++) {
+        const uint8_t *blk = p + b * 288;
+        prefetch512(blk, 288, mc);
+        __m512i q[8]; /* elements 4 c .. (q[c]) and 16 + 4 c .. (q[c + 4]) of every row */
+        for (int c = 0; c < 4; c++) {
+            const __m512i v = _mm512_loadu_si512(blk + 32 + 64 * c);
+            q[c] = _mm512_shuffle_epi8(table, _mm512_and_si512(v, low));
+            q[c + 4] = _mm512_shuffle_epi8(table, _mm512_and_si512(_mm512_srli_epi16(v, 4), low));
+        }
+        const __m512 dw = f16x16(blk);
+        for (int r = 0; r < mc; r++) {
+            const int64_t m = m0 + r;
+            const int8_t *x = ROW(a, m) + b * 32;
+            __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
+            for (int c = 0; c < 4; c++) {
+                s0 = _mm512_dpbusd_epi32(s0, q[c], bcast4(x + 4 * c));
+                s1 = _mm512_dpbusd_epi32(s1, q[c + 4], bcast4(x + 16 + 4 * c));
+            }
+            const __m512i isum = _mm512_sub_epi32(_mm512_add_epi32(s0, s1),
+                                                  _mm512_set1_epi32(128 * a->s[m * a->ns + b]));
+            const __m512 dx = _mm512_set1_ps(a->d[m * a->ld + b]);
+            acc[r] = _mm512_add_ps(acc[r], _mm512_mul_ps(_mm512_mul_ps(dw, dx), _mm512_cvtepi32_ps(isum)));
+        }
+    }
+    store_rows(acc, mc, nr, out, ldo);
+}
+
+/* IQ4_XS: sub-block s's values from q chunks 4 s .. 4 s + 3 (low nibbles: its elements 4 c ..,
+ * high: 16 + 4 c ..), its scale at 32 + 16 s; isum = sum_s sc_s (dot_s - 128 * its activation sum). */
+static inline INLINE AVX512 void iq4_xs_panel(const uint8_t *p, int64_t nr, const acts_t *a, int64_t m0, const int mc,
+                                              float *out, int64_t ldo) {
+    const __m512i low = _mm512_set1_epi8(0x0F), table = iq4_table512();
+    __m512 acc[MR];
+    for (int r = 0; r < mc; r++) acc[r] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < a->nb; b++) {
+        const uint8_t *blk = p + b * 2208;
+        prefetch512(blk, 2208, mc);
+        __m512i isum[MR], dot[MR];
+        for (int r = 0; r < mc; r++) isum[r] = _mm512_setzero_si512();
+        for (int s = 0; s < 8; s++) {
+            for (int r = 0; r < mc; r++) dot[r] = _mm512_setzero_si512();
+            for (int c = 0; c < 4; c++) {
+                const __m512i v = _mm512_loadu_si512(blk + 160 + 64 * (4 * s + c));
+                const __m512i vl = _mm512_shuffle_epi8(table, _mm512_and_si512(v, low));
+                const __m512i vh = _mm512_shuffle_epi8(table, _mm512_and_si512(_mm512_srli_epi16(v, 4), low));
+                for (int r = 0; r < mc; r++) {
+                    const int8_t *x = ROW(a, m0 + r) + b * 256 + 32 * s + 4 * c;
+                    dot[r] = _mm512_dpbusd_epi32(dot[r], vl, bcast4(x));
+                    dot[r] = _mm512_dpbusd_epi32(dot[r], vh, bcast4(x + 16));
+                }
+            }
+            const __m512i sc = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(blk + 32 + 16 * s)));
+            for (int r = 0; r < mc; r++) {
+                const int16_t *bs = a->s + (m0 + r) * a->ns + b * 16 + 2 * s;
+                const __m512i off = _mm512_set1_epi32(128 * (bs[0] + bs[1]));
+                isum[r] = _mm512_add_epi32(isum[r], _mm512_mullo_epi32(sc, _mm512_sub_epi32(dot[r], off)));
+            }
+        }
+        const __m512 d = f16x16(blk);
+        for (int r = 0; r < mc; r++) {
+            const __m512 dx = _mm512_set1_ps(a->d[(m0 + r) * a->ld + b]);
+            acc[r] = _mm512_add_ps(acc[r], _mm512_mul_ps(_mm512_mul_ps(d, dx), _mm512_cvtepi32_ps(isum[r])));
+        }
+    }
+    store_rows(acc, mc, nr, out, ldo);
+}
+
 /* rows_fn over one panel (w: its start, nr <= 16 its real rows; ws unused), mc a constant for
  * each count 1 .. MR (run's groups never exceed MR) so the loops over rows unroll and the
  * accumulators stay in registers: a verify's k + 1 rows too. */
@@ -277,3 +360,5 @@ PANEL_KERNEL(q4_k, Q4_K_PANEL)
 PANEL_KERNEL(q5_k, Q5_K_PANEL)
 PANEL_KERNEL(q6_k, q6_k_panel)
 PANEL_KERNEL(q3_k, q3_k_panel)
+PANEL_KERNEL(iq4_nl, iq4_nl_panel)
+PANEL_KERNEL(iq4_xs, iq4_xs_panel)

@@ -20,6 +20,13 @@
  *             fp16 d; element 128 h + 32 t + l (t < 4, l < 32) has low bits from
  *             ql[64 h + 32 (t & 1) + l] >> 4 (t >> 1), high bits (qh[32 h + l] >> 2 t) & 3;
  *             w = d * sc[e / 16] * (q - 32)
+ *   IQ4_NL (20) 32 elements, 18 bytes: fp16 d, 16 bytes of nibbles (as Q4_0's); w = d * KV[q], KV
+ *             ggml's kvalues_iq4nl (16 signed values, -127 .. 113)
+ *   IQ4_XS (23) 256 elements, 136 bytes: fp16 d, u16 scales_h, scales_l[4], qs[128]; sub-block s of
+ *             32 is an IQ4_NL block over qs[16 s ..] with scale d * (ls - 32), ls the 6-bit
+ *             ((scales_l[s / 2] >> 4 (s % 2)) & 15) | ((scales_h >> 2 s) & 3) << 4
+ *   (the IQ types' SIMD kernels give the portable kernels' bits: the integer sums, then the
+ *   portable float operations in its order)
  *
  * The activations are quantized first, per row and block, to int8 with one float32 scale:
  * d = amax / 127, q = round-to-nearest-even(x / d) (x * (1 / d), as written below) in
@@ -80,7 +87,8 @@
 #define MIN_WORK (64 * 1024) /* weight elements x row groups a thread is worth waking for */
 #define MAX_THREADS 256
 
-enum { T_Q4_0 = 2, T_Q4_1 = 3, T_Q5_0 = 6, T_Q5_1 = 7, T_Q8_0 = 8, T_Q3_K = 11, T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14 };
+enum { T_Q4_0 = 2, T_Q4_1 = 3, T_Q5_0 = 6, T_Q5_1 = 7, T_Q8_0 = 8, T_Q3_K = 11, T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14,
+       T_IQ4_NL = 20, T_IQ4_XS = 23 };
 enum { ISA_GENERIC = 0, ISA_AVX2 = 1, ISA_AVX512 = 2 }; /* AVX512: F, BW, VL and VNNI */
 enum { ISA_NEON = 1, ISA_DOTPROD = 2 }; /* aarch64's sets, numbered as x86-64's (one library runs one) */
 #define PACKED_FLAG 0x100 /* a type | this: the weights are 16-row panels (gguf_repack.c) */
@@ -344,6 +352,68 @@ static void q3_k_generic(const uint8_t *w, const acts_t *a, int64_t m0, int mc, 
     for (int r = 0; r < mc; r++) out[r * ldo] = acc[r];
 }
 
+/* IQ4_NL / IQ4_XS: each 4-bit index stands for this value (ggml's kvalues_iq4nl). */
+static const int8_t KVALUES_IQ4NL[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+
+/* The 32 values of 16 bytes of IQ4 nibbles: byte i's low nibble is element i, its high i + 16. */
+static void iq4_unpack32(const uint8_t *qs, int8_t qw[32]) {
+    for (int i = 0; i < 16; i++) {
+        qw[i] = KVALUES_IQ4NL[qs[i] & 0x0F];
+        qw[i + 16] = KVALUES_IQ4NL[qs[i] >> 4];
+    }
+}
+
+/* IQ4_XS: sub-block s's 6-bit scale minus 32. */
+static inline int iq4_xs_scale(const uint8_t *blk, int s) {
+    const int h = (load_u16(blk + 2) >> (2 * s)) & 3;
+    return (((blk[4 + s / 2] >> (4 * (s % 2))) & 0x0F) | h << 4) - 32;
+}
+
+static void iq4_nl_generic(const uint8_t *w, const acts_t *a, int64_t m0, int mc, float *out, int64_t ldo) {
+    float acc[MR] = {0};
+    for (int64_t b = 0; b < a->nb; b++) {
+        const uint8_t *blk = w + b * 18;
+        const float dw = fp16_to_f32(load_u16(blk));
+        int8_t qw[32];
+        iq4_unpack32(blk + 2, qw);
+        for (int r = 0; r < mc; r++) {
+            const int8_t *qx = ROW(a, m0 + r) + b * 32;
+            int32_t isum = 0;
+            for (int i = 0; i < 32; i++) isum += qw[i] * qx[i];
+            acc[r] += dw * a->d[(m0 + r) * a->ld + b] * (float)isum;
+        }
+    }
+    for (int r = 0; r < mc; r++) out[r * ldo] = acc[r];
+}
+
+/* IQ4_XS: one exact integer sum over the block's 8 sub-blocks (scale times dot product), then
+ * acc += d * d_x * that sum (as the k-quants). */
+static void iq4_xs_generic(const uint8_t *w, const acts_t *a, int64_t m0, int mc, float *out, int64_t ldo) {
+    float acc[MR] = {0};
+    for (int64_t b = 0; b < a->nb; b++) {
+        const uint8_t *blk = w + b * 136;
+        const float d = fp16_to_f32(load_u16(blk));
+        int8_t qw[256];
+        int sc[8];
+        for (int s = 0; s < 8; s++) {
+            iq4_unpack32(blk + 8 + 16 * s, qw + 32 * s);
+            sc[s] = iq4_xs_scale(blk, s);
+        }
+        for (int r = 0; r < mc; r++) {
+            const int64_t m = m0 + r;
+            const int8_t *qx = ROW(a, m) + b * 256;
+            int32_t isum = 0;
+            for (int s = 0; s < 8; s++) {
+                int32_t dot = 0;
+                for (int l = 0; l < 32; l++) dot += qw[32 * s + l] * qx[32 * s + l];
+                isum += sc[s] * dot;
+            }
+            acc[r] += d * a->d[m * a->ld + b] * (float)isum;
+        }
+    }
+    for (int r = 0; r < mc; r++) out[r * ldo] = acc[r];
+}
+
 /* The portable kernels over nr weight rows. */
 #define ROWS(name)                                                                                   \
     static void name##_rows(const uint8_t *w, int64_t ws, int64_t nr, const acts_t *a, int64_t m0, int mc,    \
@@ -359,6 +429,8 @@ ROWS(q3_k)
 ROWS(q4_k)
 ROWS(q5_k)
 ROWS(q6_k)
+ROWS(iq4_nl)
+ROWS(iq4_xs)
 
 /* ---------------------------------------------------------------- AVX2 kernels */
 #if HAVE_X86
@@ -795,6 +867,97 @@ static inline INLINE AVX2 void q3_k_body(const uint8_t *w, const acts_t *a, int6
 }
 SPECIALIZE(q3_k)
 
+/* IQ4_NL / IQ4_XS: the index -> value table by one byte shuffle; the signed values' products
+ * by maddubs(|w|, x with w's sign): sums of 2 at most 2 * 127 * 127 < 2^15, then int32 (exact).
+ * The float work is the portable kernels', operation for operation (scalar, in block order),
+ * so the bits are theirs. */
+static inline AVX2 __m256i iq4_values32(const uint8_t *qs) {
+    const __m256i table = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)KVALUES_IQ4NL));
+    return _mm256_shuffle_epi8(table, nibbles32(qs));
+}
+
+static inline AVX2 int32_t hsum_i32(__m256i v) {
+    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
+    return _mm_cvtsi128_si32(s);
+}
+
+/* n (<= 4) IQ4_NL blocks from blk: each block's exact dot product (fold4_32: lane l is block
+ * l % 4, half l / 4), then acc[r] += (d_w * d_x) * dot block by block. */
+static inline INLINE AVX2 void iq4_nl_group(const uint8_t *blk, const int n, const acts_t *a, const int8_t *x,
+                                            const float *dx, const int mc, float *acc) {
+    prefetch_ahead(blk, 4 * 18);
+    __m256i qw[4], aw[4];
+    for (int i = 0; i < 4; i++) {
+        qw[i] = i < n ? iq4_values32(blk + i * 18 + 2) : _mm256_setzero_si256();
+        aw[i] = _mm256_sign_epi8(qw[i], qw[i]);
+    }
+    const __m128 dw = f16x4(blk, 18, n);
+    for (int r = 0; r < mc; r++) {
+        const int8_t *y = x + r * a->K;
+        __m256i p[4];
+        for (int i = 0; i < 4; i++)
+            p[i] = i < n ? _mm256_maddubs_epi16(aw[i],
+                                                _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)(y + 32 * i)), qw[i]))
+                         : _mm256_setzero_si256();
+        const __m256i sums = fold4_32(p[0], p[1], p[2], p[3]);
+        const __m128i dots = _mm_add_epi32(_mm256_castsi256_si128(sums), _mm256_extracti128_si256(sums, 1));
+        float t[4];
+        _mm_storeu_ps(t, _mm_mul_ps(_mm_mul_ps(dw, _mm_loadu_ps(dx + r * a->ld)), _mm_cvtepi32_ps(dots)));
+        for (int i = 0; i < n; i++) acc[r] += t[i];
+    }
+}
+
+static inline INLINE AVX2 void iq4_nl_body(const uint8_t *w, const acts_t *a, int64_t m0, const int mc, float *out,
+                                           int64_t ldo) {
+    float acc[MR];
+    for (int r = 0; r < mc; r++) acc[r] = 0.0f;
+    const int64_t nb = a->nb;
+    const int8_t *x = ROW(a, m0);
+    const float *dx = a->d + m0 * a->ld;
+    int64_t b = 0;
+    for (; b + 4 <= nb; b += 4) iq4_nl_group(w + b * 18, 4, a, x + b * 32, dx + b, mc, acc);
+    switch (nb - b) {
+    case 1: iq4_nl_group(w + b * 18, 1, a, x + b * 32, dx + b, mc, acc); break;
+    case 2: iq4_nl_group(w + b * 18, 2, a, x + b * 32, dx + b, mc, acc); break;
+    case 3: iq4_nl_group(w + b * 18, 3, a, x + b * 32, dx + b, mc, acc); break;
+    }
+    for (int r = 0; r < mc; r++) out[r * ldo] = acc[r];
+}
+SPECIALIZE(iq4_nl)
+
+/* IQ4_XS: each sub-block's int16 pair sums times its scale (madd: int32, exact), summed over
+ * the block, then the portable kernel's acc[r] += d * d_x * isum. */
+static inline INLINE AVX2 void iq4_xs_body(const uint8_t *w, const acts_t *a, int64_t m0, const int mc, float *out,
+                                           int64_t ldo) {
+    float acc[MR];
+    for (int r = 0; r < mc; r++) acc[r] = 0.0f;
+    __m256i q[8], aq[8], sc[8];
+    for (int64_t b = 0; b < a->nb; b++) {
+        const uint8_t *blk = w + b * 136;
+        prefetch_ahead(blk, 136);
+        for (int s = 0; s < 8; s++) {
+            q[s] = iq4_values32(blk + 8 + 16 * s);
+            aq[s] = _mm256_sign_epi8(q[s], q[s]);
+            sc[s] = _mm256_set1_epi16((short)iq4_xs_scale(blk, s));
+        }
+        const float d = f16(blk);
+        for (int r = 0; r < mc; r++) {
+            const int64_t m = m0 + r;
+            const int8_t *qx = ROW(a, m) + b * 256;
+            __m256i sumi[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
+            for (int s = 0; s < 8; s++) {
+                const __m256i y = _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)(qx + 32 * s)), q[s]);
+                sumi[s & 1] = _mm256_add_epi32(sumi[s & 1], _mm256_madd_epi16(_mm256_maddubs_epi16(aq[s], y), sc[s]));
+            }
+            acc[r] += d * a->d[m * a->ld + b] * (float)hsum_i32(_mm256_add_epi32(sumi[0], sumi[1]));
+        }
+    }
+    for (int r = 0; r < mc; r++) out[r * ldo] = acc[r];
+}
+SPECIALIZE(iq4_xs)
+
 #include "gguf_avx512.c"
 #endif /* HAVE_X86 */
 
@@ -820,6 +983,7 @@ static const type_t TYPES[] = {
     {T_Q5_0, 32, 22, 32, KERNELS(q5_0)}, {T_Q5_1, 32, 24, 32, KERNELS(q5_1)},
     {T_Q8_0, 32, 34, 32, KERNELS(q8_0)}, {T_Q3_K, 256, 110, 16, KERNELS(q3_k)}, {T_Q4_K, 256, 144, 16, KERNELS(q4_k)},
     {T_Q5_K, 256, 176, 16, KERNELS(q5_k)}, {T_Q6_K, 256, 210, 16, KERNELS(q6_k)},
+    {T_IQ4_NL, 32, 18, 32, KERNELS(iq4_nl)}, {T_IQ4_XS, 256, 136, 16, KERNELS(iq4_xs)},
 };
 
 static const type_t *find_type(int type) {

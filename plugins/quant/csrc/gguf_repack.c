@@ -22,6 +22,9 @@
  *               reads them (so the hardware prefetcher sees one stream): group 4 (2 h + half) + c
  *               holds ql chunks 16 h + 4 half + c and 16 h + 8 + 4 half + c, then qh chunk
  *               8 h + 4 half + c (h, half < 2, c < 4)
+ *   IQ4_NL 288 = Q4_0's
+ *   IQ4_XS 2208 = 16 fp16 d | 8 x 16 int8 scales (6-bit, minus 32, unpacked) | 32 q chunks of the
+ *               128 nibble bytes (138 bytes a row and block, not 136)
  * (the same bytes as the rows, but the unpacked scales of Q3_K and the k45 types: 114 bytes a row
  * and block, not 110, 148, not 144, and 180, not 176; the 5-bit types' qh bits reordered: bit c of byte i of a row's word is
  * bit 4 c + i of qh, bit 4 + c is bit 16 + 4 c + i, for c, i < 4).
@@ -41,6 +44,8 @@ static int packed_block_bytes(int type) {
     case T_Q4_K: return 148;
     case T_Q5_K: return 180;
     case T_Q6_K: return 210;
+    case T_IQ4_NL: return 18;
+    case T_IQ4_XS: return 138;
     default: return 0;
     }
 }
@@ -115,10 +120,33 @@ static void q3_scale_bytes(uint8_t *p, uint8_t *q, int r, int back) {
     }
 }
 
+/* IQ4_XS: the block's scales_h and scales_l (q: the block) <-> its 8 scales minus 32 at
+ * p + 16 s + r; back packs them (every bit of the 6 bytes is a scale's). */
+static void iq4_xs_scale_bytes(uint8_t *p, uint8_t *q, int r, int back) {
+    if (!back) {
+        for (int s = 0; s < 8; s++) p[16 * s + r] = (uint8_t)(int8_t)iq4_xs_scale(q, s);
+        return;
+    }
+    uint16_t h = 0;
+    memset(q + 4, 0, 4);
+    for (int s = 0; s < 8; s++) {
+        const int v = (int8_t)p[16 * s + r] + 32;
+        q[4 + s / 2] |= (uint8_t)((v & 0x0F) << (4 * (s % 2)));
+        h |= (uint16_t)(((v >> 4) & 3) << (2 * s));
+    }
+    memcpy(q + 2, &h, sizeof h);
+}
+
 /* Row r's block q <-> panel block p. */
 static void move_block(int type, uint8_t *p, uint8_t *q, int r, int back) {
     switch (type) {
+    case T_IQ4_NL: /* as Q4_0: d, then the nibbles */
     case T_Q4_0: move(p + 2 * r, q, 2, back); chunks(p + 32, q + 2, r, 4, 0, back); break;
+    case T_IQ4_XS:
+        move(p + 2 * r, q, 2, back);
+        iq4_xs_scale_bytes(p + 32, q, r, back);
+        chunks(p + 160, q + 8, r, 32, 0, back);
+        break;
     case T_Q4_1:
         move(p + 2 * r, q, 2, back);
         move(p + 32 + 2 * r, q + 2, 2, back);

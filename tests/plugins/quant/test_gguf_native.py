@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType
-from support.gguf_weights import make_weight, type_id
+from support.gguf_weights import f16, make_weight, quantize_acts, type_id
 
 from lmplug.kit.native_build import NativeBuildError
 
@@ -33,22 +33,6 @@ def dequantized(name: str, w: np.ndarray) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------- the exact simulation
-
-def quantize_acts(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The kernel's activation quantization: per block d = amax / 127, q = round-to-nearest-even
-    (x * (1 / d)); float32 throughout, as the C does. Returns q [M, nb, block] (float64, exact
-    integers) and d [M, nb] (float32)."""
-    xb = x.reshape(x.shape[0], -1, block)
-    d = xb.abs().amax(-1) / 127
-    inv = torch.where(d == 0, torch.zeros_like(d), 1.0 / d)
-    q = torch.round(xb * inv[..., None]).clamp(-127, 127)
-    return q.double(), d
-
-
-def f16(raw: torch.Tensor) -> torch.Tensor:
-    """Two bytes (last dim) as float16 -> float32."""
-    return raw.contiguous().view(torch.float16).squeeze(-1).float()
-
 
 def k_scales(p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Q4_K / Q5_K: 12 bytes -> 8 6-bit scales and 8 mins (ggml's get_scale_min_k4)."""

@@ -36,7 +36,8 @@ THREADED = [(1, 64), (9, 48)]  # (M, N) at K = 4096: enough work for gguf_cpu_th
 
 
 # a block's fp16 scales (first byte, how many) and its quantized values (first byte, end)
-SCALES = {"Q4_0": (0, 1), "Q4_1": (0, 2), "Q8_0": (0, 1), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208, 1)}
+SCALES = {"Q4_0": (0, 1), "Q4_1": (0, 2), "Q8_0": (0, 1), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208, 1),
+          "IQ4_NL": (0, 1), "IQ4_XS": (0, 1)}
 QUANTS = {"Q4_0": (2, 18), "Q4_1": (4, 20), "Q8_0": (2, 34), "Q4_K": (16, 144), "Q5_K": (16, 176), "Q6_K": (0, 192)}
 
 
@@ -162,6 +163,25 @@ def test_arm_portable_kernels_are_this_machines(arm_build, kernel, tmp_path, mon
     for (name, m, _, w, x), per_isa in zip(all_cases, results):
         here = kernel.mul_mat(torch.from_numpy(x), torch.from_numpy(w), type_id(name), x.shape[1], num_threads=1)
         np.testing.assert_array_equal(per_isa[0][1], here.numpy().view(np.uint32), err_msg=f"{name} M={m}")
+
+
+def test_iq4_types_take_the_portable_kernels(arm_build, kernel, tmp_path, monkeypatch):
+    """IQ4_NL / IQ4_XS have no NEON kernels: every aarch64 set runs their portable kernels, which
+    give this machine's portable bits (test_gguf_iq4.py checks those against a simulation)."""
+    rng = np.random.default_rng(20)
+    all_cases = []
+    for name in ("IQ4_NL", "IQ4_XS"):
+        elems = BLOCKS[type_id(name)][0]
+        for m, n, blocks in SHAPES[::2]:
+            x = (rng.standard_normal((m, blocks * elems)) * rng.uniform(0.1, 10)).astype(np.float32)
+            all_cases.append((name, m, 1, random_blocks(name, n, blocks, rng).reshape(n, -1), x))
+    _, results = run_driver(arm_build, "max", all_cases, tmp_path)
+    monkeypatch.setenv("LMPLUG_GGUF_ISA", "generic")
+    for (name, m, _, w, x), per_isa in zip(all_cases, results):
+        here = kernel.mul_mat(torch.from_numpy(x), torch.from_numpy(w), type_id(name), x.shape[1], num_threads=1)
+        for status, bits in per_isa:
+            assert status == 0, name
+            np.testing.assert_array_equal(bits, here.numpy().view(np.uint32), err_msg=f"{name} M={m}")
 
 
 def included_files(cc: tuple[str, ...]) -> set[str]:

@@ -3,8 +3,8 @@
 Tiny llama GGUFs written with gguf-py's ``GGUFWriter``: the shared fixture (Q8_0/Q4_0/Q4_1 with
 F16/BF16, tied and untied; and with the Q5_0 / Q5_1 that llama-quantize writes where a row is
 not a multiple of 256), and a k-quant file written here whose fused layers mix types (Q4_K
-q/k with Q6_K v, Q5_K gate with Q4_K up), one with Q3_K q/k/down (Q3_K_M's bulk), and one holding
-a Q2_K weight no packed matmul reads.
+q/k with Q6_K v, Q5_K gate with Q4_K up), one with Q3_K q/k/down (Q3_K_M's bulk), one of IQ4_XS
+and IQ4_NL (an IQ4_XS file's types), and one holding a Q2_K weight no packed matmul reads.
 The reference is the same file through ``quant: {method: gguf, dequantize_at_load: true}``:
 every tensor dequantized by gguf-py's numpy ``dequantize`` and multiplied densely. The packed
 side runs the PyTorch reference matmul (``kernel: torch``), which must agree to float rounding;
@@ -43,6 +43,8 @@ PROMPT = [5, 17, 42, 99, 123, 7, 250, 31]
 # a Q4_K_M file's fallbacks at a hidden size that is not a multiple of 256 (q5_0 q/k/gate/up, q5_1 v/down)
 Q5_TYPES = {"attn_q": Q.Q5_0, "attn_k": Q.Q5_0, "attn_v": Q.Q5_1, "attn_output": Q.Q5_0, "ffn_gate": Q.Q5_0,
             "ffn_up": Q.Q5_0, "ffn_down": Q.Q5_1, "token_embd": Q.Q5_0}
+IQ4_TYPES = {"attn_q": Q.IQ4_XS, "attn_k": Q.IQ4_XS, "attn_v": Q.IQ4_NL, "attn_output": Q.IQ4_XS,
+             "ffn_gate": Q.IQ4_XS, "ffn_up": Q.IQ4_XS, "ffn_down": Q.IQ4_NL}
 
 
 def random_blocks(rng, qtype: Q, rows: int, cols: int) -> np.ndarray:
@@ -51,7 +53,7 @@ def random_blocks(rng, qtype: Q, rows: int, cols: int) -> np.ndarray:
     raw = rng.integers(0, 256, (rows * cols // block, size), dtype=np.uint8)
     scales = rng.uniform(1e-4, 2e-3, (raw.shape[0], 2)).astype(np.float16).view(np.uint8)
     offset = {Q.Q6_K: 208, Q.Q3_K: 108, Q.Q2_K: 80}.get(qtype, 0)  # where d (then dmin, if any) lies
-    width = 2 if qtype in (Q.Q6_K, Q.Q3_K) else 4
+    width = 2 if qtype in (Q.Q6_K, Q.Q3_K, Q.IQ4_NL, Q.IQ4_XS) else 4
     raw[:, offset:offset + width] = scales[:, :width]
     return raw.reshape(rows, -1)
 
@@ -95,13 +97,14 @@ def write_k_quant_gguf(path: Path, types: dict[str, Q] = K_TYPES, seed: int = 0,
 @pytest.fixture(scope="module")
 def files(tmp_path_factory) -> dict[str, Path]:
     folder = tmp_path_factory.mktemp("gguf_packed")
-    paths = {name: folder / f"{name}.gguf" for name in ("untied", "tied", "kquant", "q3k", "q2k", "q5")}
+    paths = {name: folder / f"{name}.gguf" for name in ("untied", "tied", "kquant", "q3k", "q2k", "q5", "iq4")}
     write_tiny_gguf(paths["untied"])
     write_tiny_gguf(paths["tied"], tied=True)
     write_tiny_gguf(paths["q5"], tied=True, types=Q5_TYPES)
     write_k_quant_gguf(paths["kquant"])
     write_k_quant_gguf(paths["q3k"], {**K_TYPES, "attn_q": Q.Q3_K, "attn_k": Q.Q3_K, "ffn_down": Q.Q3_K}, seed=1)
     write_k_quant_gguf(paths["q2k"], {**K_TYPES, "ffn_down": Q.Q2_K}, seed=1)
+    write_k_quant_gguf(paths["iq4"], IQ4_TYPES, seed=2)
     return paths
 
 
@@ -150,7 +153,7 @@ def test_quant_method_from_the_file(files, tmp_path):
 
 # -- the packed model against the dequantize-at-load model ---------------------------------------
 
-@pytest.mark.parametrize("name", ["untied", "tied", "kquant", "q3k", "q5"])
+@pytest.mark.parametrize("name", ["untied", "tied", "kquant", "q3k", "q5", "iq4"])
 def test_packed_logits_match_dequantized(files, name):
     packed = LLM(str(files[name]), **ENGINE, quant=REFERENCE)
     dense = LLM(str(files[name]), **ENGINE, quant=DENSE)
@@ -158,7 +161,7 @@ def test_packed_logits_match_dequantized(files, name):
     assert isinstance(pm.embed_tokens, QuantEmbedding) and isinstance(dm.embed_tokens, torch.nn.Embedding)
     assert not any(p.is_floating_point() and p.dim() == 2 for p in pm.parameters())  # no float weight
     assert all(m.weight.dtype == torch.float32 for m in dm.modules() if hasattr(m, "gguf_runs"))
-    ids = torch.tensor([0, 3, 17, 399 if name != "kquant" else 200])
+    ids = torch.tensor([0, 3, 17, 399 if name not in ("kquant", "iq4") else 200])
     torch.testing.assert_close(pm.embed_tokens(ids), dm.embed_tokens(ids), atol=0, rtol=0)
     hidden = torch.randn(3, pm.config.hidden_size, generator=torch.Generator().manual_seed(0))
     torch.testing.assert_close(pm.compute_logits(hidden), dm.compute_logits(hidden), atol=1e-4, rtol=1e-4)
@@ -175,6 +178,29 @@ def test_fused_shards_of_different_types_run_by_type(files):
     # gate and up lie back to back in the file: one view of the mapping, like the embedding
     file_map = model.embed_tokens.gguf_w0.untyped_storage().data_ptr()
     assert gate_up.gguf_w0.untyped_storage().data_ptr() == file_map
+
+
+@pytest.mark.parametrize("kernel", ["torch", "native"])
+def test_iq4_weights_stay_packed_and_decode_as_dequantized(files, kernel):
+    """IQ4_XS q/k/o/gate/up and IQ4_NL v/down stay the file's blocks (no float copy), run by type,
+    and greedy decoding gives the dequantize-at-load model's tokens (the native kernel: logits
+    within its 8-bit activations' bound, test_native_kernel_matches_reference)."""
+    if kernel == "native" and native_kernel()[0] is None:
+        pytest.skip(f"native GGUF kernel not built here: {native_kernel()[1]}")
+    packed = LLM(str(files["iq4"]), **ENGINE, quant={"method": "gguf", "kernel": kernel})
+    layer = model_of(packed).layers[0]
+    assert [(Q(k).name, rows) for k, _, rows in layer.self_attn.qkv_proj.gguf_runs] == [
+        ("IQ4_XS", K_HIDDEN + K_HIDDEN // 2), ("IQ4_NL", K_HIDDEN // 2)]
+    for proj, kind in ((layer.self_attn.o_proj, "IQ4_XS"), (layer.mlp.gate_up_proj, "IQ4_XS"),
+                       (layer.mlp.down_proj, "IQ4_NL")):
+        assert [Q(k).name for k, _, _ in proj.gguf_runs] == [kind]
+        assert proj.gguf_w0.dtype == torch.uint8
+    assert (layer.mlp.down_proj.gguf_calls is not None) == (kernel == "native")  # the C kernel reads both types
+    assert not any(p.is_floating_point() and p.dim() == 2 for p in model_of(packed).parameters())
+    dense = LLM(str(files["iq4"]), **ENGINE, quant=DENSE)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    tokens = [llm.generate([PROMPT], params)[0].outputs[0].token_ids for llm in (packed, dense)]
+    assert tokens[0] == tokens[1]
 
 
 def test_unsupported_type_is_dequantized_with_a_log_line(files, caplog):
@@ -251,7 +277,7 @@ def test_shape_the_model_does_not_expect(tmp_path):
 def test_native_kernel_matches_reference(files):
     """Logits of the same hidden states through every packed LM head / layer type: the kernel's
     8-bit activations keep them within a few percent of the float reference."""
-    for name in ("untied", "kquant", "q3k", "q5"):
+    for name in ("untied", "kquant", "q3k", "q5", "iq4"):
         native = model_of(LLM(str(files[name]), **ENGINE, quant={"method": "gguf", "kernel": "native"}))
         reference = model_of(LLM(str(files[name]), **ENGINE, quant=REFERENCE))
         hidden = torch.randn(5, native.config.hidden_size, generator=torch.Generator().manual_seed(1))

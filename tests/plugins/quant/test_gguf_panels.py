@@ -15,7 +15,7 @@ from support.gguf_weights import file_rows, make_weight, resident_kib, type_id
 
 gguf_native = pytest.importorskip("lmplug_quant.gguf_native")
 
-PANEL_TYPES = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q3_K", "Q4_K", "Q5_K", "Q6_K"]
+PANEL_TYPES = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS"]
 
 
 @pytest.fixture
@@ -75,7 +75,8 @@ def test_repack_puts_each_row_in_its_lane(kernel, name):
     k, n = 256, 18
     w = torch.from_numpy(make_weight(name, n, k, seed=4))
     panels = kernel.panels(w, type_id(name), k)
-    block_bytes = {"Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q5_1": 24, "Q8_0": 34, "Q3_K": 114, "Q4_K": 148, "Q5_K": 180, "Q6_K": 210}[name]
+    block_bytes = {"Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q5_1": 24, "Q8_0": 34, "Q3_K": 114, "Q4_K": 148, "Q5_K": 180, "Q6_K": 210,
+                   "IQ4_NL": 18, "IQ4_XS": 138}[name]
     elems = gguf_native.BLOCKS[type_id(name)][0]
     nb, pblock = k // elems, 16 * block_bytes
     assert panels.numel() == 32 * nb * block_bytes  # 2 panels of 16 rows

@@ -16,6 +16,7 @@ from lmplug.interfaces.packed import PackedTensor
 
 QUANTIZABLE = [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.F16, Q.BF16, Q.F32]
 K_QUANTS = [Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K]
+IQ4 = [Q.IQ4_NL, Q.IQ4_XS]  # d first, then every bit pattern valid
 
 
 def as_rows(data: np.ndarray, rows: int) -> torch.Tensor:
@@ -30,6 +31,8 @@ def random_k_blocks(qtype: Q, rows: int, cols: int, seed: int) -> np.ndarray:
     scales = rng.uniform(-0.05, 0.05, (raw.shape[0], 2)).astype(np.float16).view(np.uint8)
     if qtype in (Q.Q6_K, Q.Q3_K):  # d last
         raw[:, size - 2:] = scales[:, :2]
+    elif qtype in IQ4:  # d only (IQ4_XS's next 2 bytes are its scales' high bits)
+        raw[:, 0:2] = scales[:, :2]
     else:
         raw[:, 0:4] = scales
     return raw.reshape(rows, -1)
@@ -46,7 +49,7 @@ def test_matches_gguf_py_on_quantized_data(qtype, shape):
     torch.testing.assert_close(ours, expected, atol=0, rtol=0)
 
 
-@pytest.mark.parametrize("qtype", K_QUANTS, ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", K_QUANTS + IQ4, ids=lambda t: t.name)
 @pytest.mark.parametrize("seed", [0, 1])
 def test_matches_gguf_py_on_random_k_quant_blocks(qtype, seed):
     rows, cols = 6, 512
