@@ -239,19 +239,21 @@ SMALL_GENERIC(q4_1, T_Q4_1)
 SMALL_GENERIC(q5_0, T_Q5_0)
 SMALL_GENERIC(q5_1, T_Q5_1)
 
+/* acc[r] += d_w * d_x * (32 int8 weights . row r's block b): Q8_0's and IQ4_NL's block step */
+static inline void int8_block_rows(const int8_t *qw, float dw, const acts_t *a, int64_t m0, int mc, int64_t b,
+                                   float *acc) {
+    for (int r = 0; r < mc; r++) {
+        const int8_t *qx = ROW(a, m0 + r) + b * 32;
+        int32_t isum = 0;
+        for (int i = 0; i < 32; i++) isum += qw[i] * qx[i];
+        acc[r] += dw * a->d[(m0 + r) * a->ld + b] * (float)isum;
+    }
+}
+
 static void q8_0_generic(const uint8_t *w, const acts_t *a, int64_t m0, int mc, float *out, int64_t ldo) {
     float acc[MR] = {0};
-    for (int64_t b = 0; b < a->nb; b++) {
-        const uint8_t *blk = w + b * 34;
-        const float dw = fp16_to_f32(load_u16(blk));
-        const int8_t *qw = (const int8_t *)(blk + 2);
-        for (int r = 0; r < mc; r++) {
-            const int8_t *qx = ROW(a, m0 + r) + b * 32;
-            int32_t isum = 0;
-            for (int i = 0; i < 32; i++) isum += qw[i] * qx[i];
-            acc[r] += dw * a->d[(m0 + r) * a->ld + b] * (float)isum;
-        }
-    }
+    for (int64_t b = 0; b < a->nb; b++)
+        int8_block_rows((const int8_t *)(w + b * 34 + 2), fp16_to_f32(load_u16(w + b * 34)), a, m0, mc, b, acc);
     for (int r = 0; r < mc; r++) out[r * ldo] = acc[r];
 }
 
@@ -373,15 +375,9 @@ static void iq4_nl_generic(const uint8_t *w, const acts_t *a, int64_t m0, int mc
     float acc[MR] = {0};
     for (int64_t b = 0; b < a->nb; b++) {
         const uint8_t *blk = w + b * 18;
-        const float dw = fp16_to_f32(load_u16(blk));
         int8_t qw[32];
         iq4_unpack32(blk + 2, qw);
-        for (int r = 0; r < mc; r++) {
-            const int8_t *qx = ROW(a, m0 + r) + b * 32;
-            int32_t isum = 0;
-            for (int i = 0; i < 32; i++) isum += qw[i] * qx[i];
-            acc[r] += dw * a->d[(m0 + r) * a->ld + b] * (float)isum;
-        }
+        int8_block_rows(qw, fp16_to_f32(load_u16(blk)), a, m0, mc, b, acc);
     }
     for (int r = 0; r < mc; r++) out[r * ldo] = acc[r];
 }
