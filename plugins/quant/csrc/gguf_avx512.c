@@ -136,17 +136,24 @@ static inline INLINE AVX512 void k45_panel(const uint8_t *p, int64_t nr, const a
                                                                      _mm512_mullo_epi32(sh, hi[r])));
         }
         const __m512 d = f16x16(blk), dmin = f16x16(blk + 32);
-        for (int r = 0; r < mc; r++) {
-            const int64_t m = m0 + r;
-            const int16_t *bs = a->s + m * a->ns + b * 16;
-            __m512i msum = _mm512_setzero_si512();
-            for (int s = 0; s < 8; s++) {
-                const __m512i mn = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(blk + 192 + 16 * s)));
-                msum = _mm512_add_epi32(msum, _mm512_mullo_epi32(mn, _mm512_set1_epi32(bs[2 * s] + bs[2 * s + 1])));
+        /* the mins term, sum over s of min_s * (the activations' two 16-sums of sub-block s): min_s in
+         * both 16-bit halves of each lane, times the two sums as one 32-bit word, by vpdpwssd */
+        __m512i msum[MR];
+        for (int r = 0; r < mc; r++) msum[r] = _mm512_setzero_si512();
+#pragma GCC unroll 8
+        for (int s = 0; s < 8; s++) {
+            const __m512i mn = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(blk + 192 + 16 * s)));
+            const __m512i mn2 = _mm512_or_si512(mn, _mm512_slli_epi32(mn, 16));
+            for (int r = 0; r < mc; r++) {
+                int32_t pair;
+                memcpy(&pair, a->s + (m0 + r) * a->ns + b * 16 + 2 * s, sizeof pair);
+                msum[r] = _mm512_dpwssd_epi32(msum[r], mn2, _mm512_set1_epi32(pair));
             }
-            const __m512 dx = _mm512_set1_ps(a->d[m * a->ld + b]);
+        }
+        for (int r = 0; r < mc; r++) {
+            const __m512 dx = _mm512_set1_ps(a->d[(m0 + r) * a->ld + b]);
             const __m512 t1 = _mm512_mul_ps(_mm512_mul_ps(d, dx), _mm512_cvtepi32_ps(isum[r]));
-            const __m512 t2 = _mm512_mul_ps(_mm512_mul_ps(dmin, dx), _mm512_cvtepi32_ps(msum));
+            const __m512 t2 = _mm512_mul_ps(_mm512_mul_ps(dmin, dx), _mm512_cvtepi32_ps(msum[r]));
             acc[r] = _mm512_add_ps(acc[r], _mm512_sub_ps(t1, t2));
         }
     }
