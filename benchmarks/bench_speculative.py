@@ -23,7 +23,9 @@ with ``--kv paged`` are read as decode rows and keep plain decoding's output. Pe
 request, tokens per target forward, acceptance rate, mean accepted drafts per verification,
 and the decode speedup over plain; then the median time of a target forward by its rows (a verify
 of k drafts: k + 1 rows) in plain decode steps, by wall time and (at one thread) by the thread's
-CPU time, which a shared machine's other jobs disturb less. The configs run interleaved (each prompt through every
+CPU time, which a shared machine's other jobs disturb less. ``ngram`` runs the drafter's defaults
+(``adaptive`` drafts, ``draft_length: cost``); ``ngram_fixed`` verifies every proposed draft (the
+earlier defaults). The configs run interleaved (each prompt through every
 config in turn, ``--repeats`` times), so a shared machine's load drifts affect all alike.
 """
 
@@ -74,6 +76,9 @@ def speculative_configs(args) -> dict[str, dict | None]:
     return {
         "plain": None,
         "ngram": {"method": "ngram", "num_tokens": args.ngram_k, "min_n": 2, "max_n": 4},
+        # the defaults before draft_length `cost` and ngram's `adaptive`: every proposed draft verified
+        "ngram_fixed": {"method": "ngram", "num_tokens": args.ngram_k, "min_n": 2, "max_n": 4, "adaptive": False,
+                        "draft_length": "fixed"},
         "ngram_adaptive": {"method": "ngram", "num_tokens": args.ngram_adaptive_k, "min_n": 2, "max_n": 4,
                            "adaptive": True},
         "layer_skip": {"method": "layer_skip", "num_tokens": args.layer_skip_k,
@@ -200,7 +205,7 @@ def main() -> None:
                         "paged + attention paged (on CPU a verify's chain drafts are read as decode rows "
                         "by the C kernel, paged_rows.py)")
     p.add_argument("--configs", default="plain,ngram,layer_skip",
-                   help="comma-separated: plain, ngram, ngram_adaptive, layer_skip, medusa, medusa_tree, eagle, "
+                   help="comma-separated: plain, ngram, ngram_fixed, ngram_adaptive, layer_skip, medusa, medusa_tree, eagle, "
                         "eagle_tree, eagle_dynamic, mtp, dflash")
     p.add_argument("--ngram-k", type=int, default=4)
     p.add_argument("--ngram-adaptive-k", type=int, default=16, help="most drafts of the ngram_adaptive config")

@@ -20,6 +20,7 @@ from lmplug.interfaces.scheduler import ScheduledSeq
 from lmplug.interfaces.select import OnError, SelectStage
 from lmplug.interfaces.sequence import Sequence
 from lmplug.speculative import Speculator
+from lmplug.speculative.draft_length import DraftLength
 
 
 def build_select_stages(parts, constraints: Constraints, requests, *, can_fork: bool) -> SelectStages:
@@ -27,8 +28,9 @@ def build_select_stages(parts, constraints: Constraints, requests, *, can_fork: 
 refuse), beam groups, then the speculator (``parts.drafter``) or the sampler for the rest."""
     default: SelectStage
     if parts.drafter is not None:
+        draft_length = DraftLength() if parts.drafter.options.draft_length == "cost" else None
         default = Speculator(parts.drafter, parts.drafter.options.num_tokens, parts.kv, parts.max_model_len,
-                             constraints, parts.eos_token_ids, rule=parts.acceptance)
+                             constraints, parts.eos_token_ids, rule=parts.acceptance, draft_length=draft_length)
     else:
         default = Sampler(constraints, parts.eos_token_ids)
     beam = BeamStage(parts.kv, requests, parts.eos_token_ids, parts.max_model_len, parts.tokenizer,

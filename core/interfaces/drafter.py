@@ -26,7 +26,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 import torch
 from pydantic import Field
@@ -46,6 +46,12 @@ class DrafterOptions(BackendOptions):
     """Options every drafter takes; backends subclass this for their own."""
 
     num_tokens: int = Field(default=4, ge=1, le=64, description="tokens proposed per step (k)")
+    draft_length: Literal["fixed", "cost"] = Field(
+        default="cost", description="fixed: verify every token proposed; cost: per sequence and step, verify "
+                                    "the number of a chain's drafts (up to what was proposed) that maximises "
+                                    "expected tokens per second of forward, from the forward times measured "
+                                    "by row count and the sequence's recent acceptance "
+                                    "(lmplug.speculative.draft_length)")
 
 
 @dataclass(frozen=True)

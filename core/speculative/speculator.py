@@ -35,6 +35,7 @@ distributions. ``admit`` refuses a request asking for exact sampling under a los
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -49,6 +50,7 @@ from lmplug.interfaces.scheduler import ScheduledSeq, samples_now
 from lmplug.interfaces.sequence import Sequence, SequenceStatus
 from lmplug.kit.draft_tree import depths, is_chain, tree_rows
 from lmplug.kit.penalties import NO_HISTORY, PromptIds
+from lmplug.speculative.draft_length import DraftLength
 from lmplug.speculative.tree import first_child_chain, head, move_kv, subtree
 from lmplug.speculative.verifier import verify_batch
 
@@ -70,8 +72,10 @@ class Draft:
 class Speculator:
     def __init__(self, drafter: Drafter, num_tokens: int, kv: KVCacheBackend, max_model_len: int,
                  constraints: Constraints | None = None, eos_token_ids: frozenset[int] = frozenset(),
-                 rule: AcceptanceRule | None = None) -> None:
+                 rule: AcceptanceRule | None = None, draft_length: DraftLength | None = None) -> None:
         self.drafter = drafter
+        self.draft_length = draft_length  # None: verify every proposed draft
+        self._forward: tuple[int, float] | None = None  # this step's rows and the forward's start
         self.rule = rule
         self.constraints = constraints or Constraints(None, 0)
         self.eos_token_ids = eos_token_ids
@@ -116,12 +120,18 @@ class Speculator:
         if not seqs:
             return {}
         proposal = self.drafter.propose(seqs, self.num_tokens)
+        other_rows = len(seqs) - 1  # the step's rows besides a sequence's own (draft_length)
         for i, seq in enumerate(seqs):
             tokens, probs, parents = list(proposal.token_ids[i]), proposal.probs_of(i), proposal.parents_of(i)
             if parents is not None:
                 tokens, probs, parents = self._fit_tree(seq, tokens, probs, parents)
             if parents is None:
                 tokens = tokens[:room[seq.seq_id]]
+                if self.draft_length is not None and (seq.params.is_greedy or seq.params.seed is None):
+                    # (a seeded sampling request keeps every draft: its random draws, one per
+                    # judged draft, then follow the drafter alone, so the seed gives the same text)
+                    tokens = tokens[:self.draft_length.choose(seq.seq_id, len(tokens), other_rows)]
+                other_rows += len(tokens)
             if tokens:
                 self._proposed[seq.seq_id] = Draft(tokens, None if probs is None else probs[:len(tokens)],
                                                    parents)
@@ -172,6 +182,10 @@ class Speculator:
             keep = 0 if draft is None else min(len(draft.tokens), item.num_new_tokens - 1)
             if keep > 0:
                 self.add_draft(item, draft.head(keep))
+        # a step of decode and verify rows only is timed for draft_length (a prefill's rows cost otherwise)
+        plain = all(item.num_new_tokens == item.num_logit_rows for item in scheduled)
+        rows = sum(item.num_new_tokens for item in scheduled)
+        self._forward = (rows, time.perf_counter()) if self.draft_length and scheduled and plain else None
         sampling = [item.seq for item in scheduled if samples_now(item)]
         self._masks = self.constraints.start(
             sampling, [self._planned[s.seq_id].tokens if s.seq_id in self._planned else [] for s in sampling])
@@ -191,6 +205,10 @@ class Speculator:
                hidden: torch.Tensor | None = None,
                on_error: Callable[[Sequence, Exception], None] | None = None,
                ) -> tuple[list[list[int]], list[list[int]]]:
+        if self._forward is not None:
+            rows, start = self._forward
+            self.draft_length.observe_forward(rows, time.perf_counter() - start)
+            self._forward = None
         return self.verify(logits, num_rows, seqs, hidden, on_error)
 
     def verify(self, logits: torch.Tensor, num_rows: list[int], seqs: list[Sequence],
@@ -217,6 +235,8 @@ class Speculator:
             rows.append([start + r for r in verdict.rows] if verdict else [])
             if verdict:
                 self._count(seq, len(draft.tokens), verdict.num_accepted)
+                if self.draft_length is not None and draft.parents is None:
+                    self.draft_length.observe_verify(seq.seq_id, len(draft.tokens), verdict.num_accepted)
                 if verdict.nodes:
                     self._move_accepted_path(seq, verdict.nodes)
             start += n
@@ -316,6 +336,8 @@ class Speculator:
         self._prompts.release(seq)
         self._proposed.pop(seq.seq_id, None)
         self._planned.pop(seq.seq_id, None)
+        if self.draft_length is not None:
+            self.draft_length.release(seq.seq_id)
         self.drafter.release(seq)
 
     # -- statistics ------------------------------------------------------------------------------

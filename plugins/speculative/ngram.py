@@ -9,7 +9,7 @@ sequence's most recent ``window`` tokens.
 
 Works best where the answer copies from the prompt (rewrite this code, extract, quote)
 and in repetitive output; costs nothing when it finds no match (no drafts, plain decoding).
-With ``adaptive``, the draft is as long as the match (how far back the suffix agrees with
+With ``adaptive`` (the default), the draft is as long as the match (how far back the suffix agrees with
 the earlier text, at most ``num_tokens``): inside a long copied span drafts are long and
 mostly accepted, after a chance 2-gram match short, so the verify forward (whose cost grows
 with its tokens on a CPU) is not spent on drafts that are likely rejected.
@@ -27,9 +27,10 @@ class NgramOptions(DrafterOptions):
     min_n: int = Field(default=2, ge=1, description="shortest suffix to match")
     max_n: int = Field(default=4, ge=1, description="longest suffix to match (tried first)")
     window: int = Field(default=4096, ge=8, description="search only the last `window` tokens")
-    adaptive: bool = Field(default=False, description="propose only as many tokens as the match is long "
-                                                       "(how far back it agrees), at most num_tokens: a long "
-                                                       "copy gets long drafts, a chance 2-gram short ones")
+    adaptive: bool = Field(default=True, description="propose only as many tokens as the match is long "
+                                                      "(how far back it agrees), at most num_tokens: a long "
+                                                      "copy gets long drafts, a chance 2-gram short ones "
+                                                      "(false: always num_tokens where a match continues)")
 
     @model_validator(mode="after")
     def _ordered(self) -> NgramOptions:

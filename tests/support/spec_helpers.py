@@ -78,10 +78,23 @@ def registry() -> Registry:
 
 
 def make_engine(path, speculative: dict | None = None, **overrides) -> LLMEngine:
+    """An engine over the test drafters. ``draft_length`` is ``fixed`` unless ``speculative``
+    names it: these tests count drafts and steps, which the ``cost`` controller (its choices
+    follow measured forward times) would make depend on the machine's load."""
+    if speculative is not None and "draft_length" not in speculative:
+        speculative = {**speculative, "draft_length": "fixed"}
     reg = registry()
     cfg = EngineConfig.from_dict({"model": str(path), "device": "cpu", "dtype": "float32",
                                   "max_model_len": 256, "speculative": speculative, **overrides})
     return LLMEngine(resolve(cfg, device="cpu", dtype="float32", registry=reg), reg)
+
+
+def record_reference(path, prompts: list[list[int]], params) -> list[list[int]]:
+    """Plain decoding's tokens for ``prompts`` (no drafter), kept in ``REFERENCE`` for the oracle."""
+    outs = run(make_engine(path), prompts, params)
+    for prompt, out in zip(prompts, outs):
+        REFERENCE[tuple(prompt)] = out.token_ids
+    return [o.token_ids for o in outs]
 
 
 def run(engine: LLMEngine, prompts: list[list[int]], params, max_steps: int = 10_000) -> list:

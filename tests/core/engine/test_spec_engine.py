@@ -15,12 +15,12 @@ import pytest
 import torch
 from support.hf_models import get_model, one_torch_thread, prompt_ids  # noqa: F401 - fixture
 from support.spec_helpers import (
-    REFERENCE,
     STAT_PROMPT,
     TABLE,
     chi_square_pvalue,
     make_engine,
     pair_counts,
+    record_reference,
     run,
     target_probs,
 )
@@ -40,10 +40,7 @@ def model(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def reference(model):
-    outs = run(make_engine(model.path), PROMPTS, GREEDY)
-    for prompt, out in zip(PROMPTS, outs):
-        REFERENCE[tuple(prompt)] = out.token_ids
-    return [o.token_ids for o in outs]
+    return record_reference(model.path, PROMPTS, GREEDY)
 
 
 PAGED = {"backend": "paged", "block_size": 4, "num_blocks": 200}

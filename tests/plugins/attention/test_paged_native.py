@@ -328,6 +328,49 @@ def test_step_attention_reads_a_verifys_short_queries_as_rows(native, tree):
     assert torch.equal(got, native.paged_decode_attention(q, kc, vc, scale=0.125, num_threads=1, **rows))
 
 
+# (last length, rows): a verify's chain of k + 1 rows ends at its last length; 1: a decode row.
+# Chains across the 32-position chunks (30..34, 61..76), from the first position, and two
+# sequences whose lengths happen to run on (16 then 17): their tables differ, so not one chain.
+CHAINS = [(34, 5), (16, 1), (17, 1), (76, 16), (3, 3), (64, 2), (33, 2)]
+
+
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(9, 3, 64), (8, 2, 128), (6, 2, 40), (4, 4, 80)])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_step_attention_reads_a_chain_once_with_each_rows_bits(native, num_heads, num_kv_heads, head_dim,
+                                                               threads):
+    """A verify's chain (rows of one table, lengths one apart) is attended as one task per KV
+    head, the K/V read once for all its rows: each row still gets, bit for bit, what the
+    kernel gives it alone (its scores past its own length weigh exactly 0). Per layer: plain,
+    a soft-cap with a window longer than every row (still chains) and a window of 8 (rows alone);
+    caches poisoned with NaN wherever no row may read."""
+    from lmplug.interfaces.attention import KVLayerView, LayerAttention
+    from lmplug.kit.native import call_attention
+
+    lasts = [last for last, _ in CHAINS]
+    _, kc, vc, tables, _ = paged_batch(lasts, num_heads, num_kv_heads, head_dim, 4, torch.float32, seed=21,
+                                       poison=True)
+    owner = [i for i, (_, rows) in enumerate(CHAINS) for _ in range(rows)]
+    lens = torch.tensor([last - rows + 1 + j for last, rows in CHAINS for j in range(rows)], dtype=torch.int32)
+    row_tables = tables[owner]
+    slots = torch.tensor([int(row_tables[r, (n - 1) // 4]) * 4 + (n - 1) % 4 for r, n in enumerate(lens.tolist())])
+    g = torch.Generator().manual_seed(22)
+    q = torch.randn(len(lens), num_heads, head_dim, generator=g)
+    k, v = (torch.randn(len(lens), num_kv_heads, head_dim, generator=g) for _ in range(2))
+    specs = (LayerAttention(head_dim ** -0.5), LayerAttention(0.3, 100, 20.0), LayerAttention(0.2, 8))
+    views = [KVLayerView(kc.clone(), vc.clone(), "paged") for _ in specs]
+    call = native.step_attention(step_context(row_tables, lens, slots), views, num_heads, num_kv_heads, head_dim,
+                                 head_dim ** -0.5, None, "attention t", specs)
+    qkv = torch.cat([q.flatten(1), k.flatten(1), v.flatten(1)], dim=1)
+    for layer, spec in enumerate(specs):
+        got = call_attention(call, layer, qkv, num_heads, head_dim, threads=threads)
+        view = views[layer]
+        want = native.paged_decode_attention(q, view.k_cache, view.v_cache, row_tables, lens, spec.scale,
+                                             sliding_window=spec.sliding_window, softcap=spec.softcap,
+                                             num_threads=1)
+        assert not got.isnan().any()
+        assert torch.equal(got, want), layer
+
+
 def test_step_attention_declines_or_refuses(native):
     from lmplug.interfaces.attention import KVLayerView
 

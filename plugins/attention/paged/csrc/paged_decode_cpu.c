@@ -373,11 +373,15 @@ typedef struct {
     int B, H, Hkv, D, block_size, window;
     float scale, softcap; /* softcap 0: none */
     const float *sinks;   /* [H] or NULL */
-    int first, last; /* this worker's tasks: [first, last) of B * Hkv */
+    /* chains (NULL: each row alone): rows group_first[g] .. group_first[g + 1] - 1 attend as one
+     * task per KV head (chain_groups); groups of them, [groups + 1] entries */
+    const int32_t *group_first;
+    int groups, max_group; /* the number of groups (B without chains), the longest one's rows */
+    int first, last; /* this worker's tasks: [first, last) of groups * Hkv */
     int status;
 } job_t;
 
-typedef struct { /* one worker's float32 scratch, R = H query rows at most */
+typedef struct { /* one worker's float32 scratch, R = max_group * H query rows at most */
     float *q, *acc, *scores, *rows, *max, *sum; /* rows: a chunk of K or V rows widened */
     float *lanes, *tmp;                         /* dot products' partial sums, sum_lanes' levels */
 } scratch_t;
@@ -409,22 +413,37 @@ static inline void slot_offsets(size_t *offs, const int32_t *table, const positi
     }
 }
 
-/* sequence b, KV heads [h0, h1): the query rows r = 0 .. (h1 - h0) * G - 1 of heads h0 * G ...,
- * row r reading KV head h0 + r / G. Heads of one sequence go together so that each slot's
- * K (and V) is read as one contiguous run of (h1 - h0) * D values. */
-static inline __attribute__((always_inline)) void attend(const job_t *j, int b, int h0, int h1,
+/* of the chunk's n entries from e0, how many row b + i attends to (a chain's row i < the last:
+ * its own length; the group's list is the last row's, unmasked, from entry 0) */
+static inline int row_count(const job_t *j, int b, int i, int e0, int n) {
+    const int own = j->seq_lens[b + i] - e0;
+    return own < 0 ? 0 : own < n ? own : n;
+}
+
+/* rows b .. b + nb - 1 (one row, or a chain: row b + i attends to the first seq_lens[b] + i
+ * positions of one block table, chain_groups), KV heads [h0, h1): the query rows
+ * r = h * G * nb + i * G + g (h < h1 - h0, i < nb, g < G) are head (h0 + h) * G + g of row b + i,
+ * reading KV head h0 + h. Heads of one sequence go together so that each slot's K (and V) is
+ * read as one contiguous run of (h1 - h0) * D values, and a chain's rows go together so that
+ * it is read once for all of them. A chain is scored over the last row's positions; a shorter
+ * row's scores past its length are set to -inf before its softmax step, so its weights there
+ * are exactly 0 (a chunk wholly past it: correction 1, sum + 0), and its V sum adds them as 0 * v
+ * one at a time (the FMA path; the portable path stops at the row's own count, as its axpy4 groups
+ * positions by four): each row gets the bits it gets alone. */
+static inline __attribute__((always_inline)) void attend(const job_t *j, int b, int nb, int h0, int h1,
                                                          scratch_t *s, enum dtype t, const int D) {
-    const int G = j->H / j->Hkv, bs = j->block_size, R = (h1 - h0) * G;
+    const int G = j->H / j->Hkv, bs = j->block_size, GN = G * nb, R = (h1 - h0) * GN;
     const size_t elem = t == F32 ? 4 : 2;
     positions_t list; /* the entries [start, len) of the row's list are visited (len: its length) */
-    row_positions(&list, j, b, j->seq_lens[b]);
+    row_positions(&list, j, b + nb - 1, j->seq_lens[b + nb - 1]);
     const int len = list.count;
     const int start = j->window > 0 && len > j->window ? len - j->window : 0;
     const int32_t *table = j->block_tables + (int64_t)b * j->bt_stride;
     const size_t row_bytes = (size_t)D * elem, slot_bytes = (size_t)j->Hkv * row_bytes;
     const size_t head_bytes = (size_t)h0 * row_bytes;
     const char *kc = (const char *)j->k_cache + head_bytes, *vc = (const char *)j->v_cache + head_bytes;
-    const char *qh = (const char *)j->q + ((size_t)b * j->H + (size_t)h0 * G) * row_bytes;
+#define QROW(base, r) /* query row r's q (or output) row in [B, H, D] storage at base */               \
+    ((base) + ((size_t)(b + (r) % GN / G) * j->H + (size_t)(h0 + (r) / GN) * G + (r) % G) * row_bytes)
 
     const int pairs = X16 && t == BF16 && D % 32 == 0; /* q and acc in the pairs layout (X16) */
     (void)pairs;
@@ -434,14 +453,14 @@ static inline __attribute__((always_inline)) void attend(const job_t *j, int b, 
             for (int d0 = 0; d0 < D; d0 += 64) {
                 const int nd = D - d0 < 64 ? (D - d0) / 16 : 4;
                 __m512 qv[4];
-                load_cols(qv, qh + r * row_bytes + (size_t)d0 * elem, nd, t, pairs);
+                load_cols(qv, QROW((const char *)j->q, r) + (size_t)d0 * elem, nd, t, pairs);
                 for (int c = 0; c < nd; c++)
                     _mm512_storeu_ps(s->q + (size_t)r * D + d0 + 16 * c, _mm512_mul_ps(qv[c], _mm512_set1_ps(j->scale)));
             }
         } else
 #endif
         {
-            const float *qr = row_f32(qh + r * row_bytes, s->rows, D, t);
+            const float *qr = row_f32(QROW((const char *)j->q, r), s->rows, D, t);
             for (int d = 0; d < D; d++) s->q[(size_t)r * D + d] = qr[d] * j->scale;
         }
         s->max[r] = -INFINITY;
@@ -462,12 +481,12 @@ static inline __attribute__((always_inline)) void attend(const job_t *j, int b, 
         for (int h = 0; h < h1 - h0; h++) { /* scores; the list's positions only */
 #if X16
             if (D % 16 == 0) { /* the query rows of head h four at a time */
-                for (int r = h * G; r < (h + 1) * G; r += 4) {
+                for (int r = h * GN; r < (h + 1) * GN; r += 4) {
                     float *sc = s->scores + r * CHUNK;
                     const float *qr = s->q + (size_t)r * D;
                     const char *k = kc + h * row_bytes;
-                    const int pf = r == h * G ? next : 0; /* prefetches: with the first rows */
-                    switch ((h + 1) * G - r) {
+                    const int pf = r == h * GN ? next : 0; /* prefetches: with the first rows */
+                    switch ((h + 1) * GN - r) {
                     case 1: scores16(sc, qr, k, cur, n, nxt, pf, t, D, 1, pairs); break;
                     case 2: scores16(sc, qr, k, cur, n, nxt, pf, t, D, 2, pairs); break;
                     case 3: scores16(sc, qr, k, cur, n, nxt, pf, t, D, 3, pairs); break;
@@ -480,13 +499,14 @@ static inline __attribute__((always_inline)) void attend(const job_t *j, int b, 
             for (int i = 0; i < next; i++) prefetch(kc + nxt[i] + h * row_bytes, row_bytes);
             for (int i = 0; i < n; i++)
                 rows[i] = row_f32(kc + cur[i] + h * row_bytes, s->rows + (size_t)i * D, D, t);
-            for (int r = h * G; r < (h + 1) * G; r++) {
+            for (int r = h * GN; r < (h + 1) * GN; r++) {
                 for (int i = 0; i < n; i++) dot_lanes(s->lanes + i * LANES, s->q + (size_t)r * D, rows[i], D);
                 sum_lanes(s->scores + r * CHUNK, s->tmp, s->lanes, n);
             }
         }
         for (int r = 0; r < R; r++) { /* online softmax update, over whole chunks */
             if (j->softcap > 0) cap_scores(s->scores + r * CHUNK, n, j->softcap);
+            for (int i = row_count(j, b, r % GN / G, e0, n); i < n; i++) s->scores[r * CHUNK + i] = -INFINITY;
             const float correction = softmax_update(s->scores + r * CHUNK, n, &s->max[r], &s->sum[r]);
             if (correction != 1.0f) {
                 float *acc = s->acc + (size_t)r * D;
@@ -496,12 +516,12 @@ static inline __attribute__((always_inline)) void attend(const job_t *j, int b, 
         for (int h = 0; h < h1 - h0; h++) { /* weighted V */
 #if X16
             if (D % 16 == 0) {
-                for (int r = h * G; r < (h + 1) * G; r += 4) {
+                for (int r = h * GN; r < (h + 1) * GN; r += 4) {
                     float *acc = s->acc + (size_t)r * D;
                     const float *p = s->scores + r * CHUNK;
                     const char *v = vc + h * row_bytes;
-                    const int pf = r == h * G ? next : 0;
-                    switch ((h + 1) * G - r) {
+                    const int pf = r == h * GN ? next : 0;
+                    switch ((h + 1) * GN - r) {
                     case 1: values16(acc, p, v, cur, n, nxt, pf, t, D, 1, pairs); break;
                     case 2: values16(acc, p, v, cur, n, nxt, pf, t, D, 2, pairs); break;
                     case 3: values16(acc, p, v, cur, n, nxt, pf, t, D, 3, pairs); break;
@@ -514,16 +534,16 @@ static inline __attribute__((always_inline)) void attend(const job_t *j, int b, 
             for (int i = 0; i < next; i++) prefetch(vc + nxt[i] + h * row_bytes, row_bytes);
             for (int i = 0; i < n; i++)
                 rows[i] = row_f32(vc + cur[i] + h * row_bytes, s->rows + (size_t)i * D, D, t);
-            for (int r = h * G; r < (h + 1) * G; r++) {
+            for (int r = h * GN; r < (h + 1) * GN; r++) {
                 float *acc = s->acc + (size_t)r * D;
                 const float *p = s->scores + r * CHUNK;
+                const int nr = row_count(j, b, r % GN / G, e0, n); /* this row's own positions */
                 int i = 0;
-                for (; i + 4 <= n; i += 4) axpy4(acc, p + i, rows[i], rows[i + 1], rows[i + 2], rows[i + 3], D);
-                for (; i < n; i++) axpy(acc, p[i], rows[i], D);
+                for (; i + 4 <= nr; i += 4) axpy4(acc, p + i, rows[i], rows[i + 1], rows[i + 2], rows[i + 3], D);
+                for (; i < nr; i++) axpy(acc, p[i], rows[i], D);
             }
         }
     }
-    char *oh = (char *)j->out + ((size_t)b * j->H + (size_t)h0 * G) * row_bytes;
     for (int r = 0; r < R; r++) { /* no position (len 0): zeros rather than 0/0 */
         const float *acc = s->acc + (size_t)r * D;
 #if X16
@@ -538,13 +558,14 @@ static inline __attribute__((always_inline)) void attend(const job_t *j, int b, 
             acc = s->rows;
         }
 #endif
-        const float *sink = j->sinks ? j->sinks + (size_t)h0 * G + r : NULL;
-        store_row(oh + r * row_bytes, acc, output_factor(s->max[r], s->sum[r], sink), D, t);
+        const float *sink = j->sinks ? j->sinks + (size_t)(h0 + r / GN) * G + r % G : NULL;
+        store_row(QROW((char *)j->out, r), acc, output_factor(s->max[r], s->sum[r], sink), D, t);
     }
+#undef QROW
 }
 
 static inline __attribute__((always_inline)) void run(job_t *j, enum dtype t) {
-    const int R = j->H, D = j->D, Hkv = j->Hkv;
+    const int R = j->max_group * j->H, D = j->D, Hkv = j->Hkv;
     const size_t floats = (size_t)R * D * 2 + (size_t)R * CHUNK + (size_t)CHUNK * D + (size_t)R * 2 +
                           (size_t)CHUNK * LANES * 2;
     float *mem = malloc(floats * sizeof(float));
@@ -561,15 +582,16 @@ static inline __attribute__((always_inline)) void run(job_t *j, enum dtype t) {
     s.sum = s.max + R;
     s.lanes = s.sum + R;
     s.tmp = s.lanes + CHUNK * LANES;
-    for (int task = j->first; task < j->last;) { /* the tasks of one sequence together */
-        const int b = task / Hkv, h0 = task % Hkv;
-        const int h1 = j->last - b * Hkv < Hkv ? j->last - b * Hkv : Hkv;
+    for (int task = j->first; task < j->last;) { /* the tasks of one sequence (or chain) together */
+        const int g = task / Hkv, h0 = task % Hkv;
+        const int h1 = j->last - g * Hkv < Hkv ? j->last - g * Hkv : Hkv;
+        const int b = j->group_first ? j->group_first[g] : g, nb = j->group_first ? j->group_first[g + 1] - b : 1;
         switch (D) { /* common head sizes as constants: the loops over D unroll, no tails */
-        case 64: attend(j, b, h0, h1, &s, t, 64); break;
-        case 128: attend(j, b, h0, h1, &s, t, 128); break;
-        default: attend(j, b, h0, h1, &s, t, D);
+        case 64: attend(j, b, nb, h0, h1, &s, t, 64); break;
+        case 128: attend(j, b, nb, h0, h1, &s, t, 128); break;
+        default: attend(j, b, nb, h0, h1, &s, t, D);
         }
-        task = b * Hkv + h1;
+        task = g * Hkv + h1;
     }
     free(mem);
     j->status = 0;
@@ -587,8 +609,13 @@ static int launch(void *(*worker)(void *), const void *q, const void *k_cache, c
                   const int32_t *block_tables, int64_t bt_stride, const int32_t *seq_lens,
                   const int32_t *mask_starts, const uint64_t *masks, void *out,
                   int B, int H, int Hkv, int D, int block_size, float scale, int window,
-                  float softcap, const float *sinks, int num_threads) {
-    const int tasks = B * Hkv;
+                  float softcap, const float *sinks, const int32_t *group_first, int groups,
+                  int num_threads) {
+    if (!group_first) groups = B;
+    int max_group = 1;
+    for (int g = 0; group_first && g < groups; g++)
+        if (group_first[g + 1] - group_first[g] > max_group) max_group = group_first[g + 1] - group_first[g];
+    const int tasks = groups * Hkv;
     int workers = num_threads < tasks ? num_threads : tasks;
     if (workers > MAX_THREADS) workers = MAX_THREADS;
     if (workers < 1) workers = 1;
@@ -597,7 +624,8 @@ static int launch(void *(*worker)(void *), const void *q, const void *k_cache, c
     int started[MAX_THREADS] = {0};
     for (int w = 0; w < workers; w++) {
         jobs[w] = (job_t){q, k_cache, v_cache, block_tables, seq_lens, mask_starts, masks, out, bt_stride, B, H, Hkv, D,
-                          block_size, window, scale, softcap, sinks, (int)((int64_t)tasks * w / workers),
+                          block_size, window, scale, softcap, sinks, group_first, groups, max_group,
+                          (int)((int64_t)tasks * w / workers),
                           (int)((int64_t)tasks * (w + 1) / workers), 0};
     }
     for (int w = 1; w < workers; w++) /* a thread that cannot start runs inline below */
@@ -622,7 +650,7 @@ static int launch(void *(*worker)(void *), const void *q, const void *k_cache, c
         float scale, int window, float softcap, const float *sinks, int num_threads
 #define DECODE_CALL(worker)                                                                      \
     launch(worker, q, k_cache, v_cache, block_tables, bt_stride, seq_lens, mask_starts, masks, out, \
-           B, H, Hkv, D, block_size, scale, window, softcap, sinks, num_threads)
+           B, H, Hkv, D, block_size, scale, window, softcap, sinks, NULL, 0, num_threads)
 
 EXPORT int paged_decode_f32(DECODE_ARGS) { return DECODE_CALL(run_f32); }
 EXPORT int paged_decode_bf16(DECODE_ARGS) { return DECODE_CALL(run_bf16); }
@@ -676,6 +704,28 @@ static int check_tables(const step_attention_t *s) {
 }
 
 #define STEP_THREADS_MIN_ROWS 4 /* fewer rows: one thread (a thread started per layer costs more) */
+#define CHAIN_MAX 16 /* rows of one chain attended together (a verify's k + 1) */
+
+/* A verify's chain: consecutive rows t - 1, t of one sequence (the same blocks for every position
+ * row t reads, seq_lens one apart), neither masked (tree rows attend alone), and no window that
+ * would start their lists at different positions. Each group's first row into first[]
+ * (first[groups] = rows); returns the number of groups. */
+static int chain_groups(const step_attention_t *s, int64_t window, int32_t *first) {
+    int groups = 0;
+    first[0] = 0;
+    for (int64_t t = 1; t < s->rows; t++) {
+        const int32_t len = s->seq_lens[t];
+        const int masked = s->masks && (s->mask_starts[t] >= 0 || s->mask_starts[t - 1] >= 0);
+        const int64_t used = (len + s->block_size - 1) / s->block_size;
+        const int joins = !masked && len == s->seq_lens[t - 1] + 1 && t - first[groups] < CHAIN_MAX &&
+                          (window <= 0 || len <= window) &&
+                          !memcmp(s->block_tables + t * s->bt_stride, s->block_tables + (t - 1) * s->bt_stride,
+                                  (size_t)used * sizeof(int32_t));
+        if (!joins) first[++groups] = (int32_t)t;
+    }
+    first[++groups] = (int32_t)s->rows;
+    return groups;
+}
 
 EXPORT int decode_step_attention(void *ctx, int64_t layer, const float *qkv, int64_t qkv_stride, float *out,
                                  int threads) {
@@ -699,7 +749,13 @@ EXPORT int decode_step_attention(void *ctx, int64_t layer, const float *qkv, int
     const float scale = s->layer_scales ? s->layer_scales[layer] : s->scale;
     const float softcap = s->layer_softcaps ? s->layer_softcaps[layer] : 0.0f;
     const int64_t window = s->layer_windows ? s->layer_windows[layer] : s->window;
-    return launch(run_f32, s->q, kc, vc, s->block_tables, s->bt_stride, s->seq_lens, s->mask_starts, s->masks,
-                  out, (int)s->rows, (int)s->H, (int)s->Hkv, (int)s->D, (int)s->block_size, scale, (int)window,
-                  softcap, NULL, s->rows < STEP_THREADS_MIN_ROWS ? 1 : threads);
+    int32_t local[64], *first = s->rows < 64 ? local : malloc((size_t)(s->rows + 1) * sizeof(int32_t));
+    if (!first) return -1;
+    const int groups = chain_groups(s, window, first);
+    const int status = launch(run_f32, s->q, kc, vc, s->block_tables, s->bt_stride, s->seq_lens, s->mask_starts,
+                              s->masks, out, (int)s->rows, (int)s->H, (int)s->Hkv, (int)s->D, (int)s->block_size,
+                              scale, (int)window, softcap, NULL, first, groups,
+                              s->rows < STEP_THREADS_MIN_ROWS ? 1 : threads);
+    if (first != local) free(first);
+    return status;
 }

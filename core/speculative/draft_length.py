@@ -1,0 +1,89 @@
+"""How many of a chain's proposed drafts to verify, step by step (``draft_length: cost``).
+
+A verify of ``k`` drafts is a forward of ``k + 1`` rows per sequence. On a GPU that costs
+about what one row costs, so every proposed draft is worth verifying. On a CPU the products
+turn compute-bound after a few rows (the demo model, one thread: 3 rows 1.25 decode steps,
+5 rows 1.8-1.9), so a draft that is likely rejected costs more than it is expected to
+return. This controller chooses, for each sequence and step, the number of drafts ``k`` (up
+to what the drafter proposed) that maximises
+
+    expected tokens emitted / cost of the step's forward
+    E(k) = 1 + a + a^2 + ... + a^k      (each draft accepted with probability a, in order)
+
+with two estimates kept as the engine runs:
+
+- ``cost(rows)``: the wall time of the step's forward by its number of rows (an exponential
+  moving average of the forwards the speculator times, decode and verify steps alone). A row
+  count not yet seen is assumed to cost one row's time plus ``OPTIMISM`` of it per extra
+  row, so it gets tried once and then measured (optimism in the face of uncertainty);
+- ``a`` per sequence: its recent acceptance per draft position (accepted drafts over drafts
+  judged: those up to and including the first rejection), counts decayed by ``DECAY`` per
+  verify so that it follows the text (long copied spans, then free text), with a prior of
+  one accept and one reject. A step that verifies nothing decays the counts too, so a
+  sequence whose drafts stopped paying is tried again after a few steps.
+
+With several sequences in a step, each one's choice counts the rows the others already have
+(one each, plus the drafts chosen before it), each as one token emitted. Trees are not cut (their nodes are not in
+order of likelihood the way a chain's are).
+"""
+
+from __future__ import annotations
+
+OPTIMISM = 0.1  # assumed cost of an extra row, as a share of a one-row forward, until measured
+DECAY = 0.8  # per verify (or plain step) weight of a sequence's earlier acceptance counts
+SMOOTHING = 0.3  # weight of a new forward time in its row count's moving average
+
+
+class DraftLength:
+    def __init__(self) -> None:
+        self.cost: dict[int, float] = {}  # rows of a forward -> seconds (moving average)
+        self._counts: dict[int, tuple[float, float]] = {}  # seq_id -> (accepted, judged), decayed
+
+    # -- what the engine saw ---------------------------------------------------------------------
+    def observe_forward(self, rows: int, seconds: float) -> None:
+        old = self.cost.get(rows)
+        self.cost[rows] = seconds if old is None else old + SMOOTHING * (seconds - old)
+
+    def observe_verify(self, seq_id: int, drafted: int, accepted: int) -> None:
+        """A verify of ``drafted`` chain drafts that accepted ``accepted`` (0: a plain step)."""
+        acc, judged = self._counts.get(seq_id, (0.0, 0.0))
+        judged_now = accepted + (1 if accepted < drafted else 0)
+        self._counts[seq_id] = (DECAY * acc + accepted, DECAY * judged + judged_now)
+
+    def release(self, seq_id: int) -> None:
+        self._counts.pop(seq_id, None)
+
+    # -- the choice ------------------------------------------------------------------------------
+    def acceptance(self, seq_id: int) -> float:
+        acc, judged = self._counts.get(seq_id, (0.0, 0.0))
+        return (acc + 1.0) / (judged + 2.0)
+
+    def forward_cost(self, rows: int) -> float | None:
+        """Seconds of a forward of ``rows`` rows: measured, or assumed from the nearest
+        measured row count below it (OPTIMISM a row); None before any forward was timed."""
+        if rows in self.cost:
+            return self.cost[rows]
+        below = [r for r in self.cost if r < rows]
+        if not below:
+            return None
+        base = max(below)
+        one = self.cost.get(1, self.cost[base] / base)
+        return self.cost[base] + OPTIMISM * one * (rows - base)
+
+    def choose(self, seq_id: int, proposed: int, other_rows: int) -> int:
+        """Drafts to verify, 0 .. ``proposed``, for a sequence whose step has ``other_rows``
+        rows besides its own (each counted as one token the step emits)."""
+        if proposed <= 0:
+            return 0
+        a = self.acceptance(seq_id)
+        best, best_rate = proposed, -1.0
+        expected = float(other_rows)
+        for k in range(proposed + 1):
+            expected += a ** k
+            cost = self.forward_cost(other_rows + k + 1)
+            if cost is None:  # nothing timed yet: verify what was proposed
+                return proposed
+            rate = expected / cost
+            if rate > best_rate:
+                best, best_rate = k, rate
+        return best

@@ -1,0 +1,144 @@
+"""``draft_length: cost`` (lmplug.speculative.draft_length): how many of a chain's drafts a step
+verifies, from the forward times by row count and each sequence's recent acceptance.
+
+The choice is checked against the arithmetic it stands for (expected tokens over cost, with
+E(k) = 1 + a + ... + a^k), on cost tables set by hand; in an engine, with a cost table that
+makes long verifies dear, greedy output stays plain decoding's while fewer drafts are verified,
+and a seeded sampling request keeps every draft (its text then depends on its seed alone).
+"""
+
+from __future__ import annotations
+
+import pytest
+from support.hf_models import get_model, prompt_ids
+from support.spec_helpers import make_engine, record_reference, run
+
+from lmplug.interfaces.params import SamplingParams
+from lmplug.speculative.draft_length import OPTIMISM, DraftLength
+
+
+def controller(costs: dict[int, float], a: float | None = None) -> DraftLength:
+    """Forwards timed as ``costs`` says; sequence 7's acceptance ``a`` (None: the prior)."""
+    dl = DraftLength()
+    for rows, seconds in costs.items():
+        dl.observe_forward(rows, seconds)
+    if a is not None:
+        dl.acceptance = lambda seq_id: a
+    return dl
+
+
+def best_by_hand(a: float, costs: dict[int, float], proposed: int) -> int:
+    rates = [sum(a ** i for i in range(k + 1)) / costs[k + 1] for k in range(proposed + 1)]
+    return max(range(proposed + 1), key=lambda k: (rates[k], -k))
+
+
+CPU_LIKE = {1: 1.0, 2: 1.07, 3: 1.25, 4: 1.6, 5: 1.85}  # the demo model's verifies, one thread
+FLAT = {1: 1.0, 2: 1.0, 3: 1.01, 4: 1.01, 5: 1.02}  # a GPU's
+
+
+@pytest.mark.parametrize("costs", [CPU_LIKE, FLAT], ids=["cpu-like", "flat"])
+@pytest.mark.parametrize("a", [0.05, 0.3, 0.6, 0.8, 0.95])
+def test_the_choice_maximises_expected_tokens_per_second(costs, a):
+    assert controller(costs, a).choose(7, 4, 0) == best_by_hand(a, costs, 4)
+
+
+def test_long_drafts_where_verifies_are_flat_or_acceptance_high_short_or_none_where_not():
+    assert controller({r: 1.0 for r in range(1, 6)}, 0.2).choose(7, 4, 0) == 4  # flat: every draft
+    assert controller(CPU_LIKE, 0.95).choose(7, 4, 0) == 4  # inside a copied span
+    assert controller(CPU_LIKE).choose(7, 4, 0) == 1  # the prior a = 0.5: 1.5 / 1.07 beats 1.75 / 1.25
+    assert controller(CPU_LIKE, 0.03).choose(7, 4, 0) == 0  # drafts stopped paying: plain steps
+    assert controller(CPU_LIKE, 0.9).choose(7, 0, 0) == 0
+    assert DraftLength().choose(7, 4, 0) == 4  # nothing timed yet: what was proposed
+
+
+def test_acceptance_follows_the_text_and_recovers_after_plain_steps():
+    dl = DraftLength()
+    assert dl.acceptance(1) == 0.5  # the prior: one accept, one reject
+    dl.observe_verify(1, 4, 4)  # 4 of 4: four judged, all accepted
+    assert dl.acceptance(1) == pytest.approx(5 / 6)
+    dl.observe_verify(1, 4, 1)  # 1 of 4: two judged (the first rejection ends what is known)
+    assert dl.acceptance(1) == pytest.approx((0.8 * 4 + 1 + 1) / (0.8 * 4 + 2 + 2))
+    low = DraftLength()
+    for _ in range(10):
+        low.observe_verify(1, 2, 0)
+    before = low.acceptance(1)
+    for _ in range(10):
+        low.observe_verify(1, 0, 0)  # plain steps: the counts fade toward the prior
+    assert before < 0.2 and 0.4 < low.acceptance(1) <= 0.5
+    low.release(1)
+    assert low.acceptance(1) == 0.5
+
+
+def test_an_unmeasured_row_count_is_assumed_cheap_until_tried():
+    dl = controller({1: 1.0, 3: 1.3})
+    assert dl.forward_cost(3) == 1.3
+    assert dl.forward_cost(5) == pytest.approx(1.3 + 2 * OPTIMISM)
+    assert dl.forward_cost(2) == pytest.approx(1.0 + OPTIMISM)
+    dl.observe_forward(5, 2.0)
+    dl.observe_forward(5, 3.0)  # a moving average
+    assert dl.forward_cost(5) == pytest.approx(2.0 + 0.3 * 1.0)
+
+
+def test_other_sequences_rows_count():
+    """Four sequences in a step: their rows and tokens count, so a draft's marginal row is
+    weighed against the whole step (at a = 0.5 one sequence alone would verify 2)."""
+    costs = {1: 1.0, 2: 1.07, 3: 1.25, 4: 1.3, 5: 1.4, 6: 1.5, 7: 1.9, 8: 2.4}
+    k = controller(costs, 0.5).choose(7, 4, 3)
+    rates = [(3 + sum(0.5 ** i for i in range(j + 1))) / costs[4 + j] for j in range(5)]
+    assert k == max(range(5), key=lambda j: (rates[j], -j))
+
+
+# -- in an engine --------------------------------------------------------------------------------
+GREEDY = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+PROMPTS = [prompt_ids(3, 11), prompt_ids(17, 12)]
+ORACLE = {"method": "test_oracle", "num_tokens": 4, "wrong_every": 3}
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return get_model("llama", tmp_path_factory.mktemp("draft_length"), tokenizer=True)
+
+
+@pytest.fixture(scope="module")
+def reference(model):
+    return record_reference(model.path, PROMPTS, GREEDY)
+
+
+def dear_verifies(engine) -> DraftLength:
+    """The engine's controller with its timings replaced by a table where each row past two
+    costs as much as a step: one draft a step pays at best."""
+    dl = engine.speculator.draft_length
+    dl.observe_forward = lambda rows, seconds: None
+    dl.cost.update({1: 1.0, 2: 1.05, **{r: float(r) for r in range(3, 20)}})
+    return dl
+
+
+def test_greedy_output_is_plain_decodings_with_fewer_drafts(model, reference):
+    fixed = make_engine(model.path, ORACLE)
+    assert fixed.speculator.draft_length is None
+    assert run(fixed, PROMPTS[:1], GREEDY)[0].token_ids == reference[0]
+    cost = make_engine(model.path, {**ORACLE, "draft_length": "cost"})
+    dear_verifies(cost)
+    assert run(cost, PROMPTS[:1], GREEDY)[0].token_ids == reference[0]
+    spec = cost.speculator
+    assert 0 < spec.num_drafted <= spec.num_verified  # at most one draft a verify
+    assert spec.num_drafted < fixed.speculator.num_drafted
+
+
+def test_timed_forwards_fill_the_cost_table(model, reference):
+    engine = make_engine(model.path, {**ORACLE, "draft_length": "cost"})
+    run(engine, PROMPTS[:1], GREEDY)
+    costs = engine.speculator.draft_length.cost
+    assert costs and all(rows >= 1 and seconds > 0 for rows, seconds in costs.items())
+    assert max(costs) <= 1 + ORACLE["num_tokens"]  # decode and verify rows, no prefill
+
+
+def test_a_seeded_sampling_request_keeps_every_draft(model, reference):
+    sampled = SamplingParams(temperature=0.8, max_tokens=12, ignore_eos=True, seed=5)
+    outs = []
+    for dear in (False, True):
+        engine = make_engine(model.path, {**ORACLE, "draft_length": "cost"})
+        if dear:
+            dear_verifies(engine)
+        outs.append((run(engine, PROMPTS[:1], sampled)[0].token_ids, engine.speculator.num_drafted))
+    assert outs[0] == outs[1]
