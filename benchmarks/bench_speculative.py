@@ -24,8 +24,8 @@ request, tokens per target forward, acceptance rate, mean accepted drafts per ve
 and the decode speedup over plain; then the median time of a target forward by its rows (a verify
 of k drafts: k + 1 rows) in plain decode steps, by wall time and (at one thread) by the thread's
 CPU time, which a shared machine's other jobs disturb less. ``ngram`` runs the drafter's defaults
-(``adaptive`` drafts, ``draft_length: cost``); ``ngram_fixed`` verifies every proposed draft (the
-earlier defaults). The configs run interleaved (each prompt through every
+(``adaptive`` drafts, ``draft_length: cost``); ``ngram_fixed`` and ``layer_skip_fixed`` verify
+every proposed draft (the earlier defaults). The configs run interleaved (each prompt through every
 config in turn, ``--repeats`` times), so a shared machine's load drifts affect all alike.
 """
 
@@ -83,6 +83,8 @@ def speculative_configs(args) -> dict[str, dict | None]:
                            "adaptive": True},
         "layer_skip": {"method": "layer_skip", "num_tokens": args.layer_skip_k,
                        "num_layers": args.layer_skip_layers},
+        "layer_skip_fixed": {"method": "layer_skip", "num_tokens": args.layer_skip_k,
+                             "num_layers": args.layer_skip_layers, "draft_length": "fixed"},
         "medusa": {"method": "medusa", "num_tokens": args.medusa_k, "heads": args.medusa_heads},
         "medusa_tree": {"method": "medusa", "num_tokens": args.medusa_k, "heads": args.medusa_heads,
                         "tree": _tree_arg(args.medusa_tree)},
@@ -205,7 +207,7 @@ def main() -> None:
                         "paged + attention paged (on CPU a verify's chain drafts are read as decode rows "
                         "by the C kernel, paged_rows.py)")
     p.add_argument("--configs", default="plain,ngram,layer_skip",
-                   help="comma-separated: plain, ngram, ngram_fixed, ngram_adaptive, layer_skip, medusa, medusa_tree, eagle, "
+                   help="comma-separated: plain, ngram, ngram_fixed, ngram_adaptive, layer_skip_fixed, layer_skip, medusa, medusa_tree, eagle, "
                         "eagle_tree, eagle_dynamic, mtp, dflash")
     p.add_argument("--ngram-k", type=int, default=4)
     p.add_argument("--ngram-adaptive-k", type=int, default=16, help="most drafts of the ngram_adaptive config")

@@ -10,12 +10,18 @@ to what the drafter proposed) that maximises
     expected tokens emitted / cost of the step's forward
     E(k) = 1 + a + a^2 + ... + a^k      (each draft accepted with probability a, in order)
 
-with two estimates kept as the engine runs:
+with three estimates kept as the engine runs:
 
 - ``cost(rows)``: the wall time of the step's forward by its number of rows (an exponential
   moving average of the forwards the speculator times, decode and verify steps alone). A row
   count not yet seen is assumed to cost one row's time plus ``OPTIMISM`` of it per extra
   row, so it gets tried once and then measured (optimism in the face of uncertainty);
+- the drafter's time per draft token asked for (its ``propose`` timed, a moving average):
+  before drafting, the number of tokens to ask for is chosen with it added to the cost (a
+  drafter that runs a model, ``layer_skip`` or ``draft_model``, costs a large part of a
+  forward per token; ``ngram`` next to nothing); when no sequence's drafts would pay, the
+  drafter is not asked at all and the step decodes plainly. Once drafted, the tokens are
+  cut without it (it is spent);
 - ``a`` per sequence: its recent acceptance per draft position (accepted drafts over drafts
   judged: those up to and including the first rejection), counts decayed by ``DECAY`` per
   verify so that it follows the text (long copied spans, then free text), with a prior of
@@ -37,12 +43,20 @@ SMOOTHING = 0.3  # weight of a new forward time in its row count's moving averag
 class DraftLength:
     def __init__(self) -> None:
         self.cost: dict[int, float] = {}  # rows of a forward -> seconds (moving average)
+        self.draft_token_cost: float | None = None  # seconds of drafting per token asked for
         self._counts: dict[int, tuple[float, float]] = {}  # seq_id -> (accepted, judged), decayed
 
     # -- what the engine saw ---------------------------------------------------------------------
     def observe_forward(self, rows: int, seconds: float) -> None:
         old = self.cost.get(rows)
         self.cost[rows] = seconds if old is None else old + SMOOTHING * (seconds - old)
+
+    def observe_draft(self, tokens: int, seconds: float) -> None:
+        """The drafter's ``propose`` took ``seconds`` for ``tokens`` tokens a sequence."""
+        if tokens <= 0:
+            return
+        per, old = seconds / tokens, self.draft_token_cost
+        self.draft_token_cost = per if old is None else old + SMOOTHING * (per - old)
 
     def observe_verify(self, seq_id: int, drafted: int, accepted: int) -> None:
         """A verify of ``drafted`` chain drafts that accepted ``accepted`` (0: a plain step)."""
@@ -60,21 +74,27 @@ class DraftLength:
 
     def forward_cost(self, rows: int) -> float | None:
         """Seconds of a forward of ``rows`` rows: measured, or assumed from the nearest
-        measured row count below it (OPTIMISM a row); None before any forward was timed."""
+        measured row count below it (OPTIMISM of one row's cost a row), or below every
+        measured count by the same rule backwards; None before any forward was timed."""
         if rows in self.cost:
             return self.cost[rows]
+        if not self.cost:
+            return None
         below = [r for r in self.cost if r < rows]
         if not below:
-            return None
+            base = min(self.cost)
+            return self.cost[base] / (1 + OPTIMISM * (base - 1)) * (1 + OPTIMISM * (rows - 1))
         base = max(below)
-        one = self.cost.get(1, self.cost[base] / base)
+        one = self.cost.get(1, self.cost[base] / (1 + OPTIMISM * (base - 1)))
         return self.cost[base] + OPTIMISM * one * (rows - base)
 
-    def choose(self, seq_id: int, proposed: int, other_rows: int) -> int:
+    def choose(self, seq_id: int, proposed: int, other_rows: int, drafting: bool = False) -> int:
         """Drafts to verify, 0 .. ``proposed``, for a sequence whose step has ``other_rows``
-        rows besides its own (each counted as one token the step emits)."""
+        rows besides its own (each counted as one token the step emits); ``drafting``: before
+        the drafter runs, its time per token counted too."""
         if proposed <= 0:
             return 0
+        per_draft = self.draft_token_cost if drafting and self.draft_token_cost is not None else 0.0
         a = self.acceptance(seq_id)
         best, best_rate = proposed, -1.0
         expected = float(other_rows)
@@ -83,7 +103,7 @@ class DraftLength:
             cost = self.forward_cost(other_rows + k + 1)
             if cost is None:  # nothing timed yet: verify what was proposed
                 return proposed
-            rate = expected / cost
+            rate = expected / (cost + k * per_draft)
             if rate > best_rate:
                 best, best_rate = k, rate
         return best

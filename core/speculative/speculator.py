@@ -3,7 +3,8 @@
 One step with a drafter (the engine calls the stage at each point):
 
 1. ``propose`` (before scheduling): the drafter proposes up to ``k`` tokens for each running
-   decode sequence. They stay here; the scheduler learns only how many tokens past
+   decode sequence (with ``draft_length``, ``draft_length.py``: as many as pay for their
+   drafting and verifying, none when none would, then each chain cut to what pays to verify). They stay here; the scheduler learns only how many tokens past
    ``token_ids`` each sequence may compute (its *lookahead*) and counts them against its
    token budget and the KV cache like any others.
 2. ``plan`` (after scheduling): the drafts the scheduler fit (``num_new_tokens - 1``; none for
@@ -119,7 +120,13 @@ class Speculator:
         self._proposed = {}
         if not seqs:
             return {}
-        proposal = self.drafter.propose(seqs, self.num_tokens)
+        ask = self._tokens_to_ask(seqs, room)
+        if ask == 0:  # no sequence's drafts would pay for their drafting and verifying: decode plainly
+            return {}
+        start = time.perf_counter()
+        proposal = self.drafter.propose(seqs, ask)
+        if self.draft_length is not None:
+            self.draft_length.observe_draft(ask, time.perf_counter() - start)
         other_rows = len(seqs) - 1  # the step's rows besides a sequence's own (draft_length)
         for i, seq in enumerate(seqs):
             tokens, probs, parents = list(proposal.token_ids[i]), proposal.probs_of(i), proposal.parents_of(i)
@@ -136,6 +143,16 @@ class Speculator:
                 self._proposed[seq.seq_id] = Draft(tokens, None if probs is None else probs[:len(tokens)],
                                                    parents)
         return {seq_id: len(d.tokens) for seq_id, d in self._proposed.items()}
+
+    def _tokens_to_ask(self, seqs: list[Sequence], room: dict[int, int]) -> int:
+        """How many tokens a sequence the drafter is asked for: ``num_tokens``, or with
+        ``draft_length`` the most any sequence would verify, its drafting time counted (a
+        seeded sampling request, which keeps every draft, and tree drafters ask for all)."""
+        if self.draft_length is None or self.drafter.drafts_trees:
+            return self.num_tokens
+        others = len(seqs) - 1
+        return max(room[s.seq_id] if not (s.params.is_greedy or s.params.seed is None)
+                   else self.draft_length.choose(s.seq_id, room[s.seq_id], others, drafting=True) for s in seqs)
 
     def _fit_tree(self, seq: Sequence, tokens: list[int], probs: torch.Tensor | None,
                   parents: list[int]) -> tuple[list[int], torch.Tensor | None, list[int] | None]:

@@ -74,9 +74,23 @@ def test_an_unmeasured_row_count_is_assumed_cheap_until_tried():
     assert dl.forward_cost(3) == 1.3
     assert dl.forward_cost(5) == pytest.approx(1.3 + 2 * OPTIMISM)
     assert dl.forward_cost(2) == pytest.approx(1.0 + OPTIMISM)
+    only_verifies = controller({3: 1.2})  # below every measured count, the same rule backwards
+    assert only_verifies.forward_cost(1) == pytest.approx(1.2 / (1 + 2 * OPTIMISM))
     dl.observe_forward(5, 2.0)
     dl.observe_forward(5, 3.0)  # a moving average
     assert dl.forward_cost(5) == pytest.approx(2.0 + 0.3 * 1.0)
+
+
+def test_drafting_time_counts_before_the_drafter_runs_not_after():
+    """A drafter that costs 0.8 of a forward per token (a model's first layers): at a = 0.5 no
+    draft pays for its drafting, so none is asked for; once drafted, one is worth verifying."""
+    dl = controller(CPU_LIKE, 0.5)
+    dl.observe_draft(2, 1.6)
+    assert dl.draft_token_cost == pytest.approx(0.8)
+    assert dl.choose(7, 4, 0, drafting=True) == 0
+    assert dl.choose(7, 4, 0) == 1
+    dl.observe_draft(4, 0.0004)  # a cheap one moves the average
+    assert dl.draft_token_cost == pytest.approx(0.8 + 0.3 * (0.0001 - 0.8))
 
 
 def test_other_sequences_rows_count():
@@ -125,12 +139,27 @@ def test_greedy_output_is_plain_decodings_with_fewer_drafts(model, reference):
     assert spec.num_drafted < fixed.speculator.num_drafted
 
 
+def test_a_drafter_that_does_not_pay_is_not_asked(model, reference, monkeypatch):
+    """Drafting that costs ten forwards a token, verifies timed: the drafter is never asked,
+    and the output is plain decoding's."""
+    engine = make_engine(model.path, {**ORACLE, "draft_length": "cost"})
+    dl = dear_verifies(engine)
+    dl.observe_draft = lambda tokens, seconds: None
+    dl.draft_token_cost = 10.0
+    asked = []
+    propose = engine.speculator.drafter.propose
+    monkeypatch.setattr(engine.speculator.drafter, "propose", lambda seqs, k: asked.append(k) or propose(seqs, k))
+    assert run(engine, PROMPTS[:1], GREEDY)[0].token_ids == reference[0]
+    assert asked == [] and engine.speculator.num_drafted == 0
+
+
 def test_timed_forwards_fill_the_cost_table(model, reference):
     engine = make_engine(model.path, {**ORACLE, "draft_length": "cost"})
     run(engine, PROMPTS[:1], GREEDY)
-    costs = engine.speculator.draft_length.cost
-    assert costs and all(rows >= 1 and seconds > 0 for rows, seconds in costs.items())
-    assert max(costs) <= 1 + ORACLE["num_tokens"]  # decode and verify rows, no prefill
+    dl = engine.speculator.draft_length
+    assert dl.cost and all(rows >= 1 and seconds > 0 for rows, seconds in dl.cost.items())
+    assert max(dl.cost) <= 1 + ORACLE["num_tokens"]  # decode and verify rows, no prefill
+    assert dl.draft_token_cost is not None and dl.draft_token_cost > 0
 
 
 def test_a_seeded_sampling_request_keeps_every_draft(model, reference):
