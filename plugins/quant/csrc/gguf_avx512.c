@@ -11,7 +11,8 @@
  * prefetch (1 KiB ahead) only for PF_MIN_ROWS rows or more: with fewer the kernel streams the panels
  * (memory-bound) and the hardware prefetcher alone does better (a 1B model's weights in huge pages,
  * one thread, one row: Q4_0 26 -> 30 GB/s, Q4_K 20 -> 25, Q6_K 20 -> 23 without, bench_gguf_builds.py; 2 and 3 rows
- * 1.15x); with 8 or 16 rows (compute-bound) the prefetches pay (Q4_1 1.2x), at 5 rows it is even. The 5-bit
+ * 1.15x); with 8 or 16 rows (compute-bound) the prefetches pay (Q4_1 1.2x), at 5 rows it is even
+ * (Q4_K / Q5_K / Q6_K: never; they touch each block's head first instead, k45_panel). The 5-bit
  * types' values are stored unsigned (Q5_0's + 16, as in the file); the IQ4 types' are looked up
  * + 128 (their offset subtracted as Q8_0's). */
 
@@ -106,7 +107,16 @@ static inline INLINE AVX512 void k45_panel(const uint8_t *p, int64_t nr, const a
     for (int r = 0; r < mc; r++) acc[r] = _mm512_setzero_ps();
     for (int64_t b = 0; b < a->nb; b++) {
         const uint8_t *blk = p + b * pb;
-        prefetch512(blk, pb, mc);
+        /* The head's lines (d, dmin, scales, mins: bytes 0-319) touched first and in order, so the
+         * block is read as one ascending stream (its quants come first in the code, the head after:
+         * a jump back five lines each block, which the hardware prefetcher follows badly); no
+         * software prefetch. One thread, 1B shapes, bench_gguf_builds.py old / new side by side:
+         * Q4_K 1 row 26.2 -> 26.8 GB/s, 2 rows 19.5 -> 24.3, 3 rows 13.7 -> 18.6, 4 rows 10.3 -> 13.4,
+         * 6-8 rows 1.2x, 5 rows 11.8 -> 10.4 and 8.2 -> 8.3 in two runs; Q5_K 1 row 18.3 -> 23.3. */
+        {
+            const uint8_t t0 = blk[0], t1 = blk[64], t2 = blk[128], t3 = blk[192], t4 = blk[256];
+            __asm__ volatile("" : : "r"(t0), "r"(t1), "r"(t2), "r"(t3), "r"(t4));
+        }
         __m512i isum[MR], lo[MR], hi[MR];
         for (int r = 0; r < mc; r++) isum[r] = _mm512_setzero_si512();
 #pragma GCC unroll 4
@@ -205,7 +215,12 @@ static inline INLINE AVX512 void q6_k_panel(const uint8_t *p, int64_t nr, const 
     for (int r = 0; r < mc; r++) acc[r] = _mm512_setzero_ps();
     for (int64_t b = 0; b < a->nb; b++) {
         const uint8_t *blk = p + b * 3360, *groups = blk + 288;
-        prefetch512(blk, 3360, mc);
+        { /* the head (d, scales: lines 0-4) touched first, no software prefetch, as k45_panel: one
+           * thread, 1B shapes, bench_gguf_builds.py old / new: 1 and 3 rows the same (25.9 -> 26.0,
+           * 17.3 -> 17.6 GB/s), 5 rows 10.1 -> 13.1 (Q3_K, tried alike, lost at 5 rows: not there) */
+            const uint8_t t0 = blk[0], t1 = blk[64], t2 = blk[128], t3 = blk[192], t4 = blk[256];
+            __asm__ volatile("" : : "r"(t0), "r"(t1), "r"(t2), "r"(t3), "r"(t4));
+        }
         __m512i isum[MR];
         for (int r = 0; r < mc; r++) isum[r] = _mm512_setzero_si512();
         for (int h = 0; h < 2; h++)
