@@ -200,9 +200,10 @@ class Speculator:
             if keep > 0:
                 self.add_draft(item, draft.head(keep))
         # a step of decode and verify rows only is timed for draft_length (a prefill's rows cost otherwise)
-        plain = all(item.num_new_tokens == item.num_logit_rows for item in scheduled)
-        rows = sum(item.num_new_tokens for item in scheduled)
-        self._forward = (rows, time.perf_counter()) if self.draft_length and scheduled and plain else None
+        self._forward = None
+        if self.draft_length is not None and scheduled and all(
+                item.num_new_tokens == item.num_logit_rows for item in scheduled):
+            self._forward = (sum(item.num_new_tokens for item in scheduled), time.perf_counter())
         sampling = [item.seq for item in scheduled if samples_now(item)]
         self._masks = self.constraints.start(
             sampling, [self._planned[s.seq_id].tokens if s.seq_id in self._planned else [] for s in sampling])

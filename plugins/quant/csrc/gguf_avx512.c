@@ -35,6 +35,14 @@ static inline INLINE AVX512 void prefetch512(const uint8_t *p, int bytes, const 
         for (int o = 0; o < bytes; o += 64) _mm_prefetch((const char *)p + PF512 + o, _MM_HINT_T0);
 }
 
+/* A K-quant panel block's head lines (its scales and mins, bytes 0-319) loaded first and in order:
+ * the kernels read the quants first and the head after, a jump back five lines a block that the
+ * hardware prefetcher follows badly; touched, the block is one ascending stream. */
+static inline INLINE AVX512 void touch_head(const uint8_t *blk) {
+    const uint8_t t0 = blk[0], t1 = blk[64], t2 = blk[128], t3 = blk[192], t4 = blk[256];
+    __asm__ volatile("" : : "r"(t0), "r"(t1), "r"(t2), "r"(t3), "r"(t4));
+}
+
 static inline INLINE AVX512 void store_rows(const __m512 *acc, int mc, int64_t nr, float *out, int64_t ldo) {
     const __mmask16 keep = nr >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << nr) - 1);
     for (int r = 0; r < mc; r++) _mm512_mask_storeu_ps(out + r * ldo, keep, acc[r]);
@@ -107,16 +115,11 @@ static inline INLINE AVX512 void k45_panel(const uint8_t *p, int64_t nr, const a
     for (int r = 0; r < mc; r++) acc[r] = _mm512_setzero_ps();
     for (int64_t b = 0; b < a->nb; b++) {
         const uint8_t *blk = p + b * pb;
-        /* The head's lines (d, dmin, scales, mins: bytes 0-319) touched first and in order, so the
-         * block is read as one ascending stream (its quants come first in the code, the head after:
-         * a jump back five lines each block, which the hardware prefetcher follows badly); no
-         * software prefetch. One thread, 1B shapes, bench_gguf_builds.py old / new side by side:
-         * Q4_K 1 row 26.2 -> 26.8 GB/s, 2 rows 19.5 -> 24.3, 3 rows 13.7 -> 18.6, 4 rows 10.3 -> 13.4,
-         * 6-8 rows 1.2x, 5 rows 11.8 -> 10.4 and 8.2 -> 8.3 in two runs; Q5_K 1 row 18.3 -> 23.3. */
-        {
-            const uint8_t t0 = blk[0], t1 = blk[64], t2 = blk[128], t3 = blk[192], t4 = blk[256];
-            __asm__ volatile("" : : "r"(t0), "r"(t1), "r"(t2), "r"(t3), "r"(t4));
-        }
+        /* The head's lines (d, dmin, scales, mins: bytes 0-319) touched first, no software prefetch.
+         * One thread, 1B shapes, bench_gguf_builds.py old / new side by side: Q4_K 1 row 26.2 -> 26.8
+         * GB/s, 2 rows 19.5 -> 24.3, 3 rows 13.7 -> 18.6, 4 rows 10.3 -> 13.4, 6-8 rows 1.2x, 5 rows
+         * 11.8 -> 10.4 and 8.2 -> 8.3 in two runs; Q5_K 1 row 18.3 -> 23.3. */
+        touch_head(blk);
         __m512i isum[MR], lo[MR], hi[MR];
         for (int r = 0; r < mc; r++) isum[r] = _mm512_setzero_si512();
 #pragma GCC unroll 4
@@ -215,12 +218,10 @@ static inline INLINE AVX512 void q6_k_panel(const uint8_t *p, int64_t nr, const 
     for (int r = 0; r < mc; r++) acc[r] = _mm512_setzero_ps();
     for (int64_t b = 0; b < a->nb; b++) {
         const uint8_t *blk = p + b * 3360, *groups = blk + 288;
-        { /* the head (d, scales: lines 0-4) touched first, no software prefetch, as k45_panel: one
-           * thread, 1B shapes, bench_gguf_builds.py old / new: 1 and 3 rows the same (25.9 -> 26.0,
-           * 17.3 -> 17.6 GB/s), 5 rows 10.1 -> 13.1 (Q3_K, tried alike, lost at 5 rows: not there) */
-            const uint8_t t0 = blk[0], t1 = blk[64], t2 = blk[128], t3 = blk[192], t4 = blk[256];
-            __asm__ volatile("" : : "r"(t0), "r"(t1), "r"(t2), "r"(t3), "r"(t4));
-        }
+        /* the head (d, scales: lines 0-4) touched first, no software prefetch: one thread, 1B shapes,
+         * bench_gguf_builds.py old / new: 1 and 3 rows the same (25.9 -> 26.0, 17.3 -> 17.6 GB/s),
+         * 5 rows 10.1 -> 13.1 (Q3_K, tried alike, lost at 5 rows: not there) */
+        touch_head(blk);
         __m512i isum[MR];
         for (int r = 0; r < mc; r++) isum[r] = _mm512_setzero_si512();
         for (int h = 0; h < 2; h++)
