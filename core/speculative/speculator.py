@@ -4,7 +4,8 @@ One step with a drafter (the engine calls the stage at each point):
 
 1. ``propose`` (before scheduling): the drafter proposes up to ``k`` tokens for each running
    decode sequence (with ``draft_length``, ``draft_length.py``: as many as pay for their
-   drafting and verifying, none when none would, then each chain cut to what pays to verify). They stay here; the scheduler learns only how many tokens past
+   drafting and verifying, none when none would; then each chain is cut to what pays to
+   verify). They stay here; the scheduler learns only how many tokens past
    ``token_ids`` each sequence may compute (its *lookahead*) and counts them against its
    token budget and the KV cache like any others.
 2. ``plan`` (after scheduling): the drafts the scheduler fit (``num_new_tokens - 1``; none for
@@ -134,9 +135,7 @@ class Speculator:
                 tokens, probs, parents = self._fit_tree(seq, tokens, probs, parents)
             if parents is None:
                 tokens = tokens[:room[seq.seq_id]]
-                if self.draft_length is not None and (seq.params.is_greedy or seq.params.seed is None):
-                    # (a seeded sampling request keeps every draft: its random draws, one per
-                    # judged draft, then follow the drafter alone, so the seed gives the same text)
+                if self._may_cut(seq):
                     tokens = tokens[:self.draft_length.choose(seq.seq_id, len(tokens), other_rows)]
                 other_rows += len(tokens)
             if tokens:
@@ -144,15 +143,21 @@ class Speculator:
                                                    parents)
         return {seq_id: len(d.tokens) for seq_id, d in self._proposed.items()}
 
+    def _may_cut(self, seq: Sequence) -> bool:
+        """``draft_length`` chooses this sequence's drafts: not for a seeded sampling request,
+        which keeps every draft (its random draws, one per judged draft, then follow the drafter
+        alone, so the seed gives the same text whatever the forwards cost)."""
+        return self.draft_length is not None and (seq.params.is_greedy or seq.params.seed is None)
+
     def _tokens_to_ask(self, seqs: list[Sequence], room: dict[int, int]) -> int:
         """How many tokens a sequence the drafter is asked for: ``num_tokens``, or with
-        ``draft_length`` the most any sequence would verify, its drafting time counted (a
-        seeded sampling request, which keeps every draft, and tree drafters ask for all)."""
+        ``draft_length`` the most any sequence would verify, its drafting time counted (tree
+        drafters and sequences that keep every draft ask for all)."""
         if self.draft_length is None or self.drafter.drafts_trees:
             return self.num_tokens
         others = len(seqs) - 1
-        return max(room[s.seq_id] if not (s.params.is_greedy or s.params.seed is None)
-                   else self.draft_length.choose(s.seq_id, room[s.seq_id], others, drafting=True) for s in seqs)
+        return max(self.draft_length.choose(s.seq_id, room[s.seq_id], others, drafting=True) if self._may_cut(s)
+                   else room[s.seq_id] for s in seqs)
 
     def _fit_tree(self, seq: Sequence, tokens: list[int], probs: torch.Tensor | None,
                   parents: list[int]) -> tuple[list[int], torch.Tensor | None, list[int] | None]:
