@@ -45,8 +45,8 @@
  * takes all the rows of a tile (one after the other: the weights are read in memory order,
  * which the hardware prefetcher follows; interleaving 4 rows to share the activation loads
  * measured slower here, 4 streams at once being prefetched worse) and prefetches PF_BYTES ahead
- * (Q6_K's and the AVX-512 panels' only from PF_MIN_ROWS rows: with fewer they stream faster on
- * the hardware prefetcher alone).
+ * (the AVX2 Q6_K kernel only from PF_MIN_ROWS rows: with fewer it streams faster on the hardware
+ * prefetcher alone; the AVX-512 panels into L2 from 3 rows, gguf_avx512.c).
  *
  * Kernels: a portable C one per type, and AVX2 (+FMA, F16C) ones compiled with target
  * attributes on x86-64 and chosen at run time when the CPU reports them
@@ -434,7 +434,7 @@ ROWS(iq4_xs)
 
 #define INLINE __attribute__((always_inline))
 #define PF_BYTES 2048 /* how far ahead of the blocks in use the weights are prefetched */
-#define PF_MIN_ROWS 5 /* activation rows from which the panel and Q6_K kernels prefetch (gguf_avx512.c) */
+#define PF_MIN_ROWS 5 /* activation rows from which the AVX2 Q6_K kernel prefetches */
 
 /* The kernel over nr weight rows with mc a constant for each row count 1 .. MR (mc <= MR: run
  * hands out groups of at most MR): the loops over activation rows unroll, the accumulators stay
