@@ -2,7 +2,7 @@
 verifies, from the forward times by row count and each sequence's recent acceptance.
 
 The choice is checked against the arithmetic it stands for (expected tokens over cost, with
-E(k) = 1 + a + ... + a^k), on cost tables set by hand; in an engine, with a cost table that
+E(k) = 1 + a_1 + a_1 a_2 + ... + a_1 ... a_k), on cost tables set by hand; in an engine, with a cost table that
 makes long verifies dear, greedy output stays plain decoding's while fewer drafts are verified,
 and a seeded sampling request keeps every draft (its text then depends on its seed alone).
 """
@@ -14,21 +14,26 @@ from support.hf_models import get_model, prompt_ids
 from support.spec_helpers import make_engine, record_reference, run
 
 from lmplug.interfaces.params import SamplingParams
-from lmplug.speculative.draft_length import OPTIMISM, DraftLength
+from lmplug.speculative.draft_length import DECAY, OPTIMISM, PRIOR_WEIGHT, DraftLength
 
 
-def controller(costs: dict[int, float], a: float | None = None) -> DraftLength:
-    """Forwards timed as ``costs`` says; sequence 7's acceptance ``a`` (None: the prior)."""
+def controller(costs: dict[int, float], a: float | list[float] | None = None) -> DraftLength:
+    """Forwards timed as ``costs`` says; sequence 7's acceptance ``a``: one rate for every
+    draft position, or one per position (None: the prior)."""
     dl = DraftLength()
     for rows, seconds in costs.items():
         dl.observe_forward(rows, seconds)
     if a is not None:
-        dl.acceptance = lambda seq_id: a
+        dl.acceptance = lambda seq_id, depth: (list(a) if isinstance(a, list) else [a] * depth)[:depth]
     return dl
 
 
-def best_by_hand(a: float, costs: dict[int, float], proposed: int) -> int:
-    rates = [sum(a ** i for i in range(k + 1)) / costs[k + 1] for k in range(proposed + 1)]
+def best_by_hand(a: float | list[float], costs: dict[int, float], proposed: int) -> int:
+    per = a if isinstance(a, list) else [a] * proposed
+    reach = [1.0]
+    for rate in per[:proposed]:
+        reach.append(reach[-1] * rate)
+    rates = [sum(reach[:k + 1]) / costs[k + 1] for k in range(proposed + 1)]
     return max(range(proposed + 1), key=lambda k: (rates[k], -k))
 
 
@@ -42,6 +47,16 @@ def test_the_choice_maximises_expected_tokens_per_second(costs, a):
     assert controller(costs, a).choose(7, 4, 0) == best_by_hand(a, costs, 4)
 
 
+@pytest.mark.parametrize("a", [[0.3, 0.9, 0.9, 0.9], [0.6, 0.95, 0.95, 0.95], [0.7, 0.4, 0.2, 0.1]])
+def test_each_position_has_its_own_rate(a):
+    """A first draft often rejected but the ones after it kept (a copied span once it is found):
+    one rate for all would cut the drafts that pay."""
+    assert controller(CPU_LIKE, a).choose(7, 4, 0) == best_by_hand(a, CPU_LIKE, 4)
+    assert controller(CPU_LIKE, [0.6, 0.95, 0.95, 0.95]).choose(7, 4, 0) == 4
+    first_only = sum(0.6 ** i for i in range(5)) / CPU_LIKE[5]  # one rate, 0.6: 4 drafts rate less
+    assert first_only < (1 + 0.6) / CPU_LIKE[2]
+
+
 def test_long_drafts_where_verifies_are_flat_or_acceptance_high_short_or_none_where_not():
     assert controller({r: 1.0 for r in range(1, 6)}, 0.2).choose(7, 4, 0) == 4  # flat: every draft
     assert controller(CPU_LIKE, 0.95).choose(7, 4, 0) == 4  # inside a copied span
@@ -53,20 +68,31 @@ def test_long_drafts_where_verifies_are_flat_or_acceptance_high_short_or_none_wh
 
 def test_acceptance_follows_the_text_and_recovers_after_plain_steps():
     dl = DraftLength()
-    assert dl.acceptance(1) == 0.5  # the prior: one accept, one reject
-    dl.observe_verify(1, 4, 4)  # 4 of 4: four judged, all accepted
-    assert dl.acceptance(1) == pytest.approx(5 / 6)
-    dl.observe_verify(1, 4, 1)  # 1 of 4: two judged (the first rejection ends what is known)
-    assert dl.acceptance(1) == pytest.approx((0.8 * 4 + 1 + 1) / (0.8 * 4 + 2 + 2))
+    assert dl.acceptance(1, 3) == [0.5, 0.5, 0.5]  # the prior: one accept, one reject, every position
+    dl.observe_verify(1, 4, 4)  # 4 of 4: positions 1-4 judged and accepted
+    a1 = 2 / 3
+    a2 = (1 + PRIOR_WEIGHT * a1) / (1 + PRIOR_WEIGHT)
+    assert dl.acceptance(1, 2) == pytest.approx([a1, a2])
+    dl.observe_verify(1, 4, 1)  # 1 of 4: position 1 accepted, 2 rejected, 3 and 4 not judged
+    a1 = (DECAY + 1 + 1) / (DECAY + 1 + 2)  # the first verify's counts decayed, plus this one's
+    a2 = (DECAY + PRIOR_WEIGHT * a1) / (DECAY + 1 + PRIOR_WEIGHT)  # accepted then, rejected now
+    a3 = (DECAY + PRIOR_WEIGHT * a2) / (DECAY + PRIOR_WEIGHT)  # judged then only
+    assert dl.acceptance(1, 3) == pytest.approx([a1, a2, a3])
+    copy = DraftLength()  # the first draft kept half the time, every later one kept
+    for _ in range(10):
+        copy.observe_verify(1, 4, 4)
+        copy.observe_verify(1, 4, 0)
+    first, *later = copy.acceptance(1, 4)
+    assert 0.4 < first < 0.6 and all(a > 0.8 for a in later)
     low = DraftLength()
     for _ in range(10):
         low.observe_verify(1, 2, 0)
-    before = low.acceptance(1)
+    before = low.acceptance(1, 1)[0]
     for _ in range(10):
         low.observe_verify(1, 0, 0)  # plain steps: the counts fade toward the prior
-    assert before < 0.2 and 0.4 < low.acceptance(1) <= 0.5
+    assert before < 0.2 and 0.4 < low.acceptance(1, 1)[0] <= 0.5
     low.release(1)
-    assert low.acceptance(1) == 0.5
+    assert low.acceptance(1, 2) == [0.5, 0.5]
 
 
 def test_an_unmeasured_row_count_is_assumed_cheap_until_tried():
