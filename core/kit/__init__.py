@@ -33,7 +33,8 @@ Helpers backends of every family share:
 - ``rope``: ``RotaryEmbedding``; ``kv_layout``: ``kv_slots``, the one slot-address formula;
   ``kv_quant``: quantized KV (``store_kv``, ``dequantize_kv``); ``draft_tree``: tree shapes.
 - ``devices``: the GPU capability kernels pick launch tables by; ``native_build``: a C library
-  built and cached on first use; ``hugemem``: weights in transparent huge pages; ``native``: the native decode step's C ABI; ``threads``:
+  built and cached on first use; ``hugemem``: weights in transparent huge pages; ``file_pages``:
+  a file mapping's pages given back once copied; ``native``: the native decode step's C ABI; ``threads``:
   compute threads and torch on one thread; ``paths``: the cache folder.
 - ``extras``: the opt-in mixins of the first-party fast paths (packed weights, own threads,
   native products and decode, short queries) the core asks only backends that list them.

@@ -38,6 +38,7 @@ from lmplug.interfaces.architecture import Architecture
 from lmplug.interfaces.checkpoint import ModelSource
 from lmplug.interfaces.gguf_header import GGUFHeader
 from lmplug.interfaces.packed import PackedTensor, row_bytes
+from lmplug.kit.file_pages import release_file_pages
 from lmplug.loading.tokenizer import Tokenizer
 from lmplug.loading.validate import check_gguf_tensors
 from lmplug.plugins import Registry, get_registry
@@ -249,8 +250,9 @@ def _packed_tensor(file_bytes: torch.Tensor, tensor: Any, head_counts: dict[str,
     data = file_bytes[start:start + rows * width].view(rows, width)
     packed = PackedTensor(data, int(tensor.tensor_type), (rows, cols), tensor.name)
     kind = tensor.name.split(".")[2] if tensor.name.startswith("blk.") else ""
-    if kind in head_counts:
+    if kind in head_counts:  # llama.cpp's q/k row order undone: a copy, the file's pages given back
         packed = packed.rows(unpermute_index(rows, head_counts[kind]))
+        release_file_pages(data)
     return packed
 
 

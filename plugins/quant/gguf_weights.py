@@ -11,16 +11,13 @@ then it would be the same 4 KiB pages twice.
 
 from __future__ import annotations
 
-import ctypes
-import functools
-import mmap
-import sys
 import weakref
 from collections.abc import Callable
 
 import torch
 
 from lmplug.kit import hugemem
+from lmplug.kit.file_pages import release_file_pages
 
 _copies: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # (form, weight's key) -> its copy
 
@@ -63,41 +60,3 @@ def hot_rows(w: torch.Tensor, ggml_type: int, k: int) -> torch.Tensor:
     def make() -> torch.Tensor:
         return hugemem.empty(w.shape[0] * w.shape[1]).view(w.shape[0], w.shape[1]).copy_(w)
     return cached_copy("rows", w, ggml_type, k, make)
-
-
-MADV_DONTNEED = 4  # <sys/mman.h> on Linux
-
-
-def release_file_pages(w: torch.Tensor) -> bool:
-    """Drop this process's pages of ``w``'s rows when they lie in a read-only file mapping (the
-    GGUF's memory map), once its copy is made (panels, rows in huge pages): the resident memory
-    then holds the copy, not a second one of the weights. The rows stay valid: a later read (an embedding lookup of
-    the tied head, the op path) faults its pages back in from the file. Memory of any other kind
-    (a copy made at load: permuted q/k rows, joined shards) is left alone. True when released."""
-    if not sys.platform.startswith("linux") or w.numel() == 0:
-        return False
-    page = mmap.PAGESIZE
-    start = w.data_ptr()
-    end = start + (w.shape[0] - 1) * w.stride(0) + w.shape[1]
-    lo, hi = -(-start // page) * page, end // page * page  # the whole pages inside the rows
-    if hi <= lo:
-        return False
-    try:
-        with open("/proc/self/maps") as maps:
-            for line in maps:
-                fields = line.split()
-                first, last = (int(a, 16) for a in fields[0].split("-"))
-                if first <= lo < last:
-                    if hi > last or fields[1][1] != "-" or fields[4] == "0" or len(fields) < 6:
-                        return False  # writable, anonymous, or not one mapping: keep it
-                    return _libc().madvise(ctypes.c_void_p(lo), ctypes.c_size_t(hi - lo), MADV_DONTNEED) == 0
-    except OSError:
-        return False
-    return False
-
-
-@functools.cache
-def _libc() -> ctypes.CDLL:
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.madvise.argtypes, libc.madvise.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int
-    return libc

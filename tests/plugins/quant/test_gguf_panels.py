@@ -127,6 +127,41 @@ def test_panels_release_the_rows_of_a_file_mapping(kernel, tmp_path):
     assert torch.equal(plain, torch.from_numpy(w))
 
 
+@pytest.mark.skipif(not __import__("sys").platform.startswith("linux"), reason="madvise and /proc are Linux's")
+def test_copies_made_at_load_release_the_file_pages(tmp_path):
+    """Two shards that do not lie back to back (a Q4_K_M file's ffn_gate and ffn_up) are joined by a
+    copy, and llama's q/k rows are reordered by one: the file's pages of what was copied leave the
+    process's resident memory (they stayed beside the copies: 340 MB of a 1B Q4_K_M file)."""
+    from types import SimpleNamespace
+
+    import numpy as np
+    from lmplug_quant.gguf import _join
+
+    from lmplug.loading.gguf import _packed_tensor, unpermute_index
+
+    k, n, gap = 256, 2048, 16  # two 288 KiB shards of Q4_0 rows, 16 rows apart
+    w = make_weight("Q4_0", 2 * n + gap, k, seed=3)
+    mapped = file_rows(tmp_path / "shards.bin", w)
+    assert torch.equal(mapped, torch.from_numpy(w))  # every page now resident
+    lo, hi = mapped.data_ptr(), mapped.data_ptr() + mapped.numel()
+    assert resident_kib(lo, hi) >= 500
+    joined = _join(mapped[:n], mapped[n + gap:])
+    assert torch.equal(joined, torch.from_numpy(np.concatenate([w[:n], w[n + gap:]])))
+    assert resident_kib(lo, hi) <= 24  # the gap's rows and the partial pages at the shards' ends
+
+    rows = 2 * n
+    path = tmp_path / "q.bin"
+    path.write_bytes(b"\0" * 100 + w[:rows].tobytes())
+    file_bytes = torch.from_numpy(np.memmap(path, mode="r").view(np.ndarray))
+    assert int(file_bytes.sum()) == int(w[:rows].astype(np.int64).sum())  # resident
+    lo, hi = file_bytes.data_ptr(), file_bytes.data_ptr() + file_bytes.numel()
+    tensor = SimpleNamespace(shape=np.array([k, rows]), data_offset=100, tensor_type=type_id("Q4_0"),
+                             name="blk.0.attn_q.weight")
+    packed = _packed_tensor(file_bytes, tensor, {"attn_q": 8})
+    assert torch.equal(packed.data, torch.from_numpy(w[:rows])[unpermute_index(rows, 8)])
+    assert resident_kib(lo, hi) <= 8
+
+
 def test_proc_cpuinfo_flags_bound_the_kernel_set(kernel, monkeypatch, caplog):
     """A feature /proc/cpuinfo does not list (the OS turned it off, or a CPU lacks it) rules its
     kernel set out whatever CPUID says, and the load's line names what is missing; without a
