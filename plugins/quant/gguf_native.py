@@ -128,6 +128,10 @@ class GGUFKernel:
         self._unrepack.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
                                    ctypes.c_int64]
         self._unrepack.restype = ctypes.c_int
+        self._dequantize = lib.gguf_dequantize_rows
+        self._dequantize.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int, ctypes.c_int64,
+                                     ctypes.c_void_p]
+        self._dequantize.restype = ctypes.c_int
         logger.info("quant gguf: native CPU kernels: %s", describe_isa(self.best_isa))
 
     def panels(self, w: torch.Tensor, ggml_type: int, k: int) -> torch.Tensor:
@@ -162,6 +166,16 @@ class GGUFKernel:
         status = self._unrepack(ggml_type, panels.data_ptr(), n, k, out.data_ptr(), size)
         if status != 0:
             raise RuntimeError(f"{_WHAT}: unpacking panels: {_ERRORS.get(status, f'error {status}')}")
+        return out
+
+    def dequantize(self, w: torch.Tensor, ggml_type: int, k: int) -> torch.Tensor:
+        """``w``'s rows [n, row_bytes] as float32 [n, k], bit-identical to ``gguf_ref.dequantize``
+        (``csrc/gguf_dequant.c``): a packed token table's lookup."""
+        stride = _check_weight(w, ggml_type, k, row_bytes(ggml_type, k))[0]
+        out = torch.empty(w.shape[0], k, dtype=torch.float32)
+        status = self._dequantize(w.data_ptr(), stride, w.shape[0], ggml_type, k, out.data_ptr())
+        if status != 0:
+            raise RuntimeError(f"{_WHAT}: dequantizing: {_ERRORS.get(status, f'error {status}')}")
         return out
 
     def operand(self, w: torch.Tensor, ggml_type: int, k: int, isa: int) -> tuple[torch.Tensor, int]:

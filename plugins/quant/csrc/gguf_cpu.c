@@ -1160,6 +1160,7 @@ static void run_job(job_t *j) {
 #define EXPORT __attribute__((visibility("default")))
 
 #include "gguf_repack.c"
+#include "gguf_dequant.c"
 
 /* The best kernel set this CPU runs: 2 (AVX-512 F/BW/VL/VNNI, and AVX2), 1 (AVX2 + FMA +
  * F16C) or 0 (portable C); on aarch64 2 (NEON + dotprod, as Linux's AT_HWCAP reports it) or

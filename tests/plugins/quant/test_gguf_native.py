@@ -335,6 +335,24 @@ def test_bad_input_is_named(kernel):
         kernel.mul_mat(torch.randn(1, 64), w.t().contiguous().t(), 2, 64)
 
 
+@pytest.mark.parametrize("name", TYPES + ["IQ4_NL", "IQ4_XS"])
+def test_dequantized_rows_are_gguf_py_bits(kernel, name):
+    """A packed token table's lookup (csrc/gguf_dequant.c) gives gguf-py's dequantize, bit for
+    bit, for rows picked out of the table (a copy) and for a strided view of it."""
+    t = type_id(name)
+    table = torch.from_numpy(make_weight(name, 9, 512, seed=3))
+    ids = torch.tensor([4, 0, 8, 4])
+    got = kernel.dequantize(table[ids], t, 512)
+    want = dequantized(name, table[ids].numpy())
+    assert torch.equal(got.view(torch.int32), want.view(torch.int32))
+    wide = torch.zeros(9, table.shape[1] + 8, dtype=torch.uint8)
+    wide[:, 5:5 + table.shape[1]] = table
+    view = wide[:, 5:5 + table.shape[1]]
+    assert torch.equal(kernel.dequantize(view, t, 512).view(torch.int32), dequantized(name, table.numpy()).view(torch.int32))
+    with pytest.raises(ValueError, match="must be a positive multiple"):
+        kernel.dequantize(table[:, :10], t, 10)
+
+
 @pytest.mark.parametrize("name", ["Q4_1", "Q6_K"])
 def test_bound_product_is_mul_mat(kernel, name):
     """The decode hot path (checked once, then straight to the C call) gives mul_mat's bits, at
