@@ -8,9 +8,10 @@
  * nibbles as they are) or + 128 (Q8_0), and the offset times the block's activation sum
  * (acts_t.s) is subtracted from the integer sum. The panel is read once, in memory order,
  * for up to MR activation rows; outputs past the panel's real rows are masked off.
- * Prefetch: at one and two rows the kernel streams the panels (memory-bound) and the hardware
- * prefetcher alone does best; from PF_L2_ROWS rows (Q6_K: PF_L2_ROWS_Q6K) each panel block asks
- * for the bytes PF_L2_AHEAD past it into L2 (prefetcht1: into L1 it evicted the activation rows,
+ * Prefetch: at one row the kernel streams the panels (memory-bound) and the hardware
+ * prefetcher alone does best; at the row counts in PF_L2_ROWS (from 3; from 2 for Q4_0, Q3_K and
+ * Q5_K; Q6_K: PF_L2_ROWS_Q6K, 2 and from 5) each panel block asks for the bytes PF_L2_AHEAD past
+ * it into L2 (prefetcht1: into L1 it evicted the activation rows,
  * which every panel block reads again, and made it worse). There the kernel does several rows'
  * arithmetic per byte, reads slower than the hardware prefetcher runs ahead of, and without the
  * hint it waited on memory: 8 KiB ahead, one thread, 1B shapes, bench_gguf_builds.py old / new
@@ -18,7 +19,10 @@
  * 13.3 -> 18.8; 5 rows Q4_K 10.4 -> 16.1, Q5_K 6.7 -> 14.9, Q8_0 19.2 -> 26.2, Q4_1 14.5 -> 17.2,
  * IQ4_XS 12.7 -> 16.2; 3 rows Q5_K 7.5 -> 18.1, Q4_1 19.1 -> 26.1; 8 rows Q6_K 7.4 -> 9.3,
  * Q8_0 11.6 -> 19.3. At one row the same hint lost 20-35% (Q4_K 26.1 -> 20.7, Q6_K 28.8 -> 18.6),
- * at two 0-9%; Q6_K lost at 3 and 4 rows (20.8 -> 16.4, 18.9 -> 16.5) and is even at 5. The
+ * at two 0-9% (with the row counts' kernels inlined into one function; apart, 2 rows: Q5_K 14.0
+ * -> 16.6, Q3_K 11.7 -> 16.0, Q6_K 17.2 -> 20.2, Q4_0 27.4 -> 29.6; Q4_K 24.6 -> 23.5, Q4_1 and
+ * Q8_0 -3%: not there); Q6_K lost at 3 and 4 rows (20.8 -> 16.4, 18.9 -> 16.5; apart 18.0 -> 16.1,
+ * 17.7 -> 16.5) and is even at 5. The
  * 5-bit types' values are stored unsigned (Q5_0's + 16, as in the file); the IQ4 types' are looked
  * up + 128 (their offset subtracted as Q8_0's). */
 
@@ -35,13 +39,15 @@ static inline INLINE AVX512 __m512 f16x16(const uint8_t *p) {
 }
 
 #define PF_L2_AHEAD 8192  /* bytes past the panel block in use that are asked for into L2 */
-#define PF_L2_ROWS 3       /* activation rows from which the panels prefetch (module comment) */
-#define PF_L2_ROWS_Q6K 5   /* Q6_K's */
+#define PF_FROM(n) (0x1FFu & ~((1u << (n)) - 1u)) /* a set of row counts (bit mc): n .. 8 */
+#define PF_L2_ROWS PF_FROM(3)                        /* the row counts at which the panels prefetch */
+#define PF_L2_ROWS_TWO PF_FROM(2)                    /* Q4_0's, Q3_K's, Q5_K's (module comment) */
+#define PF_L2_ROWS_Q6K ((1u << 2) | PF_FROM(5))      /* Q6_K's */
 
-/* The panel block at p (bytes long)'s lines PF_L2_AHEAD ahead into L2, from `from` rows (mc and
- * from are constants in each unrolled copy: no test at run time; no fault past the end). */
-static inline INLINE AVX512 void prefetch_l2(const uint8_t *p, int bytes, const int mc, const int from) {
-    if (mc >= from)
+/* The panel block at p (bytes long)'s lines PF_L2_AHEAD ahead into L2 at the row counts in `rows`
+ * (mc and rows are constants in each row count's kernel: no test at run time; no fault past the end). */
+static inline INLINE AVX512 void prefetch_l2(const uint8_t *p, int bytes, const int mc, const unsigned rows) {
+    if ((rows >> mc) & 1u)
         for (int o = 0; o < bytes; o += 64) _mm_prefetch((const char *)p + PF_L2_AHEAD + o, _MM_HINT_T1);
 }
 
@@ -73,7 +79,7 @@ static inline INLINE AVX512 void small_panel(const uint8_t *p, int64_t nr, const
     for (int r = 0; r < mc; r++) acc[r] = _mm512_setzero_ps();
     for (int64_t b = 0; b < a->nb; b++) {
         const uint8_t *blk = p + b * pb;
-        prefetch_l2(blk, pb, mc, PF_L2_ROWS);
+        prefetch_l2(blk, pb, mc, type == T_Q4_0 ? PF_L2_ROWS_TWO : PF_L2_ROWS);
         __m512i q[8]; /* 8 vectors of 4 elements a lane: elements 4 c .. (4/5-bit: and 16 + 4 c ..) */
         if (type == T_Q8_0) {
             for (int c = 0; c < 8; c++) q[c] = _mm512_loadu_si512(blk + head + 64 * c);
@@ -127,10 +133,10 @@ static inline INLINE AVX512 void k45_panel(const uint8_t *p, int64_t nr, const a
         const uint8_t *blk = p + b * pb;
         /* The head's lines (d, dmin, scales, mins: bytes 0-319) touched first. One thread, 1B shapes,
          * bench_gguf_builds.py old / new side by side: Q4_K 1 row 26.2 -> 26.8 GB/s, 2 rows 19.5 ->
-         * 24.3, 3 rows 13.7 -> 18.6, 4 rows 10.3 -> 13.4; Q5_K 1 row 18.3 -> 23.3. From 3 rows the
+         * 24.3, 3 rows 13.7 -> 18.6, 4 rows 10.3 -> 13.4; Q5_K 1 row 18.3 -> 23.3. From 3 rows (Q5_K: 2) the
          * blocks ahead are prefetched into L2 too (module comment). */
         touch_head(blk);
-        prefetch_l2(blk, pb, mc, PF_L2_ROWS);
+        prefetch_l2(blk, pb, mc, five ? PF_L2_ROWS_TWO : PF_L2_ROWS);
         __m512i isum[MR], lo[MR], hi[MR];
         for (int r = 0; r < mc; r++) isum[r] = _mm512_setzero_si512();
 #pragma GCC unroll 4
@@ -231,7 +237,7 @@ static inline INLINE AVX512 void q6_k_panel(const uint8_t *p, int64_t nr, const 
         const uint8_t *blk = p + b * 3360, *groups = blk + 288;
         /* the head (d, scales: lines 0-4) touched first: one thread, 1B shapes, bench_gguf_builds.py
          * old / new: 1 and 3 rows the same (25.9 -> 26.0, 17.3 -> 17.6 GB/s), 5 rows 10.1 -> 13.1
-         * (Q3_K, tried alike, lost at 5 rows: not there); from 5 rows the L2 prefetch too */
+         * (Q3_K, tried alike, lost at 5 rows: not there); at 2 rows and from 5 the L2 prefetch too */
         touch_head(blk);
         prefetch_l2(blk, 3360, mc, PF_L2_ROWS_Q6K);
         __m512i isum[MR];
@@ -271,7 +277,7 @@ static inline INLINE AVX512 void q3_k_panel(const uint8_t *p, int64_t nr, const 
     for (int r = 0; r < mc; r++) acc[r] = _mm512_setzero_ps();
     for (int64_t b = 0; b < a->nb; b++) {
         const uint8_t *blk = p + b * 1824, *hm = blk + 288, *qs = blk + 800;
-        prefetch_l2(blk, 1824, mc, PF_L2_ROWS);
+        prefetch_l2(blk, 1824, mc, PF_L2_ROWS_TWO);
         __m512i isum[MR];
         for (int r = 0; r < mc; r++) isum[r] = _mm512_setzero_si512();
 #pragma GCC unroll 2
