@@ -79,3 +79,23 @@ def test_weights_move_into_huge_pages_with_the_same_bits(torch_threads, monkeypa
     assert torch.equal(layer.quant.apply(layer, x), plain.quant.apply(plain, x))
     native_dense.product(layer)
     assert layer.weight.data_ptr() == moved  # once
+
+
+@pytest.mark.parametrize("biases", [(False, False, False), (True, False, True)], ids=["no-bias", "some-bias"])
+def test_stacked_product_of_separate_weights(torch_threads, biases):
+    """Separate [out_i, in] weights (an EAGLE head's q/k/v ``nn.Linear``s) as one product over a
+    W^T copy: the float64 matmul of the rows stacked, missing biases zero; the weights untouched."""
+    torch_threads(1)
+    g = torch.Generator().manual_seed(3)
+    linears = [torch.nn.Linear(96, n, bias=b) for n, b in zip((64, 32, 33), biases)]
+    before = [(m.weight.data_ptr(), m.weight.detach().clone()) for m in linears]
+    call = native_dense.stacked([m.weight for m in linears], [m.bias for m in linears], "test qkv")
+    assert call is not None and call.name == "test qkv"
+    x = torch.randn(5, 96, generator=g)
+    want = torch.cat([torch.nn.functional.linear(x.double(), m.weight.double(),
+                                                 None if m.bias is None else m.bias.double()) for m in linears], -1)
+    got = call_product(call, x, 129)
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5 * 96 ** 0.5)
+    assert all(m.weight.data_ptr() == p and torch.equal(m.weight, w) for m, (p, w) in zip(linears, before))
+    torch_threads(2)
+    assert native_dense.stacked([m.weight for m in linears], [None] * 3, "test") is None
