@@ -23,6 +23,9 @@ quant method's small-M kernels read each weight once for all of them) and each r
 is a decode row of its own: on the demo model a verify of 4 drafts costs about 1.3-1.5 decode
 steps instead of 2.4-2.7 through the Python layers (``benchmarks/bench_speculative.py``).
 The engine plan decides whether it runs (``cpu.native_step``, overridden by ``LMPLUG_NATIVE_STEP``; benchmarks compare the two).
+A drafter's own layers run through a plan of their own (``for_layers``, over the drafter's cache
+views): an MTP module's layer (its ``native_form``), an EAGLE head's (``LayerForm.products``: the
+head's own products; no input norm), following the target's decision (``native_step_allowed``).
 """
 
 from __future__ import annotations
