@@ -48,9 +48,11 @@ def product(linear: torch.nn.Module) -> NativeCall | None:
 
 def stacked(weights: list[torch.Tensor], biases: list[torch.Tensor | None], name: str) -> NativeCall | None:
     """The product of the rows of ``weights`` ([out_i, in] each, e.g. separate q/k/v ``nn.Linear``
-    weights) stacked, over a ``W^T`` copy in huge pages made here once (``biases``: each one's or
-    None), or None: not float32 on the CPU, more than one compute thread, no fused library. For
-    modules that are not the core's linear layers (an EAGLE head's), whose weights stay as they are."""
+    weights of modules that are not the core's linear layers: an EAGLE head's) stacked, over one
+    ``W^T`` copy in huge pages (``biases``: each one's or None), or None: not float32 on the CPU,
+    more than one compute thread, no fused library. Each weight's values move into the copy (its
+    ``.data`` becomes a view of its rows: same values, ``W^T`` strides, which torch's matmul reads
+    as they are), so no second copy stays."""
     if compute_threads() != 1 or any(w.dtype != torch.float32 or not w.is_cpu or w.dim() != 2 for w in weights):
         return None
     lib = fused_cpu.library()
@@ -59,6 +61,10 @@ def stacked(weights: list[torch.Tensor], biases: list[torch.Tensor | None], name
     weight = torch.cat([w.detach() for w in weights])  # [out, in]
     copy = hugemem.empty(weight.numel() * weight.element_size()).view(weight.dtype)
     wt = copy.view(weight.shape[1], weight.shape[0]).copy_(weight.t()).t()  # [out, in] in W^T strides
+    start = 0
+    for w in weights:
+        w.data = wt[start:start + w.shape[0]]
+        start += w.shape[0]
     bias = None
     if any(b is not None for b in biases):
         bias = torch.cat([torch.zeros(w.shape[0]) if b is None else b.detach().float().cpu()

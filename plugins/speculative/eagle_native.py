@@ -5,8 +5,9 @@ with no input norm: the attention reads x itself) whose projections are separate
 modules, not the core's fused linear layers with a quant method. Its products are the kit's C
 product over fused float32 ``W^T`` copies made once here (qkv = cat(q, k, v), gate_up =
 cat(gate, up); biases where the head has them): on one compute thread only, as the core's own
-float32 products (``lmplug.kit.native_dense``). The module's weights stay as they are, so the
-Python layer (training, CUDA, more threads, prefills) runs on them unchanged.
+float32 products (``lmplug.kit.native_dense``). The module's weights move into those copies
+(views of their rows, same values), so the Python layer (CUDA, more threads, a prompt's
+catch-up) runs on the same memory and no second copy of the layer is kept.
 """
 
 from __future__ import annotations
