@@ -17,12 +17,12 @@ import torch
 from lmplug_speculative.eagle_train import train_eagle
 from lmplug_speculative.mtp_train import train_mtp
 from support.hf_models import get_model, one_torch_thread, prompt_ids  # noqa: F401 - fixture
+from support.native_compare import count_native_runs
 from support.spec_helpers import make_engine, run
 
 from lmplug import LLM
 from lmplug.interfaces.params import SamplingParams
 from lmplug.kit import fused_cpu
-from lmplug.kit.mtp import MTPModule
 from lmplug.kit.native_step import NativeDecodeStep
 from lmplug.train_host import LLMTrainingHost
 
@@ -60,93 +60,54 @@ def reference(model):
 @pytest.fixture
 def drafter_runs(monkeypatch):
     """How many forwards a drafter's own plan (no model: a layers' plan) ran natively."""
-    seen = {"native": 0, "declined": 0}
-    run_step = NativeDecodeStep.run
-
-    def counting(self, x, positions, ctx, *rest):
-        out = run_step(self, x, positions, ctx, *rest)
-        if self.model is None:
-            seen["native" if out is not None else "declined"] += 1
-        return out
-
-    monkeypatch.setattr(NativeDecodeStep, "run", counting)
-    return seen
+    return count_native_runs(monkeypatch, lambda plan: plan.model is None)
 
 
-def _kind(ctx) -> str:
-    if ctx.query_masks:
-        return "tree"
-    return "decode" if max(ctx.query_lens_cpu) == 1 else "rows"
+def _plan(drafter, method: str):
+    """(the object holding the drafter's native plan, its attribute, its value for "none")."""
+    return (drafter, "_native", None) if method == "eagle" else (drafter.mtp, "_native_step", False)
 
 
-def _compare_eagle(drafter, compared: dict):
-    """Every forward the native plan takes, run again through the Python layer and compared."""
-    compute = drafter._compute
+def _compare_paths(drafter, method: str, compared: dict) -> None:
+    """Every forward the native plan takes, run again through the Python layer (the plan
+    switched off) and compared; the Python run rewrites the same K/V slots with ~the same values."""
+    owner, attr, off = _plan(drafter, method)
+    name = "_compute" if method == "eagle" else "forward"  # the EAGLE drafter's head forward, the MTP module's
+    inner = getattr(owner, name)
 
     def both(input_ids, features, ctx):
-        plan = drafter._native
-        if not plan.fits(torch.empty(ctx.num_tokens, 1), ctx):  # a prompt's catch-up: the Python layer only
-            return compute(input_ids, features, ctx)
-        native = compute(input_ids, features, ctx)
-        drafter._native = None
+        plan = getattr(owner, attr)
+        if not plan or not plan.fits(torch.empty(ctx.num_tokens, 1), ctx):  # e.g. a prompt's catch-up
+            return inner(input_ids, features, ctx)
+        native = inner(input_ids, features, ctx)
+        setattr(owner, attr, off)
         try:
-            python = compute(input_ids, features, ctx)  # rewrites the same K/V slots, ~same values
+            python = inner(input_ids, features, ctx)
         finally:
-            drafter._native = plan
+            setattr(owner, attr, plan)
         torch.testing.assert_close(native, python, rtol=1e-4, atol=1e-4)
-        compared[_kind(ctx)] += 1
+        kind = "tree" if ctx.query_masks else "decode" if max(ctx.query_lens_cpu) == 1 else "rows"
+        compared[kind] += 1
         return native
 
-    drafter._compute = both
-
-
-def _compare_mtp(module: MTPModule, compared: dict, monkeypatch):
-    forward = MTPModule.forward
-
-    def both(self, input_ids, features, ctx):
-        plan = self._native_step
-        if not plan or not plan.fits(torch.empty(ctx.num_tokens, 1), ctx):
-            return forward(self, input_ids, features, ctx)
-        native = forward(self, input_ids, features, ctx)
-        self._native_step = False
-        try:
-            python = forward(self, input_ids, features, ctx)
-        finally:
-            self._native_step = plan
-        torch.testing.assert_close(native, python, rtol=1e-4, atol=1e-4)
-        compared[_kind(ctx)] += 1
-        return native
-
-    monkeypatch.setattr(MTPModule, "forward", both)
+    setattr(owner, name, both)
 
 
 @pytest.mark.parametrize("kvcache", [{}, PAGED], ids=["contiguous", "paged"])
 @pytest.mark.parametrize("tree", [{}, {"dynamic_tree": True, "top_k": 2, "total_tokens": 6}], ids=["chain", "tree"])
-def test_eagle_native_forward_equals_the_python_layer(model, eagle, reference, drafter_runs, kvcache, tree):
-    engine = make_engine(model.path, {**eagle, "num_tokens": 3, **tree}, **({"kvcache": kvcache} if kvcache else {}))
+@pytest.mark.parametrize("method", ["eagle", "mtp"])
+def test_native_forward_equals_the_python_layer(request, model, reference, drafter_runs, method, kvcache, tree):
+    speculative = request.getfixturevalue(method)
+    engine = make_engine(model.path, {**speculative, "num_tokens": 3, **tree},
+                         **({"kvcache": kvcache} if kvcache else {}))
     drafter = engine.speculator.drafter
-    assert isinstance(drafter._native, NativeDecodeStep)
     compared = dict.fromkeys(("decode", "rows", "tree"), 0)
-    _compare_eagle(drafter, compared)
+    _compare_paths(drafter, method, compared)
     assert [o.token_ids for o in run(engine, PROMPTS, GREEDY)] == reference
+    owner, attr, _ = _plan(drafter, method)
+    assert isinstance(getattr(owner, attr), NativeDecodeStep)
     assert engine.speculator.num_accepted > 0
-    assert compared["decode"] > 0 and compared["rows"] > 0, compared
-    assert compared["tree"] > 0 if tree else compared["tree"] == 0, compared
-    assert drafter_runs["declined"] == 0 and drafter_runs["native"] >= sum(compared.values())
-
-
-@pytest.mark.parametrize("kvcache", [{}, PAGED], ids=["contiguous", "paged"])
-@pytest.mark.parametrize("tree", [{}, {"dynamic_tree": True, "top_k": 2, "total_tokens": 6}], ids=["chain", "tree"])
-def test_mtp_native_forward_equals_the_python_layer(model, mtp, reference, drafter_runs, monkeypatch, kvcache,
-                                                    tree):
-    engine = make_engine(model.path, {**mtp, "num_tokens": 3, **tree}, **({"kvcache": kvcache} if kvcache else {}))
-    module = engine.speculator.drafter.mtp
-    compared = dict.fromkeys(("decode", "rows", "tree"), 0)
-    _compare_mtp(module, compared, monkeypatch)
-    assert [o.token_ids for o in run(engine, PROMPTS, GREEDY)] == reference
-    assert isinstance(module._native_step, NativeDecodeStep)
-    assert engine.speculator.num_accepted > 0
-    assert compared["decode"] > 0 and compared["rows"] > 0, compared
+    assert compared["decode"] > 0 and compared["rows"] > 0, compared  # rows: a chain's accepted tokens
     assert compared["tree"] > 0 if tree else compared["tree"] == 0, compared
     assert drafter_runs["declined"] == 0 and drafter_runs["native"] >= sum(compared.values())
 
@@ -169,8 +130,8 @@ def test_greedy_output_equals_plain_decoding_native_on_and_off(request, model, r
     tokens, llm = _generate(model.path, speculative, False, monkeypatch)
     assert tokens == reference
     assert drafter_runs["native"] == runs  # LMPLUG_NATIVE_STEP=0: the drafter's layer in Python too
-    drafter = llm.engine.speculator.drafter
-    assert (drafter.mtp._native_step is False) if method == "mtp" else drafter._native is None
+    owner, attr, off = _plan(llm.engine.speculator.drafter, method)
+    assert getattr(owner, attr) is off
     assert llm.engine.speculator.num_accepted > 0
 
 
@@ -190,5 +151,5 @@ def test_config_switch_and_threads_keep_the_python_layer(model, eagle, mtp, draf
         torch.set_num_threads(saved)
     assert drafter_runs["native"] == 0
     for e in (engine, threaded):
-        drafter = e.speculator.drafter
-        assert (drafter.mtp._native_step is False) if method == "mtp" else drafter._native is None
+        owner, attr, off = _plan(e.speculator.drafter, method)
+        assert getattr(owner, attr) is off
