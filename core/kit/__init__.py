@@ -22,8 +22,9 @@ Modules (each imported on its own, so a plugin pays only for what it uses):
 - ``packed_embedding``: an embedding over a quant method's packed table (GGUF).
 - ``mtp``: multi-token-prediction modules built as the target's layer after its last one.
 - ``native_step``, ``fused_cpu``: the native CPU decode step (a layer's ``native_form`` describes
-  it as a ``LayerForm``) and fused CPU ops; ``native_dense``: the step's C product for the core's
-  float32 weights.
+  it as a ``LayerForm``; ``NativeDecodeStep.for_layers``: a plan of a drafter's own layers) and
+  fused CPU ops; ``native_dense``: the step's C product for the core's float32 weights (and
+  ``stacked``: over a copy of separate weights).
 
 Helpers backends of every family share:
 

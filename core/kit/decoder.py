@@ -168,10 +168,14 @@ class DecoderForCausalLM(torch.nn.Module):
         self.kv_views: list[KVLayerView] = []
         # planned on the first forward, after loading (``native_step``): None until then, False: none
         self._native_step: NativeDecodeStep | bool | None = False if stage.split else None
+        # ``allow_native_step``'s decision, which a drafter's own layers over this model's features
+        # (an MTP module's, an EAGLE head's) follow too
+        self.native_step_allowed = not stage.split
 
     def allow_native_step(self, allowed: bool) -> None:
         """The engine plan's ``cpu.native_step``: False keeps the Python layers for every step."""
-        self._native_step = None if allowed and not self.tp.stage.split else False
+        self.native_step_allowed = allowed and not self.tp.stage.split
+        self._native_step = None if self.native_step_allowed else False
 
     def new_layer(self, index: int, dtype: torch.dtype, quant: QuantMethod, attention: AttentionBackend,
                   kv_layer: int | None = None) -> DecoderLayer:

@@ -68,8 +68,8 @@ class NativeDecode(ABC):
     @abstractmethod
     def native_decode(self, ctx: StepContext, views: list[KVLayerView]) -> NativeCall | None:
         """This step's attention as a C function of ``lmplug.kit.native.ATTENTION_ABI`` (every
-        layer of a native decode step calls it; ``views`` are the model's cache layers), or
-        None: the step keeps the Python path. Asked once per step of a float32 model on the
+        layer of a native decode step calls it; ``views``: the model's cache layers, or a
+        drafter's own), or None: the step keeps the Python path. Asked once per step of a float32 model on the
         CPU whose sequences' queries are all short and after cached context: single-token
         decodes, a speculative verify's ``k + 1`` rows or draft tree (``query_masks``), a later
         chunk; at most ``lmplug.kit.native_step.MAX_QUERY_TOKENS`` tokens a sequence. Row t of

@@ -26,7 +26,10 @@ Checkpoint layouts (HF names; L = ``num_hidden_layers``, module j of
   modules, and ``mtp.layers.{j}.*`` (the decoder layer); embedding and head are the target's.
 
 ``MTPModule`` holds one module j; its decoder layer is the target architecture's layer
-``L + j`` (``new_layer``), attending through layer 0 of a cache of its own.
+``L + j`` (``new_layer``), attending through layer 0 of a cache of its own. Where the target
+lets steps run natively (``native_step_allowed``) and the layer has a native form, a step that
+fits runs it through a one-layer native decode step (``lmplug.kit.native_step``), as the
+target runs its own layers; other steps (a prompt's catch-up) keep the Python layer.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ from lmplug.interfaces.attention import AttentionBackend, KVLayerView
 from lmplug.interfaces.quant import QuantMethod
 from lmplug.interfaces.step import StepContext
 from lmplug.kit.layers import RMSNorm
+from lmplug.kit.native_step import NativeDecodeStep
 
 _DEEPSEEK = re.compile(r"model\.layers\.(\d+)\.(.+)")
 _QWEN_LAYER = re.compile(r"mtp\.layers\.(\d+)\.(.+)")
@@ -90,6 +94,8 @@ class MTPModule(torch.nn.Module):
         if self.embed is not None:
             self.embed.weight.requires_grad_(False)
         self.views: list[KVLayerView] = []
+        # the layer's one-layer native plan, on the first forward (after loading); False: none
+        self._native_step: NativeDecodeStep | bool | None = None
 
     # -- compute ---------------------------------------------------------------------------------
     def bind_kv(self, views: list[KVLayerView]) -> None:
@@ -99,7 +105,23 @@ class MTPModule(torch.nn.Module):
         target = self._target[0]
         embeds = (target.embed_tokens if self.embed is None else self.embed)(input_ids)
         x = F.linear(torch.cat([self.enorm(embeds), self.hnorm(features.to(embeds.dtype))], dim=-1), self.eh_proj)
+        step = self._native_step
+        if step is None:
+            step = self._native_step = self._plan()
+        if step and step.fits(x, ctx):
+            out = step.run(x, ctx.positions, ctx, self.views)  # None: the attention declined this step
+            if out is not None:
+                return out
         return self.layers[0](x, ctx.positions, target.rope, self.views[0], ctx)
+
+    def _plan(self) -> NativeDecodeStep | bool:
+        """The layer's native plan, or False: the target keeps its steps in Python
+        (``cpu.native_step: false``), not on the CPU, or the layer has no native form."""
+        target = self._target[0]
+        describe = getattr(self.layers[0], "native_form", None)
+        if not getattr(target, "native_step_allowed", False) or describe is None or not self.eh_proj.is_cpu:
+            return False
+        return NativeDecodeStep.for_layers([describe(target.rope)], target.config.hidden_size) or False
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         normed = self.head_norm(hidden)

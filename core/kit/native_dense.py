@@ -43,9 +43,40 @@ def product(linear: torch.nn.Module) -> NativeCall | None:
     if lib is None:
         return None
     _to_huge_pages(weight)
+    return _call(lib, weight, bias, "quant none (the core's C product)")
+
+
+def stacked(weights: list[torch.Tensor], biases: list[torch.Tensor | None], name: str) -> NativeCall | None:
+    """The product of the rows of ``weights`` ([out_i, in] each, e.g. separate q/k/v ``nn.Linear``
+    weights of modules that are not the core's linear layers: an EAGLE head's) stacked, over one
+    ``W^T`` copy in huge pages (``biases``: each one's or None), or None: not float32 on the CPU,
+    more than one compute thread, no fused library. Each weight's values move into the copy (its
+    ``.data`` becomes a view of its rows: same values, ``W^T`` strides, which torch's matmul reads
+    as they are), so no second copy stays."""
+    if compute_threads() != 1 or any(w.dtype != torch.float32 or not w.is_cpu or w.dim() != 2 for w in weights):
+        return None
+    lib = fused_cpu.library()
+    if lib is None:
+        return None
+    weight = torch.cat([w.detach() for w in weights])  # [out, in]
+    copy = hugemem.empty(weight.numel() * weight.element_size()).view(weight.dtype)
+    wt = copy.view(weight.shape[1], weight.shape[0]).copy_(weight.t()).t()  # [out, in] in W^T strides
+    start = 0
+    for w in weights:
+        w.data = wt[start:start + w.shape[0]]
+        start += w.shape[0]
+    bias = None
+    if any(b is not None for b in biases):
+        bias = torch.cat([torch.zeros(w.shape[0]) if b is None else b.detach().float().cpu()
+                          for w, b in zip(weights, biases)]).contiguous()
+    return _call(lib, wt, bias, name)
+
+
+def _call(lib, weight: torch.Tensor, bias: torch.Tensor | None, name: str) -> NativeCall:
+    """``dense_product_f32`` over ``weight`` [out, in] in ``W^T`` strides (kept alive by the call)."""
     desc = _Dense(weight.data_ptr(), None if bias is None else bias.data_ptr(), weight.shape[1], weight.shape[0])
     fn = ctypes.cast(lib.dense_product_f32, ctypes.c_void_p).value
-    return NativeCall(fn, ctypes.addressof(desc), (desc, weight, bias, lib), "quant none (the core's C product)")
+    return NativeCall(fn, ctypes.addressof(desc), (desc, weight, bias, lib), name)
 
 
 def _to_huge_pages(weight: torch.nn.Parameter) -> None:

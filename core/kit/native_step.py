@@ -23,6 +23,9 @@ quant method's small-M kernels read each weight once for all of them) and each r
 is a decode row of its own: on the demo model a verify of 4 drafts costs about 1.3-1.5 decode
 steps instead of 2.4-2.7 through the Python layers (``benchmarks/bench_speculative.py``).
 The engine plan decides whether it runs (``cpu.native_step``, overridden by ``LMPLUG_NATIVE_STEP``; benchmarks compare the two).
+A drafter's own layers run through a plan of their own (``for_layers``, over the drafter's cache
+views): an MTP module's layer (its ``native_form``), an EAGLE head's (``LayerForm.products``: the
+head's own products; no input norm), following the target's decision (``native_step_allowed``).
 """
 
 from __future__ import annotations
@@ -78,7 +81,11 @@ class LayerForm:
     attention block (``qkv_proj``, ``o_proj``, ``q_norm``, ``k_norm``, ``backend``, ``layer``: the
     kit's ``Attention``'s attributes), its gated MLP (``gate_up_proj``, ``down_proj``,
     ``intermediate``), the gate's activation, the q/k norms (per "head" or over all heads: "full"),
-    its RoPE (None: none) and rotated width (None: the whole head), and the residual multiplier."""
+    its RoPE (None: none) and rotated width (None: the whole head), and the residual multiplier.
+    ``products``: the four products (qkv, o, gate_up, down) as ``NativeCall``s where the layer
+    hands them itself (an EAGLE head's copies of its separate weights; then ``attn`` needs only
+    the geometry, ``backend``, ``layer`` and q/k norms, ``mlp`` only ``intermediate``); None:
+    each linear layer's, asked of its quant method."""
 
     style: str
     norms: tuple
@@ -89,6 +96,7 @@ class LayerForm:
     rope: RotaryEmbedding | None = None
     rotary_dim: int | None = None
     multiplier: float = 1.0
+    products: tuple | None = None
 
 
 def _f32(t: torch.Tensor | None) -> bool:
@@ -100,19 +108,19 @@ def _ptr(norm: torch.nn.Module | None) -> int | None:
 
 
 class NativeDecodeStep:
-    """One model's plan: its layers as ``decode_step_f32`` reads them, and the plugins' calls."""
+    """One plan: a model's layers (or a drafter's own) as ``decode_step_f32`` reads them, and the
+    plugins' calls."""
 
-    def __init__(self, model: torch.nn.Module, lib: ctypes.CDLL, layers: ctypes.Array, calls: list[list],
-                 eps: float, first: LayerForm) -> None:
-        self.model = model
+    def __init__(self, model: torch.nn.Module | None, lib: ctypes.CDLL, layers: ctypes.Array, calls: list[list],
+                 eps: float, first: LayerForm, hidden: int) -> None:
+        self.model = model  # whose kv_views a run without views reads (None: a layers' plan)
         self.lib = lib
         self.layers = layers
         self.calls = calls  # per layer: the four products (NativeCall), kept alive and named on errors
         self.eps = eps
         attn = first.attn
         self.backend = attn.backend
-        self.shape = (model.config.hidden_size, attn.num_heads, attn.num_kv_heads, attn.head_dim,
-                      first.mlp.intermediate)
+        self.shape = (hidden, attn.num_heads, attn.num_kv_heads, attn.head_dim, first.mlp.intermediate)
         self._scratch = torch.empty(0, dtype=torch.float32)
 
     @classmethod
@@ -120,16 +128,24 @@ class NativeDecodeStep:
         """The plan, or None where some part of the model has no native form (module docstring)."""
         if model.tp.is_parallel or not len(model.layers):
             return None
-        lib = fused_cpu.library()
-        if lib is None:
-            return None
         forms = []
         for layer in model.layers:
             describe = getattr(layer, "native_form", None)
-            form = describe(model.rope) if describe is not None else None
-            if form is None:
-                return None
-            forms.append(form)
+            forms.append(describe(model.rope) if describe is not None else None)
+        return cls.for_layers(forms, model.config.hidden_size, model)
+
+    @classmethod
+    def for_layers(cls, forms: list[LayerForm | None], hidden: int,
+                   model: torch.nn.Module | None = None) -> NativeDecodeStep | None:
+        """The plan of ``forms`` over hidden size ``hidden``, or None where some layer has no
+        native form (None in ``forms``) or one differs from the first's geometry. Without
+        ``model``, every ``run`` names its cache views (a drafter's own layers: an MTP module's,
+        an EAGLE head's, over a one-layer cache)."""
+        if not forms or any(form is None for form in forms):
+            return None
+        lib = fused_cpu.library()
+        if lib is None:
+            return None
         first = forms[0]
         eps = next(n for n in first.norms if n is not None).eps
         geometry = (first.attn.backend, first.attn.num_heads, first.attn.num_kv_heads, first.attn.head_dim,
@@ -152,14 +168,9 @@ class NativeDecodeStep:
                 if type(rope).forward is not RotaryEmbedding.forward or not (_f32(cos) and _f32(sin)) \
                         or cos.shape[1] != rotary_dim or rotary_dim > attn.head_dim or rotary_dim % 2:
                     return None
-            products = []
-            for linear in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
-                call = extras.native_product(linear.quant, linear) or native_dense.product(linear)
-                if call is not None and linear.lora is not None:  # LoRA slots: the adapter plugin's product
-                    call = linear.lora.native_product(call)
-                if call is None:
-                    return None
-                products.append(call)
+            products = list(form.products) if form.products is not None else _products(attn, mlp)
+            if products is None or len(products) != 4 or any(call is None for call in products):
+                return None
             n1, n2, n3, n4 = form.norms
             table[i] = _Layer(_ptr(n1), _ptr(n2), _ptr(attn.q_norm), _ptr(attn.k_norm),
                               *(_Product(c.fn, c.ctx) for c in products), attn.layer, _ptr(n3), _ptr(n4),
@@ -168,7 +179,7 @@ class NativeDecodeStep:
                               ACTS.index(form.act), QK_NORMS.index(form.qk_norm),
                               form.multiplier if form.style == "pre" else 1.0)
             calls.append(products)
-        return cls(model, lib, table, calls, eps, first)
+        return cls(model, lib, table, calls, eps, first, hidden)
 
     @staticmethod
     def fits(x: torch.Tensor, ctx: StepContext) -> bool:
@@ -189,6 +200,9 @@ class NativeDecodeStep:
         (a layer-skip drafter's: the model's own layers over a cache of its own)."""
         count = len(self.layers) if num_layers is None else num_layers
         if views is None:
+            if self.model is None:
+                raise ValueError("native decode step: a plan of a drafter's own layers runs over the views "
+                                 "its caller names")
             views = self.model.kv_views
         elif not 0 < count <= len(self.layers) or any(self.layers[i].kv_layer >= len(views) for i in range(count)):
             return None
@@ -220,3 +234,17 @@ class NativeDecodeStep:
         call = attention if name == "attention" else \
             self.calls[layer][("qkv_proj", "o_proj", "gate_up_proj", "down_proj").index(name)]
         raise RuntimeError(f"native decode step: layer {layer} {name}: {call.describe(status)}")
+
+
+def _products(attn: torch.nn.Module, mlp: torch.nn.Module) -> list[NativeCall] | None:
+    """A layer's four products, each its quant method's (or the kit's for plain float32 weights),
+    wrapped by the adapter plugin's where the layer has LoRA slots; None where one has none."""
+    products = []
+    for linear in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
+        call = extras.native_product(linear.quant, linear) or native_dense.product(linear)
+        if call is not None and linear.lora is not None:  # LoRA slots: the adapter plugin's product
+            call = linear.lora.native_product(call)
+        if call is None:
+            return None
+        products.append(call)
+    return products

@@ -28,7 +28,10 @@ the ``lm_head`` only; tokens outside it are never drafted (probability 0 in ``q`
 the verifier handles exactly). Greedy requests take the argmax; sampling requests draw from the filtered distribution with
 the request's generator and return it in ``probs`` (the verifier stays exact either way).
 Heads: ``heads: FOLDER`` in the published layout (``eagle_head.py``); train some with
-``lmplug train-drafter --method eagle MODEL OUT`` (``eagle_train.py``).
+``lmplug train-drafter --method eagle MODEL OUT`` (``eagle_train.py``). On the CPU in float32 at
+one compute thread the head's layer runs through the native decode step where a forward fits it
+(``eagle_native.py``: decodes, catch-ups of accepted tokens, tree steps), unless the engine keeps
+steps in Python (``cpu.native_step: false``).
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ import torch
 from lmplug_speculative.draft_runner import choose_tokens, common_prefix, fit_vocab
 from lmplug_speculative.eagle_dynamic import DynamicTree
 from lmplug_speculative.eagle_head import EagleHead, load_draft_vocab, load_head
+from lmplug_speculative.eagle_native import native_layer
 from lmplug_speculative.feature_store import FeatureStore
 from lmplug_speculative.head_matrix import head_matrix
 from pydantic import Field, model_validator
@@ -138,6 +142,9 @@ class EagleDrafter(Drafter):
                                        sliding_window=cfg.sliding_window)
         self.runner = target.new_runner(_OneLayer(), self.kv)
         self.view = self.kv.layer_view(0)
+        # the layer through the native decode step where the target's steps may run natively
+        self._native = native_layer(self.head, self.attention) if getattr(
+            target.model, "native_step_allowed", False) else None
 
     @classmethod
     def train(cls, host, model: str, out: str, options: dict) -> None:
@@ -328,6 +335,10 @@ class EagleDrafter(Drafter):
     def _compute(self, input_ids: torch.Tensor, features: torch.Tensor, ctx) -> torch.Tensor:
         """The head's output at each position of ``ctx`` from (token, feature) pairs."""
         x = self.head.fuse(self._embed(input_ids), features)
+        if self._native is not None and self._native.fits(x, ctx):
+            out = self._native.run(x, ctx.positions, ctx, [self.view])  # None: the attention declined it
+            if out is not None:
+                return out
         return self.head.layer(x, ctx.positions, lambda q, k, v: self.attention.forward(0, q, k, v, self.view, ctx))
 
 

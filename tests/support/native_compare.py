@@ -22,3 +22,21 @@ def assert_same(native, python):
                 assert top[0] - top[1] < 5e-2, (ta, tb, lb)
                 break
     assert close >= 0.8 * total, (close, total)
+
+
+def count_native_runs(monkeypatch, counted=lambda plan: True) -> dict:
+    """How many of ``NativeDecodeStep.run``'s calls (on the plans ``counted`` picks) ran natively,
+    and how many the attention backend declined (None: the caller's Python path ran)."""
+    from lmplug.kit.native_step import NativeDecodeStep
+
+    seen = {"native": 0, "declined": 0}
+    run = NativeDecodeStep.run
+
+    def counting(self, x, positions, ctx, *rest):
+        out = run(self, x, positions, ctx, *rest)
+        if counted(self):
+            seen["native" if out is not None else "declined"] += 1
+        return out
+
+    monkeypatch.setattr(NativeDecodeStep, "run", counting)
+    return seen

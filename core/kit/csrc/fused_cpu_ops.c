@@ -190,7 +190,8 @@ int dense_product_f32(void *ctx, const float *x, int64_t m, float *out, int thre
  *   attn(y) = o(attention(rope(qk_norm(qkv(y)))))     (q/k norms per head or over all heads;
  *                                                      RoPE of its own table and width, or none)
  *   mlp(y)  = down(act(gate) * up)  of gate_up(y)
- *   pre:      h = x + m * attn(n1(x)),     x = h + m * mlp(n2(h))        (Llama, Granite)
+ *   pre:      h = x + m * attn(n1(x)),     x = h + m * mlp(n2(h))        (Llama, Granite; n1 NULL:
+ *                                                                        attn(x), an EAGLE head's layer)
  *   sandwich: h = x + n2(attn(n1(x))),     x = h + n4(mlp(n3(h)))        (Gemma 2/3)
  *   post:     h = x + n2(attn(x)),         x = h + n4(mlp(h))            (OLMo 2) */
 
@@ -208,7 +209,8 @@ enum { ACT_SILU = 0, ACT_GELU_TANH };
 enum { QK_NORM_NONE = 0, QK_NORM_HEAD, QK_NORM_FULL };
 
 typedef struct {
-    const float *input_norm, *post_norm, *q_norm, *k_norm; /* input_norm: NULL for post; q/k: NULL where absent */
+    const float *input_norm, *post_norm, *q_norm, *k_norm; /* input_norm: NULL for post (or none: pre);
+                                                              q/k: NULL where absent */
     product_t qkv, o, gate_up, down;
     int64_t kv_layer; /* the cache layer its attention reads */
     const float *pre_ff_norm, *post_ff_norm; /* sandwich: both; post: post_ff_norm; pre: NULL */
@@ -271,8 +273,9 @@ int decode_step_f32(const step_layer_t *layers, int64_t n_layers, const step_t *
             *failed = l * 8 + (code);          \
             return status;                     \
         }
-        if (!post) rms_norm_f32(x, T, h, 1, 0, L->input_norm, normed, h, s->eps);
-        STAGE(STAGE_QKV, L->qkv.fn(L->qkv.ctx, post ? x : normed, T, qkv, s->threads));
+        const int normed_in = !post && L->input_norm; /* else the attention reads x itself */
+        if (normed_in) rms_norm_f32(x, T, h, 1, 0, L->input_norm, normed, h, s->eps);
+        STAGE(STAGE_QKV, L->qkv.fn(L->qkv.ctx, normed_in ? normed : x, T, qkv, s->threads));
         if (L->qk_norm != QK_NORM_NONE) qk_norms(L, s, qkv, qkv_width);
         if (L->cos)
             STAGE(STAGE_ROPE, rope_f32(qkv, qkv_width, D, s->heads + s->kv_heads, s->positions, T, L->cos, L->sin,

@@ -79,3 +79,28 @@ def test_weights_move_into_huge_pages_with_the_same_bits(torch_threads, monkeypa
     assert torch.equal(layer.quant.apply(layer, x), plain.quant.apply(plain, x))
     native_dense.product(layer)
     assert layer.weight.data_ptr() == moved  # once
+
+
+@pytest.mark.parametrize("biases", [(False, False, False), (True, False, True)], ids=["no-bias", "some-bias"])
+def test_stacked_product_of_separate_weights(torch_threads, biases):
+    """Separate [out_i, in] weights (an EAGLE head's q/k/v ``nn.Linear``s) as one product over a
+    W^T copy: the float64 matmul of the rows stacked, missing biases zero; each weight moved into
+    the copy (a view of its rows, same values) and its module's output the same."""
+    torch_threads(1)
+    g = torch.Generator().manual_seed(3)
+    linears = [torch.nn.Linear(96, n, bias=b) for n, b in zip((64, 32, 33), biases)]
+    x = torch.randn(5, 96, generator=g)
+    before = [(m.weight.detach().clone(), m(x)) for m in linears]
+    call = native_dense.stacked([m.weight for m in linears], [m.bias for m in linears], "test qkv")
+    assert call is not None and call.name == "test qkv"
+    want = torch.cat([torch.nn.functional.linear(x.double(), m.weight.double(),
+                                                 None if m.bias is None else m.bias.double()) for m in linears], -1)
+    got = call_product(call, x, 129)
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5 * 96 ** 0.5)
+    first = linears[0].weight.data_ptr()
+    for i, (m, (w, out)) in enumerate(zip(linears, before)):
+        assert torch.equal(m.weight, w) and m.weight.stride() == (1, 129)
+        assert m.weight.data_ptr() == first + 4 * (0, 64, 96)[i]  # its rows of the one copy
+        torch.testing.assert_close(m(x), out, rtol=1e-6, atol=1e-6)
+    torch_threads(2)
+    assert native_dense.stacked([m.weight for m in linears], [None] * 3, "test") is None

@@ -19,7 +19,7 @@ import ctypes
 import pytest
 import torch
 from support.gguf_fixtures import write_tiny_gguf
-from support.native_compare import assert_same
+from support.native_compare import assert_same, count_native_runs
 
 from lmplug import LLM, SamplingParams
 from lmplug.kit import fused_cpu, native_step
@@ -46,16 +46,7 @@ def files(tmp_path_factory):
 @pytest.fixture
 def counted(monkeypatch):
     """How many steps ran natively, and how many the attention backend declined."""
-    seen = {"native": 0, "declined": 0}
-    run = NativeDecodeStep.run
-
-    def counting(self, x, positions, ctx, *layers):
-        out = run(self, x, positions, ctx, *layers)
-        seen["native" if out is not None else "declined"] += 1
-        return out
-
-    monkeypatch.setattr(NativeDecodeStep, "run", counting)
-    return seen
+    return count_native_runs(monkeypatch)
 
 
 def generate(path, monkeypatch, native: bool, **engine):
