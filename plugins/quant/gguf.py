@@ -220,7 +220,9 @@ class GGUFQuant(QuantMethod, extras.PackedWeights, extras.OwnThreads, extras.Nat
         if piece.ggml_type not in gguf_ref.SUPPORTED:
             logger.info("gguf: tensor %r has type %s, which no packed matmul reads: dequantized at load",
                         piece.name, piece.type_name)
-            return piece.dequantize()
+            dense = piece.dequantize()
+            release_file_pages(piece.data)  # read once for the copy: not resident beside it
+            return dense
         return piece
 
     def apply(self, layer, x):

@@ -162,6 +162,27 @@ def test_copies_made_at_load_release_the_file_pages(tmp_path):
     assert resident_kib(lo, hi) <= 8
 
 
+def test_shards_dequantized_at_load_release_the_file_pages(tmp_path):
+    """A type no packed matmul reads (Q2_K) is dequantized at load: the float copy is what stays
+    resident, not the file's pages of the packed rows too."""
+    import numpy as np
+    from gguf import GGMLQuantizationType
+    from lmplug_quant.gguf import GGUFQuant
+
+    from lmplug.interfaces.packed import PackedTensor
+
+    rows, k = 1024, 256  # 84 KiB of Q2_K: 84 bytes a row (one block)
+    w = np.random.default_rng(5).integers(0, 256, (rows, 84), dtype=np.uint8)
+    w[:, 80:84] = np.array([1e-3, 1e-3], dtype=np.float16).view(np.uint8)  # d, dmin: finite
+    mapped = file_rows(tmp_path / "q2k.bin", w)
+    lo, hi = mapped.data_ptr(), mapped.data_ptr() + mapped.numel()
+    assert torch.equal(mapped, torch.from_numpy(w)) and resident_kib(lo, hi) >= 80
+    dense = GGUFQuant._usable(PackedTensor(mapped, int(GGMLQuantizationType.Q2_K), (rows, k), "blk.0.ffn_up"))
+    assert dense.shape == (rows, k) and dense.dtype == torch.float32
+    assert torch.equal(dense, PackedTensor(torch.from_numpy(w), 10, (rows, k), "x").dequantize())
+    assert resident_kib(lo, hi) <= 8
+
+
 def test_proc_cpuinfo_flags_bound_the_kernel_set(kernel, monkeypatch, caplog):
     """A feature /proc/cpuinfo does not list (the OS turned it off, or a CPU lacks it) rules its
     kernel set out whatever CPUID says, and the load's line names what is missing; without a
