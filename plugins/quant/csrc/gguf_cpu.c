@@ -257,6 +257,20 @@ static void q8_0_generic(const uint8_t *w, const acts_t *a, int64_t m0, int mc, 
     for (int r = 0; r < mc; r++) out[r * ldo] = acc[r];
 }
 
+/* A Q4_K / Q5_K block's 256 values, unsigned (sub-block s: the low nibbles of bytes 32 (s / 2) ..
+ * for even s, the high ones for odd s; Q5_K's bit s of qh[l] is bit 4 of its value l). */
+static void k45_unpack(const uint8_t *blk, const int five, uint8_t qw[256]) {
+    const uint8_t *qh = blk + 16, *qs = blk + (five ? 48 : 16);
+    for (int j = 0; j < 4; j++)
+        for (int l = 0; l < 32; l++) {
+            qw[64 * j + l] = qs[32 * j + l] & 0x0F;
+            qw[64 * j + 32 + l] = qs[32 * j + l] >> 4;
+        }
+    if (five)
+        for (int s = 0; s < 8; s++)
+            for (int l = 0; l < 32; l++) qw[32 * s + l] |= ((qh[l] >> s) & 1) << 4;
+}
+
 /* Q4_K and Q5_K: unsigned 4/5-bit values with a scale and a min per sub-block of 32. */
 static void k45_generic(const uint8_t *w, const acts_t *a, int64_t m0, int mc, float *out, int64_t ldo,
                         int five) {
@@ -267,15 +281,7 @@ static void k45_generic(const uint8_t *w, const acts_t *a, int64_t m0, int mc, f
         const float d = fp16_to_f32(load_u16(blk)), dmin = fp16_to_f32(load_u16(blk + 2));
         uint8_t sc[8], mn[8], qw[256];
         k_scales(blk + 4, sc, mn);
-        const uint8_t *qh = blk + 16, *qs = blk + (five ? 48 : 16);
-        for (int j = 0; j < 4; j++)
-            for (int l = 0; l < 32; l++) {
-                qw[64 * j + l] = qs[32 * j + l] & 0x0F;
-                qw[64 * j + 32 + l] = qs[32 * j + l] >> 4;
-            }
-        if (five)
-            for (int s = 0; s < 8; s++)
-                for (int l = 0; l < 32; l++) qw[32 * s + l] |= ((qh[l] >> s) & 1) << 4;
+        k45_unpack(blk, five, qw);
         for (int r = 0; r < mc; r++) {
             const int64_t m = m0 + r;
             const int8_t *qx = ROW(a, m) + b * 256;
@@ -320,18 +326,33 @@ static void k16_generic(const uint8_t *qw, const int8_t *sc, const int offset, c
     }
 }
 
+/* A Q6_K block's 256 values, unsigned 0..63 (the value is q - 32): ql's nibbles, qh's 2-bit pairs. */
+static void q6_k_unpack(const uint8_t *blk, uint8_t qw[256]) {
+    const uint8_t *ql = blk, *qh = blk + 128;
+    for (int h = 0; h < 2; h++)
+        for (int t = 0; t < 4; t++)
+            for (int l = 0; l < 32; l++)
+                qw[128 * h + 32 * t + l] = (uint8_t)(((ql[64 * h + 32 * (t & 1) + l] >> (4 * (t >> 1))) & 0x0F) |
+                                                     (((qh[32 * h + l] >> (2 * t)) & 3) << 4));
+}
+
+/* A Q3_K block's 256 values, unsigned 0..7 (the value is q - 4): qs's 2-bit pairs, hmask's bit above. */
+static void q3_k_unpack(const uint8_t *blk, uint8_t qw[256]) {
+    const uint8_t *hm = blk, *qs = blk + 32;
+    for (int n = 0; n < 2; n++)
+        for (int j = 0; j < 4; j++)
+            for (int l = 0; l < 32; l++)
+                qw[128 * n + 32 * j + l] = (uint8_t)(((qs[32 * n + l] >> (2 * j)) & 3) | ((hm[l] >> (4 * n + j)) & 1) << 2);
+}
+
 static void q6_k_generic(const uint8_t *w, const acts_t *a, int64_t m0, int mc, float *out, int64_t ldo) {
     float acc[MR] = {0};
     for (int64_t b = 0; b < a->nb; b++) {
-        const uint8_t *blk = w + b * 210, *ql = blk, *qh = blk + 128;
+        const uint8_t *blk = w + b * 210;
         const int8_t *sc = (const int8_t *)(blk + 192);
         const float d = fp16_to_f32(load_u16(blk + 208));
-        uint8_t qw[256]; /* unsigned 0..63; the value is q - 32 */
-        for (int h = 0; h < 2; h++)
-            for (int t = 0; t < 4; t++)
-                for (int l = 0; l < 32; l++)
-                    qw[128 * h + 32 * t + l] = (uint8_t)(((ql[64 * h + 32 * (t & 1) + l] >> (4 * (t >> 1))) & 0x0F) |
-                                                         (((qh[32 * h + l] >> (2 * t)) & 3) << 4));
+        uint8_t qw[256];
+        q6_k_unpack(blk, qw);
         k16_generic(qw, sc, 32, d, a, m0, mc, b, acc);
     }
     for (int r = 0; r < mc; r++) out[r * ldo] = acc[r];
@@ -340,15 +361,12 @@ static void q6_k_generic(const uint8_t *w, const acts_t *a, int64_t m0, int mc, 
 static void q3_k_generic(const uint8_t *w, const acts_t *a, int64_t m0, int mc, float *out, int64_t ldo) {
     float acc[MR] = {0};
     for (int64_t b = 0; b < a->nb; b++) {
-        const uint8_t *blk = w + b * 110, *hm = blk, *qs = blk + 32;
+        const uint8_t *blk = w + b * 110;
         const float d = fp16_to_f32(load_u16(blk + 108));
         int8_t sc[16];
         q3_scales(blk + 96, sc);
-        uint8_t qw[256]; /* unsigned 0..7; the value is q - 4 */
-        for (int n = 0; n < 2; n++)
-            for (int j = 0; j < 4; j++)
-                for (int l = 0; l < 32; l++)
-                    qw[128 * n + 32 * j + l] = (uint8_t)(((qs[32 * n + l] >> (2 * j)) & 3) | ((hm[l] >> (4 * n + j)) & 1) << 2);
+        uint8_t qw[256];
+        q3_k_unpack(blk, qw);
         k16_generic(qw, sc, 4, d, a, m0, mc, b, acc);
     }
     for (int r = 0; r < mc; r++) out[r * ldo] = acc[r];

@@ -3,11 +3,12 @@
  *
  * A decode step looks up one row of the token table; the PyTorch reference (gguf_ref.py) does it
  * in some thirty small tensor operations (a 1B Q4_K_M file's Q6_K table: about 0.24 ms of the step's
- * host time, benchmarks/profile_decode.py before and after). These loops are ggml's
- * dequantize_row_* (ggml-quants.c), one block at a time, with the float operations of gguf_ref.py
- * in the same order (a scale's product first, then value times it, then the min:
- * y = (d * sc) * q - (dmin * m)), so the floats are bit-identical to it; the build has no fused
- * multiply-adds (-ffp-contract=off). Portable C: a lookup reads a few kilobytes. */
+ * host time, benchmarks/profile_decode.py before and after). Each block's values come from the
+ * unpacking the portable kernels use (gguf_cpu.c), then ggml's dequantize_row_* float work
+ * (ggml-quants.c) with the operations of gguf_ref.py in the same order (a scale's product first,
+ * then value times it, then the min: y = (d * sc) * q - (dmin * m)), so the floats are
+ * bit-identical to it; the build has no fused multiply-adds (-ffp-contract=off). Portable C: a
+ * lookup reads a few kilobytes. */
 
 /* One block of `type` at blk -> y[block size]; 0, or -1 for a type this file does not read. */
 static int dequant_block(const uint8_t *blk, int type, float *y) {
@@ -30,53 +31,32 @@ static int dequant_block(const uint8_t *blk, int type, float *y) {
         for (int i = 0; i < 32; i++) y[i] = (float)(int8_t)blk[2 + i] * d;
         return 0;
     }
-    case T_Q4_K: case T_Q5_K: { /* sub-block j: nibbles of bytes 32 (j / 2) .., low for even j */
-        const int five = type == T_Q5_K;
-        const float d = fp16_to_f32(load_u16(blk)), dmin = fp16_to_f32(load_u16(blk + 2));
-        const uint8_t *qh = blk + 16, *qs = blk + (five ? 48 : 16);
-        uint8_t sc[8], mn[8];
+    case T_Q4_K: case T_Q5_K: { /* y = (d * sc) * q - (dmin * m), a scale and a min per 32 */
+        uint8_t q[256], sc[8], mn[8];
+        k45_unpack(blk, type == T_Q5_K, q);
         k_scales(blk + 4, sc, mn);
+        const float d = fp16_to_f32(load_u16(blk)), dmin = fp16_to_f32(load_u16(blk + 2));
         for (int j = 0; j < 8; j++) {
             const float dl = d * (float)sc[j], ml = dmin * (float)mn[j];
-            const uint8_t *chunk = qs + 32 * (j / 2);
-            for (int l = 0; l < 32; l++) {
-                int q = (j % 2 ? chunk[l] >> 4 : chunk[l] & 0x0F);
-                if (five) q |= ((qh[l] >> j) & 1) << 4;
-                y[32 * j + l] = dl * (float)q - ml;
-            }
+            for (int l = 0; l < 32; l++) y[32 * j + l] = dl * (float)q[32 * j + l] - ml;
         }
         return 0;
     }
-    case T_Q6_K: { /* ggml's loop: two halves of 128, each 4 groups of 32 from ql, qh */
-        const uint8_t *ql = blk, *qh = blk + 128;
-        const int8_t *sc = (const int8_t *)(blk + 192);
-        const float d = fp16_to_f32(load_u16(blk + 208));
-        for (int half = 0; half < 2; half++, ql += 64, qh += 32, sc += 8, y += 128)
-            for (int l = 0; l < 32; l++) {
-                const int is = l / 16;
-                const int q1 = (int8_t)((ql[l] & 0x0F) | ((qh[l] >> 0) & 3) << 4) - 32;
-                const int q2 = (int8_t)((ql[l + 32] & 0x0F) | ((qh[l] >> 2) & 3) << 4) - 32;
-                const int q3 = (int8_t)((ql[l] >> 4) | ((qh[l] >> 4) & 3) << 4) - 32;
-                const int q4 = (int8_t)((ql[l + 32] >> 4) | ((qh[l] >> 6) & 3) << 4) - 32;
-                y[l] = (d * (float)sc[is]) * (float)q1;
-                y[l + 32] = (d * (float)sc[is + 2]) * (float)q2;
-                y[l + 64] = (d * (float)sc[is + 4]) * (float)q3;
-                y[l + 96] = (d * (float)sc[is + 6]) * (float)q4;
-            }
-        return 0;
-    }
-    case T_Q3_K: { /* 16 groups of 16: 2 bits of qs at shift 2 (g / 2 % 4), minus 4 where hmask's bit is clear */
-        const uint8_t *hm = blk, *qs = blk + 32;
+    case T_Q6_K: case T_Q3_K: { /* y = (d * sc) * (q - offset), an int8 scale per 16 */
+        const int six = type == T_Q6_K, offset = six ? 32 : 4;
+        uint8_t q[256];
         int8_t sc[16];
-        q3_scales(blk + 96, sc);
-        const float d = fp16_to_f32(load_u16(blk + 108));
-        for (int g = 0; g < 16; g++) {
-            const int half = g / 8, shift = 2 * ((g / 2) % 4), bit = g / 2, at = 16 * (g % 2);
-            const float dl = d * (float)sc[g];
-            for (int l = 0; l < 16; l++) {
-                const int q = ((qs[32 * half + at + l] >> shift) & 3) - ((hm[at + l] >> bit) & 1 ? 0 : 4);
-                y[16 * g + l] = dl * (float)q;
-            }
+        if (six) {
+            q6_k_unpack(blk, q);
+            memcpy(sc, blk + 192, sizeof sc);
+        } else {
+            q3_k_unpack(blk, q);
+            q3_scales(blk + 96, sc);
+        }
+        const float d = fp16_to_f32(load_u16(blk + (six ? 208 : 108)));
+        for (int j = 0; j < 16; j++) {
+            const float dl = d * (float)sc[j];
+            for (int l = 0; l < 16; l++) y[16 * j + l] = dl * (float)(q[16 * j + l] - offset);
         }
         return 0;
     }
