@@ -152,7 +152,8 @@ def test_ngram_speculation_and_structured_output(tmp_path_factory):
     assert results[1] == results[0]
     assert len(results[0][1]) == 3 and results[0][1].isdigit()
     # a separate draft model (the target itself: every draft accepted) on rank 0, verified through the stages
-    draft = {**ENGINE, "speculative": {"method": "draft_model", "num_tokens": 3, "model": str(path)}}
+    draft = {**ENGINE, "speculative": {"method": "draft_model", "num_tokens": 3, "model": str(path),
+                                         "draft_length": "fixed"}}  # every draft verified, whatever the load
     with LLM(str(path), **draft, **pp(2)) as parallel:
         assert parallel.generate([prompt], greedy)[0].outputs[0].token_ids == results[0][0]
         assert parallel.engine.speculator.num_accepted == parallel.engine.speculator.num_drafted > 0

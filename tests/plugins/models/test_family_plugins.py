@@ -60,7 +60,8 @@ def test_ngram_speculation_keeps_greedy_tokens(tiny, name):
 
     path, hf = tiny(name)
     prompts = [[11, 12, 13, 14, 15, 16] * 4, [40, 41, 42, 43] * 5 + [40, 41]]
-    llm = LLM(str(path), **ENGINE, **PAGED, speculative={"method": "ngram", "num_tokens": 3, "min_n": 1})
+    llm = LLM(str(path), **ENGINE, **PAGED, speculative={"method": "ngram", "num_tokens": 3, "min_n": 1,
+                                                          "draft_length": "fixed"})
     assert _native(llm) == _native_name(name)
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
     for ids, out in zip(prompts, outs):

@@ -235,7 +235,7 @@ def test_the_server_reports_the_rule_and_refuses_exact_requests_under_a_lossy_on
     from lmplug import LLM
 
     llm = LLM(str(model.path), device="cpu", dtype="float32", max_model_len=256,
-              speculative={**LAYER_SKIP, "acceptance": "typical"})
+              speculative={**LAYER_SKIP, "acceptance": "typical", "draft_length": "fixed"})
     body = {"model": str(model.path), "prompt": prompt_ids(6, 1), "max_tokens": 12, "temperature": 1.0,
             "seed": 3, "ignore_eos": True}
     with running_server(llm) as srv:
