@@ -3,10 +3,12 @@ and thread counts side by side, against the machine's read bandwidth.
 
     python benchmarks/bench_gguf_bandwidth.py --shape 1b --types Q4_0 Q4_K Q6_K --isas avx2 avx512 --threads 1 2
     python benchmarks/bench_gguf_bandwidth.py --isas avx2 generic --pages huge 4k   # what huge pages give
+    python benchmarks/bench_gguf_bandwidth.py --isas avx2 avxvnni avx512 --rows 5   # a verify's rows
 
 For the shape's products of one decode token (fused q/k/v, o, fused gate/up, down, the tied
 head: N x K = out x in), each type and each kernel set (``LMPLUG_GGUF_ISA``, bound as a model's
-layer is: the AVX-512 set over its repacked panels), times each product of ``--layers`` layers
+layer is: the panel sets over their repacked panels), with ``--rows`` activation rows (1: batch-1
+decode; a speculative verify's k + 1), times each product of ``--layers`` layers
 of distinct weights, then the head, in a decode step's order (more bytes than the caches hold,
 so the weights come from memory as in a decode step), the sets and thread counts taking turns in each of ``--rounds``
 rounds so that load spikes weigh on all alike. Prints the median GB/s of packed bytes per
@@ -76,6 +78,7 @@ def main() -> None:
     parser.add_argument("--types", nargs="+", default=["Q4_0", "Q4_K", "Q6_K", "Q8_0"], choices=list(names))
     parser.add_argument("--isas", nargs="+", default=list(gguf_native.ISAS[1:]), choices=list(gguf_native.ISAS))
     parser.add_argument("--threads", nargs="+", type=int, default=[1, 2])
+    parser.add_argument("--rows", type=int, default=1, help="activation rows of each product")
     parser.add_argument("--pages", nargs="+", default=["huge"], choices=PAGES,
                         help="bind the weights in huge pages, in 4 KiB pages (LMPLUG_HUGE_PAGES=0), or both side by side")
     parser.add_argument("--layers", type=int, default=4, help="distinct weights per product shape")
@@ -92,7 +95,7 @@ def main() -> None:
         kind = names[name]
         parts = {part: nk for part, nk in SHAPES[args.shape].items() if nk[1] % gguf_native.BLOCKS[kind][0] == 0}
         configs = [(label(isa, p), isa, p, t) for isa in args.isas for p in args.pages for t in args.threads]
-        xs = {k: torch.randn(1, k, generator=gen) for _, k in parts.values()}
+        xs = {k: torch.randn(args.rows, k, generator=gen) for _, k in parts.values()}
         calls = {}
         for col, isa, pages, threads in configs:  # each configuration its own weights: none reads another's cache
             # a token's products in order, layer after layer, each with its own weight (then the head)
@@ -127,7 +130,7 @@ def main() -> None:
     ref_cpu = {t: statistics.mean(bw_cpu[(t, "huge")]) for t in args.threads}
     print(f"load average before {load_before}; read bandwidth (start/end): {describe(bw)}; "
           f"per CPU second: {describe(bw_cpu)}")
-    print(f"{args.shape} shape, batch 1, median GB/s of packed weights over {args.rounds} interleaved rounds "
+    print(f"{args.shape} shape, {args.rows} activation row(s), median GB/s of packed weights over {args.rounds} interleaved rounds "
           f"({args.layers} layers of distinct weights, then the head); % of the mean read bandwidth in huge pages")
     for title, table, against in (("wall", results, ref),
                                   ("per CPU second (process time: spinning counts)", cpu, ref_cpu)):

@@ -71,7 +71,7 @@ def render() -> str:
             "Each key is overridden by its environment variable when that is set (`0`, `false`, `no`, "
             "`off`: off; anything else: on); benchmarks compare the paths that way. The GGUF kernels "
             "read two more: `LMPLUG_GGUF_THREADS` (threads of their own pool; default torch's thread "
-            "count) and `LMPLUG_GGUF_ISA` (`auto`, `generic`, `avx2`, `avx512`; on aarch64 `neon`, "
+            "count) and `LMPLUG_GGUF_ISA` (`auto`, `generic`, `avx2`, `avxvnni`, `avx512`; on aarch64 `neon`, "
             "`dotprod`: which kernels run).", "",
             *_rows(CpuConfig), ""]
     sections = [(f.section, f.name, f.name_key) for f in configured()]

@@ -81,9 +81,10 @@ def cpu_id() -> str:
 
 def missing_flags(isa_flags: dict[str, tuple[str, ...]]) -> dict[str, list[str]]:
     """Per SIMD kernel set, the features it needs (as /proc/cpuinfo names them) that its flags
-    line lacks."""
+    line lacks; a need written ``a|b`` is met by either."""
     flags = set(cpu_id().replace("_", "").split())
-    return {name: [f for f in need if f.replace("_", "") not in flags] for name, need in isa_flags.items()}
+    return {name: [f for f in need if not any(alt.replace("_", "") in flags for alt in f.split("|"))]
+            for name, need in isa_flags.items()}
 
 
 def bounded_isa(cpuid_best: str, isas: tuple[str, ...], isa_flags: dict[str, tuple[str, ...]]) -> str:

@@ -18,12 +18,14 @@ its PyTorch path.
 Environment: ``LMPLUG_GGUF_THREADS`` (default ``lmplug.kit.threads.compute_threads()``:
 torch's thread count, also inside a step whose small ops the engine keeps on one thread) and
 ``LMPLUG_GGUF_ISA`` = ``auto`` (default) | ``generic`` (the portable C kernels) | ``avx2`` |
-``avx512`` (AVX-512 F/BW/VL + VNNI over weights repacked at bind into 16-row panels, see
-``csrc/gguf_repack.c``); on aarch64 ``generic`` | ``neon`` | ``dotprod`` (NEON with SDOT). The
+``avxvnni`` (256-bit ``vpdpbusd`` over the AVX-512 set's panels, ``csrc/gguf_vnni256.c``: VEX on
+CPUs with AVX-VNNI, the EVEX form where AVX-512 VL + VNNI stand in for it) | ``avx512`` (AVX-512
+F/BW/VL + VNNI over weights repacked at bind into 16-row panels, see ``csrc/gguf_repack.c``); on
+aarch64 ``generic`` | ``neon`` | ``dotprod`` (NEON with SDOT). The
 SIMD sets read their weights in huge pages (``gguf_weights``: the panels, or the rows copied at
 bind; rows that lie in the file's memory map are then dropped from the process's memory,
 ``release_file_pages``, so the copy is not a second resident one). Results do not depend on the
-thread count; the AVX-512 and NEON kernels give the portable kernels' bits, the AVX2 ones differ
+thread count; the panel sets' and NEON kernels give the portable kernels' bits, the AVX2 ones differ
 from them only in the order of float additions (IQ4_NL / IQ4_XS: their AVX2 kernels give the
 portable bits too; aarch64 runs their portable kernels).
 """
@@ -62,15 +64,20 @@ __all__ = ["BLOCKS", "FLOAT_TYPES", "MAX_RUNS", "NAMES", "SUPPORTED", "BoundProd
 
 def kernel_sets(machine: str) -> tuple[str, ...]:
     """The kernel sets of a build for ``machine`` (``platform.machine()``), by the C file's isa number."""
-    return ("generic", "neon", "dotprod") if machine.lower() in ("aarch64", "arm64") else ("generic", "avx2", "avx512")
+    if machine.lower() in ("aarch64", "arm64"):
+        return ("generic", "neon", "dotprod")
+    return ("generic", "avx2", "avxvnni", "avx512")
 
 
 ISAS = kernel_sets(platform.machine())
-PANEL_TYPES = frozenset({2, 3, 6, 7, 8, 11, 12, 13, 14, 20, 23})  # the types with an AVX-512 panel kernel
+PANEL_SETS = frozenset({"avxvnni", "avx512"})  # the sets that read 16-row panels
+PANEL_TYPES = frozenset({2, 3, 6, 7, 8, 11, 12, 13, 14, 20, 23})  # the types with panel kernels
 PACKED_FLAG = 0x100  # csrc/gguf_cpu.c: a type | this = weights in 16-row panels
-# what each kernel set needs, as /proc/cpuinfo names it (the missing ones are logged)
-ISA_FLAGS = {"avx2": ("avx2", "fma", "f16c"), "avx512": ("avx512f", "avx512bw", "avx512vl", "avx512_vnni"),
+# what each kernel set needs, as /proc/cpuinfo names it (the missing ones are logged; "a|b": either)
+ISA_FLAGS = {"avx2": ("avx2", "fma", "f16c"), "avxvnni": ("avx2", "fma", "f16c", "avx_vnni|avx512_vnni"),
+             "avx512": ("avx512f", "avx512bw", "avx512vl", "avx512_vnni"),
              "neon": ("asimd",), "dotprod": ("asimd", "asimddp")}  # aarch64: its "Features" line
+VNNI_ENCODINGS = (None, "VEX", "EVEX")  # by gguf_cpu_vnni_encoding(): which twin the avxvnni set runs
 _ARGTYPES = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
              ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
 _warned: set[str] = set()
@@ -90,12 +97,14 @@ def describe_isa(best: str) -> str:
     this CPU lacks) and the types that take another path: the load's log line."""
     missing = native_build.missing_flags(ISA_FLAGS)
     text = {"generic": "portable C (no SIMD kernel set runs here)", "avx2": "AVX2 (+FMA, F16C)",
+            "avxvnni": "AVX-VNNI (256-bit vpdpbusd) over 16-row panels repacked at load",
             "avx512": "AVX-512 F/BW/VL + VNNI over 16-row panels repacked at load", "neon": "NEON",
             "dotprod": "NEON + dotprod (SDOT)"}[best]
     better = [name for name in ISAS[ISAS.index(best) + 1:]]
     if better:
-        text += "; " + ", ".join(f"{name} needs {' '.join(missing[name])}" for name in better if missing[name])
-    others = sorted(set(SUPPORTED) - PANEL_TYPES) if best == "avx512" else []
+        text += "; " + ", ".join(f"{name} needs {' '.join(f.replace('|', ' or ') for f in missing[name])}"
+                                 for name in better if missing[name])
+    others = sorted(set(SUPPORTED) - PANEL_TYPES) if best in PANEL_SETS else []
     if others:
         text += "; " + ", ".join(NAMES[t] for t in others) + " take the AVX2 kernel"
     return text
@@ -109,6 +118,8 @@ class GGUFKernel:
         self._fn = lib.gguf_mul_mat
         self._fn.argtypes, self._fn.restype = _ARGTYPES, ctypes.c_int
         self.best_isa = cpuinfo_isa(ISAS[lib.gguf_cpu_isa()])
+        # the avxvnni set's encoding here: "VEX" (AVX-VNNI), "EVEX" (AVX-512 VL + VNNI) or None
+        self.vnni_encoding = VNNI_ENCODINGS[lib.gguf_cpu_vnni_encoding()] if "avxvnni" in ISAS else None
         # the thread pool's entry for another kernel's rows (``mxfp4_native``): its address
         self.parallel_for = ctypes.cast(lib.gguf_cpu_parallel_for, ctypes.c_void_p).value
         self._threads = lib.gguf_cpu_threads
@@ -135,7 +146,7 @@ class GGUFKernel:
         logger.info("quant gguf: native CPU kernels: %s", describe_isa(self.best_isa))
 
     def panels(self, w: torch.Tensor, ggml_type: int, k: int) -> torch.Tensor:
-        """``w``'s rows repacked into the AVX-512 kernels' 16-row panels (uint8, 1-D, in huge
+        """``w``'s rows repacked into the panel sets' 16-row panels (uint8, 1-D, in huge
         pages), made once per weight (a layer's bound product and its native-step product share
         them: ``gguf_weights.cached_copy``)."""
         stride = _check_weight(w, ggml_type, k, row_bytes(ggml_type, k))[0]
@@ -180,11 +191,11 @@ class GGUFKernel:
 
     def operand(self, w: torch.Tensor, ggml_type: int, k: int, isa: int) -> tuple[torch.Tensor, int]:
         """(weights, type) as a bound product hands them to the C: the panels and the type
-        flagged packed where the AVX-512 set runs this type; for the other SIMD sets the rows
+        flagged packed where a panel set (``PANEL_SETS``) runs this type; for the other SIMD sets the rows
         copied into huge pages (``gguf_weights.hot_rows``: ``w`` itself where huge pages are off;
         their row stride is the copy's); for the portable set ``w`` as it is (bound by arithmetic,
         not by the memory: huge pages gave it nothing measurable)."""
-        if ISAS[isa] == "avx512" and ggml_type in PANEL_TYPES:
+        if ISAS[isa] in PANEL_SETS and ggml_type in PANEL_TYPES:
             return self.panels(w, ggml_type, k), ggml_type | PACKED_FLAG
         if ISAS[isa] == "generic":
             return w, ggml_type

@@ -45,8 +45,9 @@ static inline INLINE AVX512 __m512 f16x16(const uint8_t *p) {
 #define PF_L2_ROWS_Q6K ((1u << 2) | PF_FROM(5))      /* Q6_K's */
 
 /* The panel block at p (bytes long)'s lines PF_L2_AHEAD ahead into L2 at the row counts in `rows`
- * (mc and rows are constants in each row count's kernel: no test at run time; no fault past the end). */
-static inline INLINE AVX512 void prefetch_l2(const uint8_t *p, int bytes, const int mc, const unsigned rows) {
+ * (mc and rows are constants in each row count's kernel: no test at run time; no fault past the end).
+ * This and touch_head have no target attribute (no SIMD in them): the AVX-VNNI set inlines them too. */
+static inline INLINE void prefetch_l2(const uint8_t *p, int bytes, const int mc, const unsigned rows) {
     if ((rows >> mc) & 1u)
         for (int o = 0; o < bytes; o += 64) _mm_prefetch((const char *)p + PF_L2_AHEAD + o, _MM_HINT_T1);
 }
@@ -54,7 +55,7 @@ static inline INLINE AVX512 void prefetch_l2(const uint8_t *p, int bytes, const 
 /* A K-quant panel block's head lines (its scales and mins, bytes 0-319) loaded first and in order:
  * the kernels read the quants first and the head after, a jump back five lines a block that the
  * hardware prefetcher follows badly; touched, the block is one ascending stream. */
-static inline INLINE AVX512 void touch_head(const uint8_t *blk) {
+static inline INLINE void touch_head(const uint8_t *blk) {
     const uint8_t t0 = blk[0], t1 = blk[64], t2 = blk[128], t3 = blk[192], t4 = blk[256];
     __asm__ volatile("" : : "r"(t0), "r"(t1), "r"(t2), "r"(t3), "r"(t4));
 }

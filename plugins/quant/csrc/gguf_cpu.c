@@ -89,7 +89,7 @@
 
 enum { T_Q4_0 = 2, T_Q4_1 = 3, T_Q5_0 = 6, T_Q5_1 = 7, T_Q8_0 = 8, T_Q3_K = 11, T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14,
        T_IQ4_NL = 20, T_IQ4_XS = 23 };
-enum { ISA_GENERIC = 0, ISA_AVX2 = 1, ISA_AVX512 = 2 }; /* AVX512: F, BW, VL and VNNI */
+enum { ISA_GENERIC = 0, ISA_AVX2 = 1, ISA_AVXVNNI = 2, ISA_AVX512 = 3 }; /* AVX512: F, BW, VL and VNNI */
 enum { ISA_NEON = 1, ISA_DOTPROD = 2 }; /* aarch64's sets, numbered as x86-64's (one library runs one) */
 #define PACKED_FLAG 0x100 /* a type | this: the weights are 16-row panels (gguf_repack.c) */
 
@@ -973,6 +973,34 @@ static inline INLINE AVX2 void iq4_xs_body(const uint8_t *w, const acts_t *a, in
 SPECIALIZE(iq4_xs)
 
 #include "gguf_avx512.c"
+
+/* The AVX-VNNI set twice (gguf_vnni256.c): VEX for the CPUs that have AVX-VNNI, EVEX for those
+ * with AVX-512 VL + VNNI instead. GCC 11 and clang 12 first knew the avxvnni target. */
+#if (defined(__clang__) && __clang_major__ >= 12) || (!defined(__clang__) && __GNUC__ >= 11)
+#define HAVE_VEX_VNNI 1
+#define V256 __attribute__((target("avx2,fma,f16c,avxvnni")))
+#define VN(x) x##_vex
+#define DPBUSD _mm256_dpbusd_avx_epi32
+#define DPWSSD _mm256_dpwssd_avx_epi32
+#include "gguf_vnni256.c"
+#undef V256
+#undef VN
+#undef DPBUSD
+#undef DPWSSD
+#define VEX_KERNEL(name) name##_v256_vex
+#else
+#define HAVE_VEX_VNNI 0
+#define VEX_KERNEL(name) NULL
+#endif
+#define V256 __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512vnni")))
+#define VN(x) x##_evex
+#define DPBUSD _mm256_dpbusd_epi32
+#define DPWSSD _mm256_dpwssd_epi32
+#include "gguf_vnni256.c"
+#undef V256
+#undef VN
+#undef DPBUSD
+#undef DPWSSD
 #endif /* HAVE_X86 */
 
 #if HAVE_ARM
@@ -985,13 +1013,14 @@ typedef struct {
     int type, elems, bytes, group; /* group: activation sum size (16 for k-quants, else 32) */
     rows_fn fn[2];
     rows_fn packed; /* the AVX-512 kernel over 16-row panels, NULL: none (the AVX2 one runs) */
+    rows_fn vnni[2]; /* the AVX-VNNI set's over the same panels: VEX, EVEX (gguf_vnni256.c) */
 } type_t;
 
 static const type_t TYPES[] = {
 #if HAVE_X86
-#define KERNELS(name) {name##_rows, name##_avx2}, name##_avx512
+#define KERNELS(name) {name##_rows, name##_avx2}, name##_avx512, {VEX_KERNEL(name), name##_v256_evex}
 #else
-#define KERNELS(name) {name##_rows, name##_rows}, NULL
+#define KERNELS(name) {name##_rows, name##_rows}, NULL, {NULL, NULL}
 #endif
     {T_Q4_0, 32, 18, 32, KERNELS(q4_0)}, {T_Q4_1, 32, 20, 32, KERNELS(q4_1)},
     {T_Q5_0, 32, 22, 32, KERNELS(q5_0)}, {T_Q5_1, 32, 24, 32, KERNELS(q5_1)},
@@ -1180,9 +1209,24 @@ static void run_job(job_t *j) {
 #include "gguf_repack.c"
 #include "gguf_dequant.c"
 
-/* The best kernel set this CPU runs: 2 (AVX-512 F/BW/VL/VNNI, and AVX2), 1 (AVX2 + FMA +
- * F16C) or 0 (portable C); on aarch64 2 (NEON + dotprod, as Linux's AT_HWCAP reports it) or
- * 1 (NEON). */
+/* Which twin of the AVX-VNNI set runs here: 1 VEX (the CPU has AVX-VNNI), 2 EVEX (AVX-512 VL +
+ * VNNI, no AVX-VNNI), 0 neither. */
+EXPORT int gguf_cpu_vnni_encoding(void) {
+#if HAVE_X86
+    __builtin_cpu_init();
+    if (!__builtin_cpu_supports("avx2") || !__builtin_cpu_supports("fma") || !__builtin_cpu_supports("f16c")) return 0;
+#if HAVE_VEX_VNNI
+    if (__builtin_cpu_supports("avxvnni")) return 1;
+#endif
+    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni"))
+        return 2;
+#endif
+    return 0;
+}
+
+/* The best kernel set this CPU runs: 3 (AVX-512 F/BW/VL/VNNI, and the sets below), 2 (AVX-VNNI:
+ * AVX2 + FMA + F16C and a 256-bit vpdpbusd, gguf_cpu_vnni_encoding), 1 (AVX2 + FMA + F16C) or 0
+ * (portable C); on aarch64 2 (NEON + dotprod, as Linux's AT_HWCAP reports it) or 1 (NEON). */
 EXPORT int gguf_cpu_isa(void) {
 #if HAVE_X86
     __builtin_cpu_init();
@@ -1190,6 +1234,7 @@ EXPORT int gguf_cpu_isa(void) {
         __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni"))
         return ISA_AVX512;
+    if (gguf_cpu_vnni_encoding()) return ISA_AVXVNNI;
     if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c"))
         return ISA_AVX2;
 #elif HAVE_ARM
@@ -1236,21 +1281,25 @@ static int mul_mat_into(const float *x, int64_t M, int64_t K, const uint8_t *w, 
     const type_t *t = find_type(type & ~PACKED_FLAG);
     if (!t) return -2;
     if (K <= 0 || K % t->elems) return -3;
-    if (isa < 0 || isa > gguf_cpu_isa() || (packed && (isa != ISA_AVX512 || !t->packed))) return -4;
-    if (M <= 0 || N <= 0) return 0;
-    rows_fn fn = t->fn[isa > ISA_AVX2 ? ISA_AVX2 : isa];
-#if HAVE_ARM
+    if (isa < 0 || isa > gguf_cpu_isa()) return -4;
+    rows_fn fn = t->fn[isa > ISA_AVX2 ? ISA_AVX2 : isa], panel_fn = NULL; /* panel_fn: over 16-row panels */
+#if HAVE_X86
+    if (isa == ISA_AVX512) panel_fn = t->packed;
+    if (isa == ISA_AVXVNNI) panel_fn = t->vnni[gguf_cpu_vnni_encoding() == 1 ? 0 : 1];
+#elif HAVE_ARM
     if (isa > ISA_GENERIC && neon_kernel(t->type, isa)) fn = neon_kernel(t->type, isa);
 #endif
-    uint8_t *panels = NULL; /* plain rows repacked for this call (the AVX-512 path of gguf_mul_mat) */
-    if (isa == ISA_AVX512 && t->packed) {
+    if (packed && !panel_fn) return -4;
+    if (M <= 0 || N <= 0) return 0;
+    uint8_t *panels = NULL; /* plain rows repacked for this call (the panel sets' path of gguf_mul_mat) */
+    if (panel_fn) {
         if (!packed) {
             panels = malloc((size_t)gguf_packed_bytes(t->type, N, K));
             if (!panels) return -1;
             gguf_repack(t->type, w, w_stride, N, K, panels);
             w = panels;
         }
-        fn = t->packed;
+        fn = panel_fn;
         w_stride = K / t->elems * packed_block_bytes(t->type); /* a panel: 16 of these, from row 16 p */
     }
     const int64_t nb = K / t->elems, ns = K / t->group, ld = (nb + 3) / 4 * 4;

@@ -27,7 +27,7 @@ def huge(monkeypatch):
 
 def row_sets(kernel) -> list[str]:
     """The SIMD kernel sets this CPU runs that read rows (not the AVX-512 panels)."""
-    sets = [isa for isa in gguf_native.ISAS[1:gguf_native.ISAS.index(kernel.best_isa) + 1] if isa != "avx512"]
+    sets = [isa for isa in gguf_native.ISAS[1:gguf_native.ISAS.index(kernel.best_isa) + 1] if isa not in gguf_native.PANEL_SETS]
     if not sets:
         pytest.skip(f"no SIMD kernel set over rows runs here: {gguf_native.describe_isa(kernel.best_isa)}")
     return sets

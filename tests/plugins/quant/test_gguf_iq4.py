@@ -66,7 +66,7 @@ def test_portable_kernel_is_the_simulation(kernel, monkeypatch, name):
         assert torch.equal(got, portable_bits(name, x, w)), (n, k)
 
 
-@pytest.mark.parametrize("isa", ["avx2", "avx512", "neon", "dotprod"])
+@pytest.mark.parametrize("isa", ["avx2", "avxvnni", "avx512", "neon", "dotprod"])
 @pytest.mark.parametrize("name", TYPES)
 def test_simd_sets_give_the_portable_bits(kernel, monkeypatch, name, isa):
     if isa not in gguf_native.ISAS or gguf_native.ISAS.index(kernel.best_isa) < gguf_native.ISAS.index(isa):

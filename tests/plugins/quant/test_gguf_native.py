@@ -278,7 +278,7 @@ def test_forked_child_recreates_the_pool(kernel):
     assert torch.equal(kernel.mul_mat(x, w, 8, k, num_threads=2), want)  # and the parent's still works
 
 
-@pytest.mark.parametrize("isa", ["avx2", "avx512"])
+@pytest.mark.parametrize("isa", ["avx2", "avxvnni", "avx512"])
 @pytest.mark.parametrize("name", TYPES)
 def test_portable_kernels_match_simd(kernel, name, monkeypatch, isa):
     if gguf_native.ISAS.index(kernel.best_isa) < gguf_native.ISAS.index(isa):
@@ -293,7 +293,7 @@ def test_portable_kernels_match_simd(kernel, name, monkeypatch, isa):
     assert ((simd.double() - portable.double()).abs() <= 6e-7 * scale + 1e-30).all()
 
 
-@pytest.mark.parametrize("isa", ["generic", "avx2", "avx512"])
+@pytest.mark.parametrize("isa", ["generic", "avx2", "avxvnni", "avx512"])
 @pytest.mark.parametrize("name", TYPES)
 def test_each_row_count_gives_the_rows_bits(kernel, name, monkeypatch, isa):
     """Every row count up to two 8-row groups (a verify's k + 1 rows: each count has a kernel of
@@ -411,7 +411,7 @@ def test_layer_product_is_the_runs_side_by_side_plus_bias(kernel):
 def test_bad_environment_is_named(kernel, monkeypatch):
     w = torch.from_numpy(make_weight("Q8_0", 4, 64))
     monkeypatch.setenv("LMPLUG_GGUF_ISA", "sse9")
-    with pytest.raises(ValueError, match="LMPLUG_GGUF_ISA='sse9' must be one of auto, generic, avx2, avx512"):
+    with pytest.raises(ValueError, match="LMPLUG_GGUF_ISA='sse9' must be one of auto, generic, avx2, avxvnni, avx512"):
         kernel.mul_mat(torch.randn(1, 64), w, 8, 64)
     monkeypatch.delenv("LMPLUG_GGUF_ISA")
     monkeypatch.setenv("LMPLUG_GGUF_THREADS", "two")

@@ -235,7 +235,7 @@ def test_kernel_set_names_follow_the_machine(kernel, monkeypatch):
     line bounds them (a missing asimddp is named in the load's line); the dotprod set reads the
     rows as they are (no AVX-512 panels; copied into huge pages where they are on)."""
     assert gguf_native.kernel_sets("aarch64") == ("generic", "neon", "dotprod")
-    assert gguf_native.kernel_sets("x86_64") == ("generic", "avx2", "avx512")
+    assert gguf_native.kernel_sets("x86_64") == ("generic", "avx2", "avxvnni", "avx512")
     monkeypatch.setattr(gguf_native, "ISAS", gguf_native.kernel_sets("aarch64"))
     a53 = "Features\t: fp asimd evtstrm aes pmull sha1 sha2 crc32 cpuid\nCPU part\t: 0xd03"
     monkeypatch.setattr(gguf_native.native_build, "cpu_id", lambda: a53)

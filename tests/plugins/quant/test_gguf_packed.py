@@ -335,9 +335,9 @@ def test_bound_products_match_the_registered_op(files):
 
 
 @pytest.mark.skipif(native_kernel()[0] is None, reason="native GGUF kernel not built here")
-@pytest.mark.parametrize("isa", [2, 1])  # the AVX-512 panels; the rows in huge pages (AVX2, NEON)
-def test_panels_are_the_only_copy_of_permuted_rows(files, monkeypatch, isa):
-    """With the AVX-512 panels (or the other SIMD sets' rows copied into huge pages), llama's q/k
+@pytest.mark.parametrize("set_name", ["avx512", "avxvnni", "rows"])  # panels; the rows in huge pages (AVX2, NEON)
+def test_panels_are_the_only_copy_of_permuted_rows(files, monkeypatch, set_name):
+    """With the panels (or the other SIMD sets' rows copied into huge pages), llama's q/k
     rows (permuted at load: a copy, joined here) live in that copy only, and every path gives the
     bits of the same kernels over the rows kept whole: the bound products, the native step's
     layer product, and the op path, which gets the rows back byte for byte."""
@@ -346,13 +346,15 @@ def test_panels_are_the_only_copy_of_permuted_rows(files, monkeypatch, isa):
 
     gguf_native = native_kernel()[0]
     best = gguf_native.load().best_isa
+    isa = 1 if set_name == "rows" else gguf_native.ISAS.index(set_name) if set_name in gguf_native.ISAS else 99
     if gguf_native.ISAS.index(best) < isa:
-        pytest.skip(f"the {gguf_native.ISAS[isa]} set does not run here: {gguf_native.describe_isa(best)}")
+        pytest.skip(f"the {set_name} set does not run here: {gguf_native.describe_isa(best)}")
     monkeypatch.delenv("LMPLUG_HUGE_PAGES", raising=False)
-    if isa == 1 and not hugemem.enabled():
+    panels = gguf_native.ISAS[isa] in gguf_native.PANEL_SETS
+    if not panels and not hugemem.enabled():
         pytest.skip("no huge-page memory here: the rows are read where they lie")
     native = {"method": "gguf", "kernel": "native"}
-    monkeypatch.setenv("LMPLUG_GGUF_ISA", "generic" if isa == 2 else gguf_native.ISAS[isa])
+    monkeypatch.setenv("LMPLUG_GGUF_ISA", "generic" if panels else gguf_native.ISAS[isa])
     monkeypatch.setenv("LMPLUG_HUGE_PAGES", "0")  # the rows where they are
     whole = model_of(LLM(str(files["kquant"]), **ENGINE, quant=native)).layers[0].self_attn.qkv_proj
     monkeypatch.delenv("LMPLUG_HUGE_PAGES")

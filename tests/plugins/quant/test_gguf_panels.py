@@ -1,9 +1,10 @@
-"""The AVX-512 VNNI kernels over 16-row panels (csrc/gguf_avx512.c, gguf_repack.c): the same
-bits as the portable kernels for every type with a panel kernel, row counts of the small-M
-kernels and of GEMMs, weight row counts that are not a multiple of the panel, 1 and 2
-threads, repacked per call (``mul_mat``) and once at bind (the bound and layer products).
-On a CPU without AVX-512 VNNI these are skipped with the reason; the repack itself and the
-kernel set's log line are checked everywhere."""
+"""The kernel sets over 16-row panels (csrc/gguf_repack.c): AVX-512 VNNI (gguf_avx512.c) and
+AVX-VNNI (gguf_vnni256.c, in whichever encoding this CPU runs: VEX, or EVEX on AVX-512 CPUs
+without AVX-VNNI). The same bits as the portable kernels for every type with a panel kernel,
+row counts of the small-M kernels and of GEMMs, weight row counts that are not a multiple of
+the panel (a half-empty last panel too), 1 and 2 threads, repacked per call (``mul_mat``) and
+once at bind (the bound and layer products). A set this CPU cannot run is skipped with the
+reason; the repack itself and the kernel set's log line are checked everywhere."""
 
 from __future__ import annotations
 
@@ -18,51 +19,50 @@ gguf_native = pytest.importorskip("lmplug_quant.gguf_native")
 PANEL_TYPES = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS"]
 
 
-@pytest.fixture
-def avx512(kernel):
-    if kernel.best_isa != "avx512":
-        pytest.skip(f"this CPU runs at most the {kernel.best_isa!r} kernels: "
-                    f"{gguf_native.describe_isa(kernel.best_isa)}")
-    return kernel
+@pytest.fixture(params=["avxvnni", "avx512"])
+def panel_set(request, kernel):
+    """A kernel set over panels this CPU runs (its name), else a skip that says why."""
+    isa = request.param
+    if isa not in gguf_native.ISAS or gguf_native.ISAS.index(kernel.best_isa) < gguf_native.ISAS.index(isa):
+        pytest.skip(f"this CPU cannot run the {isa} kernels: {gguf_native.describe_isa(kernel.best_isa)}")
+    return isa
 
 
-def portable(kernel, monkeypatch, x, w, name, k):
+def portable(kernel, monkeypatch, x, w, name, k, isa):
     monkeypatch.setenv("LMPLUG_GGUF_ISA", "generic")
     try:
         return kernel.mul_mat(x, w, type_id(name), k, num_threads=1)
     finally:
-        monkeypatch.setenv("LMPLUG_GGUF_ISA", "avx512")
+        monkeypatch.setenv("LMPLUG_GGUF_ISA", isa)
 
 
 @pytest.mark.parametrize("name", PANEL_TYPES)
 @pytest.mark.parametrize("n", [37, 16, 5])
-def test_panels_give_the_portable_bits(avx512, monkeypatch, name, n):
+def test_panels_give_the_portable_bits(kernel, panel_set, monkeypatch, name, n):
     k = 512
     w = torch.from_numpy(make_weight(name, n, k, seed=n))
     x = torch.randn(33, k, generator=torch.Generator().manual_seed(n)) * 3
-    want = portable(avx512, monkeypatch, x, w, name, k)
-    monkeypatch.setenv("LMPLUG_GGUF_ISA", "avx512")
+    want = portable(kernel, monkeypatch, x, w, name, k, panel_set)
     for m in (*range(1, 10), 33):  # decode, a verify step's k + 1 rows (each count its kernel), 8-row groups, a GEMM
         for threads in (1, 2):
-            got = avx512.mul_mat(x[:m], w, type_id(name), k, num_threads=threads)
+            got = kernel.mul_mat(x[:m], w, type_id(name), k, num_threads=threads)
             assert torch.equal(got, want[:m]), (m, threads, (got - want[:m]).abs().max())
 
 
 @pytest.mark.parametrize("name", PANEL_TYPES)
-def test_bound_and_layer_products_read_panels_made_once(avx512, monkeypatch, name):
-    """Bound at avx512, a product reads the panels (made at bind, shared by the bound product
+def test_bound_and_layer_products_read_panels_made_once(kernel, panel_set, monkeypatch, name):
+    """Bound at a panel set, a product reads the panels (made at bind, shared by the bound product
     and the layer's native-step product of the same weight) and gives the portable bits."""
     from lmplug.kit.native import call_product
 
     k, n = 256 * 3, 45  # 24 blocks of 32 / 3 of 256, a partial last panel
     w = torch.from_numpy(make_weight(name, n, k, seed=11))
     x = torch.randn(5, k, generator=torch.Generator().manual_seed(11))
-    want = portable(avx512, monkeypatch, x, w, name, k)
-    monkeypatch.setenv("LMPLUG_GGUF_ISA", "avx512")
-    bound = gguf_native.BoundProduct(avx512, w, type_id(name), k)
+    want = portable(kernel, monkeypatch, x, w, name, k, panel_set)
+    bound = gguf_native.BoundProduct(kernel, w, type_id(name), k)
     assert bound.ggml_type == type_id(name) | gguf_native.PACKED_FLAG and bound.w.data_ptr() != w.data_ptr()
-    call = gguf_native.layer_product(avx512, [(type_id(name), w)], k, None)
-    assert avx512.panels(w, type_id(name), k) is bound.w  # one repacked copy
+    call = gguf_native.layer_product(kernel, [(type_id(name), w)], k, None)
+    assert kernel.panels(w, type_id(name), k) is bound.w  # one repacked copy
     for m in (1, 5):
         assert torch.equal(bound(x[:m]), want[:m])
         assert torch.equal(call_product(call, x[:m], n, 2), want[:m])
@@ -234,3 +234,65 @@ def test_panels_only_forgets_a_private_copy(kernel):
     gc.collect()
     assert gone() is None  # nothing but the caller held the rows
     assert kernel.rows(panels, type_id("Q4_K"), n, k).shape == (n, 144 * k // 256)
+
+
+def test_avx_vnni_cpus_are_bounded_to_the_256_bit_set(monkeypatch):
+    """An Intel client core (AVX2 and AVX-VNNI, no AVX-512) gets the avxvnni set; AVX-512's VNNI
+    meets the same need (its EVEX twin); a CPU with neither stays at avx2, and the load's line
+    names what each better set lacks."""
+    monkeypatch.setattr(gguf_native, "ISAS", gguf_native.kernel_sets("x86_64"))
+    client = "model name\t: test\nflags\t\t: fpu sse2 avx2 fma f16c avx_vnni"
+    monkeypatch.setattr(gguf_native.native_build, "cpu_id", lambda: client)
+    assert gguf_native.cpuinfo_isa("avxvnni") == "avxvnni"
+    assert gguf_native.cpuinfo_isa("avx2") == "avx2"  # CPUID's answer bounds it too
+    text = gguf_native.describe_isa("avxvnni")
+    assert text.startswith("AVX-VNNI (256-bit vpdpbusd) over 16-row panels")
+    assert "avx512 needs avx512f avx512bw avx512vl avx512_vnni" in text
+    zen4 = "model name\t: test\nflags\t\t: fpu avx2 fma f16c avx512f avx512bw avx512vl avx512_vnni"
+    monkeypatch.setattr(gguf_native.native_build, "cpu_id", lambda: zen4)
+    assert gguf_native.cpuinfo_isa("avx512") == "avx512"
+    older = "model name\t: test\nflags\t\t: fpu avx2 fma f16c"
+    monkeypatch.setattr(gguf_native.native_build, "cpu_id", lambda: older)
+    assert gguf_native.cpuinfo_isa("avxvnni") == "avx2"
+    assert "avxvnni needs avx_vnni or avx512_vnni" in gguf_native.describe_isa("avx2")
+
+
+def test_the_vnni_encoding_follows_the_cpu(kernel):
+    """The avxvnni set runs its VEX twin where the CPU has AVX-VNNI, its EVEX twin where only
+    AVX-512 VL + VNNI stand in (then the panel tests above ran the EVEX twin: the same source)."""
+    if "avxvnni" not in gguf_native.ISAS:
+        pytest.skip(f"no AVX-VNNI set on {gguf_native.ISAS}")
+    flags = set(gguf_native.native_build.cpu_id().split())
+    if "avx_vnni" in flags:
+        assert kernel.vnni_encoding == "VEX"
+    elif {"avx512_vnni", "avx512vl"} <= flags:
+        assert kernel.vnni_encoding == "EVEX"
+    elif "avx2" in flags:
+        assert kernel.vnni_encoding is None and gguf_native.ISAS.index(kernel.best_isa) <= 1
+
+
+def test_the_vex_twin_needs_no_avx512(kernel):
+    """What an AVX-VNNI CPU without AVX-512 runs: every row count's kernel of every type is in the
+    library, its dot products VEX-encoded, and none of its instructions needs AVX-512 (no zmm or
+    mask registers, no ymm16-31). On a CPU without AVX-VNNI this disassembly is the check that
+    runs: the kernels' arithmetic was run above through the EVEX twin."""
+    import re
+    import shutil
+    import subprocess
+
+    if "avxvnni" not in gguf_native.ISAS:
+        pytest.skip(f"no AVX-VNNI set on {gguf_native.ISAS}")
+    objdump = shutil.which("objdump")
+    if objdump is None:
+        pytest.skip("objdump (binutils) is not installed: the VEX twin's encoding cannot be read")
+    text = subprocess.run([objdump, "-d", "--no-show-raw-insn", kernel.path], capture_output=True, text=True,
+                          check=True, timeout=120).stdout
+    bodies = dict(re.findall(r"^[0-9a-f]+ <([^>]+)>:\n(.*?)(?=\n\n|\Z)", text, flags=re.MULTILINE | re.DOTALL))
+    vex = {name: body for name, body in bodies.items() if re.match(r"\w+_v256_\w+_vex\b", name)}
+    counts = {re.match(r"(\w+)_v256_(\w+?)_vex", name).groups() for name in vex}
+    types = ["q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q3_k", "q4_k", "q5_k", "q6_k", "iq4_nl", "iq4_xs"]
+    rows = ["1", "2", "3", "4", "5", "6", "7", "MR"]
+    assert {(t, r) for t in types for r in rows} <= counts
+    for name, body in vex.items():
+        assert "{vex} vpdpbusd" in body, name
+        assert not re.search(r"%zmm|%k[0-7]|%[xy]mm(1[6-9]|2\d|3[01])\b|\{evex\}", body), name
