@@ -13,8 +13,7 @@
  * halves one after the other while the block's lines are in L1, so the weights stream once in
  * memory order. Per lane the integer and float operations are gguf_avx512.c's, but its ternlog
  * selects (AVX-512 VL, which AVX-VNNI CPUs lack) are ands and ors of the parts: the portable
- * kernels' bits. 16 ymm
- * registers instead of 32 zmm: past about 4 activation rows the accumulators spill to L1. */
+ * kernels' bits. 16 ymm registers instead of 32 zmm: groups of at most 4 activation rows (below). */
 
 static inline INLINE V256 __m256i VN(bc4)(const int8_t *p) {
     int32_t v;
@@ -42,7 +41,7 @@ static inline INLINE V256 __m256i VN(iq4_table)(void) {
 }
 
 /* Each half's mc rows of outputs (columns 8 h .. 8 h + 7 of the panel's 16), those past nr not stored. */
-static inline INLINE V256 void VN(store_rows)(__m256 acc[2][MR], int mc, int64_t nr, float *out, int64_t ldo) {
+static inline INLINE V256 void VN(store_rows)(__m256 acc[2][4], int mc, int64_t nr, float *out, int64_t ldo) {
     for (int h = 0; h < 2; h++) {
         const int64_t left = nr - 8 * h;
         if (left <= 0) return;
@@ -107,7 +106,7 @@ static inline INLINE V256 void VN(small_half)(const uint8_t *blk, int64_t b, con
 static inline INLINE V256 void VN(k45_half)(const uint8_t *blk, int64_t b, const int h, const acts_t *a, int64_t m0,
                                             const int mc, __m256 *acc, const int five) {
     const __m256i low = _mm256_set1_epi8(0x0F), bit4 = _mm256_set1_epi8(0x10);
-    __m256i isum[MR], lo[MR], hi[MR];
+    __m256i isum[4], lo[4], hi[4];
     for (int r = 0; r < mc; r++) isum[r] = _mm256_setzero_si256();
 #pragma GCC unroll 4
     for (int j = 0; j < 4; j++) { /* sub-blocks 2 j (low nibbles) and 2 j + 1 (high) */
@@ -135,7 +134,7 @@ static inline INLINE V256 void VN(k45_half)(const uint8_t *blk, int64_t b, const
                                                                  _mm256_mullo_epi32(sh, hi[r])));
     }
     const __m256 d = VN(f16x8)(blk + 16 * h), dmin = VN(f16x8)(blk + 32 + 16 * h);
-    __m256i msum[MR]; /* sum over s of min_s * the activations' two 16-sums of sub-block s (vpdpwssd) */
+    __m256i msum[4]; /* sum over s of min_s * the activations' two 16-sums of sub-block s (vpdpwssd) */
     for (int r = 0; r < mc; r++) msum[r] = _mm256_setzero_si256();
 #pragma GCC unroll 8
     for (int s = 0; s < 8; s++) {
@@ -191,7 +190,7 @@ static inline INLINE V256 void VN(q6_k_half)(const uint8_t *blk, int64_t b, cons
     const __m256i low = _mm256_set1_epi8(0x0F), m03 = _mm256_set1_epi8(0x03), m0c = _mm256_set1_epi8(0x0C);
     const __m256i m30 = _mm256_set1_epi8(0x30);
     const uint8_t *groups = blk + 288;
-    __m256i isum[MR];
+    __m256i isum[4];
     for (int r = 0; r < mc; r++) isum[r] = _mm256_setzero_si256();
     for (int g6 = 0; g6 < 2; g6++)
         for (int half = 0; half < 2; half++) {
@@ -215,7 +214,7 @@ static inline INLINE V256 void VN(q3_k_half)(const uint8_t *blk, int64_t b, cons
                                              const int mc, __m256 *acc) {
     const __m256i three = _mm256_set1_epi8(3), four = _mm256_set1_epi8(4);
     const uint8_t *hm = blk + 288 + 32 * h, *qs = blk + 800 + 32 * h;
-    __m256i isum[MR];
+    __m256i isum[4];
     for (int r = 0; r < mc; r++) isum[r] = _mm256_setzero_si256();
 #pragma GCC unroll 2
     for (int n = 0; n < 2; n++)
@@ -243,7 +242,7 @@ static inline INLINE V256 void VN(q3_k_half)(const uint8_t *blk, int64_t b, cons
 static inline INLINE V256 void VN(iq4_xs_half)(const uint8_t *blk, int64_t b, const int h, const acts_t *a, int64_t m0,
                                                const int mc, __m256 *acc) {
     const __m256i low = _mm256_set1_epi8(0x0F), table = VN(iq4_table)();
-    __m256i isum[MR], dot[MR];
+    __m256i isum[4], dot[4];
     for (int r = 0; r < mc; r++) isum[r] = _mm256_setzero_si256();
     for (int s = 0; s < 8; s++) {
         for (int r = 0; r < mc; r++) dot[r] = _mm256_setzero_si256();
@@ -280,7 +279,7 @@ static inline INLINE V256 void VN(panel)(const uint8_t *p, int64_t nr, const act
                          : type == T_Q5_K ? 180 : type == T_Q6_K ? 210 : 138);
     const unsigned pf = type == T_Q4_0 || type == T_Q3_K || type == T_Q5_K ? PF_L2_ROWS_TWO
                         : type == T_Q6_K ? PF_L2_ROWS_Q6K : PF_L2_ROWS;
-    __m256 acc[2][MR];
+    __m256 acc[2][4];
     for (int r = 0; r < mc; r++) acc[0][r] = acc[1][r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < a->nb; b++) {
         const uint8_t *blk = p + b * pb;
@@ -297,7 +296,10 @@ static inline INLINE V256 void VN(panel)(const uint8_t *p, int64_t nr, const act
     VN(store_rows)(acc, mc, nr, out, ldo);
 }
 
-/* rows_fn over one panel, a function per row count (gguf_avx512.c's PANEL_KERNEL says why). */
+/* rows_fn over one panel, a function per row count (gguf_avx512.c's PANEL_KERNEL says why) up to
+ * 4; 5 to 8 rows run as 4 and the rest, the panel read a second time from L2. With 16 ymm
+ * registers more rows' accumulators spill anyway, and the copies for 5 to 8 rows doubled the
+ * library's build time (the set is compiled twice). */
 #define V256_ONE(name, type, n)                                                                       \
     static __attribute__((noinline)) V256 void VN(name##_v256_##n)(const uint8_t *w, int64_t nr, const acts_t *a, \
                                                                    int64_t m0, float *out, int64_t ldo) { \
@@ -305,20 +307,16 @@ static inline INLINE V256 void VN(panel)(const uint8_t *p, int64_t nr, const act
     }
 #define V256_KERNEL(name, type)                                                                       \
     V256_ONE(name, type, 1) V256_ONE(name, type, 2) V256_ONE(name, type, 3) V256_ONE(name, type, 4)   \
-    V256_ONE(name, type, 5) V256_ONE(name, type, 6) V256_ONE(name, type, 7) V256_ONE(name, type, MR)  \
     static V256 void VN(name##_v256)(const uint8_t *w, int64_t ws, int64_t nr, const acts_t *a, int64_t m0, int mc, \
                                      float *out, int64_t ldo) {                                       \
-        (void)ws;                                                                                     \
+        for (; mc > 4; mc -= 4, m0 += 4, out += 4 * ldo) VN(name##_v256_4)(w, nr, a, m0, out, ldo);   \
         switch (mc) {                                                                                 \
         case 1: VN(name##_v256_1)(w, nr, a, m0, out, ldo); break;                                     \
         case 2: VN(name##_v256_2)(w, nr, a, m0, out, ldo); break;                                     \
         case 3: VN(name##_v256_3)(w, nr, a, m0, out, ldo); break;                                     \
-        case 4: VN(name##_v256_4)(w, nr, a, m0, out, ldo); break;                                     \
-        case 5: VN(name##_v256_5)(w, nr, a, m0, out, ldo); break;                                     \
-        case 6: VN(name##_v256_6)(w, nr, a, m0, out, ldo); break;                                     \
-        case 7: VN(name##_v256_7)(w, nr, a, m0, out, ldo); break;                                     \
-        default: VN(name##_v256_MR)(w, nr, a, m0, out, ldo);                                          \
+        default: VN(name##_v256_4)(w, nr, a, m0, out, ldo);                                           \
         }                                                                                             \
+        (void)ws;                                                                                     \
     }
 V256_KERNEL(q4_0, T_Q4_0)
 V256_KERNEL(q4_1, T_Q4_1)
