@@ -3,6 +3,8 @@ hidden states where they are consecutive) and one inference-mode region around t
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
@@ -50,10 +52,31 @@ def test_decode_steps_sample_the_hidden_rows_in_place_with_the_same_tokens(demo_
     monkeypatch.setattr(model, "compute_logits", recording_logits)
     prompts = [[1, 504, 3458, 282, 4649, 314], [1, 1203, 282, 260]]
     got = _generate(llm, prompts)
-    steps = [(a, b) for a, b in zip(seen, seen[1:]) if a[0] == "forward" and b[0] == "logits"]
+    steps = [(a, b) for a, b in itertools.pairwise(seen) if a[0] == "forward" and b[0] == "logits"]
     decodes = [(f, g) for f, g in steps if f[2] == len(prompts)]  # both sequences decoding
     assert decodes and all(g[2] for _, g in steps)  # the head runs in inference mode
     assert all(g[1] == f[1] for f, g in decodes)  # rows 0..1 of the hidden states, not a copy
 
     monkeypatch.setattr(runner_module, "_as_slice", lambda rows: rows)  # the index copy
     assert _generate(llm, prompts) == got
+
+
+def test_decode_steps_keep_the_kernels_they_loaded(demo_gguf, monkeypatch):
+    """The demo model's embedding (GGUF) and native step attention (sdpa) load their C libraries
+    once: ``load()`` reads three environment variables, which a decode step no longer pays. A
+    fresh ``load()`` still follows the environment (``tests/plugins/attention/test_paged_native.py``)."""
+    from lmplug_attention.paged import native as paged_native
+    from lmplug_quant import gguf_native
+
+    from lmplug import LLM
+
+    llm = LLM(str(demo_gguf), max_model_len=128)
+    prompts = [[1, 504, 3458, 282, 4649, 314]]
+    want = _generate(llm, prompts)
+
+    def no_load():
+        raise AssertionError("load() called during a decode step")
+
+    monkeypatch.setattr(paged_native, "load", no_load)
+    monkeypatch.setattr(gguf_native, "load", no_load)
+    assert _generate(llm, prompts) == want
