@@ -78,20 +78,19 @@ class ModelRunner:
             seq_lens.append(start + n)
             tables.append(table)
         width = max(len(t) for t in tables)
-        block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
-        ql = torch.tensor(query_lens, dtype=torch.int32)
-        pos = torch.tensor(positions, dtype=torch.int64)
-        cu = torch.tensor([0, *itertools.accumulate(query_lens)], dtype=torch.int32)
         num_decodes = 0
         while (num_decodes < len(batch) and query_lens[num_decodes] == 1
                and seq_lens[num_decodes] > 1):
             num_decodes += 1
         dev = self.device
         ctx = StepContext(
-            positions=pos.to(dev),
-            query_lens=ql.to(dev), seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-            cu_query_lens=cu.to(dev), slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
-            block_tables=block_tables.to(dev), query_lens_cpu=query_lens, seq_lens_cpu=seq_lens,
+            positions=torch.tensor(positions, dtype=torch.int64, device=dev),
+            query_lens=torch.tensor(query_lens, dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+            cu_query_lens=torch.tensor([0, *itertools.accumulate(query_lens)], dtype=torch.int32, device=dev),
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
+            block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=dev),
+            query_lens_cpu=query_lens, seq_lens_cpu=seq_lens,
             num_decodes=num_decodes, query_masks=query_masks, row_inputs=row_inputs,
             state_slots=(torch.tensor([self.kv.state_slot(item.seq) for item in batch], dtype=torch.int32,
                                       device=dev) if self.kv.spec.states else None))
@@ -110,13 +109,14 @@ class ModelRunner:
     def _execute(self, batch: list[ScheduledSeq]) -> StepResult:
         return self._submit(batch)()
 
+    @torch.inference_mode()
     def submit(self, batch: list[ScheduledSeq]) -> Callable[[], StepResult]:
         """Pipeline parallel: run the first stage's part of the step and return what finishes it
         (receives the last stage's logits), so that the engine can submit another micro-batch first."""
         return self._submit(batch, defer=True)
 
-    @torch.inference_mode()
     def _submit(self, batch: list[ScheduledSeq], defer: bool = False) -> Callable[[], StepResult]:
+        # its callers enter inference mode once for the step (each entry costs microseconds)
         # decodes first (backends take a fast path over ``[:num_decodes]``), then short queries,
         # chains shortest first, then draft trees (a verify of a few drafts, a small chunk: backends
         # may read a leading run of short queries as decode rows), then the long ones
@@ -124,7 +124,7 @@ class ModelRunner:
                                              s.num_new_tokens > self.short_query_tokens,
                                              s.mask is not None, s.num_new_tokens))
         input_ids, ctx = self.build_context(batch)
-        ends = ctx.cu_query_lens[1:].tolist()
+        ends = list(itertools.accumulate(ctx.query_lens_cpu))  # cu_query_lens[1:], read on the host
         sample_rows, rows, num_rows = [], [], []
         prompt_rows: dict[int, tuple[int, slice]] = {}
         pool_rows: dict[int, tuple[int, slice]] = {}
@@ -142,7 +142,7 @@ class ModelRunner:
                 sample_rows.append(item)
                 rows.extend(range(end - n, end))
                 num_rows.append(n)
-        groups = [where for _, where in prompt_rows.values()] + ([rows] if rows else [])
+        groups = [where for _, where in prompt_rows.values()] + ([_as_slice(rows)] if rows else [])
         if self.adapters is not None:  # each token's adapter slot, read by every adapted layer
             self.adapters.set_step([(item.seq.adapter, item.num_new_tokens) for item in batch], self.device)
         self._defer = defer
@@ -150,7 +150,7 @@ class ModelRunner:
             if self.parallel is not None:  # tensor parallel: every rank runs the same step on its shard
                 logits, hidden = self.parallel.run_step(self, input_ids, ctx, groups)
             else:
-                logits, hidden = self.run(input_ids, ctx, groups)
+                logits, hidden = self._run(input_ids, ctx, groups)
         finally:
             self._defer = False
             if self.adapters is not None:  # forwards outside a step (a drafter's) run on the base
@@ -196,6 +196,11 @@ class ModelRunner:
         """The forward over the step's tokens, then logits for each group of rows (a slice or
         a list of row indices). Tensor-parallel workers call it with rank 0's inputs; their
         logits are None (gathered on rank 0)."""
+        return self._run(input_ids, ctx, groups)
+
+    def _run(self, input_ids: torch.Tensor, ctx: StepContext,
+             groups: list) -> tuple[list[torch.Tensor | None], torch.Tensor]:
+        """``run`` inside inference mode already (a step's ``_submit``): entering it again costs microseconds."""
         with self.threads_for(ctx.query_lens_cpu, ctx.seq_lens_cpu):
             return self._forward(input_ids, ctx, groups)
 
@@ -216,6 +221,12 @@ class ModelRunner:
             out[layer] = view
         return out
 
+
+
+def _as_slice(rows: list[int]) -> slice | list[int]:
+    """Increasing rows as a slice where they are consecutive (every decode step's): the hidden
+    states' slice is a view where a list of rows is an index op and a copy."""
+    return slice(rows[0], rows[-1] + 1) if rows[-1] - rows[0] == len(rows) - 1 else rows
 
 
 def _joined(results: list[StepResult]) -> StepResult:

@@ -214,8 +214,12 @@ class NativeDecodeStep:
         need = rows * (3 * hidden + (heads + 2 * kv_heads) * head_dim + heads * head_dim + 3 * inter)
         if self._scratch.numel() < need:
             self._scratch = torch.empty(need, dtype=torch.float32)
-        x = x.contiguous()
-        positions = positions.to(torch.int64).contiguous()
+        # the runner's rows and positions are contiguous int64 already: the checks, not the ops (each
+        # op costs some 10 us in a decode step, once the weights have swept the caches)
+        if not x.is_contiguous():
+            x = x.contiguous()
+        if positions.dtype != torch.int64 or not positions.is_contiguous():
+            positions = positions.to(torch.int64).contiguous()
         step = _Step(rows, hidden, heads, kv_heads, head_dim, inter, self.eps, positions.data_ptr(),
                      attention.fn, attention.ctx, compute_threads(), self._scratch.data_ptr())
         failed = ctypes.c_int64(0)

@@ -22,6 +22,7 @@ PyTorch prefill (``paged_torch``).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -108,9 +109,22 @@ class SdpaAttention(AttentionBackend, extras.NativeDecode):
         """A native decode step's attention: the family's C decode kernel (``paged_native``),
         which reads this backend's contiguous and paged layouts alike; float32 caches only, and
         layers without sinks (scales, windows and soft-caps may differ by layer)."""
+        kernel = self._step_kernel
+        if kernel is None:
+            return None
         return paged_native.step_attention(ctx, views, self.num_heads, self.num_kv_heads, self.head_dim,
                                            self.scale, self.sliding_window, "attention sdpa",
-                                           () if self.uniform_layers else self.layers)
+                                           () if self.uniform_layers else self.layers, kernel)
+
+    @functools.cached_property
+    def _step_kernel(self) -> paged_native.NativeKernel | None:
+        """The family's C decode kernel, loaded on the first native step and kept (``load()``
+        reads three environment variables: tens of microseconds a step once the weights have
+        swept the caches); None where it is not built here."""
+        try:
+            return paged_native.load()
+        except paged_native.NativeKernelUnavailable:
+            return None
 
     def _decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                 softcap: float | None, sinks: torch.Tensor | None = None) -> torch.Tensor:

@@ -153,6 +153,12 @@ class GGUFQuant(QuantMethod, extras.PackedWeights, extras.OwnThreads, extras.Nat
         layer.gguf_mxfp4 = self._mxfp4
 
     @functools.cached_property
+    def _kernel(self):
+        """``gguf_native.load()``, once: it reads three environment variables, tens of microseconds
+        in every decode step's embedding once the weights have swept the caches."""
+        return self._native.load()
+
+    @functools.cached_property
     def _mxfp4(self) -> MXFP4:
         """Built on the first MXFP4 layer (its native kernel compiles then)."""
         return MXFP4(MXFP4Options(kernel=self.options.kernel))
@@ -282,7 +288,7 @@ class GGUFQuant(QuantMethod, extras.PackedWeights, extras.OwnThreads, extras.Nat
         takes some thirty small tensor ops a lookup), the same bits."""
         native = self._native
         if native is not None and kind in native.SUPPORTED and data.is_cpu:
-            return native.load().dequantize(data, kind, cols)
+            return self._kernel.dequantize(data, kind, cols)
         return gguf_ref.dequantize(data, kind, cols)
 
 

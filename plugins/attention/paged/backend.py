@@ -211,13 +211,14 @@ class PagedAttention(AttentionBackend, extras.NativeDecode, extras.ShortQueries)
         """A native decode step's attention: the C decode kernel, where this backend decodes
         with it on the CPU (``cpu_kernel`` auto or native, and it builds); layers may differ in
         scale, window and soft-cap, not have sinks."""
-        if not views or self.ops(views[0].k_cache.device).native is None:
+        kernel = self.ops(views[0].k_cache.device).native if views else None
+        if kernel is None:
             return None
         from lmplug_attention.paged import native as paged_native
 
         return paged_native.step_attention(ctx, views, self.num_heads, self.num_kv_heads, self.head_dim,
                                            self.scale, self.sliding_window, "attention paged",
-                                           () if self.uniform_layers else self.layers)
+                                           () if self.uniform_layers else self.layers, kernel)
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv: KVLayerView, ctx: StepContext, sinks: torch.Tensor | None = None) -> torch.Tensor:

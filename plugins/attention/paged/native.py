@@ -299,7 +299,8 @@ def _layer_pointers(views: list, num_kv_heads: int, head_dim: int) -> tuple | No
     return value
 
 def step_attention(ctx, views: list, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
-                   sliding_window: int | None, name: str, specs: tuple = ()) -> NativeCall | None:
+                   sliding_window: int | None, name: str, specs: tuple = (),
+                   kernel: NativeKernel | None = None) -> NativeCall | None:
     """A step's attention as a ``lmplug.kit.native`` attention function
     (``decode_step_attention``: the KV write, then this kernel), or None where the step does not
     fit it: a query longer than ``paged_rows`` reads as rows (a prefill), caches that are not
@@ -308,7 +309,9 @@ def step_attention(ctx, views: list, num_heads: int, num_kv_heads: int, head_dim
     (``paged_rows.query_rows``), so each token gets the bits it would get decoded alone. The
     C function checks the step's tables and slots against the cache (``STEP_ERRORS``). ``specs``:
     the backend's ``LayerAttention`` per cache layer where they differ (scale, window, soft-cap;
-    sinks have no native step: None)."""
+    sinks have no native step: None). ``kernel``: the caller's, loaded once (``load()`` reads three
+    environment variables, tens of microseconds a decode step once the weights have swept the
+    caches); None: loaded here."""
     if not views:
         return None
     per_layer = _per_layer(specs, len(views)) if specs else None
@@ -321,7 +324,7 @@ def step_attention(ctx, views: list, num_heads: int, num_kv_heads: int, head_dim
     if layers is None:
         return None
     try:
-        kernel = load().step_fn
+        step_fn = (kernel or load()).step_fn
     except NativeKernelUnavailable:
         return None
     k_ptrs, v_ptrs, (num_blocks, block_size, hkv, d) = layers
@@ -350,7 +353,7 @@ def step_attention(ctx, views: list, num_heads: int, num_kv_heads: int, head_dim
                           None if masks is None else mask_starts.data_ptr(),
                           None if masks is None else masks.data_ptr(),
                           *(ctypes.addressof(a) for a in per_layer or ()))
-    return NativeCall(kernel, ctypes.addressof(desc), (desc, layers, per_layer, tables, lens, slots, q, mask_starts, masks),
+    return NativeCall(step_fn, ctypes.addressof(desc), (desc, layers, per_layer, tables, lens, slots, q, mask_starts, masks),
                       name, STEP_ERRORS)
 
 
