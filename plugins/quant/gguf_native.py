@@ -100,10 +100,10 @@ def describe_isa(best: str) -> str:
             "avxvnni": "AVX-VNNI (256-bit vpdpbusd) over 16-row panels repacked at load",
             "avx512": "AVX-512 F/BW/VL + VNNI over 16-row panels repacked at load", "neon": "NEON",
             "dotprod": "NEON + dotprod (SDOT)"}[best]
-    better = [name for name in ISAS[ISAS.index(best) + 1:]]
-    if better:
-        text += "; " + ", ".join(f"{name} needs {' '.join(f.replace('|', ' or ') for f in missing[name])}"
-                                 for name in better if missing[name])
+    lacking = [f"{name} needs {' '.join(f.replace('|', ' or ') for f in missing[name])}"
+               for name in ISAS[ISAS.index(best) + 1:] if missing[name]]
+    if lacking:
+        text += "; " + ", ".join(lacking)
     others = sorted(set(SUPPORTED) - PANEL_TYPES) if best in PANEL_SETS else []
     if others:
         text += "; " + ", ".join(NAMES[t] for t in others) + " take the AVX2 kernel"

@@ -251,6 +251,7 @@ def test_avx_vnni_cpus_are_bounded_to_the_256_bit_set(monkeypatch):
     zen4 = "model name\t: test\nflags\t\t: fpu avx2 fma f16c avx512f avx512bw avx512vl avx512_vnni"
     monkeypatch.setattr(gguf_native.native_build, "cpu_id", lambda: zen4)
     assert gguf_native.cpuinfo_isa("avx512") == "avx512"
+    assert gguf_native.describe_isa("avx2") == "AVX2 (+FMA, F16C)"  # asked for below its best: nothing lacking
     older = "model name\t: test\nflags\t\t: fpu avx2 fma f16c"
     monkeypatch.setattr(gguf_native.native_build, "cpu_id", lambda: older)
     assert gguf_native.cpuinfo_isa("avxvnni") == "avx2"
