@@ -1210,8 +1210,8 @@ static void run_job(job_t *j) {
 #include "gguf_dequant.c"
 
 /* Which twin of the AVX-VNNI set runs here: 1 VEX (the CPU has AVX-VNNI), 2 EVEX (AVX-512 VL +
- * VNNI, no AVX-VNNI), 0 neither. */
-EXPORT int gguf_cpu_vnni_encoding(void) {
+ * VNNI, no AVX-VNNI), 0 neither. Asked once (mul_mat_into reads it on every product). */
+static int vnni_encoding(void) {
 #if HAVE_X86
     __builtin_cpu_init();
     if (!__builtin_cpu_supports("avx2") || !__builtin_cpu_supports("fma") || !__builtin_cpu_supports("f16c")) return 0;
@@ -1222,6 +1222,13 @@ EXPORT int gguf_cpu_vnni_encoding(void) {
         return 2;
 #endif
     return 0;
+}
+
+EXPORT int gguf_cpu_vnni_encoding(void) {
+    static int known = -1; /* the same answer from every thread: a race only repeats the question */
+    int e = __atomic_load_n(&known, __ATOMIC_RELAXED);
+    if (e < 0) __atomic_store_n(&known, e = vnni_encoding(), __ATOMIC_RELAXED);
+    return e;
 }
 
 /* The best kernel set this CPU runs: 3 (AVX-512 F/BW/VL/VNNI, and the sets below), 2 (AVX-VNNI:

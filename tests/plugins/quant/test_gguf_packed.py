@@ -346,7 +346,9 @@ def test_panels_are_the_only_copy_of_permuted_rows(files, monkeypatch, set_name)
 
     gguf_native = native_kernel()[0]
     best = gguf_native.load().best_isa
-    isa = 1 if set_name == "rows" else gguf_native.ISAS.index(set_name) if set_name in gguf_native.ISAS else 99
+    if set_name != "rows" and set_name not in gguf_native.ISAS:
+        pytest.skip(f"no {set_name} set on {gguf_native.ISAS}")
+    isa = 1 if set_name == "rows" else gguf_native.ISAS.index(set_name)  # rows: AVX2 or NEON
     if gguf_native.ISAS.index(best) < isa:
         pytest.skip(f"the {set_name} set does not run here: {gguf_native.describe_isa(best)}")
     monkeypatch.delenv("LMPLUG_HUGE_PAGES", raising=False)
