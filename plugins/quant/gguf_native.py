@@ -17,17 +17,20 @@ its PyTorch path.
 
 Environment: ``LMPLUG_GGUF_THREADS`` (default ``lmplug.kit.threads.compute_threads()``:
 torch's thread count, also inside a step whose small ops the engine keeps on one thread) and
-``LMPLUG_GGUF_ISA`` = ``auto`` (default) | ``generic`` (the portable C kernels) | ``avx2`` |
-``avxvnni`` (256-bit ``vpdpbusd`` over the AVX-512 set's panels, ``csrc/gguf_vnni256.c``: VEX on
-CPUs with AVX-VNNI, the EVEX form where AVX-512 VL + VNNI stand in for it) | ``avx512`` (AVX-512
-F/BW/VL + VNNI over weights repacked at bind into 16-row panels, see ``csrc/gguf_repack.c``); on
-aarch64 ``generic`` | ``neon`` | ``dotprod`` (NEON with SDOT). The
-SIMD sets read their weights in huge pages (``gguf_weights``: the panels, or the rows copied at
-bind; rows that lie in the file's memory map are then dropped from the process's memory,
-``release_file_pages``, so the copy is not a second resident one). Results do not depend on the
-thread count; the panel sets' and NEON kernels give the portable kernels' bits, the AVX2 ones differ
-from them only in the order of float additions (IQ4_NL / IQ4_XS: their AVX2 kernels give the
-portable bits too; aarch64 runs their portable kernels).
+``LMPLUG_GGUF_ISA`` = ``auto`` (default) | ``generic`` (the portable C kernels) | ``avx2`` (the
+AVX-VNNI set's panel kernels with ``vpdpbusd`` as ``vpmaddubsw`` + ``vpmaddwd`` for the types of up
+to 6 bits, row kernels for Q8_0 and the IQ4 types) | ``avxvnni`` (256-bit ``vpdpbusd`` over the
+AVX-512 set's panels, ``csrc/gguf_vnni256.c``: VEX on CPUs with AVX-VNNI, the EVEX form where
+AVX-512 VL + VNNI stand in for it) | ``avx512`` (AVX-512 F/BW/VL + VNNI over weights repacked at
+bind into 16-row panels, see ``csrc/gguf_repack.c``); on aarch64 ``generic`` | ``neon`` |
+``dotprod`` (NEON with SDOT). ``GGUFKernel.panel_types`` says which types each set reads in
+panels (the library's ``gguf_cpu_panels``). The SIMD sets read their weights in huge pages
+(``gguf_weights``: the panels, or the rows copied at bind; rows that lie in the file's memory map
+are then dropped from the process's memory, ``release_file_pages``, so the copy is not a second
+resident one). Results do not depend on the thread count; the panel kernels and NEON's give the
+portable kernels' bits, the AVX2 Q8_0 row kernel differs from them only in the order of float
+additions (IQ4_NL / IQ4_XS: their AVX2 row kernels give the portable bits too; aarch64 runs their
+portable kernels).
 """
 
 from __future__ import annotations
@@ -70,8 +73,6 @@ def kernel_sets(machine: str) -> tuple[str, ...]:
 
 
 ISAS = kernel_sets(platform.machine())
-PANEL_SETS = frozenset({"avxvnni", "avx512"})  # the sets that read 16-row panels
-PANEL_TYPES = frozenset({2, 3, 6, 7, 8, 11, 12, 13, 14, 20, 23})  # the types with panel kernels
 PACKED_FLAG = 0x100  # csrc/gguf_cpu.c: a type | this = weights in 16-row panels
 # what each kernel set needs, as /proc/cpuinfo names it (the missing ones are logged; "a|b": either)
 ISA_FLAGS = {"avx2": ("avx2", "fma", "f16c"), "avxvnni": ("avx2", "fma", "f16c", "avx_vnni|avx512_vnni"),
@@ -92,21 +93,23 @@ def cpuinfo_isa(cpuid_best: str, isas: tuple[str, ...] | None = None,
                                     ISA_FLAGS if isa_flags is None else isa_flags)
 
 
-def describe_isa(best: str) -> str:
+def describe_isa(best: str, panel_types: frozenset[int] = frozenset()) -> str:
     """The kernel set ``auto`` picks, what it leaves out (the features a faster set needs that
-    this CPU lacks) and the types that take another path: the load's log line."""
+    this CPU lacks) and, given the types it reads in 16-row panels (``GGUFKernel.panel_types``),
+    the types that take its row kernels: the load's log line."""
     missing = native_build.missing_flags(ISA_FLAGS)
     text = {"generic": "portable C (no SIMD kernel set runs here)", "avx2": "AVX2 (+FMA, F16C)",
-            "avxvnni": "AVX-VNNI (256-bit vpdpbusd) over 16-row panels repacked at load",
-            "avx512": "AVX-512 F/BW/VL + VNNI over 16-row panels repacked at load", "neon": "NEON",
+            "avxvnni": "AVX-VNNI (256-bit vpdpbusd)", "avx512": "AVX-512 F/BW/VL + VNNI", "neon": "NEON",
             "dotprod": "NEON + dotprod (SDOT)"}[best]
+    if panel_types:
+        text += " over 16-row panels repacked at load"
     lacking = [f"{name} needs {' '.join(f.replace('|', ' or ') for f in missing[name])}"
                for name in ISAS[ISAS.index(best) + 1:] if missing[name]]
     if lacking:
         text += "; " + ", ".join(lacking)
-    others = sorted(set(SUPPORTED) - PANEL_TYPES) if best in PANEL_SETS else []
+    others = sorted(set(SUPPORTED) - panel_types) if panel_types else []
     if others:
-        text += "; " + ", ".join(NAMES[t] for t in others) + " take the AVX2 kernel"
+        text += "; " + ", ".join(NAMES[t] for t in others) + " over rows (AVX2 row kernels)"
     return text
 
 
@@ -143,7 +146,11 @@ class GGUFKernel:
         self._dequantize.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int, ctypes.c_int64,
                                      ctypes.c_void_p]
         self._dequantize.restype = ctypes.c_int
-        logger.info("quant gguf: native CPU kernels: %s", describe_isa(self.best_isa))
+        # per kernel set, the types it reads in 16-row panels repacked at bind (the rest: rows)
+        self.panel_types = {name: frozenset(t for t in SUPPORTED if lib.gguf_cpu_panels(t, isa) == 1)
+                            for isa, name in enumerate(ISAS)}
+        logger.info("quant gguf: native CPU kernels: %s",
+                    describe_isa(self.best_isa, self.panel_types[self.best_isa]))
 
     def panels(self, w: torch.Tensor, ggml_type: int, k: int) -> torch.Tensor:
         """``w``'s rows repacked into the panel sets' 16-row panels (uint8, 1-D, in huge
@@ -191,11 +198,11 @@ class GGUFKernel:
 
     def operand(self, w: torch.Tensor, ggml_type: int, k: int, isa: int) -> tuple[torch.Tensor, int]:
         """(weights, type) as a bound product hands them to the C: the panels and the type
-        flagged packed where a panel set (``PANEL_SETS``) runs this type; for the other SIMD sets the rows
+        flagged packed where the set reads this type in panels (``panel_types``); for the other SIMD sets the rows
         copied into huge pages (``gguf_weights.hot_rows``: ``w`` itself where huge pages are off;
         their row stride is the copy's); for the portable set ``w`` as it is (bound by arithmetic,
         not by the memory: huge pages gave it nothing measurable)."""
-        if ISAS[isa] in PANEL_SETS and ggml_type in PANEL_TYPES:
+        if ggml_type in self.panel_types.get(ISAS[isa], ()):
             return self.panels(w, ggml_type, k), ggml_type | PACKED_FLAG
         if ISAS[isa] == "generic":
             return w, ggml_type

@@ -45,11 +45,12 @@
  * takes all the rows of a tile (one after the other: the weights are read in memory order,
  * which the hardware prefetcher follows; interleaving 4 rows to share the activation loads
  * measured slower here, 4 streams at once being prefetched worse) and prefetches PF_BYTES ahead
- * (the AVX2 Q6_K kernel only from PF_MIN_ROWS rows: with fewer it streams faster on the hardware
- * prefetcher alone; the AVX-512 panels into L2 from 3 rows, gguf_avx512.c).
+ * (the panels into L2 from 3 rows, gguf_avx512.c).
  *
- * Kernels: a portable C one per type, and AVX2 (+FMA, F16C) ones compiled with target
- * attributes on x86-64 and chosen at run time when the CPU reports them
+ * Kernels: a portable C one per type, and on x86-64 the sets over 16-row panels repacked at load
+ * (gguf_repack.c: AVX-512 in gguf_avx512.c, AVX-VNNI and AVX2 in gguf_vnni256.c) with AVX2 row
+ * kernels for the types the AVX2 panels do not take (Q8_0, IQ4_NL, IQ4_XS), compiled with target
+ * attributes and chosen at run time when the CPU reports them
  * (__builtin_cpu_supports), so the library is built without -march and runs on any x86-64;
  * on aarch64 NEON ones and NEON + dotprod ones (gguf_neon.c; dotprod chosen when
  * getauxval(AT_HWCAP) reports it), likewise built without -march.
@@ -452,7 +453,6 @@ ROWS(iq4_xs)
 
 #define INLINE __attribute__((always_inline))
 #define PF_BYTES 2048 /* how far ahead of the blocks in use the weights are prefetched */
-#define PF_MIN_ROWS 5 /* activation rows from which the AVX2 Q6_K kernel prefetches */
 
 /* The kernel over nr weight rows with mc a constant for each row count 1 .. MR (mc <= MR: run
  * hands out groups of at most MR): the loops over activation rows unroll, the accumulators stay
@@ -490,18 +490,10 @@ static inline AVX2 __m256i nibbles32(const uint8_t *p) {
     return _mm256_and_si256(both, _mm256_set1_epi8(0x0F));
 }
 
-/* The 32-block types go 4 blocks at a time. Each block's products with an activation row
- * (maddubs: 16 int16 sums of 2) fold into one vector of 8 int32 sums of 16, lane l: block
- * l % 4, half l / 4 (integers, exact). For 4- and 5-bit weights (|w| <= 31) two int16 horizontal
- * adds and one madd do it: a sum of 8 products is at most 8 * 31 * 127 < 2^15. Q8_0's sums of 2 may
- * already reach 2 * 127 * 127, so each block goes to int32 first and two int32 horizontal adds
- * fold them. One FMA then adds the vector, times the 4 scales d_w * d_x, to the row's 8 float
- * accumulators. The last group of a row is padded with zero blocks (adding 0 * 0). */
-
-static inline AVX2 __m256i fold4_16(__m256i p0, __m256i p1, __m256i p2, __m256i p3) {
-    const __m256i s16 = _mm256_hadd_epi16(_mm256_hadd_epi16(p0, p1), _mm256_hadd_epi16(p2, p3));
-    return _mm256_madd_epi16(s16, _mm256_set1_epi16(1));
-}
+/* The row kernels (Q8_0, IQ4_NL, IQ4_XS: the 8-bit values gguf_vnni256.c's AVX2 twin cannot
+ * take) go 4 32-blocks at a time. Each block's products with an activation row (maddubs: 16
+ * int16 sums of 2, at most 2 * 127 * 127) go to int32 and two int32 horizontal adds fold them
+ * into one vector of 8 int32 sums of 16, lane l: block l % 4, half l / 4 (integers, exact). */
 
 static inline AVX2 __m256i fold4_32(__m256i p0, __m256i p1, __m256i p2, __m256i p3) {
     const __m256i one = _mm256_set1_epi16(1);
@@ -529,33 +521,15 @@ static inline INLINE AVX2 void prefetch_ahead(const uint8_t *blk, int bytes) {
     for (int o = 0; o < bytes; o += 64) _mm_prefetch((const char *)blk + PF_BYTES + o, _MM_HINT_T0);
 }
 
-/* The 32 bits at p -> 32 bytes: 0xFF where bit e (byte e) is set, else 0 (ggml's bytes_from_bits_32). */
-static inline AVX2 __m256i bits32(const uint8_t *p) {
-    uint32_t v;
-    memcpy(&v, p, sizeof v);
-    const __m256i pick = _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0);
-    const __m256i bytes = _mm256_or_si256(_mm256_shuffle_epi8(_mm256_set1_epi32((int)v), pick),
-                                          _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe));
-    return _mm256_cmpeq_epi8(bytes, _mm256_set1_epi64x(-1));
-}
-
-/* Q4_0, Q5_0 and Q8_0: signed weights (|w| and its sign for maddubs); n blocks from blk. A
- * Q5_0 value is its nibble, minus 16 where its 5th bit is clear (0xF0 set in the byte). */
+/* Q8_0: signed weights (|w| and its sign for maddubs); n blocks from blk. One FMA adds the 4
+ * blocks' sums, times their scales d_w * d_x, to the row's 8 float accumulators. The last group of
+ * a row is padded with zero blocks (adding 0 * 0). */
 static inline INLINE AVX2 void signed_group(const uint8_t *blk, const int bytes, const int n, const acts_t *a,
                                               const int8_t *x, const float *dx, const int mc, __m256 *acc) {
     prefetch_ahead(blk, 4 * bytes);
     __m256i qw[4];
-    for (int i = 0; i < 4; i++) {
-        if (i >= n)
-            qw[i] = _mm256_setzero_si256();
-        else if (bytes == 18)
-            qw[i] = _mm256_sub_epi8(nibbles32(blk + i * 18 + 2), _mm256_set1_epi8(8));
-        else if (bytes == 22)
-            qw[i] = _mm256_or_si256(nibbles32(blk + i * 22 + 6),
-                                    _mm256_andnot_si256(bits32(blk + i * 22 + 2), _mm256_set1_epi8((char)0xF0)));
-        else
-            qw[i] = _mm256_loadu_si256((const __m256i *)(blk + i * bytes + 2));
-    }
+    for (int i = 0; i < 4; i++)
+        qw[i] = i < n ? _mm256_loadu_si256((const __m256i *)(blk + i * bytes + 2)) : _mm256_setzero_si256();
     __m256i aw[4];
     for (int i = 0; i < 4; i++) aw[i] = _mm256_sign_epi8(qw[i], qw[i]);
     const __m128 dw4 = f16x4(blk, bytes, n);
@@ -567,7 +541,7 @@ static inline INLINE AVX2 void signed_group(const uint8_t *blk, const int bytes,
             p[i] = i < n ? _mm256_maddubs_epi16(aw[i],
                                                 _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)(y + 32 * i)), qw[i]))
                          : _mm256_setzero_si256();
-        const __m256i sums = bytes == 34 ? fold4_32(p[0], p[1], p[2], p[3]) : fold4_16(p[0], p[1], p[2], p[3]);
+        const __m256i sums = fold4_32(p[0], p[1], p[2], p[3]);
         acc[r] = _mm256_fmadd_ps(scales8(dw, dx + r * a->ld), _mm256_cvtepi32_ps(sums), acc[r]);
     }
 }
@@ -589,18 +563,6 @@ static inline INLINE AVX2 void signed_body(const uint8_t *w, const int bytes, co
     for (int r = 0; r < mc; r++) out[r * ldo] = hsum(acc[r]);
 }
 
-static inline INLINE AVX2 void q4_0_body(const uint8_t *w, const acts_t *a, int64_t m0, const int mc, float *out,
-                                           int64_t ldo) {
-    signed_body(w, 18, a, m0, mc, out, ldo);
-}
-SPECIALIZE(q4_0)
-
-static inline INLINE AVX2 void q5_0_body(const uint8_t *w, const acts_t *a, int64_t m0, const int mc, float *out,
-                                           int64_t ldo) {
-    signed_body(w, 22, a, m0, mc, out, ldo);
-}
-SPECIALIZE(q5_0)
-
 /* Q8_0 takes the activation rows 4 at a time: its 4 blocks and their absolute values stay in
  * registers beside the 4 rows' accumulators (a weight row is read again from L1 per 4 rows). */
 static inline INLINE AVX2 void q8_0_body(const uint8_t *w, const acts_t *a, int64_t m0, const int mc, float *out,
@@ -613,65 +575,6 @@ static inline INLINE AVX2 void q8_0_body(const uint8_t *w, const acts_t *a, int6
     signed_body(w, 34, a, m0, mc, out, ldo);
 }
 SPECIALIZE(q8_0)
-
-/* Q4_1 and Q5_1 (bytes 20, 24): unsigned weights; the min term m_w * (d_x * the block's
- * activation sum) goes to the low lanes of the same accumulator (the high lanes get m_w's zeros). */
-static inline INLINE AVX2 void min_group(const uint8_t *blk, const int bytes, const int n, const acts_t *a,
-                                         const int8_t *x, const float *dx, const float *ds, const int mc, __m256 *acc) {
-    prefetch_ahead(blk, 4 * bytes);
-    __m256i qw[4];
-    for (int i = 0; i < 4; i++) {
-        if (i >= n)
-            qw[i] = _mm256_setzero_si256();
-        else if (bytes == 20)
-            qw[i] = nibbles32(blk + i * 20 + 4);
-        else
-            qw[i] = _mm256_or_si256(nibbles32(blk + i * 24 + 8),
-                                    _mm256_and_si256(bits32(blk + i * 24 + 4), _mm256_set1_epi8(0x10)));
-    }
-    const __m128 dw4 = f16x4(blk, bytes, n);
-    const __m256 dw = _mm256_set_m128(dw4, dw4), mw = _mm256_castps128_ps256(f16x4(blk + 2, bytes, n));
-    const __m256 mw0 = _mm256_insertf128_ps(mw, _mm_setzero_ps(), 1);
-    for (int r = 0; r < mc; r++) {
-        const int8_t *y = x + r * a->K;
-        __m256i p[4];
-        for (int i = 0; i < 4; i++) /* Q5_1: sums of 8 products at most 8 * 31 * 127 < 2^15 */
-            p[i] = i < n ? _mm256_maddubs_epi16(qw[i], _mm256_loadu_si256((const __m256i *)(y + 32 * i)))
-                         : _mm256_setzero_si256();
-        const __m256 sums = _mm256_cvtepi32_ps(fold4_16(p[0], p[1], p[2], p[3]));
-        acc[r] = _mm256_fmadd_ps(scales8(dw, dx + r * a->ld), sums, acc[r]);
-        acc[r] = _mm256_fmadd_ps(mw0, _mm256_castps128_ps256(_mm_loadu_ps(ds + r * a->ld)), acc[r]);
-    }
-}
-
-static inline INLINE AVX2 void min_body(const uint8_t *w, const int bytes, const acts_t *a, int64_t m0,
-                                        const int mc, float *out, int64_t ldo) {
-    __m256 acc[MR];
-    for (int r = 0; r < mc; r++) acc[r] = _mm256_setzero_ps();
-    const int64_t nb = a->nb;
-    const int8_t *x = ROW(a, m0);
-    const float *dx = a->d + m0 * a->ld, *ds = a->ds + m0 * a->ld;
-    int64_t b = 0;
-    for (; b + 4 <= nb; b += 4) min_group(w + b * bytes, bytes, 4, a, x + b * 32, dx + b, ds + b, mc, acc);
-    switch (nb - b) {
-    case 1: min_group(w + b * bytes, bytes, 1, a, x + b * 32, dx + b, ds + b, mc, acc); break;
-    case 2: min_group(w + b * bytes, bytes, 2, a, x + b * 32, dx + b, ds + b, mc, acc); break;
-    case 3: min_group(w + b * bytes, bytes, 3, a, x + b * 32, dx + b, ds + b, mc, acc); break;
-    }
-    for (int r = 0; r < mc; r++) out[r * ldo] = hsum(acc[r]);
-}
-
-static inline INLINE AVX2 void q4_1_body(const uint8_t *w, const acts_t *a, int64_t m0, const int mc, float *out,
-                                           int64_t ldo) {
-    min_body(w, 20, a, m0, mc, out, ldo);
-}
-SPECIALIZE(q4_1)
-
-static inline INLINE AVX2 void q5_1_body(const uint8_t *w, const acts_t *a, int64_t m0, const int mc, float *out,
-                                           int64_t ldo) {
-    min_body(w, 24, a, m0, mc, out, ldo);
-}
-SPECIALIZE(q5_1)
 
 /* quantize_block with AVX2 (n a multiple of 32, group 16 or 32): the same float operations
  * element by element (max is exact in any order), so the same q, d and sums. */
@@ -706,180 +609,6 @@ static AVX2 float quantize_block_avx2(const float *x, int n, int group, int8_t *
     }
     return d;
 }
-
-/* One 256-block's 8 sub-blocks of 32 unsigned values, their int16 scales, and the mins
- * repeated per 16 (one per bsum), ready for every activation row. */
-typedef struct {
-    __m256i q[8], sc[8], mn;
-} kblock_t;
-
-static inline INLINE AVX2 void kblock_dot(const kblock_t *k, const acts_t *a, int64_t m0, int mc, int64_t b,
-                                          float d, float dmin, __m256 *acc) {
-    const __m256 vd = _mm256_set1_ps(d), vm = _mm256_set1_ps(-dmin);
-    for (int r = 0; r < mc; r++) {
-        const int64_t m = m0 + r;
-        const int8_t *qx = ROW(a, m) + b * 256;
-        __m256i sumi[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()}; /* two chains (exact integers) */
-        for (int s = 0; s < 8; s++) {
-            const __m256i y = _mm256_loadu_si256((const __m256i *)(qx + 32 * s));
-            sumi[s & 1] = _mm256_add_epi32(sumi[s & 1], _mm256_madd_epi16(_mm256_maddubs_epi16(k->q[s], y), k->sc[s]));
-        }
-        const __m256i bs = _mm256_loadu_si256((const __m256i *)(a->s + m * a->ns + b * 16));
-        const __m256i msum = _mm256_madd_epi16(bs, k->mn);
-        const __m256 dx = _mm256_broadcast_ss(a->d + m * a->ld + b);
-        acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(vd, dx), _mm256_cvtepi32_ps(_mm256_add_epi32(sumi[0], sumi[1])), acc[r]);
-        acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(vm, dx), _mm256_cvtepi32_ps(msum), acc[r]);
-    }
-}
-
-/* The 12 bytes of 6-bit scales and mins (k_scales) -> bytes 0-7 the scales, 8-15 the mins, with
- * 32-bit operations (as ggml's AVX2 code: utmp and kmask1-3). */
-static inline AVX2 __m128i k_scales16(const uint8_t *p) {
-    uint32_t u[3];
-    memcpy(u, p, sizeof u);
-    const uint32_t six = 0x3f3f3f3f, low4 = 0x0f0f0f0f, two = 0x03030303;
-    return _mm_set_epi32((int)(((u[2] >> 4) & low4) | (((u[1] >> 6) & two) << 4)), (int)(u[1] & six),
-                         (int)((u[2] & low4) | (((u[0] >> 6) & two) << 4)), (int)(u[0] & six));
-}
-
-static inline INLINE AVX2 void kblock_scales(kblock_t *k, const uint8_t *p) {
-    const __m128i sm = k_scales16(p);
-    const __m256i sc = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(sm)); /* 8 int16 scales, both lanes */
-    for (int s = 0; s < 8; s++) /* int16 s in every lane */
-        k->sc[s] = _mm256_shuffle_epi8(sc, _mm256_set1_epi16((short)((2 * s + 1) << 8 | 2 * s)));
-    k->mn = _mm256_cvtepu8_epi16(_mm_unpackhi_epi8(sm, sm)); /* each min twice: one per 16 values */
-}
-
-static inline INLINE AVX2 void q4_k_body(const uint8_t *w, const acts_t *a, int64_t m0, const int mc, float *out,
-                                           int64_t ldo) {
-    __m256 acc[MR];
-    for (int r = 0; r < mc; r++) acc[r] = _mm256_setzero_ps();
-    const __m256i low = _mm256_set1_epi8(0x0F);
-    kblock_t k;
-    for (int64_t b = 0; b < a->nb; b++) {
-        const uint8_t *blk = w + b * 144;
-        prefetch_ahead(blk, 144);
-        kblock_scales(&k, blk + 4);
-        for (int j = 0; j < 4; j++) {
-            const __m256i x = _mm256_loadu_si256((const __m256i *)(blk + 16 + 32 * j));
-            k.q[2 * j] = _mm256_and_si256(x, low);
-            k.q[2 * j + 1] = _mm256_and_si256(_mm256_srli_epi16(x, 4), low);
-        }
-        kblock_dot(&k, a, m0, mc, b, f16(blk), f16(blk + 2), acc);
-    }
-    for (int r = 0; r < mc; r++) out[r * ldo] = hsum(acc[r]);
-}
-SPECIALIZE(q4_k)
-
-static inline INLINE AVX2 void q5_k_body(const uint8_t *w, const acts_t *a, int64_t m0, const int mc, float *out,
-                                           int64_t ldo) {
-    __m256 acc[MR];
-    for (int r = 0; r < mc; r++) acc[r] = _mm256_setzero_ps();
-    const __m256i low = _mm256_set1_epi8(0x0F), one = _mm256_set1_epi8(1);
-    kblock_t k;
-    for (int64_t b = 0; b < a->nb; b++) {
-        const uint8_t *blk = w + b * 176;
-        prefetch_ahead(blk, 176);
-        kblock_scales(&k, blk + 4);
-        const __m256i hv = _mm256_loadu_si256((const __m256i *)(blk + 16));
-        for (int j = 0; j < 4; j++) {
-            const __m256i x = _mm256_loadu_si256((const __m256i *)(blk + 48 + 32 * j));
-            const __m256i h0 = _mm256_and_si256(_mm256_srli_epi16(hv, 2 * j), one);
-            const __m256i h1 = _mm256_and_si256(_mm256_srli_epi16(hv, 2 * j + 1), one);
-            k.q[2 * j] = _mm256_or_si256(_mm256_and_si256(x, low), _mm256_slli_epi16(h0, 4));
-            k.q[2 * j + 1] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(x, 4), low), _mm256_slli_epi16(h1, 4));
-        }
-        kblock_dot(&k, a, m0, mc, b, f16(blk), f16(blk + 2), acc);
-    }
-    for (int r = 0; r < mc; r++) out[r * ldo] = hsum(acc[r]);
-}
-SPECIALIZE(q5_k)
-
-/* One 256-block of 8 groups of 32 unsigned values (q[g]: elements 32 g ..) with 16 int8 scales
- * (one per 16), times every activation row: d * d_x * sum_j sc_j (dot_j - (1 << shift) bs_j),
- * the offset of the stored values being 1 << shift (Q6_K 32, Q3_K 4). */
-static inline INLINE AVX2 void k16_dot(const __m256i *q, const int8_t *scales, float d, const int shift,
-                                       const acts_t *a, int64_t m0, const int mc, int64_t b, __m256 *acc) {
-    __m256i sc[8];
-    const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)scales));
-    const __m256i sc_lo = _mm256_permute2x128_si256(sc16, sc16, 0x00); /* scales 0-7 in both lanes */
-    const __m256i sc_hi = _mm256_permute2x128_si256(sc16, sc16, 0x11); /* 8-15 */
-    for (int g = 0; g < 8; g++) { /* the scales of elements 32 g .. +16 and +16 .. +32, by halves */
-        const int j = (2 * g) & 7;
-        const __m256i pick = _mm256_set_m128i(_mm_set1_epi16((short)((2 * j + 3) << 8 | (2 * j + 2))),
-                                              _mm_set1_epi16((short)((2 * j + 1) << 8 | 2 * j)));
-        sc[g] = _mm256_shuffle_epi8(g < 4 ? sc_lo : sc_hi, pick);
-    }
-    const __m256 vd = _mm256_set1_ps(d);
-    for (int r = 0; r < mc; r++) {
-        const int64_t m = m0 + r;
-        const int8_t *qx = ROW(a, m) + b * 256;
-        __m256i part[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()}; /* two chains (exact integers) */
-        for (int g = 0; g < 8; g++) {
-            const __m256i y = _mm256_loadu_si256((const __m256i *)(qx + 32 * g));
-            part[g & 1] = _mm256_add_epi32(part[g & 1], _mm256_madd_epi16(_mm256_maddubs_epi16(q[g], y), sc[g]));
-        }
-        const __m256i bs = _mm256_loadu_si256((const __m256i *)(a->s + m * a->ns + b * 16));
-        const __m256i offset = _mm256_slli_epi32(_mm256_madd_epi16(bs, sc16), shift);
-        const __m256i sumi = _mm256_sub_epi32(_mm256_add_epi32(part[0], part[1]), offset);
-        const __m256 dx = _mm256_broadcast_ss(a->d + m * a->ld + b);
-        acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(vd, dx), _mm256_cvtepi32_ps(sumi), acc[r]);
-    }
-}
-
-static inline INLINE AVX2 void q6_k_body(const uint8_t *w, const acts_t *a, int64_t m0, const int mc, float *out,
-                                           int64_t ldo) {
-    __m256 acc[MR];
-    for (int r = 0; r < mc; r++) acc[r] = _mm256_setzero_ps();
-    const __m256i low = _mm256_set1_epi8(0x0F), three = _mm256_set1_epi8(3);
-    __m256i q[8];
-    for (int64_t b = 0; b < a->nb; b++) {
-        const uint8_t *blk = w + b * 210; /* fewer rows: the hardware alone streams Q6_K 1.3x faster */
-        if (mc >= PF_MIN_ROWS) prefetch_ahead(blk, 210);
-        for (int h = 0; h < 2; h++) {
-            const __m256i l0 = _mm256_loadu_si256((const __m256i *)(blk + 64 * h));
-            const __m256i l1 = _mm256_loadu_si256((const __m256i *)(blk + 64 * h + 32));
-            const __m256i hb = _mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * h));
-            const __m256i lo[4] = {_mm256_and_si256(l0, low), _mm256_and_si256(l1, low),
-                                   _mm256_and_si256(_mm256_srli_epi16(l0, 4), low),
-                                   _mm256_and_si256(_mm256_srli_epi16(l1, 4), low)};
-            for (int t = 0; t < 4; t++) {
-                const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(hb, 2 * t), three);
-                q[4 * h + t] = _mm256_or_si256(lo[t], _mm256_slli_epi16(hi, 4));
-            }
-        }
-        k16_dot(q, (const int8_t *)(blk + 192), f16(blk + 208), 5, a, m0, mc, b, acc); /* the -32 */
-    }
-    for (int r = 0; r < mc; r++) out[r * ldo] = hsum(acc[r]);
-}
-SPECIALIZE(q6_k)
-
-/* Q3_K: group g = 4 n + j holds (qs[32 n + l] >> 2 j) & 3 with bit 2 from bit g of hmask[l]. */
-static inline INLINE AVX2 void q3_k_body(const uint8_t *w, const acts_t *a, int64_t m0, const int mc, float *out,
-                                           int64_t ldo) {
-    __m256 acc[MR];
-    for (int r = 0; r < mc; r++) acc[r] = _mm256_setzero_ps();
-    const __m256i three = _mm256_set1_epi8(3), one = _mm256_set1_epi8(1);
-    __m256i q[8];
-    int8_t sc[16];
-    for (int64_t b = 0; b < a->nb; b++) {
-        const uint8_t *blk = w + b * 110;
-        prefetch_ahead(blk, 110);
-        const __m256i hm = _mm256_loadu_si256((const __m256i *)blk);
-        for (int n = 0; n < 2; n++) {
-            const __m256i qs = _mm256_loadu_si256((const __m256i *)(blk + 32 + 32 * n));
-            for (int j = 0; j < 4; j++) {
-                const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(hm, 4 * n + j), one);
-                q[4 * n + j] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(qs, 2 * j), three),
-                                               _mm256_slli_epi16(hi, 2));
-            }
-        }
-        q3_scales(blk + 96, sc);
-        k16_dot(q, sc, f16(blk + 108), 2, a, m0, mc, b, acc); /* the -4 */
-    }
-    for (int r = 0; r < mc; r++) out[r * ldo] = hsum(acc[r]);
-}
-SPECIALIZE(q3_k)
 
 /* IQ4_NL / IQ4_XS: the index -> value table by one byte shuffle; the signed values' products
  * by maddubs(|w|, x with w's sign): sums of 2 at most 2 * 127 * 127 < 2^15, then int32 (exact).
@@ -974,8 +703,18 @@ SPECIALIZE(iq4_xs)
 
 #include "gguf_avx512.c"
 
-/* The AVX-VNNI set twice (gguf_vnni256.c): VEX for the CPUs that have AVX-VNNI, EVEX for those
- * with AVX-512 VL + VNNI instead. GCC 11 and clang 12 first knew the avxvnni target. */
+/* The panel kernels of gguf_vnni256.c three times: the AVX-VNNI set, VEX for the CPUs that have
+ * AVX-VNNI and EVEX for those with AVX-512 VL + VNNI instead (GCC 11 and clang 12 first knew the
+ * avxvnni target), and the AVX2 set's panel kernels, whose vpdpbusd is vpmaddubsw's int16 pair
+ * sums added up and widened by vpmaddwd (DOT_ADD, DOT_SUM). A pair sum is exact while it fits in
+ * int16 (2 x 127 x the weight's largest value: up to 6 bits; the activations are clamped to
+ * +-127), and so is their int16 total over DOT_RUN(bits) chunks of 4 values a lane: the same
+ * integers, hence the same bits. The 8-bit weights (Q8_0, the IQ4 lookups + 128) would overflow:
+ * the AVX2 set keeps its row kernels for them (V256_WIDE 0). */
+#define V256_WIDE 1
+#define DOT_ADD(acc, u, s) DPBUSD(acc, u, s)
+#define DOT_SUM(acc) (acc)
+#define DOT_RUN(bits) 8 /* chunks of 4 values a DOT_ADD total may hold (every loop's count) */
 #if (defined(__clang__) && __clang_major__ >= 12) || (!defined(__clang__) && __GNUC__ >= 11)
 #define HAVE_VEX_VNNI 1
 #define V256 __attribute__((target("avx2,fma,f16c,avxvnni")))
@@ -1001,6 +740,21 @@ SPECIALIZE(iq4_xs)
 #undef VN
 #undef DPBUSD
 #undef DPWSSD
+#undef V256_WIDE
+#undef DOT_ADD
+#undef DOT_SUM
+#undef DOT_RUN
+#define V256_WIDE 0
+#define V256 AVX2
+#define VN(x) x##_avx2p
+#define DOT_ADD(acc, u, s) _mm256_add_epi16(acc, _mm256_maddubs_epi16(u, s))
+#define DOT_SUM(acc) _mm256_madd_epi16(acc, _mm256_set1_epi16(1))
+#define DOT_RUN(bits) (32767 / (2 * 127 * ((1 << (bits)) - 1)))
+#define DPWSSD(acc, u, v) _mm256_add_epi32(acc, _mm256_madd_epi16(u, v))
+#include "gguf_vnni256.c"
+#undef V256
+#undef VN
+#undef DPWSSD
 #endif /* HAVE_X86 */
 
 #if HAVE_ARM
@@ -1011,22 +765,25 @@ SPECIALIZE(iq4_xs)
 
 typedef struct {
     int type, elems, bytes, group; /* group: activation sum size (16 for k-quants, else 32) */
-    rows_fn fn[2];
-    rows_fn packed; /* the AVX-512 kernel over 16-row panels, NULL: none (the AVX2 one runs) */
+    rows_fn fn[2];   /* over rows: portable, AVX2 (NULL where the AVX2 set reads panels) */
+    rows_fn packed;  /* the AVX-512 kernel over 16-row panels */
     rows_fn vnni[2]; /* the AVX-VNNI set's over the same panels: VEX, EVEX (gguf_vnni256.c) */
+    rows_fn avx2p;   /* the AVX2 set's over the same panels, NULL: its row kernel (fn[1]) runs */
 } type_t;
 
 static const type_t TYPES[] = {
 #if HAVE_X86
-#define KERNELS(name) {name##_rows, name##_avx2}, name##_avx512, {VEX_KERNEL(name), name##_v256_evex}
+#define KERNELS(name) {name##_rows, NULL}, name##_avx512, {VEX_KERNEL(name), name##_v256_evex}, name##_v256_avx2p
+#define WIDE_KERNELS(name) {name##_rows, name##_avx2}, name##_avx512, {VEX_KERNEL(name), name##_v256_evex}, NULL
 #else
-#define KERNELS(name) {name##_rows, name##_rows}, NULL, {NULL, NULL}
+#define KERNELS(name) {name##_rows, name##_rows}, NULL, {NULL, NULL}, NULL
+#define WIDE_KERNELS(name) KERNELS(name)
 #endif
     {T_Q4_0, 32, 18, 32, KERNELS(q4_0)}, {T_Q4_1, 32, 20, 32, KERNELS(q4_1)},
     {T_Q5_0, 32, 22, 32, KERNELS(q5_0)}, {T_Q5_1, 32, 24, 32, KERNELS(q5_1)},
-    {T_Q8_0, 32, 34, 32, KERNELS(q8_0)}, {T_Q3_K, 256, 110, 16, KERNELS(q3_k)}, {T_Q4_K, 256, 144, 16, KERNELS(q4_k)},
+    {T_Q8_0, 32, 34, 32, WIDE_KERNELS(q8_0)}, {T_Q3_K, 256, 110, 16, KERNELS(q3_k)}, {T_Q4_K, 256, 144, 16, KERNELS(q4_k)},
     {T_Q5_K, 256, 176, 16, KERNELS(q5_k)}, {T_Q6_K, 256, 210, 16, KERNELS(q6_k)},
-    {T_IQ4_NL, 32, 18, 32, KERNELS(iq4_nl)}, {T_IQ4_XS, 256, 136, 16, KERNELS(iq4_xs)},
+    {T_IQ4_NL, 32, 18, 32, WIDE_KERNELS(iq4_nl)}, {T_IQ4_XS, 256, 136, 16, WIDE_KERNELS(iq4_xs)},
 };
 
 static const type_t *find_type(int type) {
@@ -1280,6 +1037,26 @@ EXPORT void gguf_cpu_parallel_for(void (*range)(const void *, int64_t, int64_t),
  * 0 again in a child after fork(). */
 EXPORT int gguf_cpu_pool_workers(void) { return __atomic_load_n(&pool.workers, __ATOMIC_ACQUIRE); }
 
+/* The kernel of set `isa` over 16-row panels of type t (gguf_repack.c), NULL where that set reads
+ * the rows: the AVX-512 and AVX-VNNI sets for every type they have, the AVX2 set for the types
+ * of up to 6 bits (gguf_vnni256.c's DOT_RUN). */
+static rows_fn panel_kernel(const type_t *t, int isa) {
+#if HAVE_X86
+    if (isa == ISA_AVX512) return t->packed;
+    if (isa == ISA_AVXVNNI) return t->vnni[gguf_cpu_vnni_encoding() == 1 ? 0 : 1];
+    if (isa == ISA_AVX2) return t->avx2p;
+#endif
+    (void)t, (void)isa;
+    return NULL;
+}
+
+/* 1: the kernel set `isa` reads weights of `type` in 16-row panels (to be repacked at load,
+ * gguf_repack, and passed with PACKED_FLAG); 0: it reads the rows; -2: no such type. */
+EXPORT int gguf_cpu_panels(int type, int isa) {
+    const type_t *t = find_type(type);
+    return t ? panel_kernel(t, isa) != NULL : -2;
+}
+
 /* out[M, N] (float32, row stride ldo) = x[M, K] (contiguous float32) @ W^T: gguf_mul_mat's
  * work, for a product that may fill some columns of a wider output (gguf_layer_product). */
 static int mul_mat_into(const float *x, int64_t M, int64_t K, const uint8_t *w, int64_t w_stride, int64_t N,
@@ -1289,11 +1066,8 @@ static int mul_mat_into(const float *x, int64_t M, int64_t K, const uint8_t *w, 
     if (!t) return -2;
     if (K <= 0 || K % t->elems) return -3;
     if (isa < 0 || isa > gguf_cpu_isa()) return -4;
-    rows_fn fn = t->fn[isa > ISA_AVX2 ? ISA_AVX2 : isa], panel_fn = NULL; /* panel_fn: over 16-row panels */
-#if HAVE_X86
-    if (isa == ISA_AVX512) panel_fn = t->packed;
-    if (isa == ISA_AVXVNNI) panel_fn = t->vnni[gguf_cpu_vnni_encoding() == 1 ? 0 : 1];
-#elif HAVE_ARM
+    rows_fn fn = t->fn[isa > ISA_AVX2 ? ISA_AVX2 : isa], panel_fn = panel_kernel(t, isa); /* over 16-row panels */
+#if HAVE_ARM
     if (isa > ISA_GENERIC && neon_kernel(t->type, isa)) fn = neon_kernel(t->type, isa);
 #endif
     if (packed && !panel_fn) return -4;

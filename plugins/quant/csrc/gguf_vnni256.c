@@ -1,12 +1,18 @@
 /* The AVX-VNNI set: gguf_avx512.c's panel kernels at 256 bits, for CPUs with the VEX-encoded
- * vpdpbusd / vpdpwssd but no AVX-512 (Intel's client cores from Alder Lake on). #included twice
- * by gguf_cpu.c inside its x86-64 section, with the names (VN), the target (V256) and the dot
- * products (DPBUSD, DPWSSD) set for each encoding:
- *   _vex:  avx2 + fma + f16c + avxvnni, the instructions those CPUs run;
- *   _evex: the same source for AVX-512 VL + VNNI, whose EVEX vpdpbusd on ymm does the same
- *          arithmetic. It is what a CPU without AVX-VNNI (this project's AVX-512 test machines)
- *          runs when the set is asked for (LMPLUG_GGUF_ISA=avxvnni), so the kernels' logic is
- *          executed under test there; gguf_cpu_vnni_encoding() says which twin runs.
+ * vpdpbusd / vpdpwssd but no AVX-512 (Intel's client cores from Alder Lake on); and the AVX2 set's
+ * panel kernels. #included three times by gguf_cpu.c inside its x86-64 section, with the names
+ * (VN), the target (V256) and the dot products set for each:
+ *   _vex:   avx2 + fma + f16c + avxvnni, the instructions those CPUs run;
+ *   _evex:  the same source for AVX-512 VL + VNNI, whose EVEX vpdpbusd on ymm does the same
+ *           arithmetic. It is what a CPU without AVX-VNNI (this project's AVX-512 test machines)
+ *           runs when the set is asked for (LMPLUG_GGUF_ISA=avxvnni), so the kernels' logic is
+ *           executed under test there; gguf_cpu_vnni_encoding() says which twin runs.
+ *   _avx2p: plain AVX2, vpdpbusd written as vpmaddubsw's int16 pair sums, added in int16 and
+ *           widened by vpmaddwd (gguf_cpu.c says why that is exact for up to 6-bit weights);
+ *           without the 8-bit types (V256_WIDE 0: Q8_0, IQ4_NL, IQ4_XS keep row kernels).
+ * A run of DOT_ADD(acc, weights, activations) over at most DOT_RUN(bits) chunks of 4 values a
+ * lane, then DOT_SUM(acc), is an int32 dot product: with vpdpbusd DOT_SUM does nothing and a run
+ * may cover the whole loop.
  * The panels are the AVX-512 set's (gguf_repack.c: lane r of a 64-byte chunk is row r of 16):
  * each panel block is read as two halves of 8 rows, half h at bytes 32 h .. 32 h + 31 of each
  * chunk (its fp16 scales at 16 h of each 32-byte group, its byte scales at 8 h of each 16), both
@@ -90,10 +96,10 @@ static inline INLINE V256 void VN(small_half)(const uint8_t *blk, int64_t b, con
         const int8_t *x = ROW(a, m) + b * 32;
         __m256i s0 = _mm256_setzero_si256(), s1 = _mm256_setzero_si256();
         for (int c = 0; c < 4; c++) {
-            s0 = DPBUSD(s0, q[c], VN(bc4)(x + 4 * c));
-            s1 = DPBUSD(s1, q[c + 4], VN(bc4)(x + 16 + 4 * c));
+            s0 = DOT_ADD(s0, q[c], VN(bc4)(x + 4 * c));
+            s1 = DOT_ADD(s1, q[c + 4], VN(bc4)(x + 16 + 4 * c));
         }
-        __m256i isum = _mm256_add_epi32(s0, s1);
+        __m256i isum = _mm256_add_epi32(DOT_SUM(s0), DOT_SUM(s1));
         if (offset) isum = _mm256_sub_epi32(isum, _mm256_set1_epi32(offset * a->s[m * a->ns + b]));
         const __m256 dx = _mm256_set1_ps(a->d[m * a->ld + b]);
         __m256 t = _mm256_mul_ps(_mm256_mul_ps(dw, dx), _mm256_cvtepi32_ps(isum));
@@ -106,7 +112,8 @@ static inline INLINE V256 void VN(small_half)(const uint8_t *blk, int64_t b, con
 static inline INLINE V256 void VN(k45_half)(const uint8_t *blk, int64_t b, const int h, const acts_t *a, int64_t m0,
                                             const int mc, __m256 *acc, const int five) {
     const __m256i low = _mm256_set1_epi8(0x0F), bit4 = _mm256_set1_epi8(0x10);
-    __m256i isum[4], lo[4], hi[4];
+    const int run = DOT_RUN(five ? 5 : 4);
+    __m256i isum[4], lo[4], hi[4], lo32[4], hi32[4];
     for (int r = 0; r < mc; r++) isum[r] = _mm256_setzero_si256();
 #pragma GCC unroll 4
     for (int j = 0; j < 4; j++) { /* sub-blocks 2 j (low nibbles) and 2 j + 1 (high) */
@@ -124,14 +131,21 @@ static inline INLINE V256 void VN(k45_half)(const uint8_t *blk, int64_t b, const
             }
             for (int r = 0; r < mc; r++) {
                 const int8_t *x = ROW(a, m0 + r) + b * 256 + 64 * j + 4 * c;
-                lo[r] = DPBUSD(lo[r], vl, VN(bc4)(x));
-                hi[r] = DPBUSD(hi[r], vh, VN(bc4)(x + 32));
+                lo[r] = DOT_ADD(lo[r], vl, VN(bc4)(x));
+                hi[r] = DOT_ADD(hi[r], vh, VN(bc4)(x + 32));
             }
+            if (c % run == run - 1 || c == 7)
+                for (int r = 0; r < mc; r++) {
+                    const __m256i l = DOT_SUM(lo[r]), u = DOT_SUM(hi[r]);
+                    lo32[r] = c < run ? l : _mm256_add_epi32(lo32[r], l);
+                    hi32[r] = c < run ? u : _mm256_add_epi32(hi32[r], u);
+                    lo[r] = hi[r] = _mm256_setzero_si256();
+                }
         }
         const __m256i sl = VN(u8x8)(blk + 64 + 32 * j + 8 * h), sh = VN(u8x8)(blk + 80 + 32 * j + 8 * h);
         for (int r = 0; r < mc; r++)
-            isum[r] = _mm256_add_epi32(isum[r], _mm256_add_epi32(_mm256_mullo_epi32(sl, lo[r]),
-                                                                 _mm256_mullo_epi32(sh, hi[r])));
+            isum[r] = _mm256_add_epi32(isum[r], _mm256_add_epi32(_mm256_mullo_epi32(sl, lo32[r]),
+                                                                 _mm256_mullo_epi32(sh, hi32[r])));
     }
     const __m256 d = VN(f16x8)(blk + 16 * h), dmin = VN(f16x8)(blk + 32 + 16 * h);
     __m256i msum[4]; /* sum over s of min_s * the activations' two 16-sums of sub-block s (vpdpwssd) */
@@ -158,14 +172,21 @@ static inline INLINE V256 void VN(k45_half)(const uint8_t *blk, int64_t b, const
 static inline INLINE V256 void VN(k16_dots)(__m256i q[4][4], const uint8_t *scales, const int base, const int sb0,
                                             const int half, const int offset, const acts_t *a, int64_t m0, const int mc,
                                             int64_t b, const int h, __m256i *isum) {
+    const int run = DOT_RUN(offset == 32 ? 6 : 3); /* Q6_K's values have 6 bits, Q3_K's 3 */
     for (int t = 0; t < 4; t++) {
         const int j = sb0 + 2 * t;
         const __m256i sc = VN(i8x8)(scales + 16 * j + 8 * h);
         for (int r = 0; r < mc; r++) {
             const int64_t m = m0 + r;
             const int8_t *x = ROW(a, m) + b * 256 + base + 32 * t + 16 * half;
-            __m256i dot = _mm256_setzero_si256();
-            for (int c = 0; c < 4; c++) dot = DPBUSD(dot, q[c][t], VN(bc4)(x + 4 * c));
+            __m256i dot = _mm256_setzero_si256(), part = _mm256_setzero_si256();
+            for (int c = 0; c < 4; c++) {
+                part = DOT_ADD(part, q[c][t], VN(bc4)(x + 4 * c));
+                if (c % run == run - 1 || c == 3) {
+                    dot = c < run ? DOT_SUM(part) : _mm256_add_epi32(dot, DOT_SUM(part));
+                    part = _mm256_setzero_si256();
+                }
+            }
             dot = _mm256_sub_epi32(dot, _mm256_set1_epi32(offset * a->s[m * a->ns + b * 16 + j]));
             isum[r] = _mm256_add_epi32(isum[r], _mm256_mullo_epi32(sc, dot));
         }
@@ -238,7 +259,7 @@ static inline INLINE V256 void VN(q3_k_half)(const uint8_t *blk, int64_t b, cons
     VN(k16_finish)(blk, isum, a, m0, mc, b, h, acc);
 }
 
-
+#if V256_WIDE
 static inline INLINE V256 void VN(iq4_xs_half)(const uint8_t *blk, int64_t b, const int h, const acts_t *a, int64_t m0,
                                                const int mc, __m256 *acc) {
     const __m256i low = _mm256_set1_epi8(0x0F), table = VN(iq4_table)();
@@ -269,6 +290,7 @@ static inline INLINE V256 void VN(iq4_xs_half)(const uint8_t *blk, int64_t b, co
         acc[r] = _mm256_add_ps(acc[r], _mm256_mul_ps(_mm256_mul_ps(d, dx), _mm256_cvtepi32_ps(isum[r])));
     }
 }
+#endif
 
 /* One panel of `type` (a constant in each caller: the switches fold): its blocks in order, each
  * read as half 0 then half 1 (gguf_avx512.c's prefetch and head policies per type). */
@@ -289,7 +311,9 @@ static inline INLINE V256 void VN(panel)(const uint8_t *p, int64_t nr, const act
             if (type == T_Q4_K || type == T_Q5_K) VN(k45_half)(blk, b, h, a, m0, mc, acc[h], type == T_Q5_K);
             else if (type == T_Q6_K) VN(q6_k_half)(blk, b, h, a, m0, mc, acc[h]);
             else if (type == T_Q3_K) VN(q3_k_half)(blk, b, h, a, m0, mc, acc[h]);
+#if V256_WIDE
             else if (type == T_IQ4_XS) VN(iq4_xs_half)(blk, b, h, a, m0, mc, acc[h]);
+#endif
             else VN(small_half)(blk, b, h, a, m0, mc, acc[h], type);
         }
     }
@@ -322,12 +346,14 @@ V256_KERNEL(q4_0, T_Q4_0)
 V256_KERNEL(q4_1, T_Q4_1)
 V256_KERNEL(q5_0, T_Q5_0)
 V256_KERNEL(q5_1, T_Q5_1)
-V256_KERNEL(q8_0, T_Q8_0)
 V256_KERNEL(q3_k, T_Q3_K)
 V256_KERNEL(q4_k, T_Q4_K)
 V256_KERNEL(q5_k, T_Q5_K)
 V256_KERNEL(q6_k, T_Q6_K)
+#if V256_WIDE
+V256_KERNEL(q8_0, T_Q8_0)
 V256_KERNEL(iq4_nl, T_IQ4_NL)
 V256_KERNEL(iq4_xs, T_IQ4_XS)
+#endif
 #undef V256_ONE
 #undef V256_KERNEL

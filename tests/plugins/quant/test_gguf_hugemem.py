@@ -1,4 +1,4 @@
-"""The SIMD GGUF kernel sets without panels (AVX2, NEON) bound over a copy of the rows in huge
+"""The SIMD GGUF kernel sets over rows (NEON; AVX2 for Q8_0 and the IQ4 types) bound over a copy of the rows in huge
 pages (``gguf_weights.hot_rows``): the same bits as over the rows where they lie
 (``LMPLUG_HUGE_PAGES=0``, and the portable set, which reads them there), one copy shared by a layer's bound product and its native-step
 product, the file's pages given back, and a copy made at load forgotten for the one in huge pages
@@ -15,7 +15,7 @@ from support.gguf_weights import file_rows, make_weight, resident_kib, type_id
 from lmplug.kit import hugemem
 
 gguf_native = pytest.importorskip("lmplug_quant.gguf_native")
-TYPES = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q3_K", "Q4_K", "Q5_K", "Q6_K"]
+TYPES = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS"]
 
 
 @pytest.fixture
@@ -25,11 +25,12 @@ def huge(monkeypatch):
         pytest.skip("no huge-page memory here (not Linux): the rows are read where they lie")
 
 
-def row_sets(kernel) -> list[str]:
-    """The SIMD kernel sets this CPU runs that read rows (not the AVX-512 panels)."""
-    sets = [isa for isa in gguf_native.ISAS[1:gguf_native.ISAS.index(kernel.best_isa) + 1] if isa not in gguf_native.PANEL_SETS]
+def row_sets(kernel, name: str) -> list[str]:
+    """The SIMD kernel sets this CPU runs that read ``name``'s rows (not panels)."""
+    sets = [isa for isa in gguf_native.ISAS[1:gguf_native.ISAS.index(kernel.best_isa) + 1]
+            if type_id(name) not in kernel.panel_types[isa]]
     if not sets:
-        pytest.skip(f"no SIMD kernel set over rows runs here: {gguf_native.describe_isa(kernel.best_isa)}")
+        pytest.skip(f"no SIMD kernel set here reads {name} in rows: {gguf_native.describe_isa(kernel.best_isa)}")
     return sets
 
 
@@ -43,7 +44,7 @@ def test_rows_in_huge_pages_give_the_same_bits(kernel, huge, monkeypatch, name):
     x = torch.randn(5, k, generator=torch.Generator().manual_seed(5))
     monkeypatch.setenv("LMPLUG_GGUF_ISA", "generic")
     assert gguf_native.BoundProduct(kernel, w, type_id(name), k).w is w  # the portable set reads them in place
-    for isa in row_sets(kernel):
+    for isa in row_sets(kernel, name):
         monkeypatch.setenv("LMPLUG_GGUF_ISA", isa)
         monkeypatch.setenv("LMPLUG_HUGE_PAGES", "0")
         off = gguf_native.BoundProduct(kernel, w, type_id(name), k)
@@ -65,11 +66,11 @@ def test_rows_copied_once_and_kept_while_held(kernel, huge, monkeypatch):
     import gc
     import weakref
 
-    monkeypatch.setenv("LMPLUG_GGUF_ISA", row_sets(kernel)[0])
+    monkeypatch.setenv("LMPLUG_GGUF_ISA", row_sets(kernel, "Q8_0")[0])
     k = 256
-    w = torch.from_numpy(make_weight("Q4_K", 20, k, seed=6))
-    first = gguf_native.BoundProduct(kernel, w, type_id("Q4_K"), k)
-    assert gguf_native.BoundProduct(kernel, w, type_id("Q4_K"), k).w is first.w
+    w = torch.from_numpy(make_weight("Q8_0", 20, k, seed=6))
+    first = gguf_native.BoundProduct(kernel, w, type_id("Q8_0"), k)
+    assert gguf_native.BoundProduct(kernel, w, type_id("Q8_0"), k).w is first.w
     gone = weakref.ref(first.w)
     del first
     gc.collect()
@@ -82,13 +83,13 @@ def test_a_private_copy_is_forgotten_for_the_rows_in_huge_pages(kernel, huge, mo
     import gc
     import weakref
 
-    monkeypatch.setenv("LMPLUG_GGUF_ISA", row_sets(kernel)[0])
+    monkeypatch.setenv("LMPLUG_GGUF_ISA", row_sets(kernel, "Q8_0")[0])
     k = 256
-    w = torch.from_numpy(make_weight("Q6_K", 24, k, seed=7).copy())
+    w = torch.from_numpy(make_weight("Q8_0", 24, k, seed=7).copy())
     want = w.clone()
-    bound = gguf_native.BoundProduct(kernel, w, type_id("Q6_K"), k)
-    assert kernel.panels_only(w, type_id("Q6_K"), k)
-    assert not kernel.panels_only(w, type_id("Q6_K"), k)
+    bound = gguf_native.BoundProduct(kernel, w, type_id("Q8_0"), k)
+    assert kernel.panels_only(w, type_id("Q8_0"), k)
+    assert not kernel.panels_only(w, type_id("Q8_0"), k)
     gone = weakref.ref(w)
     del w
     gc.collect()
@@ -97,14 +98,14 @@ def test_a_private_copy_is_forgotten_for_the_rows_in_huge_pages(kernel, huge, mo
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="madvise and /proc are Linux's")
 def test_rows_of_a_file_mapping_are_released_once_copied(kernel, huge, monkeypatch, tmp_path):
-    monkeypatch.setenv("LMPLUG_GGUF_ISA", row_sets(kernel)[0])
+    monkeypatch.setenv("LMPLUG_GGUF_ISA", row_sets(kernel, "Q8_0")[0])
     k, n = 256, 4096
-    w = make_weight("Q4_0", n, k, seed=2)
+    w = make_weight("Q8_0", n, k, seed=2)
     mapped = file_rows(tmp_path / "rows.bin", w)
     assert torch.equal(mapped, torch.from_numpy(w))
     lo, hi = mapped.data_ptr(), mapped.data_ptr() + mapped.numel()
     assert resident_kib(lo, hi) >= 500
-    bound = gguf_native.BoundProduct(kernel, mapped, type_id("Q4_0"), k)
+    bound = gguf_native.BoundProduct(kernel, mapped, type_id("Q8_0"), k)
     assert resident_kib(lo, hi) <= 8
     assert bound.w.lmplug_rows_in_file and torch.equal(bound.w, torch.from_numpy(w))
-    assert not kernel.panels_only(mapped, type_id("Q4_0"), k)  # the file's rows stay as they are
+    assert not kernel.panels_only(mapped, type_id("Q8_0"), k)  # the file's rows stay as they are

@@ -1,6 +1,7 @@
-"""The kernel sets over 16-row panels (csrc/gguf_repack.c): AVX-512 VNNI (gguf_avx512.c) and
+"""The kernel sets over 16-row panels (csrc/gguf_repack.c): AVX-512 VNNI (gguf_avx512.c),
 AVX-VNNI (gguf_vnni256.c, in whichever encoding this CPU runs: VEX, or EVEX on AVX-512 CPUs
-without AVX-VNNI). The same bits as the portable kernels for every type with a panel kernel,
+without AVX-VNNI) and AVX2 (gguf_vnni256.c with vpdpbusd as vpmaddubsw + vpmaddwd, for the types
+of up to 6 bits). The same bits as the portable kernels for every type with a panel kernel,
 row counts of the small-M kernels and of GEMMs, weight row counts that are not a multiple of
 the panel (a half-empty last panel too), 1 and 2 threads, repacked per call (``mul_mat``) and
 once at bind (the bound and layer products). A set this CPU cannot run is skipped with the
@@ -19,13 +20,22 @@ gguf_native = pytest.importorskip("lmplug_quant.gguf_native")
 PANEL_TYPES = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS"]
 
 
-@pytest.fixture(params=["avxvnni", "avx512"])
+AVX2_PANEL_TYPES = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q3_K", "Q4_K", "Q5_K", "Q6_K"]  # up to 6 bits
+
+
+@pytest.fixture(params=["avx2", "avxvnni", "avx512"])
 def panel_set(request, kernel):
     """A kernel set over panels this CPU runs (its name), else a skip that says why."""
     isa = request.param
     if isa not in gguf_native.ISAS or gguf_native.ISAS.index(kernel.best_isa) < gguf_native.ISAS.index(isa):
         pytest.skip(f"this CPU cannot run the {isa} kernels: {gguf_native.describe_isa(kernel.best_isa)}")
     return isa
+
+
+def reads_panels(kernel, panel_set, name):
+    """Skips where the set reads this type's rows (AVX2: the 8-bit weights)."""
+    if type_id(name) not in kernel.panel_types[panel_set]:
+        pytest.skip(f"the {panel_set} set reads {name} in rows (its row kernel)")
 
 
 def portable(kernel, monkeypatch, x, w, name, k, isa):
@@ -39,6 +49,7 @@ def portable(kernel, monkeypatch, x, w, name, k, isa):
 @pytest.mark.parametrize("name", PANEL_TYPES)
 @pytest.mark.parametrize("n", [37, 16, 5])
 def test_panels_give_the_portable_bits(kernel, panel_set, monkeypatch, name, n):
+    reads_panels(kernel, panel_set, name)
     k = 512
     w = torch.from_numpy(make_weight(name, n, k, seed=n))
     x = torch.randn(33, k, generator=torch.Generator().manual_seed(n)) * 3
@@ -49,12 +60,48 @@ def test_panels_give_the_portable_bits(kernel, panel_set, monkeypatch, name, n):
             assert torch.equal(got, want[:m]), (m, threads, (got - want[:m]).abs().max())
 
 
+FP16_AT = {"Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "Q8_0": [0], "Q3_K": [108], "Q4_K": [0, 2],
+           "Q5_K": [0, 2], "Q6_K": [208], "IQ4_NL": [0], "IQ4_XS": [0]}  # each block's fp16 scales
+
+
+@pytest.mark.parametrize("name", PANEL_TYPES)
+def test_largest_values_give_the_portable_bits(kernel, panel_set, monkeypatch, name):
+    """Every quant byte 0xFF (each type's largest stored values: the AVX2 set's int16 pair sums
+    at their largest, 2 x 63 x 127 for Q6_K, and their int16 totals) or 0x00, times activations
+    that quantize to +127 or -127 throughout: the portable bits at every row count."""
+    reads_panels(kernel, panel_set, name)
+    k, n, t = 512, 21, type_id(name)
+    elems, size = gguf_native.BLOCKS[t]
+    for fill in (0xFF, 0x00):
+        blocks = torch.full((n, k // elems, size), fill, dtype=torch.uint8)
+        for at in FP16_AT[name]:
+            blocks[..., at:at + 2] = torch.tensor([0.01], dtype=torch.float16).view(torch.uint8)
+        w = blocks.reshape(n, -1)
+        for sign in (1.0, -1.0):
+            x = sign * torch.ones(9, k) * torch.linspace(1, 3, 9)[:, None]
+            want = portable(kernel, monkeypatch, x, w, name, k, panel_set)
+            for m in range(1, 10):
+                got = kernel.mul_mat(x[:m], w, t, k, num_threads=1)
+                assert torch.equal(got, want[:m]), (fill, sign, m, (got - want[:m]).abs().max())
+
+
+def test_each_set_reads_its_panel_types(kernel):
+    """The library says which types each set reads in panels (bound at load as panels): the
+    AVX-512 and AVX-VNNI sets every panel type, AVX2 the types of up to 6 bits, no other set."""
+    ids = {name: type_id(name) for name in PANEL_TYPES}
+    for isa in gguf_native.ISAS:
+        want = {"avx512": set(ids.values()), "avxvnni": set(ids.values()),
+                "avx2": {ids[name] for name in AVX2_PANEL_TYPES}}.get(isa, set())
+        assert kernel.panel_types[isa] == want, isa
+
+
 @pytest.mark.parametrize("name", PANEL_TYPES)
 def test_bound_and_layer_products_read_panels_made_once(kernel, panel_set, monkeypatch, name):
     """Bound at a panel set, a product reads the panels (made at bind, shared by the bound product
     and the layer's native-step product of the same weight) and gives the portable bits."""
     from lmplug.kit.native import call_product
 
+    reads_panels(kernel, panel_set, name)
     k, n = 256 * 3, 45  # 24 blocks of 32 / 3 of 256, a partial last panel
     w = torch.from_numpy(make_weight(name, n, k, seed=11))
     x = torch.randn(5, k, generator=torch.Generator().manual_seed(11))
@@ -245,7 +292,7 @@ def test_avx_vnni_cpus_are_bounded_to_the_256_bit_set(monkeypatch):
     monkeypatch.setattr(gguf_native.native_build, "cpu_id", lambda: client)
     assert gguf_native.cpuinfo_isa("avxvnni") == "avxvnni"
     assert gguf_native.cpuinfo_isa("avx2") == "avx2"  # CPUID's answer bounds it too
-    text = gguf_native.describe_isa("avxvnni")
+    text = gguf_native.describe_isa("avxvnni", frozenset(gguf_native.SUPPORTED))
     assert text.startswith("AVX-VNNI (256-bit vpdpbusd) over 16-row panels")
     assert "avx512 needs avx512f avx512bw avx512vl avx512_vnni" in text
     zen4 = "model name\t: test\nflags\t\t: fpu avx2 fma f16c avx512f avx512bw avx512vl avx512_vnni"
