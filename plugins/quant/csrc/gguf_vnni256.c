@@ -63,7 +63,7 @@ static inline INLINE V256 void VN(small_half)(const uint8_t *blk, int64_t b, con
                                               const int mc, __m256 *acc, const int type) {
     const int with_min = type == T_Q4_1 || type == T_Q5_1, five = type == T_Q5_0 || type == T_Q5_1;
     const int high = with_min ? 64 : 32, head = high + (five ? 64 : 0);
-    const int offset = type == T_Q4_0 ? 8 : type == T_Q5_0 ? 16 : type == T_Q8_0 || type == T_IQ4_NL ? 128 : 0;
+    const int offset = type == T_Q4_0 ? 8 : type == T_Q5_0 ? 16 : (type == T_Q8_0 && V256_WIDE) || type == T_IQ4_NL ? 128 : 0;
     const __m256i low = _mm256_set1_epi8(0x0F), bit4 = _mm256_set1_epi8(0x10);
     __m256i q[8];
     if (type == T_IQ4_NL) {
@@ -73,8 +73,10 @@ static inline INLINE V256 void VN(small_half)(const uint8_t *blk, int64_t b, con
             q[c] = _mm256_shuffle_epi8(table, _mm256_and_si256(v, low));
             q[c + 4] = _mm256_shuffle_epi8(table, _mm256_and_si256(_mm256_srli_epi16(v, 4), low));
         }
-    } else if (type == T_Q8_0) {
-        for (int c = 0; c < 8; c++) q[c] = VN(ld)(blk + head + 64 * c + 32 * h);
+    } else if (type == T_Q8_0) { /* AVX2: the signed weights (the stored values - 128) */
+        for (int c = 0; c < 8; c++)
+            q[c] = V256_WIDE ? VN(ld)(blk + head + 64 * c + 32 * h)
+                             : _mm256_xor_si256(VN(ld)(blk + head + 64 * c + 32 * h), _mm256_set1_epi8((char)0x80));
     } else {
         for (int c = 0; c < 4; c++) {
             const __m256i v = VN(ld)(blk + head + 64 * c + 32 * h);
@@ -95,11 +97,21 @@ static inline INLINE V256 void VN(small_half)(const uint8_t *blk, int64_t b, con
         const int64_t m = m0 + r;
         const int8_t *x = ROW(a, m) + b * 32;
         __m256i s0 = _mm256_setzero_si256(), s1 = _mm256_setzero_si256();
-        for (int c = 0; c < 4; c++) {
-            s0 = DOT_ADD(s0, q[c], VN(bc4)(x + 4 * c));
-            s1 = DOT_ADD(s1, q[c + 4], VN(bc4)(x + 16 + 4 * c));
+        if (!V256_WIDE && type == T_Q8_0) { /* |w| times x with w's sign: pair sums up to 2 x 128 x 127, widened at once */
+            for (int c = 0; c < 4; c++) {
+                s0 = _mm256_add_epi32(s0, DOT_SUM(_mm256_maddubs_epi16(_mm256_abs_epi8(q[c]),
+                                                                       _mm256_sign_epi8(VN(bc4)(x + 4 * c), q[c]))));
+                s1 = _mm256_add_epi32(s1, DOT_SUM(_mm256_maddubs_epi16(_mm256_abs_epi8(q[c + 4]),
+                                                                       _mm256_sign_epi8(VN(bc4)(x + 16 + 4 * c), q[c + 4]))));
+            }
+        } else {
+            for (int c = 0; c < 4; c++) {
+                s0 = DOT_ADD(s0, q[c], VN(bc4)(x + 4 * c));
+                s1 = DOT_ADD(s1, q[c + 4], VN(bc4)(x + 16 + 4 * c));
+            }
+            s0 = DOT_SUM(s0), s1 = DOT_SUM(s1);
         }
-        __m256i isum = _mm256_add_epi32(DOT_SUM(s0), DOT_SUM(s1));
+        __m256i isum = _mm256_add_epi32(s0, s1);
         if (offset) isum = _mm256_sub_epi32(isum, _mm256_set1_epi32(offset * a->s[m * a->ns + b]));
         const __m256 dx = _mm256_set1_ps(a->d[m * a->ld + b]);
         __m256 t = _mm256_mul_ps(_mm256_mul_ps(dw, dx), _mm256_cvtepi32_ps(isum));
@@ -350,8 +362,8 @@ V256_KERNEL(q3_k, T_Q3_K)
 V256_KERNEL(q4_k, T_Q4_K)
 V256_KERNEL(q5_k, T_Q5_K)
 V256_KERNEL(q6_k, T_Q6_K)
-#if V256_WIDE
 V256_KERNEL(q8_0, T_Q8_0)
+#if V256_WIDE
 V256_KERNEL(iq4_nl, T_IQ4_NL)
 V256_KERNEL(iq4_xs, T_IQ4_XS)
 #endif

@@ -1,4 +1,4 @@
-"""The SIMD GGUF kernel sets over rows (NEON; AVX2 for Q8_0 and the IQ4 types) bound over a copy of the rows in huge
+"""The SIMD GGUF kernel sets over rows (NEON; AVX2 for the IQ4 types) bound over a copy of the rows in huge
 pages (``gguf_weights.hot_rows``): the same bits as over the rows where they lie
 (``LMPLUG_HUGE_PAGES=0``, and the portable set, which reads them there), one copy shared by a layer's bound product and its native-step
 product, the file's pages given back, and a copy made at load forgotten for the one in huge pages
@@ -66,11 +66,11 @@ def test_rows_copied_once_and_kept_while_held(kernel, huge, monkeypatch):
     import gc
     import weakref
 
-    monkeypatch.setenv("LMPLUG_GGUF_ISA", row_sets(kernel, "Q8_0")[0])
+    monkeypatch.setenv("LMPLUG_GGUF_ISA", row_sets(kernel, "IQ4_NL")[0])
     k = 256
-    w = torch.from_numpy(make_weight("Q8_0", 20, k, seed=6))
-    first = gguf_native.BoundProduct(kernel, w, type_id("Q8_0"), k)
-    assert gguf_native.BoundProduct(kernel, w, type_id("Q8_0"), k).w is first.w
+    w = torch.from_numpy(make_weight("IQ4_NL", 20, k, seed=6))
+    first = gguf_native.BoundProduct(kernel, w, type_id("IQ4_NL"), k)
+    assert gguf_native.BoundProduct(kernel, w, type_id("IQ4_NL"), k).w is first.w
     gone = weakref.ref(first.w)
     del first
     gc.collect()
@@ -83,13 +83,13 @@ def test_a_private_copy_is_forgotten_for_the_rows_in_huge_pages(kernel, huge, mo
     import gc
     import weakref
 
-    monkeypatch.setenv("LMPLUG_GGUF_ISA", row_sets(kernel, "Q8_0")[0])
+    monkeypatch.setenv("LMPLUG_GGUF_ISA", row_sets(kernel, "IQ4_NL")[0])
     k = 256
-    w = torch.from_numpy(make_weight("Q8_0", 24, k, seed=7).copy())
+    w = torch.from_numpy(make_weight("IQ4_NL", 24, k, seed=7).copy())
     want = w.clone()
-    bound = gguf_native.BoundProduct(kernel, w, type_id("Q8_0"), k)
-    assert kernel.panels_only(w, type_id("Q8_0"), k)
-    assert not kernel.panels_only(w, type_id("Q8_0"), k)
+    bound = gguf_native.BoundProduct(kernel, w, type_id("IQ4_NL"), k)
+    assert kernel.panels_only(w, type_id("IQ4_NL"), k)
+    assert not kernel.panels_only(w, type_id("IQ4_NL"), k)
     gone = weakref.ref(w)
     del w
     gc.collect()
@@ -98,14 +98,14 @@ def test_a_private_copy_is_forgotten_for_the_rows_in_huge_pages(kernel, huge, mo
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="madvise and /proc are Linux's")
 def test_rows_of_a_file_mapping_are_released_once_copied(kernel, huge, monkeypatch, tmp_path):
-    monkeypatch.setenv("LMPLUG_GGUF_ISA", row_sets(kernel, "Q8_0")[0])
+    monkeypatch.setenv("LMPLUG_GGUF_ISA", row_sets(kernel, "IQ4_NL")[0])
     k, n = 256, 4096
-    w = make_weight("Q8_0", n, k, seed=2)
+    w = make_weight("IQ4_NL", n, k, seed=2)
     mapped = file_rows(tmp_path / "rows.bin", w)
     assert torch.equal(mapped, torch.from_numpy(w))
     lo, hi = mapped.data_ptr(), mapped.data_ptr() + mapped.numel()
     assert resident_kib(lo, hi) >= 500
-    bound = gguf_native.BoundProduct(kernel, mapped, type_id("Q8_0"), k)
+    bound = gguf_native.BoundProduct(kernel, mapped, type_id("IQ4_NL"), k)
     assert resident_kib(lo, hi) <= 8
     assert bound.w.lmplug_rows_in_file and torch.equal(bound.w, torch.from_numpy(w))
-    assert not kernel.panels_only(mapped, type_id("Q8_0"), k)  # the file's rows stay as they are
+    assert not kernel.panels_only(mapped, type_id("IQ4_NL"), k)  # the file's rows stay as they are

@@ -1,7 +1,7 @@
 """The kernel sets over 16-row panels (csrc/gguf_repack.c): AVX-512 VNNI (gguf_avx512.c),
 AVX-VNNI (gguf_vnni256.c, in whichever encoding this CPU runs: VEX, or EVEX on AVX-512 CPUs
-without AVX-VNNI) and AVX2 (gguf_vnni256.c with vpdpbusd as vpmaddubsw + vpmaddwd, for the types
-of up to 6 bits). The same bits as the portable kernels for every type with a panel kernel,
+without AVX-VNNI) and AVX2 (gguf_vnni256.c with vpdpbusd as vpmaddubsw + vpmaddwd, for all but
+the IQ4 types). The same bits as the portable kernels for every type with a panel kernel,
 row counts of the small-M kernels and of GEMMs, weight row counts that are not a multiple of
 the panel (a half-empty last panel too), 1 and 2 threads, repacked per call (``mul_mat``) and
 once at bind (the bound and layer products). A set this CPU cannot run is skipped with the
@@ -20,7 +20,7 @@ gguf_native = pytest.importorskip("lmplug_quant.gguf_native")
 PANEL_TYPES = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS"]
 
 
-AVX2_PANEL_TYPES = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q3_K", "Q4_K", "Q5_K", "Q6_K"]  # up to 6 bits
+AVX2_PANEL_TYPES = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q3_K", "Q4_K", "Q5_K", "Q6_K"]  # not the IQ4 lookups
 
 
 @pytest.fixture(params=["avx2", "avxvnni", "avx512"])
@@ -33,7 +33,7 @@ def panel_set(request, kernel):
 
 
 def reads_panels(kernel, panel_set, name):
-    """Skips where the set reads this type's rows (AVX2: the 8-bit weights)."""
+    """Skips where the set reads this type's rows (AVX2: the IQ4 types)."""
     if type_id(name) not in kernel.panel_types[panel_set]:
         pytest.skip(f"the {panel_set} set reads {name} in rows (its row kernel)")
 
@@ -67,12 +67,13 @@ FP16_AT = {"Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "Q8_0": [0]
 @pytest.mark.parametrize("name", PANEL_TYPES)
 def test_largest_values_give_the_portable_bits(kernel, panel_set, monkeypatch, name):
     """Every quant byte 0xFF (each type's largest stored values: the AVX2 set's int16 pair sums
-    at their largest, 2 x 63 x 127 for Q6_K, and their int16 totals) or 0x00, times activations
-    that quantize to +127 or -127 throughout: the portable bits at every row count."""
+    at their largest, 2 x 63 x 127 for Q6_K, and their int16 totals), 0x00, 0x80 (Q8_0: -128) or
+    0x7F, times activations that quantize to +127 or -127 throughout: the portable bits at every
+    row count."""
     reads_panels(kernel, panel_set, name)
     k, n, t = 512, 21, type_id(name)
     elems, size = gguf_native.BLOCKS[t]
-    for fill in (0xFF, 0x00):
+    for fill in (0xFF, 0x00, 0x80, 0x7F):
         blocks = torch.full((n, k // elems, size), fill, dtype=torch.uint8)
         for at in FP16_AT[name]:
             blocks[..., at:at + 2] = torch.tensor([0.01], dtype=torch.float16).view(torch.uint8)
@@ -87,7 +88,7 @@ def test_largest_values_give_the_portable_bits(kernel, panel_set, monkeypatch, n
 
 def test_each_set_reads_its_panel_types(kernel):
     """The library says which types each set reads in panels (bound at load as panels): the
-    AVX-512 and AVX-VNNI sets every panel type, AVX2 the types of up to 6 bits, no other set."""
+    AVX-512 and AVX-VNNI sets every panel type, AVX2 all but the IQ4 types, no other set."""
     ids = {name: type_id(name) for name in PANEL_TYPES}
     for isa in gguf_native.ISAS:
         want = {"avx512": set(ids.values()), "avxvnni": set(ids.values()),
