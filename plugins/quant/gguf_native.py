@@ -18,8 +18,7 @@ its PyTorch path.
 Environment: ``LMPLUG_GGUF_THREADS`` (default ``lmplug.kit.threads.compute_threads()``:
 torch's thread count, also inside a step whose small ops the engine keeps on one thread) and
 ``LMPLUG_GGUF_ISA`` = ``auto`` (default) | ``generic`` (the portable C kernels) | ``avx2`` (the
-AVX-VNNI set's panel kernels with ``vpdpbusd`` as ``vpmaddubsw`` + ``vpmaddwd``, row kernels for
-the IQ4 types) | ``avxvnni`` (256-bit ``vpdpbusd`` over the
+AVX-VNNI set's panel kernels with ``vpdpbusd`` as ``vpmaddubsw`` + ``vpmaddwd``) | ``avxvnni`` (256-bit ``vpdpbusd`` over the
 AVX-512 set's panels, ``csrc/gguf_vnni256.c``: VEX on CPUs with AVX-VNNI, the EVEX form where
 AVX-512 VL + VNNI stand in for it) | ``avx512`` (AVX-512 F/BW/VL + VNNI over weights repacked at
 bind into 16-row panels, see ``csrc/gguf_repack.c``); on aarch64 ``generic`` | ``neon`` |
@@ -28,7 +27,8 @@ panels (the library's ``gguf_cpu_panels``). The SIMD sets read their weights in 
 (``gguf_weights``: the panels, or the rows copied at bind; rows that lie in the file's memory map
 are then dropped from the process's memory, ``release_file_pages``, so the copy is not a second
 resident one). Results do not depend on the thread count, nor on the kernel set: every SIMD
-kernel gives the portable kernels' bits (aarch64 runs the IQ4 types' portable kernels).
+kernel gives the portable kernels' bits (on aarch64 the types without a NEON kernel, Q5_0, Q5_1,
+Q3_K, IQ4_NL and IQ4_XS, run the portable ones).
 """
 
 from __future__ import annotations
@@ -94,7 +94,7 @@ def cpuinfo_isa(cpuid_best: str, isas: tuple[str, ...] | None = None,
 def describe_isa(best: str, panel_types: frozenset[int] = frozenset()) -> str:
     """The kernel set ``auto`` picks, what it leaves out (the features a faster set needs that
     this CPU lacks) and, given the types it reads in 16-row panels (``GGUFKernel.panel_types``),
-    the types that take its row kernels: the load's log line."""
+    the types that take the portable kernels instead: the load's log line."""
     missing = native_build.missing_flags(ISA_FLAGS)
     text = {"generic": "portable C (no SIMD kernel set runs here)", "avx2": "AVX2 (+FMA, F16C)",
             "avxvnni": "AVX-VNNI (256-bit vpdpbusd)", "avx512": "AVX-512 F/BW/VL + VNNI", "neon": "NEON",
@@ -107,7 +107,7 @@ def describe_isa(best: str, panel_types: frozenset[int] = frozenset()) -> str:
         text += "; " + ", ".join(lacking)
     others = sorted(set(SUPPORTED) - panel_types) if panel_types else []
     if others:
-        text += "; " + ", ".join(NAMES[t] for t in others) + " over rows (AVX2 row kernels)"
+        text += "; " + ", ".join(NAMES[t] for t in others) + " take the portable kernels"
     return text
 
 

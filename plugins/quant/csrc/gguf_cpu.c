@@ -446,73 +446,13 @@ ROWS(q6_k)
 ROWS(iq4_nl)
 ROWS(iq4_xs)
 
-/* ---------------------------------------------------------------- AVX2 kernels */
+/* ---------------------------------------------------------------- x86-64 SIMD sets
+ * Every x86 set reads the weights in 16-row panels repacked at load (gguf_repack.c): AVX-512 in
+ * gguf_avx512.c, AVX-VNNI and AVX2 in gguf_vnni256.c (included below). */
 #if HAVE_X86
 #define AVX2 __attribute__((target("avx2,fma,f16c")))
 
 #define INLINE __attribute__((always_inline))
-#define PF_BYTES 2048 /* how far ahead of the blocks in use the weights are prefetched */
-
-/* The kernel over nr weight rows with mc a constant for each row count 1 .. MR (mc <= MR: run
- * hands out groups of at most MR): the loops over activation rows unroll, the accumulators stay
- * in registers and the constants are set up once a call. A verify's k + 1 rows (2-8) are as fast
- * per weight byte as a full group; with mc a variable the accumulators went to memory. */
-#define SPECIALIZE(name)                                                                             \
-    static AVX2 void name##_avx2(const uint8_t *w, int64_t ws, int64_t nr, const acts_t *a, int64_t m0, int mc, \
-                                 float *out, int64_t ldo) {                                          \
-        switch (mc) {                                                                                \
-        case 1: for (int64_t i = 0; i < nr; i++) name##_body(w + i * ws, a, m0, 1, out + i, ldo); break; \
-        case 2: for (int64_t i = 0; i < nr; i++) name##_body(w + i * ws, a, m0, 2, out + i, ldo); break; \
-        case 3: for (int64_t i = 0; i < nr; i++) name##_body(w + i * ws, a, m0, 3, out + i, ldo); break; \
-        case 4: for (int64_t i = 0; i < nr; i++) name##_body(w + i * ws, a, m0, 4, out + i, ldo); break; \
-        case 5: for (int64_t i = 0; i < nr; i++) name##_body(w + i * ws, a, m0, 5, out + i, ldo); break; \
-        case 6: for (int64_t i = 0; i < nr; i++) name##_body(w + i * ws, a, m0, 6, out + i, ldo); break; \
-        case 7: for (int64_t i = 0; i < nr; i++) name##_body(w + i * ws, a, m0, 7, out + i, ldo); break; \
-        default: for (int64_t i = 0; i < nr; i++) name##_body(w + i * ws, a, m0, MR, out + i, ldo);     \
-        }                                                                                            \
-    }
-
-/* The 8 lanes of one accumulator added in a fixed order. */
-static inline AVX2 float hsum(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
-
-static inline AVX2 float f16(const uint8_t *p) { return _cvtsh_ss(load_u16(p)); }
-
-/* 16 bytes of nibbles -> 32 values: low nibbles in the low half, high ones in the high half. */
-static inline AVX2 __m256i nibbles32(const uint8_t *p) {
-    const __m128i x = _mm_loadu_si128((const __m128i *)p);
-    const __m256i both = _mm256_set_m128i(_mm_srli_epi16(x, 4), x);
-    return _mm256_and_si256(both, _mm256_set1_epi8(0x0F));
-}
-
-/* The row kernels (IQ4_NL, IQ4_XS: the lookups gguf_vnni256.c's AVX2 twin does not take). IQ4_NL
- * goes 4 32-blocks at a time: each block's products with an activation row (maddubs: 16 int16
- * sums of 2, at most 2 * 127 * 127) go to int32 and two int32 horizontal adds fold them into one
- * vector of 8 int32 sums of 16, lane l: block l % 4, half l / 4 (integers, exact). */
-
-static inline AVX2 __m256i fold4_32(__m256i p0, __m256i p1, __m256i p2, __m256i p3) {
-    const __m256i one = _mm256_set1_epi16(1);
-    return _mm256_hadd_epi32(_mm256_hadd_epi32(_mm256_madd_epi16(p0, one), _mm256_madd_epi16(p1, one)),
-                             _mm256_hadd_epi32(_mm256_madd_epi16(p2, one), _mm256_madd_epi16(p3, one)));
-}
-
-/* The fp16 at p, p + stride, ... for n (<= 4) blocks as 4 floats, zeros past n. */
-static inline INLINE AVX2 __m128 f16x4(const uint8_t *p, int64_t stride, const int n) {
-    __m128i h = _mm_cvtsi32_si128(load_u16(p));
-    if (n > 1) h = _mm_insert_epi16(h, load_u16(p + stride), 1);
-    if (n > 2) h = _mm_insert_epi16(h, load_u16(p + 2 * stride), 2);
-    if (n > 3) h = _mm_insert_epi16(h, load_u16(p + 3 * stride), 3);
-    return _mm_cvtph_ps(h);
-}
-
-/* A hint to bring the bytes PF_BYTES past [blk, blk + bytes) into the cache (no fault past the end). */
-static inline INLINE AVX2 void prefetch_ahead(const uint8_t *blk, int bytes) {
-    for (int o = 0; o < bytes; o += 64) _mm_prefetch((const char *)blk + PF_BYTES + o, _MM_HINT_T0);
-}
 
 /* quantize_block with AVX2 (n a multiple of 32, group 16 or 32): the same float operations
  * element by element (max is exact in any order), so the same q, d and sums. */
@@ -548,97 +488,6 @@ static AVX2 float quantize_block_avx2(const float *x, int n, int group, int8_t *
     return d;
 }
 
-/* IQ4_NL / IQ4_XS: the index -> value table by one byte shuffle; the signed values' products
- * by maddubs(|w|, x with w's sign): sums of 2 at most 2 * 127 * 127 < 2^15, then int32 (exact).
- * The float work is the portable kernels', operation for operation (scalar, in block order),
- * so the bits are theirs. */
-static inline AVX2 __m256i iq4_values32(const uint8_t *qs) {
-    const __m256i table = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)KVALUES_IQ4NL));
-    return _mm256_shuffle_epi8(table, nibbles32(qs));
-}
-
-static inline AVX2 int32_t hsum_i32(__m256i v) {
-    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
-    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
-    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
-    return _mm_cvtsi128_si32(s);
-}
-
-/* n (<= 4) IQ4_NL blocks from blk: each block's exact dot product (fold4_32: lane l is block
- * l % 4, half l / 4), then acc[r] += (d_w * d_x) * dot block by block. */
-static inline INLINE AVX2 void iq4_nl_group(const uint8_t *blk, const int n, const acts_t *a, const int8_t *x,
-                                            const float *dx, const int mc, float *acc) {
-    prefetch_ahead(blk, 4 * 18);
-    __m256i qw[4], aw[4];
-    for (int i = 0; i < 4; i++) {
-        qw[i] = i < n ? iq4_values32(blk + i * 18 + 2) : _mm256_setzero_si256();
-        aw[i] = _mm256_sign_epi8(qw[i], qw[i]);
-    }
-    const __m128 dw = f16x4(blk, 18, n);
-    for (int r = 0; r < mc; r++) {
-        const int8_t *y = x + r * a->K;
-        __m256i p[4];
-        for (int i = 0; i < 4; i++)
-            p[i] = i < n ? _mm256_maddubs_epi16(aw[i],
-                                                _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)(y + 32 * i)), qw[i]))
-                         : _mm256_setzero_si256();
-        const __m256i sums = fold4_32(p[0], p[1], p[2], p[3]);
-        const __m128i dots = _mm_add_epi32(_mm256_castsi256_si128(sums), _mm256_extracti128_si256(sums, 1));
-        float t[4];
-        _mm_storeu_ps(t, _mm_mul_ps(_mm_mul_ps(dw, _mm_loadu_ps(dx + r * a->ld)), _mm_cvtepi32_ps(dots)));
-        for (int i = 0; i < n; i++) acc[r] += t[i];
-    }
-}
-
-static inline INLINE AVX2 void iq4_nl_body(const uint8_t *w, const acts_t *a, int64_t m0, const int mc, float *out,
-                                           int64_t ldo) {
-    float acc[MR];
-    for (int r = 0; r < mc; r++) acc[r] = 0.0f;
-    const int64_t nb = a->nb;
-    const int8_t *x = ROW(a, m0);
-    const float *dx = a->d + m0 * a->ld;
-    int64_t b = 0;
-    for (; b + 4 <= nb; b += 4) iq4_nl_group(w + b * 18, 4, a, x + b * 32, dx + b, mc, acc);
-    switch (nb - b) {
-    case 1: iq4_nl_group(w + b * 18, 1, a, x + b * 32, dx + b, mc, acc); break;
-    case 2: iq4_nl_group(w + b * 18, 2, a, x + b * 32, dx + b, mc, acc); break;
-    case 3: iq4_nl_group(w + b * 18, 3, a, x + b * 32, dx + b, mc, acc); break;
-    }
-    for (int r = 0; r < mc; r++) out[r * ldo] = acc[r];
-}
-SPECIALIZE(iq4_nl)
-
-/* IQ4_XS: each sub-block's int16 pair sums times its scale (madd: int32, exact), summed over
- * the block, then the portable kernel's acc[r] += d * d_x * isum. */
-static inline INLINE AVX2 void iq4_xs_body(const uint8_t *w, const acts_t *a, int64_t m0, const int mc, float *out,
-                                           int64_t ldo) {
-    float acc[MR];
-    for (int r = 0; r < mc; r++) acc[r] = 0.0f;
-    __m256i q[8], aq[8], sc[8];
-    for (int64_t b = 0; b < a->nb; b++) {
-        const uint8_t *blk = w + b * 136;
-        prefetch_ahead(blk, 136);
-        for (int s = 0; s < 8; s++) {
-            q[s] = iq4_values32(blk + 8 + 16 * s);
-            aq[s] = _mm256_sign_epi8(q[s], q[s]);
-            sc[s] = _mm256_set1_epi16((short)iq4_xs_scale(blk, s));
-        }
-        const float d = f16(blk);
-        for (int r = 0; r < mc; r++) {
-            const int64_t m = m0 + r;
-            const int8_t *qx = ROW(a, m) + b * 256;
-            __m256i sumi[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
-            for (int s = 0; s < 8; s++) {
-                const __m256i y = _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)(qx + 32 * s)), q[s]);
-                sumi[s & 1] = _mm256_add_epi32(sumi[s & 1], _mm256_madd_epi16(_mm256_maddubs_epi16(aq[s], y), sc[s]));
-            }
-            acc[r] += d * a->d[m * a->ld + b] * (float)hsum_i32(_mm256_add_epi32(sumi[0], sumi[1]));
-        }
-    }
-    for (int r = 0; r < mc; r++) out[r * ldo] = acc[r];
-}
-SPECIALIZE(iq4_xs)
-
 #include "gguf_avx512.c"
 
 /* The panel kernels of gguf_vnni256.c three times: the AVX-VNNI set, VEX for the CPUs that have
@@ -647,11 +496,11 @@ SPECIALIZE(iq4_xs)
  * sums added up and widened by vpmaddwd (DOT_ADD, DOT_SUM). A pair sum is exact while it fits in
  * int16 (2 x 127 x the weight's largest value: up to 6 bits; the activations are clamped to
  * +-127), and so is their int16 total over DOT_RUN(bits) chunks of 4 values a lane: the same
- * integers, hence the same bits. Q8_0's 8-bit weights would overflow: the AVX2 twin takes their
- * signed values (stored - 128), |w| times x with w's sign, each pair sum (at most 2 x 128 x 127)
- * widened at once, the same integers again. The IQ4 lookups keep the AVX2 set's row kernels
- * (V256_WIDE 0). */
-#define V256_WIDE 1
+ * integers, hence the same bits. The 8-bit values (Q8_0's, the IQ4 lookups) would overflow: the
+ * AVX2 twin (V256_DPBUSD 0) takes them signed (Q8_0: stored - 128; the IQ4 table's own values),
+ * |w| times x with w's sign, each pair sum (at most 2 x 128 x 127) widened at once (sdot), and
+ * leaves out the + 128 offset's correction: the same integers again. */
+#define V256_DPBUSD 1
 #define DOT_ADD(acc, u, s) DPBUSD(acc, u, s)
 #define DOT_SUM(acc) (acc)
 #define DOT_RUN(bits) 8 /* chunks of 4 values a DOT_ADD total may hold (every loop's count) */
@@ -680,11 +529,11 @@ SPECIALIZE(iq4_xs)
 #undef VN
 #undef DPBUSD
 #undef DPWSSD
-#undef V256_WIDE
+#undef V256_DPBUSD
 #undef DOT_ADD
 #undef DOT_SUM
 #undef DOT_RUN
-#define V256_WIDE 0
+#define V256_DPBUSD 0
 #define V256 AVX2
 #define VN(x) x##_avx2p
 #define DOT_ADD(acc, u, s) _mm256_add_epi16(acc, _mm256_maddubs_epi16(u, s))
@@ -705,25 +554,23 @@ SPECIALIZE(iq4_xs)
 
 typedef struct {
     int type, elems, bytes, group; /* group: activation sum size (16 for k-quants, else 32) */
-    rows_fn fn[2];   /* over rows: portable, AVX2 (NULL where the AVX2 set reads panels) */
+    rows_fn rows;    /* the portable kernel over the rows (aarch64: gguf_neon.c's where it has one) */
     rows_fn packed;  /* the AVX-512 kernel over 16-row panels */
     rows_fn vnni[2]; /* the AVX-VNNI set's over the same panels: VEX, EVEX (gguf_vnni256.c) */
-    rows_fn avx2p;   /* the AVX2 set's over the same panels, NULL: its row kernel (fn[1]) runs */
+    rows_fn avx2p;   /* the AVX2 set's over the same panels (gguf_vnni256.c) */
 } type_t;
 
 static const type_t TYPES[] = {
 #if HAVE_X86
-#define KERNELS(name) {name##_rows, NULL}, name##_avx512, {VEX_KERNEL(name), name##_v256_evex}, name##_v256_avx2p
-#define WIDE_KERNELS(name) {name##_rows, name##_avx2}, name##_avx512, {VEX_KERNEL(name), name##_v256_evex}, NULL
+#define KERNELS(name) name##_rows, name##_avx512, {VEX_KERNEL(name), name##_v256_evex}, name##_v256_avx2p
 #else
-#define KERNELS(name) {name##_rows, name##_rows}, NULL, {NULL, NULL}, NULL
-#define WIDE_KERNELS(name) KERNELS(name)
+#define KERNELS(name) name##_rows, NULL, {NULL, NULL}, NULL
 #endif
     {T_Q4_0, 32, 18, 32, KERNELS(q4_0)}, {T_Q4_1, 32, 20, 32, KERNELS(q4_1)},
     {T_Q5_0, 32, 22, 32, KERNELS(q5_0)}, {T_Q5_1, 32, 24, 32, KERNELS(q5_1)},
     {T_Q8_0, 32, 34, 32, KERNELS(q8_0)}, {T_Q3_K, 256, 110, 16, KERNELS(q3_k)}, {T_Q4_K, 256, 144, 16, KERNELS(q4_k)},
     {T_Q5_K, 256, 176, 16, KERNELS(q5_k)}, {T_Q6_K, 256, 210, 16, KERNELS(q6_k)},
-    {T_IQ4_NL, 32, 18, 32, WIDE_KERNELS(iq4_nl)}, {T_IQ4_XS, 256, 136, 16, WIDE_KERNELS(iq4_xs)},
+    {T_IQ4_NL, 32, 18, 32, KERNELS(iq4_nl)}, {T_IQ4_XS, 256, 136, 16, KERNELS(iq4_xs)},
 };
 
 static const type_t *find_type(int type) {
@@ -977,9 +824,8 @@ EXPORT void gguf_cpu_parallel_for(void (*range)(const void *, int64_t, int64_t),
  * 0 again in a child after fork(). */
 EXPORT int gguf_cpu_pool_workers(void) { return __atomic_load_n(&pool.workers, __ATOMIC_ACQUIRE); }
 
-/* The kernel of set `isa` over 16-row panels of type t (gguf_repack.c), NULL where that set reads
- * the rows: the AVX-512 and AVX-VNNI sets for every type they have, the AVX2 set for the types
- * of up to 6 bits (gguf_vnni256.c's DOT_RUN). */
+/* The kernel of set `isa` over 16-row panels of type t (gguf_repack.c): every x86 SIMD set has
+ * one for every type; NULL for the portable and NEON sets, which read the rows. */
 static rows_fn panel_kernel(const type_t *t, int isa) {
 #if HAVE_X86
     if (isa == ISA_AVX512) return t->packed;
@@ -1006,7 +852,7 @@ static int mul_mat_into(const float *x, int64_t M, int64_t K, const uint8_t *w, 
     if (!t) return -2;
     if (K <= 0 || K % t->elems) return -3;
     if (isa < 0 || isa > gguf_cpu_isa()) return -4;
-    rows_fn fn = t->fn[isa > ISA_AVX2 ? ISA_AVX2 : isa], panel_fn = panel_kernel(t, isa); /* over 16-row panels */
+    rows_fn fn = t->rows, panel_fn = panel_kernel(t, isa); /* panel_fn: over 16-row panels */
 #if HAVE_ARM
     if (isa > ISA_GENERIC && neon_kernel(t->type, isa)) fn = neon_kernel(t->type, isa);
 #endif

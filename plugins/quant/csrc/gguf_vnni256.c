@@ -8,8 +8,8 @@
  *           runs when the set is asked for (LMPLUG_GGUF_ISA=avxvnni), so the kernels' logic is
  *           executed under test there; gguf_cpu_vnni_encoding() says which twin runs.
  *   _avx2p: plain AVX2, vpdpbusd written as vpmaddubsw's int16 pair sums, added in int16 and
- *           widened by vpmaddwd (gguf_cpu.c says why that is exact for up to 6-bit weights);
- *           without the 8-bit types (V256_WIDE 0: Q8_0, IQ4_NL, IQ4_XS keep row kernels).
+ *           widened by vpmaddwd (gguf_cpu.c says why that is exact); the 8-bit values (Q8_0, the
+ *           IQ4 lookups) signed, by sdot (V256_DPBUSD 0).
  * A run of DOT_ADD(acc, weights, activations) over at most DOT_RUN(bits) chunks of 4 values a
  * lane, then DOT_SUM(acc), is an int32 dot product: with vpdpbusd DOT_SUM does nothing and a run
  * may cover the whole loop.
@@ -41,9 +41,18 @@ static inline INLINE V256 __m256i VN(i8x8)(const uint8_t *p) {
     return _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p));
 }
 
-/* The IQ4 types' values + 128, looked up by nibble (vpshufb in each 128-bit lane). */
+/* The IQ4 types' values, looked up by nibble (vpshufb in each 128-bit lane): + 128 for vpdpbusd,
+ * signed for the AVX2 twin's sdot. */
 static inline INLINE V256 __m256i VN(iq4_table)(void) {
-    return _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)KVALUES_IQ4NL_U));
+    return _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(V256_DPBUSD ? KVALUES_IQ4NL_U
+                                                                                 : (const uint8_t *)KVALUES_IQ4NL)));
+}
+
+/* The AVX2 twin's dot product of signed 8-bit weights w (Q8_0's, the IQ4 values) with x: |w| times
+ * x with w's sign (vpsignb), each int16 pair sum (at most 2 x 128 x 127) widened at once. */
+static inline INLINE V256 __m256i VN(sdot)(__m256i acc, __m256i w, __m256i x) {
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8(x, w)),
+                                                   _mm256_set1_epi16(1)));
 }
 
 /* Each half's mc rows of outputs (columns 8 h .. 8 h + 7 of the panel's 16), those past nr not stored. */
@@ -63,7 +72,7 @@ static inline INLINE V256 void VN(small_half)(const uint8_t *blk, int64_t b, con
                                               const int mc, __m256 *acc, const int type) {
     const int with_min = type == T_Q4_1 || type == T_Q5_1, five = type == T_Q5_0 || type == T_Q5_1;
     const int high = with_min ? 64 : 32, head = high + (five ? 64 : 0);
-    const int offset = type == T_Q4_0 ? 8 : type == T_Q5_0 ? 16 : (type == T_Q8_0 && V256_WIDE) || type == T_IQ4_NL ? 128 : 0;
+    const int offset = type == T_Q4_0 ? 8 : type == T_Q5_0 ? 16 : (type == T_Q8_0 || type == T_IQ4_NL) && V256_DPBUSD ? 128 : 0;
     const __m256i low = _mm256_set1_epi8(0x0F), bit4 = _mm256_set1_epi8(0x10);
     __m256i q[8];
     if (type == T_IQ4_NL) {
@@ -75,7 +84,7 @@ static inline INLINE V256 void VN(small_half)(const uint8_t *blk, int64_t b, con
         }
     } else if (type == T_Q8_0) { /* AVX2: the signed weights (the stored values - 128) */
         for (int c = 0; c < 8; c++)
-            q[c] = V256_WIDE ? VN(ld)(blk + head + 64 * c + 32 * h)
+            q[c] = V256_DPBUSD ? VN(ld)(blk + head + 64 * c + 32 * h)
                              : _mm256_xor_si256(VN(ld)(blk + head + 64 * c + 32 * h), _mm256_set1_epi8((char)0x80));
     } else {
         for (int c = 0; c < 4; c++) {
@@ -97,12 +106,10 @@ static inline INLINE V256 void VN(small_half)(const uint8_t *blk, int64_t b, con
         const int64_t m = m0 + r;
         const int8_t *x = ROW(a, m) + b * 32;
         __m256i s0 = _mm256_setzero_si256(), s1 = _mm256_setzero_si256();
-        if (!V256_WIDE && type == T_Q8_0) { /* |w| times x with w's sign: pair sums up to 2 x 128 x 127, widened at once */
+        if (!V256_DPBUSD && (type == T_Q8_0 || type == T_IQ4_NL)) { /* signed 8-bit values */
             for (int c = 0; c < 4; c++) {
-                s0 = _mm256_add_epi32(s0, DOT_SUM(_mm256_maddubs_epi16(_mm256_abs_epi8(q[c]),
-                                                                       _mm256_sign_epi8(VN(bc4)(x + 4 * c), q[c]))));
-                s1 = _mm256_add_epi32(s1, DOT_SUM(_mm256_maddubs_epi16(_mm256_abs_epi8(q[c + 4]),
-                                                                       _mm256_sign_epi8(VN(bc4)(x + 16 + 4 * c), q[c + 4]))));
+                s0 = VN(sdot)(s0, q[c], VN(bc4)(x + 4 * c));
+                s1 = VN(sdot)(s1, q[c + 4], VN(bc4)(x + 16 + 4 * c));
             }
         } else {
             for (int c = 0; c < 4; c++) {
@@ -271,7 +278,6 @@ static inline INLINE V256 void VN(q3_k_half)(const uint8_t *blk, int64_t b, cons
     VN(k16_finish)(blk, isum, a, m0, mc, b, h, acc);
 }
 
-#if V256_WIDE
 static inline INLINE V256 void VN(iq4_xs_half)(const uint8_t *blk, int64_t b, const int h, const acts_t *a, int64_t m0,
                                                const int mc, __m256 *acc) {
     const __m256i low = _mm256_set1_epi8(0x0F), table = VN(iq4_table)();
@@ -285,14 +291,19 @@ static inline INLINE V256 void VN(iq4_xs_half)(const uint8_t *blk, int64_t b, co
             const __m256i vh = _mm256_shuffle_epi8(table, _mm256_and_si256(_mm256_srli_epi16(v, 4), low));
             for (int r = 0; r < mc; r++) {
                 const int8_t *x = ROW(a, m0 + r) + b * 256 + 32 * s + 4 * c;
-                dot[r] = DPBUSD(dot[r], vl, VN(bc4)(x));
-                dot[r] = DPBUSD(dot[r], vh, VN(bc4)(x + 16));
+                if (V256_DPBUSD) {
+                    dot[r] = DOT_ADD(dot[r], vl, VN(bc4)(x)); /* vpdpbusd: a run of 8 */
+                    dot[r] = DOT_ADD(dot[r], vh, VN(bc4)(x + 16));
+                } else {
+                    dot[r] = VN(sdot)(dot[r], vl, VN(bc4)(x));
+                    dot[r] = VN(sdot)(dot[r], vh, VN(bc4)(x + 16));
+                }
             }
         }
         const __m256i sc = VN(i8x8)(blk + 32 + 16 * s + 8 * h);
         for (int r = 0; r < mc; r++) {
             const int16_t *bs = a->s + (m0 + r) * a->ns + b * 16 + 2 * s;
-            const __m256i off = _mm256_set1_epi32(128 * (bs[0] + bs[1]));
+            const __m256i off = _mm256_set1_epi32(V256_DPBUSD ? 128 * (bs[0] + bs[1]) : 0);
             isum[r] = _mm256_add_epi32(isum[r], _mm256_mullo_epi32(sc, _mm256_sub_epi32(dot[r], off)));
         }
     }
@@ -302,7 +313,6 @@ static inline INLINE V256 void VN(iq4_xs_half)(const uint8_t *blk, int64_t b, co
         acc[r] = _mm256_add_ps(acc[r], _mm256_mul_ps(_mm256_mul_ps(d, dx), _mm256_cvtepi32_ps(isum[r])));
     }
 }
-#endif
 
 /* One panel of `type` (a constant in each caller: the switches fold): its blocks in order, each
  * read as half 0 then half 1 (gguf_avx512.c's prefetch and head policies per type). */
@@ -323,9 +333,7 @@ static inline INLINE V256 void VN(panel)(const uint8_t *p, int64_t nr, const act
             if (type == T_Q4_K || type == T_Q5_K) VN(k45_half)(blk, b, h, a, m0, mc, acc[h], type == T_Q5_K);
             else if (type == T_Q6_K) VN(q6_k_half)(blk, b, h, a, m0, mc, acc[h]);
             else if (type == T_Q3_K) VN(q3_k_half)(blk, b, h, a, m0, mc, acc[h]);
-#if V256_WIDE
             else if (type == T_IQ4_XS) VN(iq4_xs_half)(blk, b, h, a, m0, mc, acc[h]);
-#endif
             else VN(small_half)(blk, b, h, a, m0, mc, acc[h], type);
         }
     }
@@ -363,9 +371,7 @@ V256_KERNEL(q4_k, T_Q4_K)
 V256_KERNEL(q5_k, T_Q5_K)
 V256_KERNEL(q6_k, T_Q6_K)
 V256_KERNEL(q8_0, T_Q8_0)
-#if V256_WIDE
 V256_KERNEL(iq4_nl, T_IQ4_NL)
 V256_KERNEL(iq4_xs, T_IQ4_XS)
-#endif
 #undef V256_ONE
 #undef V256_KERNEL

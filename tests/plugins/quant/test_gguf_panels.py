@@ -1,7 +1,7 @@
 """The kernel sets over 16-row panels (csrc/gguf_repack.c): AVX-512 VNNI (gguf_avx512.c),
 AVX-VNNI (gguf_vnni256.c, in whichever encoding this CPU runs: VEX, or EVEX on AVX-512 CPUs
-without AVX-VNNI) and AVX2 (gguf_vnni256.c with vpdpbusd as vpmaddubsw + vpmaddwd, for all but
-the IQ4 types). The same bits as the portable kernels for every type with a panel kernel,
+without AVX-VNNI) and AVX2 (gguf_vnni256.c with vpdpbusd as vpmaddubsw + vpmaddwd, the 8-bit
+values signed). The same bits as the portable kernels for every type with a panel kernel,
 row counts of the small-M kernels and of GEMMs, weight row counts that are not a multiple of
 the panel (a half-empty last panel too), 1 and 2 threads, repacked per call (``mul_mat``) and
 once at bind (the bound and layer products). A set this CPU cannot run is skipped with the
@@ -20,9 +20,6 @@ gguf_native = pytest.importorskip("lmplug_quant.gguf_native")
 PANEL_TYPES = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS"]
 
 
-AVX2_PANEL_TYPES = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q3_K", "Q4_K", "Q5_K", "Q6_K"]  # not the IQ4 lookups
-
-
 @pytest.fixture(params=["avx2", "avxvnni", "avx512"])
 def panel_set(request, kernel):
     """A kernel set over panels this CPU runs (its name), else a skip that says why."""
@@ -30,12 +27,6 @@ def panel_set(request, kernel):
     if isa not in gguf_native.ISAS or gguf_native.ISAS.index(kernel.best_isa) < gguf_native.ISAS.index(isa):
         pytest.skip(f"this CPU cannot run the {isa} kernels: {gguf_native.describe_isa(kernel.best_isa)}")
     return isa
-
-
-def reads_panels(kernel, panel_set, name):
-    """Skips where the set reads this type's rows (AVX2: the IQ4 types)."""
-    if type_id(name) not in kernel.panel_types[panel_set]:
-        pytest.skip(f"the {panel_set} set reads {name} in rows (its row kernel)")
 
 
 def portable(kernel, monkeypatch, x, w, name, k, isa):
@@ -49,7 +40,6 @@ def portable(kernel, monkeypatch, x, w, name, k, isa):
 @pytest.mark.parametrize("name", PANEL_TYPES)
 @pytest.mark.parametrize("n", [37, 16, 5])
 def test_panels_give_the_portable_bits(kernel, panel_set, monkeypatch, name, n):
-    reads_panels(kernel, panel_set, name)
     k = 512
     w = torch.from_numpy(make_weight(name, n, k, seed=n))
     x = torch.randn(33, k, generator=torch.Generator().manual_seed(n)) * 3
@@ -70,7 +60,6 @@ def test_largest_values_give_the_portable_bits(kernel, panel_set, monkeypatch, n
     at their largest, 2 x 63 x 127 for Q6_K, and their int16 totals), 0x00, 0x80 (Q8_0: -128) or
     0x7F, times activations that quantize to +127 or -127 throughout: the portable bits at every
     row count."""
-    reads_panels(kernel, panel_set, name)
     k, n, t = 512, 21, type_id(name)
     elems, size = gguf_native.BLOCKS[t]
     for fill in (0xFF, 0x00, 0x80, 0x7F):
@@ -87,13 +76,11 @@ def test_largest_values_give_the_portable_bits(kernel, panel_set, monkeypatch, n
 
 
 def test_each_set_reads_its_panel_types(kernel):
-    """The library says which types each set reads in panels (bound at load as panels): the
-    AVX-512 and AVX-VNNI sets every panel type, AVX2 all but the IQ4 types, no other set."""
-    ids = {name: type_id(name) for name in PANEL_TYPES}
+    """The library says which types each set reads in panels (bound at load as panels): every x86
+    SIMD set every type, the portable and NEON sets none."""
+    every = {type_id(name) for name in PANEL_TYPES}
     for isa in gguf_native.ISAS:
-        want = {"avx512": set(ids.values()), "avxvnni": set(ids.values()),
-                "avx2": {ids[name] for name in AVX2_PANEL_TYPES}}.get(isa, set())
-        assert kernel.panel_types[isa] == want, isa
+        assert kernel.panel_types[isa] == (every if isa in ("avx2", "avxvnni", "avx512") else set()), isa
 
 
 @pytest.mark.parametrize("name", PANEL_TYPES)
@@ -102,7 +89,6 @@ def test_bound_and_layer_products_read_panels_made_once(kernel, panel_set, monke
     and the layer's native-step product of the same weight) and gives the portable bits."""
     from lmplug.kit.native import call_product
 
-    reads_panels(kernel, panel_set, name)
     k, n = 256 * 3, 45  # 24 blocks of 32 / 3 of 256, a partial last panel
     w = torch.from_numpy(make_weight(name, n, k, seed=11))
     x = torch.randn(5, k, generator=torch.Generator().manual_seed(11))
