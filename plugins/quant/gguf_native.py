@@ -145,7 +145,9 @@ class GGUFKernel:
                                      ctypes.c_void_p]
         self._dequantize.restype = ctypes.c_int
         # per kernel set, the types it reads in 16-row panels repacked at bind (the rest: rows)
-        self.panel_types = {name: frozenset(t for t in SUPPORTED if lib.gguf_cpu_panels(t, isa) == 1)
+        panels = lib.gguf_cpu_panels
+        panels.argtypes, panels.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+        self.panel_types = {name: frozenset(t for t in SUPPORTED if panels(t, isa) == 1)
                             for isa, name in enumerate(ISAS)}
         logger.info("quant gguf: native CPU kernels: %s",
                     describe_isa(self.best_isa, self.panel_types[self.best_isa]))

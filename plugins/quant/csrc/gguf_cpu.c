@@ -43,13 +43,12 @@
  * of operations, so the result does not depend on the number of threads or on M. A kernel call
  * takes all the rows of a tile (one after the other: the weights are read in memory order,
  * which the hardware prefetcher follows; interleaving 4 rows to share the activation loads
- * measured slower here, 4 streams at once being prefetched worse) and prefetches PF_BYTES ahead
- * (the panels into L2 from 3 rows, gguf_avx512.c).
+ * measured slower here, 4 streams at once being prefetched worse); the panel kernels prefetch
+ * into L2 from 3 rows (gguf_avx512.c's prefetch_l2).
  *
  * Kernels: a portable C one per type, and on x86-64 the sets over 16-row panels repacked at load
- * (gguf_repack.c: AVX-512 in gguf_avx512.c, AVX-VNNI and AVX2 in gguf_vnni256.c) with AVX2 row
- * kernels for the types the AVX2 panels do not take (IQ4_NL, IQ4_XS), compiled with target
- * attributes and chosen at run time when the CPU reports them
+ * (gguf_repack.c: AVX-512 in gguf_avx512.c, AVX-VNNI and AVX2 in gguf_vnni256.c), compiled with
+ * target attributes and chosen at run time when the CPU reports them
  * (__builtin_cpu_supports), so the library is built without -march and runs on any x86-64;
  * on aarch64 NEON ones and NEON + dotprod ones (gguf_neon.c; dotprod chosen when
  * getauxval(AT_HWCAP) reports it), likewise built without -march.
@@ -539,6 +538,7 @@ static AVX2 float quantize_block_avx2(const float *x, int n, int group, int8_t *
 #define DOT_ADD(acc, u, s) _mm256_add_epi16(acc, _mm256_maddubs_epi16(u, s))
 #define DOT_SUM(acc) _mm256_madd_epi16(acc, _mm256_set1_epi16(1))
 #define DOT_RUN(bits) (32767 / (2 * 127 * ((1 << (bits)) - 1)))
+_Static_assert(DOT_RUN(5) >= 4, "small_half adds 4 chunks of 5-bit products in one run");
 #define DPWSSD(acc, u, v) _mm256_add_epi32(acc, _mm256_madd_epi16(u, v))
 #include "gguf_vnni256.c"
 #undef V256
