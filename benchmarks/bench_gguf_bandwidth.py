@@ -17,7 +17,7 @@ and in huge pages at the start and the end at each thread count; each configurat
 weights of its own, so none finds another's in the cache), and per set the ratios of interest:
 set B / set A at each thread count, 2 threads / 1 thread, and with ``--pages huge 4k`` the
 weights bound in huge pages (the default: ``lmplug.kit.hugemem``) / bound with
-``LMPLUG_HUGE_PAGES=0`` (the AVX-512 panels in 4 KiB pages, the other sets' rows read where they
+``LMPLUG_HUGE_PAGES=0`` (the x86 sets' panels in 4 KiB pages, NEON's rows read where they
 lie, here torch's memory as a file's mapping would be). The load average is printed first and last: on a shared
 machine only ratios from one sitting mean anything. ``token``: all of one token's products together.
 """

@@ -9,7 +9,7 @@ the change (on a shared VM, where a process's memory lands moves its bandwidth b
 Each folder is a copy of ``plugins/quant/csrc`` (``gguf_cpu.c`` and what it includes), built with
 the plugin's flags into the kernel cache. Each build gets its own random weights of ``--layers``
 layers of the shape's products (``bench_gguf_bandwidth.SHAPES``, the head left out; more bytes
-than the caches hold), bound as a model's layers are (the AVX-512 set over panels in huge pages,
+than the caches hold), bound as a model's layers are (the x86 sets over panels in huge pages,
 unless ``LMPLUG_HUGE_PAGES=0``), and the builds take turns a whole token at a time for
 ``--rounds`` rounds (the first two dropped). Prints GB/s of packed weights per token: wall
 min / median and per second of the process's CPU time (all its threads), with the load average.

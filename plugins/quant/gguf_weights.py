@@ -1,6 +1,6 @@
 """Where a GGUF weight's rows live while the native kernels stream them: a copy made once at bind
-in huge pages (``lmplug.kit.hugemem``: the AVX-512 panels, or the rows as they are for the other
-kernel sets), cached by weight so that a layer's bound product and the native step's share it,
+in huge pages (``lmplug.kit.hugemem``: the panels of the x86 sets, or the rows as they are for
+NEON's), cached by weight so that a layer's bound product and the native step's share it,
 with the file's pages of the rows given back (``release_file_pages``): resident memory holds one
 copy of each weight.
 
