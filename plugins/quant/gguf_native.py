@@ -91,23 +91,20 @@ def cpuinfo_isa(cpuid_best: str, isas: tuple[str, ...] | None = None,
                                     ISA_FLAGS if isa_flags is None else isa_flags)
 
 
-def describe_isa(best: str, panel_types: frozenset[int] = frozenset()) -> str:
-    """The kernel set ``auto`` picks, what it leaves out (the features a faster set needs that
-    this CPU lacks) and, given the types it reads in 16-row panels (``GGUFKernel.panel_types``),
-    the types that take the portable kernels instead: the load's log line."""
+def describe_isa(best: str, panels: bool = False) -> str:
+    """The kernel set ``auto`` picks (``panels``: over 16-row panels, ``GGUFKernel.panel_types``)
+    and what it leaves out (the features a faster set needs that this CPU lacks): the load's log
+    line."""
     missing = native_build.missing_flags(ISA_FLAGS)
     text = {"generic": "portable C (no SIMD kernel set runs here)", "avx2": "AVX2 (+FMA, F16C)",
             "avxvnni": "AVX-VNNI (256-bit vpdpbusd)", "avx512": "AVX-512 F/BW/VL + VNNI", "neon": "NEON",
             "dotprod": "NEON + dotprod (SDOT)"}[best]
-    if panel_types:
+    if panels:
         text += " over 16-row panels repacked at load"
     lacking = [f"{name} needs {' '.join(f.replace('|', ' or ') for f in missing[name])}"
                for name in ISAS[ISAS.index(best) + 1:] if missing[name]]
     if lacking:
         text += "; " + ", ".join(lacking)
-    others = sorted(set(SUPPORTED) - panel_types) if panel_types else []
-    if others:
-        text += "; " + ", ".join(NAMES[t] for t in others) + " take the portable kernels"
     return text
 
 
@@ -150,7 +147,7 @@ class GGUFKernel:
         self.panel_types = {name: frozenset(t for t in SUPPORTED if panels(t, isa) == 1)
                             for isa, name in enumerate(ISAS)}
         logger.info("quant gguf: native CPU kernels: %s",
-                    describe_isa(self.best_isa, self.panel_types[self.best_isa]))
+                    describe_isa(self.best_isa, bool(self.panel_types[self.best_isa])))
 
     def panels(self, w: torch.Tensor, ggml_type: int, k: int) -> torch.Tensor:
         """``w``'s rows repacked into the panel sets' 16-row panels (uint8, 1-D, in huge

@@ -22,6 +22,13 @@ def type_id(name: str) -> int:
     return int(GGMLQuantizationType[name])
 
 
+def fp16_fields(name: str) -> list[int]:
+    """The byte offsets of a block's fp16 scales: d, and dmin where the type has one."""
+    if name in ("Q6_K", "Q3_K"):  # d last
+        return [BLOCKS[type_id(name)][1] - 2]
+    return [0, 2] if name in ("Q4_1", "Q5_1", "Q4_K", "Q5_K") else [0]
+
+
 def make_weight(name: str, n: int, k: int, seed: int = 0) -> np.ndarray:
     """uint8 [n, row_bytes]: the packed rows."""
     rng = np.random.default_rng(seed)
@@ -32,12 +39,8 @@ def make_weight(name: str, n: int, k: int, seed: int = 0) -> np.ndarray:
     w = rng.integers(0, 256, (n, k // elems, size), dtype=np.uint8)
     scales = (rng.uniform(1e-3, 1e-2, (n, k // elems, 2)) * rng.choice([-1, 1], (n, k // elems, 2)))
     scales = scales.astype(np.float16).view(np.uint8)
-    if name in ("Q6_K", "Q3_K"):  # d last
-        w[..., size - 2:] = scales[..., :2]
-    elif name in ("IQ4_NL", "IQ4_XS"):  # d only (IQ4_XS's next 2 bytes: its scales' high bits)
-        w[..., 0:2] = scales[..., :2]
-    else:  # d, dmin
-        w[..., 0:4] = scales
+    for i, at in enumerate(fp16_fields(name)):  # (IQ4_XS's bytes 2-3: its scales' high bits)
+        w[..., at:at + 2] = scales[..., 2 * i:2 * i + 2]
     return w.reshape(n, -1)
 
 

@@ -13,7 +13,7 @@ import logging
 
 import pytest
 import torch
-from support.gguf_weights import file_rows, make_weight, resident_kib, type_id
+from support.gguf_weights import file_rows, fp16_fields, make_weight, resident_kib, type_id
 
 gguf_native = pytest.importorskip("lmplug_quant.gguf_native")
 
@@ -50,10 +50,6 @@ def test_panels_give_the_portable_bits(kernel, panel_set, monkeypatch, name, n):
             assert torch.equal(got, want[:m]), (m, threads, (got - want[:m]).abs().max())
 
 
-FP16_AT = {"Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "Q8_0": [0], "Q3_K": [108], "Q4_K": [0, 2],
-           "Q5_K": [0, 2], "Q6_K": [208], "IQ4_NL": [0], "IQ4_XS": [0]}  # each block's fp16 scales
-
-
 @pytest.mark.parametrize("name", PANEL_TYPES)
 def test_largest_values_give_the_portable_bits(kernel, panel_set, monkeypatch, name):
     """Every quant byte 0xFF (each type's largest stored values: the AVX2 set's int16 pair sums
@@ -64,7 +60,7 @@ def test_largest_values_give_the_portable_bits(kernel, panel_set, monkeypatch, n
     elems, size = gguf_native.BLOCKS[t]
     for fill in (0xFF, 0x00, 0x80, 0x7F):
         blocks = torch.full((n, k // elems, size), fill, dtype=torch.uint8)
-        for at in FP16_AT[name]:
+        for at in fp16_fields(name):
             blocks[..., at:at + 2] = torch.tensor([0.01], dtype=torch.float16).view(torch.uint8)
         w = blocks.reshape(n, -1)
         for sign in (1.0, -1.0):
@@ -279,7 +275,7 @@ def test_avx_vnni_cpus_are_bounded_to_the_256_bit_set(monkeypatch):
     monkeypatch.setattr(gguf_native.native_build, "cpu_id", lambda: client)
     assert gguf_native.cpuinfo_isa("avxvnni") == "avxvnni"
     assert gguf_native.cpuinfo_isa("avx2") == "avx2"  # CPUID's answer bounds it too
-    text = gguf_native.describe_isa("avxvnni", frozenset(gguf_native.SUPPORTED))
+    text = gguf_native.describe_isa("avxvnni", panels=True)
     assert text.startswith("AVX-VNNI (256-bit vpdpbusd) over 16-row panels")
     assert "avx512 needs avx512f avx512bw avx512vl avx512_vnni" in text
     zen4 = "model name\t: test\nflags\t\t: fpu avx2 fma f16c avx512f avx512bw avx512vl avx512_vnni"
