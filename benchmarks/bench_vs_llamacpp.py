@@ -35,6 +35,13 @@ engine's batch-1 decode reaches, and that as a share of the machine's read bandw
 pages, lmplug's kernels their copies in huge pages).
 With ``--quick``: one round, 32 decode tokens.
 
+``--phases``: at two threads or more, a quick read-bandwidth probe (``read_bandwidth.Probe``) runs
+just before and just after each engine's decode run, and the table adds rows per bandwidth phase:
+"high" where both probes read at least 1.4 times a one-thread probe, "low" where neither did (runs
+across a change are left out there). On a VM the two-thread bandwidth can move between levels within
+seconds as the host places the virtual CPUs (this 2-core EPYC: about 37 and 55-70 GB/s, one thread
+about 36); the medians over all rounds then mix them in proportions that differ between the engines.
+
 lmplug runs with its default config, plus ``--lmplug-set KEY=VALUE`` (as ``lmplug --set``).
 llama.cpp's binaries come from ``--llama-bin-dir``, else ``$LLAMA_CPP_BIN``, else the cache
 folder ``benchmarks/build_llamacpp.sh`` fills. Prints a table (both sides, the ratio
@@ -45,6 +52,7 @@ with ``--json PATH`` writes every raw measurement.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -53,6 +61,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -266,8 +275,10 @@ def free_port() -> int:
 class Server:
     def __init__(self, name: str, cmd: list[str], port: int, env: dict) -> None:
         self.name, self.url = name, f"http://127.0.0.1:{port}"
+        # its log into a file: a pipe nobody reads fills (64 KiB) and blocks the server's next write
+        self.log = tempfile.TemporaryFile()  # noqa: SIM115 (open while the server runs; stop() closes it)
         self.proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                     stderr=subprocess.PIPE)
+                                     stderr=self.log)
         self.model_id = self._wait_ready()
 
     def _wait_ready(self, timeout_s: float = 900) -> str:
@@ -277,7 +288,7 @@ class Server:
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise SystemExit(f"bench_vs_llamacpp: {self.name} server exited ({self.proc.returncode}):\n"
-                                 f"{self.proc.stderr.read().decode(errors='replace')[-2000:]}")
+                                 f"{self.log_tail()}")
             try:
                 if httpx.get(self.url + "/health", timeout=2).status_code == 200:
                     return httpx.get(self.url + "/v1/models", timeout=10).json()["data"][0]["id"]
@@ -302,17 +313,28 @@ class Server:
             tokens = sum(pool.map(one, prompts))
         return tokens / (time.perf_counter() - started), tokens
 
-    def stop(self) -> float:
-        """Stop it (SIGTERM); its peak RSS in MiB (VmHWM, its own since exec: not the rusage, which
-        would count this script's memory, see ``MEASURE``)."""
+    def stop(self, grace_s: float = 30) -> float:
+        """Stop it (SIGTERM, then SIGKILL if it has not exited after ``grace_s``: a run here waited
+        on llama-server's shutdown for 15 minutes when its log went to a pipe); its peak RSS in MiB
+        (VmHWM, its own since exec: not the rusage, which would count this script's memory, see
+        ``MEASURE``)."""
         with open(f"/proc/{self.proc.pid}/status") as status:
             peak = next(int(line.split()[1]) for line in status if line.startswith("VmHWM:"))
         self.proc.send_signal(signal.SIGTERM)
         try:
-            os.wait4(self.proc.pid, 0)
+            self.proc.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            print(f"bench_vs_llamacpp: {self.name} server still running {grace_s:.0f} s after SIGTERM: killed",
+                  file=sys.stderr)
+            self.proc.kill()
+            self.proc.wait()
         finally:
-            self.proc.stderr.close()
+            self.log.close()
         return peak / 1024
+
+    def log_tail(self, chars: int = 2000) -> str:
+        self.log.seek(0)
+        return self.log.read().decode(errors="replace")[-chars:]
 
 
 def serve_prompts(count: int) -> list[str]:
@@ -338,14 +360,22 @@ def run(args: argparse.Namespace) -> dict:
 
     for threads in args.threads:
         worker = LmplugWorker(model, threads, sets) if {"decode", "prefill", "batched"} & set(args.sections) else None
+        probe = phase_probe(args, threads, add)
         for rnd in range(args.rounds):
             if worker is not None:
                 wanted = (args.prompt_sizes if "prefill" in args.sections else [])
                 tokens = args.decode_tokens if "decode" in args.sections else 0
-                for key, value in llama_bench(bin_dir, model, threads, wanted, tokens).items():
-                    add(f"{key}|{threads}|llama.cpp", value)
-                if tokens:
-                    add(f"decode|{threads}|lmplug", worker.ask({"op": "decode", "tokens": tokens})["tok_s"])
+                if probe and tokens:  # the decode run alone between its two probes
+                    with probed(probe, f"probe|{threads}|llama.cpp", add):
+                        add(f"decode|{threads}|llama.cpp", llama_bench(bin_dir, model, threads, [], tokens)["decode"])
+                    tokens = 0
+                if wanted or tokens:
+                    for key, value in llama_bench(bin_dir, model, threads, wanted, tokens).items():
+                        add(f"{key}|{threads}|llama.cpp", value)
+                if "decode" in args.sections:
+                    with probed(probe, f"probe|{threads}|lmplug", add):
+                        tok_s = worker.ask({"op": "decode", "tokens": args.decode_tokens})["tok_s"]
+                    add(f"decode|{threads}|lmplug", tok_s)
                 for n in wanted:
                     add(f"{n}|{threads}|lmplug", worker.ask({"op": "prefill", "n": n, "seed": rnd})["tok_s"])
             if "batched" in args.sections:
@@ -370,6 +400,81 @@ def run(args: argparse.Namespace) -> dict:
         if "serve" in args.sections:
             serve_round(args, bin_dir, model, threads, add)
     return raw
+
+
+# -- bandwidth phases (--phases) ----------------------------------------------------------------
+
+PHASE_FACTOR = 1.4  # a probe at this many times the one-thread bandwidth or more is the "high" phase
+
+
+def phase_probe(args: argparse.Namespace, threads: int, add):
+    """With --phases at two threads or more: a Probe at ``threads`` threads, and the run's phase
+    threshold (PHASE_FACTOR times a one-thread probe) recorded as ``threshold|threads``."""
+    if not args.phases or threads < 2 or "decode" not in args.sections:
+        return None
+    from read_bandwidth import Probe
+
+    add(f"threshold|{threads}", phase_threshold())
+    return Probe(threads)
+
+
+def phase_threshold() -> float:
+    """The lowest reading of the "high" phase: PHASE_FACTOR times the best of three one-thread probes."""
+    from read_bandwidth import Probe
+
+    one = Probe(1)
+    return PHASE_FACTOR * max(one() for _ in range(3))
+
+
+@contextlib.contextmanager
+def probed(probe, key: str, add):
+    """Around a timed run: the probe's reading just before and just after it, appended to
+    ``key`` as a [before, after] pair (nothing without a probe)."""
+    before = probe() if probe else None
+    yield
+    if probe:
+        add(key, [before, probe()])
+
+
+def phase_of(pair: list[float], threshold: float) -> str:
+    """"high" when both probes around a run read at least ``threshold`` GB/s, "low" when neither
+    did, "mixed" (left out of the phase rows) when the phase changed during the run."""
+    high = [gbs >= threshold for gbs in pair]
+    return "high" if all(high) else "low" if not any(high) else "mixed"
+
+
+def phase_rows(raw: dict, args: argparse.Namespace, weight_bytes_per_token: float | None = None) -> list[dict]:
+    """Per thread count with probes: batch-1 decode tok/s of each engine over its runs in the high
+    and in the low bandwidth phase (medians; the ratio of the two medians), and with the weights'
+    bytes a token, each engine's GB/s as a share of the mean probed bandwidth of its runs there."""
+    rows = []
+    for threads in args.threads:
+        threshold = raw.get(f"threshold|{threads}")
+        if not threshold:
+            continue
+        threshold = threshold[0]
+        for phase in ("high", "low"):
+            runs = {}
+            for engine in ("llama.cpp", "lmplug"):
+                pairs = raw.get(f"probe|{threads}|{engine}", [])
+                runs[engine] = [(tok_s, sum(pair) / 2) for tok_s, pair in zip(raw.get(f"decode|{threads}|{engine}", []), pairs)
+                                if phase_of(pair, threshold) == phase]
+            if not runs["llama.cpp"] or not runs["lmplug"]:
+                continue
+            a, b = (statistics.median(t for t, _ in runs[e]) for e in ("llama.cpp", "lmplug"))
+            side = ">=" if phase == "high" else "<"
+            label = (f"decode tok/s, {phase} phase ({side} {threshold:.0f} GB/s; runs "
+                     f"{len(runs['llama.cpp'])} / {len(runs['lmplug'])})")
+            rows.append({"metric": label, "threads": threads, "llama.cpp": a, "lmplug": b, "ratio": b / a,
+                         "better": "higher", "runs": len(runs["lmplug"])})
+            if weight_bytes_per_token:
+                share = {e: 100 * statistics.median(t * weight_bytes_per_token / 1e9 / gbs for t, gbs in runs[e])
+                         for e in runs}
+                rows.append({"metric": f"% of the probed read bandwidth, {phase} phase", "threads": threads,
+                             "llama.cpp": share["llama.cpp"], "lmplug": share["lmplug"],
+                             "ratio": share["lmplug"] / share["llama.cpp"], "better": "higher",
+                             "runs": len(runs["lmplug"])})
+    return rows
 
 
 def serve_round(args, bin_dir: Path, model: Path, threads: int, add) -> None:
@@ -454,6 +559,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--shapes", default="135m,1b,3b", help="--sizes: the shapes (sized_gguf.py)")
     p.add_argument("--types", default="Q4_0,Q8_0,Q4_K_M", help="--sizes: the file types")
     p.add_argument("--quick", action="store_true", help="one round, one cold start each (--sizes: 32 decode tokens)")
+    p.add_argument("--phases", action="store_true", help="at 2 threads or more, probe the read bandwidth "
+                   "just before and after each decode run and add rows per bandwidth phase (a VM's "
+                   "multi-thread bandwidth can move between levels within seconds)")
     p.add_argument("--json", metavar="PATH", help="write the table and raw measurements here")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -547,7 +655,7 @@ def sizes_main(args: argparse.Namespace) -> int:
     bandwidth = {t: statistics.mean(v) for t, v in measured.items()}
     report = []
     for model, raw in results:
-        rows = table(raw, args) + bandwidth_rows(model, raw, args, bandwidth)
+        rows = table(raw, args) + bandwidth_rows(model, raw, args, bandwidth) + phase_rows(raw, args, weight_bytes(model))
         print(f"\n{model.name} ({model.stat().st_size / 1e6:.0f} MB)")
         print_table(rows)
         report.append({"model": str(model), "rows": rows, "raw": raw})
@@ -578,7 +686,7 @@ def main(argv: list[str] | None = None) -> int:
     load_before = os.getloadavg()
     started = time.perf_counter()
     raw = run(args)
-    rows = table(raw, args)
+    rows = table(raw, args) + phase_rows(raw, args)
     print(f"model {gguf_file(args.model)} | llama.cpp {llama_version(llama_bin_dir(args.llama_bin_dir))} | "
           f"lmplug sets: {' '.join(args.lmplug_set) or 'none (default config)'} | "
           f"{args.rounds} round(s), medians")

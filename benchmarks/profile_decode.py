@@ -20,6 +20,10 @@ kernels" is one minus kernel time over the *unprofiled* ms per token (the profil
 Python and dispatch between ops, not the kernels). "host": the unprofiled wall time less the
 time inside those C calls (``perf_counter`` around each): a step's Python and torch ops, per token.
 
+``--phases RUNS`` (at 2 threads or more): RUNS more unprofiled measurements, each between two
+read-bandwidth probes, reported per bandwidth phase as ``bench_vs_llamacpp.py --phases`` groups
+them (a VM's multi-thread bandwidth can move between levels within seconds).
+
 ``--compare-fused`` repeats every measurement with the fused CPU ops off
 (as ``LMPLUG_FUSED_CPU=0`` does; ``lmplug.kit.fused_cpu.set_enabled``), in the same process, so that
 the two columns see the same machine load. The load average is printed before and after:
@@ -179,6 +183,34 @@ def analyse(prof, steps: int, wall_ms: float, cpu_ms: float, host_ms: float, pro
             "outside": 1 - (matmul + attention + step) / wall_ms, "ops": ops}
 
 
+def phases(decoder: Decoder, threads: int, repeats: int) -> None:
+    """``--phases``: ``repeats`` unprofiled runs of ``--steps`` steps, each between two read-bandwidth
+    probes at ``threads`` threads, grouped by the phase the probes found (bench_vs_llamacpp's rule:
+    high at 1.4 times a one-thread probe or more, both probes); per phase the medians of wall, C
+    calls and host ms per token."""
+    import bench_vs_llamacpp
+    from read_bandwidth import Probe
+
+    torch.set_num_threads(threads)
+    threshold = bench_vs_llamacpp.phase_threshold()
+    probe = Probe(threads)
+    runs: dict[str, list[tuple[float, float, float]]] = {"high": [], "low": [], "mixed": []}
+    for _ in range(repeats):
+        before = probe()
+        start, in_kernels = time.perf_counter(), C_SECONDS[0]
+        decoder.step(decoder.steps)
+        wall = (time.perf_counter() - start) * 1e3 / decoder.steps
+        c_ms = (C_SECONDS[0] - in_kernels) * 1e3 / decoder.steps
+        pair = [before, probe()]
+        runs[bench_vs_llamacpp.phase_of(pair, threshold)].append((wall, c_ms, sum(pair) / 2))
+    for phase, got in runs.items():
+        if not got:
+            continue
+        wall, c_ms, gbs = (statistics.median(x[i] for x in got) for i in range(3))
+        print(f"  {phase} phase (threshold {threshold:.0f} GB/s; {len(got)} of {repeats} runs; probes {gbs:.1f} GB/s): "
+              f"{1e3 / wall:6.1f} tok/s  {wall:6.2f} ms/token  in the C calls {c_ms:6.2f} ms  host {wall - c_ms:5.2f} ms")
+
+
 def measure(decoder: Decoder, threads: int, top: int) -> dict:
     torch.set_num_threads(threads)
     decoder.step(4)  # settle after a change of threads / path
@@ -208,6 +240,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=32, help="decode steps per measurement")
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--top", type=int, default=15, help="top ops by self time to list")
+    parser.add_argument("--phases", type=int, default=0, metavar="RUNS",
+                        help="at 2 threads or more, also RUNS unprofiled runs between read-bandwidth probes, "
+                        "reported per bandwidth phase (bench_vs_llamacpp.py --phases)")
     parser.add_argument("--compare-fused", action="store_true",
                         help="also measure with the fused CPU ops off (LMPLUG_FUSED_CPU=0), same process")
     args = parser.parse_args()
@@ -232,6 +267,8 @@ def main() -> None:
                 fused_cpu.set_enabled(fused)
             r = measure(decoder, threads, args.top)
             report(label or "decode", r, show_ops=True)
+            if args.phases and threads >= 2:
+                phases(decoder, threads, args.phases)
     print(f"\nload average after: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
 
 

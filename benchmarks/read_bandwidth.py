@@ -51,6 +51,40 @@ def read_bandwidth(threads: int, mib: int = 1024, passes: int = 5, clock=time.pe
         torch.set_num_threads(before)
 
 
+class Probe:
+    """A quick reading of the read bandwidth at ``threads`` threads, to tell which bandwidth phase
+    a timed run met (``bench_vs_llamacpp.py --phases``): a ``mib`` MiB buffer in huge pages
+    (larger than the caches), allocated and written once, then the best of ``passes`` reads per
+    call (about 30 ms at 30 GB/s). On a VM the bandwidth of two threads can move between levels
+    within seconds (the host places the virtual CPUs), which a measurement at the start and the end
+    of a run does not see."""
+
+    def __init__(self, threads: int, mib: int = 256, passes: int = 2) -> None:
+        import torch
+
+        from lmplug.kit import hugemem
+
+        self.threads, self.passes, self.nbytes = threads, passes, mib * 2**20
+        self.buf = hugemem.empty(self.nbytes).view(torch.int64)
+        self.buf.fill_(1)
+
+    def __call__(self) -> float:
+        import torch
+
+        before = torch.get_num_threads()
+        torch.set_num_threads(self.threads)
+        try:
+            self.buf.sum()
+            best = float("inf")
+            for _ in range(self.passes):
+                start = time.perf_counter()
+                self.buf.sum()
+                best = min(best, time.perf_counter() - start)
+            return self.nbytes / best / 1e9
+        finally:
+            torch.set_num_threads(before)
+
+
 def huge_pages_granted() -> str:
     """Whether the "huge" buffer is in huge pages here: "" when so, else why not (for the reports)."""
     from lmplug.kit import hugemem
