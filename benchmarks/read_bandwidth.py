@@ -28,45 +28,29 @@ def read_bandwidth(threads: int, mib: int = 1024, passes: int = 5, clock=time.pe
     threads, timed on ``clock`` (``time.process_time``: per second of CPU, which a loaded
     machine's waits for a core do not count in); ``pages``: the buffer in 4 KiB pages (``torch``'s
     memory) or in huge pages (``lmplug.kit.hugemem``, where it gives them: ``huge_pages_granted``)."""
-    import torch
-
-    from lmplug.kit import hugemem
-
-    if pages not in PAGES:
-        raise ValueError(f"read_bandwidth: pages={pages!r} must be one of {', '.join(PAGES)}")
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        nbytes = mib * 2**20
-        buf = (hugemem.empty(nbytes) if pages == "huge" else torch.empty(nbytes, dtype=torch.uint8)).view(torch.int64)
-        buf.fill_(1)  # written once: every page is resident
-        buf.sum()
-        best = float("inf")
-        for _ in range(passes):
-            start = clock()
-            buf.sum()
-            best = min(best, clock() - start)
-        return nbytes / best / 1e9
-    finally:
-        torch.set_num_threads(before)
+    return Probe(threads, mib, passes, pages, clock)()
 
 
 class Probe:
-    """A quick reading of the read bandwidth at ``threads`` threads, to tell which bandwidth phase
-    a timed run met (``bench_vs_llamacpp.py --phases``): a ``mib`` MiB buffer in huge pages
-    (larger than the caches), allocated and written once, then the best of ``passes`` reads per
-    call (about 30 ms at 30 GB/s). On a VM the bandwidth of two threads can move between levels
-    within seconds (the host places the virtual CPUs), which a measurement at the start and the end
-    of a run does not see."""
+    """``read_bandwidth``'s reading with its buffer kept: allocated and written once, then each call
+    the best of ``passes`` reads after one unmeasured pass. Small and in huge pages (the defaults:
+    256 MiB, about 30 ms a call at 30 GB/s), a quick probe of which bandwidth phase a timed run met
+    (``bench_vs_llamacpp.py --phases``): on a VM the bandwidth of two threads can move between
+    levels within seconds (the host places the virtual CPUs), which a measurement at the start and
+    the end of a run does not see."""
 
-    def __init__(self, threads: int, mib: int = 256, passes: int = 2) -> None:
+    def __init__(self, threads: int, mib: int = 256, passes: int = 2, pages: str = "huge",
+                 clock=time.perf_counter) -> None:
         import torch
 
         from lmplug.kit import hugemem
 
-        self.threads, self.passes, self.nbytes = threads, passes, mib * 2**20
-        self.buf = hugemem.empty(self.nbytes).view(torch.int64)
-        self.buf.fill_(1)
+        if pages not in PAGES:
+            raise ValueError(f"read_bandwidth: pages={pages!r} must be one of {', '.join(PAGES)}")
+        self.threads, self.passes, self.clock, self.nbytes = threads, passes, clock, mib * 2**20
+        buf = hugemem.empty(self.nbytes) if pages == "huge" else torch.empty(self.nbytes, dtype=torch.uint8)
+        self.buf = buf.view(torch.int64)
+        self.buf.fill_(1)  # written once: every page is resident
 
     def __call__(self) -> float:
         import torch
@@ -77,9 +61,9 @@ class Probe:
             self.buf.sum()
             best = float("inf")
             for _ in range(self.passes):
-                start = time.perf_counter()
+                start = self.clock()
                 self.buf.sum()
-                best = min(best, time.perf_counter() - start)
+                best = min(best, self.clock() - start)
             return self.nbytes / best / 1e9
         finally:
             torch.set_num_threads(before)
